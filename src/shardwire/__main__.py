@@ -1,0 +1,3 @@
+from shardwire.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Collectives, process groups and the collective benchmark."""

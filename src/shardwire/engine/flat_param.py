@@ -1,0 +1,143 @@
+"""One flat buffer of a unit: the slice this rank owns and, while the unit runs, the whole buffer.
+
+The owned slice is an ``nn.Parameter`` registered on the unit's module, so ``model.parameters()`` and
+any optimizer see exactly the sharded state. The gathered buffer is a single tensor kept for the unit's
+lifetime; its storage is allocated before each all-gather and released when the unit is resharded.
+The parameter views the modules compute with alias that storage, so tensors autograd saved during
+forward see the data gathered again for backward.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwire.comm import collectives
+from shardwire.engine.layout import FlatLayout
+from shardwire.engine.released import ReleasedParameter
+from shardwire.engine.streams import CommStreams
+
+
+class FlatParam:
+    def __init__(
+        self,
+        name: str,
+        layout: FlatLayout,
+        shard: nn.Parameter,
+        owners: list[list[tuple[nn.Module, str]]],
+        *,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        group: dist.ProcessGroup,
+        streams: CommStreams,
+        timeout: datetime.timedelta,
+    ):
+        self.name = name
+        self.layout = layout
+        self.shard = shard
+        # For each slot, the module attribute dicts (and names) that expose that parameter.
+        self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self._group = group
+        self._streams = streams
+        self._timeout = timeout
+        self._full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=shard.device)
+        self._placeholders = [
+            ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in layout.slots
+        ]
+        self._views: list[torch.Tensor] = []
+        self._accumulated: torch.Tensor | None = None  # unsharded gradient summed under no_sync
+        self.free()
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.shard.requires_grad
+
+    @property
+    def is_allocated(self) -> bool:
+        return self._full.untyped_storage().nbytes() > 0
+
+    @property
+    def gathered_nbytes(self) -> int:
+        return self.layout.padded_numel * self._full.element_size()
+
+    def gather(self) -> collectives.Pending:
+        """Allocate the full buffer and start the all-gather that fills it."""
+        with self._streams.gathering():
+            source = self.shard.detach().to(self.compute_dtype)
+            self._full.untyped_storage().resize_(self.gathered_nbytes)
+            return collectives.all_gather(
+                self._full, source, self._group, tag=self.name, timeout=self._timeout
+            )
+
+    def free(self) -> None:
+        self._full.untyped_storage().resize_(0)
+        self._point_modules_at(self._placeholders)
+
+    def show(self, on_grad: Callable[[torch.Tensor], None] | None) -> None:
+        """Point every owning module attribute at a view of the gathered buffer.
+
+        With ``on_grad``, the views hang off a fresh autograd leaf over the buffer's storage: autograd
+        then sums the gradients of all views into that leaf's single flat gradient and calls
+        ``on_grad(leaf)`` once it is complete, which is the moment this buffer's backward has ended.
+        The leaf gets its own version counter, so refilling the storage before backward is not
+        mistaken for an in-place change of a saved tensor.
+        """
+        leaf = torch.empty(0, dtype=self._full.dtype, device=self._full.device)
+        leaf.set_(self._full.untyped_storage(), 0, self._full.shape)
+        if on_grad is not None:
+            leaf.requires_grad_(True)
+            leaf.register_post_accumulate_grad_hook(on_grad)
+        self._views = self.layout.views(leaf)
+        self._point_modules_at(self._views)
+
+    def reveal(self) -> None:
+        """Point the modules back at the views of the last ``show`` (the buffer was gathered again
+        for backward, where recomputation of checkpointed activations reads them)."""
+        self._point_modules_at(self._views)
+
+    def _point_modules_at(self, tensors: list[torch.Tensor]) -> None:
+        for tensor, owners in zip(tensors, self._owners):
+            for attrs, name in owners:
+                attrs[name] = tensor
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """Keep this backward's unsharded gradient for a later, reducing backward (``no_sync``)."""
+        grad = grad.to(self.reduce_dtype)
+        self._accumulated = grad if self._accumulated is None else self._accumulated.add_(grad)
+
+    def reduce(self, grad: torch.Tensor) -> tuple[collectives.Pending, torch.Tensor]:
+        """Start the reduce-scatter of this backward's flat gradient (plus any accumulated one).
+
+        The gradient is divided by the world size before the sum, so the result is the mean over
+        ranks and a low-precision sum cannot overflow. Returns the pending collective and the tensor
+        that will hold this rank's share; ``land`` adds that share to the shard's gradient.
+        """
+        with self._streams.reducing(grad):
+            grad = grad.to(self.reduce_dtype)
+            if self._accumulated is not None:
+                grad = self._accumulated.add_(grad)
+                self._accumulated = None
+            world = self.layout.world_size
+            if world > 1:
+                grad.div_(world)
+            share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+            pending = collectives.reduce_scatter(
+                share, grad, self._group, tag=self.name, timeout=self._timeout
+            )
+            return pending, share
+
+    def land(self, pending: collectives.Pending, share: torch.Tensor) -> None:
+        """Wait for a reduce-scatter from ``reduce`` and add its share to the shard's gradient."""
+        with self._streams.reducing():
+            pending.wait()
+            share = share.to(self.shard.dtype)
+            if self.shard.grad is None:
+                self.shard.grad = share
+            else:
+                self.shard.grad.add_(share)

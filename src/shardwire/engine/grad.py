@@ -1,0 +1,57 @@
+"""Gradient utilities for sharded models: global-norm clipping and accumulation without reduction."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwire.comm import collectives
+from shardwire.engine.shard import engine_of
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of a sharded model so that their global norm is at most ``max_norm``.
+
+    The norm is over the whole model, not this rank's shards: each rank reduces its shards to one
+    scalar (``sum |g|^p``, or the max for the inf-norm) and one all-reduce of that scalar combines
+    them. The scaling factor stays on the device, so there is no host sync. Padding in the flat
+    buffers carries zero gradient and does not change the norm. Returns the total norm.
+    """
+    engine = engine_of(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm_type = float(norm_type)
+    if not params:
+        return torch.zeros((), device=engine.device)
+    local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)
+    if math.isinf(norm_type):
+        collectives.all_reduce(
+            local, engine.group, tag="grad norm", timeout=engine.timeout, op=dist.ReduceOp.MAX
+        ).wait()
+        total = local
+    else:
+        powered = local.double() ** norm_type
+        collectives.all_reduce(powered, engine.group, tag="grad norm", timeout=engine.timeout).wait()
+        total = (powered ** (1.0 / norm_type)).to(local.dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients without reducing them, for gradient accumulation.
+
+    Backward passes inside the block keep each unit's unsharded gradient (summed over the passes)
+    instead of reduce-scattering it; the next backward outside the block adds its own and reduces
+    the total once. This trades memory (one unsharded gradient per unit) for fewer collectives.
+    """
+    engine = engine_of(model)
+    previous, engine.sync_gradients = engine.sync_gradients, False
+    try:
+        yield
+    finally:
+        engine.sync_gradients = previous

@@ -1,0 +1,40 @@
+"""What a module's parameter attribute holds while its unit is released.
+
+Between uses, a sharded unit's full parameters do not exist on this rank. The module attribute must
+then still answer questions about the parameter (shape, dtype: ``repr(model)``, shape checks) but
+refuse to compute: a view of the released storage would read freed memory, and a plain meta tensor
+quietly turns ``F.linear(cpu_input, meta_weight)`` into a CPU tensor of garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_T = torch.Tensor
+_METADATA = {
+    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.layout.__get__,
+    _T.requires_grad.__get__, _T.is_leaf.__get__, _T.grad.__get__,
+    _T.size, _T.dim, _T.numel, _T.__repr__, _T.__format__,
+}
+
+
+class ReleasedParameter(torch.Tensor):
+    """Shape and dtype of a parameter whose unit is not gathered; any computation raises."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str):
+        placeholder = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        placeholder.param_name = name
+        placeholder.unit_name = unit
+        return placeholder
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)
+        released = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ReleasedParameter))
+        raise RuntimeError(
+            f"{released.param_name!r} belongs to sharded unit {released.unit_name!r}, which is not "
+            f"gathered now: a sharded model's parameters exist only while their unit runs inside the "
+            f"model's forward or backward. Read the weights with shardwire.full_state_dict(model)."
+        )

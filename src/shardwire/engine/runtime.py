@@ -1,0 +1,248 @@
+"""The runtime of a sharded model: gathers, prefetches and gradient reductions around each step.
+
+One ``Engine`` lives on each sharded model and is driven entirely by module and autograd hooks:
+
+forward   root pre-forward gathers the root unit and opens a forward ``Pass``, which issues the first
+          prefetches; each unit's pre-forward enters the pass (sliding the window), waits for its own
+          gather and exposes its parameters; its post-forward releases them (``reshard_after_forward``)
+          and hooks the unit's outputs so that backward can announce it.
+backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
+          unit's outputs receiving their gradient means its backward is next: enter the pass, wait
+          for its gather. Its flat gradient being complete means its backward is over: start the
+          reduce-scatter asynchronously, release the parameters, land the reduction issued before it.
+          A callback queued on the autograd engine lands the last reductions when backward ends.
+
+Everything the order of collectives depends on is the same on every rank as long as every rank runs
+the same units in the same order. The passes that record the order check that, with one tiny
+all-gather before each collective they issue, and raise an error naming the units if ranks differ.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from shardwire.comm import collectives
+from shardwire.engine.flat_param import FlatParam
+from shardwire.engine.schedule import Pass
+from shardwire.engine.streams import CommStreams
+from shardwire.engine.unit import Unit
+
+# Reduce-scatters allowed in flight. Each holds a whole unit's flat gradient until it lands, so the
+# bound trades memory for the time a slow reduction gets to finish behind later backward compute.
+REDUCTIONS_IN_FLIGHT = 2
+
+_CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
+
+
+class ScheduleMismatchError(RuntimeError):
+    """Ranks are about to run different units (rank-dependent control flow)."""
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+class Engine:
+    def __init__(
+        self,
+        root: Unit,
+        units: list[Unit],
+        *,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        streams: CommStreams,
+        prefetch: int,
+        reshard_after_forward: bool,
+        timeout: datetime.timedelta,
+        state_dict_keys: list[str],
+    ):
+        self.root = root
+        self.units = units
+        self.group = group
+        self.device = device
+        self.streams = streams
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.timeout = timeout
+        self.state_dict_keys = state_dict_keys  # the unsharded model's, for full_state_dict
+        self.sync_gradients = True
+        self._all_units = [root, *units]
+        self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
+        self._forward: Pass | None = None
+        self._backward: Pass | None = None
+        self._reductions: deque[tuple[FlatParam, collectives.Pending, torch.Tensor]] = deque()
+        self._callback_queued = False
+
+    @property
+    def flats(self) -> list[FlatParam]:
+        return [flat for unit in self._all_units for flat in unit.flats]
+
+    def install_hooks(self) -> None:
+        self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        self.root.module.register_forward_hook(self._root_post_forward)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), prepend=True)
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+
+    def gathered_units(self) -> list[str]:
+        """Names of the units whose full parameters are in memory right now (read off the storage)."""
+        return [u.name for u in self._all_units if any(f.is_allocated for f in u.flats)]
+
+    # ----------------------------------------------------------------------------------- forward
+
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self._forward is not None:
+            raise RuntimeError("the sharded model's forward was entered again while it was running")
+        if self._backward is not None:
+            # The previous forward's backward never ran (say, an evaluation with grad enabled).
+            self._backward = None
+            self._release_all()
+        recording = self._order["forward"] is None
+        self._gather(self.root, "forward", check=recording)
+        self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
+        self.root.wait()
+        self.root.show(self._on_grad if torch.is_grad_enabled() else None)
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
+        forward = self._forward
+        if forward is None:
+            raise RuntimeError(
+                f"unit {unit.name!r} was called outside the sharded model's forward: call the model "
+                f"(the module passed to shardwire.shard), not its units on their own"
+            )
+        forward.enter(unit)
+        self._gather(unit, "forward", check=forward.recording)
+        unit.wait()
+        unit.show(self._on_grad if torch.is_grad_enabled() else None)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args, output):
+        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        if needs_grad:
+            announce = _once(functools.partial(self._pre_backward, unit))
+            for tensor in needs_grad:
+                tensor.register_hook(announce)
+        if self.reshard_after_forward or not needs_grad:
+            unit.free()
+        return output
+
+    def _root_post_forward(self, module: nn.Module, args, output):
+        forward, self._forward = self._forward, None
+        if forward.changed_order():
+            self._order["forward"] = forward.seen
+        ran = set(forward.seen)
+        for unit in self.units:
+            if unit not in ran:
+                unit.free()  # prefetched for an order this pass did not follow
+        if any(t.requires_grad for t in _tensors(output)):
+            self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
+        else:
+            self._release_all()
+        return output
+
+    # ---------------------------------------------------------------------------------- backward
+
+    def _enter_backward(self) -> Pass:
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        if self._backward is None:  # e.g. a second backward through a retained graph
+            self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
+        return self._backward
+
+    def _pre_backward(self, unit: Unit) -> None:
+        backward = self._enter_backward()
+        backward.enter(unit)
+        self._gather(unit, "backward", check=backward.recording)
+        unit.wait()
+        unit.reveal()
+
+    def _on_grad(self, unit: Unit, flat: FlatParam, leaf: torch.Tensor) -> None:
+        backward = self._enter_backward()
+        grad, leaf.grad = leaf.grad, None
+        if self.sync_gradients:
+            if backward.recording:
+                self._check_agreement("reduce", unit)
+            self._reductions.append((flat, *flat.reduce(grad)))
+            while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
+                self._land_oldest()
+        else:
+            flat.accumulate(grad)
+        if unit.grad_arrived(flat):
+            unit.free()
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        backward, self._backward = self._backward, None
+        if backward is not None and backward.changed_order():
+            self._order["backward"] = backward.seen
+        while self._reductions:
+            self._land_oldest()
+        self.streams.join()
+        self._release_all()
+
+    # ----------------------------------------------------------------------------------- helpers
+
+    def _prefetch(self, unit: Unit) -> None:
+        unit.gather()
+
+    def _gather(self, unit: Unit, phase: str, *, check: bool) -> None:
+        if not unit.is_gathered:
+            if check:
+                self._check_agreement(phase, unit)
+            unit.gather()
+
+    def _land_oldest(self) -> None:
+        flat, pending, share = self._reductions.popleft()
+        flat.land(pending, share)
+
+    def _release_all(self) -> None:
+        for unit in self._all_units:
+            unit.free()
+
+    def _check_agreement(self, phase: str, unit: Unit) -> None:
+        """Before a collective of a recording pass: make sure every rank is about to run the same one."""
+        world = dist.get_world_size(self.group)
+        if world == 1:
+            return
+        mine = torch.tensor([_CHECK_CODES[phase], unit.index], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(world * 2, dtype=torch.int64, device=self.device)
+        collectives.all_gather(
+            everyone, mine, self.group, tag=f"order check before {unit.name}", timeout=self.timeout
+        ).wait()
+        rows = [tuple(row) for row in everyone.view(world, 2).tolist()]
+        if len(set(rows)) > 1:
+            phases = {code: name for name, code in _CHECK_CODES.items()}
+            plan = "; ".join(
+                f"rank {r} would {phases[code]} {self._all_units[index].name!r}"
+                for r, (code, index) in enumerate(rows)
+            )
+            raise ScheduleMismatchError(
+                f"ranks disagree on the next unit: {plan}. Every rank must run the same units in "
+                f"the same order in each step (no rank-dependent control flow around units)."
+            )
+
+
+def _once(fn):
+    """Call ``fn()`` the first time the returned hook fires and ignore later calls."""
+    fired = False
+
+    def hook(grad):
+        nonlocal fired
+        if not fired:
+            fired = True
+            fn()
+
+    return hook

@@ -1,0 +1,197 @@
+"""``shard()``: turn a model into a fully sharded one, in place."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardwire.comm import collectives, groups
+from shardwire.engine.flat_param import FlatParam
+from shardwire.engine.layout import FlatLayout
+from shardwire.engine.mixed_precision import MixedPrecision
+from shardwire.engine.runtime import Engine
+from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
+from shardwire.engine.streams import CommStreams
+from shardwire.engine.unit import Unit
+
+_ENGINE_ATTR = "_shardwire_engine"
+
+
+def shard(
+    model: nn.Module,
+    *,
+    units: UnitSpec = None,
+    reshard_after_forward: bool = True,
+    prefetch: int = 2,
+    mixed_precision: MixedPrecision | str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    activation_checkpointing: bool = False,
+    timeout: float = 600.0,
+) -> nn.Module:
+    """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
+
+    Each unit's parameters (``units``: module classes or a predicate; by default the blocks of the
+    model's ``nn.ModuleList``s) become one flat buffer of which this rank keeps an equal slice;
+    everything outside the units forms the root unit. Afterwards ``model.parameters()`` yields exactly
+    those slices, so an optimizer built from them keeps sharded state with no further code.
+
+    Args:
+        reshard_after_forward: release each unit's gathered parameters after its forward and gather
+            them again for its backward (less memory, one more all-gather per unit and step).
+        prefetch: the most units gathered ahead of the one running (0: gather only on demand).
+        mixed_precision: ``None``/"fp32", "bf16", "fp16" or a ``MixedPrecision``.
+        process_group: defaults to the world, which is created if needed (torchrun's, or one process).
+        activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
+        timeout: seconds a collective may take before it becomes an error naming the rank and unit.
+    """
+    _check_not_sharded(model)
+    device = _single_device(model)
+    if process_group is None:
+        groups.ensure_initialized(device)
+        process_group = dist.group.WORLD
+    groups.check_backend_serves(process_group, device)
+    policy = MixedPrecision.parse(mixed_precision)
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    state_dict_keys = list(model.state_dict().keys())
+    selected = select_units(model, units)
+    owned = assign_params(model, [name for name, _ in selected])
+    _check_same_model_on_all_ranks(owned, process_group, device)
+
+    deadline = datetime.timedelta(seconds=timeout)
+    streams = CommStreams(device)
+    make_unit = functools.partial(
+        _build_unit, group=process_group, policy=policy, streams=streams, timeout=deadline
+    )
+    root = make_unit(0, "", model, owned[""])
+    block_units = [make_unit(i, name, module, owned[name]) for i, (name, module) in enumerate(selected, 1)]
+    engine = Engine(
+        root,
+        block_units,
+        group=process_group,
+        device=device,
+        streams=streams,
+        prefetch=prefetch,
+        reshard_after_forward=reshard_after_forward,
+        timeout=deadline,
+        state_dict_keys=state_dict_keys,
+    )
+    engine.install_hooks()
+    if activation_checkpointing:
+        for unit in block_units:
+            unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
+    setattr(model, _ENGINE_ATTR, engine)
+    return model
+
+
+def engine_of(model: nn.Module) -> Engine:
+    """The engine driving a sharded model; a clear error for a model ``shard`` never saw."""
+    engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        raise ValueError(f"{type(model).__name__} is not sharded: call shardwire.shard(model) first")
+    return engine
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if hasattr(module, _ENGINE_ATTR):
+            where = "this model" if module is model else f"its submodule {name!r}"
+            raise ValueError(
+                f"{where} is already sharded; shard a model once, choosing its units with units=..."
+            )
+
+
+def _single_device(model: nn.Module) -> torch.device:
+    devices: dict[torch.device, list[str]] = {}
+    for name, param in model.named_parameters():
+        devices.setdefault(param.device, []).append(name)
+    if not devices:
+        raise ValueError(f"{type(model).__name__} has no parameters to shard")
+    if len(devices) > 1:
+        where = "; ".join(f"{device}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                          for device, names in devices.items())
+        raise ValueError(
+            f"parameters are on several devices ({where}); move the whole model to one device "
+            f"(this rank's GPU, or the CPU) before sharding"
+        )
+    (device,) = devices
+    if device.type == "meta":
+        raise ValueError("parameters are on the meta device: materialize them (to_empty + init) before sharding")
+    return device
+
+
+def _flat_groups(params: list[OwnedParam]) -> dict[tuple[torch.dtype, bool], list[OwnedParam]]:
+    """Parameters grouped by (dtype, requires_grad): each group becomes one flat buffer."""
+    grouped: dict[tuple[torch.dtype, bool], list[OwnedParam]] = {}
+    for entry in params:
+        grouped.setdefault((entry.param.dtype, entry.param.requires_grad), []).append(entry)
+    return grouped
+
+
+def _build_unit(index, name, module, params, *, group, policy, streams, timeout) -> Unit:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    name = name or "<root>"
+    grouped = _flat_groups(params)
+    flats = []
+    for (dtype, requires_grad), entries in grouped.items():
+        layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, world)
+        full = layout.flatten([e.param.detach() for e in entries])
+        start, end = layout.shard_range(rank)
+        shard = nn.Parameter(full[start:end].clone(), requires_grad=requires_grad)
+        attr = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")
+        for entry in entries:
+            for owner, param_name in entry.owners:
+                owner._parameters.pop(param_name, None)
+        module.register_parameter(attr, shard)
+        flat = FlatParam(
+            f"{name}.{attr}" if len(grouped) > 1 else name,
+            layout,
+            shard,
+            [e.owners for e in entries],
+            compute_dtype=policy.param_dtype or dtype,
+            reduce_dtype=policy.reduce_dtype or policy.param_dtype or dtype,
+            group=group,
+            streams=streams,
+            timeout=timeout,
+        )
+        flats.append(flat)
+    return Unit(index, name, module, flats)
+
+
+def _check_same_model_on_all_ranks(owned, group, device) -> None:
+    """Every rank must shard the same model: compare a fingerprint of each unit's parameters."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    names = list(owned)
+    prints = [
+        zlib.crc32(repr([(e.names, tuple(e.param.shape), str(e.param.dtype)) for e in owned[n]]).encode())
+        for n in names
+    ]
+    for what, values in (("unit count", [len(names)]), ("parameters", prints)):
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        everyone = torch.empty(world * len(values), dtype=torch.int64, device=device)
+        collectives.all_gather(
+            everyone, mine, group, tag=f"model check ({what})", timeout=datetime.timedelta(minutes=5)
+        ).wait()
+        rows = everyone.view(world, len(values)).tolist()
+        for r, row in enumerate(rows):
+            if row != rows[0]:
+                if what == "unit count":
+                    detail = f"rank 0 has {rows[0][0] - 1} units and rank {r} has {row[0] - 1}"
+                else:
+                    i = next(i for i, (a, b) in enumerate(zip(rows[0], row)) if a != b)
+                    detail = f"unit {names[i] or '<root>'!r} has different parameter names or shapes"
+                raise ValueError(
+                    f"rank {r}'s model differs from rank 0's: {detail}. Every rank must build the same "
+                    f"model (same config, same code) before sharding"
+                )

@@ -1,0 +1,77 @@
+"""A unit: modules whose parameters are gathered, used and released together.
+
+Typically a unit is one transformer block; everything outside every unit forms the root unit. A unit
+holds one ``FlatParam`` per (dtype, requires_grad) group of its parameters, which in a usual model
+means exactly one, so gathering a unit is one all-gather and reducing it one reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardwire.comm.collectives import Pending
+from shardwire.engine.flat_param import FlatParam
+
+
+class Unit:
+    def __init__(self, index: int, name: str, module: nn.Module, flats: list[FlatParam]):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.flats = flats
+        self._in_flight: list[Pending] = []
+        self._allocated = False
+        self._awaiting_grads: set[FlatParam] = set()
+
+    @property
+    def is_gathered(self) -> bool:
+        """The full parameters are allocated: being gathered, or ready."""
+        return self._allocated
+
+    def gather(self) -> None:
+        """Start gathering (no-op if already gathered or being gathered)."""
+        if not self._allocated:
+            self._in_flight = [flat.gather() for flat in self.flats]
+            self._allocated = True
+
+    def wait(self) -> None:
+        """Block until this unit's gathers have landed (CPU) / order compute after them (CUDA)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for pending in in_flight:
+            pending.wait()
+
+    def free(self) -> None:
+        """Release the gathered parameters (after any gather still writing into them)."""
+        if self._allocated:
+            self.wait()
+            for flat in self.flats:
+                flat.free()
+            self._allocated = False
+
+    def show(self, on_grad: Callable[["Unit", FlatParam, torch.Tensor], None] | None) -> None:
+        """Expose the gathered parameters to the modules; with ``on_grad``, as autograd leaves whose
+        completed flat gradients are reported as ``on_grad(unit, flat, leaf)``."""
+        self._awaiting_grads = set()
+        for flat in self.flats:
+            if on_grad is not None and flat.requires_grad:
+                self._awaiting_grads.add(flat)
+                flat.show(lambda leaf, flat=flat: on_grad(self, flat, leaf))
+            else:
+                flat.show(None)
+
+    def reveal(self) -> None:
+        """Expose the parameters of the last ``show`` again, after they were gathered anew."""
+        for flat in self.flats:
+            flat.reveal()
+
+    def grad_arrived(self, flat: FlatParam) -> bool:
+        """Note that ``flat``'s gradient is complete; True once every trainable buffer has reported,
+        i.e. when this unit's backward is over and its parameters can be released."""
+        self._awaiting_grads.discard(flat)
+        return not self._awaiting_grads
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r})"

@@ -1,0 +1,70 @@
+"""Run a function on several gloo ranks in fresh processes, and collect each rank's result or error."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, store_path, fn, args, results, env):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        # Plain pickle: torch's queue would pass tensors as shared memory that dies with this process.
+        results.put(pickle.dumps((rank, True, fn(rank, world, *args))))
+    except BaseException as err:  # report everything, including assertion failures
+        results.put(pickle.dumps((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # skip process-group teardown, which can block when a peer failed
+
+
+def run_workers(world: int, fn, *args, timeout: float = 240.0, env: dict | None = None,
+                expect_errors: bool = False) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the results in rank order.
+
+    With ``expect_errors`` a rank's exception is returned as its result (its message as a string)
+    instead of failing the caller. A run that outlives ``timeout`` is killed and fails.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world, os.path.join(tmp, "store"), fn, args, results, env or {}),
+            )
+            for rank in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        outcome: dict[int, tuple[bool, object]] = {}
+        try:
+            while len(outcome) < world:
+                rank, ok, value = pickle.loads(results.get(timeout=timeout))
+                outcome[rank] = (ok, value)
+        except queue.Empty:
+            raise AssertionError(
+                f"ranks {sorted(set(range(world)) - set(outcome))} did not finish within {timeout}s"
+            ) from None
+        finally:
+            for proc in procs:
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.kill()
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    if failures and not expect_errors:
+        first = min(failures)
+        raise AssertionError(f"rank {first} failed:\n{failures[first]}")
+    return [outcome[r][1] for r in range(world)]

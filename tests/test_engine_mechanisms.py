@@ -1,0 +1,347 @@
+"""Each engine mechanism, observed on real gloo ranks: what is gathered, when, and how much."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwire
+from harness import run_workers
+from shardwire.comm.collectives import CollectiveError, record_collectives
+from shardwire.engine.runtime import ScheduleMismatchError
+from shardwire.engine.shard import engine_of
+from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+
+pytestmark = pytest.mark.slow
+
+SIX_LAYERS = dataclasses.replace(PRESETS["tiny"], layers=6)
+BLOCKS = [f"blocks.{i}" for i in range(6)]
+
+
+def tokens(rank, step, cfg=SIX_LAYERS, batch=2):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+
+
+def train_step(model, opt, rank, step):
+    batch = tokens(rank, step, model.config)
+    loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def sharded_gpt(cfg=SIX_LAYERS, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    model = shardwire.shard(GPT(cfg), units=[Block], **kwargs)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+# ------------------------------------------------------------------------ 1. flat buffers, views
+
+
+def flat_buffers(rank, world):
+    torch.manual_seed(0)
+    reference = GPT(SIX_LAYERS)
+    model = shardwire.shard(copy.deepcopy(reference), units=[Block])
+    owned = dict(model.named_parameters())
+    assert sorted(owned) == sorted(["flat_shard_float32", *[f"{b}.flat_shard_float32" for b in BLOCKS]])
+    per_block = sum(p.numel() for p in reference.blocks[0].parameters())
+    assert owned["blocks.0.flat_shard_float32"].numel() == -(-per_block // world)
+    # the tied head is stored once: the root holds the two embeddings and the final norm
+    root = reference.tok_emb.weight.numel() + reference.pos_emb.weight.numel() + 2 * SIX_LAYERS.hidden
+    assert owned["flat_shard_float32"].numel() == -(-root // world)
+
+    seen = {}
+
+    def inspect(block, args):
+        assert [name for name, _ in block.named_parameters()] == ["flat_shard_float32"]
+        views = [block.norm1.weight, block.attn.qkv.weight, block.mlp.up.weight, block.mlp.down.bias]
+        seen["storages"] = {v.untyped_storage().data_ptr() for v in views}
+        seen["tied"] = model.head.weight is model.tok_emb.weight
+
+    model.blocks[2].register_forward_pre_hook(inspect)
+    batch = tokens(rank, 0)
+    model(batch[:, :-1]).sum().backward()
+    assert len(seen["storages"]) == 1, "all of a unit's parameters must be views of one buffer"
+    assert seen["tied"]
+    assert model.blocks[2].mlp.up.weight.device.type == "meta", "released parameters must not alias memory"
+    return True
+
+
+def test_units_are_flat_padded_shards_and_parameters_are_views_of_one_buffer():
+    run_workers(3, flat_buffers)
+
+
+# --------------------------------------------------------- 2, 4. collectives per unit and step
+
+
+def collective_counts(rank, world, reshard):
+    model, opt = sharded_gpt(reshard_after_forward=reshard)
+    train_step(model, opt, rank, 0)  # the recording step
+    counts = {}
+    with record_collectives() as records:
+        for step in (1, 2):
+            train_step(model, opt, rank, step)
+        with shardwire.no_sync(model):
+            batch = tokens(rank, 3)
+            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    for r in records:
+        counts[(r.tag, r.op)] = counts.get((r.tag, r.op), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("reshard, gathers_per_step", [(True, 2), (False, 1)])
+def test_one_collective_per_unit_per_use(reshard, gathers_per_step):
+    counts = run_workers(2, collective_counts, reshard)[0]
+    # two synchronised steps plus one no_sync step (whose forward and backward gather, never reduce)
+    expected = {("<root>", "all_gather"): 3, ("<root>", "reduce_scatter"): 2}
+    for block in BLOCKS:
+        expected[(block, "all_gather")] = 3 * gathers_per_step
+        expected[(block, "reduce_scatter")] = 2
+    assert counts == expected
+
+
+# ------------------------------------------------------------ 3. prefetch window, memory bound
+
+
+def window_trace(rank, world, prefetch):
+    model, opt = sharded_gpt(prefetch=prefetch)
+    engine = engine_of(model)
+    train_step(model, opt, rank, 0)
+    events, peak = [], [0]
+
+    def sample(_record=None):
+        blocks = [u for u in engine.gathered_units() if u != "<root>"]
+        peak[0] = max(peak[0], len(blocks))
+
+    def on_issue(record):
+        events.append(("gather", record.tag) if record.op == "all_gather" else ("reduce", record.tag))
+        sample()
+
+    def on_start(block, args):
+        events.append(("run", f"blocks.{list(model.blocks).index(block)}"))
+        sample()
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(on_start)
+    with record_collectives(on_issue=on_issue):
+        for step in (1, 2):
+            events.clear()
+            train_step(model, opt, rank, step)
+    return peak[0], events
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_prefetch_is_a_sliding_window_bounded_by_prefetch_plus_one(prefetch):
+    peak, events = run_workers(2, window_trace, prefetch)[0]
+    assert peak == min(prefetch + 1, len(BLOCKS)), "the window must be used, and never exceeded"
+    forward = events[: events.index(("run", BLOCKS[-1])) + 1]
+    block_gathers = [tag for kind, tag in forward if kind == "gather" and tag != "<root>"]
+    assert block_gathers == BLOCKS, "forward gathers each block once, in order"
+    # Sliding: after the first `prefetch` blocks were issued up front, exactly one more gather is
+    # issued as each block starts (a block-and-flush limiter would issue them in bursts).
+    if prefetch:
+        for k in range(len(BLOCKS) - prefetch):
+            run_k = forward.index(("run", BLOCKS[k]))
+            assert forward[run_k - 1] == ("gather", BLOCKS[k + prefetch])
+
+
+# ---------------------------------------------------- 3. order changes and diverging ranks
+
+
+class ReorderableGPT(GPT):
+    """A GPT whose blocks run in ``self.order``: a model whose execution order can change."""
+
+    order: list[int] | None = None
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1])
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for i in self.order or range(len(self.blocks)):
+            x = self.blocks[i](x)
+        return self.head(self.norm(x))
+
+
+def reorder_run(rank, world):
+    torch.manual_seed(0)
+    base = ReorderableGPT(SIX_LAYERS)
+    reference = copy.deepcopy(base)
+    model = shardwire.shard(copy.deepcopy(base), units=[Block], prefetch=2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    orders = [None, None, [5, 4, 3, 2, 1, 0], [5, 4, 3, 2, 1, 0], [0, 2, 4], None]
+    worst = 0.0
+    for step, order in enumerate(orders):
+        model.order = reference.order = order
+        global_batch = torch.cat([tokens(r, step) for r in range(world)])
+        ref_loss = loss_fn(reference(global_batch[:, :-1]), global_batch[:, 1:])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = train_step(model, opt, rank, step).detach()
+        dist.all_reduce(loss)
+        worst = max(worst, abs(loss.item() / world - ref_loss.item()) / ref_loss.item())
+    recorded = [u.name for u in engine_of(model)._order["forward"]]
+    return worst, recorded
+
+
+def test_a_changed_order_is_recorded_again_and_training_stays_exact():
+    worst, recorded = run_workers(2, reorder_run)[0]
+    assert worst < 1e-5
+    assert recorded == BLOCKS  # the last step ran the natural order again
+
+
+def diverging_ranks(rank, world):
+    torch.manual_seed(0)
+    model = shardwire.shard(ReorderableGPT(SIX_LAYERS), units=[Block])
+    model.order = [0, 1, 2, 3, 4, 5] if rank == 0 else [0, 2, 1, 3, 4, 5]
+    batch = tokens(rank, 0)
+    try:
+        model(batch[:, :-1])
+    except ScheduleMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_running_different_units_get_an_error_naming_them():
+    messages = run_workers(2, diverging_ranks)
+    for message in messages:
+        assert "rank 0 would forward 'blocks.1'" in message
+        assert "rank 1 would forward 'blocks.2'" in message
+
+
+# -------------------------------------------------------------- 5. asynchronous reduce-scatter
+
+
+def reduction_trace(rank, world):
+    model, opt = sharded_gpt(prefetch=2)
+    train_step(model, opt, rank, 0)
+    events = []
+
+    def announce_backward(i):
+        def hook(module, args, output):
+            def on_grad(grad):
+                landed = model.blocks[i + 1].flat_shard_float32.grad is not None if i + 1 < 6 else None
+                events.append(("backward", f"blocks.{i}", landed))
+            output.register_hook(on_grad)
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(announce_backward(i))
+    with record_collectives(on_issue=lambda r: events.append((r.op, r.tag, None))):
+        train_step(model, opt, rank, 1)
+    return events
+
+
+def test_each_reduce_scatter_starts_when_its_unit_ends_and_overlaps_the_next_backward():
+    events = run_workers(2, reduction_trace)[0]
+    for k in range(5, 0, -1):
+        issued = events.index(("reduce_scatter", f"blocks.{k}", None))
+        previous_backward = next(i for i, e in enumerate(events) if e[:2] == ("backward", f"blocks.{k - 1}"))
+        assert issued < previous_backward, f"blocks.{k}'s reduce-scatter must start before blocks.{k - 1}'s backward"
+        landed = events[previous_backward][2]
+        assert landed is False, f"blocks.{k}'s gradient must still be in flight while blocks.{k - 1} computes"
+
+
+# ---------------------------------------------------------------------- 6. mixed precision
+
+
+def mixed_precision_run(rank, world):
+    torch.manual_seed(0)
+    base = GPT(SIX_LAYERS)
+    full = shardwire.shard(copy.deepcopy(base), units=[Block])
+    half = shardwire.shard(copy.deepcopy(base), units=[Block], mixed_precision="bf16")
+    dtypes = {}
+    def note_compute_dtype(block, args):
+        dtypes["compute"] = block.mlp.up.weight.dtype
+
+    half.blocks[0].register_forward_pre_hook(note_compute_dtype)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (full, half)]
+    losses = {}
+    for name, model, opt in (("fp32", full, opts[0]), ("bf16", half, opts[1])):
+        with record_collectives() as records:
+            losses[name] = [train_step(model, opt, rank, step).item() for step in range(5)]
+        dtypes[name + " shards"] = {p.dtype for p in model.parameters()}
+        block = next(r for r in records if r.tag == "blocks.0" and r.op == "all_gather")
+        reduce = next(r for r in records if r.tag == "blocks.0" and r.op == "reduce_scatter")
+        dtypes[name + " bytes"] = (block.nbytes, reduce.nbytes)
+    return losses, dtypes
+
+
+def test_bf16_computes_in_bf16_gathers_half_the_bytes_and_keeps_fp32_masters():
+    losses, dtypes = run_workers(2, mixed_precision_run)[0]
+    assert dtypes["compute"] == torch.bfloat16
+    assert dtypes["bf16 shards"] == {torch.float32}
+    gather32, reduce32 = dtypes["fp32 bytes"]
+    gather16, reduce16 = dtypes["bf16 bytes"]
+    assert gather16 * 2 == gather32 and reduce16 == reduce32  # bf16 gathers, fp32 reduce-scatters
+    for a, b in zip(losses["fp32"], losses["bf16"]):
+        assert abs(a - b) / a < 2e-2
+
+
+# ------------------------------------------------------------------ 8. activation checkpointing
+
+
+def checkpointing_run(rank, world):
+    results = {}
+    for checkpointing in (False, True):
+        model, opt = sharded_gpt(activation_checkpointing=checkpointing)
+        calls = [0]
+        model.blocks[3].mlp.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+        losses = [train_step(model, opt, rank, step).item() for step in range(3)]
+        results[checkpointing] = (losses, shardwire.full_state_dict(model), calls[0])
+    return results
+
+
+def test_activation_checkpointing_recomputes_and_changes_nothing_else():
+    results = run_workers(2, checkpointing_run)[0]
+    (plain_losses, plain_state, plain_calls), (ckpt_losses, ckpt_state, ckpt_calls) = results[False], results[True]
+    assert plain_calls == 3 and ckpt_calls == 6  # every forward of a checkpointed unit runs again in backward
+    assert plain_losses == ckpt_losses
+    assert all(torch.equal(plain_state[k], ckpt_state[k]) for k in plain_state)
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def stuck_peer(rank, world):
+    model, opt = sharded_gpt(timeout=2.0)
+    train_step(model, opt, rank, 0)
+    if rank == 1:
+        time.sleep(8)  # never joins the second step
+        return "slept"
+    start = time.monotonic()
+    try:
+        train_step(model, opt, rank, 1)
+    except CollectiveError as err:
+        return str(err), time.monotonic() - start
+    return "no error"
+
+
+def test_a_stuck_collective_becomes_an_error_naming_rank_and_unit():
+    message, elapsed = run_workers(2, stuck_peer)[0]
+    assert message.startswith("rank 0: all_gather of '<root>'")
+    assert "did not complete within 2s" in message
+    assert elapsed < 6
+
+
+def different_models(rank, world, field):
+    cfg = dataclasses.replace(SIX_LAYERS, **({field: 64 if field == "hidden" else 5} if rank == 1 else {}))
+    try:
+        shardwire.shard(GPT(cfg), units=[Block])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("field, detail", [("hidden", "parameter names or shapes"), ("layers", "6 units and rank 1 has 5")])
+def test_ranks_with_different_models_are_refused(field, detail):
+    for message in run_workers(2, different_models, field):
+        assert "rank 1's model differs from rank 0's" in message and detail in message

@@ -1,0 +1,104 @@
+"""Bad input to the engine gets a clear error that says what was wrong and what to do."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import shardwire
+from shardwire.models.gpt import GPT, PRESETS, Block
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(PRESETS["tiny"])
+
+
+def test_world_of_one_without_a_process_group_trains():
+    script = textwrap.dedent("""
+        import torch, torch.distributed as dist, shardwire
+        from shardwire.models.gpt import GPT, PRESETS, loss_fn
+        assert not dist.is_initialized()
+        model = shardwire.shard(GPT(PRESETS["tiny"]))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens = torch.randint(0, 256, (4, 33))
+        losses = []
+        for _ in range(5):
+            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward(); opt.step(); opt.zero_grad(); losses.append(loss.item())
+        assert dist.get_world_size() == 1 and losses[-1] < losses[0], losses
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={"PATH": "/usr/bin:/bin"})
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_parameters_on_several_devices():
+    model = tiny_gpt()
+    model.blocks[1].to("meta")
+    with pytest.raises(ValueError, match=r"several devices \(cpu: .*; meta: blocks\.1\..*move the whole model"):
+        shardwire.shard(model)
+
+
+def test_parameters_on_the_meta_device():
+    with pytest.raises(ValueError, match="meta device: materialize"):
+        shardwire.shard(GPT(PRESETS["tiny"]).to("meta"))
+
+
+def test_sharding_twice():
+    model = shardwire.shard(tiny_gpt())
+    with pytest.raises(ValueError, match="this model is already sharded"):
+        shardwire.shard(model)
+
+
+def test_sharding_a_model_whose_submodule_is_sharded():
+    model = tiny_gpt()
+    shardwire.shard(model.blocks[0])
+    with pytest.raises(ValueError, match="submodule 'blocks.0' is already sharded"):
+        shardwire.shard(model)
+
+
+def test_unit_selection_errors_reach_the_caller():
+    with pytest.raises(ValueError, match="selects no module"):
+        shardwire.shard(tiny_gpt(), units=lambda m: False)
+    with pytest.raises(ValueError, match="units nest"):
+        shardwire.shard(tiny_gpt(), units=[Block, nn.LayerNorm])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prefetch=-1), "prefetch must be a non-negative integer"),
+    (dict(mixed_precision="int4"), "mixed_precision='int4' is not understood"),
+    (dict(timeout=0), "timeout must be a positive number of seconds"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        shardwire.shard(tiny_gpt(), **kwargs)
+
+
+def test_a_model_without_parameters():
+    with pytest.raises(ValueError, match="has no parameters to shard"):
+        shardwire.shard(nn.ReLU())
+
+
+def test_helpers_on_an_unsharded_model():
+    for helper in (lambda m: shardwire.clip_grad_norm_(m, 1.0), shardwire.full_state_dict):
+        with pytest.raises(ValueError, match="GPT is not sharded: call shardwire.shard"):
+            helper(tiny_gpt())
+
+
+def test_calling_a_unit_on_its_own():
+    model = shardwire.shard(tiny_gpt(), units=[Block])
+    with pytest.raises(RuntimeError, match="'blocks.0' was called outside the sharded model's forward"):
+        model.blocks[0](torch.zeros(1, 4, 32))
+
+
+def test_released_parameters_cannot_be_computed_with():
+    model = shardwire.shard(tiny_gpt(), units=[Block])
+    assert model.blocks[0].mlp.up.weight.shape == (128, 32)
+    with pytest.raises(RuntimeError, match="'blocks.0.mlp.up.weight' belongs to sharded unit 'blocks.0', "
+                                           "which is not gathered now.*full_state_dict"):
+        nn.functional.linear(torch.zeros(1, 32), model.blocks[0].mlp.up.weight)
