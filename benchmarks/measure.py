@@ -1,0 +1,79 @@
+"""Measurements shared by the benchmarks: peak resident memory, bytes on a network interface, and
+worker launching. All of them observe the processes from outside the systems being compared, so
+every system is measured the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def net_bytes(interface: str = "lo") -> int:
+    """Bytes received so far on ``interface`` of this network namespace (each byte sent between two
+    local processes is received exactly once)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == interface:
+                return int(counters.split()[0])
+    raise ValueError(f"no network interface {interface!r} in /proc/net/dev")
+
+
+class PeakRSS:
+    """Samples this process's resident memory in a background thread; ``peak`` is the most seen."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self._interval = interval_s
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.current()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def current(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, self.current())
+
+    def __enter__(self) -> "PeakRSS":
+        self.peak = self.current()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+# glibc keeps freed memory for reuse once big blocks have been freed (its mmap threshold grows), so
+# resident memory stops following live tensors. Memory passes pin the threshold: every allocation of
+# 64 KiB or more is mapped on its own and returned to the system when freed.
+MEMORY_PASS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def run_torchrun(nproc: int, script: str, args: list[str], *, threads: int, env: dict | None = None,
+                 launcher: list[str] | None = None) -> dict:
+    """Run ``script --worker ...`` on ``nproc`` local ranks and return the JSON its rank 0 wrote.
+
+    ``launcher`` replaces the local torchrun (the emulated cluster passes its own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
+        cmd = launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        subprocess.run([*cmd, script, "--worker", "--out", out, *args], check=True, env=env)
+        with open(out) as f:
+            return json.load(f)

@@ -1,0 +1,35 @@
+"""The ``shardwire`` command line: one subcommand per job, each in its own module.
+
+A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv) -> exit status``
+(``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers).
+Modules are imported only when their command runs, so ``shardwire --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("shardwire.train", "train a byte-level GPT with the sharded engine"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(
+            prog="shardwire",
+            description="Fully sharded data-parallel training that hides its communication.",
+        )
+        commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+        for name, (_, help_text) in COMMANDS.items():
+            commands.add_parser(name, help=help_text, add_help=False)
+        parser.parse_args(argv)  # prints usage or help and exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(rest), rest)

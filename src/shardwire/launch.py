@@ -1,0 +1,37 @@
+"""Starting a shardwire command as several local processes through torch's elastic launcher.
+
+``shardwire train --nproc 4`` re-runs itself as ``torchrun --standalone --nproc-per-node 4 -m
+shardwire train ...``: the workers are ordinary torchrun workers, so the same command also runs
+unchanged under a user's own ``torchrun --nnodes ... --nproc-per-node ... -m shardwire train``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun (or any launcher that sets torchrun's variables)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
+    """Run ``python -m shardwire <argv>`` as ``nproc`` local workers; returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    if nproc < 1:
+        print(f"error: --nproc must be at least 1, got {nproc}", file=sys.stderr)
+        return 2
+    # One compute thread per core and worker, unless the user chose: torchrun would otherwise
+    # force 1 and warn.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    try:
+        torchrun([*args, "-m", "shardwire", *argv])
+    except ChildFailedError as err:
+        failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
+        print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
+        return 1
+    return 0

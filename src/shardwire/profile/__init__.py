@@ -1,0 +1,1 @@
+"""Where a step's time went: spans, interval arithmetic, FLOPs and MFU."""

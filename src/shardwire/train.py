@@ -1,0 +1,206 @@
+"""``shardwire train``: train a byte-level GPT with the sharded engine.
+
+Run as is, it starts ``--nproc`` local workers through torch's elastic launcher. The same command
+under torchrun (``torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --backend nccl``) runs
+in the launcher's world instead. The whole job is the plain loop in ``train``; its settings are the
+``TrainConfig`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardwire
+from shardwire.comm.collectives import record_collectives
+from shardwire.data import ByteCorpus
+from shardwire.launch import launch_local, under_launcher
+from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from shardwire.profile.comm import CommSummary
+from shardwire.progress import ProgressBar, format_duration, format_rate
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: str = "small"  # a preset of shardwire.models.gpt.PRESETS
+    nproc: int = 2  # local processes when not run under torchrun
+    steps: int = 400
+    batch: int = 16  # sequences per rank and micro-batch
+    grad_accum: int = 1  # micro-batches per step (all but the last under no_sync)
+    lr: float = 3e-3
+    warmup: int = 40
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; masters stay fp32)
+    backend: str = "auto"  # auto | gloo | nccl
+    prefetch: int = 2
+    reshard: bool = True  # reshard_after_forward
+    activation_checkpointing: bool = False
+    data: str | None = None  # a text file or directory; default: the standard library's sources
+    seed: int = 0
+    log_every: int = 1
+    eval_batches: int = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    parser.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model size preset")
+    parser.add_argument("--nproc", type=int, default=d.nproc, help="local worker processes (ignored under torchrun)")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank and micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup, then cosine)")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--clip", type=float, default=d.clip, help="max global gradient norm (0: off)")
+    parser.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"],
+                        help="auto: NCCL when CUDA is available, else gloo")
+    parser.add_argument("--prefetch", type=int, default=d.prefetch, help="units gathered ahead of use")
+    parser.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=d.reshard,
+                        help="release each unit's parameters after forward and gather again for backward")
+    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                        default=d.activation_checkpointing)
+    parser.add_argument("--data", default=d.data, help="text file or directory (default: Python's stdlib sources)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress updates")
+    parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches at the end")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``shardwire train``: launch local workers, or be one."""
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    _validate(config)
+    if not under_launcher():
+        return launch_local(config.nproc, ["train", *argv])
+    train(config)
+    return 0
+
+
+def _validate(config: TrainConfig) -> None:
+    for name in ("steps", "batch", "grad_accum", "log_every"):
+        if getattr(config, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    if config.prefetch < 0:
+        raise SystemExit(f"error: --prefetch must be at least 0, got {config.prefetch}")
+    if config.backend == "nccl" and not torch.cuda.is_available():
+        raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+
+
+def _device_and_backend(config: TrainConfig) -> tuple[torch.device, str]:
+    use_cuda = config.backend == "nccl" or (config.backend == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train(config: TrainConfig) -> None:
+    device, backend = _device_and_backend(config)
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_config = PRESETS[config.model]
+    corpus = ByteCorpus.load(config.data)
+
+    torch.manual_seed(config.seed)
+    model = GPT(model_config).to(device)
+    shardwire.shard(
+        model,
+        units=[Block],
+        reshard_after_forward=config.reshard,
+        prefetch=config.prefetch,
+        mixed_precision=config.precision,
+        activation_checkpointing=config.activation_checkpointing,
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+
+    global_batch = config.batch * world
+    rows = slice(rank * config.batch, (rank + 1) * config.batch)
+    tokens_per_step = global_batch * config.grad_accum * model_config.seq_len
+    if rank == 0:
+        print(
+            f"shardwire train: GPT {config.model!r} ({model_config.num_params() / 1e6:.2f}M parameters), "
+            f"{world} ranks ({backend}, {device.type}), {model_config.layers} block units + root, "
+            f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
+            f"{config.precision}; data: {corpus.name}, {corpus.num_bytes / 1e6:.1f} MB",
+            flush=True,
+        )
+    progress = ProgressBar(config.steps) if rank == 0 else None
+    first_loss = last_loss = None
+    interval_start, interval_steps = time.perf_counter(), 0
+    started = time.perf_counter()
+
+    for step in range(config.steps):
+        model.train()
+        with record_collectives() as comm:
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(config.grad_accum):
+                batch = corpus.batch(step * config.grad_accum + micro, global_batch, model_config.seq_len,
+                                     seed=config.seed)[rows].to(device)
+                sync = micro == config.grad_accum - 1
+                with contextlib.nullcontext() if sync else shardwire.no_sync(model):
+                    loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+                    (loss / config.grad_accum).backward()
+                loss_sum += loss.detach()
+            if config.clip > 0:
+                shardwire.clip_grad_norm_(model, config.clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        interval_steps += 1
+
+        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+            dist.all_reduce(loss_sum)
+            last_loss = loss_sum.item() / (world * config.grad_accum)
+            first_loss = last_loss if first_loss is None else first_loss
+            elapsed = time.perf_counter() - interval_start
+            if progress is not None:
+                summary = CommSummary.of(comm)
+                progress.update(step + 1, {
+                    "loss": f"{last_loss:.3f}",
+                    "tok/s": format_rate(tokens_per_step * interval_steps / elapsed),
+                    "comm": f"{summary.busy_s * 1e3:.0f}ms (exposed {summary.exposed_s * 1e3:.0f}ms)",
+                })
+            interval_start, interval_steps = time.perf_counter(), 0
+
+    if progress is not None:
+        progress.close()
+    val_loss = evaluate(model, corpus, config, rows, global_batch, model_config.seq_len, device)
+    if rank == 0:
+        print(
+            f"done: {config.steps} steps in {format_duration(time.perf_counter() - started)}, "
+            f"loss {first_loss:.3f} -> {last_loss:.3f}, validation loss {val_loss:.3f}",
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(model, corpus, config, rows, global_batch, seq_len, device) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    for i in range(config.eval_batches):
+        batch = corpus.batch(i, global_batch, seq_len, seed=config.seed, split="val")[rows].to(device)
+        total += loss_fn(model(batch[:, :-1]), batch[:, 1:])
+    dist.all_reduce(total)
+    return total.item() / (config.eval_batches * dist.get_world_size())
+
