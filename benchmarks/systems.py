@@ -6,11 +6,18 @@ root) with the same reshard policy; DDP replicates the model and all-reduces gra
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import functools
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import shardwire
+from shardwire.comm import collectives
+from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import Block
 
 SYSTEMS = ("shardwire", "fsdp2", "ddp")
@@ -38,3 +45,91 @@ def clip(system: str, model: nn.Module, max_norm: float) -> torch.Tensor:
     if system == "shardwire":
         return shardwire.clip_grad_norm_(model, max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+class StepCollectives:
+    """The collectives of one training step, recorded while it runs and replayed on their own: the
+    step's communication without its computation.
+
+    Each system is recorded where it issues them: shardwire through its own records, FSDP2 by wrapping
+    the ``torch.distributed`` functions it calls, DDP with a communication hook (its reducer calls the
+    process group from C++, out of Python's sight). ``replay`` issues every recorded collective at
+    once, in the recorded order, on zeroed buffers of the recorded sizes (zeros: sums of garbage could
+    hit slow denormals), so the backend overlaps them all it can, and waits for all of them. Not seen:
+    the scalar all-reduce of FSDP2's gradient norm, which goes through functional collectives.
+    """
+
+    _TORCH_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                          "reduce_scatter_tensor", "all_reduce")
+
+    def __init__(self, system: str, model: nn.Module):
+        self.system = system
+        self.model = model
+        self._replays: list[Callable[[], object]] = []
+        self._recording = False
+        if system == "ddp":  # a hook must be in place before the first backward
+            model.register_comm_hook(None, self._ddp_hook)
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[None]:
+        """Record the collectives issued inside the block (one step), replacing any earlier record."""
+        self._replays = []
+        self._recording = True
+        try:
+            if self.system == "shardwire":
+                with collectives.record_collectives() as records:
+                    yield
+                self._replays = [self._shardwire_replay(record) for record in records]
+            elif self.system == "fsdp2":
+                with self._torch_collectives_recorded():
+                    yield
+            else:
+                yield
+        finally:
+            self._recording = False
+
+    def replay(self) -> None:
+        works = [issue() for issue in self._replays]
+        for work in works:
+            work.wait()
+
+    def _shardwire_replay(self, record: collectives.CommRecord) -> Callable[[], collectives.Pending]:
+        group = engine_of(self.model).group
+        world = dist.get_world_size(group)
+        timeout = datetime.timedelta(minutes=10)
+        # Records carry sizes, not dtypes: replay in fp32, the dtype these benchmarks train in.
+        share = -(-record.nbytes // (4 * world))
+        full, shard = torch.zeros(share * world), torch.zeros(share)
+        if record.op == "all_gather":
+            return lambda: collectives.all_gather(full, shard, group, tag=record.tag, timeout=timeout)
+        if record.op == "reduce_scatter":
+            return lambda: collectives.reduce_scatter(shard, full, group, tag=record.tag, timeout=timeout)
+        return lambda: collectives.all_reduce(full, group, tag=record.tag, timeout=timeout)
+
+    @contextlib.contextmanager
+    def _torch_collectives_recorded(self) -> Iterator[None]:
+        originals = {name: getattr(dist, name) for name in self._TORCH_COLLECTIVES if hasattr(dist, name)}
+        for name, function in originals.items():
+            setattr(dist, name, functools.partial(self._record_torch_call, function))
+        try:
+            yield
+        finally:
+            for name, function in originals.items():
+                setattr(dist, name, function)
+
+    def _record_torch_call(self, function, *args, **kwargs):
+        def fresh(value):
+            return torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+
+        replay_args = [fresh(value) for value in args]
+        replay_kwargs = {key: fresh(value) for key, value in kwargs.items()} | {"async_op": True}
+        self._replays.append(lambda: function(*replay_args, **replay_kwargs))
+        return function(*args, **kwargs)
+
+    def _ddp_hook(self, state, bucket):  # unannotated: DDP rejects annotations as strings
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        if self._recording:
+            buffer = torch.zeros_like(bucket.buffer())
+            self._replays.append(lambda: dist.all_reduce(buffer, async_op=True))
+        return allreduce_hook(state, bucket)

@@ -103,9 +103,11 @@ def compare_all_configs(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_matches_single_process_reference(world):
-    per_rank = run_workers(world, compare_all_configs, timeout=600)
+@pytest.mark.parametrize("world, ranks_per_node", [(1, 1), (2, 2), (3, 3), (4, 4), (4, 2)])
+def test_matches_single_process_reference(world, ranks_per_node):
+    """(4, 2): four ranks placed as two nodes, so collectives take their two-step paths."""
+    per_rank = run_workers(world, compare_all_configs, timeout=600,
+                           env={"LOCAL_WORLD_SIZE": str(ranks_per_node)})
     for rank, worst in enumerate(per_rank):
         for config, error in worst.items():
             assert error <= 1e-5, f"world {world}, rank {rank}, {config}: relative error {error:.2e}"

@@ -102,3 +102,35 @@ def test_released_parameters_cannot_be_computed_with():
     with pytest.raises(RuntimeError, match="'blocks.0.mlp.up.weight' belongs to sharded unit 'blocks.0', "
                                            "which is not gathered now.*full_state_dict"):
         nn.functional.linear(torch.zeros(1, 32), model.blocks[0].mlp.up.weight)
+
+
+def test_training_goes_on_after_a_forward_or_backward_that_raised():
+    from shardwire.engine.shard import engine_of
+    from shardwire.models.gpt import loss_fn
+
+    model = shardwire.shard(tiny_gpt(), units=[Block])
+    reference = tiny_gpt()
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def fail(*_):
+        raise RuntimeError("boom")
+
+    handle = model.blocks[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(tokens[:, :-1])  # fails halfway through forward
+    handle.remove()
+    def fail_in_backward(block, args, output):
+        output.register_hook(fail)
+
+    handle = model.blocks[0].register_forward_hook(fail_in_backward)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()  # after blocks 2 and 1 reduced
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+
+    for m in (model, reference):
+        loss_fn(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+    expected = dict(reference.named_parameters())
+    for flat in engine_of(model).flats:
+        for slot, grad in zip(flat.layout.slots, flat.layout.views(flat.shard.grad)):
+            assert torch.allclose(grad, expected[slot.names[0]].grad, rtol=1e-5, atol=1e-7), slot.names

@@ -19,7 +19,7 @@ def under_launcher() -> bool:
 def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     """Run ``python -m shardwire <argv>`` as ``nproc`` local workers; returns the exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import parse_args, run
 
     if nproc < 1:
         print(f"error: --nproc must be at least 1, got {nproc}", file=sys.stderr)
@@ -27,9 +27,17 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # One compute thread per core and worker, unless the user chose: torchrun would otherwise
     # force 1 and warn.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    if max_restarts:
+        # Restarted workers must not share the launcher's rendezvous store: they would read the
+        # addresses of the workers they replace and fail to connect (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                         "-m", "shardwire"])
+    # Set the workers' arguments after parsing: torchrun's parser would otherwise read them too
+    # (and take `--nproc` for an abbreviation of its own `--nproc-per-node`).
+    config.training_script_args = argv
     try:
-        torchrun([*args, "-m", "shardwire", *argv])
+        run(config)
     except ChildFailedError as err:
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
         print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)

@@ -24,6 +24,8 @@ from shardwire.data import ByteCorpus
 from shardwire.launch import launch_local, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.profile.comm import CommSummary
+from shardwire.profile.flops import gpt_flops_per_token, torch_counted_flops_per_token
+from shardwire.profile.profiler import Profiler
 from shardwire.progress import ProgressBar, format_duration, format_rate
 
 
@@ -47,6 +49,13 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     eval_batches: int = 8
+    checkpoint_dir: str | None = None  # save checkpoints here, and resume from the newest good one
+    save_every: int = 100  # steps between checkpoints (the last step is always saved)
+    keep: int = 3  # newest checkpoints kept (0: all)
+    max_restarts: int = 0  # times torch's launcher restarts failed local workers
+    profile: bool = False  # record where every step's time goes (see shardwire.profile)
+    run_dir: str | None = None  # where --profile writes; default runs/<date-time>
+    peak_tflops: float | None = None  # per worker, for MFU; default: a matrix-multiply probe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress updates")
     parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches at the end")
+    parser.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
+                        help="save checkpoints here; running again resumes from the newest good one")
+    parser.add_argument("--save-every", type=int, default=d.save_every,
+                        help="steps between checkpoints (the last step is always saved)")
+    parser.add_argument("--keep", type=int, default=d.keep, help="newest checkpoints to keep (0: all)")
+    parser.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                        help="restart failed local workers this many times; they resume from the newest checkpoint")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile every step; writes profile.json and trace.json to --run-dir")
+    parser.add_argument("--run-dir", default=d.run_dir, help="profile output directory (default runs/<date-time>)")
+    parser.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
+                        help="peak TFLOP/s per worker for MFU (default: measured by a matmul probe)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -79,17 +100,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     _validate(config)
     if not under_launcher():
-        return launch_local(config.nproc, ["train", *argv])
+        return launch_local(config.nproc, ["train", *argv], max_restarts=config.max_restarts)
     train(config)
     return 0
 
 
 def _validate(config: TrainConfig) -> None:
-    for name in ("steps", "batch", "grad_accum", "log_every"):
+    for name in ("steps", "batch", "grad_accum", "log_every", "save_every"):
         if getattr(config, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    if config.prefetch < 0:
-        raise SystemExit(f"error: --prefetch must be at least 0, got {config.prefetch}")
+    for name in ("prefetch", "keep", "max_restarts"):
+        if getattr(config, name) < 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 0, got {getattr(config, name)}")
+    if config.peak_tflops is not None and config.peak_tflops <= 0:
+        raise SystemExit(f"error: --peak-tflops must be positive, got {config.peak_tflops}")
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
 
@@ -144,14 +168,16 @@ def train(config: TrainConfig) -> None:
             f"{config.precision}; data: {corpus.name}, {corpus.num_bytes / 1e6:.1f} MB",
             flush=True,
         )
-    progress = ProgressBar(config.steps) if rank == 0 else None
+    start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
+    profiler = _profiler(config, model, optimizer, tokens_per_step) if config.profile else None
+    progress = ProgressBar(config.steps, start=start) if rank == 0 else None
     first_loss = last_loss = None
     interval_start, interval_steps = time.perf_counter(), 0
     started = time.perf_counter()
 
-    for step in range(config.steps):
+    for step in range(start, config.steps):
         model.train()
-        with record_collectives() as comm:
+        with profiler.step() if profiler else contextlib.nullcontext(), record_collectives() as comm:
             loss_sum = torch.zeros((), device=device)
             for micro in range(config.grad_accum):
                 batch = corpus.batch(step * config.grad_accum + micro, global_batch, model_config.seq_len,
@@ -181,17 +207,77 @@ def train(config: TrainConfig) -> None:
                     "comm": f"{summary.busy_s * 1e3:.0f}ms (exposed {summary.exposed_s * 1e3:.0f}ms)",
                 })
             interval_start, interval_steps = time.perf_counter(), 0
+        if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
+            _save_checkpoint(config, model, optimizer, scheduler, step + 1)
 
     if progress is not None:
         progress.close()
+    if profiler is not None and config.steps > start:
+        _save_profile(profiler, config, rank)
     val_loss = evaluate(model, corpus, config, rows, global_batch, model_config.seq_len, device)
     if rank == 0:
+        losses = f"loss {first_loss:.3f} -> {last_loss:.3f}, " if first_loss is not None else ""
         print(
-            f"done: {config.steps} steps in {format_duration(time.perf_counter() - started)}, "
-            f"loss {first_loss:.3f} -> {last_loss:.3f}, validation loss {val_loss:.3f}",
+            f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
+            f"{losses}validation loss {val_loss:.3f}",
             flush=True,
         )
     dist.destroy_process_group()
+
+
+def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
+    """Restore the newest good checkpoint in --checkpoint-dir; returns the step to continue from."""
+    try:
+        info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
+    except shardwire.CheckpointError as err:
+        raise SystemExit(
+            f"error: {err}\nRun with the settings these checkpoints were saved with, or another --checkpoint-dir."
+        ) from None
+    if info is None:
+        return 0
+    scheduler.load_state_dict(info.extra["scheduler"])
+    if dist.get_rank() == 0:
+        print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks)", flush=True)
+    return info.step
+
+
+def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int) -> None:
+    """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself."""
+    shardwire.save_checkpoint(
+        shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
+        step=step, extra={"scheduler": scheduler.state_dict()}, keep=config.keep or None,
+    )
+
+
+def _profiler(config: TrainConfig, model, optimizer, tokens_per_step: int) -> Profiler:
+    model_config = PRESETS[config.model]
+    flops = gpt_flops_per_token(model_config, activation_checkpointing=config.activation_checkpointing)
+    metadata = {
+        "model": config.model,
+        "precision": config.precision,
+        "config": dataclasses.asdict(config),
+        "torch_counted_flops_per_token": torch_counted_flops_per_token(model_config),
+    }
+    return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
+                    peak_tflops=config.peak_tflops, metadata=metadata)
+
+
+def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
+    run_dir = config.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    summary = profiler.save(run_dir)
+    if rank != 0:
+        return
+    f = {name: stats["max"] for name, stats in summary["figures"].items()}
+    mfu = f"MFU {summary['mfu']:.1%}" if "mfu" in summary else "MFU unknown (no peak)"
+    print(
+        f"profile: step {f['step_s'] * 1e3:.0f} ms on the slowest rank: forward {f['forward_s'] * 1e3:.0f}, "
+        f"backward {f['backward_s'] * 1e3:.0f}, optimizer {f['optimizer_s'] * 1e3:.0f}, waiting for "
+        f"communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
+        f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
+        f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"
+        f"profile written to {run_dir} (shardwire report {run_dir} plots it)",
+        flush=True,
+    )
 
 
 @torch.no_grad()

@@ -18,7 +18,10 @@ Every collective the engine issues goes through this module, for four reasons:
 
   gloo's reduce-scatter is an all-reduce underneath (twice the bytes a reduce-scatter needs, which
   matters most on a slow link) and part of it blocks the caller. So on gloo both are built from
-  point-to-point messages: each rank sends every other rank exactly the piece it needs;
+  point-to-point messages in two steps, across nodes and within them (``topology``), so that each
+  node sends every other node exactly what it lacks, once: (N-1)/N of the buffer leaves a node,
+  the least any algorithm can send. A ring sends about all of it per node; gloo's
+  all-reduce-based reduce-scatter twice that;
 * a collective that never completes (a dead or diverging rank) must become an error that names the
   rank, the operation and what it carried, never a silent hang;
 * the progress bar and the profiler need each collective's size and its issue and completion
@@ -47,14 +50,18 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from shardwire.comm.topology import topology
 
-# Point-to-point messages of one collective share a tag, so concurrent collectives between the same
-# two ranks never match each other's messages. Every rank issues collectives in the same order, so
-# the counters agree; the offset keeps clear of tags other code uses.
+# torch's own flat all-gather and reduce-scatter, under whichever name this torch release has
+torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Each point-to-point message is tagged with its collective's number and the slot of the buffer it
+# carries, so messages of concurrent collectives between the same two ranks never match each other.
+# Every rank issues collectives in the same order, so the numbers agree; the offset keeps clear of
+# tags other code uses.
 _P2P_TAG_BASE = 1 << 20
-_p2p_tags = itertools.count()
+_p2p_collectives = itertools.count()
 
 
 class CollectiveError(RuntimeError):
@@ -68,8 +75,9 @@ class CommRecord:
     ``nbytes`` follows nccl-tests: the size of the whole gathered (or scattered) buffer, not of one
     rank's share. ``issued`` and ``done`` are ``time.perf_counter()`` seconds; ``done`` is stamped
     when the transport finishes (CPU), or left ``None`` where completion is only known through
-    ``end_event`` (CUDA). ``waited`` is how long the calling thread blocked in ``wait()`` for it: on
-    CPU, the part of this collective that computation did not hide.
+    ``end_event`` (CUDA). ``waits`` are the intervals computation spent waiting for it: on CPU
+    (start, end) times of the caller blocking in ``wait()``; on CUDA pairs of events recorded on the
+    compute stream just before and after it was made to wait, whose gap is exactly the stall.
     """
 
     op: str
@@ -77,9 +85,14 @@ class CommRecord:
     nbytes: int
     issued: float
     done: float | None = None
-    waited: float = 0.0
+    waits: list = dataclasses.field(default_factory=list)
     start_event: torch.cuda.Event | None = None
     end_event: torch.cuda.Event | None = None
+
+    @property
+    def waited(self) -> float:
+        """Seconds the caller blocked waiting for this collective (CPU records)."""
+        return sum(end - start for start, end in self.waits)
 
 
 _recorders: list[tuple[list[CommRecord], Callable[[CommRecord], None] | None]] = []
@@ -100,7 +113,8 @@ def record_collectives(
     try:
         yield records
     finally:
-        _recorders.remove(entry)
+        # by identity: nested recorders hold equal lists of the same records
+        del _recorders[next(i for i, e in enumerate(_recorders) if e is entry)]
 
 
 class _LaneWork:
@@ -160,8 +174,9 @@ _gather_lane = _Lane("shardwire-gather")
 _reduce_lane = _Lane("shardwire-reduce")
 
 
-def _next_p2p_tag() -> int:
-    return _P2P_TAG_BASE + next(_p2p_tags) % (1 << 30)
+def _next_p2p_tags(world: int) -> int:
+    """The first of ``world`` tags reserved for the next point-to-point collective."""
+    return _P2P_TAG_BASE + next(_p2p_collectives) * world % (1 << 30)
 
 
 class Pending:
@@ -184,15 +199,20 @@ class Pending:
     def wait(self) -> None:
         if self._works is None:
             return
-        blocked_from = time.perf_counter()
+        record, cuda = self._record, self._device.type == "cuda"
+        if record is not None:
+            blocked_from = time.perf_counter()
+            if cuda:
+                stall = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                stall[0].record()
         try:
             for work in self._works:
-                if self._device.type == "cpu":
-                    work.wait(timeout=self._timeout)
-                else:
+                if cuda:
                     # A CUDA wait with a timeout would block the host; the process group's own
                     # watchdog enforces the deadline there.
                     work.wait()
+                else:
+                    work.wait(timeout=self._timeout)
         except RuntimeError as err:
             rank = dist.get_rank()
             raise CollectiveError(
@@ -200,11 +220,15 @@ class Pending:
                 f"{self._timeout.total_seconds():g}s ({err}). Another rank has probably stopped, "
                 f"crashed, or is running a different unit: check its log."
             ) from err
-        if self._record is not None and self._device.type == "cpu":
-            now = time.perf_counter()
-            self._record.waited += now - blocked_from
-            if self._record.done is None:
-                self._record.done = now  # a work without a future: completion as seen here
+        if record is not None:
+            if cuda:
+                stall[1].record()
+                record.waits.append(stall)
+            else:
+                now = time.perf_counter()
+                record.waits.append((blocked_from, now))
+                if record.done is None:
+                    record.done = now  # a work without a future: completion as seen here
         self._works = self._keepalive = None
 
 
@@ -262,34 +286,102 @@ def all_gather(
 ) -> Pending:
     """Gather every rank's equal-sized ``shard`` into the flat ``output``, in rank order.
 
-    On gloo every rank sends its shard straight to each other rank and receives theirs in place.
+    On gloo: point-to-point, across nodes then within them (see ``_Exchange.all_gather``).
     """
     nbytes = output.numel() * output.element_size()
     if _is_gloo(group):
-        message_tag = _next_p2p_tag()
+        exchange = _Exchange(group, timeout)
         works, record = _issue(
             "all_gather", tag, nbytes, output.device,
-            lambda: [_gather_lane.submit(lambda: _exchange_shards(output, shard, group, message_tag, timeout))],
+            lambda: [_gather_lane.submit(lambda: exchange.all_gather(output, shard))],
         )
     else:
         works, record = _issue("all_gather", tag, nbytes, output.device,
-                               lambda: [_all_gather_flat(output, shard, group=group, async_op=True)])
+                               lambda: [torch_all_gather(output, shard, group=group, async_op=True)])
     return Pending(works, record, "all_gather", tag, output.device, timeout, (output, shard))
 
 
-def _exchange_shards(output, shard, group, message_tag, timeout) -> None:
-    """All-gather by sending this rank's shard to each other rank and receiving theirs in place."""
-    me, world, size = dist.get_rank(group), dist.get_world_size(group), shard.numel()
-    ops = []
-    for peer in range(world):
-        if peer != me:
-            target = dist.get_global_rank(group, peer)
-            ops.append(dist.P2POp(dist.isend, shard, target, group, message_tag))
-            ops.append(dist.P2POp(dist.irecv, output.narrow(0, peer * size, size), target, group, message_tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    output.narrow(0, me * size, size).copy_(shard)  # while the network moves the others
-    for work in works:
-        work.wait(timeout=timeout)
+class _Exchange:
+    """One point-to-point collective on gloo, run on a lane thread.
+
+    Every message carries one slot of the flat buffer (the shard of one rank: ``size`` elements)
+    and is tagged with that slot's owner, so each message is matched by tag alone, whatever the
+    order in which the two ranks post them.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta):
+        self.group = group
+        self.timeout = timeout
+        self.topology = topology(group)
+        self.me = dist.get_rank(group)
+        self.node, self.local = self.topology.place(self.me)
+        self.tags = _next_p2p_tags(self.topology.world)
+
+    def send(self, tensor: torch.Tensor, peer: int, slot: int):
+        return dist.isend(tensor, dist.get_global_rank(self.group, peer), self.group, self.tags + slot)
+
+    def recv(self, tensor: torch.Tensor, peer: int, slot: int):
+        return dist.irecv(tensor, dist.get_global_rank(self.group, peer), self.group, self.tags + slot)
+
+    def wait(self, works: list) -> None:
+        for work in works:
+            work.wait(timeout=self.timeout)
+
+    def other_nodes(self) -> list[int]:
+        return [n for n in range(self.topology.nodes) if n != self.node]
+
+    def local_peers(self) -> list[int]:
+        return [l for l in range(self.topology.ranks_per_node) if l != self.local]
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """1. Across nodes: send this rank's shard to the rank in the same position on every other
+        node, and receive theirs. 2. Within the node: pass every local peer the shards of this
+        position (one per node), and receive those of theirs."""
+        size, at = shard.numel(), self.topology.rank
+        slot = lambda r: output.narrow(0, r * size, size)  # noqa: E731
+        slot(self.me).copy_(shard)
+        across = []
+        for node in self.other_nodes():
+            peer = at(node, self.local)
+            across += [self.send(shard, peer, self.me), self.recv(slot(peer), peer, peer)]
+        within = []
+        for local in self.local_peers():
+            peer = at(self.node, local)
+            within += [self.recv(slot(at(n, local)), peer, at(n, local)) for n in range(self.topology.nodes)]
+            within.append(self.send(shard, peer, self.me))
+        self.wait(across)
+        for local in self.local_peers():
+            peer = at(self.node, local)
+            within += [self.send(slot(at(n, self.local)), peer, at(n, self.local)) for n in self.other_nodes()]
+        self.wait(within)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """1. Within the node: collect from every local peer its pieces of the slots owned by ranks
+        in this rank's position (one per node) and add them up: the node's partial sums. 2. Across
+        nodes: send each such partial sum to the node whose rank owns it, and add up the partial
+        sums of this rank's own slot received from every other node."""
+        size, at, nodes = output.numel(), self.topology.rank, self.topology.nodes
+        piece = lambda r: full.narrow(0, r * size, size)  # noqa: E731
+        column = [at(n, self.local) for n in range(nodes)]  # the slots this rank gathers the node's sums of
+        peers = self.local_peers()
+        received = torch.empty(len(peers), nodes, size, dtype=full.dtype, device=full.device)
+        within = []
+        for i, local in enumerate(peers):
+            peer = at(self.node, local)
+            within += [self.recv(received[i, n], peer, column[n]) for n in range(nodes)]
+            within += [self.send(piece(at(n, local)), peer, at(n, local)) for n in range(nodes)]
+        self.wait(within)
+        partial = torch.stack([piece(r) for r in column])
+        if peers:
+            partial += received.sum(dim=0)
+        others = self.other_nodes()
+        incoming = torch.empty(len(others), size, dtype=full.dtype, device=full.device)
+        across = []
+        for i, node in enumerate(others):
+            peer = at(node, self.local)
+            across += [self.send(partial[node], peer, peer), self.recv(incoming[i], peer, self.me)]
+        self.wait(across)
+        torch.sum(torch.cat([partial[self.node : self.node + 1], incoming]), dim=0, out=output)
 
 
 def reduce_scatter(
@@ -302,39 +394,21 @@ def reduce_scatter(
 ) -> Pending:
     """Sum the flat ``full`` over ranks and leave this rank's equal share of the sum in ``output``.
 
-    On gloo each rank sends every other rank that rank's piece of ``full`` and adds up the pieces it
-    receives.
+    On gloo: point-to-point, within nodes then across them (see ``_Exchange.reduce_scatter``).
     """
     nbytes = full.numel() * full.element_size()
     if _is_gloo(group):
-        message_tag = _next_p2p_tag()
+        exchange = _Exchange(group, timeout)
         works, record = _issue(
             "reduce_scatter", tag, nbytes, full.device,
-            lambda: [_reduce_lane.submit(lambda: _exchange_pieces(output, full, group, message_tag, timeout))],
+            lambda: [_reduce_lane.submit(lambda: exchange.reduce_scatter(output, full))],
         )
         return Pending(works, record, "reduce_scatter", tag, full.device, timeout, (output, full))
     works, record = _issue(
         "reduce_scatter", tag, nbytes, full.device,
-        lambda: [_reduce_scatter_flat(output, full, group=group, async_op=True)],
+        lambda: [torch_reduce_scatter(output, full, group=group, async_op=True)],
     )
     return Pending(works, record, "reduce_scatter", tag, full.device, timeout, (output, full))
-
-
-def _exchange_pieces(output, full, group, message_tag, timeout) -> None:
-    """Reduce-scatter by sending each rank its piece of ``full`` and summing the pieces received."""
-    me, world, size = dist.get_rank(group), dist.get_world_size(group), output.numel()
-    pieces = torch.empty(world, size, dtype=full.dtype, device=full.device)
-    ops = []
-    for peer in range(world):
-        if peer != me:
-            target = dist.get_global_rank(group, peer)
-            ops.append(dist.P2POp(dist.isend, full.narrow(0, peer * size, size), target, group, message_tag))
-            ops.append(dist.P2POp(dist.irecv, pieces[peer], target, group, message_tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    pieces[me].copy_(full.narrow(0, me * size, size))
-    for work in works:
-        work.wait(timeout=timeout)
-    torch.sum(pieces, dim=0, out=output)
 
 
 def all_reduce(

@@ -1,4 +1,5 @@
-"""Process groups: joining the launcher's world, or making a one-process world when there is none."""
+"""Process groups: joining the launcher's world, or making a one-process world when there is none;
+and the groups of ranks that share a node, or sit on different nodes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from shardwire.comm.topology import Topology
 
 
 def backend_for(device: torch.device) -> str:
@@ -44,3 +47,37 @@ def check_backend_serves(group: dist.ProcessGroup, device: torch.device) -> None
             "the process group uses gloo but the model is on CUDA: initialize it with "
             "backend='nccl' (or 'cpu:gloo,cuda:nccl')"
         )
+
+
+def node_topology(world: int, ranks_per_node: int | None = None) -> Topology:
+    """Which of ``world`` ranks share a node: ``ranks_per_node`` when given (to treat one machine's
+    processes as several nodes, say), else torchrun's ``LOCAL_WORLD_SIZE``, else a single node.
+    Unlike ``topology.topology()``, which the engine only uses for speed, a count that does not
+    divide the world is an error here, not a fallback to one node."""
+    per_node = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise ValueError(f"{world} ranks do not split into nodes of {per_node} ranks each")
+    return Topology(world, per_node)
+
+
+def node_members(topo: Topology) -> list[list[int]]:
+    """Each node's ranks."""
+    return [[topo.rank(node, local) for local in range(topo.ranks_per_node)] for node in range(topo.nodes)]
+
+
+def cross_node_members(topo: Topology) -> list[int]:
+    """One rank per node (each node's first), to measure what crosses between nodes alone."""
+    return [topo.rank(node, 0) for node in range(topo.nodes)]
+
+
+def intra_node_group(topo: Topology) -> dist.ProcessGroup:
+    """The group of this rank's node. Every rank must call it (each node gets its own group)."""
+    group, _ = dist.new_subgroups_by_enumeration(node_members(topo))
+    return group
+
+
+def inter_node_group(topo: Topology) -> dist.ProcessGroup | None:
+    """The group of each node's first rank; None on other ranks. Every rank must call it."""
+    ranks = cross_node_members(topo)
+    group = dist.new_group(ranks)
+    return group if dist.get_rank() in ranks else None

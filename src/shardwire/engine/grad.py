@@ -23,8 +23,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     buffers carries zero gradient and does not change the norm. Returns the total norm.
     """
     engine = engine_of(model)
+    engine.emit("clip", None, "start")
+    total = _clip(engine, model, max_norm, float(norm_type))
+    engine.emit("clip", None, "end")
+    return total
+
+
+def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
-    norm_type = float(norm_type)
     if not params:
         return torch.zeros((), device=engine.device)
     local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ from shardwire.engine.unit import Unit
 REDUCTIONS_IN_FLIGHT = 2
 
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
+
+Listener = Callable[[str, "str | None", str], None]
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -85,6 +88,7 @@ class Engine:
         self._backward: Pass | None = None
         self._reductions: deque[tuple[FlatParam, collectives.Pending, torch.Tensor]] = deque()
         self._callback_queued = False
+        self._listeners: list[Listener] = []
 
     @property
     def flats(self) -> list[FlatParam]:
@@ -97,6 +101,21 @@ class Engine:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), prepend=True)
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
 
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(phase, unit, edge)`` at each edge of the model's and the units' forward
+        and backward: ``phase`` is "forward", "backward" or "clip", ``unit`` a unit's name or None
+        for the whole model, ``edge`` "start" or "end". A unit's edges enclose its computation, not
+        the wait for its parameters. Listeners run on the training thread in the hot path: keep them
+        to a timestamp or a CUDA event."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self._listeners.remove(listener)
+
+    def emit(self, phase: str, unit: str | None, edge: str) -> None:
+        for listener in self._listeners:
+            listener(phase, unit, edge)
+
     def gathered_units(self) -> list[str]:
         """Names of the units whose full parameters are in memory right now (read off the storage)."""
         return [u.name for u in self._all_units if any(f.is_allocated for f in u.flats)]
@@ -104,12 +123,9 @@ class Engine:
     # ----------------------------------------------------------------------------------- forward
 
     def _root_pre_forward(self, module: nn.Module, args) -> None:
-        if self._forward is not None:
-            raise RuntimeError("the sharded model's forward was entered again while it was running")
-        if self._backward is not None:
-            # The previous forward's backward never ran (say, an evaluation with grad enabled).
-            self._backward = None
-            self._release_all()
+        if self._forward is not None or self._backward is not None or self._callback_queued:
+            self._discard_unfinished_step()
+        self.emit("forward", None, "start")
         recording = self._order["forward"] is None
         self._gather(self.root, "forward", check=recording)
         self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
@@ -127,8 +143,10 @@ class Engine:
         self._gather(unit, "forward", check=forward.recording)
         unit.wait()
         unit.show(self._on_grad if torch.is_grad_enabled() else None)
+        self.emit("forward", unit.name, "start")
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
+        self.emit("forward", unit.name, "end")
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
         if needs_grad:
             announce = _once(functools.partial(self._pre_backward, unit))
@@ -146,10 +164,15 @@ class Engine:
         for unit in self.units:
             if unit not in ran:
                 unit.free()  # prefetched for an order this pass did not follow
-        if any(t.requires_grad for t in _tensors(output)):
+        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        if needs_grad:
             self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
+            announce = _once(self._enter_backward)  # backward starts when the outputs get gradients
+            for tensor in needs_grad:
+                tensor.register_hook(announce)
         else:
             self._release_all()
+        self.emit("forward", None, "end")
         return output
 
     # ---------------------------------------------------------------------------------- backward
@@ -158,6 +181,7 @@ class Engine:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+            self.emit("backward", None, "start")
         if self._backward is None:  # e.g. a second backward through a retained graph
             self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
         return self._backward
@@ -168,6 +192,7 @@ class Engine:
         self._gather(unit, "backward", check=backward.recording)
         unit.wait()
         unit.reveal()
+        self.emit("backward", unit.name, "start")
 
     def _on_grad(self, unit: Unit, flat: FlatParam, leaf: torch.Tensor) -> None:
         backward = self._enter_backward()
@@ -181,6 +206,7 @@ class Engine:
         else:
             flat.accumulate(grad)
         if unit.grad_arrived(flat):
+            self.emit("backward", unit.name, "end")
             unit.free()
 
     def _finish_backward(self) -> None:
@@ -192,6 +218,7 @@ class Engine:
             self._land_oldest()
         self.streams.join()
         self._release_all()
+        self.emit("backward", None, "end")
 
     # ----------------------------------------------------------------------------------- helpers
 
@@ -207,6 +234,17 @@ class Engine:
     def _land_oldest(self) -> None:
         flat, pending, share = self._reductions.popleft()
         flat.land(pending, share)
+
+    def _discard_unfinished_step(self) -> None:
+        """Forget a step that did not finish: a forward or backward that raised, or a forward whose
+        backward never ran (an evaluation with grad enabled). Its reductions are waited for, since
+        every rank issued them, but not added to any gradient."""
+        self._forward = self._backward = None
+        self._callback_queued = False
+        while self._reductions:
+            _, pending, _ = self._reductions.popleft()
+            pending.wait()
+        self._release_all()
 
     def _release_all(self) -> None:
         for unit in self._all_units:

@@ -36,3 +36,26 @@ def covered(spans: Iterable[Span], by: Iterable[Span]) -> float:
         else:
             j += 1
     return overlap
+
+
+def subtract(spans: Iterable[Span], minus: Iterable[Span]) -> list[Span]:
+    """The parts of ``spans`` not covered by ``minus``, as disjoint sorted spans."""
+    result: list[Span] = []
+    holes = merge(minus)
+    for start, end in merge(spans):
+        cursor = start
+        for hole_start, hole_end in holes:
+            if hole_end <= cursor or hole_start >= end:
+                continue
+            if hole_start > cursor:
+                result.append((cursor, hole_start))
+            cursor = max(cursor, hole_end)
+        if cursor < end:
+            result.append((cursor, end))
+    return result
+
+
+def clip(spans: Iterable[Span], window: Span) -> list[Span]:
+    """``spans`` cut to ``window``."""
+    lo, hi = window
+    return [(max(s, lo), min(e, hi)) for s, e in spans if min(e, hi) > max(s, lo)]

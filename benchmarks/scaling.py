@@ -1,0 +1,339 @@
+"""Scaling over an emulated Ethernet cluster: shardwire vs PyTorch FSDP2 vs DDP, 1 to 4 ranks on one
+and two nodes, and how close each comes to the fastest step the machine and the link allow.
+
+    python benchmarks/scaling.py --model 30m --links 1gbit 5gbit --out-dir benchmarks/results/scaling
+
+Two-node layouts run on a testbed of this machine (``shardwire testbed``, so: root) rebuilt for
+each ``--links`` rate, one-node layouts on plain local workers. Every measurement runs in fresh
+torchrun workers, and the systems take turns ``--repeats`` times so that drift on a shared machine
+falls on all of them alike. Per layout and system:
+
+* step time: the median over the timed steps of every repeat; a step's time is its slowest rank's;
+* tokens/s: the global batch's tokens over the step time;
+* scaling efficiency, as the field defines it, time per sample at N workers against one worker:
+  with a fixed per-rank batch, the same system's step time on 1 rank over its step time on N;
+* inter-node bytes per step: what the nodes' links received during the timed steps (the ``eth0``
+  counters of every node, summed: each byte that crosses between nodes is received once);
+* compute-only time: every rank runs the same step on its own unsharded replica, with no
+  communication in it, at the same per-rank batch and threads; all ranks compute at once, so each
+  has the share of the machine's cores it has in the real step (its optimizer updates the whole
+  model, not a shard: a little more than a sharded rank's work);
+* communication-only time: the collectives one step of the system issued, recorded, then replayed
+  on their own, all issued at once (``StepCollectives`` in systems.py);
+* the bound: max(compute-only, communication-only), which even a step that overlaps the two
+  perfectly cannot beat; the report shows step time over it.
+
+It writes scaling.json (every measurement), scaling.md (the table) and scaling.png into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measure import median, net_bytes, run_torchrun  # noqa: E402
+from systems import SYSTEMS, StepCollectives, clip, wrap  # noqa: E402
+
+from shardwire.models.gpt import GPT, PRESETS, loss_fn  # noqa: E402
+
+TESTBED = "shardwire-scaling"  # its own testbed, apart from any a user has up
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    nodes: int
+    ranks_per_node: int
+    link: str | None  # the link rate between nodes; None on one node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def __str__(self) -> str:
+        shape = f"{self.nodes}x{self.ranks_per_node}"
+        return shape if self.link is None else f"{shape} @{self.link}"
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = PRESETS[args.model]
+    model = GPT(config)
+    if args.measure != "compute":
+        model = wrap(args.system, model, reshard=args.reshard, prefetch=args.prefetch)
+    collectives = StepCollectives(args.system, model) if args.measure == "comm" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+
+    def step():
+        batch = torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1), generator=gen)
+        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        if args.measure == "compute":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            clip(args.system, model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def total(value: float, op=dist.ReduceOp.SUM) -> float:
+        value = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(value, op=op)
+        return value.item()
+
+    def link_bytes() -> float:
+        """Bytes this node's link has received, counted once per node (by its first rank)."""
+        mine = args.link_interface and os.environ.get("LOCAL_RANK", "0") == "0"
+        return total(net_bytes(args.link_interface) if mine else 0.0)
+
+    for _ in range(args.warmup):
+        step()
+    timed = step
+    if collectives is not None:
+        with collectives.record():
+            step()
+        timed = collectives.replay
+    times = []
+    received = link_bytes()
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        timed()
+        times.append(total(time.perf_counter() - start, dist.ReduceOp.MAX))
+    received = link_bytes() - received
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({
+                "times_s": times,
+                # barriers and the timing all-reduces add a few hundred bytes per step
+                "link_bytes_per_step": received / args.steps,
+                "tokens_per_step": args.batch * world * config.seq_len,
+            }, f)
+    dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class Row:
+    system: str
+    layout: Layout
+    tokens_per_step: int
+    step_times: list = dataclasses.field(default_factory=list)
+    comm_times: list = dataclasses.field(default_factory=list)
+    link_bytes_per_step: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return median(self.step_times)
+
+    @property
+    def comm_s(self) -> float:
+        return median(self.comm_times)
+
+
+class Runner:
+    """Runs workers for each layout, on local processes or on the testbed built for its link."""
+
+    def __init__(self, args):
+        self.args = args
+        self.testbed: tuple[int, str] | None = None  # (nodes, link) of the testbed that is up
+        self.passthrough = [
+            "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--prefetch", str(args.prefetch),
+            "--reshard" if args.reshard else "--no-reshard",
+        ]
+
+    def run(self, layout: Layout, measure: str, system: str | None = None) -> dict:
+        threads = max(1, (os.cpu_count() or 1) // layout.world)
+        worker_args = ["--measure", measure, *(["--system", system] if system else []), *self.passthrough]
+        launcher = None
+        if layout.nodes > 1:
+            self._testbed(layout)
+            launcher = [sys.executable, "-m", "shardwire", "testbed", "run", "--name", TESTBED,
+                        "--nproc-per-node", str(layout.ranks_per_node), "--"]
+            worker_args += ["--link-interface", "eth0"]
+        try:
+            return run_torchrun(layout.world, __file__, worker_args, threads=threads, launcher=launcher)
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(f"error: the {measure} pass of {system or 'the bare model'} on {layout} failed "
+                             f"(exit {err.returncode}); its output is above") from None
+
+    def _testbed(self, layout: Layout) -> None:
+        from shardwire.testbed import network
+        from shardwire.testbed.topology import Topology, parse_rate
+
+        if self.testbed != (layout.nodes, layout.link):
+            network.up(Topology(TESTBED, layout.nodes, parse_rate(layout.link)))
+            self.testbed = (layout.nodes, layout.link)
+
+    def close(self) -> None:
+        if self.testbed is not None:
+            from shardwire.testbed import network
+
+            network.down(TESTBED)
+
+
+def parse_layouts(shapes: list[str], links: list[str]) -> list[Layout]:
+    """One-node layouts by size, then the others by size for each link in turn (one testbed each)."""
+    parsed = []
+    for shape in shapes:
+        nodes, _, ranks = shape.partition("x")
+        if not (nodes.isdigit() and ranks.isdigit() and int(nodes) >= 1 and int(ranks) >= 1):
+            raise SystemExit(f"error: layout {shape!r} is not NODESxRANKS_PER_NODE, e.g. 2x2")
+        parsed.append((int(nodes), int(ranks)))
+    parsed = sorted(set(parsed), key=lambda shape: (shape[0] * shape[1], shape[0]))
+    single = [Layout(1, ranks, None) for nodes, ranks in parsed if nodes == 1]
+    return single + [Layout(nodes, ranks, link) for link in links for nodes, ranks in parsed if nodes > 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--out-dir", help="directory for scaling.json, scaling.md and scaling.png")
+    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=["time", "compute", "comm"], default="time", help=argparse.SUPPRESS)
+    parser.add_argument("--link-interface", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "1x4", "2x1", "2x2"],
+                        help="NODESxRANKS_PER_NODE; layouts of several nodes run once per --links rate")
+    parser.add_argument("--links", nargs="+", default=["1gbit", "5gbit"], help="link rates between nodes")
+    parser.add_argument("--model", default="30m", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if not args.out_dir:
+        parser.error("--out-dir is required: the directory the table, plot and measurements go to")
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2: DDP rebuilds its buckets and shardwire records its order in step 1")
+    layouts = parse_layouts(args.layouts, args.links)
+    if any(layout.nodes > 1 for layout in layouts):
+        from shardwire.testbed.network import require_privileges
+        from shardwire.testbed.topology import TestbedError, parse_rate
+
+        try:
+            require_privileges("up")
+            for link in args.links:
+                parse_rate(link)
+        except TestbedError as err:
+            raise SystemExit(f"error: layouts of several nodes run on an emulated cluster: {err}") from None
+
+    rows, compute = measure_all(args, layouts)
+    os.makedirs(args.out_dir, exist_ok=True)
+    table = report(rows, compute, args)
+    print(table)
+    with open(os.path.join(args.out_dir, "scaling.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.out_dir, "scaling.json"), "w") as f:
+        json.dump({
+            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "system", "measure", "link_interface")},
+            "compute_times_s": {str(world): times for world, times in compute.items()},
+            "rows": [dataclasses.asdict(row) | {"layout": str(row.layout)} for row in rows.values()],
+        }, f, indent=1)
+    plot(rows, compute, os.path.join(args.out_dir, "scaling.png"))
+
+
+def measure_all(args, layouts: list[Layout]) -> tuple[dict[tuple[str, Layout], Row], dict[int, list[float]]]:
+    runner = Runner(args)
+    rows: dict[tuple[str, Layout], Row] = {}
+    compute: dict[int, list[float]] = {}
+    try:
+        for layout in layouts:
+            if layout.world not in compute:  # the same on one node as on several: no communication
+                local = Layout(1, layout.world, None)
+                compute[layout.world] = runner.run(local, "compute")["times_s"]
+            for _ in range(args.repeats):
+                for system in args.systems:
+                    result = runner.run(layout, "time", system)
+                    row = rows.setdefault((system, layout), Row(system, layout, result["tokens_per_step"]))
+                    row.step_times += result["times_s"]
+                    row.link_bytes_per_step = result["link_bytes_per_step"]  # the same every repeat
+            for system in args.systems:
+                rows[(system, layout)].comm_times = runner.run(layout, "comm", system)["times_s"]
+            print(f"measured {layout}", file=sys.stderr, flush=True)
+    finally:
+        runner.close()
+    return rows, compute
+
+
+def report(rows: dict, compute: dict, args) -> str:
+    lines = [
+        f"GPT {args.model!r}, {args.batch} sequences per rank, {'reshard' if args.reshard else 'keep'} after "
+        f"forward, prefetch {args.prefetch}; {args.steps} timed steps x {args.repeats} repeats; "
+        f"{os.cpu_count()} cores shared by all ranks",
+        "",
+        "| layout | system | step time | tokens/s | scaling eff. | vs FSDP2 | inter-node MiB/step "
+        "| compute-only | comm-only | bound | step / bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (system, layout), row in rows.items():
+        single = rows.get((system, Layout(1, 1, None)))
+        fsdp2 = rows.get(("fsdp2", layout))
+        compute_s = median(compute[layout.world])
+        bound = max(compute_s, row.comm_s)
+        lines.append(
+            f"| {layout} | {system} | {row.step_s * 1e3:.0f} ms | {row.tokens_per_step / row.step_s:,.0f} "
+            f"| {f'{single.step_s / row.step_s:.2f}' if single else '-'} "
+            f"| {f'{row.step_s / fsdp2.step_s:.2f}' if fsdp2 else '-'} "
+            f"| {row.link_bytes_per_step / 2**20:.1f} | {compute_s * 1e3:.0f} ms | {row.comm_s * 1e3:.0f} ms "
+            f"| {bound * 1e3:.0f} ms | {row.step_s / bound:.2f} |"
+        )
+    target = Layout(2, 2, "1gbit")
+    if ("shardwire", target) in rows and ("fsdp2", target) in rows:
+        ours = rows[("shardwire", target)]
+        bound = max(median(compute[target.world]), ours.comm_s)
+        lines += ["", f"Targets, shardwire on {target}: step time {ours.step_s / rows[('fsdp2', target)].step_s:.2f} "
+                      f"x FSDP2's (target <= 0.8), {ours.step_s / bound:.2f} x the bound (target <= 1.15)."]
+    return "\n".join(lines)
+
+
+def plot(rows: dict, compute: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(dict.fromkeys(layout for _, layout in rows))
+    systems = list(dict.fromkeys(system for system, _ in rows))
+    width = 0.8 / len(systems)
+    fig, (times, efficiency, traffic) = plt.subplots(3, 1, figsize=(max(8, 1.6 * len(layouts)), 11), sharex=True)
+    for i, system in enumerate(systems):
+        at = [k + (i - (len(systems) - 1) / 2) * width for k in range(len(layouts))]
+        got = [rows.get((system, layout)) for layout in layouts]
+        times.bar(at, [r.step_s if r else 0 for r in got], width, label=system)
+        bounds = [max(median(compute[l.world]), r.comm_s) if r else float("nan") for l, r in zip(layouts, got)]
+        times.scatter(at, bounds, marker="_", s=300, color="black", zorder=3,
+                      label="bound: max(compute-only, comm-only)" if i == 0 else None)
+        single = rows.get((system, Layout(1, 1, None)))
+        efficiency.bar(at, [single.step_s / r.step_s if r and single else 0 for r in got], width, label=system)
+        traffic.bar(at, [r.link_bytes_per_step / 2**20 if r else 0 for r in got], width, label=system)
+    times.set_ylabel("step time (s)")
+    times.legend()
+    efficiency.set_ylabel("scaling efficiency\n(time/sample, 1 rank vs N)")
+    efficiency.axhline(1.0, color="gray", linewidth=0.8)
+    traffic.set_ylabel("inter-node MiB / step")
+    traffic.set_xticks(range(len(layouts)), [str(layout) for layout in layouts])
+    traffic.set_xlabel("layout: nodes x ranks per node @ link rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

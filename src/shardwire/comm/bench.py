@@ -1,0 +1,386 @@
+"""``shardwire bench``: what the network delivers to collectives, in the numbers nccl-tests prints,
+measured from Python with whatever backend torch.distributed has (NCCL on GPUs, gloo on CPUs).
+
+Run as is, it starts ``--nproc`` local workers through torch's elastic launcher; under torchrun
+(``torchrun --nnodes 4 --nproc-per-node 8 ... -m shardwire bench --groups world intra inter``) it
+measures the launcher's world. For each measured group and operation it sweeps sizes and prints
+nccl-tests' table (time, algbw, busbw, #wrong, out-of-place and in-place), then the operation's
+saturation summary and latency-bandwidth fit; ``--json``, ``--csv`` and ``--plot`` save the same.
+
+Groups: ``world`` is every rank; ``intra`` is each node's ranks among themselves (all nodes at
+once); ``inter`` is one rank per node, so that what crosses between nodes is measured alone. Which
+ranks share a node comes from torchrun's ``LOCAL_WORLD_SIZE``, or ``--ranks-per-node``.
+
+The pieces: ``bench_metrics`` (definitions of the numbers), ``bench_ops`` (the operations, their
+buffers and the expected results), ``bench_sweep`` (timing and combining ranks), ``bench_report``
+(table, JSON schema, CSV, plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+
+from shardwire.comm import bench_report as report
+from shardwire.comm.bench_metrics import COMBINE, OPS
+from shardwire.comm.bench_ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
+from shardwire.comm.bench_sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
+from shardwire.comm.groups import (
+    cross_node_members,
+    inter_node_group,
+    intra_node_group,
+    node_members,
+    node_topology,
+)
+from shardwire.comm.topology import Topology
+from shardwire.launch import launch_local, under_launcher
+
+GROUPS = ("world", "intra", "inter")
+_TRANSPORT_ENV = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_GLOO_", "FI_")
+
+
+class BenchError(Exception):
+    """Input the benchmark cannot run with, or an operation the backend cannot run; the message says
+    what to change."""
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    ops: list[str] = dataclasses.field(default_factory=lambda: list(OPS))
+    nproc: int = 2  # local processes when not run under torchrun
+    min_bytes: int = 1 << 10
+    max_bytes: int = 64 << 20
+    step_factor: int | None = None  # sizes grow by this factor (2 when neither is given) ...
+    step_bytes: int | None = None  # ... or by this many bytes
+    dtype: str = "float32"
+    redop: str = "sum"
+    root: int = 0
+    warmup: int = 5
+    iters: int = 20
+    blocking: bool = False
+    check: bool = False
+    combine: str = "max"
+    groups: list[str] = dataclasses.field(default_factory=lambda: ["world"])
+    ranks_per_node: int | None = None
+    impl: str = "torch"
+    backend: str = "auto"
+    timeout: float = 300.0
+    json: str | None = None
+    csv: str | None = None
+    plot: str | None = None
+
+    def __post_init__(self):
+        self.ops, self.groups = list(dict.fromkeys(self.ops)), list(dict.fromkeys(self.groups))
+
+    def sizes(self) -> list[int]:
+        if self.step_bytes is not None:
+            return sweep_sizes(self.min_bytes, self.max_bytes, step=self.step_bytes)
+        return sweep_sizes(self.min_bytes, self.max_bytes, factor=self.step_factor or 2)
+
+
+def parse_size(text: str) -> int:
+    """Bytes, with an optional binary suffix as nccl-tests takes them: 8, 64K, 128M, 1G (or 1GiB)."""
+    match = re.fullmatch(r"(\d+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes with an optional K, M, G or T, e.g. 64K")
+    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=d.ops, metavar="OP",
+                        help=f"operations to measure (default: all of {', '.join(OPS)})")
+    parser.add_argument("--nproc", type=int, default=d.nproc, help="local worker processes (ignored under torchrun)")
+    parser.add_argument("-b", "--min-bytes", type=parse_size, default=d.min_bytes, help="smallest size (default 1K)")
+    parser.add_argument("-e", "--max-bytes", type=parse_size, default=d.max_bytes, help="largest size (default 64M)")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("-f", "--step-factor", type=int, help="multiply the size by this between steps (default 2)")
+    step.add_argument("-i", "--step-bytes", type=parse_size, help="add this many bytes between steps instead")
+    parser.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    parser.add_argument("--redop", choices=REDOPS, default=d.redop,
+                        help="reduction of all_reduce, reduce_scatter and reduce")
+    parser.add_argument("--root", type=int, default=d.root,
+                        help="group rank that broadcast sends from and reduce reduces to")
+    parser.add_argument("-w", "--warmup", type=int, default=d.warmup, help="untimed operations per size")
+    parser.add_argument("-n", "--iters", type=int, default=d.iters, help="timed operations per size")
+    parser.add_argument("--blocking", action="store_true", help="wait for each operation before issuing the next")
+    parser.add_argument("--check", action="store_true",
+                        help="compare every output element with its known value (#wrong); exit 1 if any differs")
+    parser.add_argument("--combine", choices=COMBINE, default=d.combine, help="how ranks' times combine (default max)")
+    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=d.groups, metavar="GROUP",
+                        help="world: all ranks; intra: each node's ranks; inter: one rank per node (default world)")
+    parser.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
+                        help="ranks that share a node (default: torchrun's LOCAL_WORLD_SIZE)")
+    parser.add_argument("--impl", choices=["torch", "shardwire"], default=d.impl,
+                        help="shardwire: time all_gather and reduce_scatter as the engine runs them "
+                             "(shardwire.comm.collectives; point-to-point on gloo)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default=d.backend,
+                        help="auto: NCCL when CUDA is available, else gloo")
+    parser.add_argument("--timeout", type=float, default=d.timeout,
+                        help="seconds before a collective that does not complete is an error")
+    parser.add_argument("--json", metavar="PATH", help="save the results as JSON (schema: shardwire.comm.bench_report)")
+    parser.add_argument("--csv", metavar="PATH", help="save one CSV line per group, operation, size and form")
+    parser.add_argument("--plot", metavar="PATH", help="save busbw against size as a PNG")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``shardwire bench``: check the arguments, then launch local workers or be one."""
+    config = BenchConfig(**vars(args))
+    try:
+        if not under_launcher():
+            validate(config, world=config.nproc)
+            return launch_local(config.nproc, ["bench", *argv])
+        validate(config, world=int(os.environ["WORLD_SIZE"]))
+        return _worker(config)
+    except BenchError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def validate(config: BenchConfig, world: int) -> None:
+    """Refuse, with what to change, everything that can be known wrong before a process group exists."""
+    for name, least in (("warmup", 0), ("iters", 1), ("nproc", 1)):
+        if getattr(config, name) < least:
+            raise BenchError(f"--{name} must be at least {least}, got {getattr(config, name)}")
+    if config.timeout <= 0:
+        raise BenchError(f"--timeout must be positive, got {config.timeout:g}")
+    if config.min_bytes < 1:
+        raise BenchError("--min-bytes must be at least 1")
+    if config.min_bytes > config.max_bytes:
+        raise BenchError(f"--min-bytes ({config.min_bytes}) is larger than --max-bytes ({config.max_bytes})")
+    if config.step_factor is not None and config.step_factor < 2:
+        raise BenchError(f"--step-factor must be at least 2, got {config.step_factor}")
+    if config.step_bytes is not None and config.step_bytes < 1:
+        raise BenchError("--step-bytes must be at least 1")
+    try:
+        topo = node_topology(world, config.ranks_per_node)
+    except ValueError as err:
+        raise BenchError(f"{err}: give --ranks-per-node a divisor of {world}") from None
+    sizes = {name: len(groups[0]) for name, groups in _members(topo).items()}
+    for name in config.groups:
+        if sizes[name] < 2:
+            raise BenchError(
+                f"the {name} group would have {sizes[name]} rank ({topo.nodes} node(s) of {topo.ranks_per_node} "
+                f"ranks): it needs at least 2; change --groups, --nproc or --ranks-per-node"
+            )
+    smallest = min(sizes[name] for name in config.groups)
+    if not 0 <= config.root < smallest:
+        raise BenchError(f"--root must be a rank of every measured group: 0 to {smallest - 1}, got {config.root}")
+    reducing = [op for op in config.ops if OPERATIONS[op].reduces]
+    largest = max(sizes[name] for name in config.groups)
+    if config.check and config.redop == "sum" and reducing and largest > exact_sum_limit(DTYPES[config.dtype]):
+        raise BenchError(
+            f"--check cannot verify a sum over {largest} ranks exactly in {config.dtype} (exact up to "
+            f"{exact_sum_limit(DTYPES[config.dtype])}): use a wider --dtype or leave {', '.join(reducing)} out of --ops"
+        )
+    if config.impl == "shardwire" and config.redop != "sum" and "reduce_scatter" in config.ops:
+        raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
+    if config.backend == "nccl" and not torch.cuda.is_available():
+        raise BenchError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+    if int(os.environ.get("RANK", "0")) == 0:  # the rank that saves them
+        for option in ("json", "csv", "plot"):
+            path = getattr(config, option)
+            if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise BenchError(f"--{option} {path}: the directory {os.path.dirname(os.path.abspath(path))} "
+                                 f"does not exist")
+
+
+def _members(topo: Topology) -> dict[str, list[list[int]]]:
+    """The ranks of each kind of group (intra: one group per node)."""
+    return {"world": [list(range(topo.world))], "intra": node_members(topo), "inter": [cross_node_members(topo)]}
+
+
+def _worker(config: BenchConfig) -> int:
+    device = _device(config.backend)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=config.timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
+    status = measure_and_report(config, device)
+    dist.destroy_process_group()
+    return status
+
+
+def measure_and_report(config: BenchConfig, device: torch.device) -> int:
+    """Run the benchmark in the default process group, print it, save what was asked (rank 0);
+    returns the exit status: 1 when an output element was wrong, else 0."""
+    results = benchmark(config, device, out=sys.stdout)
+    wrong = sum(result.wrong for result in results.ops)
+    if dist.get_rank() == 0:
+        _save(config, results)
+        if wrong:
+            print(f"error: {wrong} output elements differ from their expected values (the #wrong columns)",
+                  file=sys.stderr)
+    return 1 if wrong else 0
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+@dataclasses.dataclass
+class BenchResults:
+    context: dict
+    ops: list[OpResult]
+
+
+def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = None) -> BenchResults:
+    """Measure every operation of ``config`` on every measured group, in the default process group.
+
+    Every rank calls this and gets all the results; rank 0 prints them to ``out`` as they come.
+    Raises ``BenchError`` when the backend cannot run an operation as asked.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = node_topology(world, config.ranks_per_node)
+    contexts = _contexts(config, topo, device)
+    context = _describe(config, topo, contexts, device)
+    show = out is not None and rank == 0
+
+    def say(line: str) -> None:
+        if show:
+            print(line, file=out, flush=True)
+
+    for line in report.header_lines(context):
+        say(line)
+    world_ctx = contexts.get("world") or _context(config, dist.group.WORLD, tuple(range(world)), device)
+    failure = first_failure([OPERATIONS[op] for op in config.ops], world_ctx)
+    if failure is not None:
+        raise BenchError(f"{failure}; where the backend lacks it, choose another --dtype or --redop, "
+                         f"or leave the operation out of --ops")
+
+    settings = SweepSettings(warmup=config.warmup, iters=config.iters, blocking=config.blocking,
+                             check=config.check, combine=config.combine)
+    sizes = context["settings"]["sizes"]
+    results = [
+        _measure(OPERATIONS[op], sizes, group, ctx, config, settings, say)
+        for group, ctx in contexts.items()
+        for op in config.ops
+    ]
+    return BenchResults(context, results)
+
+
+def _measure(operation: type[Operation], sizes: list[int], group: str, ctx: OpContext, config: BenchConfig,
+             settings: SweepSettings, say: Callable[[str], None]) -> OpResult:
+    """Sweep one operation on one group, printing each row as it is measured."""
+    result = OpResult(group=group, ranks=ctx.size, op=operation.name, dtype=config.dtype,
+                      redop=config.redop if operation.reduces else None,
+                      root=config.root if operation.rooted else None, placement=operation.forms[0])
+    align = ctx.dtype.itemsize * (ctx.size if operation.split else 1)
+    sizes, rounded = aligned_sizes(sizes, align)
+    say("#")
+    if rounded:
+        say(report.rounding_note(align, operation.split, rounded))
+    for line in report.table_head(result):
+        say(line)
+    for row in sweep(operation, [size // ctx.dtype.itemsize for size in sizes], ctx, settings):
+        result.rows.append(row)
+        say(report.format_row(result, row))
+    for line in report.summary_lines(result):
+        say(line)
+    return result
+
+
+def _contexts(config: BenchConfig, topo: Topology, device: torch.device) -> dict[str, OpContext]:
+    """This rank's view of each measured group, created in the same order on every rank.
+
+    ``inter`` comes last on purpose: ranks outside it skip its operations, and shardwire's
+    point-to-point collectives number their messages by how many each rank has issued, so any
+    collective measured after it would pair mismatched messages.
+    """
+    make_group = {"world": lambda _: dist.group.WORLD, "intra": intra_node_group, "inter": inter_node_group}
+    contexts = {}
+    for name, groups in _members(topo).items():
+        if name in config.groups:
+            group = make_group[name](topo)
+            mine = next((ranks for ranks in groups if dist.get_rank() in ranks), groups[0])
+            contexts[name] = _context(config, group, tuple(mine), device)
+    return contexts
+
+
+def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[int, ...],
+             device: torch.device) -> OpContext:
+    me = dist.get_rank()
+    return OpContext(
+        group=group if me in ranks else None,
+        ranks=ranks,
+        rank=ranks.index(me) if me in ranks else None,
+        device=device,
+        dtype=DTYPES[config.dtype],
+        redop=config.redop,
+        root=config.root,
+        impl=config.impl,
+        timeout=datetime.timedelta(seconds=config.timeout),
+    )
+
+
+def _describe(config: BenchConfig, topo: Topology, contexts: dict[str, OpContext], device: torch.device) -> dict:
+    """The run's context for the report's header and JSON: world, machines, versions, settings."""
+    places = [None] * topo.world
+    dist.all_gather_object(places, (socket.gethostname(), _device_name(device)))
+    members = _members(topo)
+    return {
+        "world": topo.world,
+        "nodes": topo.nodes,
+        "ranks_per_node": topo.ranks_per_node,
+        "backend": str(dist.get_backend()),
+        "devices": dict(collections.Counter(name for _, name in places)),
+        "hosts": sorted({host for host, _ in places}),
+        "torch": torch.__version__,
+        "nccl": _nccl_version(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_TRANSPORT_ENV)},
+        "groups": {name: {"ranks": ctx.size, "members": members[name]} for name, ctx in contexts.items()},
+        "settings": {
+            "ops": config.ops, "dtype": config.dtype, "redop": config.redop, "root": config.root,
+            "impl": config.impl, "warmup": config.warmup, "iters": config.iters, "blocking": config.blocking,
+            "check": config.check, "combine": config.combine, "sizes": config.sizes(),
+        },
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        model = None
+    return f"cpu ({model or platform.machine()})"
+
+
+def _nccl_version() -> str | None:
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _save(config: BenchConfig, results: BenchResults) -> None:
+    outputs = [
+        (config.json, lambda: json.dumps(report.document(results.context, results.ops), indent=2) + "\n"),
+        (config.csv, lambda: report.csv_text(results.ops)),
+        (config.plot, lambda: report.plot_png(results.ops)),
+    ]
+    for path, render in outputs:
+        if path is not None:
+            report.write_atomically(path, render())
+            print(f"# saved {path}", flush=True)

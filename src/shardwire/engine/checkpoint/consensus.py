@@ -1,0 +1,66 @@
+"""Ranks agreeing on the outcome of each phase of a save or a load.
+
+Ranks write and read different files, so one rank can fail where the others succeed: a full disk, a
+corrupted shard only it reads. If it simply raised, the others would wait for it in their next
+collective until the timeout, or, worse, go on training a model that was only partly loaded. So each
+phase ends with every rank sharing its outcome, and if any rank failed, every rank raises the same
+error, which names each failed rank and its reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardwire.comm import collectives
+from shardwire.engine.checkpoint.format import CheckpointError
+from shardwire.engine.runtime import Engine
+
+T = TypeVar("T")
+
+
+def all_gather_json(value, engine: Engine, *, tag: str) -> list:
+    """Every rank's JSON-serializable ``value``, in rank order."""
+    group, device = engine.group, engine.device
+    world = dist.get_world_size(group)
+    payload = json.dumps(value).encode()
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    collectives.all_gather(lengths, mine, group, tag=f"{tag} (sizes)", timeout=engine.timeout).wait()
+    lengths = lengths.tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    everyone = torch.empty(world * len(padded), dtype=torch.uint8, device=device)
+    collectives.all_gather(everyone, padded.to(device), group, tag=tag, timeout=engine.timeout).wait()
+    rows = everyone.view(world, -1).cpu().numpy()
+    return [json.loads(row[:length].tobytes()) for row, length in zip(rows, lengths)]
+
+
+def on_every_rank(engine: Engine, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``'s result, once it has succeeded on every rank; otherwise the same ``CheckpointError``
+    on every rank, naming ``what`` failed, on which ranks and why."""
+    error = None
+    try:
+        result = fn()
+    except Exception as err:  # whatever it is, the other ranks must hear of it or they would hang
+        error = err
+    reasons = all_gather_json(None if error is None else _describe(error), engine, tag=what)
+    ranks_by_reason: dict[str, list[int]] = {}
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            ranks_by_reason.setdefault(reason, []).append(rank)
+    if ranks_by_reason:
+        detail = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reason}"
+            for reason, ranks in ranks_by_reason.items()
+        )
+        raise CheckpointError(f"{what} failed on {detail}") from error
+    return result
+
+
+def _describe(error: Exception) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"

@@ -1,0 +1,157 @@
+"""``load_checkpoint``: restore a sharded model and its optimizer from a checkpoint of any world size.
+
+Each rank computes the range it owns of every flat buffer at the current world size and reads the
+overlapping parts of the old ranks' files (save at 4, load at 3: re-slicing the same flat buffers).
+Nothing is modified until every rank has read and verified all it needs: a load either completes
+on every rank or changes nothing anywhere.
+
+RNG states are per rank: at the world size the checkpoint was saved at, each rank gets its own back,
+so a resumed run draws the same random numbers (dropout masks) as an uninterrupted one. At another
+world size the ranks are different processes with different roles, and no old rank's stream is the
+right one for a new rank; the RNG states are then left as they are (``CheckpointInfo.rng_restored``
+says which happened), and a run that needs reproducible randomness there seeds it from the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwire.engine.checkpoint import optim, series
+from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
+from shardwire.engine.checkpoint.format import (
+    REPLICATED,
+    CheckpointError,
+    FlatRecord,
+    buffer_key,
+    buffer_records,
+    first_difference,
+    param_key,
+    rank_file,
+    rng_key,
+)
+from shardwire.engine.checkpoint.reader import CheckpointReader
+from shardwire.engine.checkpoint.save import finish_pending_save
+from shardwire.engine.runtime import Engine
+from shardwire.engine.shard import engine_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    path: pathlib.Path
+    step: int | None
+    extra: object
+    world_size: int  # the world size it was saved at
+    rng_restored: bool  # True at the saving world size only
+
+
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> CheckpointInfo:
+    """Restore parameters, buffers, optimizer state and RNG states from the checkpoint at ``path``.
+
+    Every rank must call it, with the model sharded as it was when saved (same units), at any world
+    size. A checkpoint that is incomplete, corrupted (every file read is checked against the sha256
+    in the manifest) or from a different model raises a ``CheckpointError`` on every rank naming the
+    file and the reason, and leaves the model and optimizer untouched.
+    """
+    finish_pending_save()
+    engine = engine_of(model)
+    path = pathlib.Path(path)
+    staged = on_every_rank(
+        engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer)
+    )
+    staged.apply(engine, model, optimizer)
+    return staged.info
+
+
+def load_latest_checkpoint(
+    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> CheckpointInfo | None:
+    """Load the newest good checkpoint of the series in ``directory``; None if it holds none.
+
+    A checkpoint that cannot be loaded is skipped with a warning saying why, and the one before it is
+    tried. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with each
+    one's reason rather than return None: starting over would let new saves prune the old ones.
+    """
+    finish_pending_save()
+    engine = engine_of(model)
+    candidates = [path.name for path in series.list_checkpoints(directory)]
+    if any(names != candidates for names in all_gather_json(candidates, engine, tag="checkpoint list")):
+        raise CheckpointError(
+            f"ranks see different checkpoints in {directory}: it must be on storage that every rank sees"
+        )
+    reasons = []
+    for name in reversed(candidates):
+        path = pathlib.Path(directory) / name
+        try:
+            return load_checkpoint(path, model, optimizer)
+        except CheckpointError as err:
+            reasons.append(f"{name}: {err}")
+            if dist.get_rank(engine.group) == 0:
+                log.warning("cannot resume from %s, skipping it: %s", path, err)
+    if reasons:
+        raise CheckpointError(f"no checkpoint in {directory} can be loaded: " + "; ".join(reasons))
+    return None
+
+
+@dataclasses.dataclass
+class _Staged:
+    """Everything this rank will restore, read and verified but not yet applied."""
+
+    info: CheckpointInfo
+    shards: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    optimizer_state: dict | None
+    rng: dict[str, torch.Tensor]
+
+    @classmethod
+    def read(cls, path: pathlib.Path, engine: Engine, model: nn.Module, optimizer) -> "_Staged":
+        rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+        with CheckpointReader(path) as reader:
+            manifest = reader.manifest
+            here = [FlatRecord(flat.name, flat.layout, None) for flat in engine.flats]
+            difference = first_difference(manifest, here, buffer_records(engine, model))
+            if difference is not None:
+                raise CheckpointError(f"{path} was saved from a different model: {difference}")
+            reader.check_complete()
+            shards = {}
+            for saved, flat in zip(manifest.flats, engine.flats):
+                start, stop = flat.layout.shard_range(rank)
+                shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.layout.dtype)
+            buffers = {b.name: reader.tensor(REPLICATED, buffer_key(b.name)) for b in manifest.buffers}
+            state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, rank)
+            rng = {}
+            if manifest.world_size == world:
+                rng["cpu"] = reader.tensor(rank_file(rank), rng_key("cpu"))
+                if engine.device.type == "cuda" and rng_key("cuda") in reader.keys(rank_file(rank)):
+                    rng["cuda"] = reader.tensor(rank_file(rank), rng_key("cuda"))
+        info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
+        return cls(info, shards, buffers, state, rng)
+
+    def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
+        copy_into_model(engine, model, self.shards, self.buffers)
+        if optimizer is not None:
+            optimizer.load_state_dict(self.optimizer_state)
+        if "cpu" in self.rng:
+            torch.set_rng_state(self.rng["cpu"])
+        if "cuda" in self.rng:
+            torch.cuda.set_rng_state(self.rng["cuda"], engine.device)
+
+
+@torch.no_grad()
+def copy_into_model(engine: Engine, model: nn.Module, shards: dict[str, torch.Tensor],
+                    buffers: dict[str, torch.Tensor]) -> None:
+    """Overwrite each flat buffer's shard on this rank, and the buffers, with host tensors."""
+    for flat in engine.flats:
+        flat.shard.copy_(shards[flat.name])
+    for name, value in buffers.items():
+        model.get_buffer(name).copy_(value)

@@ -1,0 +1,150 @@
+"""Plain state dict files: exporting a checkpoint for use without shardwire, and importing one.
+
+An export holds the unsharded model's ``state_dict()``: the same keys, full tensors, nothing about
+shards or world sizes. As a ``torch.save`` file it loads with ``model.load_state_dict(torch.load(f))``;
+tied weights (the GPT's embedding and output head) are one tensor under both names, as PyTorch
+saves them. safetensors refuses tensors that share memory, so a ``.safetensors`` export stores each
+tied weight once, under its first name, and ``safetensors.torch.load_model(model, f)`` restores the
+tie; that is the library's documented way of loading shared weights.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from shardwire.engine.checkpoint.consensus import on_every_rank
+from shardwire.engine.checkpoint.format import (
+    REPLICATED,
+    CheckpointError,
+    buffer_key,
+    buffer_records,
+    new_token,
+    param_key,
+    temporary_name,
+)
+from shardwire.engine.checkpoint.load import copy_into_model
+from shardwire.engine.checkpoint.reader import CheckpointReader
+from shardwire.engine.checkpoint.save import write_durably
+from shardwire.engine.shard import engine_of
+
+
+def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
+    """Write the full weights of a checkpoint as a plain state dict file; returns its path.
+
+    ``output`` ending in ``.safetensors`` gives a safetensors file, anything else a ``torch.save``
+    file. It runs in one process, with no process group, from a checkpoint of any world size; every
+    file it reads is verified against the manifest, and ``output`` appears only once complete.
+    """
+    with CheckpointReader(checkpoint) as reader:
+        state = _full_state_dict(reader)
+    output = pathlib.Path(output)
+    if output.suffix == ".safetensors":
+        data = safetensors.torch.save(_each_tensor_once(state), metadata={"format": "pt"})
+    else:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+    staging = output.with_name(temporary_name(output.name, new_token()))
+    write_durably(staging, data)
+    staging.replace(output)
+    return output
+
+
+def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load a plain state dict file (``torch.save`` or safetensors) into a sharded model.
+
+    Every rank must call it and keeps only the slices of its own shards. The file must hold every
+    parameter and buffer of the unsharded model with its shape, and nothing else; a tied weight may
+    be stored under any of its names. A file that does not fit raises a ``CheckpointError`` on every
+    rank and changes nothing.
+    """
+    engine = engine_of(model)
+    path = pathlib.Path(path)
+    shards, buffers = on_every_rank(engine, f"importing {path}", lambda: _read_shards(path, engine, model))
+    copy_into_model(engine, model, shards, buffers)
+
+
+def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    manifest = reader.manifest
+    values: dict[str, torch.Tensor] = {}
+    for flat in manifest.flats:
+        layout = flat.layout
+        full = reader.flat_range(flat, param_key(flat.name), 0, layout.numel, layout.dtype)
+        for slot, view in zip(layout.slots, layout.views(full)):
+            values.update(dict.fromkeys(slot.names, view.clone()))
+    for buffer in manifest.buffers:
+        values[buffer.name] = reader.tensor(REPLICATED, buffer_key(buffer.name))
+    return {key: values[key] for key in manifest.state_dict_keys}
+
+
+def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        unique.setdefault(id(value), (key, value))
+    return dict(unique.values())
+
+
+def _read_shards(path: pathlib.Path, engine, model: nn.Module):
+    rank = dist.get_rank(engine.group)
+    source = _StateDictFile(path)
+    buffers = buffer_records(engine, model)
+    expected = {name for flat in engine.flats for slot in flat.layout.slots for name in slot.names}
+    unexpected = sorted(source.keys() - expected - {b.name for b in buffers})
+    if unexpected:
+        raise CheckpointError(f"{path}: holds {', '.join(map(repr, unexpected[:3]))}, which this model does not have")
+    shards = {}
+    for flat in engine.flats:
+        start, stop = flat.layout.shard_range(rank)
+        shard = torch.zeros(stop - start, dtype=flat.layout.dtype)
+        for slot in flat.layout.slots:
+            key = next((name for name in slot.names if name in source.keys()), None)
+            if key is None:
+                raise CheckpointError(f"{path}: has no {slot.names[0]!r}")
+            tensor = source.tensor(key, slot.shape)
+            lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+            if lo < hi:
+                shard[lo - start : hi - start] = tensor.reshape(-1)[lo - slot.offset : hi - slot.offset]
+        shards[flat.name] = shard
+    missing = [b.name for b in buffers if b.name not in source.keys()]
+    if missing:
+        raise CheckpointError(f"{path}: has no {missing[0]!r}")
+    return shards, {b.name: source.tensor(b.name, b.shape) for b in buffers}
+
+
+class _StateDictFile:
+    """A state dict file, read lazily: safetensors by slices, torch.save files memory-mapped."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such file")
+        try:
+            if path.suffix == ".safetensors":
+                self._file = safe_open(str(path), framework="pt", device="cpu")
+                self._keys = set(self._file.keys())
+            else:
+                self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, RuntimeError, pickle.UnpicklingError, safetensors.SafetensorError) as err:
+            raise CheckpointError(f"{path}: not a readable state dict file ({err})") from None
+        if path.suffix != ".safetensors":
+            if not isinstance(self._state, dict) or not all(isinstance(v, torch.Tensor) for v in self._state.values()):
+                raise CheckpointError(f"{path}: holds a {type(self._state).__name__}, not a state dict of tensors")
+            self._keys = set(self._state)
+
+    def keys(self) -> set[str]:
+        return self._keys
+
+    def tensor(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self._file.get_tensor(key) if self.path.suffix == ".safetensors" else self._state[key]
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: {key!r} has shape {tuple(tensor.shape)}, the model {tuple(shape)}")
+        return tensor

@@ -1,0 +1,117 @@
+"""Reading a checkpoint: each file verified against the manifest before its first use, and flat buffers
+re-sliced for any world size.
+
+A rank at the loading world size owns a range of each flat buffer that generally spans parts of
+several old ranks' shards (save at 4, load at 3: new rank 1 owns the second third, which is the end
+of old rank 1's shard and the start of old rank 2's). ``flat_range`` assembles any range from those
+parts, reading only the overlapping slices of the files that hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import pathlib
+
+import torch
+from safetensors import safe_open
+
+from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, FileRecord, FlatRecord, Manifest, rank_file
+
+_HASH_CHUNK = 1 << 24
+
+
+class CheckpointReader:
+    """A checkpoint opened for reading. Use as a context manager; it closes the files it opened."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        self.directory = pathlib.Path(directory)
+        self.manifest = Manifest.read(self.directory)
+        self._records = {record.name: record for record in self.manifest.files}
+        self._files: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def check_complete(self) -> None:
+        """Every file the manifest lists is present with its recorded size (no reading: cheap).
+
+        Each rank verifies the checksums of the files it reads; this catches a missing or truncated
+        file that no rank happens to read, since a checkpoint is loaded whole or not at all.
+        """
+        for record in self.manifest.files:
+            self._check_size(record)
+
+    def keys(self, file: str) -> list[str]:
+        return self._open(file).keys()
+
+    def tensor(self, file: str, key: str) -> torch.Tensor:
+        return self._holding(file, key).get_tensor(key)
+
+    def flat_range(self, flat: FlatRecord, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements [start, stop) of a flat buffer, from the shards the old ranks saved under ``key``.
+
+        ``start`` and ``stop`` may lie anywhere in the buffer padded for another world size; the
+        padding, beyond the parameters' elements, reads as zeros.
+        """
+        layout = flat.layout
+        out = torch.zeros(stop - start, dtype=dtype)
+        data_stop = min(stop, layout.numel)
+        for old_rank in range(layout.world_size):
+            shard_start, shard_stop = layout.shard_range(old_rank)
+            lo, hi = max(start, shard_start), min(data_stop, shard_stop)
+            if lo >= hi:
+                continue
+            file = rank_file(old_rank)
+            piece = self._holding(file, key).get_slice(key)
+            if piece.get_shape() != [layout.shard_numel]:
+                raise CheckpointError(
+                    f"{self.directory / file}: {key!r} has shape {piece.get_shape()} where the manifest "
+                    f"implies [{layout.shard_numel}]"
+                )
+            out[lo - start : hi - start] = piece[lo - shard_start : hi - shard_start]
+        return out
+
+    def _holding(self, file: str, key: str):
+        """The open (verified) ``file``, which must hold ``key``."""
+        handle = self._open(file)
+        if key not in handle.keys():
+            raise CheckpointError(f"{self.directory / file}: has no tensor {key!r}, which the manifest implies")
+        return handle
+
+    def _open(self, name: str):
+        if name not in self._files:
+            record = self._records.get(name)
+            if record is None:
+                raise CheckpointError(f"{self.directory / MANIFEST}: lists no file {name!r}")
+            self._verify(record)
+            path = self.directory / name
+            self._files[name] = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        return self._files[name]
+
+    def _check_size(self, record: FileRecord) -> None:
+        path = self.directory / record.name
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path}: missing (the manifest lists it with {record.nbytes} bytes); the checkpoint is incomplete"
+            )
+        size = path.stat().st_size
+        if size != record.nbytes:
+            what = "truncated" if size < record.nbytes else "longer than written"
+            raise CheckpointError(
+                f"{path}: {size} bytes where the manifest records {record.nbytes}: the file is {what}"
+            )
+
+    def _verify(self, record: FileRecord) -> None:
+        self._check_size(record)
+        path = self.directory / record.name
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+        if digest.hexdigest() != record.sha256:
+            raise CheckpointError(f"{path}: its sha256 differs from the manifest's: the file is corrupted")

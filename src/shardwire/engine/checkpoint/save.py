@@ -1,0 +1,279 @@
+"""``save_checkpoint``: every rank writes its own shards, and a checkpoint appears only when complete.
+
+A save runs in three phases, each ending with the ranks agreeing that it succeeded everywhere:
+
+1. snapshot: copy this rank's shards, per-element optimizer state and RNG states to host memory
+   (rank 0 also the buffers and the scalar optimizer state), describe the model for the manifest,
+   and agree on a temporary directory beside the target, ``<name>.tmp-<random>``;
+2. write: serialize this rank's file into that directory, flush and fsync it, note its size and
+   sha256. With ``asynchronous=True`` this runs on a background thread while training goes on: the
+   snapshot is the point in time saved;
+3. commit (in ``wait()``, which the next save or load calls if the user did not): the ranks exchange
+   their file records, which is when every file is known to be complete. Rank 0 then writes the
+   manifest, fsyncs it and the directory, renames the directory to its final name, fsyncs the parent,
+   and with ``keep`` deletes the oldest checkpoints of the series. Collectives run only here and in
+   the snapshot, on the calling thread, never on the writer thread.
+
+A crash at any moment before the rename leaves a temporary directory that no loader looks at (the
+next successful save deletes it) and every earlier checkpoint as it was. Replacing an existing
+checkpoint renames the old one aside first, so the target name only ever holds a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import threading
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwire.engine.checkpoint import optim, series
+from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
+from shardwire.engine.checkpoint.format import (
+    MANIFEST,
+    REPLICATED,
+    CheckpointError,
+    FileRecord,
+    FlatRecord,
+    Manifest,
+    buffer_key,
+    buffer_records,
+    is_temporary,
+    new_token,
+    param_key,
+    rank_file,
+    rng_key,
+    temporary_name,
+)
+from shardwire.engine.runtime import Engine
+from shardwire.engine.shard import engine_of
+
+_in_flight: "PendingCheckpoint | None" = None
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra=None,
+    keep: int | None = None,
+    asynchronous: bool = False,
+) -> "PendingCheckpoint":
+    """Save a sharded model (and its optimizer) as a checkpoint directory at ``path``.
+
+    Every rank must call it; each writes its own shards, in parallel. ``path`` must be on storage
+    every rank sees. The checkpoint becomes visible only once complete: until then, and after a crash
+    at any moment, ``path`` holds whatever it held before. An existing checkpoint at ``path`` is
+    replaced.
+
+    Args:
+        step: the training step, returned by ``load_checkpoint``; it is also the data position of
+            loaders that are a function of the step (``shardwire.data.ByteCorpus.batch``).
+        extra: anything else to restore (a scheduler's ``state_dict()``, a data loader's position),
+            JSON-serializable; rank 0's is saved.
+        keep: for a checkpoint of a series (``checkpoint_path(directory, step)``), delete the oldest
+            earlier checkpoints of the series once this one is visible, so that ``keep`` remain.
+        asynchronous: return once the state is copied to host memory and write it in the
+            background; call ``wait()`` on the result (every rank) to make it visible. The next
+            ``save_checkpoint`` or ``load_checkpoint`` waits for it, so one save is in flight at most.
+
+    Returns the ``PendingCheckpoint``, already visible unless ``asynchronous``.
+    """
+    finish_pending_save()
+    engine = engine_of(model)
+    target = pathlib.Path(path)
+    snapshot = on_every_rank(
+        engine, f"saving checkpoint {target}",
+        lambda: _Snapshot.take(target, engine, model, optimizer, step, extra, keep),
+    )
+    token = all_gather_json(new_token(), engine, tag="checkpoint name")[0]
+    pending = PendingCheckpoint(target, engine, snapshot, token, keep)
+    if asynchronous:
+        global _in_flight
+        _in_flight = pending
+        pending._write_in_background()
+    else:
+        pending._write()
+        pending.wait()
+    return pending
+
+
+def finish_pending_save() -> None:
+    """Make the asynchronous save in flight, if any, visible (every rank must call it)."""
+    if _in_flight is not None:
+        _in_flight.wait()
+
+
+class PendingCheckpoint:
+    """A checkpoint being written. ``wait()`` (on every rank) commits it once every rank's files are
+    complete, and raises the error of any rank that failed to write its files."""
+
+    def __init__(self, path: pathlib.Path, engine: Engine, snapshot: "_Snapshot", token: str, keep: int | None):
+        self.path = path
+        self._engine = engine
+        self._snapshot = snapshot
+        self._staging = path.with_name(temporary_name(path.name, token))
+        self._keep = keep
+        self._written: list[FileRecord] | None = None
+        self._error: Exception | None = None
+        self._writer: threading.Thread | None = None
+        self._done = False
+
+    def wait(self) -> None:
+        global _in_flight
+        if self._done:
+            return
+        self._done = True
+        if _in_flight is self:
+            _in_flight = None
+        if self._writer is not None:
+            self._writer.join()
+        engine = self._engine
+        mine = on_every_rank(engine, f"writing checkpoint {self.path}", self._written_files)
+        records = [FileRecord(**r) for rank in all_gather_json(mine, engine, tag="checkpoint files") for r in rank]
+        is_rank0 = dist.get_rank(engine.group) == 0
+        on_every_rank(
+            engine, f"publishing checkpoint {self.path}", lambda: self._publish(records) if is_rank0 else None
+        )
+        self._snapshot = None  # release the host copies
+
+    def _write_in_background(self) -> None:
+        self._writer = threading.Thread(target=self._write, name=f"writing {self.path.name}")
+        self._writer.start()
+
+    def _write(self) -> None:
+        try:
+            self._written = self._snapshot.write(self._staging)
+        except Exception as err:  # reported to every rank in wait()
+            self._error = err
+
+    def _written_files(self) -> list[dict]:
+        if self._error is not None:
+            raise self._error
+        return [dataclasses.asdict(record) for record in self._written]
+
+    def _publish(self, records: list[FileRecord]) -> None:
+        """Rank 0: write the manifest into the finished directory and give it its final name."""
+        staging, target = self._staging, self.path
+        for record in records:
+            size = (staging / record.name).stat().st_size if (staging / record.name).is_file() else None
+            if size != record.nbytes:
+                raise CheckpointError(
+                    f"{staging / record.name}: written by a rank but not seen here with its {record.nbytes} "
+                    f"bytes: the checkpoint directory must be on storage that every rank sees"
+                )
+        manifest = dataclasses.replace(self._snapshot.manifest, files=records)
+        write_durably(staging / MANIFEST, manifest.to_json().encode())
+        _fsync_directory(staging)
+        if target.exists():
+            replaced = target.with_name(temporary_name(target.name, new_token()))
+            target.rename(replaced)
+            staging.rename(target)
+            shutil.rmtree(replaced)
+        else:
+            staging.rename(target)
+        _fsync_directory(target.parent)
+        if self._keep is not None:
+            series.prune(target, self._keep)
+        for leftover in target.parent.iterdir():
+            if is_temporary(leftover.name):  # from saves that crashed: nothing else is in flight
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """One rank's part of a checkpoint, copied to host memory: what it writes, and the manifest."""
+
+    rank: int
+    tensors: dict[str, torch.Tensor]  # this rank's file
+    replicated: dict[str, torch.Tensor]  # written by rank 0
+    manifest: Manifest  # the same on every rank; rank 0 completes it with the file records
+
+    @classmethod
+    def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
+        _check_target(target, keep)
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(
+                f"extra must be JSON-serializable (dicts, lists, strings, numbers): {err}"
+            ) from None
+        rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+        tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats}
+        tensors[rng_key("cpu")] = torch.get_rng_state()
+        if engine.device.type == "cuda":
+            tensors[rng_key("cuda")] = torch.cuda.get_rng_state(engine.device)
+        buffers = buffer_records(engine, model)
+        replicated = {buffer_key(b.name): _host_copy(model.get_buffer(b.name)) for b in buffers}
+        kinds, optimizer_record = {}, None
+        if optimizer is not None:
+            state = optim.capture(engine, optimizer, _host_copy)
+            tensors.update(state.per_element)
+            replicated.update(state.scalars)
+            kinds, optimizer_record = state.kinds, state.record
+        manifest = Manifest(
+            step=step,
+            world_size=world,
+            flats=[FlatRecord(flat.name, flat.layout, kinds.get(flat.name)) for flat in engine.flats],
+            buffers=buffers,
+            state_dict_keys=list(engine.state_dict_keys),
+            optimizer=optimizer_record,
+            extra=extra,
+            files=[],
+        )
+        return cls(rank, tensors, replicated if rank == 0 else {}, manifest)
+
+    def write(self, directory: pathlib.Path) -> list[FileRecord]:
+        directory.mkdir(parents=True, exist_ok=True)
+        files = {rank_file(self.rank): self.tensors}
+        if self.rank == 0:
+            files[REPLICATED] = self.replicated
+        records = []
+        for name, tensors in files.items():
+            data = safetensors.torch.save(tensors)
+            write_durably(directory / name, data)
+            records.append(FileRecord.of(name, data))
+        return records
+
+
+def _check_target(target: pathlib.Path, keep: int | None) -> None:
+    if target.exists() and not (target / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{target} exists and is not a shardwire checkpoint; choose another path (nothing there is replaced)"
+        )
+    if keep is not None:
+        if series.step_of(target) is None:
+            raise CheckpointError(
+                f"keep applies to a series of checkpoints, and {target} is not named like one: "
+                f"save to shardwire.checkpoint_path(directory, step)"
+            )
+        if keep < 1:
+            raise CheckpointError(f"keep must be at least 1 (this checkpoint), got {keep}")
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def write_durably(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_directory(path: pathlib.Path) -> None:
+    """Make the directory's entries (names created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,53 @@
+"""A series of checkpoints in one directory, one per saved step: their names, and keeping the newest.
+
+``checkpoint_path(directory, step)`` names them ``step_00000400``; zero-padding makes the names sort
+by step. Only complete checkpoints carry such a name: one being written, or hidden before deletion,
+has a temporary name beside it, which nothing here lists.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+
+from shardwire.engine.checkpoint.format import MANIFEST, new_token, temporary_name
+
+_STEP_NAME = re.compile(r"step_(\d+)")
+
+
+def checkpoint_path(directory: str | pathlib.Path, step: int) -> pathlib.Path:
+    """Where the series in ``directory`` keeps the checkpoint of ``step``."""
+    return pathlib.Path(directory) / f"step_{step:08d}"
+
+
+def step_of(path: pathlib.Path) -> int | None:
+    """The step of a series checkpoint path, or None for a name outside the series."""
+    match = _STEP_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
+    """The series' checkpoints in ``directory``, oldest first (none if it does not exist)."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [path for path in directory.iterdir() if path.is_dir() and step_of(path) is not None]
+    return sorted(found, key=step_of)
+
+
+def prune(newest: pathlib.Path, keep: int) -> None:
+    """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it.
+
+    Checkpoints of later steps (left by a run that resumed from an earlier one) are not counted or
+    touched. Each is first renamed to a temporary name, so a crash while deleting never leaves a
+    half-deleted checkpoint under a checkpoint's name.
+    """
+    older = [
+        path for path in list_checkpoints(newest.parent)
+        if step_of(path) < step_of(newest) and (path / MANIFEST).is_file()
+    ]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        hidden = path.with_name(temporary_name(path.name, new_token()))
+        path.rename(hidden)
+        shutil.rmtree(hidden)

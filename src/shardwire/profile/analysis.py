@@ -1,0 +1,87 @@
+"""Where a step went: one rank's breakdown of a step, and the same figures across ranks.
+
+Definitions (all by interval arithmetic over one step's spans):
+
+* compute: the training thread's time in the step that is not spent waiting for a collective
+  (on CUDA: the compute stream's time outside its stalls on communication);
+* forward / backward / clip / optimizer: the compute inside each phase; ``other`` is the rest of
+  the compute (the loss, zero_grad, the user's own code inside the step);
+* wait: the time compute spent waiting for collectives;
+* comm: the time at least one collective was in flight (per operation: all_gather, reduce_scatter,
+  all_reduce);
+* exposed comm: the part of comm during which compute was not running;
+* overlap ratio: the share of comm hidden behind compute, ``1 - exposed / comm``.
+
+forward + backward + clip + optimizer + other + wait is the step's time exactly; a profile whose
+``other`` is large has phases the profiler did not see.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from shardwire.profile import intervals
+from shardwire.profile.recorder import StepTimeline
+
+PHASES = ("forward", "backward", "clip", "optimizer")
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+FIGURES = (
+    "step_s", *(f"{p}_s" for p in PHASES), "other_s", "wait_s", "comm_s",
+    *(f"{op}_s" for op in OPS), "exposed_comm_s", "overlap_ratio", *(f"{op}_bytes" for op in OPS),
+)
+
+
+def breakdown(timeline: StepTimeline) -> dict[str, float]:
+    """The figures of one step on one rank."""
+    window = (timeline.start, timeline.end)
+    waits = intervals.merge((start, end) for _, start, end in timeline.waits)
+    compute = intervals.subtract([window], waits)
+    figures = {"step_s": timeline.end - timeline.start, "wait_s": intervals.total(waits)}
+    named = 0.0
+    for phase in PHASES:
+        spans = [(start, end) for p, unit, start, end in timeline.phases if p == phase and unit is None]
+        figures[f"{phase}_s"] = intervals.covered(spans, compute)
+        named += figures[f"{phase}_s"]
+    figures["other_s"] = max(0.0, figures["step_s"] - figures["wait_s"] - named)
+    comm = intervals.clip([(start, end) for *_, start, end in timeline.comms], window)
+    figures["comm_s"] = intervals.total(comm)
+    hidden = intervals.covered(comm, compute)
+    figures["exposed_comm_s"] = figures["comm_s"] - hidden
+    figures["overlap_ratio"] = hidden / figures["comm_s"] if figures["comm_s"] > 0 else 1.0
+    for op in OPS:
+        mine = [c for c in timeline.comms if c[0] == op]
+        figures[f"{op}_s"] = intervals.total(intervals.clip([(s, e) for *_, s, e in mine], window))
+        figures[f"{op}_bytes"] = float(sum(c[2] for c in mine))
+    return figures
+
+
+def across_ranks(per_rank: list[dict[str, float]]) -> dict:
+    """min / median / max of every figure over the ranks of one step, and the slowest rank."""
+    stats = {
+        name: {
+            "min": min(r[name] for r in per_rank),
+            "median": statistics.median(r[name] for r in per_rank),
+            "max": max(r[name] for r in per_rank),
+        }
+        for name in FIGURES
+    }
+    slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["step_s"])
+    return {"figures": stats, "slowest_rank": slowest}
+
+
+def over_steps(steps: list[dict]) -> dict:
+    """The median over steps of each per-step statistic, and how often each rank was the slowest."""
+    summary = {
+        name: {stat: statistics.median(s["figures"][name][stat] for s in steps) for stat in ("min", "median", "max")}
+        for name in FIGURES
+    }
+    counts: dict[int, int] = {}
+    for s in steps:
+        counts[s["slowest_rank"]] = counts.get(s["slowest_rank"], 0) + 1
+    straggler = max(counts, key=counts.get)
+    lag = statistics.median(s["figures"]["step_s"]["max"] - s["figures"]["step_s"]["median"] for s in steps)
+    return {
+        "figures": summary,
+        "slowest_rank": {"rank": straggler, "share_of_steps": counts[straggler] / len(steps),
+                         "median_lag_s": lag},
+    }

@@ -1,0 +1,202 @@
+"""``shardwire report RUN_DIR [RUN_DIR ...]``: plots of profiled runs.
+
+For each run: the timeline of one typical step (every rank's compute and communication lanes), the
+breakdown of every step, and the overlap ratio per step. Given several runs of the same job at
+different world sizes: how step time and its parts scale with the number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from shardwire.profile.profiler import FORMAT_VERSION
+
+_PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "clip": "#8172B3", "optimizer": "#55A868"}
+_OP_COLORS = {"all_gather": "#64B5CD", "reduce_scatter": "#C44E52", "all_reduce": "#937860"}
+_PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip"),
+          ("optimizer_s", "optimizer"), ("other_s", "other compute"), ("wait_s", "waiting for communication")]
+_PART_COLORS = [*_PHASE_COLORS.values(), "#BBBBBB", "#E24A33"]
+
+
+class ReportError(Exception):
+    """A run directory that cannot be reported on; the message says why and what to do."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="directories written by `shardwire train --profile --run-dir RUN_DIR`")
+    parser.add_argument("--out", help="where to write the PNGs (default: the first RUN_DIR)")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        written = write_report(args.run_dirs, args.out or args.run_dirs[0])
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+def load_profile(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "profile.json")
+    if not os.path.isdir(run_dir):
+        raise ReportError(f"{run_dir} is not a directory")
+    if not os.path.exists(path):
+        raise ReportError(
+            f"{run_dir} has no profile data ({path} is missing): profile a run with "
+            f"`shardwire train --profile --run-dir {run_dir}` or Profiler.save({run_dir!r})"
+        )
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ReportError(f"{path} is not valid JSON ({err}); profile the run again") from None
+    if profile.get("version") != FORMAT_VERSION:
+        raise ReportError(f"{path} has format version {profile.get('version')!r}; this shardwire reads {FORMAT_VERSION}")
+    return profile
+
+
+def write_report(run_dirs: list[str], out: str) -> list[str]:
+    profiles = [load_profile(d) for d in run_dirs]
+    if len(profiles) > 1:
+        _check_comparable(run_dirs, profiles)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for run_dir, profile in zip(run_dirs, profiles):
+        prefix = "" if len(profiles) == 1 else f"{os.path.basename(os.path.normpath(run_dir))}-"
+        written.append(_plot_timeline(profile, os.path.join(out, f"{prefix}timeline.png")))
+        written.append(_plot_breakdown(profile, os.path.join(out, f"{prefix}breakdown.png")))
+        written.append(_plot_overlap(profile, os.path.join(out, f"{prefix}overlap.png")))
+    if len(profiles) > 1:
+        written.append(_plot_scaling(profiles, os.path.join(out, "scaling.png")))
+    return written
+
+
+def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
+    """Runs in one scaling plot must be the same job at different world sizes."""
+    def job(p):
+        return {"model": p["metadata"].get("model"), "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
+                "precision": p["metadata"].get("precision"), "device": p["device"]}
+
+    reference = job(profiles[0])
+    for run_dir, profile in zip(run_dirs[1:], profiles[1:]):
+        for key, value in job(profile).items():
+            if value != reference[key]:
+                raise ReportError(
+                    f"runs differ in {key}: {run_dirs[0]} has {reference[key]!r}, {run_dir} has {value!r}; "
+                    f"a scaling report compares one job at several world sizes"
+                )
+    sizes = [p["world_size"] for p in profiles]
+    if len(set(sizes)) != len(sizes):
+        raise ReportError(f"two runs have the same world size ({sizes}); give one run per world size")
+
+
+def _plot_timeline(profile: dict, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    ranks = profile["timeline"]["ranks"]
+    lanes = ["compute", "all_gather", "reduce_scatter", "all_reduce"]
+    fig, ax = plt.subplots(figsize=(13, 1.5 + 1.2 * len(ranks)))
+    origin = min(r["start"] for r in ranks)
+    labels = []
+    for rank, timeline in enumerate(ranks):
+        base = rank * (len(lanes) + 1)
+        for phase, unit, start, end in timeline["phases"]:
+            height = 0.8 if unit is None else 0.5
+            ax.barh(base, (end - start) * 1e3, left=(start - origin) * 1e3, height=height,
+                    color=_PHASE_COLORS.get(phase, "#999999"), alpha=1.0 if unit is None else 0.6)
+        for _, start, end in timeline["waits"]:
+            ax.barh(base, (end - start) * 1e3, left=(start - origin) * 1e3, height=0.8, color="#E24A33")
+        for op, _, _, start, end in timeline["comms"]:
+            ax.barh(base + lanes.index(op), (end - start) * 1e3, left=(start - origin) * 1e3,
+                    height=0.6, color=_OP_COLORS.get(op, "#999999"), edgecolor="white", linewidth=0.5)
+        labels += [(base + i, f"rank {rank} {lane}") for i, lane in enumerate(lanes)]
+    ax.set_yticks([y for y, _ in labels], [name for _, name in labels], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(f"step {profile['timeline']['step']}: compute (phases, units lighter, waits red) and collectives")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*_PHASE_COLORS.values(), "#E24A33", *_OP_COLORS.values()]]
+    ax.legend(handles, [*_PHASE_COLORS, "wait", *_OP_COLORS], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_breakdown(profile: dict, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    steps = profile["steps"]
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    bottom = [0.0] * len(steps)
+    for (key, label), color in zip(_PARTS, _PART_COLORS):
+        values = [s["figures"][key]["median"] * 1e3 for s in steps]
+        ax.bar(x, values, bottom=bottom, label=label, color=color, width=0.9)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.plot(x, [s["figures"]["step_s"]["max"] * 1e3 for s in steps], "k.", label="step (slowest rank)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms (median over ranks)")
+    ax.set_title("where each step went")
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_overlap(profile: dict, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    steps = profile["steps"]
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(10, 3))
+    ratio = [s["figures"]["overlap_ratio"] for s in steps]
+    ax.fill_between(x, [r["min"] for r in ratio], [r["max"] for r in ratio], alpha=0.3, label="min-max over ranks")
+    ax.plot(x, [r["median"] for r in ratio], label="median over ranks")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("step")
+    ax.set_ylabel("communication hidden")
+    ax.set_title("overlap ratio: share of communication time hidden behind compute")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_scaling(profiles: list[dict], path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    profiles = sorted(profiles, key=lambda p: p["world_size"])
+    worlds = [p["world_size"] for p in profiles]
+    fig, (ax, tput) = plt.subplots(1, 2, figsize=(11, 4))
+    bottom = [0.0] * len(profiles)
+    for (key, label), color in zip(_PARTS, _PART_COLORS):
+        values = [p["summary"]["figures"][key]["median"] * 1e3 for p in profiles]
+        ax.bar([str(w) for w in worlds], values, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("workers")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("step time by part")
+    ax.legend(fontsize=8)
+    tput.plot(worlds, [p["summary"]["tokens_per_s"] for p in profiles], "o-", label="measured")
+    ideal = [profiles[0]["summary"]["tokens_per_s"] * w / worlds[0] for w in worlds]
+    tput.plot(worlds, ideal, "--", color="gray", label="linear")
+    tput.set_xlabel("workers")
+    tput.set_ylabel("tokens/s")
+    tput.set_title("throughput")
+    tput.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,125 @@
+"""A model as the simulator sees it: its units, each with parameters, FLOPs and activation bytes.
+
+Units follow the engine's wrapping: one per transformer block (the encoder's blocks, then the
+decoder's, in the order forward runs them) plus the root unit, which holds everything outside the
+blocks (embeddings, final norms, the output head) and stays gathered for the whole step.
+
+FLOPs count matrix multiplications only, 2 m k n each (Megatron-LM's convention, which the T5
+document's appendix follows). Per token of a block's input, forward:
+
+    projections   2 x (q, k, v, o weights) = 2 (2 h^2 + 2 h h_kv)
+    attention     scores and weighted values: 4 s h  (s: keys attended to; causal masks counted full)
+    MLP           2 h f x (3 if gated else 2)
+    cross-attn    (decoder of an encoder-decoder) q, o on decoder tokens: 4 h^2; k, v on the encoder
+                  tokens: 4 h h_kv per encoder token; scores: 4 s_enc h
+    head          2 h V per (decoder) token, in the root unit
+
+For a GPT this is the familiar 2 x (block parameters) + 4 s h per layer and token, so forward plus
+backward (2 x forward) gives 6 x parameters + 12 x layers x hidden x seq per token; for T5 v1.1
+(gated MLP with f = 2.5 h) it gives the document's 23 B s h^2 + 4 B s^2 h per encoder block and
+31 B s h^2 + 8 B s^2 h per decoder block.
+
+Activations are the bytes a unit's forward saves for backward, per sequence, in the compute dtype
+(``c`` bytes per element), following the accounting of Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models" (2022), without dropout masks. Per token:
+
+    norms          2 c h (the two norms' inputs; a third for the cross-attention)
+    attention      c h (q, k, v projections' input) + c (h + 2 h_kv) (q, k, v) + c h (output
+                   projection's input); eager attention adds c a s (the softmax output, a heads)
+    MLP            c h (input) + 2 c f (activation's input and output), or 3 c f when gated
+                   (gate, up and their product)
+    cross-attn     4 c h per decoder token, 2 c h_kv per encoder token (k, v), plus c a s_enc eager
+
+For a GPT with f = 4 h and 16-bit activations that is 32 h bytes per token and layer: Korthikanti's
+34 h less the dropout masks. A unit's ``boundary`` is its input, all that activation checkpointing
+keeps. The root keeps the head's input (and an encoder-decoder's encoder output, which every
+cross-attention reads); the loss keeps fp32 log-probabilities, whose gradient doubles them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardwire.sim.specs import ModelSpec, SpecError
+
+# How far a model's stated parameter count may be from its architecture's (biases and rounding).
+PARAMS_TOLERANCE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """One unit: its parameters, and per sequence its forward FLOPs and activation bytes."""
+
+    name: str
+    params: int
+    forward_flops: float
+    activation_bytes: float  # saved by forward for backward, without checkpointing
+    boundary_bytes: float  # the unit's input: what checkpointing keeps
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """The root unit and the block units in forward order; sizes per sequence."""
+
+    root: UnitCost
+    units: tuple[UnitCost, ...]
+    logits_bytes: float  # the loss's fp32 log-probabilities and their gradient
+
+    @property
+    def params(self) -> int:
+        return self.root.params + sum(u.params for u in self.units)
+
+    @property
+    def forward_flops(self) -> float:
+        return self.root.forward_flops + sum(u.forward_flops for u in self.units)
+
+
+def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
+    """The units of ``model`` with activations counted at ``compute_bytes`` per element."""
+    c = compute_bytes
+    h, f, V = model.hidden, model.ffn_hidden, model.vocab
+    h_kv = h * model.kv_heads // model.heads
+    attention_params = 2 * h * h + 2 * h * h_kv
+    mlp_params = h * f * (3 if model.ffn_gated else 2)
+    mlp_acts = c * h + c * f * (3 if model.ffn_gated else 2)
+
+    def attention_acts(keys: int) -> float:  # per query token, attending to ``keys`` tokens
+        eager = c * model.heads * keys if model.attention == "eager" else 0
+        return c * h + c * (h + 2 * h_kv) + c * h + eager
+
+    def block(name: str, s: int, keys: int) -> UnitCost:
+        params = attention_params + mlp_params + 2 * h
+        flops = s * (2 * (attention_params + mlp_params) + 4 * keys * h)
+        acts = s * (2 * c * h + attention_acts(keys) + mlp_acts)
+        return UnitCost(name, params, flops, acts, s * c * h)
+
+    def cross_block(name: str, s: int, s_enc: int) -> UnitCost:
+        base = block(name, s, s)
+        cross_params = 2 * h * h + 2 * h * h_kv
+        cross_flops = s * (4 * h * h + 4 * s_enc * h) + s_enc * 4 * h * h_kv
+        eager = c * model.heads * s_enc if model.attention == "eager" else 0
+        cross_acts = s * (4 * c * h + eager) + s_enc * 2 * c * h_kv
+        return UnitCost(name, base.params + cross_params + h, base.forward_flops + cross_flops,
+                        base.activation_bytes + cross_acts, base.boundary_bytes)
+
+    embeddings = V * h + (0 if model.tied_embeddings else V * h)
+    if model.kind == "decoder":
+        s = model.seq_len
+        units = tuple(block(f"block.{i}", s, s) for i in range(model.layers))
+        positions, norms, head_tokens = s * h if model.learned_positions else 0, h, s
+    else:
+        s_enc, s_dec = model.seq_len, model.decoder_seq_len
+        units = tuple(block(f"encoder.{i}", s_enc, s_enc) for i in range(model.layers)) + tuple(
+            cross_block(f"decoder.{i}", s_dec, s_enc) for i in range(model.decoder_layers)
+        )
+        positions = (s_enc + s_dec) * h if model.learned_positions else 0
+        norms, head_tokens = 2 * h, s_dec
+    kept = (head_tokens if model.kind == "decoder" else head_tokens + model.seq_len) * c * h
+    root = UnitCost("root", embeddings + positions + norms, 2 * head_tokens * h * V, kept, 0.0)
+    arch = Architecture(root, units, logits_bytes=head_tokens * V * 4 * 2)
+    if model.params is not None and abs(arch.params / model.params - 1) > PARAMS_TOLERANCE:
+        raise SpecError(
+            f"model {model.name!r}: its sizes make {arch.params:,} parameters but params says {model.params:,}; "
+            f"check layers, hidden, ffn_hidden, ffn_gated, kv_heads, vocab and tied_embeddings"
+        )
+    return arch

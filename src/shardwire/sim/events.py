@@ -1,0 +1,157 @@
+"""A small discrete-event core: processes written as generators, and links that share bandwidth.
+
+A process is a generator that yields ``Event``s and resumes when the yielded event has happened;
+the step simulator writes the compute lane and each communication lane as one process, which reads
+like the engine's own code. A ``Link`` is a shared resource of fixed capacity: transfers through it
+progress together, each at an equal share (processor sharing), so an all-gather and a
+reduce-scatter crossing the same NIC at the same time each get half of it and both finish later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Generator, Iterable
+
+
+class Event:
+    """Something that happens once, at a simulated time; callbacks run when it does."""
+
+    __slots__ = ("sim", "time", "_callbacks")
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.time: float | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def happened(self) -> bool:
+        return self.time is not None
+
+    def succeed(self) -> None:
+        if self.time is not None:
+            raise RuntimeError("an event can happen only once")
+        self.time = self.sim.now
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on(self, callback: Callable[[], None]) -> None:
+        if self.time is None:
+            self._callbacks.append(callback)
+        else:
+            callback()
+
+
+Process = Generator[Event, None, None]
+
+
+class Simulation:
+    def __init__(self):
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def event(self) -> Event:
+        return Event(self)
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (time, next(self._order), action))
+
+    def timeout(self, seconds: float) -> Event:
+        event = Event(self)
+        self.at(self.now + seconds, event.succeed)
+        return event
+
+    def all_of(self, events: Iterable[Event]) -> Event:
+        done, pending = Event(self), [e for e in events if not e.happened]
+        remaining = [len(pending)]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                done.succeed()
+
+        if not pending:
+            self.at(self.now, done.succeed)
+        for event in pending:
+            event.on(one_done)
+        return done
+
+    def start(self, process: Process) -> Event:
+        """Run ``process`` from now on; the returned event happens when it returns."""
+        finished = Event(self)
+
+        def resume() -> None:
+            try:
+                waiting_for = next(process)
+            except StopIteration:
+                finished.succeed()
+                return
+            if waiting_for.happened:  # resume from the queue: no recursion through many such waits
+                self.at(self.now, resume)
+            else:
+                waiting_for.on(resume)
+
+        self.at(self.now, resume)
+        return finished
+
+    def run(self) -> None:
+        while self._queue:
+            self.now, _, action = heapq.heappop(self._queue)
+            action()
+
+
+class Link:
+    """A resource moving ``capacity`` bytes per second, shared equally by the transfers on it."""
+
+    def __init__(self, sim: Simulation, capacity: float):
+        self.sim = sim
+        self.capacity = capacity
+        self._transfers: dict[Event, float] = {}  # completion event -> bytes left
+        self._since = 0.0
+        self._generation = 0
+        self.busy_s = 0.0  # time during which at least one transfer was moving
+
+    def transfer(self, nbytes: float) -> Event:
+        done = Event(self.sim)
+        if nbytes <= 0:
+            self.sim.at(self.sim.now, done.succeed)
+            return done
+        self._settle()
+        self._transfers[done] = nbytes
+        self._plan()
+        return done
+
+    def _settle(self) -> None:
+        """Account for the bytes moved since the last change."""
+        elapsed = self.sim.now - self._since
+        if self._transfers and elapsed > 0:
+            share = self.capacity * elapsed / len(self._transfers)
+            for event in self._transfers:
+                self._transfers[event] -= share
+            self.busy_s += elapsed
+        self._since = self.sim.now
+
+    def _plan(self) -> None:
+        """Schedule the next completion; completions planned before a change are ignored."""
+        self._generation += 1
+        if not self._transfers:
+            return
+        generation = self._generation
+        soonest = min(self._transfers.values())
+        finish = self.sim.now + max(0.0, soonest) * len(self._transfers) / self.capacity
+        self.sim.at(finish, lambda: self._complete(generation))
+
+    def _complete(self, generation: int) -> None:
+        if generation != self._generation:
+            return
+        self._settle()
+        # Rounding leaves a few bytes on transfers that finish together: a nanosecond's worth is done.
+        done_below = max(1.0, self.capacity * 1e-9)
+        finished = [e for e, left in self._transfers.items() if left <= done_below]
+        for event in finished:
+            del self._transfers[event]
+        self._plan()
+        for event in finished:
+            event.succeed()

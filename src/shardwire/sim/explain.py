@@ -1,0 +1,83 @@
+"""Why a step takes what it takes: each kind of unit's compute against the communication it needs.
+
+With a window of prefetched gathers, a unit's communication hides behind computation as long as
+it takes less time than the computation it overlaps. In forward that is the unit's all-gather
+against its forward; in backward, its all-gather (when resharded after forward) and its reduction,
+which share the links, against its recomputation and backward. Setting the two side by side per
+kind of unit (the encoder's and decoder's blocks of a T5 differ) shows which side binds, and the
+compute lane's waits, by reason, show where the bound costs time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardwire.sim import collectives
+from shardwire.sim.predict import Prediction
+from shardwire.sim.step import backward_s, forward_s, reduction_phases, shard_group
+
+# Below this share of the step, exposed communication is noise and the step is compute-bound.
+HIDDEN_SHARE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitBudget:
+    """Per unit of one kind: seconds of compute, and of communication with the network to itself."""
+
+    kind: str
+    count: int
+    forward_s: float
+    gather_s: float
+    backward_s: float  # recomputation and backward
+    backward_comm_s: float  # the backward's all-gather (if any) and the reduction
+
+    @property
+    def forward_bound(self) -> bool:
+        return self.gather_s > self.forward_s
+
+    @property
+    def backward_bound(self) -> bool:
+        return self.backward_comm_s > self.backward_s
+
+
+def unit_budgets(p: Prediction) -> list[UnitBudget]:
+    cluster, training = p.cluster, p.training
+    group = shard_group(cluster, training)
+    kinds: dict[str, list] = {}
+    for unit in p.arch.units:
+        kinds.setdefault(unit.name.split(".")[0], []).append(unit)
+    budgets = []
+    for kind, units in kinds.items():
+        unit = max(units, key=lambda u: u.params)
+        gather_phases = collectives.all_gather(unit.params * training.compute_bytes, group, cluster)
+        gather = collectives.isolated_s(gather_phases, cluster)
+        reductions = reduction_phases(unit, cluster, training)
+        reduce = sum(collectives.isolated_s(phases, cluster) for _, _, phases in reductions)
+        backward_comm = reduce + (gather if training.reshards else 0.0)
+        budgets.append(UnitBudget(kind, len(units), forward_s(unit, cluster, training), gather,
+                                  backward_s(unit, cluster, training), backward_comm))
+    return budgets
+
+
+def verdict(p: Prediction) -> str:
+    """One sentence: what binds the step, and where it costs time."""
+    share = p.exposed_comm_s / p.step_time_s
+    if share < HIDDEN_SHARE:
+        return (f"compute-bound: communication hides behind compute (exposed {100 * share:.1f}% "
+                f"of the step)")
+    reason, seconds = next(iter(p.exposed_by_reason.items()))
+    needs = []
+    for b in unit_budgets(p):
+        if b.forward_bound:
+            needs.append(f"{b.kind} units need {format_ms(b.gather_s)} of all-gather per "
+                         f"{format_ms(b.forward_s)} of forward")
+        if b.backward_bound:
+            needs.append(f"{b.kind} units need {format_ms(b.backward_comm_s)} of communication per "
+                         f"{format_ms(b.backward_s)} of backward")
+    because = "; ".join(needs) or "no unit's communication outlasts its compute, but it is issued too late to hide"
+    return (f"communication-bound: {100 * share:.0f}% of the step waits on communication, most of it "
+            f"on {reason} ({seconds:.3g} s): {because}")
+
+
+def format_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

@@ -1,0 +1,156 @@
+"""Reading the simulator's inputs: preset names, inline JSON or YAML, files, and bench results.
+
+``--model``, ``--cluster`` and ``--training`` each take a preset name, a JSON or YAML mapping
+written inline, or the path of a JSON or YAML file. A mapping with a ``preset`` key starts from
+that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``).
+
+``--cluster-from bench.json`` replaces the cluster's nodes, GPUs per node and both network levels
+with what ``shardwire bench --json`` measured (schema ``shardwire.bench/1``, in
+``shardwire.comm.bench_report``): from the latency-bandwidth fit ``t = alpha + S / beta`` of the
+all-gather and reduce-scatter of a group of ``k`` ranks, busbw = beta (k-1)/k (nccl-tests' factor)
+and latency per step = alpha / (k-1), averaged over the two operations. The ``intra`` group gives
+the intra-node level, the ``inter`` group (one rank per node) the inter-node level. Collectives
+measured as the engine runs them on gloo (``--impl shardwire``) cross the levels hierarchically;
+others (NCCL's, gloo's own) by a ring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+
+import yaml
+
+from shardwire.sim.presets import PRESETS
+from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+
+BENCH_SCHEMA = "shardwire.bench/1"
+_LINK_OPS = ("all_gather", "reduce_scatter")
+
+
+def load_spec(kind: str, text: str):
+    """The ``kind`` spec ("model", "cluster" or "training") that ``text`` names or describes."""
+    presets = PRESETS[kind]
+    if text in presets:
+        return presets[text]
+    if os.path.isfile(text):
+        try:
+            with open(text) as f:
+                data = _read_mapping(f.read(), f"{kind} file {text}")
+        except OSError as err:
+            raise SpecError(f"cannot read {kind} file {text}: {err.strerror}") from None
+        name = os.path.splitext(os.path.basename(text))[0]
+    elif text.lstrip().startswith("{") or ":" in text:
+        data, name = _read_mapping(text, f"inline {kind}"), None
+    elif text.endswith((".json", ".yaml", ".yml")):
+        raise SpecError(f"{kind} file {text} does not exist")
+    else:
+        raise SpecError(
+            f"unknown {kind} preset {text!r}; known presets: {', '.join(presets)} "
+            f"(or give a JSON/YAML mapping inline, or the path of a file holding one)"
+        )
+    if "preset" in data:
+        base = data.pop("preset")
+        if base not in presets:
+            raise SpecError(f"unknown {kind} preset {base!r}; known presets: {', '.join(presets)}")
+        changed = f"{base}, changed" if data else base
+        data = {**_merged(as_dict(presets[base]), data), "name": data.get("name") or name or changed}
+    return parse(kind, data, name=name)
+
+
+def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with the nodes, GPUs per node and network levels that a bench JSON measured."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as err:
+        raise SpecError(f"cannot read bench results {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path} is not JSON ({err}); give the file `shardwire bench --json` wrote") from None
+    if not isinstance(doc, Mapping) or doc.get("schema") != BENCH_SCHEMA:
+        raise SpecError(f"{path} is not `shardwire bench --json` output (schema {BENCH_SCHEMA!r})")
+    try:
+        return _cluster_from_bench_document(doc, path, cluster)
+    except (KeyError, TypeError) as err:
+        raise SpecError(f"{path} lacks {err} where schema {BENCH_SCHEMA!r} has it: was it edited?") from None
+
+
+def _cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -> ClusterSpec:
+    context, fits = doc["context"], doc["fit"]
+    nodes, per_node = context["nodes"], context["ranks_per_node"]
+    levels = {}
+    for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
+        link = _link_from_fits(fits.get(group) or {})
+        if link is None and needed:
+            raise SpecError(
+                f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
+                f"it with `shardwire bench --groups intra inter --ops all_gather reduce_scatter`"
+            )
+        levels[level] = link or getattr(cluster, level)
+    engine_on_gloo = context["backend"] == "gloo" and context["settings"].get("impl") == "shardwire"
+    return parse("cluster", {
+        **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
+        "intra_node": as_dict(levels["intra_node"]), "inter_node": as_dict(levels["inter_node"]),
+        "algorithm": "hierarchical" if engine_on_gloo else "ring",
+        "name": f"{cluster.name} measured by {os.path.basename(path)}",
+    })
+
+
+def _link_from_fits(fits: Mapping) -> LinkSpec | None:
+    links = []
+    for op in _LINK_OPS:
+        fit = fits.get(op)
+        if fit and fit.get("beta_Bps") and fit["ranks"] > 1:
+            k = fit["ranks"]
+            links.append((fit["beta_Bps"] * (k - 1) / k / 1e9, max(0.0, fit["alpha_s"]) / (k - 1) * 1e6))
+    if not links:
+        return None
+    return LinkSpec(busbw_GBps=sum(b for b, _ in links) / len(links),
+                    latency_us=sum(a for _, a in links) / len(links))
+
+
+def _read_mapping(text: str, what: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{what} is neither JSON nor YAML: {err}") from None
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
+    return dict(data)
+
+
+def _merged(base: dict, changes: Mapping) -> dict:
+    """``base`` with ``changes``; a nested mapping (a network level) is changed key by key."""
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The input options ``shardwire simulate`` and ``shardwire plan`` share."""
+    parser.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS['model'])}), JSON/YAML, or a file")
+    parser.add_argument("--cluster", required=True,
+                        help=f"preset ({', '.join(PRESETS['cluster'])}), JSON/YAML, or a file")
+    parser.add_argument("--training", default="default",
+                        help=f"preset ({', '.join(PRESETS['training'])}), JSON/YAML, or a file (default: default)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (overrides the cluster's)")
+    parser.add_argument("--cluster-from", metavar="BENCH_JSON",
+                        help="take nodes, GPUs per node and both network levels from `shardwire bench --json` output")
+
+
+def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """(model, cluster, training) from the options of ``add_arguments``; raises ``SpecError``."""
+    model = load_spec("model", args.model)
+    cluster = load_spec("cluster", args.cluster)
+    training = load_spec("training", args.training)
+    if args.cluster_from:
+        cluster = cluster_from_bench(args.cluster_from, cluster)
+    if args.nodes is not None:
+        cluster = parse("cluster", {**as_dict(cluster), "nodes": args.nodes})
+    return model, cluster, training

@@ -1,0 +1,99 @@
+"""Peak memory per GPU of a sharded step, by what holds it, and whether it fits.
+
+With ``P`` parameters sharded over ``s`` GPUs (the world; one node for hybrid sharding), compute
+dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences per micro-batch:
+
+    parameter shards       4 P / s          fp32 masters (the optimizer updates these)
+    gradient shards        4 P / s          fp32
+    optimizer state        8 P / s          Adam's two moments, fp32
+    gathered parameters    c (P_root + k P_unit)   the root stays gathered; k units are gathered at
+                           once: prefetch + 1 with a sliding window, prefetch (at least 1) with a
+                           block limiter; without resharding after forward, every unit by the end
+                           of forward
+    unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
+                           when micro-batches accumulate unsharded gradients (``no_sync``)
+    communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
+    activations            m (kept + one unit's full activations + logits), where kept is every
+                           unit's boundary with activation checkpointing, every unit's full
+                           activations without (see ``shardwire.sim.architecture``)
+
+``P_unit`` is the largest unit. A configuration fits when the total is within ``USABLE_FRACTION`` of
+the GPU's memory: the rest goes to the CUDA context, the communication library's own buffers and
+the caching allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardwire.sim.architecture import Architecture
+from shardwire.sim.specs import ClusterSpec, TrainingSpec
+from shardwire.sim.step import REDUCTIONS_IN_FLIGHT, shard_group
+
+USABLE_FRACTION = 0.92
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU at the step's peak, by category, and the bytes a step may use."""
+
+    parameter_shards: float
+    gradient_shards: float
+    optimizer_state: float
+    gathered_parameters: float
+    unit_gradients: float
+    communication_buffers: float
+    activations: float
+    usable: float
+
+    @property
+    def parts(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "usable"}
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    @property
+    def shortfall(self) -> float:
+        """Bytes over the usable memory (0 when it fits)."""
+        return max(0.0, self.total - self.usable)
+
+
+def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> MemoryEstimate:
+    P = arch.params
+    shard_over = shard_group(cluster, training).size
+    c, r, m = training.compute_bytes, training.reduce_bytes, training.micro_batch
+    largest = max((u.params for u in arch.units), default=0)
+
+    if not training.reshards:
+        gathered_units = sum(u.params for u in arch.units)
+    elif training.limiter == "sliding":
+        gathered_units = (training.prefetch + 1) * largest
+    else:
+        gathered_units = max(training.prefetch, 1) * largest
+
+    accumulated = r * P if training.grad_accum > 1 else 0.0
+
+    if training.activation_checkpointing:
+        kept = sum(u.boundary_bytes for u in arch.units)
+    else:
+        kept = sum(u.activation_bytes for u in arch.units)
+    working = max((u.activation_bytes for u in arch.units), default=0.0)
+    activations = m * (kept + arch.root.activation_bytes + working + arch.logits_bytes)
+
+    return MemoryEstimate(
+        parameter_shards=4 * P / shard_over,
+        gradient_shards=4 * P / shard_over,
+        optimizer_state=8 * P / shard_over,
+        gathered_parameters=c * (arch.root.params + gathered_units),
+        unit_gradients=c * largest + accumulated,
+        communication_buffers=(REDUCTIONS_IN_FLIGHT + 1) * r * largest,
+        activations=activations,
+        usable=USABLE_FRACTION * cluster.gpu_memory_gb * GIB,
+    )

@@ -1,0 +1,148 @@
+"""``plan``: the fastest settings that fit, for a model, a cluster and a global batch.
+
+The global batch fixes the samples each GPU processes per step; the planner searches how to run
+them: the micro-batch (every divisor of the per-GPU batch, the rest made up by gradient
+accumulation), the sharding (full, grad_op, hybrid, and hybrid without resharding after
+forward), the prefetch depth (0 to ``MAX_PREFETCH``) and activation checkpointing. Everything else
+(precision, limiter, kernel efficiency) comes from the base training configuration. Candidates
+whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
+``TIE``) going to the one that needs less memory.
+
+The explanation sets the winner against what changing each of its settings alone would give:
+slower, or not fitting, which is why it wins; and names the runner-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from shardwire.sim.architecture import architecture
+from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
+from shardwire.sim.predict import Prediction, predict
+from shardwire.sim.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+
+MAX_PREFETCH = 4
+# Step times this close count as equal, and the configuration needing less memory wins.
+TIE = 1e-3
+
+# (sharding, reshard_after_forward): full with no resharding is grad_op, so it is not listed twice.
+_SHARDINGS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """The winner with one setting changed: how it fares."""
+
+    change: str
+    step_time_s: float | None  # None when it does not fit
+    memory: MemoryEstimate
+
+
+@dataclasses.dataclass
+class Plan:
+    best: Prediction
+    runner_up: Prediction | None
+    alternatives: list[Alternative]
+    candidates: int
+    fitting: int
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec) -> Plan:
+    """Search the settings; raises ``SpecError`` when the batch does not divide or nothing fits."""
+    if global_batch < 1:
+        raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
+    world = cluster.world
+    if global_batch % world:
+        lower, upper = global_batch // world * world, (global_batch // world + 1) * world
+        raise SpecError(
+            f"global batch {global_batch} does not divide over {world} GPUs; the nearest that do are "
+            f"{', '.join(str(b) for b in (lower, upper) if b > 0)}"
+        )
+    per_gpu = global_batch // world
+    candidates = [_training(base, **settings) for settings in _settings(per_gpu, cluster)]
+    arch = architecture(model, base.compute_bytes)
+    memory = {t: estimate_memory(arch, cluster, t) for t in candidates}
+    fitting = [t for t in candidates if memory[t].fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda t: memory[t].total)
+        need = memory[smallest]
+        raise SpecError(
+            f"no configuration of {model.name} with {per_gpu} samples per GPU fits in {cluster.gpu_memory_gb:g} GiB: "
+            f"the smallest ({_describe(smallest)}) needs {need.total / GIB:.1f} GiB per GPU, "
+            f"{need.shortfall / GIB:.1f} GiB more than the {need.usable / GIB:.1f} usable; use more GPUs "
+            f"or a smaller global batch"
+        )
+    ranked = sorted((predict(model, cluster, t) for t in fitting), key=lambda p: p.step_time_s)
+    ties = [p for p in ranked if p.step_time_s <= ranked[0].step_time_s * (1 + TIE)]
+    best = min(ties, key=lambda p: p.memory.total)
+    ranked.remove(best)
+    ranked.insert(0, best)
+    by_training = {p.training: p for p in ranked}
+    alternatives = []
+    for change, t in _one_changes(best.training, candidates):
+        p = by_training.get(t)
+        alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
+    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting))
+
+
+def _settings(per_gpu: int, cluster: ClusterSpec):
+    micro_batches = [m for m in range(1, per_gpu + 1) if per_gpu % m == 0]
+    shardings = [s for s in _SHARDINGS if s[0] != "hybrid" or (cluster.nodes > 1 and cluster.gpus_per_node > 1)]
+    for micro, (sharding, reshard), prefetch, checkpointing in itertools.product(
+        micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True)
+    ):
+        yield dict(micro_batch=micro, grad_accum=per_gpu // micro, sharding=sharding,
+                   reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing)
+
+
+def _training(base: TrainingSpec, **settings) -> TrainingSpec:
+    return parse("training", {**as_dict(base), **settings, "name": "planned"})
+
+
+def _dimensions(t: TrainingSpec) -> dict:
+    return {"micro_batch": t.micro_batch, "sharding": (t.sharding, t.reshards), "prefetch": t.prefetch,
+            "checkpointing": t.activation_checkpointing}
+
+
+def _one_changes(best: TrainingSpec, candidates: list[TrainingSpec]):
+    """(label, candidate) for each candidate that differs from ``best`` in one searched setting;
+    for the micro-batch and the prefetch depth, only the nearest value on either side."""
+    mine = _dimensions(best)
+    nearest: dict[tuple[str, bool], tuple[int, TrainingSpec]] = {}
+    for t in candidates:
+        theirs = _dimensions(t)
+        changed = [key for key in mine if theirs[key] != mine[key]]
+        if len(changed) != 1:
+            continue
+        key = changed[0]
+        if key in ("micro_batch", "prefetch"):
+            side = (key, theirs[key] > mine[key])
+            distance = abs(theirs[key] - mine[key])
+            if side not in nearest or distance < nearest[side][0]:
+                nearest[side] = (distance, t)
+        else:
+            yield _change(best, t), t
+    for _, t in nearest.values():
+        yield _change(best, t), t
+
+
+def _change(best: TrainingSpec, other: TrainingSpec) -> str:
+    if other.sharding != best.sharding or other.reshards != best.reshards:
+        return f"sharding {_sharding(other)}"
+    if other.micro_batch != best.micro_batch:
+        return f"micro-batch {other.micro_batch}, grad_accum {other.grad_accum}"
+    if other.prefetch != best.prefetch:
+        return f"prefetch {other.prefetch}"
+    return f"activation checkpointing {'on' if other.activation_checkpointing else 'off'}"
+
+
+def _sharding(t: TrainingSpec) -> str:
+    if t.sharding == "hybrid" and not t.reshards:
+        return "hybrid (no reshard after forward)"
+    return t.sharding
+
+
+def _describe(t: TrainingSpec) -> str:
+    return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, {_sharding(t)} sharding, prefetch {t.prefetch}, "
+            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")

@@ -1,0 +1,142 @@
+"""Predictions: one configuration's step, and sweeps of one setting with their scaling efficiency.
+
+``predict`` runs the step model and the memory model and condenses them into the figures users
+compare with measurements: step time, compute time, time each kind of collective kept its lane
+busy, the communication computation had to wait for (``exposed``), throughput and MFU.
+
+FLOPs: ``tflops_per_gpu`` and ``mfu`` count model FLOPs (forward and backward, 3 x forward: what
+the model needs, PaLM's definition of MFU); ``hardware_tflops_per_gpu`` adds the blocks'
+recomputation under activation checkpointing (4 x their forward), which is what the T5 document
+reports as TFLOP/s.
+
+Scaling efficiency (the T5 document's definition): seconds per step normalized by the batch at N
+nodes against 1 node, the batch being per GPU; that is, samples per GPU-second at N nodes over
+samples per GPU-second at 1 node (1.0: every added GPU works as well as the first node's).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from shardwire.sim.architecture import Architecture, architecture
+from shardwire.sim.memory import MemoryEstimate, estimate_memory
+from shardwire.sim.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.step import Timeline, simulate_step
+
+
+@dataclasses.dataclass
+class Prediction:
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    arch: Architecture
+    timeline: Timeline
+    memory: MemoryEstimate
+
+    @property
+    def step_time_s(self) -> float:
+        return self.timeline.step_time_s
+
+    @property
+    def compute_time_s(self) -> float:
+        return self.timeline.compute_time_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(stall.seconds for stall in self.timeline.stalls)
+
+    @property
+    def comm_s(self) -> dict[str, float]:
+        """Seconds each kind of collective kept its lane busy, summed over the step."""
+        busy = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+        for record in self.timeline.comms:
+            busy[record.op] += record.busy_s
+        return busy
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.training.micro_batch * self.training.grad_accum * self.cluster.world
+
+    @property
+    def samples_per_gpu_second(self) -> float:
+        return self.training.micro_batch * self.training.grad_accum / self.step_time_s
+
+    @property
+    def model_flops_per_gpu(self) -> float:
+        return 3 * self.arch.forward_flops * self.training.micro_batch * self.training.grad_accum
+
+    @property
+    def hardware_flops_per_gpu(self) -> float:
+        if not self.training.activation_checkpointing:
+            return self.model_flops_per_gpu
+        recomputed = sum(u.forward_flops for u in self.arch.units)  # the blocks, not the root
+        return self.model_flops_per_gpu + recomputed * self.training.micro_batch * self.training.grad_accum
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops_per_gpu / self.step_time_s / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops_per_gpu / self.step_time_s / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / self.cluster.peak_tflops
+
+    @property
+    def exposed_by_reason(self) -> dict[str, float]:
+        totals: dict[str, float] = collections.defaultdict(float)
+        for stall in self.timeline.stalls:
+            totals[stall.reason] += stall.seconds
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def predict(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Prediction:
+    arch = architecture(model, training.compute_bytes)
+    if training.sharding == "hybrid" and cluster.gpus_per_node == 1:
+        raise SpecError("hybrid sharding shards within a node and needs gpus_per_node > 1; use 'full'")
+    return Prediction(model, cluster, training, arch,
+                      simulate_step(arch, cluster, training), estimate_memory(arch, cluster, training))
+
+
+@dataclasses.dataclass
+class Sweep:
+    key: str
+    values: list
+    points: list[Prediction]
+    reference: Prediction | None  # the 1-node configuration scaling efficiency is measured against
+
+    @property
+    def scaling_efficiency(self) -> list[float] | None:
+        if self.reference is None:
+            return None
+        base = self.reference.samples_per_gpu_second
+        return [p.samples_per_gpu_second / base for p in self.points]
+
+
+SWEEPABLE = {
+    "cluster": ("nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb"),
+    "training": ("micro_batch", "grad_accum", "prefetch", "sharding", "limiter", "precision",
+                 "reduce_precision", "activation_checkpointing", "compute_efficiency"),
+}
+
+
+def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: str, values: list) -> Sweep:
+    """Predict each value of ``key`` (a cluster or training setting); for a sweep over ``nodes``,
+    with scaling efficiency against 1 node (simulated even when not among ``values``)."""
+    if key in SWEEPABLE["cluster"]:
+        configs = [(parse("cluster", {**as_dict(cluster), key: v}), training) for v in values]
+    elif key in SWEEPABLE["training"]:
+        configs = [(cluster, parse("training", {**as_dict(training), key: v})) for v in values]
+    else:
+        known = ", ".join(SWEEPABLE["cluster"] + SWEEPABLE["training"])
+        raise SpecError(f"cannot sweep {key!r}; settings that can be swept: {known}")
+    points = [predict(model, c, t) for c, t in configs]
+    reference = None
+    if key == "nodes":
+        reference = next((p for p in points if p.cluster.nodes == 1), None)
+        if reference is None:
+            reference = predict(model, parse("cluster", {**as_dict(cluster), "nodes": 1}), training)
+    return Sweep(key, list(values), points, reference)

@@ -1,0 +1,101 @@
+"""Named models, clusters and training configurations, with where each figure comes from.
+
+Models: the published configurations (layers, hidden, heads, MLP width, vocabulary, context).
+Biases are left out of parameter counts (under 0.2% of any of these models).
+
+* GPT-2 (Radford et al. 2019; Hugging Face ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``
+  configs): 1024 learned positions, 50257-token vocabulary, head tied to the embedding.
+* GPT-350M and GPT-1.3B: GPT-3 Medium and XL (Brown et al. 2020, table 2.1), 2048-token context.
+* T5-3B and T5-11B: T5 v1.1 XL and XXL (Hugging Face ``google/t5-v1_1-xl``, ``-xxl`` configs: gated
+  GELU MLP, untied head), the models whose FLOPs the T5 document's appendix counts (its "15 B s h^2"
+  feed-forward is v1.1's gated MLP with f = 2.5 h). Sequence lengths 512 in, 150 out, and eager
+  attention: the FSDP T5 example (pytorch/examples, distributed/FSDP/T5_training.py) that the
+  document says it started from trains Hugging Face's T5 on WikiHow with those lengths.
+* Llama 2 7B, 13B, 70B (Touvron et al. 2023, table 1 and the released ``params.json``): SwiGLU MLP,
+  RoPE (no learned positions), untied head, 4096-token context, grouped-query attention for 70B.
+
+Clusters: 8-GPU nodes. GPU figures from NVIDIA's datasheets (A100 SXM: 312 TFLOP/s dense BF16,
+2039 GB/s HBM2e for 80 GB, 1555 GB/s for 40 GB, NVLink 600 GB/s per GPU in both directions; H100
+SXM: 989 TFLOP/s dense BF16, 3350 GB/s HBM3, NVLink 900 GB/s). Assumed, not measured:
+
+* intra-node busbw: 80% of one direction of NVLink (240 GB/s on A100, 360 GB/s on H100), what
+  nccl-tests typically reports for all-gather on such nodes;
+* inter-node busbw: TCP over Ethernet delivers 60% of the line rate (the T5 document's 120 of
+  2 x 100 Gbps usable); RDMA (EFA, InfiniBand) 90%;
+* latency per collective step: NVLink 3.4 us and RDMA 14 us (NCCL's own tuning model,
+  src/graph/tuning.cc, ring/simple); TCP 50 us (kernel TCP round trips of 20-30 us plus NCCL's
+  socket proxy).
+
+Training: the four T5 runs of the document (see docs/simulator.md for what it states and what is
+assumed), and ``default``.
+"""
+
+from __future__ import annotations
+
+from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
+
+_GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)
+_GPT3 = dict(vocab=50257, seq_len=2048, learned_positions=True)
+_T5 = dict(kind="encoder-decoder", vocab=32128, seq_len=512, decoder_seq_len=150, ffn_gated=True,
+           tied_embeddings=False, attention="eager")
+_LLAMA2 = dict(vocab=32000, seq_len=4096, ffn_gated=True, tied_embeddings=False)
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    ModelSpec(name="gpt2-125m", layers=12, hidden=768, heads=12, params=124_000_000, **_GPT2),
+    ModelSpec(name="gpt2-350m", layers=24, hidden=1024, heads=16, params=355_000_000, **_GPT2),
+    ModelSpec(name="gpt2-760m", layers=36, hidden=1280, heads=20, params=774_000_000, **_GPT2),
+    ModelSpec(name="gpt2-1.5b", layers=48, hidden=1600, heads=25, params=1_558_000_000, **_GPT2),
+    ModelSpec(name="gpt-350m", layers=24, hidden=1024, heads=16, params=350_000_000, **_GPT3),
+    ModelSpec(name="gpt-1.3b", layers=24, hidden=2048, heads=16, params=1_300_000_000, **_GPT3),
+    ModelSpec(name="t5-3b", layers=24, hidden=2048, heads=32, ffn_hidden=5120, params=2_850_000_000, **_T5),
+    ModelSpec(name="t5-11b", layers=24, hidden=4096, heads=64, ffn_hidden=10240, params=11_100_000_000, **_T5),
+    ModelSpec(name="llama2-7b", layers=32, hidden=4096, heads=32, ffn_hidden=11008, params=6_740_000_000, **_LLAMA2),
+    ModelSpec(name="llama2-13b", layers=40, hidden=5120, heads=40, ffn_hidden=13824, params=13_000_000_000, **_LLAMA2),
+    ModelSpec(name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
+              params=69_000_000_000, **_LLAMA2),
+)}
+
+_NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4)
+_NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4)
+_A100_80 = dict(gpus_per_node=8, peak_tflops=312.0, gpu_memory_gb=80.0, memory_bandwidth_GBps=2039.0,
+                intra_node=_NVLINK3)
+_A100_40 = dict(_A100_80, gpu_memory_gb=40.0, memory_bandwidth_GBps=1555.0)
+_H100 = dict(gpus_per_node=8, peak_tflops=989.0, gpu_memory_gb=80.0, memory_bandwidth_GBps=3350.0,
+             intra_node=_NVLINK4)
+
+
+def _tcp(gbps: float) -> LinkSpec:
+    return LinkSpec(busbw_GBps=0.6 * gbps / 8, latency_us=50.0)
+
+
+def _rdma(gbps: float) -> LinkSpec:
+    return LinkSpec(busbw_GBps=0.9 * gbps / 8, latency_us=14.0)
+
+
+CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
+    # The T5 document's IBM Cloud system: 2 x 100 GbE per node, 120 Gbps usable (stated).
+    ClusterSpec(name="ibm-a100-ethernet", nodes=8, inter_node=LinkSpec(busbw_GBps=15.0, latency_us=50.0), **_A100_80),
+    ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100), **_A100_80),
+    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400), **_A100_40),  # AWS p4d.24xlarge
+    ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200), **_A100_80),
+    ClusterSpec(name="h100-100gbe", nodes=8, inter_node=_tcp(100), **_H100),
+    ClusterSpec(name="h100-400gbe", nodes=8, inter_node=_tcp(400), **_H100),
+    ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400), **_H100),
+)}
+
+# The T5 document's runs: BF16 with BF16 reductions (the FSDP example's policy), activation
+# checkpointing, one unit per T5 block, and FSDP's rate limiter, which allows two all-gathers in
+# flight (prefetch 2), as a block-and-flush limiter at first and as a sliding window at the end.
+# T5-11B's batches are the document's; T5-3B's is not stated, only that every batch was maximized:
+# 213 is the largest that needs no more memory on one node than T5-11B at 50 (a test keeps it so).
+_IBM_T5 = dict(precision="bf16", reduce_precision="bf16", activation_checkpointing=True, prefetch=2)
+
+TRAININGS: dict[str, TrainingSpec] = {t.name: t for t in (
+    TrainingSpec(name="default"),
+    TrainingSpec(name="ibm-t5-3b", micro_batch=213, limiter="sliding", **_IBM_T5),
+    TrainingSpec(name="ibm-t5-11b-batch20-block", micro_batch=20, limiter="block", **_IBM_T5),
+    TrainingSpec(name="ibm-t5-11b-batch50-block", micro_batch=50, limiter="block", **_IBM_T5),
+    TrainingSpec(name="ibm-t5-11b-batch50-sliding", micro_batch=50, limiter="sliding", **_IBM_T5),
+)}
+
+PRESETS = {"model": MODELS, "cluster": CLUSTERS, "training": TRAININGS}

@@ -1,0 +1,193 @@
+"""What ``shardwire simulate`` prints and saves: a prediction explained, a sweep as a table, JSON, a plot.
+
+JSON of one prediction (times in seconds, memory in GiB per GPU)::
+
+    {"model": {...}, "cluster": {...}, "training": {...},          # the specs as simulated
+     "step_time_s", "compute_time_s", "compute": {"forward", "backward", "optimizer"},
+     "comm": {"all_gather_s", "reduce_scatter_s", "all_reduce_s"},  # time each lane was busy
+     "exposed_comm_s", "exposed_comm": {REASON: s},                 # compute waiting on them
+     "samples_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu", "mfu",
+     "memory_gb_per_gpu", "memory": {PART: GiB, "usable_gb": GiB}, "fits", "shortfall_gb",
+     "units": [{"kind", "count", "forward_s", "gather_s", "backward_s", "backward_comm_s"}],
+     "verdict": "...", "notes": [...]}
+
+A sweep: ``{"sweep": {"key", "values"}, "points": [PREDICTION + {"scaling_efficiency"}],
+"scaling_reference_nodes": 1, "scaling_reference_fits": true}`` (efficiency and its reference only
+for sweeps over ``nodes``, else null).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from shardwire.sim.explain import format_ms, unit_budgets, verdict
+from shardwire.sim.memory import GIB
+from shardwire.sim.predict import Prediction, Sweep
+from shardwire.sim.specs import as_dict
+
+
+def fit_problem(p: Prediction) -> str:
+    return (f"does not fit: needs {p.memory.total / GIB:.1f} GiB per GPU, {p.memory.shortfall / GIB:.1f} GiB "
+            f"more than the {p.memory.usable / GIB:.1f} GiB usable of {p.cluster.gpu_memory_gb:g} GiB")
+
+
+def notes(p: Prediction) -> list[str]:
+    if p.cluster.memory_bandwidth_GBps is None:
+        return ["optimizer step not priced: the cluster gives no memory_bandwidth_GBps"]
+    return []
+
+
+def prediction_json(p: Prediction) -> dict:
+    comm = p.comm_s
+    return {
+        "model": as_dict(p.model), "cluster": as_dict(p.cluster), "training": as_dict(p.training),
+        "step_time_s": p.step_time_s,
+        "compute_time_s": p.compute_time_s,
+        "compute": dict(p.timeline.compute),
+        "comm": {f"{op}_s": seconds for op, seconds in comm.items()},
+        "exposed_comm_s": p.exposed_comm_s,
+        "exposed_comm": p.exposed_by_reason,
+        "samples_per_s": p.samples_per_step / p.step_time_s,
+        "tflops_per_gpu": p.tflops_per_gpu,
+        "hardware_tflops_per_gpu": p.hardware_tflops_per_gpu,
+        "mfu": p.mfu,
+        "memory_gb_per_gpu": p.memory.total / GIB,
+        "memory": {**{k: v / GIB for k, v in p.memory.parts.items()}, "usable_gb": p.memory.usable / GIB},
+        "fits": p.memory.fits,
+        "shortfall_gb": p.memory.shortfall / GIB,
+        "units": [dataclasses.asdict(b) for b in unit_budgets(p)],
+        "verdict": verdict(p),
+        "notes": notes(p),
+    }
+
+
+def sweep_json(s: Sweep) -> dict:
+    points = [prediction_json(p) for p in s.points]
+    if s.scaling_efficiency is not None:
+        for point, efficiency in zip(points, s.scaling_efficiency, strict=True):
+            point["scaling_efficiency"] = efficiency
+    return {
+        "sweep": {"key": s.key, "values": s.values},
+        "points": points,
+        "scaling_reference_nodes": None if s.reference is None else s.reference.cluster.nodes,
+        "scaling_reference_fits": None if s.reference is None else s.reference.memory.fits,
+    }
+
+
+def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
+    """The model, cluster and training simulated, one line each (``swept``: the key a sweep varies,
+    left out of the description)."""
+    m, c, t = p.model, p.cluster, p.training
+    limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
+    nodes = "swept nodes" if swept == "nodes" else f"{c.nodes} nodes"
+    return [
+        f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
+        f"cluster   {c.name}: {nodes} x {c.gpus_per_node} GPUs, {c.peak_tflops:g} TFLOP/s and "
+        f"{c.gpu_memory_gb:g} GiB each; intra-node {c.intra_node.busbw_GBps:g} GB/s, "
+        f"{c.intra_node.latency_us:g} us; inter-node {c.inter_node.busbw_GBps:g} GB/s, "
+        f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
+        f"training  {t.name}: micro-batch {t.micro_batch} x {t.grad_accum} per GPU, {t.sharding} sharding, "
+        f"prefetch {t.prefetch} ({limiter}), {'reshard' if t.reshards else 'keep'} after forward, "
+        f"{t.precision} (reduce {t.reduce_precision}), activation checkpointing "
+        f"{'on' if t.activation_checkpointing else 'off'}, kernels at {100 * t.compute_efficiency:g}% of peak",
+    ]
+
+
+def prediction_text(p: Prediction) -> str:
+    compute = p.timeline.compute
+    comm = p.comm_s
+    exposed = ", ".join(f"{reason} {s:.3g}" for reason, s in p.exposed_by_reason.items()) or "none"
+    parts = sorted(p.memory.parts.items(), key=lambda item: -item[1])
+    memory = ", ".join(f"{name.replace('_', ' ')} {b / GIB:.2f}" for name, b in parts if b > 0)
+    lines = describe_setup(p) + [
+        "",
+        f"step time      {p.step_time_s:10.4g} s",
+        f"  compute      {p.compute_time_s:10.4g} s   forward {compute['forward']:.4g}, backward "
+        f"{compute['backward']:.4g} (with recomputation), optimizer {compute['optimizer']:.3g}",
+        f"  exposed comm {p.exposed_comm_s:10.4g} s   {exposed}",
+        f"comm busy      all-gather {comm['all_gather']:.4g} s, reduce-scatter {comm['reduce_scatter']:.4g} s, "
+        f"all-reduce {comm['all_reduce']:.4g} s",
+        f"throughput     {p.samples_per_step / p.step_time_s:.4g} samples/s; {p.tflops_per_gpu:.4g} TFLOP/s per GPU "
+        f"(with recomputation {p.hardware_tflops_per_gpu:.4g}), MFU {100 * p.mfu:.1f}%",
+        f"memory         {p.memory.total / GIB:.2f} GiB per GPU of {p.memory.usable / GIB:.1f} usable: "
+        f"{'fits' if p.memory.fits else 'DOES NOT FIT'} ({memory})",
+        "",
+        "per unit       forward: compute  all-gather   backward: compute  all-gather+reduce",
+    ]
+    for b in unit_budgets(p):
+        lines.append(
+            f"  {b.kind:<8} x{b.count:<3} {format_ms(b.forward_s):>17} {format_ms(b.gather_s):>11} "
+            f"{format_ms(b.backward_s):>19} {format_ms(b.backward_comm_s):>18}"
+        )
+    lines += ["", verdict(p), *(f"note: {n}" for n in notes(p))]
+    return "\n".join(lines)
+
+
+def sweep_text(s: Sweep) -> str:
+    efficiency = s.scaling_efficiency
+    header = (f"{s.key:>14} {'GPUs':>5} {'step s':>9} {'compute s':>9} {'exposed s':>9} {'gather s':>9} "
+              f"{'reduce s':>9} {'TFLOP/s':>8} {'MFU':>6} {'GiB/GPU':>8} {'fits':>4}")
+    if efficiency is not None:
+        header += f" {'scaling':>8}"
+    values = ", ".join(_value(v) for v in s.values)
+    lines = [*describe_setup(s.points[0], swept=s.key), f"sweep     {s.key} = {values} (rows below)", "", header]
+    for i, p in enumerate(s.points):
+        comm = p.comm_s
+        row = (f"{_value(s.values[i]):>14} {p.cluster.world:>5} {p.step_time_s:>9.4g} {p.compute_time_s:>9.4g} "
+               f"{p.exposed_comm_s:>9.3g} {comm['all_gather']:>9.4g} {comm['reduce_scatter']:>9.4g} "
+               f"{p.tflops_per_gpu:>8.4g} {100 * p.mfu:>5.1f}% {p.memory.total / GIB:>8.2f} "
+               f"{'yes' if p.memory.fits else 'NO':>4}")
+        if efficiency is not None:
+            row += f" {100 * efficiency[i]:>7.1f}%"
+        lines.append(row)
+    if efficiency is not None and all(p is not s.reference for p in s.points):
+        lines.append(f"(scaling against 1 node: {s.reference.step_time_s:.4g} s per step, simulated for reference)")
+    if efficiency is not None and not s.reference.memory.fits:
+        lines.append("(the 1-node reference does not fit in memory: its simulated speed is still the reference)")
+    lines += ["", f"at {s.key}={_value(s.values[-1])}: {verdict(s.points[-1])}"]
+    lines += [f"note: {n}" for n in notes(s.points[0])]
+    return "\n".join(lines)
+
+
+def plot_sweep(s: Sweep, path: str) -> None:
+    """Step time split into compute and exposed communication per point, and scaling efficiency
+    (or MFU when the sweep is not over nodes), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [_value(v) for v in s.values]
+    compute = [p.compute_time_s for p in s.points]
+    exposed = [p.exposed_comm_s for p in s.points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.bar(labels, compute, label="compute")
+    left.bar(labels, exposed, bottom=compute, label="exposed communication")
+    left.set_xlabel(s.key)
+    left.set_ylabel("seconds per step")
+    left.legend()
+    if s.scaling_efficiency is not None:
+        right.plot(labels, [100 * e for e in s.scaling_efficiency], marker="o")
+        right.set_ylabel("scaling efficiency (%)")
+    else:
+        right.plot(labels, [100 * p.mfu for p in s.points], marker="o")
+        right.set_ylabel("MFU (%)")
+    right.set_ylim(0, 105)
+    right.set_xlabel(s.key)
+    right.grid(alpha=0.3)
+    p = s.points[0]
+    fig.suptitle(f"{p.model.name} on {p.cluster.name}, {p.training.name} training")
+    fig.tight_layout()
+    partial = f"{path}.partial"  # a plot is never left half-written under its name
+    try:
+        fig.savefig(partial, dpi=120, format="png")
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

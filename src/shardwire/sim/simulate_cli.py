@@ -1,0 +1,66 @@
+"""``shardwire simulate``: predict a sharded job's step on a cluster, explain it, sweep a setting.
+
+    shardwire simulate --model t5-11b --cluster ibm-a100-ethernet --training ibm-t5-11b-batch50-sliding \
+        --sweep nodes=1,2,4,8,16,32,64 --plot t5-11b.png
+
+Exit status: 0, or 1 when a configuration does not fit in GPU memory (the prediction is still
+printed, with how much is missing), or 2 for input that cannot be simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import yaml
+
+from shardwire.sim import inputs, report
+from shardwire.sim.predict import predict, sweep
+from shardwire.sim.specs import SpecError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    inputs.add_arguments(parser)
+    parser.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                        help="predict each value of one cluster or training setting, e.g. nodes=1,2,4,8 "
+                             "(with scaling efficiency against 1 node for nodes)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    parser.add_argument("--plot", metavar="PNG", help="with --sweep: plot step time and scaling to this file")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        if args.plot and not args.sweep:
+            raise SpecError("--plot draws a sweep: add --sweep KEY=V1,V2,...")
+        model, cluster, training = inputs.load_arguments(args)
+        if args.sweep:
+            key, values = parse_sweep(args.sweep)
+            result = sweep(model, cluster, training, key, values)
+            print(json.dumps(report.sweep_json(result), indent=1) if args.json else report.sweep_text(result))
+            if args.plot:
+                try:
+                    report.plot_sweep(result, args.plot)
+                except OSError as err:
+                    raise SpecError(f"cannot write the plot to {args.plot}: {err.strerror}") from None
+            labelled = [(f"at {key}={v}: ", p) for v, p in zip(values, result.points, strict=True)]
+        else:
+            prediction = predict(model, cluster, training)
+            print(json.dumps(report.prediction_json(prediction), indent=1) if args.json
+                  else report.prediction_text(prediction))
+            labelled = [("", prediction)]
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    missing = [(label, p) for label, p in labelled if not p.memory.fits]
+    for label, p in missing:
+        print(f"error: {label}{report.fit_problem(p)}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def parse_sweep(text: str) -> tuple[str, list]:
+    """``KEY=V1,V2,...`` -> (KEY, values), each value read as YAML reads a scalar (4, 0.5, true, block)."""
+    key, sep, values = text.partition("=")
+    if not sep or not key.strip() or not values.strip():
+        raise SpecError(f"--sweep takes KEY=V1,V2,... (e.g. nodes=1,2,4,8), got {text!r}")
+    return key.strip(), [yaml.safe_load(v.strip()) for v in values.split(",") if v.strip()]

@@ -1,0 +1,281 @@
+"""What the simulator is asked about: a model, a cluster and a training configuration.
+
+Each spec is a frozen dataclass built from a plain mapping (a preset, JSON or YAML) by ``parse``,
+which names missing and unknown keys and rejects impossible values, so that a typo or a wrong unit
+becomes an error instead of a confident, wrong prediction. A model's optional sizes whose default
+depends on others (``ffn_hidden`` = 4 x ``hidden``, ``kv_heads`` = ``heads``, ...) are resolved at
+construction, so the spec reads, and serializes, as what is simulated.
+
+Units: sizes in bytes, except ``gpu_memory_gb`` (GiB, as GPU memory is sold and reported);
+bandwidths in GB/s (1e9 bytes/s, as nccl-tests reports them); latencies in microseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+
+class SpecError(ValueError):
+    """A model, cluster or training description that cannot be simulated; the message says why."""
+
+
+MODEL_KINDS = ("decoder", "encoder-decoder")
+ATTENTION_KINDS = ("flash", "eager")
+SHARDINGS = ("full", "grad_op", "hybrid")
+LIMITERS = ("sliding", "block")
+PRECISIONS = ("fp32", "bf16", "fp16")
+ALGORITHMS = ("ring", "hierarchical")
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A transformer, described by the sizes that determine its FLOPs, bytes and activations.
+
+    ``layers`` counts the blocks of a decoder-only model, or of each stack of an encoder-decoder
+    (``decoder_layers`` when the decoder differs); ``seq_len`` is the (encoder) input length and
+    ``decoder_seq_len`` the target length of an encoder-decoder. ``ffn_gated`` marks a gated MLP
+    (three matrices: SwiGLU, gated GELU); ``kv_heads`` < ``heads`` is grouped-query attention;
+    ``attention`` is ``flash`` (scores never stored, as with SDPA/FlashAttention) or ``eager``
+    (the score matrix is materialized and kept for backward). ``params``, when given, is the
+    published parameter count, checked against the count the architecture implies.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    name: str = "custom"
+    kind: str = "decoder"
+    ffn_hidden: int | None = None
+    ffn_gated: bool = False
+    kv_heads: int | None = None
+    decoder_layers: int | None = None
+    decoder_seq_len: int | None = None
+    tied_embeddings: bool = True
+    learned_positions: bool = False
+    attention: str = "flash"
+    params: int | None = None
+
+    def __post_init__(self):
+        _positive(self, "layers", "hidden", "heads", "vocab", "seq_len")
+        _choice(self, "kind", MODEL_KINDS)
+        _choice(self, "attention", ATTENTION_KINDS)
+        _resolve(self, ffn_hidden=self.ffn_hidden or 4 * self.hidden, kv_heads=self.kv_heads or self.heads)
+        _positive(self, "ffn_hidden", "kv_heads")
+        if self.hidden % self.heads:
+            raise SpecError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise SpecError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.kind == "decoder":
+            for key in ("decoder_layers", "decoder_seq_len"):
+                if getattr(self, key) is not None:
+                    raise SpecError(f"{key} applies to kind 'encoder-decoder' only")
+        else:
+            _resolve(self, decoder_layers=self.decoder_layers or self.layers,
+                     decoder_seq_len=self.decoder_seq_len or self.seq_len)
+            _positive(self, "decoder_layers", "decoder_seq_len")
+        if self.params is not None:
+            _positive(self, "params")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSpec:
+    """One level of the network as collectives see it.
+
+    ``busbw_GBps`` follows nccl-tests: for the intra-node level, what one GPU's links deliver; for
+    the inter-node level, what one node's NICs deliver together (the busbw of a collective with one
+    rank per node). ``latency_us`` is the fixed cost of one step of a collective's algorithm on this
+    level (a ring over k members takes k - 1 steps).
+    """
+
+    busbw_GBps: float
+    latency_us: float = 0.0
+
+    def __post_init__(self):
+        _positive(self, "busbw_GBps")
+        if self.latency_us < 0:
+            raise SpecError(f"latency_us must be at least 0, got {self.latency_us}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Nodes of identical GPUs: their compute, memory and the two levels of network between them.
+
+    ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
+    ``shardwire.sim.collectives``). ``memory_bandwidth_GBps`` prices the optimizer step, which only
+    streams memory; without it that step is left out of the prediction (and the report says so).
+    """
+
+    nodes: int
+    gpus_per_node: int
+    peak_tflops: float
+    gpu_memory_gb: float
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    name: str = "custom"
+    algorithm: str = "ring"
+    memory_bandwidth_GBps: float | None = None
+
+    def __post_init__(self):
+        _positive(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb")
+        _choice(self, "algorithm", ALGORITHMS)
+        if self.memory_bandwidth_GBps is not None:
+            _positive(self, "memory_bandwidth_GBps")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    """How the step runs: batch, sharding, the gather schedule, precision and recomputation.
+
+    ``micro_batch`` is sequences per GPU and micro-batch; ``grad_accum`` micro-batches make a step
+    (all but the last without reduction, accumulating unsharded gradients, as ``no_sync`` does).
+    ``sharding``: ``full`` shards parameters, gradients and optimizer state over every GPU;
+    ``grad_op`` (FSDP's SHARD_GRAD_OP) keeps each unit gathered from its forward to the end of its
+    backward; ``hybrid`` shards within a node and replicates across nodes, all-reducing gradient
+    shards between nodes. ``prefetch`` units are gathered ahead of the running one, by a ``sliding``
+    window (the engine's) or a ``block``-and-flush limiter that issues them in groups and waits for a
+    group to be consumed before issuing the next. ``reduce_precision`` defaults to fp32, as the
+    engine reduces; ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
+    """
+
+    micro_batch: int = 1
+    grad_accum: int = 1
+    sharding: str = "full"
+    prefetch: int = 2
+    limiter: str = "sliding"
+    reshard_after_forward: bool | None = None
+    precision: str = "bf16"
+    reduce_precision: str = "fp32"
+    activation_checkpointing: bool = False
+    compute_efficiency: float = 0.6
+    name: str = "custom"
+
+    def __post_init__(self):
+        _positive(self, "micro_batch", "grad_accum")
+        _choice(self, "sharding", SHARDINGS)
+        _choice(self, "limiter", LIMITERS)
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "reduce_precision", PRECISIONS)
+        if self.prefetch < 0:
+            raise SpecError(f"prefetch must be at least 0 (units gathered ahead), got {self.prefetch}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise SpecError(
+                f"compute_efficiency is a fraction of peak and must be in (0, 1], "
+                f"got {self.compute_efficiency}"
+            )
+        if self.sharding == "grad_op" and self.reshard_after_forward:
+            raise SpecError(
+                "sharding 'grad_op' keeps parameters gathered from forward to backward, so "
+                "reshard_after_forward cannot be true; use sharding 'full' to reshard"
+            )
+
+    @property
+    def reshards(self) -> bool:
+        """Whether units are released after forward and gathered again for backward: as asked, or
+        by default for every sharding but ``grad_op``."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.sharding != "grad_op"
+
+    @property
+    def compute_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.reduce_precision]
+
+
+SPECS = {"model": ModelSpec, "cluster": ClusterSpec, "training": TrainingSpec}
+
+
+def parse(kind: str, mapping: Any, *, name: str | None = None):
+    """Build the ``kind`` spec ("model", "cluster" or "training") from a mapping, or say what is wrong.
+
+    ``name`` (a preset's or file's) labels the messages and becomes the spec's name unless the
+    mapping gives one.
+    """
+    cls = SPECS[kind]
+    if name and isinstance(mapping, Mapping) and "name" not in mapping:
+        mapping = {**mapping, "name": name}
+    return _build(cls, f"{kind} {name!r}" if name else kind, mapping)
+
+
+def as_dict(spec) -> dict:
+    """The spec as plain data (``parse`` reads it back)."""
+    return dataclasses.asdict(spec)
+
+
+def _build(cls, label: str, mapping: Any):
+    if not isinstance(mapping, Mapping):
+        raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - set(fields))
+    if unknown:
+        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(fields)}")
+    missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]
+    if missing:
+        raise SpecError(f"{label}: missing key(s) {', '.join(missing)}")
+    hints = typing.get_type_hints(cls)
+    values = {key: _coerce(f"{label}: {key}", hints[key], value) for key, value in mapping.items()}
+    try:
+        return cls(**values)
+    except SpecError as err:
+        raise SpecError(f"{label}: {err}") from None
+
+
+def _coerce(where: str, hint, value):
+    """Check ``value`` against the type ``hint`` (an int may stand for a float; a float that is a
+    whole number for an int, as YAML writes ``1e3``)."""
+    if isinstance(hint, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        return None if value is None else _coerce(where, options[0], value)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, where, value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {value!r}")
+
+
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+
+
+def _positive(spec, *keys: str) -> None:
+    for key in keys:
+        value = getattr(spec, key)
+        if value <= 0:
+            raise SpecError(f"{key} must be positive, got {value}")
+
+
+def _choice(spec, key: str, choices: tuple[str, ...]) -> None:
+    value = getattr(spec, key)
+    if value not in choices:
+        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _resolve(spec, **values) -> None:
+    """Fill in defaults that depend on other keys (the dataclass is frozen once built)."""
+    for key, value in values.items():
+        object.__setattr__(spec, key, value)

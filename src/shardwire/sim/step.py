@@ -1,0 +1,305 @@
+"""The discrete-event model of one training step, unit by unit, on one representative GPU.
+
+Every GPU runs the same program on the same sizes, so one GPU's timeline is the step's. It has a
+compute lane and three communication lanes: all-gathers, reductions (a CUDA stream each under NCCL;
+a lane thread each under gloo, see ``shardwire.comm.collectives``) and the scalar all-reduce of the
+gradient norm. Collectives of one lane run one after another; the lanes run concurrently and share
+the links (``shardwire.sim.events.Link``): an all-gather and a reduce-scatter crossing a NIC at the
+same time each get half of it.
+
+The compute lane follows the engine (``shardwire.engine.runtime`` and ``schedule``):
+
+forward    gather the root unit; open the forward pass, which issues the first ``prefetch`` gathers;
+           per unit: enter the pass (sliding window: issue the gather ``prefetch`` units ahead),
+           wait for the unit's gather, compute, release it (``reshard_after_forward``). Then the
+           root's head, and the backward pass opens, issuing its first gathers.
+backward   the head's backward; per unit in reverse: enter the pass, wait for the gather (none when
+           the unit was never released), recompute (activation checkpointing) and backward, start
+           its reduce-scatter and, with more than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the
+           oldest; release the unit. Then the root's reduce-scatter, and wait for every reduction.
+step end   with gradient accumulation, micro-batches before the last skip reductions (``no_sync``);
+           then the gradient norm's scalar all-reduce (clipping) and the optimizer step.
+
+A ``block`` limiter replaces the sliding window: it issues gathers in groups of ``prefetch`` and
+issues the next group only when the whole previous one has been consumed, so the first unit of
+every group waits for a gather that was issued when the previous unit finished. Hybrid sharding
+gathers within the node and reduces each unit with a reduce-scatter within the node followed by an
+all-reduce of the shard between nodes, on the same lane.
+
+Left out: slowdown of compute by concurrent communication kernels, host overheads, stragglers and
+jitter; the step is the idealized schedule of the engine on ideal links.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from shardwire.sim import collectives
+from shardwire.sim.architecture import Architecture, UnitCost
+from shardwire.sim.collectives import Group, Phase
+from shardwire.sim.events import Event, Link, Process, Simulation
+from shardwire.sim.specs import ClusterSpec, TrainingSpec
+
+# The engine's bound on pending reduce-scatters (shardwire.engine.runtime.REDUCTIONS_IN_FLIGHT),
+# repeated here so that simulating never imports torch; a test keeps the two equal.
+REDUCTIONS_IN_FLIGHT = 2
+
+# Bytes an Adam step streams per parameter: reads master weight, gradient and both moments (fp32),
+# writes weight and moments.
+OPTIMIZER_BYTES_PER_PARAM = 28
+
+
+@dataclasses.dataclass
+class CommRecord:
+    op: str  # all_gather | reduce_scatter | all_reduce
+    unit: str
+    nbytes: float
+    issued: float
+    started: float = 0.0
+    done: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return self.done - self.started
+
+
+@dataclasses.dataclass(frozen=True)
+class Stall:
+    """Time the compute lane waited on communication: why, and for which unit."""
+
+    reason: str
+    unit: str
+    seconds: float
+
+
+@dataclasses.dataclass
+class Timeline:
+    step_time_s: float
+    compute: dict[str, float]  # forward, backward (with recomputation), optimizer
+    comms: list[CommRecord]
+    stalls: list[Stall]
+    link_busy_s: dict[str, float]
+
+    @property
+    def compute_time_s(self) -> float:
+        return sum(self.compute.values())
+
+
+def simulate_step(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> Timeline:
+    return _Step(arch, cluster, training).run()
+
+
+def forward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Seconds of a unit's forward over one micro-batch."""
+    return unit.forward_flops * training.micro_batch / (cluster.peak_tflops * 1e12 * training.compute_efficiency)
+
+
+def backward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec, *, block: bool = True) -> float:
+    """Seconds of a unit's backward (twice its forward), with the recomputation of its forward when
+    activation checkpointing is on and it is a block (the root is not checkpointed)."""
+    recompute = 1 if training.activation_checkpointing and block else 0
+    return (2 + recompute) * forward_s(unit, cluster, training)
+
+
+def shard_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
+    """The GPUs a unit is sharded over: the world, or one node under hybrid sharding."""
+    if training.sharding == "hybrid":
+        return Group(1, cluster.gpus_per_node)
+    return Group(cluster.nodes, cluster.gpus_per_node)
+
+
+def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
+                     training: TrainingSpec) -> list[tuple[str, float, list[Phase]]]:
+    """The collectives that reduce a unit's gradient, in order, as (op, bytes, phases): a
+    reduce-scatter over the shard group and, under hybrid sharding across nodes, an all-reduce of
+    each GPU's shard with its peers on the other nodes."""
+    nbytes = unit.params * training.reduce_bytes
+    steps = [("reduce_scatter", nbytes, collectives.reduce_scatter(nbytes, shard_group(cluster, training), cluster))]
+    if training.sharding == "hybrid" and cluster.nodes > 1:
+        g = cluster.gpus_per_node
+        between_nodes = Group(cluster.nodes, 1, copies=g)
+        steps.append(("all_reduce", nbytes / g, collectives.all_reduce(nbytes / g, between_nodes, cluster)))
+    return steps
+
+
+class _Lane:
+    """Collectives of one lane, one after another, each through its phases."""
+
+    def __init__(self, sim: Simulation, links: dict[str, Link], records: list[CommRecord]):
+        self._sim = sim
+        self._links = links
+        self._records = records
+        self._queue: collections.deque = collections.deque()
+        self._wake: Event | None = None
+        sim.start(self._run())
+
+    def submit(self, op: str, unit: str, nbytes: float, phases: list[Phase]) -> Event:
+        done = self._sim.event()
+        record = CommRecord(op, unit, nbytes, issued=self._sim.now)
+        self._records.append(record)
+        self._queue.append((record, phases, done))
+        if self._wake is not None:
+            wake, self._wake = self._wake, None
+            wake.succeed()
+        return done
+
+    def _run(self) -> Process:
+        while True:
+            if not self._queue:
+                self._wake = self._sim.event()
+                yield self._wake
+                continue
+            record, phases, done = self._queue.popleft()
+            record.started = self._sim.now
+            for phase in phases:
+                if phase.latency_s > 0:
+                    yield self._sim.timeout(phase.latency_s)
+                yield self._sim.all_of(self._links[level].transfer(b) for level, b in phase.flows)
+            record.done = self._sim.now
+            done.succeed()
+
+
+class _Window:
+    """Which gathers a pass issues ahead: the engine's sliding window, or a block-and-flush limiter."""
+
+    def __init__(self, order: list[UnitCost], depth: int, block: bool, gather):
+        self._order = order
+        self._depth = depth
+        self._block = block
+        self._gather = gather
+        self._issued = self._entered = self._consumed = 0
+        self._issue_upto(depth)
+
+    def enter(self) -> None:
+        """The next unit in order starts: a sliding window issues the gather ``depth`` units ahead."""
+        self._entered += 1
+        if not self._block:
+            self._issue_upto(self._entered + self._depth)
+
+    def consumed(self) -> None:
+        """The running unit's computation ended: a block limiter issues the next group once the
+        whole previous group is consumed."""
+        self._consumed += 1
+        if self._block and self._consumed == self._issued:
+            self._issue_upto(self._issued + self._depth)
+
+    def _issue_upto(self, count: int) -> None:
+        while self._issued < min(count, len(self._order)):
+            self._gather(self._order[self._issued])
+            self._issued += 1
+
+
+class _Step:
+    def __init__(self, arch: Architecture, cluster: ClusterSpec, training: TrainingSpec):
+        self.arch = arch
+        self.cluster = cluster
+        self.training = training
+        self.sim = Simulation()
+        self.links = {level: Link(self.sim, cap) for level, cap in collectives.capacities_Bps(cluster).items()}
+        self.comms: list[CommRecord] = []
+        self.stalls: list[Stall] = []
+        self.compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self._gathers = _Lane(self.sim, self.links, self.comms)
+        self._reductions = _Lane(self.sim, self.links, self.comms)
+        self._scalars = _Lane(self.sim, self.links, self.comms)
+        self._gathered: dict[str, Event] = {}
+
+        self._world = Group(cluster.nodes, cluster.gpus_per_node)
+        self._forward_s = {u.name: forward_s(u, cluster, training) for u in (arch.root, *arch.units)}
+        self._backward_s = {u.name: backward_s(u, cluster, training) for u in arch.units}
+        self._backward_s[arch.root.name] = backward_s(arch.root, cluster, training, block=False)
+        if cluster.memory_bandwidth_GBps is None:
+            self._optimizer_s = 0.0
+        else:
+            shard_params = arch.params / shard_group(cluster, training).size
+            self._optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard_params / (cluster.memory_bandwidth_GBps * 1e9)
+
+    def run(self) -> Timeline:
+        done = self.sim.start(self._step())
+        self.sim.run()
+        assert done.happened, "the step's program stopped on an event that never happened"
+        return Timeline(
+            step_time_s=done.time,
+            compute=self.compute,
+            comms=self.comms,
+            stalls=self.stalls,
+            link_busy_s={level: link.busy_s for level, link in self.links.items()},
+        )
+
+    # ------------------------------------------------------------------------------- the program
+
+    def _step(self) -> Process:
+        for micro in range(self.training.grad_accum):
+            yield from self._micro_batch(sync=micro == self.training.grad_accum - 1)
+        norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,
+                                    collectives.scalar_all_reduce(self._world, self.cluster))
+        yield from self._wait(norm, "gradient-norm all-reduce", "")
+        yield from self._compute("optimizer", self._optimizer_s)
+
+    def _micro_batch(self, *, sync: bool) -> Process:
+        root, units = self.arch.root, list(self.arch.units)
+        depth, block = self.training.prefetch, self.training.limiter == "block"
+        reshard = self.training.reshards
+
+        ready = self._gather(root)
+        forward = _Window(units, depth, block, self._gather)
+        yield from self._wait(ready, "root all-gather", root.name)
+        for unit in units:
+            forward.enter()
+            yield from self._wait(self._gather(unit), "forward all-gathers", unit.name)
+            yield from self._compute("forward", self._forward_s[unit.name])
+            if reshard:
+                self._release(unit)
+            forward.consumed()
+        yield from self._compute("forward", self._forward_s[root.name])
+
+        backward = _Window(units[::-1], depth, block, self._gather)
+        yield from self._compute("backward", self._backward_s[root.name])
+        pending: collections.deque[Event] = collections.deque()
+        for unit in reversed(units):
+            backward.enter()
+            yield from self._wait(self._gather(unit), "backward all-gathers", unit.name)
+            yield from self._compute("backward", self._backward_s[unit.name])
+            if sync:
+                pending.append(self._reduce(unit))
+                while len(pending) > REDUCTIONS_IN_FLIGHT:
+                    yield from self._wait(pending.popleft(), "reduction backlog", unit.name)
+            self._release(unit)
+            backward.consumed()
+        if sync:
+            pending.append(self._reduce(root))
+        while pending:
+            yield from self._wait(pending.popleft(), "final reductions", root.name)
+        self._release(root)
+
+    # -------------------------------------------------------------------------------- its pieces
+
+    def _gather(self, unit: UnitCost) -> Event:
+        """Start gathering ``unit`` unless it is gathered or being gathered (``Unit.gather``)."""
+        if unit.name not in self._gathered:
+            nbytes = unit.params * self.training.compute_bytes
+            phases = collectives.all_gather(nbytes, shard_group(self.cluster, self.training), self.cluster)
+            self._gathered[unit.name] = self._gathers.submit("all_gather", unit.name, nbytes, phases)
+        return self._gathered[unit.name]
+
+    def _release(self, unit: UnitCost) -> None:
+        self._gathered.pop(unit.name, None)
+
+    def _reduce(self, unit: UnitCost) -> Event:
+        """Start reducing ``unit``'s gradient; the event happens when the last collective lands."""
+        for op, nbytes, phases in reduction_phases(unit, self.cluster, self.training):
+            done = self._reductions.submit(op, unit.name, nbytes, phases)
+        return done
+
+    def _compute(self, kind: str, seconds: float) -> Process:
+        if seconds > 0:
+            self.compute[kind] += seconds
+            yield self.sim.timeout(seconds)
+
+    def _wait(self, event: Event, reason: str, unit: str) -> Process:
+        if not event.happened:
+            since = self.sim.now
+            yield event
+            if self.sim.now > since:
+                self.stalls.append(Stall(reason, unit, self.sim.now - since))

@@ -1,0 +1,108 @@
+"""``shardwire testbed up|run|check|down``: an emulated Ethernet cluster on this machine.
+
+    shardwire testbed up --nodes 2 --link 1gbit
+    shardwire testbed check
+    shardwire testbed run --nproc-per-node 2 -- -m shardwire train --model 30m
+    shardwire testbed down
+
+What follows ``--`` in ``run`` is what torchrun takes after its own options: a script and its
+arguments, ``-m module ...``, or ``--no-python program ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from shardwire.testbed import check, job, network
+from shardwire.testbed.topology import (
+    DEFAULT_NAME,
+    TestbedError,
+    Topology,
+    check_name,
+    parse_rate,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = "Needs root and iproute2 (ip, tc). Every action takes --name to keep several testbeds apart."
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = actions.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--name", default=DEFAULT_NAME,
+                         help=f"the testbed's name, which prefixes everything it creates (default {DEFAULT_NAME})")
+        return sub
+
+    up = action("up", "build the nodes and their shaped links (rebuilds if the layout differs)")
+    up.add_argument("--nodes", type=int, required=True, help="emulated nodes (network namespaces)")
+    up.add_argument("--link", required=True,
+                    help="each node's link rate, per direction, in tc's units: 1gbit, 2.5gbit, 500mbit")
+    run = action("run", "run a torchrun job across the nodes: shardwire testbed run [--nproc-per-node R] -- CMD...")
+    run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="after --: torchrun's script and its arguments")
+    measure = action("check", "measure the links between and inside nodes, and judge them against the shaping")
+    measure.add_argument("--seconds", type=float, default=1.0, help="length of each cross-node transfer")
+    action("down", "stop anything still running on the nodes and remove the testbed")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        check_name(args.name)
+        network.require_privileges(args.action)
+        return _ACTIONS[args.action](args)
+    except TestbedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # `up` and `down` leave nothing half-built behind them
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _up(args) -> int:
+    topology = Topology(args.name, args.nodes, parse_rate(args.link))
+    built = network.up(topology)
+    print(f"{topology.describe()}: {'built' if built else 'already up, unchanged'}")
+    for k in range(topology.nodes):
+        print(f"  node{k}: namespace {topology.namespace(k)}, address {topology.address(k)}")
+    return 0
+
+
+def _run(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise TestbedError("give the job after --, e.g. `shardwire testbed run -- -m shardwire train`")
+    if args.nproc_per_node < 1:
+        raise TestbedError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    topology = Topology.load(args.name)
+    if not network.is_up(topology):
+        raise TestbedError(f"{topology.describe()} is only partly there; rebuild it with `shardwire testbed up`")
+
+    def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    return job.run_job(topology, args.nproc_per_node, command)
+
+
+def _check(args) -> int:
+    topology = Topology.load(args.name)
+    if args.seconds <= 0:
+        raise TestbedError(f"--seconds must be positive, got {args.seconds}")
+    print(topology.describe())
+    findings = check.check(topology, args.seconds)
+    for finding in findings:
+        print(f"  {finding}")
+    passed = all(finding.ok for finding in findings)
+    print("link check passed" if passed else "link check FAILED")
+    return 0 if passed else 1
+
+
+def _down(args) -> int:
+    removed = network.down(args.name)
+    print(f"removed testbed {args.name!r} ({', '.join(removed)})" if removed else f"no testbed {args.name!r} to remove")
+    return 0
+
+
+_ACTIONS = {"up": _up, "run": _run, "check": _check, "down": _down}

@@ -1,0 +1,144 @@
+"""``shardwire testbed run``: a torchrun job across the emulated nodes, one launcher per node.
+
+Each node runs ``torchrun --nnodes N --nproc-per-node R --rdzv-backend c10d --rdzv-endpoint
+<node0>:29400 CMD...`` inside its namespace, exactly as a job starts on a real cluster, with gloo
+(and NCCL) told to use the node's link. (No ``--node-rank``: the c10d rendezvous numbers the nodes
+itself, and torchrun ignores it there with a warning.) Their output is streamed with a node
+prefix. The job ends when every node has finished; if one node fails, or the user interrupts, the
+other nodes are stopped (torchrun first, so it can end its workers; then anything left of the job).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from shardwire.testbed.network import in_namespace
+from shardwire.testbed.topology import NODE_INTERFACE, Topology
+
+RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
+STOP_GRACE_S = 10.0
+POLL_S = 0.1
+
+
+def node_command(topology: Topology, node: int, nproc_per_node: int, command: list[str], job_id: str) -> list[str]:
+    return in_namespace(topology.namespace(node), [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={topology.nodes}", f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={topology.address(0)}:{RDZV_PORT}", f"--rdzv-id={job_id}",
+        # Every node has this machine's hostname, which names none of them: say which node hosts
+        # the rendezvous store, and give each node's address for the workers' MASTER_ADDR.
+        f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={topology.address(node)}",
+        "--max-restarts=0",
+        *command,
+    ])
+
+
+def node_environment(topology: Topology, nproc_per_node: int) -> dict[str, str]:
+    """The caller's environment, with collectives bound to the node's link and, unless the user chose,
+    one compute thread per core and rank: all the nodes share this machine's cores."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=NODE_INTERFACE, NCCL_SOCKET_IFNAME=NODE_INTERFACE)
+    ranks = topology.nodes * nproc_per_node
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    return env
+
+
+def run_job(topology: Topology, nproc_per_node: int, command: list[str], *, out: IO[str] | None = None) -> int:
+    """Run ``command`` (torchrun's script and arguments) on every node; returns the job's exit status:
+    0, the first failing node's status (128 + N for a node killed by signal N), or 130 when
+    interrupted."""
+    out = out or sys.stdout
+    job_id = f"{topology.name}-{os.getpid()}-{time.monotonic_ns()}"
+    env = node_environment(topology, nproc_per_node)
+    lock = threading.Lock()
+    nodes, streams = [], []
+    try:
+        for k in range(topology.nodes):
+            proc = subprocess.Popen(node_command(topology, k, nproc_per_node, command, job_id), env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            nodes.append(proc)
+            streams.append(threading.Thread(target=_stream, args=(proc.stdout, f"[node{k}] ", out, lock), daemon=True))
+            streams[-1].start()
+        return _wait(nodes, out, lock)
+    except KeyboardInterrupt:
+        with lock:
+            print("interrupted: stopping the nodes", file=out, flush=True)
+        return 130
+    finally:
+        _stop(nodes)
+        for thread in streams:
+            thread.join(timeout=STOP_GRACE_S)
+
+
+def _wait(nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock) -> int:
+    while True:
+        statuses = [proc.poll() for proc in nodes]
+        failed = [(k, status) for k, status in enumerate(statuses) if status not in (None, 0)]
+        if failed:
+            k, status = failed[0]
+            with lock:
+                print(f"node{k} failed (exit {status}): stopping the other nodes", file=out, flush=True)
+            return status if status > 0 else 128 - status
+        if all(status == 0 for status in statuses):
+            return 0
+        time.sleep(POLL_S)
+
+
+def _stream(pipe: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    for line in pipe:
+        with lock:
+            out.write(prefix + line.decode(errors="replace"))
+            out.flush()
+
+
+def _stop(nodes: list[subprocess.Popen]) -> None:
+    """Stop what is still running: torchrun gets SIGTERM and time to end its workers (which run in
+    sessions of their own); whatever is left of each node's process tree is then killed."""
+    running = [proc for proc in nodes if proc.poll() is None]
+    trees = {proc.pid: _descendants(proc.pid) for proc in running}
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid, started in (process for tree in trees.values() for process in tree):
+        stat = _stat(pid)
+        if stat and stat[1] == started:  # still the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a process, from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # after the command name, which is in parentheses and may hold anything
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every process below ``pid``, from the parent links in /proc."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))):
+            children.setdefault(stat[0], []).append((int(entry), stat[1]))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found

@@ -1,0 +1,169 @@
+"""The plumbing: a testbed's namespaces, bridge, links and shaping, built and removed with iproute2.
+
+Layout, for a testbed named ``shardwire`` with two nodes::
+
+    shardwire-node0                 shardwire-hub                  shardwire-node1
+    lo, eth0 10.77.0.1 --veth-- node0 ] br0 [ node1 --veth-- eth0 10.77.0.2, lo
+
+Both ends of every link are shaped with a token bucket filter, ``eth0`` for what a node sends and
+the hub's port for what it receives, so each direction carries at most the link rate however many
+nodes send to one node at once, as on a switched network. The bridge sits in a namespace of its own,
+so the host's network namespace is never touched, and the nodes have no route anywhere else: all
+traffic stays inside the testbed. Deleting the namespaces deletes every link and qdisc in them.
+
+Each node also gets a hosts file naming every node (``ip netns exec`` shows
+/etc/netns/NAMESPACE/hosts as /etc/hosts), so that the reverse lookups torch makes of its peers'
+addresses succeed, as they do on a cluster with working DNS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from shardwire.testbed.topology import (
+    NODE_INTERFACE,
+    SUBNET,
+    TestbedError,
+    Topology,
+    check_name,
+    state_path,
+)
+
+BRIDGE = "br0"
+# The bucket must hold a whole GSO segment (up to 64 KiB), or tbf splits each one into packets, and
+# at least rate / HZ (tc-tbf(8)): a millisecond at the rate covers any HZ up to 1000.
+MIN_BURST_BYTES = 128 * 1024
+BURST_SECONDS = 0.001
+# How long a packet may wait in the queue before it is dropped: TCP senders that share the link
+# back off on drops, so the queue must absorb their bursts without growing latency unrealistically.
+QUEUE_LATENCY = "50ms"
+STOP_GRACE_S = 5.0
+NETNS_ETC = Path("/etc/netns")
+
+
+def burst_bytes(rate_bits: int) -> int:
+    return max(MIN_BURST_BYTES, int(rate_bits / 8 * BURST_SECONDS))
+
+
+def require_privileges(action: str) -> None:
+    """Fail early, and say what is needed, when this process cannot build or enter namespaces."""
+    if os.geteuid() != 0:
+        raise TestbedError(
+            f"`shardwire testbed {action}` needs root: it creates network namespaces, virtual links and "
+            f"tc qdiscs. Run it as root, e.g. `sudo shardwire testbed {action} ...`"
+        )
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise TestbedError(f"`{tool}` is not installed; install iproute2 (Debian/Ubuntu: apt-get install iproute2)")
+
+
+def in_namespace(namespace: str, argv: list[str]) -> list[str]:
+    """``argv`` as a command that runs inside ``namespace``."""
+    return ["ip", "netns", "exec", namespace, *argv]
+
+
+def _run(*argv: str) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise TestbedError(f"`{' '.join(argv)}` failed: {result.stderr.strip() or f'exit {result.returncode}'}")
+    return result.stdout
+
+
+def _owned_by(name: str) -> re.Pattern:
+    """Matches the names of the namespaces testbed ``name`` makes, and nothing else."""
+    return re.compile(rf"{re.escape(check_name(name))}-(hub|node\d+)")
+
+
+def existing_namespaces(name: str) -> list[str]:
+    """The namespaces of testbed ``name`` that exist now, whatever state any command left them in."""
+    listed = (line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip())
+    return sorted(ns for ns in listed if _owned_by(name).fullmatch(ns))
+
+
+def is_up(topology: Topology) -> bool:
+    """Whether exactly this layout is built (the state file says so and every namespace exists)."""
+    try:
+        recorded = Topology.load(topology.name)
+    except TestbedError:
+        return False
+    return recorded == topology and set(existing_namespaces(topology.name)) == set(topology.namespaces)
+
+
+def up(topology: Topology) -> bool:
+    """Build ``topology``, replacing whatever of that name exists; False if it was already up as asked.
+
+    A failure part way removes everything built so far before the error goes on."""
+    if is_up(topology):
+        return False
+    down(topology.name)
+    try:
+        _build(topology)
+        topology.save()
+    except BaseException:
+        down(topology.name)
+        raise
+    return True
+
+
+def _build(t: Topology) -> None:
+    burst = burst_bytes(t.rate_bits)
+    shape = ["root", "tbf", "rate", f"{t.rate_bits}bit", "burst", str(burst), "latency", QUEUE_LATENCY]
+    _run("ip", "netns", "add", t.hub)
+    _run("ip", "-n", t.hub, "link", "add", BRIDGE, "type", "bridge")
+    _run("ip", "-n", t.hub, "link", "set", BRIDGE, "up")
+    hosts = _hosts_file({"127.0.0.1": "localhost", **{t.address(k): t.namespace(k) for k in range(t.nodes)}})
+    for k in range(t.nodes):
+        node, port = t.namespace(k), t.switch_port(k)
+        _run("ip", "netns", "add", node)
+        _run("ip", "-n", node, "link", "set", "lo", "up")  # ranks on one node talk over it
+        (NETNS_ETC / node).mkdir(parents=True, exist_ok=True)
+        (NETNS_ETC / node / "hosts").write_text(hosts)
+        _run("ip", "-n", t.hub, "link", "add", port, "type", "veth", "peer", "name", NODE_INTERFACE, "netns", node)
+        _run("ip", "-n", t.hub, "link", "set", port, "master", BRIDGE)
+        _run("ip", "-n", t.hub, "link", "set", port, "up")
+        _run("ip", "-n", node, "addr", "add", f"{t.address(k)}/{SUBNET.prefixlen}", "dev", NODE_INTERFACE)
+        _run("ip", "-n", node, "link", "set", NODE_INTERFACE, "up")
+        _run("tc", "-n", node, "qdisc", "add", "dev", NODE_INTERFACE, *shape)
+        _run("tc", "-n", t.hub, "qdisc", "add", "dev", port, *shape)
+
+
+def _hosts_file(names: dict[str, str]) -> str:
+    # torch's stores listen on IPv6 sockets, which see IPv4 peers as IPv4-mapped IPv6 addresses.
+    return "".join(f"{address} {name}\n::ffff:{address} {name}\n" for address, name in names.items())
+
+
+def down(name: str) -> list[str]:
+    """Stop every process left on the testbed's nodes, delete its namespaces (and with them every
+    link and qdisc), their hosts files and its state file; returns the namespaces deleted."""
+    namespaces = existing_namespaces(name)
+    for namespace in namespaces:
+        _stop_processes(namespace)
+        _run("ip", "netns", "delete", namespace)
+    if NETNS_ETC.is_dir():
+        for files in NETNS_ETC.iterdir():
+            if _owned_by(name).fullmatch(files.name):
+                shutil.rmtree(files)
+    state_path(name).unlink(missing_ok=True)
+    return namespaces
+
+
+def _stop_processes(namespace: str) -> None:
+    """A namespace lives on, unnamed, while a process is inside it: end them, politely first."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [int(pid) for pid in _run("ip", "netns", "pids", namespace).split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and _run("ip", "netns", "pids", namespace).split():
+            time.sleep(0.05)

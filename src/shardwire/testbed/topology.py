@@ -1,0 +1,124 @@
+"""What a testbed is: its name, node count and link rate, the names and addresses that follow from
+them, and the state file that tells later commands the layout ``up`` built.
+
+Every object a testbed creates is named after it (``NAME-hub``, ``NAME-node0``, ...), and names must
+start with ``shardwire``, so ``down`` removes exactly what ``up`` made and nothing else. The state
+file lives under /run, a tmpfs, so it vanishes at reboot together with the namespaces it describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+STATE_DIR = Path("/run/shardwire/testbed")
+DEFAULT_NAME = "shardwire"
+NODE_INTERFACE = "eth0"  # each node's link, as on a server
+# The nodes' private subnet. It never meets the host's networks: the namespaces have no route out.
+SUBNET = ipaddress.ip_network("10.77.0.0/24")
+MAX_NODES = 64
+MIN_RATE, MAX_RATE = 10**7, 10**11  # 10 Mbit/s to 100 Gbit/s
+
+_NAME = re.compile(r"shardwire(-[a-z0-9]+)*")
+# tc's units (tc(8)): decimal multiples of bits per second.
+_RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)")
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+class TestbedError(RuntimeError):
+    """A testbed command cannot go on; the message says what is wrong and what to do."""
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a testbed name, so that no command touches anything a testbed did not make."""
+    if not _NAME.fullmatch(name) or len(name) > 40:
+        raise TestbedError(
+            f"testbed name {name!r} must start with 'shardwire' and go on with '-' and lowercase "
+            f"letters or digits (e.g. shardwire-ci), at most 40 characters"
+        )
+    return name
+
+
+def parse_rate(text: str) -> int:
+    """Bits per second from a tc-style rate such as ``1gbit``, ``2.5gbit`` or ``500mbit``."""
+    match = _RATE.fullmatch(text.strip().lower())
+    if not match:
+        raise TestbedError(f"link rate {text!r} is not a rate like 1gbit, 2.5gbit or 500mbit")
+    bits = round(float(match[1]) * _RATE_UNITS[match[2]])
+    if not MIN_RATE <= bits <= MAX_RATE:
+        raise TestbedError(f"link rate {text!r} is outside {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}")
+    return bits
+
+
+def format_rate(bits: int) -> str:
+    for unit in ("tbit", "gbit", "mbit", "kbit"):
+        if bits >= _RATE_UNITS[unit]:
+            return f"{bits / _RATE_UNITS[unit]:.4g}{unit}"
+    return f"{bits}bit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """``nodes`` namespaces, each with one link of ``rate_bits`` bits per second in each direction."""
+
+    name: str
+    nodes: int
+    rate_bits: int
+
+    def __post_init__(self):
+        check_name(self.name)
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise TestbedError(f"--nodes must be between 1 and {MAX_NODES}, got {self.nodes}")
+
+    @property
+    def hub(self) -> str:
+        """The namespace holding the bridge that joins the nodes' links, the emulated switch."""
+        return f"{self.name}-hub"
+
+    def namespace(self, node: int) -> str:
+        return f"{self.name}-node{node}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.hub, *(self.namespace(k) for k in range(self.nodes))]
+
+    def address(self, node: int) -> str:
+        return str(SUBNET[node + 1])
+
+    def switch_port(self, node: int) -> str:
+        """The hub's end of a node's link (the node's end is ``NODE_INTERFACE`` in its namespace)."""
+        return f"node{node}"
+
+    def describe(self) -> str:
+        return f"testbed {self.name!r}: {self.nodes} node(s) on {format_rate(self.rate_bits)} links"
+
+    def save(self) -> None:
+        """Write the state file atomically, so a crash never leaves a half-written one."""
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=STATE_DIR, delete=False, suffix=".tmp") as f:
+            json.dump(dataclasses.asdict(self), f)
+        os.replace(f.name, state_path(self.name))
+
+    @classmethod
+    def load(cls, name: str) -> Topology:
+        """The layout ``up`` recorded for ``name``; an error that says how to build one if none is up."""
+        try:
+            with open(state_path(name)) as f:
+                return cls(**json.load(f))
+        except FileNotFoundError:
+            raise TestbedError(
+                f"no testbed {name!r} is up; build one first, e.g. `shardwire testbed up --nodes 2 --link 1gbit`"
+            ) from None
+        except (ValueError, TypeError) as err:
+            raise TestbedError(
+                f"the state file {state_path(name)} is damaged ({err}); run `shardwire testbed down` and up again"
+            ) from None
+
+
+def state_path(name: str) -> Path:
+    return STATE_DIR / f"{name}.json"

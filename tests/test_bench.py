@@ -1,0 +1,127 @@
+"""``shardwire bench`` on real gloo ranks: every operation's result checked element by element, a
+corrupted result caught, node groups, and what the backend cannot run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from harness import run_workers
+from shardwire.comm import bench_ops
+from shardwire.comm.bench import BenchConfig, BenchError, benchmark, measure_and_report
+from shardwire.comm.bench_ops import IN_PLACE, OUT_OF_PLACE
+
+pytestmark = pytest.mark.slow
+
+CPU = torch.device("cpu")
+TINY = BenchConfig(min_bytes=1000, max_bytes=16000, step_factor=4, warmup=1, iters=2, check=True)
+
+
+def checked_runs(rank, world):
+    """Every operation, every form, several dtypes, reductions and both implementations."""
+    configs = [
+        TINY,
+        dataclasses.replace(TINY, dtype="bfloat16"),
+        dataclasses.replace(TINY, dtype="uint8", redop="max", blocking=True),
+        dataclasses.replace(TINY, dtype="int32", redop="prod", root=2, combine="min"),
+        dataclasses.replace(TINY, dtype="float16", redop="min", ops=["all_reduce", "reduce_scatter", "reduce"]),
+        dataclasses.replace(TINY, impl="shardwire", ops=["all_gather", "reduce_scatter"]),
+    ]
+    outcomes = []
+    for config in configs:
+        results = benchmark(config, CPU)
+        outcomes.append([
+            (r.op, r.dtype, [row.nbytes for row in r.rows], r.wrong,
+             [sorted(row.points) for row in r.rows], [p.seconds > 0 for row in r.rows for p in row.points.values()])
+            for r in results.ops
+        ])
+    return outcomes
+
+
+def test_every_operation_produces_exactly_the_expected_elements():
+    outcomes = run_workers(3, checked_runs)
+    assert outcomes[0] == outcomes[1] == outcomes[2], "every rank must hold the same rows"
+    for config_outcome in outcomes[0]:
+        for op, dtype, sizes, wrong, forms, timed in config_outcome:
+            assert wrong == 0, f"{op} on {dtype}: {wrong} wrong elements"
+            assert all(timed)
+            element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            split = bench_ops.OPERATIONS[op].split
+            # sizes round up to whole elements, and to one element per rank when the buffer is split
+            assert all(s % (element * (3 if split else 1)) == 0 for s in sizes), (op, sizes)
+            expected_forms = sorted(bench_ops.OPERATIONS[op].forms)
+            assert all(f == expected_forms for f in forms)
+    measured = {op for op, *_ in outcomes[0][0]}
+    assert measured == set(bench_ops.OPERATIONS)
+
+
+def corrupted_all_gather(rank, world):
+    """A transport that flips one element on rank 1: the check must see it, and the exit status too."""
+    issue = bench_ops.AllGather.issue
+
+    def issue_then_corrupt(self):
+        for handle in issue(self):
+            handle.wait()
+        if self.ctx.rank == 1:
+            self.output[-1] += 1
+        return []
+
+    bench_ops.AllGather.issue = issue_then_corrupt
+    config = dataclasses.replace(TINY, ops=["all_gather", "all_reduce"])
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        status = measure_and_report(config, CPU)
+    results = benchmark(config, CPU)
+    wrong = {r.op: [{form: p.wrong for form, p in row.points.items()} for row in r.rows] for r in results.ops}
+    return status, wrong, stderr.getvalue()
+
+
+def test_check_catches_a_corrupted_result_and_fails_the_run():
+    (status, wrong, stderr), *others = run_workers(2, corrupted_all_gather)
+    assert status == 1 and all(other[0] == 1 for other in others)
+    assert wrong["all_gather"] == [{OUT_OF_PLACE: 1, IN_PLACE: 1}] * 3
+    assert all(row == {IN_PLACE: 0} for row in wrong["all_reduce"])
+    assert "6 output elements differ" in stderr
+
+
+def node_groups(rank, world):
+    config = dataclasses.replace(TINY, ops=["all_reduce", "all_gather", "sendrecv"], groups=["world", "intra", "inter"],
+                                 ranks_per_node=2)
+    results = benchmark(config, CPU)
+    return results.context["groups"], [(r.group, r.ranks, r.op, r.wrong, len(r.rows)) for r in results.ops]
+
+
+def test_groups_split_four_ranks_into_two_nodes():
+    outcomes = run_workers(4, node_groups)
+    groups, measured = outcomes[0]
+    assert all(outcome == outcomes[0] for outcome in outcomes)
+    assert groups == {
+        "world": {"ranks": 4, "members": [[0, 1, 2, 3]]},
+        "intra": {"ranks": 2, "members": [[0, 1], [2, 3]]},
+        "inter": {"ranks": 2, "members": [[0, 2]]},
+    }
+    # each group is reported on its own, with its own size; correct results in the 2-rank groups
+    # (sendrecv's ring included) show that each moved data only among its own members
+    assert [(g, n, op) for g, n, op, _, _ in measured] == [
+        (group, ranks, op)
+        for group, ranks in (("world", 4), ("intra", 2), ("inter", 2))
+        for op in ("all_reduce", "all_gather", "sendrecv")
+    ]
+    assert all(wrong == 0 and rows == 3 for *_, wrong, rows in measured)
+
+
+def unsupported_dtype(rank, world):
+    with contextlib.redirect_stdout(io.StringIO()):
+        benchmark(dataclasses.replace(TINY, dtype="float8_e4m3fn", ops=["sendrecv", "all_reduce"]), CPU)
+
+
+def test_a_dtype_the_backend_lacks_is_a_clear_error_not_a_hang():
+    messages = run_workers(2, unsupported_dtype, expect_errors=True, timeout=60)
+    for message in messages:
+        assert message.startswith(BenchError.__name__)
+        assert "gloo could not run all_reduce with redop sum on float8_e4m3fn (Invalid scalar type)" in message
+        assert "choose another --dtype" in message

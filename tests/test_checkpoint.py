@@ -1,0 +1,348 @@
+"""Sharded checkpoints: exact round trips, resharding to other world sizes, resumed training equal to
+uninterrupted training, asynchronous saves, crashes during a save, and refusing bad files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import shutil
+from unittest import mock
+
+import pytest
+import safetensors.torch
+import torch
+
+import shardwire
+from harness import run_workers
+from shardwire.comm import collectives
+from shardwire.engine.checkpoint import list_checkpoints, save
+from shardwire.engine.shard import engine_of
+from shardwire.models.gpt import GPT, PRESETS, Block, GPTConfig, loss_fn
+
+pytestmark = pytest.mark.slow
+
+LOCAL_BATCH = 2
+OTHER_MODEL = GPTConfig(seq_len=32, layers=3, hidden=48, heads=2)
+
+
+def make_model(seed: int, config=PRESETS["tiny"]):
+    torch.manual_seed(seed)
+    model = shardwire.shard(GPT(config), units=[Block])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-6)
+    return model, optimizer
+
+
+def train(model, optimizer, steps: range, rank: int, world: int) -> None:
+    """Steps whose global batch depends only on the step number, as the main job's data does."""
+    for step in steps:
+        tokens = torch.randint(0, 256, (world * LOCAL_BATCH, 33), generator=torch.Generator().manual_seed(step))
+        local = tokens[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+        loss_fn(model(local[:, :-1]), local[:, 1:]).backward()
+        shardwire.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every flat buffer's optimizer state, unsharded (per-element state without the padding)."""
+    engine = engine_of(model)
+    full = {}
+    for flat in engine.flats:
+        for key, value in optimizer.state[flat.shard].items():
+            if value.dim() == 0:
+                full[f"{flat.name}/{key}"] = value.clone()
+                continue
+            gathered = torch.empty(flat.layout.padded_numel, dtype=value.dtype)
+            collectives.all_gather(gathered, value, engine.group, tag="test", timeout=engine.timeout).wait()
+            full[f"{flat.name}/{key}"] = gathered[: flat.layout.numel]
+    return full
+
+
+def assert_same(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), key
+
+
+# ---------------------------------------------------------------------------- saving at world 4
+
+
+def _train_and_save(rank, world, root):
+    root = pathlib.Path(root)
+    model, optimizer = make_model(seed=0)
+    train(model, optimizer, range(3), rank, world)
+    rng_at_save = torch.get_rng_state()
+    shardwire.save_checkpoint(root / "step3", model, optimizer, step=3, extra={"epoch": 1, "tag": "t"})
+    saved = {"params": shardwire.full_state_dict(model), "optimizer": full_optimizer_state(model, optimizer)}
+    train(model, optimizer, range(3, 5), rank, world)
+    uninterrupted = shardwire.full_state_dict(model)
+
+    torch.rand(100)  # move the RNG on, so that restoring it is visible
+    info = shardwire.load_checkpoint(root / "step3", model, optimizer)
+    assert (info.step, info.extra, info.world_size, info.rng_restored) == (3, {"epoch": 1, "tag": "t"}, 4, True)
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    train(model, optimizer, range(3, 5), rank, world)
+    resumed = shardwire.full_state_dict(model)
+
+    # Asynchronous: the checkpoint holds the state at the call, although training goes on meanwhile.
+    pending = shardwire.save_checkpoint(root / "async5", model, optimizer, step=5, asynchronous=True)
+    train(model, optimizer, range(5, 6), rank, world)
+    pending.wait()
+
+    other, other_optimizer = make_model(seed=0, config=OTHER_MODEL)
+    shardwire.save_checkpoint(root / "other", other, other_optimizer)
+    if rank == 0:
+        torch.save({**saved, "uninterrupted": uninterrupted, "resumed": resumed}, root / "reference.pt")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> pathlib.Path:
+    """Checkpoints written by 4 ranks, and the reference values they hold (reference.pt)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    run_workers(4, _train_and_save, str(root))
+    return root
+
+
+def reference(root: pathlib.Path) -> dict:
+    return torch.load(root / "reference.pt")
+
+
+def test_resumed_training_equals_uninterrupted_training(saved):
+    ref = reference(saved)
+    assert_same(ref["resumed"], ref["uninterrupted"])
+
+
+def test_checkpoint_is_a_manifest_and_one_file_per_rank(saved):
+    files = sorted(p.name for p in (saved / "step3").iterdir())
+    assert files == ["manifest.json", *(f"rank_{r:05d}.safetensors" for r in range(4)), "replicated.safetensors"]
+    manifest = json.loads((saved / "step3" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4 and manifest["step"] == 3
+    assert [flat["name"] for flat in manifest["flats"]] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert manifest["flats"][0]["slots"][0]["names"] == ["tok_emb.weight", "head.weight"]
+    assert {f["name"] for f in manifest["files"]} == set(files) - {"manifest.json"}
+    assert not [p for p in saved.iterdir() if ".tmp-" in p.name]
+
+
+def test_asynchronous_save_holds_the_state_at_the_call(saved, tmp_path):
+    exported = shardwire.export_state_dict(saved / "async5", tmp_path / "async5.pt")
+    assert_same(torch.load(exported), reference(saved)["resumed"])
+
+
+def test_export_loads_into_the_unsharded_model_without_shardwire(saved, tmp_path):
+    expected = reference(saved)["params"]
+    plain = shardwire.export_state_dict(saved / "step3", tmp_path / "model.pt")
+    model = GPT(PRESETS["tiny"])
+    model.load_state_dict(torch.load(plain, weights_only=True))
+    assert_same(model.state_dict(), expected)
+
+    tensors = shardwire.export_state_dict(saved / "step3", tmp_path / "model.safetensors")
+    assert "head.weight" not in safetensors.torch.load_file(tensors)  # the tie is stored once
+    model = GPT(PRESETS["tiny"])
+    safetensors.torch.load_model(model, tensors)
+    assert_same(model.state_dict(), expected)
+
+
+# ----------------------------------------------------------------- loading at 2 and 3 ranks
+#
+# Starting ranks takes seconds, so everything checked at two ranks runs in one set of processes (the
+# ``at_two_ranks`` fixture); each test below asserts on its part of the results.
+
+
+def _load_resharded(rank, world, saved):
+    model, optimizer = make_model(seed=7)
+    info = shardwire.load_checkpoint(pathlib.Path(saved) / "step3", model, optimizer)
+    # The loaded state trains on: the padding of the new layout holds zeros, not stale values.
+    for flat in engine_of(model).flats:
+        start, _ = flat.layout.shard_range(rank)
+        data = max(0, flat.layout.numel - start)
+        assert not flat.shard[data:].any() and not optimizer.state[flat.shard]["exp_avg"][data:].any()
+    return {
+        "info": (info.step, info.world_size, info.rng_restored),
+        "params": shardwire.full_state_dict(model),
+        "optimizer": full_optimizer_state(model, optimizer),
+    }
+
+
+def _import(rank, world, files):
+    states = []
+    for path in files["good"]:
+        model, _ = make_model(seed=9)
+        shardwire.import_state_dict(model, path)
+        states.append(shardwire.full_state_dict(model))
+    with pytest.raises(shardwire.CheckpointError) as caught:
+        shardwire.import_state_dict(model, files["other"])
+    return {"states": states, "other": str(caught.value)}
+
+
+def _refuse_bad_input(rank, world, cases, series, scratch):
+    model, optimizer = make_model(seed=7)
+    before = shardwire.full_state_dict(model)
+    errors = {}
+    for name, path in cases.items():
+        with pytest.raises(shardwire.CheckpointError) as caught:
+            shardwire.load_checkpoint(path, model, optimizer)
+        errors[name] = str(caught.value)
+    unchanged = (shardwire.full_state_dict(model), not optimizer.state)
+
+    # State that cannot be re-sliced for another world size is refused before anything is written.
+    root_shard = engine_of(model).flats[0].shard
+    optimizer.state[root_shard]["factored"] = torch.zeros(2)
+    with pytest.raises(shardwire.CheckpointError) as caught:
+        shardwire.save_checkpoint(pathlib.Path(scratch) / "unsaveable", model, optimizer)
+    errors["unsaveable state"] = str(caught.value)
+    del optimizer.state[root_shard]
+    with pytest.raises(shardwire.CheckpointError) as caught:
+        shardwire.save_checkpoint(pathlib.Path(scratch) / "unsaveable", model, extra={"at": object()})
+    errors["unsaveable extra"] = str(caught.value)
+    assert not (pathlib.Path(scratch) / "unsaveable").exists()
+
+    info = shardwire.load_latest_checkpoint(series, model, optimizer)
+    return {"errors": errors, "before": before, "after": unchanged[0], "optimizer untouched": unchanged[1],
+            "resumed from": info.path.name}
+
+
+def _crash_during_save(rank, world, directory):
+    directory = pathlib.Path(directory)
+    model, optimizer = make_model(seed=0)
+    train(model, optimizer, range(1), rank, world)
+    shardwire.save_checkpoint(shardwire.checkpoint_path(directory, 1), model, optimizer, step=1, keep=2)
+    at_step_1 = shardwire.full_state_dict(model)
+    train(model, optimizer, range(1, 2), rank, world)
+    step_2 = shardwire.checkpoint_path(directory, 2)
+
+    def disk_full(path, data):  # rank 1 stops half-way through its file
+        path.write_bytes(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    disk_full_on_rank_1 = mock.patch.object(save, "write_durably", disk_full) if rank == 1 else contextlib.nullcontext()
+    with disk_full_on_rank_1, pytest.raises(shardwire.CheckpointError, match="rank 1: OSError: .*No space left"):
+        shardwire.save_checkpoint(step_2, model, optimizer, step=2, keep=2)
+
+    # Rank 0 writes the manifest, then stops short of the rename.
+    crash = mock.patch.object(save, "_fsync_directory", side_effect=OSError(5, "Input/output error"))
+    with crash if rank == 0 else contextlib.nullcontext(), pytest.raises(
+        shardwire.CheckpointError, match="rank 0: OSError: .*Input/output error"
+    ):
+        shardwire.save_checkpoint(step_2, model, optimizer, step=2, keep=2)
+    after_crashes = sorted(p.name for p in directory.iterdir())
+
+    info = shardwire.load_latest_checkpoint(directory, model, optimizer)
+    restored = shardwire.full_state_dict(model)
+    for step in (2, 3):
+        train(model, optimizer, range(step - 1, step), rank, world)
+        shardwire.save_checkpoint(shardwire.checkpoint_path(directory, step), model, optimizer, step=step, keep=2)
+    return {
+        "after crashes": after_crashes,
+        "resumed step": info.step,
+        "saved at step 1": at_step_1,
+        "restored": restored,
+        "finally": sorted(p.name for p in directory.iterdir()),
+        "listed": [p.name for p in list_checkpoints(directory)],
+    }
+
+
+def _at_two_ranks(rank, world, paths):
+    return {
+        "resharded": _load_resharded(rank, world, paths["saved"]),
+        "imported": _import(rank, world, paths["import"]),
+        "bad input": _refuse_bad_input(rank, world, **paths["bad input"]),
+        "crash": _crash_during_save(rank, world, paths["crash"]),
+    }
+
+
+def _import_files(saved: pathlib.Path, scratch: pathlib.Path) -> dict:
+    return {
+        "good": [str(shardwire.export_state_dict(saved / "step3", scratch / name))
+                 for name in ("model.pt", "model.safetensors")],
+        "other": str(shardwire.export_state_dict(saved / "other", scratch / "other.pt")),
+    }
+
+
+def _bad_inputs(saved: pathlib.Path, scratch: pathlib.Path) -> dict:
+    def damaged(name, damage):
+        copy = scratch / name
+        shutil.copytree(saved / "step3", copy)
+        damage(copy)
+        return copy
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    def flip_byte(path):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    cases = {
+        "truncated": damaged("truncated", lambda d: truncate(d / "rank_00001.safetensors")),
+        "corrupted": damaged("corrupted", lambda d: flip_byte(d / "rank_00002.safetensors")),
+        "missing": damaged("missing", lambda d: (d / "rank_00003.safetensors").unlink()),
+        "no manifest": damaged("no_manifest", lambda d: (d / "manifest.json").unlink()),
+        "other model": saved / "other",
+    }
+    series = scratch / "series"  # a good checkpoint, and a newer corrupted one
+    shutil.copytree(saved / "step3", shardwire.checkpoint_path(series, 3))
+    shutil.copytree(cases["corrupted"], shardwire.checkpoint_path(series, 5))
+    return {"cases": {k: str(v) for k, v in cases.items()}, "series": str(series), "scratch": str(scratch)}
+
+
+@pytest.fixture(scope="module")
+def at_two_ranks(saved, tmp_path_factory) -> dict:
+    scratch = tmp_path_factory.mktemp("two_ranks")
+    paths = {
+        "saved": str(saved),
+        "import": _import_files(saved, scratch),
+        "bad input": _bad_inputs(saved, scratch),
+        "crash": str(scratch / "crash"),
+    }
+    return run_workers(2, _at_two_ranks, paths)[0]
+
+
+def check_resharded(result: dict, saved: pathlib.Path) -> None:
+    assert result["info"] == (3, 4, False)  # step, saved world size, RNG not restored
+    ref = reference(saved)
+    assert_same(result["params"], ref["params"])
+    assert_same(result["optimizer"], ref["optimizer"])
+
+
+def test_reshards_from_four_ranks_to_two_exactly(at_two_ranks, saved):
+    check_resharded(at_two_ranks["resharded"], saved)
+
+
+def test_reshards_from_four_ranks_to_three_exactly(saved):
+    check_resharded(run_workers(3, _load_resharded, str(saved))[0], saved)
+
+
+def test_import_into_a_sharded_model(at_two_ranks, saved):
+    imported = at_two_ranks["imported"]
+    for state in imported["states"]:  # from model.pt and model.safetensors
+        assert_same(state, reference(saved)["params"])
+    assert "other.pt: 'tok_emb.weight' has shape (256, 48), the model (256, 32)" in imported["other"]
+
+
+def test_bad_input_is_refused_naming_file_and_reason(at_two_ranks):
+    result = at_two_ranks["bad input"]
+    errors = result["errors"]
+    assert "truncated/rank_00001.safetensors: " in errors["truncated"]
+    assert "the file is truncated" in errors["truncated"]
+    assert "corrupted/rank_00002.safetensors: its sha256 differs" in errors["corrupted"]
+    assert "missing/rank_00003.safetensors: missing" in errors["missing"]
+    assert "no_manifest/manifest.json: missing" in errors["no manifest"]
+    assert "saved from a different model: 'tok_emb.weight' has shape (256, 48)" in errors["other model"]
+    assert "optimizer state 'factored' of '<root>' is a tensor of shape (2,)" in errors["unsaveable state"]
+    assert "extra must be JSON-serializable" in errors["unsaveable extra"]
+    assert_same(result["after"], result["before"])  # never a partial load
+    assert result["optimizer untouched"]
+    assert result["resumed from"] == "step_00000003"  # skipping the corrupted newer one
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint(at_two_ranks):
+    result = at_two_ranks["crash"]
+    assert [name for name in result["after crashes"] if ".tmp-" not in name] == ["step_00000001"]
+    assert len(result["after crashes"]) == 3  # two temporary directories, which nothing loads
+    assert result["resumed step"] == 1
+    assert_same(result["restored"], result["saved at step 1"])
+    # The next good saves delete the temporaries, and keep=2 keeps the newest two.
+    assert result["finally"] == result["listed"] == ["step_00000002", "step_00000003"]

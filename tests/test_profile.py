@@ -1,0 +1,226 @@
+"""The step profiler: its arithmetic, its files, and what it reports about real steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from harness import run_workers
+from shardwire.models.gpt import GPTConfig, PRESETS
+from shardwire.profile import analysis, intervals
+from shardwire.profile.flops import gpt_flops_per_token, torch_counted_flops_per_token
+from shardwire.profile.recorder import StepTimeline
+from shardwire.profile.report import ReportError, write_report
+
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def test_interval_arithmetic():
+    assert intervals.merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert intervals.total([(0, 2), (1, 3), (5, 6)]) == 4
+    assert intervals.covered([(0, 4)], [(1, 2), (3, 5)]) == 2
+    assert intervals.subtract([(0, 10)], [(2, 3), (5, 7), (9, 12)]) == [(0, 2), (3, 5), (7, 9)]
+    assert intervals.clip([(-1, 2), (3, 4), (8, 12)], (0, 10)) == [(0, 2), (3, 4), (8, 10)]
+
+
+def test_synthetic_schedule_gives_exact_overlap_and_exposed_time():
+    # A 10 s step: forward 0-4 s, backward 4-9 s, in which compute waits 6-7 s for a gather;
+    # collectives in flight 1-3 (hidden), 5-7 (half exposed: the wait) and 8-11 (cut at the step end).
+    timeline = StepTimeline(
+        step=0, start=0.0, end=10.0,
+        phases=[("forward", None, 0.0, 4.0), ("forward", "blocks.0", 0.5, 3.5), ("backward", None, 4.0, 9.0)],
+        comms=[("all_gather", "blocks.0", 100, 1.0, 3.0), ("all_gather", "blocks.1", 100, 5.0, 7.0),
+               ("reduce_scatter", "blocks.1", 200, 8.0, 11.0)],
+        waits=[("blocks.1", 6.0, 7.0)],
+    )
+    f = analysis.breakdown(timeline)
+    assert f["step_s"] == 10.0
+    assert (f["forward_s"], f["backward_s"], f["wait_s"], f["other_s"]) == (4.0, 4.0, 1.0, 1.0)
+    assert f["comm_s"] == 6.0 and f["all_gather_s"] == 4.0 and f["reduce_scatter_s"] == 2.0
+    assert f["exposed_comm_s"] == 1.0
+    assert f["overlap_ratio"] == pytest.approx(5 / 6)
+    assert f["all_gather_bytes"] == 200 and f["reduce_scatter_bytes"] == 200
+
+
+def test_spread_over_ranks_and_the_straggler():
+    steps = [analysis.across_ranks([{name: 1.0 for name in analysis.FIGURES} | {"step_s": s} for s in times])
+             for times in ([1.0, 1.5, 1.2], [1.1, 1.4, 1.0], [0.9, 1.0, 1.6])]
+    assert steps[0]["figures"]["step_s"] == {"min": 1.0, "median": 1.2, "max": 1.5}
+    summary = analysis.over_steps(steps)
+    assert summary["slowest_rank"]["rank"] == 1 and summary["slowest_rank"]["share_of_steps"] == pytest.approx(2 / 3)
+
+
+# ------------------------------------------------------------------------------------ FLOPs
+
+
+def test_flops_of_a_known_config_match_the_closed_form():
+    # GPT-2 small's shape: 12 layers, hidden 768, 1024 positions, 50257-token vocabulary (tied head).
+    config = GPTConfig(vocab_size=50257, seq_len=1024, layers=12, hidden=768, heads=12)
+    h, layers, seq, vocab = 768, 12, 1024, 50257
+    matmul_params = vocab * h + layers * (12 * h * h + 10 * h) + 2 * h
+    flops = gpt_flops_per_token(config)
+    assert flops.model == 6 * matmul_params + 12 * layers * h * seq
+    assert flops.hardware == flops.model
+    # torch's own count (matrix multiplies and attention only) agrees to well under 1%
+    assert torch_counted_flops_per_token(config) == pytest.approx(flops.model, rel=5e-3)
+
+
+def test_recomputation_counts_as_hardware_flops_only():
+    config = PRESETS["small"]
+    plain = gpt_flops_per_token(config)
+    recomputed = gpt_flops_per_token(config, activation_checkpointing=True)
+    h, layers, seq = config.hidden, config.layers, config.seq_len
+    assert recomputed.model == plain.model
+    assert recomputed.hardware - recomputed.model == 2 * layers * (12 * h * h + 10 * h) + 4 * layers * h * seq
+
+
+# ----------------------------------------------------------------------------- real steps
+
+
+def profiled_training(rank, world, run_dir, probe_peak):
+    import shardwire
+    from shardwire.comm.collectives import record_collectives
+    from shardwire.models.gpt import GPT, Block, loss_fn
+    from shardwire.profile.profiler import Profiler
+
+    config = dataclasses.replace(PRESETS["small"], layers=6)
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(config), units=[Block])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = 8
+
+    def step(i):
+        tokens = torch.randint(0, 256, (batch, config.seq_len + 1), generator=torch.Generator().manual_seed(i))
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        shardwire.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)  # the recording step, unprofiled, to count collectives of a steady step below
+    with record_collectives() as plain:
+        step(1)
+    profiler = Profiler(model, optimizer, tokens_per_step=batch * config.seq_len * world,
+                        flops=gpt_flops_per_token(config), probe_peak=probe_peak,
+                        metadata={"model": "small-6", "precision": "fp32"})
+    walls = []
+    with record_collectives() as profiled:
+        for i in range(2, 8):
+            start = time.perf_counter()
+            with profiler.step():
+                step(i)
+            walls.append(time.perf_counter() - start)
+    summary = profiler.save(run_dir)
+    profiler.close()
+    return walls, summary, len(plain), len(profiled) / 6
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("profiled") / "run")
+    results = run_workers(2, profiled_training, run_dir, True)
+    return run_dir, results
+
+
+def test_breakdown_adds_up_to_the_measured_step_time(profiled_run):
+    run_dir, results = profiled_run
+    with open(os.path.join(run_dir, "profile.json")) as f:
+        profile = json.load(f)
+    for rank, (walls, *_) in enumerate(results):
+        for wall, step in zip(walls, profile["steps"]):
+            figures = step["ranks"][rank]
+            assert figures["step_s"] == pytest.approx(wall, rel=0.05)
+            seen = sum(figures[k] for k in ("forward_s", "backward_s", "clip_s", "optimizer_s", "wait_s"))
+            assert seen >= 0.95 * wall, f"rank {rank} step {step['step']}: phases cover {seen / wall:.1%}"
+
+
+def test_profiling_adds_no_collective_to_the_steps(profiled_run):
+    _, results = profiled_run
+    for _, _, plain, profiled_per_step in results:
+        assert profiled_per_step == plain
+
+
+def test_summary_has_throughput_and_mfu(profiled_run):
+    _, results = profiled_run
+    summary = results[0][1]
+    assert summary["tokens_per_s"] > 0 and summary["model_tflops_per_worker"] > 0
+    assert 0 < summary["mfu"] < 2  # against this machine's measured matmul rate
+    assert 0 <= summary["figures"]["overlap_ratio"]["median"] <= 1
+    assert summary["slowest_rank"]["rank"] in (0, 1)
+    assert results[1][1] is None  # only rank 0 holds the summary
+
+
+def test_trace_is_valid_chrome_trace_json(profiled_run):
+    run_dir, _ = profiled_run
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert slices and all(e["ph"] in ("X", "M") for e in events)
+    for e in slices:
+        assert isinstance(e["name"], str) and e["ts"] >= 0 and e["dur"] >= 0
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    for rank in (0, 1):
+        assert {(rank, "compute"), (rank, "all-gather lane"), (rank, "reduce-scatter lane")} <= tracks
+        names = {e["name"] for e in slices if e["pid"] == rank}
+        assert {"forward", "backward", "optimizer", "blocks.0"} <= names
+    gathers = [e for e in slices if e.get("cat") == "all_gather"]
+    assert gathers and all(e["args"]["bytes"] > 0 for e in gathers)
+
+
+def test_report_writes_its_plots(profiled_run, tmp_path):
+    run_dir, _ = profiled_run
+    written = write_report([run_dir], str(tmp_path))
+    assert sorted(os.path.basename(p) for p in written) == ["breakdown.png", "overlap.png", "timeline.png"]
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_path):
+    run_dir, _ = profiled_run
+    with open(os.path.join(run_dir, "profile.json")) as f:
+        profile = json.load(f)
+    profile["world_size"], profile["tokens_per_step"] = 4, profile["tokens_per_step"] * 2
+    wider = tmp_path / "world4"
+    wider.mkdir()
+    (wider / "profile.json").write_text(json.dumps(profile))
+    written = write_report([run_dir, str(wider)], str(tmp_path / "out"))
+    assert "scaling.png" in [os.path.basename(p) for p in written] and len(written) == 7
+
+
+def test_unknown_peak_leaves_mfu_out(tmp_path):
+    summary = run_workers(1, profiled_training, str(tmp_path / "run"), False)[0][1]
+    assert "mfu" not in summary and summary["model_tflops_per_worker"] > 0
+    with open(tmp_path / "run" / "profile.json") as f:
+        assert json.load(f)["peak_tflops_per_worker"]["source"].startswith("unknown")
+
+
+# -------------------------------------------------------------------------------- bad input
+
+
+def test_report_on_a_directory_without_profile_data(tmp_path):
+    with pytest.raises(ReportError, match="has no profile data .*shardwire train --profile --run-dir"):
+        write_report([str(tmp_path)], str(tmp_path))
+    with pytest.raises(ReportError, match="is not a directory"):
+        write_report([str(tmp_path / "missing")], str(tmp_path))
+
+
+def test_report_refuses_runs_of_different_jobs(profiled_run, tmp_path):
+    run_dir, _ = profiled_run
+    with open(os.path.join(run_dir, "profile.json")) as f:
+        profile = json.load(f)
+    other = tmp_path / "other"
+    other.mkdir()
+    profile["world_size"] = 4
+    profile["metadata"]["model"] = "medium"
+    (other / "profile.json").write_text(json.dumps(profile))
+    with pytest.raises(ReportError, match="runs differ in model: .* has 'small-6', .* has 'medium'"):
+        write_report([run_dir, str(other)], str(tmp_path))

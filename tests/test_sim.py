@@ -1,0 +1,298 @@
+"""The simulator's pieces against hand-computed answers: specs, FLOPs, collective costs, the
+discrete-event core, the step schedule and the memory model."""
+
+import dataclasses
+import math
+
+import pytest
+
+from shardwire.sim import collectives
+from shardwire.sim.architecture import architecture
+from shardwire.sim.collectives import Group
+from shardwire.sim.events import Link, Simulation
+from shardwire.sim.memory import GIB, USABLE_FRACTION, estimate_memory
+from shardwire.sim.predict import predict, sweep
+from shardwire.sim.presets import CLUSTERS, MODELS
+from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, parse
+from shardwire.sim.step import REDUCTIONS_IN_FLIGHT
+
+GPT = ModelSpec(name="gpt", layers=4, hidden=256, heads=4, vocab=1000, seq_len=128)
+
+
+def cluster(nodes=2, gpus=4, *, intra=100.0, inter=10.0, latency_us=0.0, tflops=100.0, algorithm="hierarchical",
+            memory_gb=80.0):
+    return ClusterSpec(nodes=nodes, gpus_per_node=gpus, peak_tflops=tflops, gpu_memory_gb=memory_gb,
+                       intra_node=LinkSpec(intra, latency_us), inter_node=LinkSpec(inter, latency_us),
+                       algorithm=algorithm)
+
+
+# ------------------------------------------------------------------------------------ specs
+
+
+def test_specs_name_missing_and_unknown_keys():
+    with pytest.raises(SpecError, match="missing key.*hidden"):
+        parse("model", {"layers": 2, "heads": 2, "vocab": 10, "seq_len": 8})
+    with pytest.raises(SpecError, match="unknown key.*hiden.*known keys"):
+        parse("model", {"layers": 2, "hiden": 2, "hidden": 4, "heads": 2, "vocab": 10, "seq_len": 8})
+    with pytest.raises(SpecError, match="inter_node: missing key.*busbw_GBps"):
+        parse("cluster", {"nodes": 1, "gpus_per_node": 1, "peak_tflops": 1, "gpu_memory_gb": 1,
+                          "intra_node": {"busbw_GBps": 1}, "inter_node": {"latency_us": 1}})
+
+
+@pytest.mark.parametrize("kind, data, message", [
+    ("model", {**dataclasses.asdict(GPT), "hidden": 250}, "multiple of heads"),
+    ("model", {**dataclasses.asdict(GPT), "layers": 0}, "layers must be positive"),
+    ("model", {**dataclasses.asdict(GPT), "kind": "encoder"}, "kind must be one of"),
+    ("model", {**dataclasses.asdict(GPT), "decoder_seq_len": 10}, "'encoder-decoder' only"),
+    ("training", {"micro_batch": -1}, "micro_batch must be positive"),
+    ("training", {"compute_efficiency": 1.5}, r"compute_efficiency .* \(0, 1\]"),
+    ("training", {"sharding": "grad_op", "reshard_after_forward": True}, "cannot be true"),
+    ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
+    ("training", {"activation_checkpointing": "yes"}, "true or false"),
+    ("cluster", {**dataclasses.asdict(cluster()), "inter_node": {"busbw_GBps": 0}}, "busbw_GBps must be positive"),
+])
+def test_specs_reject_impossible_values(kind, data, message):
+    with pytest.raises(SpecError, match=message):
+        parse(kind, data)
+
+
+def test_specs_resolve_defaults_and_accept_whole_floats():
+    model = parse("model", {"layers": 2.0, "hidden": 64, "heads": 4, "vocab": 10, "seq_len": 8})
+    assert model.layers == 2 and model.ffn_hidden == 256 and model.kv_heads == 4
+    assert parse("training", {"sharding": "grad_op"}).reshards is False
+    assert parse("training", {}).reshards is True
+
+
+def test_stated_parameter_count_is_checked():
+    with pytest.raises(SpecError, match="params says"):
+        architecture(dataclasses.replace(GPT, params=10**9), 2)
+
+
+# ------------------------------------------------------------------------------------ FLOPs
+
+
+def test_gpt_flops_are_six_times_parameters_plus_attention():
+    """Forward and backward of a GPT: 6 x (parameters doing matmuls) + 12 L h s per token."""
+    arch = architecture(GPT, 2)
+    h, s, L = GPT.hidden, GPT.seq_len, GPT.layers
+    matmul_params = L * 12 * h * h + GPT.vocab * h  # blocks + the tied head
+    assert 3 * arch.forward_flops == pytest.approx(s * (6 * matmul_params + 12 * L * h * s))
+
+
+def test_t5_flops_are_the_documents_formula():
+    """The T5 document's appendix: 96 (54 B s h^2 + 12 B s^2 h) + 6 B s h V per step, with
+    activation checkpointing (two forwards and a backward), for one sequence length s."""
+    model = dataclasses.replace(MODELS["t5-11b"], decoder_seq_len=512, params=None)
+    p = predict(model, cluster(1, 1), TrainingSpec(micro_batch=1, activation_checkpointing=True))
+    s, h, V = 512, model.hidden, model.vocab
+    document = 96 * (54 * s * h**2 + 12 * s**2 * h) + 6 * s * h * V
+    assert p.hardware_flops_per_gpu == pytest.approx(document, rel=1e-9)
+
+
+def test_activation_bytes_match_korthikanti_without_dropout():
+    """32 h bytes per token and layer for a GPT in 16-bit (34 h less the dropout masks); eager
+    attention adds the softmax output, 2 a s bytes."""
+    flash = architecture(GPT, 2).units[0]
+    eager = architecture(dataclasses.replace(GPT, attention="eager"), 2).units[0]
+    h, s, a = GPT.hidden, GPT.seq_len, GPT.heads
+    assert flash.activation_bytes == 32 * h * s
+    assert eager.activation_bytes - flash.activation_bytes == 2 * a * s * s
+    assert flash.boundary_bytes == 2 * h * s
+
+
+# -------------------------------------------------------------------------------- collectives
+
+
+def test_collective_bytes_and_latency_by_algorithm():
+    S, N, g = 8e6, 4, 8
+    c = cluster(N, g, latency_us=10.0, algorithm="hierarchical")
+    inter, intra = collectives.all_gather(S, Group(N, g), c)
+    assert inter.flows == (("inter", S * 3 / 4),) and inter.latency_s == pytest.approx(3 * 10e-6)
+    assert intra.flows == (("intra", S * 7 / 8),) and intra.latency_s == pytest.approx(7 * 10e-6)
+    assert [p.flows[0][0] for p in collectives.reduce_scatter(S, Group(N, g), c)] == ["intra", "inter"]
+
+    (ring,) = collectives.all_gather(S, Group(N, g), dataclasses.replace(c, algorithm="ring"))
+    assert dict(ring.flows) == {"inter": S * 31 / 32, "intra": S * 31 / 32}
+    assert ring.latency_s == pytest.approx(31 * 10e-6)
+
+
+    assert collectives.all_gather(S, Group(1, 1), c) == []
+
+
+def test_all_reduce_is_reduce_scatter_then_all_gather_and_groups_side_by_side_add_up():
+    c = cluster(4, 8)
+    phases = collectives.all_reduce(1e6, Group(4, 1, copies=8), c)
+    assert sum(b for p in phases for _, b in p.flows) == pytest.approx(8 * 2 * 1e6 * 3 / 4)
+    # With the network to itself: bytes over capacity plus latencies.
+    assert collectives.isolated_s(phases, c) == pytest.approx(8 * 2 * 1e6 * 3 / 4 / 10e9)
+
+
+# ---------------------------------------------------------------------------- discrete events
+
+
+def test_link_shares_its_capacity_equally():
+    sim = Simulation()
+    link = Link(sim, capacity=100.0)
+    first = link.transfer(100.0)  # alone it would take 1 s
+    later = []
+    sim.at(0.5, lambda: later.append(link.transfer(100.0)))
+    sim.run()
+    # 0-0.5 s: first moves 50 alone; then both at 50/s: first ends at 1.5 s, the second has 50 left
+    # and ends at 2.0 s alone.
+    assert first.time == pytest.approx(1.5)
+    assert later[0].time == pytest.approx(2.0)
+    assert link.busy_s == pytest.approx(2.0)
+
+
+def test_processes_wait_for_events_and_timeouts():
+    sim = Simulation()
+    gate = sim.event()
+    log = []
+
+    def waiter():
+        yield gate
+        log.append(("gate", sim.now))
+        yield sim.timeout(2.0)
+        log.append(("done", sim.now))
+
+    sim.start(waiter())
+    sim.at(3.0, gate.succeed)
+    sim.run()
+    assert log == [("gate", 3.0), ("done", 5.0)]
+
+
+# ------------------------------------------------------------------------------- step schedule
+
+
+def test_engine_constants_are_the_engines():
+    from shardwire.engine import runtime
+
+    assert REDUCTIONS_IN_FLIGHT == runtime.REDUCTIONS_IN_FLIGHT
+
+
+def test_without_communication_the_step_is_its_compute():
+    fast = cluster(2, 4, intra=1e12, inter=1e12)
+    p = predict(GPT, fast, TrainingSpec(micro_batch=4, activation_checkpointing=True))
+    arch = architecture(GPT, 2)
+    recomputed = sum(u.forward_flops for u in arch.units)  # checkpointing recomputes the blocks
+    flops = 4 * (3 * arch.forward_flops + recomputed)
+    assert p.hardware_flops_per_gpu == flops
+    assert p.compute_time_s == pytest.approx(flops / (100e12 * 0.6))
+    assert p.step_time_s == pytest.approx(p.compute_time_s, rel=1e-3)
+
+
+def test_without_compute_the_step_is_the_bytes_over_the_link():
+    """With compute free, gathers and reductions keep the one shared link busy: the step lasts
+    as long as all their bytes take (plus the tiny intra-node part)."""
+    slow = cluster(4, 1, inter=1.0, tflops=1e9)  # one GPU per node: everything crosses the NIC
+    training = TrainingSpec(micro_batch=1, precision="fp32")
+    p = predict(GPT, slow, training)
+    arch = architecture(GPT, 4)
+    units = arch.params - arch.root.params
+    # forward and backward gathers of every unit, the root's gather, every reduction: 4 bytes each
+    wire = (2 * units + arch.root.params + arch.params) * 4 * 3 / 4
+    assert p.step_time_s == pytest.approx(wire / 1e9, rel=0.01)
+    assert p.timeline.link_busy_s["inter"] == pytest.approx(p.step_time_s, rel=0.01)
+
+
+def test_prefetch_hides_gathers_and_a_block_limiter_leaves_bubbles():
+    balanced = cluster(2, 8, inter=2.0)
+    times = {}
+    for prefetch, limiter in ((0, "sliding"), (2, "block"), (2, "sliding")):
+        t = TrainingSpec(micro_batch=8, prefetch=prefetch, limiter=limiter)
+        times[prefetch, limiter] = predict(GPT, balanced, t).step_time_s
+    assert times[0, "sliding"] > times[2, "block"] > times[2, "sliding"]
+
+
+def test_on_demand_gathers_are_fully_exposed():
+    """Prefetch 0: every all-gather is waited for in full."""
+    c = cluster(2, 4, inter=1.0)
+    p = predict(GPT, c, TrainingSpec(micro_batch=1, prefetch=0))
+    gathers = [r for r in p.timeline.comms if r.op == "all_gather"]
+    waited = sum(s.seconds for s in p.timeline.stalls if "all-gather" in s.reason)
+    assert waited == pytest.approx(sum(r.busy_s for r in gathers), rel=1e-6)
+
+
+def test_grad_op_gathers_once_per_unit_and_hybrid_gathers_inside_the_node():
+    c = cluster(2, 4)
+    ops = {}
+    for sharding in ("full", "grad_op", "hybrid"):
+        p = predict(GPT, c, TrainingSpec(sharding=sharding))
+        ops[sharding] = [r.op for r in p.timeline.comms]
+    units = GPT.layers
+    assert ops["full"].count("all_gather") == 2 * units + 1
+    assert ops["grad_op"].count("all_gather") == units + 1
+    assert ops["hybrid"].count("all_reduce") == units + 1 + 1  # each unit, the root, the norm
+    hybrid = predict(GPT, c, TrainingSpec(sharding="hybrid"))
+    gather = next(r for r in hybrid.timeline.comms if r.op == "all_gather")
+    assert gather.busy_s == pytest.approx(gather.nbytes * 3 / 4 / 100e9)  # intra-node only
+
+
+def test_gradient_accumulation_reduces_once():
+    p = predict(GPT, cluster(), TrainingSpec(grad_accum=3))
+    ops = [r.op for r in p.timeline.comms]
+    assert ops.count("reduce_scatter") == GPT.layers + 1
+    assert ops.count("all_gather") == 3 * (2 * GPT.layers + 1)
+
+
+def test_sweep_scaling_efficiency_is_per_gpu_throughput_against_one_node():
+    s = sweep(GPT, cluster(2, 4, inter=1.0), TrainingSpec(micro_batch=2), "nodes", [2, 4])
+    one = s.reference
+    assert one.cluster.nodes == 1 and one not in s.points
+    for p, efficiency in zip(s.points, s.scaling_efficiency, strict=True):
+        assert efficiency == pytest.approx(one.step_time_s / p.step_time_s)
+    assert 0 < s.scaling_efficiency[1] < s.scaling_efficiency[0] < 1
+    with pytest.raises(SpecError, match="cannot sweep 'hidden'"):
+        sweep(GPT, cluster(), TrainingSpec(), "hidden", [1])
+
+
+# ------------------------------------------------------------------------------------- memory
+
+
+def test_memory_model_by_hand():
+    c = cluster(2, 4)  # 8 GPUs
+    t = TrainingSpec(micro_batch=2, prefetch=1, precision="bf16", reduce_precision="fp32",
+                     activation_checkpointing=True)
+    arch = architecture(GPT, 2)
+    m = estimate_memory(arch, c, t)
+    P, unit = arch.params, arch.units[0].params
+    assert m.parameter_shards + m.gradient_shards + m.optimizer_state == pytest.approx(16 * P / 8)
+    assert m.gathered_parameters == 2 * (arch.root.params + 2 * unit)  # prefetch 1 + the running unit
+    assert m.unit_gradients == 2 * unit
+    assert m.communication_buffers == (REDUCTIONS_IN_FLIGHT + 1) * 4 * unit
+    kept = GPT.layers * arch.units[0].boundary_bytes + arch.root.activation_bytes
+    assert m.activations == 2 * (kept + arch.units[0].activation_bytes + arch.logits_bytes)
+    assert m.usable == USABLE_FRACTION * 80 * GIB
+
+
+def test_memory_grows_without_resharding_or_checkpointing_and_reports_the_shortfall():
+    c = cluster(2, 4, memory_gb=0.02)
+    base = estimate_memory(architecture(GPT, 2), c, TrainingSpec(micro_batch=2))
+    kept = estimate_memory(architecture(GPT, 2), c, TrainingSpec(micro_batch=2, reshard_after_forward=False))
+    full = estimate_memory(architecture(GPT, 2), c, TrainingSpec(micro_batch=2, activation_checkpointing=True))
+    assert kept.gathered_parameters > base.gathered_parameters
+    assert full.activations < base.activations
+    assert not base.fits and base.shortfall == pytest.approx(base.total - base.usable)
+
+
+def test_t5_3b_preset_batch_takes_the_memory_t5_11b_takes_at_batch_50():
+    """The document maximizes every batch and reports 11B's: 50. T5-3B (batch not stated) gets
+    the largest batch that needs no more memory on one node than T5-11B at 50."""
+    from shardwire.sim.presets import TRAININGS
+
+    one_node = dataclasses.replace(CLUSTERS["ibm-a100-ethernet"], nodes=1)
+
+    def memory(model, training, batch):
+        t = dataclasses.replace(TRAININGS[training], micro_batch=batch)
+        return estimate_memory(architecture(MODELS[model], 2), one_node, t).total
+
+    limit = memory("t5-11b", "ibm-t5-11b-batch50-sliding", 50)
+    batch = TRAININGS["ibm-t5-3b"].micro_batch
+    assert memory("t5-3b", "ibm-t5-3b", batch) <= limit < memory("t5-3b", "ibm-t5-3b", batch + 1)
+
+
+def test_presets_are_consistent():
+    for model in MODELS.values():
+        assert math.isclose(architecture(model, 2).params, model.params, rel_tol=0.05)
+    for c in CLUSTERS.values():
+        assert c.inter_node.busbw_GBps < c.intra_node.busbw_GBps

@@ -1,0 +1,227 @@
+"""``shardwire simulate`` and ``shardwire plan`` as users run them: inputs, outputs, bad input, the
+bench results they read, and the calibration script's pure parts."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardwire.cli import main
+from shardwire.sim.inputs import cluster_from_bench, load_spec
+from shardwire.sim.planner import plan
+from shardwire.sim.presets import CLUSTERS, MODELS
+from shardwire.sim.specs import SpecError, TrainingSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2"]
+
+
+def run(capsys, *argv):
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_simulate_explains_the_step(capsys):
+    status, out, err = run(capsys, "simulate", *SMALL, "--training", "{micro_batch: 4}")
+    assert status == 0 and err == ""
+    for expected in ("step time", "exposed comm", "MFU", "GiB per GPU", "fits", "per unit", "block"):
+        assert expected in out
+    assert "bound" in out.splitlines()[-1]
+
+
+def test_simulate_json_has_the_promised_keys(capsys):
+    status, out, _ = run(capsys, "simulate", *SMALL, "--json")
+    doc = json.loads(out)
+    for key in ("step_time_s", "compute_time_s", "exposed_comm_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu",
+                "fits"):
+        assert isinstance(doc[key], (int, float, bool)), key
+    assert set(doc["comm"]) == {"all_gather_s", "reduce_scatter_s", "all_reduce_s"}
+    assert doc["cluster"]["nodes"] == 2 and status == 0
+    assert doc["step_time_s"] == pytest.approx(doc["compute_time_s"] + doc["exposed_comm_s"])
+
+
+def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
+    plot = tmp_path / "sweep.png"
+    status, out, _ = run(capsys, "simulate", *SMALL, "--sweep", "nodes=1,2,4", "--json", "--plot", str(plot))
+    doc = json.loads(out)
+    assert status == 0 and [p["cluster"]["nodes"] for p in doc["points"]] == [1, 2, 4]
+    efficiency = [p["scaling_efficiency"] for p in doc["points"]]
+    assert efficiency[0] == pytest.approx(1.0) and efficiency[2] < 1.0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    status, out, _ = run(capsys, "simulate", *SMALL, "--sweep", "prefetch=0,2")
+    header = next(line for line in out.splitlines() if "step s" in line)
+    assert status == 0 and header.split()[0] == "prefetch" and "scaling" not in header
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt5", "--cluster", "a100-100gbe"], "unknown model preset 'gpt5'; known presets: gpt2-125m"),
+    (["--model", "{layers: 2, hidden: 64}", "--cluster", "a100-100gbe"], "missing key(s) heads, vocab, seq_len"),
+    (["--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, inter_node: {busbw_GBps: -1}}"],
+     "busbw_GBps must be positive"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--training", "{limiter: window}"],
+     "limiter must be one of sliding, block"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--plot", "x.png"], "--plot draws a sweep"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes"], "--sweep takes KEY=V1,V2"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,many"], "nodes must be a whole number"),
+    (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
+])
+def test_bad_input_says_what_is_wrong(capsys, argv, message):
+    status, out, err = run(capsys, "simulate", *argv)
+    assert status == 2 and out == ""
+    assert message in err
+
+
+def test_a_configuration_that_does_not_fit_says_by_how_much(capsys):
+    status, out, err = run(capsys, "simulate", "--model", "llama2-70b", "--cluster", "a100-100gbe", "--nodes", "1")
+    assert status == 1 and "DOES NOT FIT" in out
+    assert "does not fit: needs" in err and "GiB more than the 73.6 GiB usable of 80 GiB" in err
+
+
+def test_inputs_from_files_and_preset_overrides(tmp_path):
+    path = tmp_path / "mycluster.yaml"
+    path.write_text("preset: ibm-a100-ethernet\nnodes: 16\ninter_node: {latency_us: 20}\n")
+    cluster = load_spec("cluster", str(path))
+    assert cluster.name == "mycluster" and cluster.nodes == 16
+    assert cluster.inter_node.latency_us == 20 and cluster.inter_node.busbw_GBps == 15.0
+    inline = load_spec("training", '{"preset": "ibm-t5-3b", "micro_batch": 8}')
+    assert inline.micro_batch == 8 and inline.activation_checkpointing
+    with pytest.raises(SpecError, match="unknown cluster preset 'nope'"):
+        load_spec("cluster", "{preset: nope}")
+
+
+def bench_document(nodes=2, per_node=2, backend="gloo", impl="shardwire"):
+    """A ``shardwire.bench/1`` document with known fits (see shardwire.comm.bench_report)."""
+    def fit(ranks, alpha, beta):
+        return {"ranks": ranks, "placement": "out_of_place", "alpha_s": alpha, "beta_Bps": beta, "r2": 1.0,
+                "points": 8}
+    return {
+        "schema": "shardwire.bench/1",
+        "context": {"world": nodes * per_node, "nodes": nodes, "ranks_per_node": per_node, "backend": backend,
+                    "settings": {"impl": impl}},
+        "results": {}, "summary": {},
+        "fit": {"intra": {"all_gather": fit(2, 1e-4, 4e9), "reduce_scatter": fit(2, 3e-4, 2e9)},
+                "inter": {"all_gather": fit(2, 2e-3, 0.25e9), "reduce_scatter": None}},
+    }
+
+
+def test_cluster_from_bench_converts_fits_to_busbw_and_step_latency(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench_document()))
+    cluster = cluster_from_bench(str(path), CLUSTERS["a100-100gbe"])
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.algorithm) == (2, 2, "hierarchical")
+    # busbw = beta (k-1)/k; latency per step = alpha / (k-1); averaged over the ops measured
+    assert cluster.intra_node.busbw_GBps == pytest.approx((2 + 1) / 2)
+    assert cluster.intra_node.latency_us == pytest.approx((100 + 300) / 2)
+    assert cluster.inter_node.busbw_GBps == pytest.approx(0.125)
+    assert cluster.inter_node.latency_us == pytest.approx(2000)
+    assert cluster.peak_tflops == CLUSTERS["a100-100gbe"].peak_tflops
+
+    path.write_text(json.dumps(bench_document(backend="nccl", impl="torch")))
+    assert cluster_from_bench(str(path), CLUSTERS["a100-100gbe"]).algorithm == "ring"
+    doc = bench_document()
+    doc["fit"].pop("inter")
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SpecError, match="no usable all_gather or reduce_scatter fit for the 'inter' group"):
+        cluster_from_bench(str(path), CLUSTERS["a100-100gbe"])
+    path.write_text(json.dumps({"schema": "something else"}))
+    with pytest.raises(SpecError, match="is not `shardwire bench --json` output"):
+        cluster_from_bench(str(path), CLUSTERS["a100-100gbe"])
+
+
+def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench_document()))
+    status, out, _ = run(capsys, "simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe",
+                         "--cluster-from", str(path), "--json")
+    doc = json.loads(out)
+    assert doc["cluster"]["inter_node"]["busbw_GBps"] == pytest.approx(0.125) and doc["cluster"]["nodes"] == 2
+
+
+def test_plan_finds_the_fastest_configuration_that_fits_and_says_why():
+    cluster = CLUSTERS["a100-100gbe"]
+    result = plan(MODELS["gpt2-350m"], cluster, 8 * 64, TrainingSpec())
+    best = result.best
+    assert best.memory.fits
+    assert result.runner_up.step_time_s >= best.step_time_s
+    assert all(a.step_time_s is None or a.step_time_s >= best.step_time_s * 0.999 for a in result.alternatives)
+    assert {a.change.split()[0] for a in result.alternatives} >= {"micro-batch", "sharding", "prefetch"}
+    assert best.training.micro_batch * best.training.grad_accum == 8
+
+
+def test_plan_command_and_its_errors(capsys):
+    status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64")
+    assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
+    status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64", "--json")
+    doc = json.loads(out)
+    assert doc["best"]["fits"] and doc["fitting"] <= doc["candidates"] and doc["alternatives"]
+    status, _, err = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "100")
+    assert status == 2 and "does not divide over 16 GPUs; the nearest that do are 96, 112" in err
+    status, _, err = run(capsys, "plan", "--model", "llama2-70b", "--cluster", "a100-100gbe", "--nodes", "1",
+                         "--global-batch", "8")
+    assert status == 2 and "no configuration of llama2-70b" in err and "GiB more than the" in err
+
+
+# ----------------------------------------------------------------------- calibration script
+
+
+@pytest.fixture(scope="module")
+def calibrate():
+    spec = importlib.util.spec_from_file_location("calibrate_sim", os.path.join(REPO, "benchmarks", "calibrate_sim.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_calibration_reads_the_measured_runs(calibrate):
+    """scaling.json as benchmarks/scaling.py writes it."""
+    doc = {"args": {"model": "30m", "batch": 2, "prefetch": 2, "reshard": True},
+           "compute_times_s": {"4": [0.5, 0.7, 0.6]},
+           "rows": [{"system": "fsdp2", "layout": "2x2 @1gbit", "step_times": [9.0]},
+                    {"system": "shardwire", "layout": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0]},
+                    {"system": "shardwire", "layout": "1x2", "step_times": [1.0, 3.0, 2.0]}]}
+    settings, runs = calibrate.read_measured(doc)
+    assert settings == calibrate.Settings("30m", 2, 2, True)
+    assert runs == [calibrate.Run(2, 2, "1gbit", 1.5, 0.6), calibrate.Run(1, 2, None, 2.0, None)]
+    assert [r.layout for r in runs] == ["2x2 @1gbit", "1x2"]
+    with pytest.raises(ValueError, match="no shardwire run"):
+        calibrate.read_measured({"args": doc["args"], "rows": doc["rows"][:1]})
+
+
+def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_path):
+    from shardwire.sim.architecture import architecture
+
+    settings = calibrate.Settings("small", 4, 2, True)
+    model = calibrate.model_spec(settings)
+    assert (model.layers, model.hidden, model.vocab) == (4, 128, 256)
+    compute = calibrate.Compute(ranks=4, block_s=0.01, optimizer_s=0.001, shard_params=100_000)
+    machine = calibrate.machine_cluster(compute, settings)
+    block_flops = 3 * architecture(model, 4).units[0].forward_flops * 4
+    assert machine.peak_tflops * 1e12 == pytest.approx(block_flops / 0.01)
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench_document()))
+    run = calibrate.Run(2, 2, "1gbit", 0.2, None)
+    p = calibrate.predict_run(run, settings, compute, str(path))
+    assert p.cluster.world == 4 and p.cluster.algorithm == "hierarchical"
+    assert p.timeline.compute["forward"] == pytest.approx(architecture(model, 4).forward_flops * 4 / block_flops * 0.01)
+    assert p.timeline.compute["optimizer"] == pytest.approx(0.001 * p.arch.params / 4 / 100_000)
+    comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.exposed_comm_s)
+    assert comparison.error == pytest.approx(p.step_time_s / 0.2 - 1)
+    assert "| 2x2 @1gbit |" in calibrate.table(settings, [comparison])
+
+
+def test_simulating_does_not_import_torch():
+    """``shardwire simulate`` is pure Python, so it starts at once on any laptop."""
+    code = ("import sys; from shardwire.cli import main; "
+            "main(['simulate', '--model', 'gpt2-125m', '--cluster', 'a100-100gbe', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)

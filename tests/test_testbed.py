@@ -1,0 +1,156 @@
+"""The emulated cluster: a gloo job across namespaces, shaping that holds, and a clean teardown."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import textwrap
+import time
+
+import pytest
+
+from shardwire.cli import main
+from shardwire.testbed import check, job, network, topology
+from shardwire.testbed.topology import Topology, check_name, parse_rate, state_path
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: builds network namespaces, links and qdiscs")
+RATE = parse_rate("200mbit")  # low enough that two busy cores shape it exactly, high enough to be quick
+
+
+def test_rates_parse_in_tc_units():
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("2.5gbit") == 2_500_000_000
+    assert parse_rate("500mbit") == 500_000_000
+    for bad in ("1gb", "fast", "1 gbit", "1mbit"):  # bytes, a word, a space, under 10mbit
+        with pytest.raises(topology.TestbedError, match="link rate"):
+            parse_rate(bad)
+
+
+def test_names_must_carry_the_prefix():
+    assert check_name("shardwire-ci") == "shardwire-ci"
+    for bad in ("ci", "shardwire_x", "shardwire-", "../shardwire", "shardwire-A"):
+        with pytest.raises(topology.TestbedError, match="must start with 'shardwire'"):
+            check_name(bad)
+
+
+def test_without_root_it_says_what_it_needs(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit"]) == 1
+    assert "needs root" in capsys.readouterr().err
+
+
+def _host_network() -> tuple[set[str], str]:
+    """The host namespace's links and qdiscs, which a testbed must never touch."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip() for line in links.splitlines()}, qdiscs
+
+
+def _leftovers(name: str) -> list[str]:
+    """Anything of testbed ``name`` still on the machine: namespaces, hosts files, the state file."""
+    found = network.existing_namespaces(name)
+    found += [str(p) for p in network.NETNS_ETC.glob(f"{name}-*")] if network.NETNS_ETC.is_dir() else []
+    return found + ([str(state_path(name))] if state_path(name).exists() else [])
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    bed = Topology("shardwire-test", 2, RATE)
+    network.up(bed)
+    yield bed
+    network.down(bed.name)
+
+
+def _script(tmp_path, body: str) -> list[str]:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(body))
+    return [str(path)]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@root_only
+def test_gloo_job_runs_across_the_nodes(testbed, tmp_path):
+    command = _script(tmp_path, """
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        total = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(total)
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {os.environ['GLOO_SOCKET_IFNAME']}: {total.item():g}")
+        dist.destroy_process_group()
+    """)
+    out = io.StringIO()
+    assert job.run_job(testbed, 1, command, out=out) == 0, out.getvalue()
+    ranks = re.findall(r"^\[node(\d)\] rank (\d) of 2 on eth0: 3$", out.getvalue(), re.MULTILINE)
+    assert sorted(node for node, _ in ranks) == ["0", "1"], out.getvalue()
+    assert sorted(rank for _, rank in ranks) == ["0", "1"], out.getvalue()
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@root_only
+def test_a_failing_node_stops_the_job(testbed, tmp_path):
+    command = _script(tmp_path, """
+        import os, sys, time
+        if os.environ["GROUP_RANK"] == "1":  # one node fails at once, the other would run for long
+            sys.exit(3)
+        time.sleep(600)
+    """)
+    out = io.StringIO()
+    start = time.monotonic()
+    assert job.run_job(testbed, 1, command, out=out) != 0
+    assert time.monotonic() - start < 60, "the healthy node was not stopped"
+    assert re.search(r"^node\d failed \(exit \d+\): stopping the other nodes$", out.getvalue(), re.MULTILINE)
+    for namespace in testbed.namespaces:
+        assert not subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.root
+@root_only
+def test_shaping_holds(testbed):
+    findings = check.check(testbed, seconds=1.0)
+    assert all(finding.ok for finding in findings), "\n".join(map(str, findings))
+    burst_bits = network.burst_bytes(RATE) * 8
+    for finding in findings:
+        t = finding.transfer
+        if t.source != t.target:  # never faster than the link (and its bucket) allows
+            assert t.nbytes * 8 <= RATE * t.seconds * 1.02 + burst_bits
+        else:  # loopback inside a node is much faster
+            assert t.bits_per_s > 2 * RATE
+
+
+@pytest.mark.root
+@root_only
+def test_up_is_idempotent_and_down_leaves_nothing():
+    name = "shardwire-test-updown"
+    network.down(name)  # whatever an interrupted run left
+    host_before = _host_network()
+    try:
+        assert network.up(Topology(name, 2, RATE))
+        assert not network.up(Topology(name, 2, RATE))  # same layout: nothing changes
+        assert network.up(Topology(name, 3, RATE))  # another layout: rebuilt
+        assert network.existing_namespaces(name) == [f"{name}-hub", *(f"{name}-node{k}" for k in range(3))]
+    finally:
+        assert main(["testbed", "down", "--name", name]) == 0
+    assert _leftovers(name) == []
+    assert _host_network() == host_before
+
+
+@pytest.mark.root
+@root_only
+def test_a_failed_up_leaves_nothing(monkeypatch):
+    name = "shardwire-test-broken"
+    real_run = network._run
+
+    def tc_fails(*argv):
+        if argv[0] == "tc":
+            raise topology.TestbedError("tc refused")
+        return real_run(*argv)
+
+    monkeypatch.setattr(network, "_run", tc_fails)
+    with pytest.raises(topology.TestbedError, match="tc refused"):
+        network.up(Topology(name, 2, RATE))
+    monkeypatch.undo()
+    assert _leftovers(name) == []
