@@ -23,14 +23,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import MEMORY_PASS_ENV, PeakRSS, median, net_bytes, run_torchrun  # noqa: E402
-from systems import SYSTEMS, clip, wrap  # noqa: E402
+from systems import SYSTEMS, TrainingStep, wrap  # noqa: E402
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardwire.models.gpt import GPT, PRESETS, loss_fn
+    from shardwire.models.gpt import GPT, PRESETS
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,16 +38,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     config = PRESETS[args.model]
     model = wrap(args.system, GPT(config), reshard=args.reshard, prefetch=args.prefetch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(rank)
-
-    def step():
-        batch = torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1), generator=gen)
-        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
-        loss.backward()
-        clip(args.system, model, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = TrainingStep(args.system, model, config, args.batch)
 
     def slowest(value: float) -> float:
         value = torch.tensor(value, dtype=torch.float64)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 
 def net_bytes(interface: str = "lo") -> int:

@@ -21,7 +21,10 @@ falls on all of them alike. Per layout and system:
 * communication-only time: the collectives one step of the system issued, recorded, then replayed
   on their own, all issued at once (``StepCollectives`` in systems.py);
 * the bound: max(compute-only, communication-only), which even a step that overlaps the two
-  perfectly cannot beat; the report shows step time over it.
+  perfectly cannot beat; the report shows step time over it;
+* shardwire only, in a run of its own: the step profiled (``shardwire.profile``), its profile kept
+  in ``profiles/LAYOUT``; its compute per phase, measured by the engine under the step's own
+  contention for the cores, is what ``calibrate_sim.py`` feeds the simulator.
 
 It writes scaling.json (every measurement), scaling.md (the table) and scaling.png into ``--out-dir``.
 """
@@ -29,6 +32,7 @@ It writes scaling.json (every measurement), scaling.md (the table) and scaling.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,9 +43,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import median, net_bytes, run_torchrun  # noqa: E402
-from systems import SYSTEMS, StepCollectives, clip, wrap  # noqa: E402
+from systems import SYSTEMS, StepCollectives, TrainingStep, wrap  # noqa: E402
 
-from shardwire.models.gpt import GPT, PRESETS, loss_fn  # noqa: E402
+from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
 
 TESTBED = "shardwire-scaling"  # its own testbed, apart from any a user has up
 
@@ -73,19 +77,13 @@ def worker(args) -> None:
     if args.measure != "compute":
         model = wrap(args.system, model, reshard=args.reshard, prefetch=args.prefetch)
     collectives = StepCollectives(args.system, model) if args.measure == "comm" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(rank)
+    step = TrainingStep(None if args.measure == "compute" else args.system, model, config, args.batch)
+    profiler = None
+    if args.measure == "profile":
+        from shardwire.profile.profiler import Profiler
 
-    def step():
-        batch = torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1), generator=gen)
-        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
-        loss.backward()
-        if args.measure == "compute":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        else:
-            clip(args.system, model, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        profiler = Profiler(model, step.optimizer, tokens_per_step=args.batch * world * config.seq_len,
+                            probe_peak=False, warmup_steps=0)
 
     def total(value: float, op=dist.ReduceOp.SUM) -> float:
         value = torch.tensor(value, dtype=torch.float64)
@@ -109,9 +107,11 @@ def worker(args) -> None:
     for _ in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
-        timed()
+        with profiler.step() if profiler else contextlib.nullcontext():
+            timed()
         times.append(total(time.perf_counter() - start, dist.ReduceOp.MAX))
     received = link_bytes() - received
+    summary = profiler.save(args.profile_dir) if profiler else None
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({
@@ -119,6 +119,7 @@ def worker(args) -> None:
                 # barriers and the timing all-reduces add a few hundred bytes per step
                 "link_bytes_per_step": received / args.steps,
                 "tokens_per_step": args.batch * world * config.seq_len,
+                "profile": summary and {name: stats["median"] for name, stats in summary["figures"].items()},
             }, f)
     dist.destroy_process_group()
 
@@ -131,6 +132,7 @@ class Row:
     step_times: list = dataclasses.field(default_factory=list)
     comm_times: list = dataclasses.field(default_factory=list)
     link_bytes_per_step: float = 0.0
+    profile: dict | None = None  # shardwire's profiled step: each figure's median over ranks and steps
 
     @property
     def step_s(self) -> float:
@@ -156,6 +158,9 @@ class Runner:
     def run(self, layout: Layout, measure: str, system: str | None = None) -> dict:
         threads = max(1, (os.cpu_count() or 1) // layout.world)
         worker_args = ["--measure", measure, *(["--system", system] if system else []), *self.passthrough]
+        if measure == "profile":
+            profile_dir = os.path.join(self.args.out_dir, "profiles", str(layout).replace(" @", "-"))
+            worker_args += ["--profile-dir", os.path.abspath(profile_dir)]
         launcher = None
         if layout.nodes > 1:
             self._testbed(layout)
@@ -200,10 +205,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--out-dir", help="directory for scaling.json, scaling.md and scaling.png")
+    parser.add_argument("--out-dir", help="directory for scaling.json, scaling.md, scaling.png and profiles/")
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--measure", choices=["time", "compute", "comm"], default="time", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=["time", "compute", "comm", "profile"], default="time",
+                        help=argparse.SUPPRESS)
     parser.add_argument("--link-interface", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "1x4", "2x1", "2x2"],
                         help="NODESxRANKS_PER_NODE; layouts of several nodes run once per --links rate")
@@ -243,7 +250,8 @@ def main() -> None:
         f.write(table + "\n")
     with open(os.path.join(args.out_dir, "scaling.json"), "w") as f:
         json.dump({
-            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "system", "measure", "link_interface")},
+            "args": {k: v for k, v in vars(args).items()
+                     if k not in ("worker", "out", "system", "measure", "link_interface", "profile_dir")},
             "compute_times_s": {str(world): times for world, times in compute.items()},
             "rows": [dataclasses.asdict(row) | {"layout": str(row.layout)} for row in rows.values()],
         }, f, indent=1)
@@ -267,6 +275,8 @@ def measure_all(args, layouts: list[Layout]) -> tuple[dict[tuple[str, Layout], R
                     row.link_bytes_per_step = result["link_bytes_per_step"]  # the same every repeat
             for system in args.systems:
                 rows[(system, layout)].comm_times = runner.run(layout, "comm", system)["times_s"]
+            if "shardwire" in args.systems:
+                rows[("shardwire", layout)].profile = runner.run(layout, "profile", "shardwire")["profile"]
             print(f"measured {layout}", file=sys.stderr, flush=True)
     finally:
         runner.close()

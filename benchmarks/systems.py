@@ -18,7 +18,7 @@ from torch import nn
 import shardwire
 from shardwire.comm import collectives
 from shardwire.engine.shard import engine_of
-from shardwire.models.gpt import Block
+from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
 SYSTEMS = ("shardwire", "fsdp2", "ddp")
 
@@ -41,10 +41,31 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-def clip(system: str, model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip(system: str | None, model: nn.Module, max_norm: float) -> torch.Tensor:
     if system == "shardwire":
         return shardwire.clip_grad_norm_(model, max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+class TrainingStep:
+    """The step every benchmark times: a batch of random tokens (drawn per rank), forward, backward,
+    gradient clipping to norm 1 and AdamW. ``system`` None: ``model`` is a bare, unwrapped GPT."""
+
+    def __init__(self, system: str | None, model: nn.Module, config: GPTConfig, batch: int):
+        self.system = system
+        self.model = model
+        self.config = config
+        self.batch = batch
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self._generator = torch.Generator().manual_seed(dist.get_rank())
+
+    def __call__(self) -> None:
+        tokens = torch.randint(0, self.config.vocab_size, (self.batch, self.config.seq_len + 1),
+                               generator=self._generator)
+        loss_fn(self.model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        clip(self.system, self.model, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 class StepCollectives:

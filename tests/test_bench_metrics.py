@@ -139,6 +139,9 @@ def test_sizes_parse_like_nccl_tests():
     (["--nproc", "200", "--check", "--dtype", "int8", "--ops", "all_reduce"], "cannot verify a sum over 200"),
     (["--impl", "shardwire", "--redop", "max"], "reduces by sum only"),
     (["--json", "/nonexistent/dir/out.json"], "does not exist"),
+    (["-b", "1", "-e", "1G", "-i", "1"], "makes 1073741824 sizes, more than 1000: raise --step-bytes"),
+    (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
+    (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),
 ])
 def test_bad_arguments_are_refused_before_any_worker_starts(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2

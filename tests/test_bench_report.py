@@ -24,7 +24,7 @@ SUMMARY_KEYS = {"ranks", "placement", "peak_busbw_GBps", "peak_bytes", "bytes_to
                 "avg_busbw_GBps_from_1MiB"}
 FIT_KEYS = {"ranks", "placement", "alpha_s", "beta_Bps", "r2", "points"}
 CONTEXT_KEYS = {"world", "nodes", "ranks_per_node", "backend", "devices", "hosts", "torch", "nccl", "env",
-                "groups", "settings"}
+                "groups", "settings", "command"}
 SETTINGS_KEYS = {"ops", "dtype", "redop", "root", "impl", "warmup", "iters", "blocking", "check", "combine", "sizes"}
 
 
@@ -86,6 +86,7 @@ CONTEXT = {
     "settings": {"ops": ["all_gather", "all_reduce"], "dtype": "float32", "redop": "sum", "root": 0,
                  "impl": "torch", "warmup": 1, "iters": 2, "blocking": False, "check": True, "combine": "max",
                  "sizes": [1 << k for k in range(10, 25)]},
+    "command": "shardwire bench --nproc 4 --ops all_gather all_reduce -w 1 -n 2 --check --groups world inter",
 }
 RESULTS = [
     synthetic(),
@@ -164,6 +165,7 @@ def test_the_command_runs_checks_and_saves_json_csv_and_plot(tmp_path):
     assert [row["bytes"] for row in doc["results"]["world"]["all_gather"]] == [1008, 4016, 16064, 64256]
     assert all(row[IN_PLACE]["wrong"] == 0 for rows in doc["results"]["world"].values() for row in rows)
     assert doc["context"]["backend"] == "gloo" and doc["context"]["world"] == 2
+    assert doc["context"]["command"].startswith("shardwire bench --nproc 2 --ops all_reduce all_gather -b 1004")
     assert len(out["csv"].read_text().splitlines()) == 1 + 4 + 4 * 2
     assert out["png"].read_bytes().startswith(b"\x89PNG")
     assert not math.isnan(doc["summary"]["world"]["all_reduce"]["peak_busbw_GBps"])

@@ -217,8 +217,15 @@ def _crash_during_save(rank, world, directory):
         raise OSError(28, "No space left on device")
 
     disk_full_on_rank_1 = mock.patch.object(save, "write_durably", disk_full) if rank == 1 else contextlib.nullcontext()
-    with disk_full_on_rank_1, pytest.raises(shardwire.CheckpointError, match="rank 1: OSError: .*No space left"):
-        shardwire.save_checkpoint(step_2, model, optimizer, step=2, keep=2)
+    def disk_full_error():
+        return pytest.raises(shardwire.CheckpointError, match="rank 1: OSError: .*No space left")
+
+    with disk_full_on_rank_1:
+        pending = shardwire.save_checkpoint(step_2, model, optimizer, step=2, keep=2, asynchronous=True)
+        with disk_full_error():
+            pending.wait()
+    with disk_full_error():  # and again: a failed save never passes for a saved one
+        pending.wait()
 
     # Rank 0 writes the manifest, then stops short of the rename.
     crash = mock.patch.object(save, "_fsync_directory", side_effect=OSError(5, "Input/output error"))

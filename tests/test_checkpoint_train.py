@@ -122,3 +122,14 @@ def test_running_again_resumes_past_a_corrupted_checkpoint(data, uninterrupted, 
     assert rank_file_checksums(checkpoints) == rank_file_checksums(uninterrupted)
     kept = [shardwire.checkpoint_path(checkpoints, step).name for step in (STEPS - SAVE_EVERY, STEPS)]
     assert sorted(p.name for p in checkpoints.iterdir()) == kept  # --keep 2, and no temporaries
+
+
+def test_a_checkpoint_past_the_last_step_is_a_clear_error(data, uninterrupted, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted, checkpoints)
+    done = subprocess.run(train_command(data, checkpoints, "--steps", str(STEPS - 1)),
+                          capture_output=True, text=True, timeout=240, env=_env())
+    assert done.returncode != 0
+    assert (f"{shardwire.checkpoint_path(checkpoints, STEPS)} is at step {STEPS}, past --steps {STEPS - 1}: "
+            f"raise --steps to train on") in done.stdout + done.stderr
+    assert rank_file_checksums(checkpoints) == rank_file_checksums(uninterrupted)  # nothing was touched

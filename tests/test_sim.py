@@ -45,11 +45,23 @@ def test_specs_name_missing_and_unknown_keys():
     ("model", {**dataclasses.asdict(GPT), "kind": "encoder"}, "kind must be one of"),
     ("model", {**dataclasses.asdict(GPT), "decoder_seq_len": 10}, "'encoder-decoder' only"),
     ("training", {"micro_batch": -1}, "micro_batch must be positive"),
+    ("training", {"grad_accum": 257}, "grad_accum 257 is more micro-batches than the simulator steps through"),
     ("training", {"compute_efficiency": 1.5}, r"compute_efficiency .* \(0, 1\]"),
     ("training", {"sharding": "grad_op", "reshard_after_forward": True}, "cannot be true"),
     ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
     ("training", {"activation_checkpointing": "yes"}, "true or false"),
     ("cluster", {**dataclasses.asdict(cluster()), "inter_node": {"busbw_GBps": 0}}, "busbw_GBps must be positive"),
+    # NaN and infinity would never let a transfer finish: refused while parsing, before any simulation
+    ("cluster", {**dataclasses.asdict(cluster()), "inter_node": {"busbw_GBps": math.nan}},
+     "busbw_GBps must be positive and finite, got nan"),
+    ("cluster", {**dataclasses.asdict(cluster()), "peak_tflops": math.inf}, "peak_tflops must be positive and finite"),
+    ("cluster", {**dataclasses.asdict(cluster()), "intra_node": {"busbw_GBps": 1, "latency_us": math.nan}},
+     "latency_us must be at least 0 and finite"),
+    # an explicit 0 is refused, not taken for the default
+    ("model", {**dataclasses.asdict(GPT), "ffn_hidden": 0}, "ffn_hidden must be positive"),
+    ("model", {**dataclasses.asdict(GPT), "kv_heads": 0}, "kv_heads must be positive"),
+    ("model", {**dataclasses.asdict(MODELS["t5-3b"]), "decoder_layers": 0}, "decoder_layers must be positive"),
+    ("model", {**dataclasses.asdict(MODELS["t5-3b"]), "decoder_seq_len": 0}, "decoder_seq_len must be positive"),
 ])
 def test_specs_reject_impossible_values(kind, data, message):
     with pytest.raises(SpecError, match=message):

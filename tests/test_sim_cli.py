@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from shardwire.cli import main
+from shardwire.sim import planner
 from shardwire.sim.inputs import cluster_from_bench, load_spec
 from shardwire.sim.planner import plan
 from shardwire.sim.presets import CLUSTERS, MODELS
@@ -55,6 +56,8 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     status, out, _ = run(capsys, "simulate", *SMALL, "--sweep", "prefetch=0,2")
     header = next(line for line in out.splitlines() if "step s" in line)
     assert status == 0 and header.split()[0] == "prefetch" and "scaling" not in header
+    training = next(line for line in out.splitlines() if line.startswith("training"))
+    assert "swept prefetch (sliding window)" in training  # not the first point's prefetch 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -67,6 +70,9 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--plot", "x.png"], "--plot draws a sweep"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,many"], "nodes must be a whole number"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"], "a value is not a YAML scalar"),
+    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: gpt2-125m"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
@@ -152,6 +158,12 @@ def test_plan_finds_the_fastest_configuration_that_fits_and_says_why():
     assert best.training.micro_batch * best.training.grad_accum == 8
 
 
+def test_plan_finds_the_micro_batches_without_counting_to_the_batch():
+    assert planner._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert planner._divisors(1) == [1]
+    assert planner._divisors(2**40) == [2**k for k in range(41)]  # at once: pairs up to the square root
+
+
 def test_plan_command_and_its_errors(capsys):
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64")
@@ -181,19 +193,26 @@ def calibrate():
     del sys.modules[spec.name]
 
 
+PROFILE = {"forward_s": 0.004, "backward_s": 0.008, "optimizer_s": 0.001, "wait_s": 0.5}
+
+
 def test_calibration_reads_the_measured_runs(calibrate):
     """scaling.json as benchmarks/scaling.py writes it."""
     doc = {"args": {"model": "30m", "batch": 2, "prefetch": 2, "reshard": True},
-           "compute_times_s": {"4": [0.5, 0.7, 0.6]},
-           "rows": [{"system": "fsdp2", "layout": "2x2 @1gbit", "step_times": [9.0]},
-                    {"system": "shardwire", "layout": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0]},
-                    {"system": "shardwire", "layout": "1x2", "step_times": [1.0, 3.0, 2.0]}]}
+           "compute_times_s": {"2": [0.4], "4": [0.5, 0.7, 0.6]},
+           "rows": [{"system": "fsdp2", "layout": "2x2 @1gbit", "step_times": [9.0], "profile": None},
+                    {"system": "shardwire", "layout": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0], "profile": PROFILE},
+                    {"system": "shardwire", "layout": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE}]}
     settings, runs = calibrate.read_measured(doc)
     assert settings == calibrate.Settings("30m", 2, 2, True)
-    assert runs == [calibrate.Run(2, 2, "1gbit", 1.5, 0.6), calibrate.Run(1, 2, None, 2.0, None)]
+    assert runs == [calibrate.Run(2, 2, "1gbit", 1.5, 0.6, PROFILE), calibrate.Run(1, 2, None, 2.0, 0.4, PROFILE)]
     assert [r.layout for r in runs] == ["2x2 @1gbit", "1x2"]
+    assert runs[0].engine_compute_s == pytest.approx(0.013)
     with pytest.raises(ValueError, match="no shardwire run"):
-        calibrate.read_measured({"args": doc["args"], "rows": doc["rows"][:1]})
+        calibrate.read_measured({**doc, "rows": doc["rows"][:1]})
+    unprofiled = {**doc, "rows": [{**doc["rows"][1], "profile": None}]}
+    with pytest.raises(ValueError, match="shardwire's run on 2x2 @1gbit has no profile"):
+        calibrate.read_measured(unprofiled)
 
 
 def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_path):
@@ -202,18 +221,17 @@ def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_p
     settings = calibrate.Settings("small", 4, 2, True)
     model = calibrate.model_spec(settings)
     assert (model.layers, model.hidden, model.vocab) == (4, 128, 256)
-    compute = calibrate.Compute(ranks=4, block_s=0.01, optimizer_s=0.001, shard_params=100_000)
-    machine = calibrate.machine_cluster(compute, settings)
-    block_flops = 3 * architecture(model, 4).units[0].forward_flops * 4
-    assert machine.peak_tflops * 1e12 == pytest.approx(block_flops / 0.01)
+    run = calibrate.Run(2, 2, "1gbit", 0.2, 0.1, PROFILE)
+    machine = calibrate.machine_cluster(run, settings)
+    model_flops = 3 * architecture(model, 4).forward_flops * 4  # forward and backward of the batch
+    assert machine.peak_tflops * 1e12 == pytest.approx(model_flops / 0.012)
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench_document()))
-    run = calibrate.Run(2, 2, "1gbit", 0.2, None)
-    p = calibrate.predict_run(run, settings, compute, str(path))
+    p = calibrate.predict_run(run, settings, str(path))
     assert p.cluster.world == 4 and p.cluster.algorithm == "hierarchical"
-    assert p.timeline.compute["forward"] == pytest.approx(architecture(model, 4).forward_flops * 4 / block_flops * 0.01)
-    assert p.timeline.compute["optimizer"] == pytest.approx(0.001 * p.arch.params / 4 / 100_000)
+    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.012)
+    assert p.timeline.compute["optimizer"] == pytest.approx(0.001)
     comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.exposed_comm_s)
     assert comparison.error == pytest.approx(p.step_time_s / 0.2 - 1)
     assert "| 2x2 @1gbit |" in calibrate.table(settings, [comparison])

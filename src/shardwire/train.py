@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _validate(config: TrainConfig) -> None:
-    for name in ("steps", "batch", "grad_accum", "log_every", "save_every"):
+    for name in ("steps", "batch", "grad_accum", "log_every", "save_every", "eval_batches"):
         if getattr(config, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     for name in ("prefetch", "keep", "max_restarts"):
@@ -116,6 +116,13 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: --peak-tflops must be positive, got {config.peak_tflops}")
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+    if config.checkpoint_dir is not None and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
+        raise SystemExit(f"error: --checkpoint-dir {config.checkpoint_dir} is a file; give it a directory")
+    if config.data is not None:  # the default, the standard library's sources, always serves
+        try:
+            ByteCorpus.load(config.data, PRESETS[config.model].seq_len)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"error: --data: {err}") from None
 
 
 def _device_and_backend(config: TrainConfig) -> tuple[torch.device, str]:
@@ -136,11 +143,19 @@ def _lr_factor(step: int, config: TrainConfig) -> float:
 
 
 def train(config: TrainConfig) -> None:
+    """One worker's whole job; the process group ends with it, however it ends."""
     device, backend = _device_and_backend(config)
     dist.init_process_group(backend)
+    try:
+        _train(config, device, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model_config = PRESETS[config.model]
-    corpus = ByteCorpus.load(config.data)
+    corpus = ByteCorpus.load(config.data, model_config.seq_len)
 
     torch.manual_seed(config.seed)
     model = GPT(model_config).to(device)
@@ -208,7 +223,9 @@ def train(config: TrainConfig) -> None:
                 })
             interval_start, interval_steps = time.perf_counter(), 0
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
+            saving_from = time.perf_counter()
             _save_checkpoint(config, model, optimizer, scheduler, step + 1)
+            interval_start += time.perf_counter() - saving_from  # tokens/s counts training alone
 
     if progress is not None:
         progress.close()
@@ -222,7 +239,6 @@ def train(config: TrainConfig) -> None:
             f"{losses}validation loss {val_loss:.3f}",
             flush=True,
         )
-    dist.destroy_process_group()
 
 
 def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
@@ -235,6 +251,12 @@ def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
         ) from None
     if info is None:
         return 0
+    if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
+        raise SystemExit(f"error: {info.path} was not saved by shardwire train (it holds no learning-rate "
+                         f"schedule); give --checkpoint-dir a directory of its own")
+    if info.step > config.steps:
+        raise SystemExit(f"error: {info.path} is at step {info.step}, past --steps {config.steps}: "
+                         f"raise --steps to train on, or give another --checkpoint-dir")
     scheduler.load_state_dict(info.extra["scheduler"])
     if dist.get_rank() == 0:
         print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks)", flush=True)

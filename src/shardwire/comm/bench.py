@@ -23,9 +23,11 @@ import collections
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import re
+import shlex
 import socket
 import sys
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from shardwire.comm.bench_metrics import COMBINE, OPS
 from shardwire.comm.bench_ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
 from shardwire.comm.bench_sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
 from shardwire.comm.groups import (
+    backend_for,
     cross_node_members,
     inter_node_group,
     intra_node_group,
@@ -49,6 +52,8 @@ from shardwire.comm.topology import Topology
 from shardwire.launch import launch_local, under_launcher
 
 GROUPS = ("world", "intra", "inter")
+# More sizes than this is a mistake (-b 1 -e 1G -i 1 is a billion), not a sweep anyone waits for.
+MAX_SIZES = 1000
 _TRANSPORT_ENV = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_GLOO_", "FI_")
 
 
@@ -81,6 +86,7 @@ class BenchConfig:
     json: str | None = None
     csv: str | None = None
     plot: str | None = None
+    argv: list[str] = dataclasses.field(default_factory=list)  # the command's arguments, saved with the results
 
     def __post_init__(self):
         self.ops, self.groups = list(dict.fromkeys(self.ops)), list(dict.fromkeys(self.groups))
@@ -89,6 +95,13 @@ class BenchConfig:
         if self.step_bytes is not None:
             return sweep_sizes(self.min_bytes, self.max_bytes, step=self.step_bytes)
         return sweep_sizes(self.min_bytes, self.max_bytes, factor=self.step_factor or 2)
+
+    def size_count(self) -> int:
+        """How many sizes ``sizes()`` has, counted without building them: a small step over a wide
+        range makes billions."""
+        if self.step_bytes is not None:
+            return (self.max_bytes - self.min_bytes) // self.step_bytes + 1
+        return len(self.sizes())  # a factor of at least 2 reaches any size in a few dozen steps
 
 
 def parse_size(text: str) -> int:
@@ -138,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``shardwire bench``: check the arguments, then launch local workers or be one."""
-    config = BenchConfig(**vars(args))
+    config = BenchConfig(**vars(args), argv=argv)
     try:
         if not under_launcher():
             validate(config, world=config.nproc)
@@ -156,8 +169,8 @@ def validate(config: BenchConfig, world: int) -> None:
     for name, least in (("warmup", 0), ("iters", 1), ("nproc", 1)):
         if getattr(config, name) < least:
             raise BenchError(f"--{name} must be at least {least}, got {getattr(config, name)}")
-    if config.timeout <= 0:
-        raise BenchError(f"--timeout must be positive, got {config.timeout:g}")
+    if not 0 < config.timeout < math.inf:
+        raise BenchError(f"--timeout must be a positive, finite number of seconds, got {config.timeout:g}")
     if config.min_bytes < 1:
         raise BenchError("--min-bytes must be at least 1")
     if config.min_bytes > config.max_bytes:
@@ -166,6 +179,12 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError(f"--step-factor must be at least 2, got {config.step_factor}")
     if config.step_bytes is not None and config.step_bytes < 1:
         raise BenchError("--step-bytes must be at least 1")
+    count = config.size_count()
+    if count > MAX_SIZES:
+        raise BenchError(
+            f"--min-bytes {config.min_bytes} to --max-bytes {config.max_bytes} makes {count} sizes, more than "
+            f"{MAX_SIZES}: raise --step-bytes or --step-factor, or narrow the range"
+        )
     try:
         topo = node_topology(world, config.ranks_per_node)
     except ValueError as err:
@@ -207,7 +226,7 @@ def _members(topo: Topology) -> dict[str, list[list[int]]]:
 def _worker(config: BenchConfig) -> int:
     device = _device(config.backend)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        backend_for(device),
         timeout=datetime.timedelta(seconds=config.timeout),
         device_id=device if device.type == "cuda" else None,
     )
@@ -333,7 +352,8 @@ def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[
 
 
 def _describe(config: BenchConfig, topo: Topology, contexts: dict[str, OpContext], device: torch.device) -> dict:
-    """The run's context for the report's header and JSON: world, machines, versions, settings."""
+    """The run's context for the report's header and JSON: world, machines, versions, settings and the
+    command that asked for them."""
     places = [None] * topo.world
     dist.all_gather_object(places, (socket.gethostname(), _device_name(device)))
     members = _members(topo)
@@ -353,6 +373,7 @@ def _describe(config: BenchConfig, topo: Topology, contexts: dict[str, OpContext
             "impl": config.impl, "warmup": config.warmup, "iters": config.iters, "blocking": config.blocking,
             "check": config.check, "combine": config.combine, "sizes": config.sizes(),
         },
+        "command": shlex.join(["shardwire", "bench", *config.argv]),
     }
 
 

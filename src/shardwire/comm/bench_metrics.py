@@ -18,7 +18,9 @@ For an operation of size ``S`` bytes that takes ``t`` seconds on a group of ``n`
   ======================================  =============
 
 * **t** is the mean over the timed iterations on each rank, combined over the group's ranks by
-  their maximum (the time the operation took for everyone, as nccl-tests), minimum or mean.
+  their maximum (by default: a collective is done only when its slowest rank is, so that is the
+  time it took for everyone), minimum or mean. nccl-tests averages by default and offers rank 0's,
+  the minimum or the maximum with its ``-a`` option.
 
 From a sweep of sizes for one operation:
 

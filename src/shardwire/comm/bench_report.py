@@ -48,9 +48,9 @@ import os
 
 from shardwire.comm.bench_metrics import LatencyBandwidthFit
 from shardwire.comm.bench_ops import OUT_OF_PLACE
+from shardwire.comm.bench_schema import SCHEMA
 from shardwire.comm.bench_sweep import PLACEMENTS, OpResult, Point, Row
 
-SCHEMA = "shardwire.bench/1"
 GB = 1e9
 
 _COLUMNS = "{:>12} {:>12} {:>13} {:>6} {:>5}"

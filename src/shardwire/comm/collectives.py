@@ -38,6 +38,7 @@ must be the same on every rank, so those stay on the caller's thread.)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -62,6 +63,10 @@ torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # tags other code uses.
 _P2P_TAG_BASE = 1 << 20
 _p2p_collectives = itertools.count()
+
+# How long the process waits at exit for a lane's last collective; one stuck on a peer that stopped
+# is left behind after this.
+_LANE_EXIT_TIMEOUT_S = 5.0
 
 
 class CollectiveError(RuntimeError):
@@ -135,12 +140,14 @@ class _LaneWork:
             raise RuntimeError(str(self._error)) from self._error
 
     def _complete(self, error: BaseException | None) -> None:
+        # The future first: a waiter woken by the event may go on to end the process, and the lane
+        # must not be inside torch's C++ code by then.
         self._error = error
-        self._finished.set()
         if error is None:
             self._future.set_result(None)
         else:
             self._future.set_exception(error)
+        self._finished.set()
 
 
 class _Lane:
@@ -159,19 +166,37 @@ class _Lane:
         self._queue.put((collective, work))
         return work
 
+    def stop(self, timeout: float) -> None:
+        """Let the queued collectives finish, then end the thread (waiting at most ``timeout`` s).
+
+        A daemon thread still inside gloo when the interpreter shuts down aborts the process
+        ("terminate called without an active exception"), so lanes are stopped at exit."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
     def _run(self) -> None:
-        while True:
-            collective, work = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            collective, work = item
             try:
                 collective()
             except BaseException as err:  # handed to whoever waits on the work
                 work._complete(err)
             else:
                 work._complete(None)
+            # drop the references now: the buffers and the process group are not the lane's to keep
+            item = collective = work = None
 
 
 _gather_lane = _Lane("shardwire-gather")
 _reduce_lane = _Lane("shardwire-reduce")
+
+
+@atexit.register
+def _stop_lanes() -> None:
+    for lane in (_gather_lane, _reduce_lane):
+        lane.stop(timeout=_LANE_EXIT_TIMEOUT_S)
 
 
 def _next_p2p_tags(world: int) -> int:
@@ -362,18 +387,19 @@ class _Exchange:
         sums of this rank's own slot received from every other node."""
         size, at, nodes = output.numel(), self.topology.rank, self.topology.nodes
         piece = lambda r: full.narrow(0, r * size, size)  # noqa: E731
-        column = [at(n, self.local) for n in range(nodes)]  # the slots this rank gathers the node's sums of
+        # this rank's own pieces of the slots whose owners share its position, one per node
+        column = full.view(nodes, self.topology.ranks_per_node, size)[:, self.local]
         peers = self.local_peers()
         received = torch.empty(len(peers), nodes, size, dtype=full.dtype, device=full.device)
         within = []
         for i, local in enumerate(peers):
             peer = at(self.node, local)
-            within += [self.recv(received[i, n], peer, column[n]) for n in range(nodes)]
+            within += [self.recv(received[i, n], peer, at(n, self.local)) for n in range(nodes)]
             within += [self.send(piece(at(n, local)), peer, at(n, local)) for n in range(nodes)]
         self.wait(within)
-        partial = torch.stack([piece(r) for r in column])
-        if peers:
-            partial += received.sum(dim=0)
+        # Sums accumulate in place in the receive buffers: on CPU these passes over memory cost
+        # about as much as the messages.
+        partial = _accumulate([*received, column])
         others = self.other_nodes()
         incoming = torch.empty(len(others), size, dtype=full.dtype, device=full.device)
         across = []
@@ -381,7 +407,15 @@ class _Exchange:
             peer = at(node, self.local)
             across += [self.send(partial[node], peer, peer), self.recv(incoming[i], peer, self.me)]
         self.wait(across)
-        torch.sum(torch.cat([partial[self.node : self.node + 1], incoming]), dim=0, out=output)
+        output.copy_(_accumulate([*incoming, partial[self.node]]))
+
+
+def _accumulate(terms: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``terms``, in order, added up in place into the first unless it is the only one."""
+    total = terms[0]
+    for term in terms[1:]:
+        total += term
+    return total
 
 
 def reduce_scatter(

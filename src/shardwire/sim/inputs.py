@@ -23,10 +23,10 @@ from collections.abc import Mapping
 
 import yaml
 
+from shardwire.comm.bench_schema import SCHEMA as BENCH_SCHEMA
 from shardwire.sim.presets import PRESETS
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
-BENCH_SCHEMA = "shardwire.bench/1"
 _LINK_OPS = ("all_gather", "reduce_scatter")
 
 
@@ -53,7 +53,7 @@ def load_spec(kind: str, text: str):
         )
     if "preset" in data:
         base = data.pop("preset")
-        if base not in presets:
+        if not isinstance(base, str) or base not in presets:
             raise SpecError(f"unknown {kind} preset {base!r}; known presets: {', '.join(presets)}")
         changed = f"{base}, changed" if data else base
         data = {**_merged(as_dict(presets[base]), data), "name": data.get("name") or name or changed}

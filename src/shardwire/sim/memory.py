@@ -13,9 +13,11 @@ dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences per micro-
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
                            when micro-batches accumulate unsharded gradients (``no_sync``)
     communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
-    activations            m (kept + one unit's full activations + logits), where kept is every
-                           unit's boundary with activation checkpointing, every unit's full
-                           activations without (see ``shardwire.sim.architecture``)
+    activations            m (kept + the root's + one unit's full activations + logits), where
+                           kept is every unit's boundary with activation checkpointing, every
+                           unit's full activations without; the root's (the head's input, an
+                           encoder-decoder's encoder output) are kept either way, as the root is
+                           not recomputed (see ``shardwire.sim.architecture``)
 
 ``P_unit`` is the largest unit. A configuration fits when the total is within ``USABLE_FRACTION`` of
 the GPU's memory: the rest goes to the CUDA context, the communication library's own buffers and

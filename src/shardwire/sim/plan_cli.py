@@ -14,7 +14,7 @@ import sys
 from shardwire.sim import inputs, report
 from shardwire.sim.explain import verdict
 from shardwire.sim.memory import GIB
-from shardwire.sim.planner import Plan, plan
+from shardwire.sim.planner import Plan, describe_settings, plan
 from shardwire.sim.specs import SpecError
 
 
@@ -67,7 +67,7 @@ def plan_text(result: Plan, global_batch: int) -> str:
         f"search    global batch {global_batch} = {t.micro_batch * t.grad_accum} per GPU; {result.candidates} "
         f"configurations, {result.fitting} fit in memory",
         "",
-        f"best      {_settings(t)}",
+        f"best      {describe_settings(t)}",
         f"          step {best.step_time_s:.4g} s, {best.samples_per_step / best.step_time_s:.4g} samples/s, "
         f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
         f"          {verdict(best)}",
@@ -83,12 +83,6 @@ def plan_text(result: Plan, global_batch: int) -> str:
         lines.append(f"  {a.change:<44} {outcome}")
     if result.runner_up is not None:
         r = result.runner_up
-        lines += ["", f"runner-up {_settings(r.training)}: {r.step_time_s:.4g} s "
+        lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
                       f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)"]
     return "\n".join(lines)
-
-
-def _settings(t) -> str:
-    reshard = "" if t.sharding == "grad_op" else (", reshard after forward" if t.reshards else ", keep after forward")
-    return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, {t.sharding} sharding{reshard}, "
-            f"prefetch {t.prefetch}, activation checkpointing {'on' if t.activation_checkpointing else 'off'}")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
-from shardwire.sim.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.specs import MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
 MAX_PREFETCH = 4
 # Step times this close count as equal, and the configuration needing less memory wins.
@@ -69,7 +70,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         need = memory[smallest]
         raise SpecError(
             f"no configuration of {model.name} with {per_gpu} samples per GPU fits in {cluster.gpu_memory_gb:g} GiB: "
-            f"the smallest ({_describe(smallest)}) needs {need.total / GIB:.1f} GiB per GPU, "
+            f"the smallest ({describe_settings(smallest)}) needs {need.total / GIB:.1f} GiB per GPU, "
             f"{need.shortfall / GIB:.1f} GiB more than the {need.usable / GIB:.1f} usable; use more GPUs "
             f"or a smaller global batch"
         )
@@ -86,8 +87,21 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting))
 
 
+def describe_settings(t: TrainingSpec) -> str:
+    """The searched settings of ``t``, as the plan and its errors name them."""
+    return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, {_sharding(t)} sharding, prefetch {t.prefetch}, "
+            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")
+
+
+def _divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending, found in pairs up to its square root: a huge batch must not make
+    the search count to it."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
 def _settings(per_gpu: int, cluster: ClusterSpec):
-    micro_batches = [m for m in range(1, per_gpu + 1) if per_gpu % m == 0]
+    micro_batches = [m for m in _divisors(per_gpu) if per_gpu // m <= MAX_GRAD_ACCUM]
     shardings = [s for s in _SHARDINGS if s[0] != "hybrid" or (cluster.nodes > 1 and cluster.gpus_per_node > 1)]
     for micro, (sharding, reshard), prefetch, checkpointing in itertools.product(
         micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True)
@@ -141,8 +155,3 @@ def _sharding(t: TrainingSpec) -> str:
     if t.sharding == "hybrid" and not t.reshards:
         return "hybrid (no reshard after forward)"
     return t.sharding
-
-
-def _describe(t: TrainingSpec) -> str:
-    return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, {_sharding(t)} sharding, prefetch {t.prefetch}, "
-            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")

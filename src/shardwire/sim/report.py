@@ -77,20 +77,30 @@ def sweep_json(s: Sweep) -> dict:
 
 def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
     """The model, cluster and training simulated, one line each (``swept``: the key a sweep varies,
-    left out of the description)."""
+    named as swept instead of given the first point's value)."""
     m, c, t = p.model, p.cluster, p.training
+
+    def setting(key: str, text: str) -> str:
+        return f"swept {key}" if key == swept else text
+
     limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
-    nodes = "swept nodes" if swept == "nodes" else f"{c.nodes} nodes"
+    sharding = f"{t.sharding} sharding, {'reshard' if t.reshards else 'keep'} after forward"
+    checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
-        f"cluster   {c.name}: {nodes} x {c.gpus_per_node} GPUs, {c.peak_tflops:g} TFLOP/s and "
-        f"{c.gpu_memory_gb:g} GiB each; intra-node {c.intra_node.busbw_GBps:g} GB/s, "
+        f"cluster   {c.name}: {setting('nodes', f'{c.nodes} nodes')} x "
+        f"{setting('gpus_per_node', f'{c.gpus_per_node} GPUs')}, "
+        f"{setting('peak_tflops', f'{c.peak_tflops:g} TFLOP/s')} and "
+        f"{setting('gpu_memory_gb', f'{c.gpu_memory_gb:g} GiB')} each; "
+        f"intra-node {c.intra_node.busbw_GBps:g} GB/s, "
         f"{c.intra_node.latency_us:g} us; inter-node {c.inter_node.busbw_GBps:g} GB/s, "
         f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
-        f"training  {t.name}: micro-batch {t.micro_batch} x {t.grad_accum} per GPU, {t.sharding} sharding, "
-        f"prefetch {t.prefetch} ({limiter}), {'reshard' if t.reshards else 'keep'} after forward, "
-        f"{t.precision} (reduce {t.reduce_precision}), activation checkpointing "
-        f"{'on' if t.activation_checkpointing else 'off'}, kernels at {100 * t.compute_efficiency:g}% of peak",
+        f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
+        f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('sharding', sharding)}, "
+        f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
+        f"{setting('precision', t.precision)} (reduce {setting('reduce_precision', t.reduce_precision)}), "
+        f"{setting('activation_checkpointing', checkpointing)}, "
+        f"{setting('compute_efficiency', f'kernels at {100 * t.compute_efficiency:g}% of peak')}",
     ]
 
 

@@ -60,7 +60,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def parse_sweep(text: str) -> tuple[str, list]:
     """``KEY=V1,V2,...`` -> (KEY, values), each value read as YAML reads a scalar (4, 0.5, true, block)."""
-    key, sep, values = text.partition("=")
-    if not sep or not key.strip() or not values.strip():
+    key, sep, listed = text.partition("=")
+    try:
+        values = [yaml.safe_load(v.strip()) for v in listed.split(",") if v.strip()]
+    except yaml.YAMLError as err:
+        raise SpecError(f"--sweep {text!r}: a value is not a YAML scalar: {err}") from None
+    if not sep or not key.strip() or not values:
         raise SpecError(f"--sweep takes KEY=V1,V2,... (e.g. nodes=1,2,4,8), got {text!r}")
-    return key.strip(), [yaml.safe_load(v.strip()) for v in values.split(",") if v.strip()]
+    return key.strip(), values

@@ -13,6 +13,7 @@ bandwidths in GB/s (1e9 bytes/s, as nccl-tests reports them); latencies in micro
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -66,7 +67,7 @@ class ModelSpec:
         _positive(self, "layers", "hidden", "heads", "vocab", "seq_len")
         _choice(self, "kind", MODEL_KINDS)
         _choice(self, "attention", ATTENTION_KINDS)
-        _resolve(self, ffn_hidden=self.ffn_hidden or 4 * self.hidden, kv_heads=self.kv_heads or self.heads)
+        _resolve(self, ffn_hidden=_given(self.ffn_hidden, 4 * self.hidden), kv_heads=_given(self.kv_heads, self.heads))
         _positive(self, "ffn_hidden", "kv_heads")
         if self.hidden % self.heads:
             raise SpecError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
@@ -77,8 +78,8 @@ class ModelSpec:
                 if getattr(self, key) is not None:
                     raise SpecError(f"{key} applies to kind 'encoder-decoder' only")
         else:
-            _resolve(self, decoder_layers=self.decoder_layers or self.layers,
-                     decoder_seq_len=self.decoder_seq_len or self.seq_len)
+            _resolve(self, decoder_layers=_given(self.decoder_layers, self.layers),
+                     decoder_seq_len=_given(self.decoder_seq_len, self.seq_len))
             _positive(self, "decoder_layers", "decoder_seq_len")
         if self.params is not None:
             _positive(self, "params")
@@ -99,8 +100,8 @@ class LinkSpec:
 
     def __post_init__(self):
         _positive(self, "busbw_GBps")
-        if self.latency_us < 0:
-            raise SpecError(f"latency_us must be at least 0, got {self.latency_us}")
+        if not 0 <= self.latency_us < math.inf:
+            raise SpecError(f"latency_us must be at least 0 and finite, got {self.latency_us}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,10 @@ class ClusterSpec:
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+# Each micro-batch of a step is simulated in full, so their number bounds the simulation's cost.
+MAX_GRAD_ACCUM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +171,11 @@ class TrainingSpec:
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "reduce_precision", PRECISIONS)
+        if self.grad_accum > MAX_GRAD_ACCUM:
+            raise SpecError(
+                f"grad_accum {self.grad_accum} is more micro-batches than the simulator steps through "
+                f"(at most {MAX_GRAD_ACCUM}, each simulated event by event): raise micro_batch"
+            )
         if self.prefetch < 0:
             raise SpecError(f"prefetch must be at least 0 (units gathered ahead), got {self.prefetch}")
         if not 0 < self.compute_efficiency <= 1:
@@ -263,16 +273,23 @@ _TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", 
 
 
 def _positive(spec, *keys: str) -> None:
+    """Refuse zero, negatives, NaN and infinity: no prediction can be made from such a rate, size or
+    count (a NaN bandwidth, which compares false with everything, never lets a transfer finish)."""
     for key in keys:
         value = getattr(spec, key)
-        if value <= 0:
-            raise SpecError(f"{key} must be positive, got {value}")
+        if not 0 < value < math.inf:
+            raise SpecError(f"{key} must be positive and finite, got {value}")
 
 
 def _choice(spec, key: str, choices: tuple[str, ...]) -> None:
     value = getattr(spec, key)
     if value not in choices:
         raise SpecError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _given(value, default):
+    """``value`` unless it was left out (None): a 0 given stays 0, for the checks to refuse."""
+    return default if value is None else value
 
 
 def _resolve(spec, **values) -> None:

@@ -162,6 +162,8 @@ class Manifest:
             raise CheckpointError(f"{path}: missing; {directory} is not a complete shardwire checkpoint")
         try:
             raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError(f"a JSON {type(raw).__name__}, not an object")
             if raw.get("format") != FORMAT:
                 raise ValueError(f"format is {raw.get('format')!r}, not {FORMAT!r}")
             if raw.get("version") != VERSION:
@@ -204,9 +206,14 @@ def _flat_from_json(raw: dict, world_size: int) -> FlatRecord:
     return FlatRecord(raw["name"], layout, raw["optimizer_state"])
 
 
+def param_names(engine) -> set[str]:
+    """The names of the sharded parameters, every name of a tied one included."""
+    return {name for flat in engine.flats for slot in flat.layout.slots for name in slot.names}
+
+
 def buffer_records(engine, model: torch.nn.Module) -> list[BufferRecord]:
     """The model's persistent buffers (those in its ``state_dict``), which every rank holds whole."""
-    params = {name for flat in engine.flats for slot in flat.layout.slots for name in slot.names}
+    params = param_names(engine)
     return [
         BufferRecord(key, tuple(buffer.shape), buffer.dtype)
         for key in engine.state_dict_keys if key not in params

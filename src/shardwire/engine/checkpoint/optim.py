@@ -27,6 +27,7 @@ from shardwire.engine.checkpoint.format import (
     parse_dtype,
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
+from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.runtime import Engine
 
 
@@ -38,20 +39,20 @@ class OptimizerSnapshot:
     scalars: dict[str, torch.Tensor]  # file key -> value (the same on every rank)
 
 
-def group_flat_names(engine: Engine, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """For each param group, the names of the flat buffers whose shards it holds."""
-    flats = {id(flat.shard): flat.name for flat in engine.flats}
+def group_flats(engine: Engine, optimizer: torch.optim.Optimizer) -> list[list[FlatParam]]:
+    """For each param group, the flat buffers whose shards it holds."""
+    flats = {id(flat.shard): flat for flat in engine.flats}
     groups = []
     for group in optimizer.param_groups:
-        names = []
+        held = []
         for param in group["params"]:
             if id(param) not in flats:
                 raise CheckpointError(
                     f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not a shard of "
                     f"this model: build the optimizer from model.parameters() after shardwire.shard(model)"
                 )
-            names.append(flats[id(param)])
-        groups.append(names)
+            held.append(flats[id(param)])
+        groups.append(held)
     return groups
 
 
@@ -59,8 +60,8 @@ def capture(
     engine: Engine, optimizer: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor]
 ) -> OptimizerSnapshot:
     """This rank's optimizer state, each tensor passed through ``copy`` (a copy to host memory)."""
-    groups = []
-    for group, names in zip(optimizer.param_groups, group_flat_names(engine, optimizer)):
+    snapshot = OptimizerSnapshot({"class": type(optimizer).__qualname__, "param_groups": []}, {}, {}, {})
+    for group, flats in zip(optimizer.param_groups, group_flats(engine, optimizer)):
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         try:
             json.dumps(hyperparameters)
@@ -69,14 +70,10 @@ def capture(
                 f"the optimizer's hyperparameters cannot be saved ({err}): checkpoints store them as "
                 f"numbers, strings, booleans and lists"
             ) from None
-        groups.append({**hyperparameters, "params": names})
-    snapshot = OptimizerSnapshot({"class": type(optimizer).__qualname__, "param_groups": groups}, {}, {}, {})
-    by_shard = {id(flat.shard): flat for flat in engine.flats}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            flat = by_shard[id(param)]
+        snapshot.record["param_groups"].append({**hyperparameters, "params": [flat.name for flat in flats]})
+        for flat in flats:
             kinds = snapshot.kinds[flat.name] = {}
-            for key, value in optimizer.state.get(param, {}).items():
+            for key, value in optimizer.state.get(flat.shard, {}).items():
                 kind = _kind(flat.name, key, value, flat.shard.shape)
                 kinds[key] = {"kind": kind, "dtype": dtype_name(value.dtype)}
                 target = snapshot.per_element if kind == PER_ELEMENT else snapshot.scalars
@@ -109,7 +106,7 @@ def read_state_dict(
             f"{where} holds the state of a {saved['class']} optimizer, not of a {type(optimizer).__qualname__}"
         )
     saved_groups = [group["params"] for group in saved["param_groups"]]
-    current_groups = group_flat_names(engine, optimizer)
+    current_groups = [[flat.name for flat in flats] for flats in group_flats(engine, optimizer)]
     if saved_groups != current_groups:
         raise CheckpointError(
             f"{where}: the optimizer's param groups held the flat buffers {saved_groups} when saved, and "

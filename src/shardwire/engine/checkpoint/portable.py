@@ -29,6 +29,7 @@ from shardwire.engine.checkpoint.format import (
     buffer_records,
     new_token,
     param_key,
+    param_names,
     temporary_name,
 )
 from shardwire.engine.checkpoint.load import copy_into_model
@@ -54,8 +55,12 @@ def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) 
         torch.save(state, buffer)
         data = buffer.getvalue()
     staging = output.with_name(temporary_name(output.name, new_token()))
-    write_durably(staging, data)
-    staging.replace(output)
+    try:
+        write_durably(staging, data)
+        staging.replace(output)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     return output
 
 
@@ -97,7 +102,7 @@ def _read_shards(path: pathlib.Path, engine, model: nn.Module):
     rank = dist.get_rank(engine.group)
     source = _StateDictFile(path)
     buffers = buffer_records(engine, model)
-    expected = {name for flat in engine.flats for slot in flat.layout.slots for name in slot.names}
+    expected = param_names(engine)
     unexpected = sorted(source.keys() - expected - {b.name for b in buffers})
     if unexpected:
         raise CheckpointError(f"{path}: holds {', '.join(map(repr, unexpected[:3]))}, which this model does not have")

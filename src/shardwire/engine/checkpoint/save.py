@@ -16,7 +16,9 @@ A save runs in three phases, each ending with the ranks agreeing that it succeed
 
 A crash at any moment before the rename leaves a temporary directory that no loader looks at (the
 next successful save deletes it) and every earlier checkpoint as it was. Replacing an existing
-checkpoint renames the old one aside first, so the target name only ever holds a complete checkpoint.
+checkpoint renames the old one aside first, so the target name only ever holds a complete checkpoint;
+a crash between those two renames leaves no checkpoint under that name, which is why training saves
+a series (``checkpoint_path(directory, step)``: a new name each time) and never replaces one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import pathlib
 import shutil
 import threading
+import warnings
 
 import safetensors.torch
 import torch
@@ -71,8 +74,9 @@ def save_checkpoint(
 
     Every rank must call it; each writes its own shards, in parallel. ``path`` must be on storage
     every rank sees. The checkpoint becomes visible only once complete: until then, and after a crash
-    at any moment, ``path`` holds whatever it held before. An existing checkpoint at ``path`` is
-    replaced.
+    at any moment, every other checkpoint is intact. An existing checkpoint at ``path`` is replaced
+    (a crash in the instant between renaming it aside and renaming the new one in loses both
+    names: save a series, a new path per step, to never replace one).
 
     Args:
         step: the training step, returned by ``load_checkpoint``; it is also the data position of
@@ -123,27 +127,38 @@ class PendingCheckpoint:
         self._staging = path.with_name(temporary_name(path.name, token))
         self._keep = keep
         self._written: list[FileRecord] | None = None
-        self._error: Exception | None = None
+        self._error: Exception | None = None  # the writer's, reported to every rank in wait()
+        self._failure: Exception | None = None  # the commit's, as wait() raised it
         self._writer: threading.Thread | None = None
         self._done = False
 
     def wait(self) -> None:
+        """Commit the checkpoint; a save that failed raises its error again on every later call."""
         global _in_flight
         if self._done:
+            if self._failure is not None:
+                raise self._failure
             return
-        self._done = True
         if _in_flight is self:
             _in_flight = None
         if self._writer is not None:
             self._writer.join()
         engine = self._engine
-        mine = on_every_rank(engine, f"writing checkpoint {self.path}", self._written_files)
-        records = [FileRecord(**r) for rank in all_gather_json(mine, engine, tag="checkpoint files") for r in rank]
         is_rank0 = dist.get_rank(engine.group) == 0
-        on_every_rank(
-            engine, f"publishing checkpoint {self.path}", lambda: self._publish(records) if is_rank0 else None
-        )
-        self._snapshot = None  # release the host copies
+        try:
+            mine = on_every_rank(engine, f"writing checkpoint {self.path}", self._written_files)
+            records = [FileRecord(**r) for rank in all_gather_json(mine, engine, tag="checkpoint files") for r in rank]
+            on_every_rank(
+                engine, f"publishing checkpoint {self.path}", lambda: self._publish(records) if is_rank0 else None
+            )
+        except Exception as err:
+            self._failure = err
+            raise
+        finally:
+            self._done = True
+            self._snapshot = None  # release the host copies
+        if is_rank0:
+            self._tidy()
 
     def _write_in_background(self) -> None:
         self._writer = threading.Thread(target=self._write, name=f"writing {self.path.name}")
@@ -181,11 +196,18 @@ class PendingCheckpoint:
         else:
             staging.rename(target)
         _fsync_directory(target.parent)
-        if self._keep is not None:
-            series.prune(target, self._keep)
-        for leftover in target.parent.iterdir():
-            if is_temporary(leftover.name):  # from saves that crashed: nothing else is in flight
-                shutil.rmtree(leftover, ignore_errors=True)
+
+    def _tidy(self) -> None:
+        """Rank 0, once the checkpoint is visible: delete what ``keep`` drops and what crashed saves
+        left. A failure here is a warning: the checkpoint itself is saved."""
+        try:
+            if self._keep is not None:
+                series.prune(self.path, self._keep)
+            for leftover in self.path.parent.iterdir():
+                if is_temporary(leftover.name):  # from saves that crashed: nothing else is in flight
+                    shutil.rmtree(leftover)
+        except OSError as err:
+            warnings.warn(f"checkpoint {self.path} is saved, but tidying its directory failed: {err}", stacklevel=3)
 
 
 @dataclasses.dataclass
@@ -201,7 +223,7 @@ class _Snapshot:
     def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
         _check_target(target, keep)
         try:
-            json.dumps(extra)
+            extra = json.loads(json.dumps(extra))  # a copy: an asynchronous save keeps this moment's
         except (TypeError, ValueError) as err:
             raise CheckpointError(
                 f"extra must be JSON-serializable (dicts, lists, strings, numbers): {err}"

@@ -1,0 +1,33 @@
+"""``shardwire train`` refuses bad settings before it starts any worker, with a message saying what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwire.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval-batches", "0"], "--eval-batches must be at least 1, got 0"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--prefetch", "-1"], "--prefetch must be at least 0, got -1"),
+    (["--data", "/no/such/corpus"], "--data: data path /no/such/corpus does not exist"),
+])
+def test_bad_settings_are_refused_before_launch(args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["train", *args])
+
+
+def test_a_corpus_too_small_for_validation_says_how_much_is_needed(tmp_path):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("x" * 5000)  # 1% of it is shorter than one sequence of the "small" model
+    with pytest.raises(SystemExit, match=r"validation split \(1%\) must hold a sequence of 129 bytes, "
+                                         r"so give it at least 13,000 bytes"):
+        main(["train", "--model", "small", "--data", str(corpus)])
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "checkpoints"
+    path.write_text("not a directory")
+    with pytest.raises(SystemExit, match="--checkpoint-dir .* is a file; give it a directory"):
+        main(["train", "--checkpoint-dir", str(path)])
