@@ -126,10 +126,7 @@ def _plot_timeline(profile: dict, path: str) -> str:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*_PHASE_COLORS.values(), "#E24A33", *_OP_COLORS.values()]]
     ax.legend(handles, [*_PHASE_COLORS, "wait", *_OP_COLORS], fontsize=7, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_breakdown(profile: dict, path: str) -> str:
@@ -148,10 +145,7 @@ def _plot_breakdown(profile: dict, path: str) -> str:
     ax.set_ylabel("ms (median over ranks)")
     ax.set_title("where each step went")
     ax.legend(fontsize=8, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_overlap(profile: dict, path: str) -> str:
@@ -168,10 +162,7 @@ def _plot_overlap(profile: dict, path: str) -> str:
     ax.set_ylabel("communication hidden")
     ax.set_title("overlap ratio: share of communication time hidden behind compute")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_scaling(profiles: list[dict], path: str) -> str:
@@ -196,6 +187,13 @@ def _plot_scaling(profiles: list[dict], path: str) -> str:
     tput.set_ylabel("tokens/s")
     tput.set_title("throughput")
     tput.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+    """Write a finished figure and free it: reports of many runs would otherwise pile figures up."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
