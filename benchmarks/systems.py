@@ -7,7 +7,6 @@ root) with the same reshard policy; DDP replicates the model and all-reduces gra
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 from collections.abc import Callable, Iterator
 
@@ -16,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwire
-from shardwire.comm import collectives
+from shardwire.comm.communicator import Pending
+from shardwire.comm.records import CommRecord
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
@@ -98,7 +98,7 @@ class StepCollectives:
         self._recording = True
         try:
             if self.system == "shardwire":
-                with collectives.record_collectives() as records:
+                with engine_of(self.model).comm.record() as records:
                     yield
                 self._replays = [self._shardwire_replay(record) for record in records]
             elif self.system == "fsdp2":
@@ -114,18 +114,16 @@ class StepCollectives:
         for work in works:
             work.wait()
 
-    def _shardwire_replay(self, record: collectives.CommRecord) -> Callable[[], collectives.Pending]:
-        group = engine_of(self.model).group
-        world = dist.get_world_size(group)
-        timeout = datetime.timedelta(minutes=10)
+    def _shardwire_replay(self, record: CommRecord) -> Callable[[], Pending]:
+        comm = engine_of(self.model).comm
         # Records carry sizes, not dtypes: replay in fp32, the dtype these benchmarks train in.
-        share = -(-record.nbytes // (4 * world))
-        full, shard = torch.zeros(share * world), torch.zeros(share)
+        share = -(-record.nbytes // (4 * comm.world))
+        full, shard = torch.zeros(share * comm.world), torch.zeros(share)
         if record.op == "all_gather":
-            return lambda: collectives.all_gather(full, shard, group, tag=record.tag, timeout=timeout)
+            return lambda: comm.all_gather(full, shard, tag=record.tag)
         if record.op == "reduce_scatter":
-            return lambda: collectives.reduce_scatter(shard, full, group, tag=record.tag, timeout=timeout)
-        return lambda: collectives.all_reduce(full, group, tag=record.tag, timeout=timeout)
+            return lambda: comm.reduce_scatter(shard, full, tag=record.tag, average=True)
+        return lambda: comm.all_reduce(full, tag=record.tag)
 
     @contextlib.contextmanager
     def _torch_collectives_recorded(self) -> Iterator[None]:

@@ -1,5 +1,6 @@
 """``shardwire bench`` on real gloo ranks: every operation's result checked element by element, a
-corrupted result caught, node groups, and what the backend cannot run."""
+corrupted result caught, node groups (with torch's collectives and with the engine's transport),
+and what the backend cannot run."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from harness import run_workers
-from shardwire.comm import bench_ops
-from shardwire.comm.bench import BenchConfig, BenchError, benchmark, measure_and_report
-from shardwire.comm.bench_ops import IN_PLACE, OUT_OF_PLACE
+from shardwire.bench import ops
+from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE
+from shardwire.bench.run import BenchConfig, BenchError, benchmark, measure_and_report
 
 pytestmark = pytest.mark.slow
 
@@ -50,18 +51,18 @@ def test_every_operation_produces_exactly_the_expected_elements():
             assert wrong == 0, f"{op} on {dtype}: {wrong} wrong elements"
             assert all(timed)
             element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            split = bench_ops.OPERATIONS[op].split
+            split = ops.OPERATIONS[op].split
             # sizes round up to whole elements, and to one element per rank when the buffer is split
             assert all(s % (element * (3 if split else 1)) == 0 for s in sizes), (op, sizes)
-            expected_forms = sorted(bench_ops.OPERATIONS[op].forms)
+            expected_forms = sorted(ops.OPERATIONS[op].forms)
             assert all(f == expected_forms for f in forms)
     measured = {op for op, *_ in outcomes[0][0]}
-    assert measured == set(bench_ops.OPERATIONS)
+    assert measured == set(ops.OPERATIONS)
 
 
 def corrupted_all_gather(rank, world):
     """A transport that flips one element on rank 1: the check must see it, and the exit status too."""
-    issue = bench_ops.AllGather.issue
+    issue = ops.AllGather.issue
 
     def issue_then_corrupt(self):
         for handle in issue(self):
@@ -70,7 +71,7 @@ def corrupted_all_gather(rank, world):
             self.output[-1] += 1
         return []
 
-    bench_ops.AllGather.issue = issue_then_corrupt
+    ops.AllGather.issue = issue_then_corrupt
     config = dataclasses.replace(TINY, ops=["all_gather", "all_reduce"])
     stderr = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
@@ -112,6 +113,23 @@ def test_groups_split_four_ranks_into_two_nodes():
         for op in ("all_reduce", "all_gather", "sendrecv")
     ]
     assert all(wrong == 0 and rows == 3 for *_, wrong, rows in measured)
+
+
+def engine_transport_on_node_groups(rank, world):
+    """Twice, so that the second run follows collectives that ranks outside ``inter`` skipped."""
+    config = dataclasses.replace(TINY, impl="shardwire", ops=["all_gather", "reduce_scatter"],
+                                 groups=["world", "intra", "inter"], ranks_per_node=2)
+    return [[(r.group, r.op, r.wrong, len(r.rows)) for r in benchmark(config, CPU).ops] for _ in range(2)]
+
+
+def test_engine_transport_keeps_each_group_to_its_own_communicator():
+    outcomes = run_workers(4, engine_transport_on_node_groups, timeout=120)
+    assert all(outcome == outcomes[0] for outcome in outcomes)
+    for measured in outcomes[0]:
+        assert [(g, op) for g, op, _, _ in measured] == [
+            (group, op) for group in ("world", "intra", "inter") for op in ("all_gather", "reduce_scatter")
+        ]
+        assert all(wrong == 0 and rows == 3 for *_, wrong, rows in measured)
 
 
 def unsupported_dtype(rank, world):

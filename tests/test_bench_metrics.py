@@ -9,8 +9,7 @@ import random
 import pytest
 
 from shardwire import cli
-from shardwire.comm.bench import parse_size
-from shardwire.comm.bench_metrics import (
+from shardwire.bench.metrics import (
     MIB,
     OPS,
     bandwidth,
@@ -19,8 +18,9 @@ from shardwire.comm.bench_metrics import (
     fit_latency_bandwidth,
     saturation,
 )
-from shardwire.comm.bench_ops import OPERATIONS
-from shardwire.comm.bench_sweep import aligned_sizes, sweep_sizes
+from shardwire.bench.ops import OPERATIONS
+from shardwire.bench.run import parse_size
+from shardwire.bench.sweep import aligned_sizes, sweep_sizes
 
 
 def test_bus_bandwidth_factors_are_nccl_tests():

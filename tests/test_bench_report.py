@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from shardwire.comm import bench_report as report
-from shardwire.comm.bench_metrics import bandwidth
-from shardwire.comm.bench_ops import IN_PLACE, OUT_OF_PLACE
-from shardwire.comm.bench_sweep import OpResult, Point, Row
+from shardwire.bench import report
+from shardwire.bench.metrics import bandwidth
+from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE
+from shardwire.bench.sweep import OpResult, Point, Row
 
 POINT_KEYS = {"time_us", "algbw_GBps", "busbw_GBps", "wrong"}
 ROW_KEYS = {"bytes", "count", "dtype", "redop", "root", OUT_OF_PLACE, IN_PLACE}
@@ -29,7 +29,7 @@ SETTINGS_KEYS = {"ops", "dtype", "redop", "root", "impl", "warmup", "iters", "bl
 
 
 def assert_bench_schema(doc: dict) -> None:
-    """``doc`` follows schema shardwire.bench/1 exactly (bench_report's module docstring)."""
+    """``doc`` follows schema shardwire.bench/1 exactly (shardwire.bench.report's module docstring)."""
     assert set(doc) == {"schema", "context", "results", "summary", "fit"}
     assert doc["schema"] == "shardwire.bench/1"
     context = doc["context"]

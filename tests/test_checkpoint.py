@@ -15,7 +15,6 @@ import torch
 
 import shardwire
 from harness import run_workers
-from shardwire.comm import collectives
 from shardwire.engine.checkpoint import list_checkpoints, save
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, GPTConfig, loss_fn
@@ -54,7 +53,7 @@ def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
                 full[f"{flat.name}/{key}"] = value.clone()
                 continue
             gathered = torch.empty(flat.layout.padded_numel, dtype=value.dtype)
-            collectives.all_gather(gathered, value, engine.group, tag="test", timeout=engine.timeout).wait()
+            engine.comm.all_gather(gathered, value, tag="test").wait()
             full[f"{flat.name}/{key}"] = gathered[: flat.layout.numel]
     return full
 

@@ -1,15 +1,19 @@
-"""shardwire's collectives compute exactly what torch's do, on every placement of ranks on nodes."""
+"""The communicator: exact collectives on every placement of ranks on nodes, one transport per process
+group, ranks that disagree caught, and what its records say."""
 
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
 
 from harness import run_workers
-from shardwire.comm import collectives
+from shardwire.comm.clock import Clock
+from shardwire.comm.records import CommRecord
 from shardwire.comm.topology import Topology
+from shardwire.profile.comm import CommSummary
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -24,19 +28,21 @@ def test_topology_places_ranks_node_by_node():
 def exact_collectives(rank, world, dtype_name):
     import torch.distributed as dist
 
-    from shardwire.comm.topology import topology
+    from shardwire.comm.communicator import Communicator
 
+    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
     dtype = getattr(torch, dtype_name)
     size = 5  # elements per shard: odd, so slots do not line up with anything by accident
     shards = [torch.arange(size, dtype=dtype) + 100 * r for r in range(world)]
     gathered = [torch.empty(size * world, dtype=dtype) for _ in range(3)]
     # several collectives in flight at once, so their messages must not be confused
-    pending = [collectives.all_gather(out, shards[rank] + i, dist.group.WORLD, tag=f"ag{i}", timeout=TIMEOUT)
-               for i, out in enumerate(gathered)]
+    pending = [comm.all_gather(out, shards[rank] + i, tag=f"ag{i}") for i, out in enumerate(gathered)]
     fulls = [torch.arange(size * world, dtype=dtype) * (rank + 1 + i) for i in range(2)]
     shares = [torch.empty(size, dtype=dtype) for _ in range(2)]
-    pending += [collectives.reduce_scatter(share, full, dist.group.WORLD, tag=f"rs{i}", timeout=TIMEOUT)
-                for i, (share, full) in enumerate(zip(shares, fulls))]
+    pending += [comm.reduce_scatter(share, full, tag=f"rs{i}") for i, (share, full) in enumerate(zip(shares, fulls))]
+    mean = torch.empty(size, dtype=dtype)
+    pending.append(comm.reduce_scatter(mean, torch.full((size * world,), float(rank)).to(dtype), tag="mean",
+                                       average=True))
     for p in pending:
         p.wait()
     for i, out in enumerate(gathered):
@@ -45,7 +51,9 @@ def exact_collectives(rank, world, dtype_name):
     for i, share in enumerate(shares):
         expected = torch.arange(rank * size, (rank + 1) * size, dtype=dtype) * (ranks_sum + world * i)
         assert torch.equal(share, expected), f"reduce_scatter {i}: {share} != {expected}"
-    return topology(dist.group.WORLD).ranks_per_node
+    assert torch.allclose(mean.float(), torch.full((size,), (world - 1) / 2), rtol=1e-2)
+    comm.close()
+    return comm.topology.ranks_per_node
 
 
 @pytest.mark.slow
@@ -58,3 +66,157 @@ def test_all_gather_and_reduce_scatter_are_exact_on_any_placement(world, per_nod
 @pytest.mark.slow
 def test_low_precision_buffers():
     run_workers(4, exact_collectives, "bfloat16", env={"LOCAL_WORLD_SIZE": "2"})
+
+
+# ------------------------------------------------------------------ one transport per group
+
+
+def interleaved_groups(rank, world):
+    """Two groups over the same ranks, each with its communicator, used in opposite orders on the
+    two ranks, with several collectives of each in flight; plus a second communicator over the
+    first group, whose messages must not meet the first one's."""
+    import torch.distributed as dist
+
+    from shardwire.comm.communicator import Communicator
+
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    comms = [Communicator(g, torch.device("cpu"), timeout=TIMEOUT) for g in groups]
+    comms.append(Communicator(groups[0], torch.device("cpu"), timeout=TIMEOUT))
+    order = [0, 1, 2] if rank == 0 else [2, 1, 0]
+    outputs, pending = {}, []
+    for step in range(3):
+        for which in order:
+            out = torch.empty(2 * 1000)
+            pending.append(comms[which].all_gather(out, torch.full((1000,), 10.0 * which + rank + step),
+                                                   tag=f"step {step}"))
+            share = torch.empty(1000)
+            pending.append(comms[which].reduce_scatter(share, torch.full((2000,), float(which + step)),
+                                                       tag=f"step {step}"))
+            outputs[(which, step)] = (out, share)
+        if rank == 1:
+            time.sleep(0.05)  # let the ranks drift apart
+    for p in pending:
+        p.wait()
+    for (which, step), (out, share) in outputs.items():
+        expected = torch.cat([torch.full((1000,), 10.0 * which + r + step) for r in range(2)])
+        assert torch.equal(out, expected), (which, step)
+        assert torch.equal(share, torch.full((1000,), 2.0 * (which + step))), (which, step)
+    for comm in comms:
+        comm.close()
+    return True
+
+
+@pytest.mark.slow
+def test_process_groups_issue_collectives_in_any_interleaving():
+    assert run_workers(2, interleaved_groups, timeout=120) == [True, True]
+
+
+# ---------------------------------------------------------------------------- agreement
+
+
+def mismatched_collectives(rank, world):
+    import torch.distributed as dist
+
+    from shardwire.comm.communicator import Communicator
+    from shardwire.comm.errors import ScheduleMismatchError
+
+    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
+    out = torch.empty(4 * world)
+    try:
+        comm.all_gather(out, torch.zeros(4), tag="blocks.1" if rank == 0 else "blocks.2").wait()
+    except ScheduleMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_ranks_running_different_collectives_are_told_which():
+    messages = run_workers(3, mismatched_collectives, timeout=120)
+    for message in messages:
+        assert "rank 0 is running all_gather of 'blocks.1'" in message
+        assert "rank 2 is running all_gather of 'blocks.2'" in message
+
+
+def order_verified(rank, world):
+    import torch.distributed as dist
+
+    from shardwire.comm.communicator import Communicator
+    from shardwire.comm.errors import ScheduleMismatchError
+
+    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
+    tensor = torch.ones(3)
+    comm.all_reduce(tensor, tag="same").wait()
+    comm.verify_order("step 1")  # agreed so far
+    # An all-reduce is not checked message by message: the running hash is what catches it.
+    comm.all_reduce(tensor, tag="clip" if rank == 0 else "something else").wait()
+    try:
+        comm.verify_order("step 2")
+    except ScheduleMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_verify_order_catches_collectives_that_differ_between_checks():
+    for message in run_workers(2, order_verified, timeout=120):
+        assert "ranks issued different collectives in step 2" in message
+
+
+# ------------------------------------------------------------------------------- records
+
+
+def test_records_resolve_through_a_clock():
+    clock = Clock(torch.device("cpu"))
+    t = clock.origin
+    records = [
+        CommRecord("all_gather", "a", 100, start=t + 1, end=t + 3, stalls=[(t + 2, t + 3)]),
+        CommRecord("reduce_scatter", "b", 50, start=t + 2, end=t + 5),
+        CommRecord("all_gather", "c", 10, start=t + 6),  # not finished: not counted as busy
+    ]
+    summary = CommSummary.of(records, clock)
+    assert summary.busy_s == pytest.approx(4.0)  # the union of 1-3 and 2-5
+    assert summary.exposed_s == pytest.approx(1.0)
+    assert (summary.nbytes, summary.count) == (160, 3)
+    assert records[0].span(clock) == pytest.approx((1.0, 3.0))
+
+
+class FakeEvent:
+    """A CUDA event's interface, recorded at a known GPU time (milliseconds)."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return other.ms - self.ms
+
+    def query(self) -> bool:
+        return True
+
+
+def test_cuda_records_are_resolved_as_event_pairs_not_subtracted():
+    """On CUDA every stamp is an event: spans and stalls are read through the clock's origin."""
+    clock = Clock(torch.device("cpu"))
+    clock.cuda, clock.origin = True, FakeEvent(1000.0)
+    records = [
+        CommRecord("all_gather", "a", 8, start=FakeEvent(1010), end=FakeEvent(1030),
+                   stalls=[(FakeEvent(1020), FakeEvent(1030))]),
+        CommRecord("reduce_scatter", "b", 8, start=FakeEvent(1025), end=FakeEvent(1040)),
+    ]
+    summary = CommSummary.of(records, clock)
+    assert summary.busy_s == pytest.approx(0.030)  # 10-40 ms after the origin
+    assert summary.exposed_s == pytest.approx(0.010)
+
+
+def test_a_cuda_model_binds_its_own_device_when_shardwire_creates_the_world(monkeypatch):
+    import torch.distributed as dist
+
+    from shardwire.comm import groups
+
+    calls = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(current=device))
+    device = torch.device("cuda", 3)
+    groups.ensure_initialized(device, TIMEOUT)
+    assert calls["backend"] == "nccl" and calls["device_id"] == device and calls["current"] == device
+    assert calls["timeout"] == TIMEOUT

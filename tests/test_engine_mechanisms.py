@@ -12,8 +12,7 @@ import torch.distributed as dist
 
 import shardwire
 from harness import run_workers
-from shardwire.comm.collectives import CollectiveError, record_collectives
-from shardwire.engine.runtime import ScheduleMismatchError
+from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
@@ -86,7 +85,7 @@ def collective_counts(rank, world, reshard):
     model, opt = sharded_gpt(reshard_after_forward=reshard)
     train_step(model, opt, rank, 0)  # the recording step
     counts = {}
-    with record_collectives() as records:
+    with engine_of(model).comm.record() as records:
         for step in (1, 2):
             train_step(model, opt, rank, step)
         with shardwire.no_sync(model):
@@ -101,7 +100,8 @@ def collective_counts(rank, world, reshard):
 def test_one_collective_per_unit_per_use(reshard, gathers_per_step):
     counts = run_workers(2, collective_counts, reshard)[0]
     # two synchronised steps plus one no_sync step (whose forward and backward gather, never reduce)
-    expected = {("<root>", "all_gather"): 3, ("<root>", "reduce_scatter"): 2}
+    # and each forward after the first compares the collectives of the step before across ranks
+    expected = {("<root>", "all_gather"): 3, ("<root>", "reduce_scatter"): 2, ("order check", "all_gather"): 3}
     for block in BLOCKS:
         expected[(block, "all_gather")] = 3 * gathers_per_step
         expected[(block, "reduce_scatter")] = 2
@@ -131,7 +131,7 @@ def window_trace(rank, world, prefetch):
 
     for block in model.blocks:
         block.register_forward_pre_hook(on_start)
-    with record_collectives(on_issue=on_issue):
+    with engine.comm.record(on_issue=on_issue):
         for step in (1, 2):
             events.clear()
             train_step(model, opt, rank, step)
@@ -143,7 +143,7 @@ def test_prefetch_is_a_sliding_window_bounded_by_prefetch_plus_one(prefetch):
     peak, events = run_workers(2, window_trace, prefetch)[0]
     assert peak == min(prefetch + 1, len(BLOCKS)), "the window must be used, and never exceeded"
     forward = events[: events.index(("run", BLOCKS[-1])) + 1]
-    block_gathers = [tag for kind, tag in forward if kind == "gather" and tag != "<root>"]
+    block_gathers = [tag for kind, tag in forward if kind == "gather" and tag in BLOCKS]
     assert block_gathers == BLOCKS, "forward gathers each block once, in order"
     # Sliding: after the first `prefetch` blocks were issued up front, exactly one more gather is
     # issued as each block starts (a block-and-flush limiter would issue them in bursts).
@@ -217,6 +217,30 @@ def test_ranks_running_different_units_get_an_error_naming_them():
         assert "rank 1 would forward 'blocks.2'" in message
 
 
+def diverging_later(rank, world):
+    """Rank 1 swaps two blocks in step 3, long after the order was recorded and checked."""
+    torch.manual_seed(0)
+    model = shardwire.shard(ReorderableGPT(SIX_LAYERS), units=[Block], timeout=30.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = time.monotonic()
+    try:
+        for step in range(5):
+            model.order = [0, 2, 1, 3, 4, 5] if rank == 1 and step == 3 else None
+            train_step(model, opt, rank, step)
+    except ScheduleMismatchError as err:
+        return step, str(err), time.monotonic() - start
+    return "no error"
+
+
+def test_a_rank_leaving_the_order_in_a_later_step_gets_a_schedule_mismatch_error():
+    for step, message, elapsed in run_workers(2, diverging_later):
+        assert step == 3
+        # rank 0 prefetches blocks.3 as planned; rank 1, off the plan, checks with the others first
+        assert "rank 0 is running all_gather of 'blocks.3'" in message
+        assert "rank 1 is running all_gather of 'unit order check'" in message
+        assert elapsed < 30, "raised well within the timeout, not by it"
+
+
 # -------------------------------------------------------------- 5. asynchronous reduce-scatter
 
 
@@ -235,7 +259,7 @@ def reduction_trace(rank, world):
 
     for i, block in enumerate(model.blocks):
         block.register_forward_hook(announce_backward(i))
-    with record_collectives(on_issue=lambda r: events.append((r.op, r.tag, None))):
+    with engine_of(model).comm.record(on_issue=lambda r: events.append((r.op, r.tag, None))):
         train_step(model, opt, rank, 1)
     return events
 
@@ -266,13 +290,46 @@ def mixed_precision_run(rank, world):
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (full, half)]
     losses = {}
     for name, model, opt in (("fp32", full, opts[0]), ("bf16", half, opts[1])):
-        with record_collectives() as records:
+        with engine_of(model).comm.record() as records:
             losses[name] = [train_step(model, opt, rank, step).item() for step in range(5)]
         dtypes[name + " shards"] = {p.dtype for p in model.parameters()}
         block = next(r for r in records if r.tag == "blocks.0" and r.op == "all_gather")
         reduce = next(r for r in records if r.tag == "blocks.0" and r.op == "reduce_scatter")
         dtypes[name + " bytes"] = (block.nbytes, reduce.nbytes)
     return losses, dtypes
+
+
+class FeatureModel(torch.nn.Module):
+    """A model fed floating-point features (not token ids), returning what its first layer saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, features, *, scale):
+        seen = (features.dtype, scale.dtype)
+        for layer in self.layers:
+            features = layer(features) * scale
+        return features, seen
+
+
+def float_inputs(rank, world, cast):
+    torch.manual_seed(0)
+    policy = shardwire.MixedPrecision(torch.bfloat16, torch.float32, cast_forward_inputs=cast)
+    model = shardwire.shard(FeatureModel(), mixed_precision=policy)
+    try:
+        out, seen = model(torch.randn(4, 8), scale=torch.tensor(0.5))
+    except RuntimeError as err:
+        return "error", str(err)
+    out.float().sum().backward()
+    return seen, out.dtype
+
+
+def test_float_forward_inputs_are_cast_to_the_compute_dtype_unless_the_policy_says_not():
+    seen, dtype = run_workers(2, float_inputs, True)[0]
+    assert seen == (torch.bfloat16, torch.bfloat16) and dtype == torch.bfloat16
+    outcome, message = run_workers(1, float_inputs, False)[0]
+    assert outcome == "error" and "dtype" in message  # fp32 features meet bf16 weights
 
 
 def test_bf16_computes_in_bf16_gathers_half_the_bytes_and_keeps_fp32_masters():
@@ -327,7 +384,8 @@ def stuck_peer(rank, world):
 
 def test_a_stuck_collective_becomes_an_error_naming_rank_and_unit():
     message, elapsed = run_workers(2, stuck_peer)[0]
-    assert message.startswith("rank 0: all_gather of '<root>'")
+    # the first collective of the second step: the comparison of the first step's collectives
+    assert message.startswith("rank 0: all_gather of 'order check'")
     assert "did not complete within 2s" in message
     assert elapsed < 6
 

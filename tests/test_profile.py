@@ -85,7 +85,7 @@ def test_recomputation_counts_as_hardware_flops_only():
 
 def profiled_training(rank, world, run_dir, probe_peak):
     import shardwire
-    from shardwire.comm.collectives import record_collectives
+    from shardwire.engine.shard import engine_of
     from shardwire.models.gpt import GPT, Block, loss_fn
     from shardwire.profile.profiler import Profiler
 
@@ -104,13 +104,14 @@ def profiled_training(rank, world, run_dir, probe_peak):
         optimizer.zero_grad()
 
     step(0)  # the recording step, unprofiled, to count collectives of a steady step below
-    with record_collectives() as plain:
+    comm = engine_of(model).comm
+    with comm.record() as plain:
         step(1)
     profiler = Profiler(model, optimizer, tokens_per_step=batch * config.seq_len * world,
                         flops=gpt_flops_per_token(config), probe_peak=probe_peak,
                         metadata={"model": "small-6", "precision": "fp32"})
     walls = []
-    with record_collectives() as profiled:
+    with comm.record() as profiled:
         for i in range(2, 8):
             start = time.perf_counter()
             with profiler.step():
@@ -224,3 +225,20 @@ def test_report_refuses_runs_of_different_jobs(profiled_run, tmp_path):
     (other / "profile.json").write_text(json.dumps(profile))
     with pytest.raises(ReportError, match="runs differ in model: .* has 'small-6', .* has 'medium'"):
         write_report([run_dir, str(other)], str(tmp_path))
+
+
+@pytest.mark.parametrize("name, dtype, tf32, peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.0),
+    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756.0),
+    ("NVIDIA H200", torch.float16, False, 989.0),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156.0),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5),
+    ("NVIDIA GeForce RTX 3090", torch.bfloat16, False, None),
+])
+def test_the_peak_of_a_known_gpu_is_its_data_sheet_figure_in_the_compute_dtype(monkeypatch, name, dtype, tf32, peak):
+    from shardwire.profile.flops import datasheet_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    assert datasheet_peak_tflops(torch.device("cuda", 0), dtype) == peak
+    assert datasheet_peak_tflops(torch.device("cpu"), dtype) is None

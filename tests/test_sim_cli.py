@@ -100,7 +100,7 @@ def test_inputs_from_files_and_preset_overrides(tmp_path):
 
 
 def bench_document(nodes=2, per_node=2, backend="gloo", impl="shardwire"):
-    """A ``shardwire.bench/1`` document with known fits (see shardwire.comm.bench_report)."""
+    """A ``shardwire.bench/1`` document with known fits (see shardwire.bench.report)."""
     def fit(ranks, alpha, beta):
         return {"ranks": ranks, "placement": "out_of_place", "alpha_s": alpha, "beta_Bps": beta, "r2": 1.0,
                 "points": 8}

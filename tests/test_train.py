@@ -12,6 +12,8 @@ from shardwire.cli import main
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--prefetch", "-1"], "--prefetch must be at least 0, got -1"),
     (["--data", "/no/such/corpus"], "--data: data path /no/such/corpus does not exist"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
 ])
 def test_bad_settings_are_refused_before_launch(args, message):
     with pytest.raises(SystemExit, match=message):
@@ -31,3 +33,12 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
     path.write_text("not a directory")
     with pytest.raises(SystemExit, match="--checkpoint-dir .* is a file; give it a directory"):
         main(["train", "--checkpoint-dir", str(path)])
+
+
+def test_more_workers_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="--nproc 2 asks for one GPU per worker, but 1 is visible; use --nproc 1"):
+        main(["train", "--nproc", "2"])

@@ -4,6 +4,7 @@ import importlib
 
 __all__ = [
     "CheckpointError",
+    "GradScaler",
     "MixedPrecision",
     "checkpoint_path",
     "clip_grad_norm_",

@@ -13,7 +13,7 @@ import sys
 
 COMMANDS = {
     "train": ("shardwire.train", "train a byte-level GPT with the sharded engine"),
-    "bench": ("shardwire.comm.bench", "measure what the network delivers to collectives (nccl-tests' numbers)"),
+    "bench": ("shardwire.bench.run", "measure what the network delivers to collectives (nccl-tests' numbers)"),
     "report": ("shardwire.profile.report", "plot where the steps of profiled runs went"),
     "testbed": ("shardwire.testbed.cli", "emulate a cluster of nodes joined by a shaped Ethernet link on this machine"),
     "simulate": ("shardwire.sim.simulate_cli", "predict and explain a sharded job's step time on any cluster"),

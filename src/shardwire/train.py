@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import time
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import shardwire
-from shardwire.comm.collectives import record_collectives
 from shardwire.data import ByteCorpus
+from shardwire.engine.shard import engine_of
 from shardwire.launch import launch_local, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.profile.comm import CommSummary
@@ -32,7 +33,7 @@ from shardwire.progress import ProgressBar, format_duration, format_rate
 @dataclasses.dataclass
 class TrainConfig:
     model: str = "small"  # a preset of shardwire.models.gpt.PRESETS
-    nproc: int = 2  # local processes when not run under torchrun
+    nproc: int | None = None  # local processes when not run under torchrun; default: one per GPU, or 2 on CPU
     steps: int = 400
     batch: int = 16  # sequences per rank and micro-batch
     grad_accum: int = 1  # micro-batches per step (all but the last under no_sync)
@@ -47,12 +48,13 @@ class TrainConfig:
     activation_checkpointing: bool = False
     data: str | None = None  # a text file or directory; default: the standard library's sources
     seed: int = 0
-    log_every: int = 1
+    log_every: int = 10  # reading the loss waits for the GPU: not every step
     eval_batches: int = 8
     checkpoint_dir: str | None = None  # save checkpoints here, and resume from the newest good one
     save_every: int = 100  # steps between checkpoints (the last step is always saved)
     keep: int = 3  # newest checkpoints kept (0: all)
     max_restarts: int = 0  # times torch's launcher restarts failed local workers
+    timeout: float = 600.0  # seconds a collective may take before the job fails with an error
     profile: bool = False  # record where every step's time goes (see shardwire.profile)
     run_dir: str | None = None  # where --profile writes; default runs/<date-time>
     peak_tflops: float | None = None  # per worker, for MFU; default: a matrix-multiply probe
@@ -61,7 +63,9 @@ class TrainConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     parser.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model size preset")
-    parser.add_argument("--nproc", type=int, default=d.nproc, help="local worker processes (ignored under torchrun)")
+    parser.add_argument("--nproc", type=int, default=d.nproc,
+                        help="local worker processes (default: one per visible GPU with NCCL, 2 on CPU; "
+                             "ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank and micro-batch")
     parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
@@ -88,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", type=int, default=d.keep, help="newest checkpoints to keep (0: all)")
     parser.add_argument("--max-restarts", type=int, default=d.max_restarts,
                         help="restart failed local workers this many times; they resume from the newest checkpoint")
+    parser.add_argument("--timeout", type=float, default=d.timeout,
+                        help="seconds a collective may take before the job stops with an error naming it")
     parser.add_argument("--profile", action="store_true",
                         help="profile every step; writes profile.json and trace.json to --run-dir")
     parser.add_argument("--run-dir", default=d.run_dir, help="profile output directory (default runs/<date-time>)")
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``shardwire train``: launch local workers, or be one."""
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     _validate(config)
+    if config.nproc is None:
+        config.nproc = torch.cuda.device_count() if _uses_cuda(config) else 2
     if not under_launcher():
         return launch_local(config.nproc, ["train", *argv], max_restarts=config.max_restarts)
     train(config)
@@ -114,8 +122,16 @@ def _validate(config: TrainConfig) -> None:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 0, got {getattr(config, name)}")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         raise SystemExit(f"error: --peak-tflops must be positive, got {config.peak_tflops}")
+    if not config.timeout > 0 or math.isinf(config.timeout):
+        raise SystemExit(f"error: --timeout must be a positive number of seconds, got {config.timeout}")
+    if config.nproc is not None and config.nproc < 1:
+        raise SystemExit(f"error: --nproc must be at least 1, got {config.nproc}")
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+    gpus = torch.cuda.device_count()
+    if _uses_cuda(config) and config.nproc is not None and config.nproc > gpus and not under_launcher():
+        raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
+                         f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
     if config.checkpoint_dir is not None and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise SystemExit(f"error: --checkpoint-dir {config.checkpoint_dir} is a file; give it a directory")
     if config.data is not None:  # the default, the standard library's sources, always serves
@@ -125,9 +141,13 @@ def _validate(config: TrainConfig) -> None:
             raise SystemExit(f"error: --data: {err}") from None
 
 
+def _uses_cuda(config: TrainConfig) -> bool:
+    return config.backend == "nccl" or (config.backend == "auto" and torch.cuda.is_available())
+
+
 def _device_and_backend(config: TrainConfig) -> tuple[torch.device, str]:
-    use_cuda = config.backend == "nccl" or (config.backend == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    """This worker's device: the GPU of its ``LOCAL_RANK`` (torchrun's one GPU per worker), or the CPU."""
+    if _uses_cuda(config):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         return device, "nccl"
@@ -145,7 +165,8 @@ def _lr_factor(step: int, config: TrainConfig) -> float:
 def train(config: TrainConfig) -> None:
     """One worker's whole job; the process group ends with it, however it ends."""
     device, backend = _device_and_backend(config)
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout),
+                            device_id=device if device.type == "cuda" else None)
     try:
         _train(config, device, backend)
     finally:
@@ -166,7 +187,10 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         prefetch=config.prefetch,
         mixed_precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
+        timeout=config.timeout,
     )
+    comm = engine_of(model).comm
+    scaler = shardwire.GradScaler(model) if config.precision == "fp16" else None
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )
@@ -190,32 +214,40 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     interval_start, interval_steps = time.perf_counter(), 0
     started = time.perf_counter()
 
+    loss_sum = torch.zeros((), device=device)  # over the steps since the last progress update
     for step in range(start, config.steps):
         model.train()
-        with profiler.step() if profiler else contextlib.nullcontext(), record_collectives() as comm:
-            loss_sum = torch.zeros((), device=device)
+        with profiler.step() if profiler else contextlib.nullcontext(), comm.record() as records:
             for micro in range(config.grad_accum):
-                batch = corpus.batch(step * config.grad_accum + micro, global_batch, model_config.seq_len,
-                                     seed=config.seed)[rows].to(device)
+                batch = _to_device(corpus.batch(step * config.grad_accum + micro, global_batch,
+                                                model_config.seq_len, seed=config.seed)[rows], device)
                 sync = micro == config.grad_accum - 1
                 with contextlib.nullcontext() if sync else shardwire.no_sync(model):
                     loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
-                    (loss / config.grad_accum).backward()
+                    scaled = loss / config.grad_accum
+                    (scaler.scale(scaled) if scaler else scaled).backward()
                 loss_sum += loss.detach()
+            if scaler:
+                scaler.unscale_(optimizer)
             if config.clip > 0:
                 shardwire.clip_grad_norm_(model, config.clip)
-            optimizer.step()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         interval_steps += 1
 
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
             dist.all_reduce(loss_sum)
-            last_loss = loss_sum.item() / (world * config.grad_accum)
+            last_loss = loss_sum.item() / (world * config.grad_accum * interval_steps)
+            loss_sum.zero_()
             first_loss = last_loss if first_loss is None else first_loss
             elapsed = time.perf_counter() - interval_start
             if progress is not None:
-                summary = CommSummary.of(comm)
+                summary = CommSummary.of(records, comm.clock)  # the last step's; complete after item()
                 progress.update(step + 1, {
                     "loss": f"{last_loss:.3f}",
                     "tok/s": format_rate(tokens_per_step * interval_steps / elapsed),
@@ -302,12 +334,19 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
     )
 
 
+def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a batch to the GPU from pinned memory, without making the host wait for the copy."""
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def evaluate(model, corpus, config, rows, global_batch, seq_len, device) -> float:
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(config.eval_batches):
-        batch = corpus.batch(i, global_batch, seq_len, seed=config.seed, split="val")[rows].to(device)
+        batch = _to_device(corpus.batch(i, global_batch, seq_len, seed=config.seed, split="val")[rows], device)
         total += loss_fn(model(batch[:, :-1]), batch[:, 1:])
     dist.all_reduce(total)
     return total.item() / (config.eval_batches * dist.get_world_size())

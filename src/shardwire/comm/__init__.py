@@ -1,1 +1,1 @@
-"""Collectives, process groups and the collective benchmark."""
+"""The transport the engine uses: collectives, process groups and node topology."""

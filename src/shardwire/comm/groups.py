@@ -22,12 +22,17 @@ def ensure_initialized(device: torch.device, timeout: datetime.timedelta | None 
 
     Under torchrun (or any launcher that sets ``WORLD_SIZE`` and the rendezvous variables) this joins
     that world; a plain ``python script.py`` gets a world of one, so single-process runs need no
-    distributed set-up at all.
+    distributed set-up at all. On CUDA the group is bound to ``device`` (``device_id``), which also
+    becomes the current device: NCCL would otherwise set itself up on whatever device is current,
+    cuda:0 on every rank.
     """
     if dist.is_initialized():
         return
     backend = backend_for(device)
     kwargs = {} if timeout is None else {"timeout": timeout}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend, **kwargs)
     else:

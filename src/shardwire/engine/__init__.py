@@ -10,12 +10,14 @@ from shardwire.engine.checkpoint import (
     save_checkpoint,
 )
 from shardwire.engine.grad import clip_grad_norm_, no_sync
+from shardwire.engine.grad_scaler import GradScaler
 from shardwire.engine.mixed_precision import MixedPrecision
 from shardwire.engine.shard import shard
 from shardwire.engine.state_dict import full_state_dict
 
 __all__ = [
     "CheckpointError",
+    "GradScaler",
     "MixedPrecision",
     "checkpoint_path",
     "clip_grad_norm_",

@@ -5,21 +5,24 @@ any optimizer see exactly the sharded state. The gathered buffer is a single ten
 lifetime; its storage is allocated before each all-gather and released when the unit is resharded.
 The parameter views the modules compute with alias that storage, so tensors autograd saved during
 forward see the data gathered again for backward.
+
+On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
+shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
+its reduced share where reductions run, and a gradient autograd made on the compute stream is
+recorded to the reduce stream before that stream reads it. So the caching allocator never gives a
+buffer's memory to one stream while another still uses it.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwire.comm import collectives
+from shardwire.comm.communicator import Communicator, Pending
 from shardwire.engine.layout import FlatLayout
 from shardwire.engine.released import ReleasedParameter
-from shardwire.engine.streams import CommStreams
 
 
 class FlatParam:
@@ -32,9 +35,7 @@ class FlatParam:
         *,
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
-        group: dist.ProcessGroup,
-        streams: CommStreams,
-        timeout: datetime.timedelta,
+        comm: Communicator,
     ):
         self.name = name
         self.layout = layout
@@ -43,9 +44,7 @@ class FlatParam:
         self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
-        self._group = group
-        self._streams = streams
-        self._timeout = timeout
+        self._comm = comm
         self._full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=shard.device)
         self._placeholders = [
             ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in layout.slots
@@ -66,14 +65,12 @@ class FlatParam:
     def gathered_nbytes(self) -> int:
         return self.layout.padded_numel * self._full.element_size()
 
-    def gather(self) -> collectives.Pending:
+    def gather(self) -> Pending:
         """Allocate the full buffer and start the all-gather that fills it."""
-        with self._streams.gathering():
+        with self._comm.gather_stream():
             source = self.shard.detach().to(self.compute_dtype)
             self._full.untyped_storage().resize_(self.gathered_nbytes)
-            return collectives.all_gather(
-                self._full, source, self._group, tag=self.name, timeout=self._timeout
-            )
+            return self._comm.all_gather(self._full, source, tag=self.name)
 
     def free(self) -> None:
         self._full.untyped_storage().resize_(0)
@@ -108,34 +105,31 @@ class FlatParam:
 
     def accumulate(self, grad: torch.Tensor) -> None:
         """Keep this backward's unsharded gradient for a later, reducing backward (``no_sync``)."""
-        grad = grad.to(self.reduce_dtype)
-        self._accumulated = grad if self._accumulated is None else self._accumulated.add_(grad)
+        with self._comm.reduce_stream(uses=(grad,)):
+            grad = grad.to(self.reduce_dtype)
+            self._accumulated = grad if self._accumulated is None else self._accumulated.add_(grad)
 
-    def reduce(self, grad: torch.Tensor) -> tuple[collectives.Pending, torch.Tensor]:
+    def reduce(self, grad: torch.Tensor) -> tuple[Pending, torch.Tensor]:
         """Start the reduce-scatter of this backward's flat gradient (plus any accumulated one).
 
-        The gradient is divided by the world size before the sum, so the result is the mean over
-        ranks and a low-precision sum cannot overflow. Returns the pending collective and the tensor
-        that will hold this rank's share; ``land`` adds that share to the shard's gradient.
+        The collective averages over ranks. Returns it and the tensor that will hold this rank's
+        share; ``land`` adds that share to the shard's gradient.
         """
-        with self._streams.reducing(grad):
+        with self._comm.reduce_stream(uses=(grad,)):
             grad = grad.to(self.reduce_dtype)
             if self._accumulated is not None:
                 grad = self._accumulated.add_(grad)
                 self._accumulated = None
-            world = self.layout.world_size
-            if world > 1:
-                grad.div_(world)
             share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-            pending = collectives.reduce_scatter(
-                share, grad, self._group, tag=self.name, timeout=self._timeout
-            )
-            return pending, share
+            return self._comm.reduce_scatter(share, grad, tag=self.name, average=True), share
 
-    def land(self, pending: collectives.Pending, share: torch.Tensor) -> None:
-        """Wait for a reduce-scatter from ``reduce`` and add its share to the shard's gradient."""
-        with self._streams.reducing():
-            pending.wait()
+    def land(self, pending: Pending, share: torch.Tensor) -> None:
+        """Wait for a reduce-scatter from ``reduce`` and add its share to the shard's gradient.
+
+        The training waits for the collective here (which bounds the gradients in flight), and the
+        addition runs where reductions run."""
+        pending.wait()
+        with self._comm.reduce_stream():
             share = share.to(self.shard.dtype)
             if self.shard.grad is None:
                 self.shard.grad = share

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwire.comm import collectives
 from shardwire.engine.shard import engine_of
 
 
@@ -35,13 +34,11 @@ def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.
         return torch.zeros((), device=engine.device)
     local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)
     if math.isinf(norm_type):
-        collectives.all_reduce(
-            local, engine.group, tag="grad norm", timeout=engine.timeout, op=dist.ReduceOp.MAX
-        ).wait()
+        engine.comm.all_reduce(local, tag="grad norm", op=dist.ReduceOp.MAX).wait()
         total = local
     else:
         powered = local.double() ** norm_type
-        collectives.all_reduce(powered, engine.group, tag="grad norm", timeout=engine.timeout).wait()
+        engine.comm.all_reduce(powered, tag="grad norm").wait()
         total = (powered ** (1.0 / norm_type)).to(local.dtype)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

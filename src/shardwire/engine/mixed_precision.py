@@ -25,10 +25,15 @@ class MixedPrecision:
     and the optimizer never loses precision. ``None`` for either field means "the parameter's own
     dtype". Reducing in fp32 while computing in bf16 is the usual choice: a sum over many ranks in
     bf16 loses bits that matter.
+
+    With ``cast_forward_inputs`` (the default, as in FSDP2) floating-point tensors passed to the
+    model's forward are cast to ``param_dtype``, so a model fed fp32 features computes in bf16 like
+    one fed token ids. fp16 needs loss scaling: see ``shardwire.GradScaler``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     @classmethod
     def parse(cls, spec: "MixedPrecision | str | None") -> "MixedPrecision":

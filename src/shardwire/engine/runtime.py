@@ -14,25 +14,27 @@ backward  root post-forward already opened the backward ``Pass`` and issued its 
 
 Everything the order of collectives depends on is the same on every rank as long as every rank runs
 the same units in the same order. The passes that record the order check that, with one tiny
-all-gather before each collective they issue, and raise an error naming the units if ranks differ.
+all-gather before each collective they issue, and raise an error naming the units if ranks differ;
+every later step starts with the communicator comparing the collectives each rank issued in the
+step before (``Communicator.verify_order``: 8 bytes, no host sync), so a rank that leaves the order
+later is caught too.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.profiler import record_function
 
-from shardwire.comm import collectives
+from shardwire.comm.communicator import Communicator, Pending
+from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.schedule import Pass
-from shardwire.engine.streams import CommStreams
 from shardwire.engine.unit import Unit
 
 # Reduce-scatters allowed in flight. Each holds a whole unit's flat gradient until it lands, so the
@@ -42,10 +44,6 @@ REDUCTIONS_IN_FLIGHT = 2
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
 
 Listener = Callable[[str, "str | None", str], None]
-
-
-class ScheduleMismatchError(RuntimeError):
-    """Ranks are about to run different units (rank-dependent control flow)."""
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -64,29 +62,27 @@ class Engine:
         root: Unit,
         units: list[Unit],
         *,
-        group: dist.ProcessGroup,
-        device: torch.device,
-        streams: CommStreams,
+        comm: Communicator,
         prefetch: int,
         reshard_after_forward: bool,
-        timeout: datetime.timedelta,
+        input_dtype: torch.dtype | None,
         state_dict_keys: list[str],
     ):
         self.root = root
         self.units = units
-        self.group = group
-        self.device = device
-        self.streams = streams
+        self.comm = comm
+        self.group = comm.group
+        self.device = comm.device
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        self.timeout = timeout
+        self.input_dtype = input_dtype  # floating-point forward inputs are cast to it
         self.state_dict_keys = state_dict_keys  # the unsharded model's, for full_state_dict
         self.sync_gradients = True
         self._all_units = [root, *units]
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None
-        self._reductions: deque[tuple[FlatParam, collectives.Pending, torch.Tensor]] = deque()
+        self._reductions: deque[tuple[FlatParam, Pending, torch.Tensor]] = deque()
         self._callback_queued = False
         self._listeners: list[Listener] = []
 
@@ -95,7 +91,7 @@ class Engine:
         return [flat for unit in self._all_units for flat in unit.flats]
 
     def install_hooks(self) -> None:
-        self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         self.root.module.register_forward_hook(self._root_post_forward)
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), prepend=True)
@@ -122,15 +118,21 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- forward
 
-    def _root_pre_forward(self, module: nn.Module, args) -> None:
+    def _root_pre_forward(self, module: nn.Module, args, kwargs):
         if self._forward is not None or self._backward is not None or self._callback_queued:
             self._discard_unfinished_step()
         self.emit("forward", None, "start")
         recording = self._order["forward"] is None
-        self._gather(self.root, "forward", check=recording)
-        self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
-        self.root.wait()
-        self.root.show(self._on_grad if torch.is_grad_enabled() else None)
+        with record_function("shardwire::pre_forward(<root>)"):
+            if not recording:
+                self.comm.verify_order("the step before this forward")
+            self._gather(self.root, "forward", check=recording)
+            self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
+            self.root.wait()
+            self.root.show(self._on_grad if torch.is_grad_enabled() else None)
+        if self.input_dtype is None:
+            return None
+        return _cast_floats(args, self.input_dtype), _cast_floats(kwargs, self.input_dtype)
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
         forward = self._forward
@@ -139,10 +141,11 @@ class Engine:
                 f"unit {unit.name!r} was called outside the sharded model's forward: call the model "
                 f"(the module passed to shardwire.shard), not its units on their own"
             )
-        forward.enter(unit)
-        self._gather(unit, "forward", check=forward.recording)
-        unit.wait()
-        unit.show(self._on_grad if torch.is_grad_enabled() else None)
+        with record_function(f"shardwire::pre_forward({unit.name})"):
+            forward.enter(unit)
+            self._gather(unit, "forward", check=forward.recording)
+            unit.wait()
+            unit.show(self._on_grad if torch.is_grad_enabled() else None)
         self.emit("forward", unit.name, "start")
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
@@ -188,23 +191,25 @@ class Engine:
 
     def _pre_backward(self, unit: Unit) -> None:
         backward = self._enter_backward()
-        backward.enter(unit)
-        self._gather(unit, "backward", check=backward.recording)
-        unit.wait()
-        unit.reveal()
+        with record_function(f"shardwire::pre_backward({unit.name})"):
+            backward.enter(unit)
+            self._gather(unit, "backward", check=backward.recording)
+            unit.wait()
+            unit.reveal()
         self.emit("backward", unit.name, "start")
 
     def _on_grad(self, unit: Unit, flat: FlatParam, leaf: torch.Tensor) -> None:
         backward = self._enter_backward()
         grad, leaf.grad = leaf.grad, None
-        if self.sync_gradients:
-            if backward.recording:
-                self._check_agreement("reduce", unit)
-            self._reductions.append((flat, *flat.reduce(grad)))
-            while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
-                self._land_oldest()
-        else:
-            flat.accumulate(grad)
+        with record_function(f"shardwire::post_backward({flat.name})"):
+            if self.sync_gradients:
+                if backward.recording:
+                    self._check_agreement("reduce", unit)
+                self._reductions.append((flat, *flat.reduce(grad)))
+                while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
+                    self._land_oldest()
+            else:
+                flat.accumulate(grad)
         if unit.grad_arrived(flat):
             self.emit("backward", unit.name, "end")
             unit.free()
@@ -214,9 +219,10 @@ class Engine:
         backward, self._backward = self._backward, None
         if backward is not None and backward.changed_order():
             self._order["backward"] = backward.seen
-        while self._reductions:
-            self._land_oldest()
-        self.streams.join()
+        with record_function("shardwire::finish_backward"):
+            while self._reductions:
+                self._land_oldest()
+            self.comm.join()
         self._release_all()
         self.emit("backward", None, "end")
 
@@ -252,15 +258,11 @@ class Engine:
 
     def _check_agreement(self, phase: str, unit: Unit) -> None:
         """Before a collective of a recording pass: make sure every rank is about to run the same one."""
-        world = dist.get_world_size(self.group)
-        if world == 1:
+        if self.comm.world == 1:
             return
-        mine = torch.tensor([_CHECK_CODES[phase], unit.index], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(world * 2, dtype=torch.int64, device=self.device)
-        collectives.all_gather(
-            everyone, mine, self.group, tag=f"order check before {unit.name}", timeout=self.timeout
-        ).wait()
-        rows = [tuple(row) for row in everyone.view(world, 2).tolist()]
+        # one tag for every check, so that what differs is compared, and named, here
+        rows = [tuple(row) for row in self.comm.all_gather_values(
+            [_CHECK_CODES[phase], unit.index], tag="unit order check")]
         if len(set(rows)) > 1:
             phases = {code: name for name, code in _CHECK_CODES.items()}
             plan = "; ".join(
@@ -271,6 +273,17 @@ class Engine:
                 f"ranks disagree on the next unit: {plan}. Every rank must run the same units in "
                 f"the same order in each step (no rank-dependent control flow around units)."
             )
+
+
+def _cast_floats(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (inside tuples, lists and dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_cast_floats(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast_floats(item, dtype) for key, item in value.items()}
+    return value
 
 
 def _once(fn):

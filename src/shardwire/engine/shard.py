@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardwire.comm import collectives, groups
+from shardwire.comm import groups
+from shardwire.comm.communicator import Communicator
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import FlatLayout
 from shardwire.engine.mixed_precision import MixedPrecision
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
-from shardwire.engine.streams import CommStreams
 from shardwire.engine.unit import Unit
 
 _ENGINE_ATTR = "_shardwire_engine"
@@ -46,43 +46,42 @@ def shard(
             them again for its backward (less memory, one more all-gather per unit and step).
         prefetch: the most units gathered ahead of the one running (0: gather only on demand).
         mixed_precision: ``None``/"fp32", "bf16", "fp16" or a ``MixedPrecision``.
-        process_group: defaults to the world, which is created if needed (torchrun's, or one process).
+        process_group: defaults to the world, which is created if needed (torchrun's, or one process,
+            with ``timeout``). The engine works on the device of the model's parameters, whatever the
+            current CUDA device is.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         timeout: seconds a collective may take before it becomes an error naming the rank and unit.
+            On NCCL the process group's own timeout applies: create it with the same one.
     """
     _check_not_sharded(model)
     device = _single_device(model)
-    if process_group is None:
-        groups.ensure_initialized(device)
-        process_group = dist.group.WORLD
-    groups.check_backend_serves(process_group, device)
     policy = MixedPrecision.parse(mixed_precision)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    deadline = datetime.timedelta(seconds=timeout)
+    if process_group is None:
+        groups.ensure_initialized(device, deadline)
+        process_group = dist.group.WORLD
+    groups.check_backend_serves(process_group, device)
 
     state_dict_keys = list(model.state_dict().keys())
     selected = select_units(model, units)
     owned = assign_params(model, [name for name, _ in selected])
-    _check_same_model_on_all_ranks(owned, process_group, device)
+    comm = Communicator(process_group, device, timeout=deadline)
+    _check_same_model_on_all_ranks(owned, comm)
 
-    deadline = datetime.timedelta(seconds=timeout)
-    streams = CommStreams(device)
-    make_unit = functools.partial(
-        _build_unit, group=process_group, policy=policy, streams=streams, timeout=deadline
-    )
+    make_unit = functools.partial(_build_unit, comm=comm, policy=policy)
     root = make_unit(0, "", model, owned[""])
     block_units = [make_unit(i, name, module, owned[name]) for i, (name, module) in enumerate(selected, 1)]
     engine = Engine(
         root,
         block_units,
-        group=process_group,
-        device=device,
-        streams=streams,
+        comm=comm,
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
-        timeout=deadline,
+        input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
@@ -137,8 +136,8 @@ def _flat_groups(params: list[OwnedParam]) -> dict[tuple[torch.dtype, bool], lis
     return grouped
 
 
-def _build_unit(index, name, module, params, *, group, policy, streams, timeout) -> Unit:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+def _build_unit(index, name, module, params, *, comm, policy) -> Unit:
+    rank, world = comm.rank, comm.world
     name = name or "<root>"
     grouped = _flat_groups(params)
     flats = []
@@ -159,18 +158,15 @@ def _build_unit(index, name, module, params, *, group, policy, streams, timeout)
             [e.owners for e in entries],
             compute_dtype=policy.param_dtype or dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or dtype,
-            group=group,
-            streams=streams,
-            timeout=timeout,
+            comm=comm,
         )
         flats.append(flat)
     return Unit(index, name, module, flats)
 
 
-def _check_same_model_on_all_ranks(owned, group, device) -> None:
+def _check_same_model_on_all_ranks(owned, comm: Communicator) -> None:
     """Every rank must shard the same model: compare a fingerprint of each unit's parameters."""
-    world = dist.get_world_size(group)
-    if world == 1:
+    if comm.world == 1:
         return
     names = list(owned)
     prints = [
@@ -178,12 +174,7 @@ def _check_same_model_on_all_ranks(owned, group, device) -> None:
         for n in names
     ]
     for what, values in (("unit count", [len(names)]), ("parameters", prints)):
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        everyone = torch.empty(world * len(values), dtype=torch.int64, device=device)
-        collectives.all_gather(
-            everyone, mine, group, tag=f"model check ({what})", timeout=datetime.timedelta(minutes=5)
-        ).wait()
-        rows = everyone.view(world, len(values)).tolist()
+        rows = comm.all_gather_values(values, tag=f"model check ({what})")
         for r, row in enumerate(rows):
             if row != rows[0]:
                 if what == "unit count":

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwire.comm import collectives
 from shardwire.engine.shard import engine_of
 
 
@@ -23,9 +22,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     params: dict[str, torch.Tensor] = {}
     for flat in engine.flats:
         full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
-        collectives.all_gather(
-            full, flat.shard.detach(), engine.group, tag=f"state dict {flat.name}", timeout=engine.timeout
-        ).wait()
+        engine.comm.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
         if rank == 0:
             for slot, view in zip(flat.layout.slots, flat.layout.views(full.cpu())):
                 value = view.clone()

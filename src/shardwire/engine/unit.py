@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardwire.comm.collectives import Pending
+from shardwire.comm.communicator import Pending
 from shardwire.engine.flat_param import FlatParam
 
 

@@ -5,33 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwire.comm.collectives import CommRecord
+from shardwire.comm.clock import Clock
+from shardwire.comm.records import CommRecord
 from shardwire.profile import intervals
 
 
 @dataclasses.dataclass(frozen=True)
 class CommSummary:
     busy_s: float  # time with at least one collective in flight
-    exposed_s: float  # time the compute thread was blocked waiting for one (CPU)
+    exposed_s: float  # time the training waited for one (the thread on CPU, the compute stream on CUDA)
     nbytes: int  # bytes of the buffers collectives produced or consumed (nccl-tests' sizes)
     count: int
 
     @classmethod
-    def of(cls, records: list[CommRecord]) -> "CommSummary":
-        """Summarise completed records (on CUDA, after the step's events have completed)."""
-        spans = []
-        for r in records:
-            if r.end_event is not None:
-                spans.append((0.0, r.start_event.elapsed_time(r.end_event) / 1e3))
-            elif r.done is not None:
-                spans.append((r.issued, r.done))
-        # CUDA collectives of one process group run one after another, so their durations add up;
-        # CPU ones overlap freely and are measured as the union of their spans.
-        cuda = any(r.end_event is not None for r in records)
-        busy = sum(end - start for start, end in spans) if cuda else intervals.total(spans)
+    def of(cls, records: list[CommRecord], clock: Clock) -> "CommSummary":
+        """Summarise the records of a step that has been waited for (on CUDA: its events are complete)."""
+        spans = [span for span in (r.span(clock) for r in records) if span is not None]
         return cls(
-            busy_s=busy,
-            exposed_s=sum(r.waited for r in records),
+            busy_s=intervals.total(spans),
+            exposed_s=sum(r.stalled_s(clock) for r in records),
             nbytes=sum(r.nbytes for r in records),
             count=len(records),
         )

@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwire.comm.collectives import record_collectives
 from shardwire.engine.shard import engine_of
 from shardwire.profile import analysis
-from shardwire.profile.flops import FlopsPerToken, probe_peak_tflops
+from shardwire.profile.flops import FlopsPerToken, datasheet_peak_tflops, probe_peak_tflops
 from shardwire.profile.recorder import StepRecorder
 from shardwire.profile.trace import chrome_trace
 
@@ -55,7 +54,8 @@ class Profiler:
         metadata: dict | None = None,
     ):
         """``tokens_per_step`` is the global batch in tokens. MFU is measured against
-        ``peak_tflops`` per worker if given, else against a matrix-multiply probe run now on every
+        ``peak_tflops`` per worker if given, else against the data-sheet peak of a recognised GPU in
+        the model's compute dtype, else against a matrix-multiply probe in that dtype run now on every
         rank (``probe_peak``), else it is reported as unknown. The first ``warmup_steps`` steps (the
         first one records the unit order) are kept in the data but left out of the summary."""
         self._engine = engine_of(model)
@@ -66,7 +66,7 @@ class Profiler:
         self._warmup_steps = warmup_steps
         self._metadata = metadata or {}
         self._peak = self._peak_per_worker(peak_tflops, probe_peak)
-        dist.barrier(self._group)  # a shared origin for every rank's timeline
+        self._engine.comm.all_gather_values([0], tag="profile origin")  # a barrier: a shared origin for every rank's timeline
         self._recorder = StepRecorder(self._engine.device)
         self._engine.add_listener(self._recorder.on_phase)
         self._hooks = []
@@ -82,19 +82,22 @@ class Profiler:
             if given <= 0:
                 raise ValueError(f"peak_tflops must be positive, got {given}")
             return {"tflops": given, "source": "given"}
+        device = self._engine.device
+        dtype = max(self._engine.flats, key=lambda flat: flat.layout.padded_numel).compute_dtype
+        known = datasheet_peak_tflops(device, dtype)
+        if known is not None:
+            return {"tflops": known, "source": f"data sheet of {torch.cuda.get_device_name(device)}, {dtype}"}
         if not probe:
             return {"tflops": None, "source": "unknown: pass peak_tflops or allow the probe"}
-        dist.barrier(self._group)
-        mine = torch.tensor(probe_peak_tflops(self._engine.device), dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(self._world)]
-        dist.all_gather(everyone, mine, group=self._group)
-        return {"tflops": statistics.median(t.item() for t in everyone),
-                "source": "matrix-multiply probe (median over ranks)"}
+        self._engine.comm.all_gather_values([0], tag="peak probe start")  # every rank probes at once
+        gflops = round(probe_peak_tflops(device, dtype) * 1e3)
+        everyone = [row[0] / 1e3 for row in self._engine.comm.all_gather_values([gflops], tag="peak probe")]
+        return {"tflops": statistics.median(everyone), "source": f"{dtype} matrix-multiply probe (median over ranks)"}
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Profile the training step run inside the block (a step that raises is not kept)."""
-        with record_collectives() as records:
+        with self._engine.comm.record() as records:
             self._recorder.begin_step(self._next_step)
             yield
             self._recorder.end_step(records)

@@ -1,19 +1,20 @@
 """One rank's raw timeline: the engine's phase edges, the optimizer's, each collective and each wait,
-stamped without synchronizing anything.
+stamped without synchronizing anything (see ``Clock``).
 
-On CPU a stamp is ``time.perf_counter()``. On CUDA it is an event recorded on the current stream, so
-a phase edge is placed where the GPU reaches it, not where the host queued it; events are turned into
-seconds only in ``timelines()``, after the steps being measured (it synchronizes the device).
+A phase edge on CUDA is an event on the current stream, placed where the GPU reaches it, not where
+the host queued it. A step's stamps are turned into seconds as soon as all of them are complete,
+checked without blocking at the end of each later step, so a long run holds seconds, not events;
+``timelines()`` resolves whatever is left (it synchronizes the device).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
-from shardwire.comm.collectives import CommRecord
+from shardwire.comm.clock import Clock
+from shardwire.comm.records import CommRecord
 
 Span = tuple[float, float]
 
@@ -42,41 +43,41 @@ class _RawStep:
 
 class StepRecorder:
     def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
-        self._origin = self.stamp()
-        self._steps: list[_RawStep] = []
+        self._clock = Clock(device)
+        self._resolved: list[StepTimeline] = []
+        self._unresolved: list[_RawStep] = []  # oldest first
         self._current: _RawStep | None = None
 
-    def stamp(self):
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def begin_step(self, step: int) -> None:
-        self._current = _RawStep(step, self.stamp())
+        self._current = _RawStep(step, self._clock.stamp())
 
     def end_step(self, comms: list[CommRecord]) -> None:
-        self._current.end = self.stamp()
+        self._current.end = self._clock.stamp()
         self._current.comms = comms
-        self._steps.append(self._current)
+        self._unresolved.append(self._current)
         self._current = None
+        while self._unresolved and self._complete(self._unresolved[0]):
+            self._resolved.append(self._resolve(self._unresolved.pop(0)))
+
+    def _complete(self, raw: _RawStep) -> bool:
+        """Every stamp of ``raw`` can be read without waiting (checked newest first)."""
+        ends = [raw.end, *(r.end for r in raw.comms if r.end is not None)]
+        return all(self._clock.ready(stamp) for stamp in ends)
 
     def on_phase(self, phase: str, unit: str | None, edge: str) -> None:
         """Engine and optimizer listener: stamp a phase edge of the step in progress."""
         if self._current is not None:
-            self._current.edges.append((phase, unit, edge, self.stamp()))
+            self._current.edges.append((phase, unit, edge, self._clock.stamp()))
 
     def timelines(self) -> list[StepTimeline]:
-        if self._cuda:
-            torch.cuda.synchronize()
-        return [self._resolve(raw) for raw in self._steps]
+        if self._clock.cuda:
+            torch.cuda.synchronize(self._clock.device)
+        self._resolved += [self._resolve(raw) for raw in self._unresolved]
+        self._unresolved = []
+        return list(self._resolved)
 
     def _seconds(self, stamp) -> float:
-        if self._cuda:
-            return self._origin.elapsed_time(stamp) / 1e3
-        return stamp - self._origin
+        return self._clock.seconds(stamp)
 
     def _resolve(self, raw: _RawStep) -> StepTimeline:
         phases, open_edges = [], {}
@@ -88,13 +89,11 @@ class StepRecorder:
                 phases.append((phase, unit, self._seconds(start), self._seconds(stamp)))
         comms, waits = [], []
         for record in raw.comms:
-            if record.end_event is not None:
-                start, end = self._seconds(record.start_event), self._seconds(record.end_event)
-            else:
-                # Still in flight when the step ended (a step that did not wait for everything
-                # it issued): count it as running until the step's end.
-                done = record.done if record.done is not None else raw.end
-                start, end = record.issued - self._origin, done - self._origin
-            comms.append((record.op, record.tag, record.nbytes, start, end))
-            waits += [(record.tag, self._seconds(a), self._seconds(b)) for a, b in record.waits]
+            if record.start is None:
+                continue  # queued on a lane that had not begun it when the step ended
+            # Still in flight when the step ended (a step that did not wait for everything it
+            # issued): count it as running until the step's end.
+            end = record.end if record.end is not None else raw.end
+            comms.append((record.op, record.tag, record.nbytes, self._seconds(record.start), self._seconds(end)))
+            waits += [(record.tag, self._seconds(a), self._seconds(b)) for a, b in record.stalls]
         return StepTimeline(raw.step, self._seconds(raw.start), self._seconds(raw.end), phases, comms, waits)

@@ -6,7 +6,7 @@ that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``)
 
 ``--cluster-from bench.json`` replaces the cluster's nodes, GPUs per node and both network levels
 with what ``shardwire bench --json`` measured (schema ``shardwire.bench/1``, in
-``shardwire.comm.bench_report``): from the latency-bandwidth fit ``t = alpha + S / beta`` of the
+``shardwire.bench.report``): from the latency-bandwidth fit ``t = alpha + S / beta`` of the
 all-gather and reduce-scatter of a group of ``k`` ranks, busbw = beta (k-1)/k (nccl-tests' factor)
 and latency per step = alpha / (k-1), averaged over the two operations. The ``intra`` group gives
 the intra-node level, the ``inter`` group (one rank per node) the inter-node level. Collectives
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import yaml
 
-from shardwire.comm.bench_schema import SCHEMA as BENCH_SCHEMA
+from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
 from shardwire.sim.presets import PRESETS
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 

@@ -2,7 +2,7 @@
 
 Every GPU runs the same program on the same sizes, so one GPU's timeline is the step's. It has a
 compute lane and three communication lanes: all-gathers, reductions (a CUDA stream each under NCCL;
-a lane thread each under gloo, see ``shardwire.comm.collectives``) and the scalar all-reduce of the
+a lane thread each under gloo, see ``shardwire.comm.communicator``) and the scalar all-reduce of the
 gradient norm. Collectives of one lane run one after another; the lanes run concurrently and share
 the links (``shardwire.sim.events.Link``): an all-gather and a reduce-scatter crossing a NIC at the
 same time each get half of it.

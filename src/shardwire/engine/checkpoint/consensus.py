@@ -13,10 +13,6 @@ import json
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-import torch.distributed as dist
-
-from shardwire.comm import collectives
 from shardwire.engine.checkpoint.format import CheckpointError
 from shardwire.engine.runtime import Engine
 
@@ -25,19 +21,11 @@ T = TypeVar("T")
 
 def all_gather_json(value, engine: Engine, *, tag: str) -> list:
     """Every rank's JSON-serializable ``value``, in rank order."""
-    group, device = engine.group, engine.device
-    world = dist.get_world_size(group)
     payload = json.dumps(value).encode()
-    lengths = torch.empty(world, dtype=torch.int64, device=device)
-    mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    collectives.all_gather(lengths, mine, group, tag=f"{tag} (sizes)", timeout=engine.timeout).wait()
-    lengths = lengths.tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    everyone = torch.empty(world * len(padded), dtype=torch.uint8, device=device)
-    collectives.all_gather(everyone, padded.to(device), group, tag=tag, timeout=engine.timeout).wait()
-    rows = everyone.view(world, -1).cpu().numpy()
-    return [json.loads(row[:length].tobytes()) for row, length in zip(rows, lengths)]
+    lengths = [row[0] for row in engine.comm.all_gather_values([len(payload)], tag=f"{tag} (sizes)")]
+    padded = payload.ljust(max(lengths), b"\0")
+    rows = engine.comm.all_gather_values(padded, tag=tag)
+    return [json.loads(bytes(row[:length])) for row, length in zip(rows, lengths)]
 
 
 def on_every_rank(engine: Engine, what: str, fn: Callable[[], T]) -> T:

@@ -11,9 +11,9 @@ Groups: ``world`` is every rank; ``intra`` is each node's ranks among themselves
 once); ``inter`` is one rank per node, so that what crosses between nodes is measured alone. Which
 ranks share a node comes from torchrun's ``LOCAL_WORLD_SIZE``, or ``--ranks-per-node``.
 
-The pieces: ``bench_metrics`` (definitions of the numbers), ``bench_ops`` (the operations, their
-buffers and the expected results), ``bench_sweep`` (timing and combining ranks), ``bench_report``
-(table, JSON schema, CSV, plot).
+The pieces, beside this module in ``shardwire.bench``: ``metrics`` (definitions of the numbers),
+``ops`` (the operations, their buffers and the expected results), ``sweep`` (timing and combining
+ranks), ``report`` (table, JSON schema, CSV, plot).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from shardwire.comm import bench_report as report
-from shardwire.comm.bench_metrics import COMBINE, OPS
-from shardwire.comm.bench_ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
-from shardwire.comm.bench_sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
+from shardwire.bench import report
+from shardwire.bench.metrics import COMBINE, OPS
+from shardwire.bench.ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
+from shardwire.bench.sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
+from shardwire.comm.communicator import Communicator
 from shardwire.comm.groups import (
     backend_for,
     cross_node_members,
@@ -139,12 +140,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks that share a node (default: torchrun's LOCAL_WORLD_SIZE)")
     parser.add_argument("--impl", choices=["torch", "shardwire"], default=d.impl,
                         help="shardwire: time all_gather and reduce_scatter as the engine runs them "
-                             "(shardwire.comm.collectives; point-to-point on gloo)")
+                             "(shardwire.comm.communicator; point-to-point on gloo)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default=d.backend,
                         help="auto: NCCL when CUDA is available, else gloo")
     parser.add_argument("--timeout", type=float, default=d.timeout,
                         help="seconds before a collective that does not complete is an error")
-    parser.add_argument("--json", metavar="PATH", help="save the results as JSON (schema: shardwire.comm.bench_report)")
+    parser.add_argument("--json", metavar="PATH", help="save the results as JSON (schema: shardwire.bench.report)")
     parser.add_argument("--csv", metavar="PATH", help="save one CSV line per group, operation, size and form")
     parser.add_argument("--plot", metavar="PATH", help="save busbw against size as a PNG")
 
@@ -271,30 +272,45 @@ def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = No
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = node_topology(world, config.ranks_per_node)
     contexts = _contexts(config, topo, device)
-    context = _describe(config, topo, contexts, device)
-    show = out is not None and rank == 0
+    try:
+        context = _describe(config, topo, contexts, device)
+        show = out is not None and rank == 0
 
-    def say(line: str) -> None:
-        if show:
-            print(line, file=out, flush=True)
+        def say(line: str) -> None:
+            if show:
+                print(line, file=out, flush=True)
 
-    for line in report.header_lines(context):
-        say(line)
-    world_ctx = contexts.get("world") or _context(config, dist.group.WORLD, tuple(range(world)), device)
-    failure = first_failure([OPERATIONS[op] for op in config.ops], world_ctx)
+        for line in report.header_lines(context):
+            say(line)
+        _check_backend(config, contexts, device)
+
+        settings = SweepSettings(warmup=config.warmup, iters=config.iters, blocking=config.blocking,
+                                 check=config.check, combine=config.combine)
+        sizes = context["settings"]["sizes"]
+        results = [
+            _measure(OPERATIONS[op], sizes, group, ctx, config, settings, say)
+            for group, ctx in contexts.items()
+            for op in config.ops
+        ]
+        return BenchResults(context, results)
+    finally:
+        for ctx in contexts.values():
+            ctx.close()
+
+
+def _check_backend(config: BenchConfig, contexts: dict[str, OpContext], device: torch.device) -> None:
+    """Raise ``BenchError`` when the backend cannot run one of the operations, found by trying each
+    once on the whole world (measured or not), where every rank takes part."""
+    everyone = tuple(range(dist.get_world_size()))
+    world_ctx = contexts.get("world") or _context(config, dist.group.WORLD, everyone, device)
+    try:
+        failure = first_failure([OPERATIONS[op] for op in config.ops], world_ctx)
+    finally:
+        if "world" not in contexts:
+            world_ctx.close()
     if failure is not None:
         raise BenchError(f"{failure}; where the backend lacks it, choose another --dtype or --redop, "
                          f"or leave the operation out of --ops")
-
-    settings = SweepSettings(warmup=config.warmup, iters=config.iters, blocking=config.blocking,
-                             check=config.check, combine=config.combine)
-    sizes = context["settings"]["sizes"]
-    results = [
-        _measure(OPERATIONS[op], sizes, group, ctx, config, settings, say)
-        for group, ctx in contexts.items()
-        for op in config.ops
-    ]
-    return BenchResults(context, results)
 
 
 def _measure(operation: type[Operation], sizes: list[int], group: str, ctx: OpContext, config: BenchConfig,
@@ -319,12 +335,8 @@ def _measure(operation: type[Operation], sizes: list[int], group: str, ctx: OpCo
 
 
 def _contexts(config: BenchConfig, topo: Topology, device: torch.device) -> dict[str, OpContext]:
-    """This rank's view of each measured group, created in the same order on every rank.
-
-    ``inter`` comes last on purpose: ranks outside it skip its operations, and shardwire's
-    point-to-point collectives number their messages by how many each rank has issued, so any
-    collective measured after it would pair mismatched messages.
-    """
+    """This rank's view of each measured group, created in the same order on every rank because
+    creating one is collective: its process group among all ranks, its communicator among its members."""
     make_group = {"world": lambda _: dist.group.WORLD, "intra": intra_node_group, "inter": inter_node_group}
     contexts = {}
     for name, groups in _members(topo).items():
@@ -337,17 +349,22 @@ def _contexts(config: BenchConfig, topo: Topology, device: torch.device) -> dict
 
 def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[int, ...],
              device: torch.device) -> OpContext:
+    """This rank's view of one group; on its members with ``--impl shardwire``, a communicator that
+    ``OpContext.close()`` stops."""
     me = dist.get_rank()
+    member = me in ranks
+    comm = None
+    if member and config.impl == "shardwire":
+        comm = Communicator(group, device, timeout=datetime.timedelta(seconds=config.timeout))
     return OpContext(
-        group=group if me in ranks else None,
+        group=group if member else None,
         ranks=ranks,
-        rank=ranks.index(me) if me in ranks else None,
+        rank=ranks.index(me) if member else None,
         device=device,
         dtype=DTYPES[config.dtype],
         redop=config.redop,
         root=config.root,
-        impl=config.impl,
-        timeout=datetime.timedelta(seconds=config.timeout),
+        comm=comm,
     )
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from shardwire.comm.bench_metrics import (
+from shardwire.bench.metrics import (
     LatencyBandwidthFit,
     Saturation,
     bandwidth,
@@ -26,7 +26,7 @@ from shardwire.comm.bench_metrics import (
     fit_latency_bandwidth,
     saturation,
 )
-from shardwire.comm.bench_ops import IN_PLACE, OUT_OF_PLACE, OpContext, Operation
+from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE, OpContext, Operation
 
 PLACEMENTS = (OUT_OF_PLACE, IN_PLACE)
 

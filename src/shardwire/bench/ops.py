@@ -33,13 +33,12 @@ bit. Other operations move wider values, so a misplaced piece shows.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from shardwire.comm import collectives
+from shardwire.comm.communicator import Communicator, torch_all_gather, torch_reduce_scatter
 
 IN_PLACE, OUT_OF_PLACE = "in_place", "out_of_place"
 
@@ -78,8 +77,9 @@ class OpContext:
     dtype: torch.dtype
     redop: str
     root: int  # group rank of broadcast's source and reduce's destination
-    impl: str  # "torch", or "shardwire" for shardwire.comm.collectives' all_gather and reduce_scatter
-    timeout: datetime.timedelta
+    # the engine's transport for all_gather and reduce_scatter (--impl shardwire); None: torch's
+    # collectives, and on ranks outside the group
+    comm: Communicator | None
 
     @property
     def size(self) -> int:
@@ -88,6 +88,11 @@ class OpContext:
     @property
     def member(self) -> bool:
         return self.rank is not None
+
+    def close(self) -> None:
+        """Stop the communicator's threads, if this rank has one."""
+        if self.comm is not None:
+            self.comm.close()
 
     def rank_input(self, rank: int, numel: int, *, reduced: bool) -> torch.Tensor:
         """The deterministic input that group rank ``rank`` contributes (see the module docstring)."""
@@ -210,9 +215,9 @@ class AllGather(Operation):
 
     def issue(self):
         ctx = self.ctx
-        if ctx.impl == "shardwire":
-            return [collectives.all_gather(self.output, self.input, ctx.group, tag="bench", timeout=ctx.timeout)]
-        return [collectives.torch_all_gather(self.output, self.input, group=ctx.group, async_op=True)]
+        if ctx.comm is not None:
+            return [ctx.comm.all_gather(self.output, self.input, tag="bench")]
+        return [torch_all_gather(self.output, self.input, group=ctx.group, async_op=True)]
 
     def expected(self):
         return torch.cat([self.ctx.rank_input(q, self.piece, reduced=False) for q in range(self.ctx.size)])
@@ -229,10 +234,9 @@ class ReduceScatter(Operation):
 
     def issue(self):
         ctx = self.ctx
-        if ctx.impl == "shardwire":
-            return [collectives.reduce_scatter(self.output, self.input, ctx.group, tag="bench", timeout=ctx.timeout)]
-        return [collectives.torch_reduce_scatter(self.output, self.input, op=REDOPS[ctx.redop], group=ctx.group,
-                                                 async_op=True)]
+        if ctx.comm is not None:
+            return [ctx.comm.reduce_scatter(self.output, self.input, tag="bench")]
+        return [torch_reduce_scatter(self.output, self.input, op=REDOPS[ctx.redop], group=ctx.group, async_op=True)]
 
     def expected(self):
         return self.ctx.reduction_of_inputs(self.numel).narrow(0, self.ctx.rank * self.piece, self.piece)

@@ -34,7 +34,7 @@ The JSON document (``--json``) is read by the simulator; its schema, ``shardwire
 
     POINT = {"time_us": 812.4, "algbw_GBps": 5.2, "busbw_GBps": 9.1, "wrong": 0 | null}
 
-S is nccl-tests' size of the operation in bytes (see ``bench_metrics``); GB/s are 10^9 bytes/s;
+S is nccl-tests' size of the operation in bytes (see ``metrics``); GB/s are 10^9 bytes/s;
 ``wrong`` is null when the run did not check results.
 """
 
@@ -46,10 +46,10 @@ import io
 import math
 import os
 
-from shardwire.comm.bench_metrics import LatencyBandwidthFit
-from shardwire.comm.bench_ops import OUT_OF_PLACE
-from shardwire.comm.bench_schema import SCHEMA
-from shardwire.comm.bench_sweep import PLACEMENTS, OpResult, Point, Row
+from shardwire.bench.metrics import LatencyBandwidthFit
+from shardwire.bench.ops import OUT_OF_PLACE
+from shardwire.bench.schema import SCHEMA
+from shardwire.bench.sweep import PLACEMENTS, OpResult, Point, Row
 
 GB = 1e9
 

@@ -1,0 +1,346 @@
+"""``Communicator``: the transport of one process group, for the engine and for ``shardwire bench``.
+
+Everything a process group's collectives need lives on its communicator, never in module state, so
+two process groups in one process can issue collectives in any interleaving:
+
+* where the work runs. On CUDA, a gather stream and a reduce stream of high priority: a collective is
+  issued synchronously on its stream (torch launches the NCCL kernel on that stream), after the
+  stream has waited for the compute stream, and an event after it tells the compute stream when its
+  result may be used. No host synchronization is ever needed. On gloo, a gather lane and a reduce
+  lane (threads, see ``lanes``) run the point-to-point algorithms of ``exchange``, which beat gloo's
+  own collectives; other collectives go through torch's asynchronous ones;
+* memory lifetime across streams: every tensor a collective touches is recorded to the stream that
+  runs it, so the caching allocator never hands its memory to another stream's kernels while the
+  collective still reads or writes it;
+* a tag space for the point-to-point messages, drawn by rank 0 when the communicator is made, so
+  two communicators over one group do not match each other's messages;
+* the deadline. On gloo, ``Pending.wait`` turns a collective that does not complete within it into a
+  ``CollectiveError`` naming the rank, the operation and its tag. On NCCL the process group's own
+  timeout applies (its watchdog aborts the job), so create the group with the same ``timeout``;
+* agreement between ranks: on gloo every point-to-point collective first checks that all ranks are
+  running the same one; ``verify_order`` compares, once per step, a running hash of every collective
+  issued, without a host synchronization on CUDA, so a rank that leaves the common order becomes a
+  ``ScheduleMismatchError`` rather than a hang or silently mixed-up buffers;
+* records of what crossed the wire (``record``), stamped by a ``Clock`` without synchronizing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import secrets
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from shardwire.comm.clock import Clock
+from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
+from shardwire.comm.exchange import Exchange, encode_header
+from shardwire.comm.lanes import Lane
+from shardwire.comm.records import CommRecord
+from shardwire.comm.topology import Topology, topology
+
+# torch's own flat all-gather and reduce-scatter, under whichever name this torch release has
+torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# A communicator's point-to-point tags: (space << _TAG_BITS) + offset, with its space drawn from
+# [1, 2**_TAG_BITS) by rank 0, which keeps clear of the small tags other code uses and within int32.
+_TAG_BITS = 15
+
+OnIssue = Callable[[CommRecord], None]
+
+
+@dataclasses.dataclass
+class _OrderCheck:
+    """One ``verify_order`` comparison, read once ``ready`` (None: at once) has completed."""
+
+    label: str
+    differs: torch.Tensor
+    ready: object = None
+
+
+class Pending:
+    """An issued collective. ``wait()`` makes the training wait for it: blocks the calling thread
+    until it completes (CPU), or orders the current stream after it (CUDA, no host sync); a failure
+    or a missed deadline becomes a ``CollectiveError``."""
+
+    __slots__ = ("_comm", "_record", "_op", "_tag", "_work", "_done")
+
+    def __init__(self, comm: "Communicator", record: CommRecord | None, op: str, tag: str, *, work=None, done=None):
+        self._comm = comm
+        self._record = record
+        self._op = op
+        self._tag = tag
+        self._work = work  # CPU: something with wait(timeout)
+        self._done = done  # CUDA: an event after the collective on its stream
+
+    def wait(self) -> None:
+        comm, record = self._comm, self._record
+        if comm is None:
+            return
+        stall_start = comm.clock.stamp() if record is not None else None
+        if self._done is not None:
+            torch.cuda.current_stream(comm.device).wait_event(self._done)
+        else:
+            try:
+                self._work.wait(timeout=comm.timeout)
+            except ScheduleMismatchError as err:
+                raise ScheduleMismatchError(f"rank {dist.get_rank()}: {err}") from None
+            except RuntimeError as err:
+                raise CollectiveError(
+                    f"rank {dist.get_rank()}: {self._op} of {self._tag!r} failed or did not complete "
+                    f"within {comm.timeout.total_seconds():g}s ({err}). Another rank has probably "
+                    f"stopped, crashed, or is running a different unit: check its log."
+                ) from err
+        if record is not None:
+            stall_end = comm.clock.stamp()
+            record.stalls.append((stall_start, stall_end))
+            if record.end is None:
+                record.end = stall_end  # a work without a future: completion as seen here
+        self._comm = self._work = self._done = None
+
+
+class Communicator:
+    """The transport of one process group on one device. Every rank of the group must create its
+    communicators in the same order, and issue each communicator's collectives in the same order."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        *,
+        timeout: datetime.timedelta,
+        placement: Topology | None = None,
+    ):
+        self.group = group
+        self.device = device
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.topology = placement or topology(group)
+        self.clock = Clock(device)
+        self._cuda = device.type == "cuda"
+        self._point_to_point = str(dist.get_backend(group)) == "gloo"
+        if self._cuda:
+            # high priority: a collective's kernels start ahead of queued compute kernels
+            self._gather_stream = torch.cuda.Stream(device, priority=-1)
+            self._reduce_stream = torch.cuda.Stream(device, priority=-1)
+        self._gather_lane = Lane("shardwire-gather")
+        self._reduce_lane = Lane("shardwire-reduce")
+        self._tag_space = self._draw_tag_space() if self._point_to_point and self.world > 1 else 1
+        self._numbered = 0  # point-to-point collectives issued, which numbers their tags
+        self._recorders: list[tuple[list[CommRecord], OnIssue | None]] = []
+        self._order_hash = 0  # of the collectives issued since the last verify_order
+        self._order_checks: deque[_OrderCheck] = deque()
+
+    # ------------------------------------------------------------------------------ collectives
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, tag: str) -> Pending:
+        """Gather every rank's equal-sized ``shard`` into the flat ``output``, in rank order."""
+        nbytes = output.numel() * output.element_size()
+        if self._point_to_point:
+            exchange = self._exchange("all_gather", tag)
+            return self._on_lane(self._gather_lane, "all_gather", tag, nbytes,
+                                 lambda: exchange.all_gather(output, shard))
+        return self._on_stream(
+            "gather", "all_gather", tag, nbytes, (output, shard),
+            lambda async_op: torch_all_gather(output, shard, group=self.group, async_op=async_op),
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, tag: str, average: bool = False) -> Pending:
+        """Sum (with ``average``: average) the flat ``full`` over ranks and leave this rank's equal
+        share of the result in ``output``. The average is taken inside the collective (NCCL's
+        ``AVG``, or a division of the one-slot result on gloo), never as an extra pass over ``full``."""
+        nbytes = full.numel() * full.element_size()
+        if self._point_to_point:
+            exchange = self._exchange("reduce_scatter", tag)
+            return self._on_lane(self._reduce_lane, "reduce_scatter", tag, nbytes,
+                                 lambda: exchange.reduce_scatter(output, full, average=average))
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return self._on_stream(
+            "reduce", "reduce_scatter", tag, nbytes, (output, full),
+            lambda async_op: torch_reduce_scatter(output, full, op=op, group=self.group, async_op=async_op),
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+        """Reduce ``tensor`` in place over ranks."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._on_stream(
+            "reduce", "all_reduce", tag, nbytes, (tensor,),
+            lambda async_op: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op),
+        )
+
+    def all_gather_values(self, values: Sequence[int], *, tag: str) -> list[list[int]]:
+        """Every rank's ``values`` (integers, as many on every rank), in rank order. It reads the
+        result on the host: for set-up and checks outside the steady state of training."""
+        mine = torch.tensor(list(values), dtype=torch.int64).to(self.device)
+        everyone = torch.empty(self.world * len(values), dtype=torch.int64, device=self.device)
+        self.all_gather(everyone, mine, tag=tag).wait()
+        return everyone.view(self.world, len(values)).tolist()
+
+    # ------------------------------------------------------------------ streams and their order
+
+    @contextlib.contextmanager
+    def gather_stream(self) -> Iterator[None]:
+        """Run the block where all-gathers run (CUDA: the gather stream, after everything queued so
+        far on the current stream, so an all-gather sees the optimizer's last update and memory the
+        compute stream freed is safe to reuse). A no-op on CPU."""
+        with self._side("gather", ()):
+            yield
+
+    @contextlib.contextmanager
+    def reduce_stream(self, uses: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        """Run the block where reductions run, after the compute that produced ``uses``, which are
+        recorded to that stream (their memory is not reused until the stream is done with them)."""
+        with self._side("reduce", uses):
+            yield
+
+    def join(self) -> None:
+        """Make the current stream wait for everything queued where reductions run (CUDA)."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._reduce_stream)
+
+    @contextlib.contextmanager
+    def _side(self, which: str, uses: Sequence[torch.Tensor]) -> Iterator[None]:
+        if not self._cuda:
+            yield
+            return
+        stream = self._gather_stream if which == "gather" else self._reduce_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for tensor in uses:
+            tensor.record_stream(stream)
+        with torch.cuda.stream(stream):
+            yield
+
+    # ------------------------------------------------------------------------ rank agreement
+
+    def verify_order(self, label: str) -> None:
+        """Compare across ranks the collectives each issued since the last call, and raise
+        ``ScheduleMismatchError`` if they differ.
+
+        Each rank all-gathers a running hash of (op, tag) of those collectives, 8 bytes. On CPU the
+        comparison is read at once. On CUDA it is copied to pinned host memory without a sync and
+        read by a later call once its event has completed, so a divergence is reported a step or two
+        after it happened, and the step itself never waits for the host."""
+        self._raise_if_diverged()
+        if self.world == 1:
+            return
+        value, self._order_hash = self._order_hash, 0
+        mine = torch.full((1,), value, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self.all_gather(everyone, mine, tag="order check").wait()
+        differs = (everyone != everyone[0]).any()
+        if self._cuda:
+            on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            on_host.copy_(differs, non_blocking=True)
+            self._order_checks.append(_OrderCheck(label, on_host, self.clock.stamp()))
+        else:
+            self._order_checks.append(_OrderCheck(label, differs))
+        self._raise_if_diverged()
+
+    def _raise_if_diverged(self) -> None:
+        while self._order_checks and (self._order_checks[0].ready is None
+                                      or self.clock.ready(self._order_checks[0].ready)):
+            check = self._order_checks.popleft()
+            if bool(check.differs):
+                self._order_checks.clear()
+                raise ScheduleMismatchError(
+                    f"rank {dist.get_rank()}: ranks issued different collectives in {check.label}. Every "
+                    f"rank must run the same units in the same order in each step (no rank-dependent "
+                    f"control flow around units)."
+                )
+
+    # -------------------------------------------------------------------------------- records
+
+    @contextlib.contextmanager
+    def record(self, on_issue: OnIssue | None = None) -> Iterator[list[CommRecord]]:
+        """Collect a ``CommRecord`` for every collective issued inside the block. ``on_issue`` is
+        called right after each collective is issued, while the caller's state is exactly as the
+        collective left it (tests use it to sample memory at its peak)."""
+        records: list[CommRecord] = []
+        entry = (records, on_issue)
+        self._recorders.append(entry)
+        try:
+            yield records
+        finally:
+            # by identity: nested recorders hold equal lists of the same records
+            del self._recorders[next(i for i, e in enumerate(self._recorders) if e is entry)]
+
+    def close(self) -> None:
+        """Let the lanes finish their queued collectives and stop them."""
+        self._gather_lane.stop()
+        self._reduce_lane.stop()
+
+    # ------------------------------------------------------------------------------- issuing
+
+    def _draw_tag_space(self) -> int:
+        space = torch.tensor([secrets.randbelow((1 << _TAG_BITS) - 1) + 1 if self.rank == 0 else 0])
+        dist.broadcast(space, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(space)
+
+    def _exchange(self, op: str, tag: str) -> Exchange:
+        per_collective = self.world + 1  # a tag per slot, and the header's
+        offset = self._numbered % ((1 << _TAG_BITS) // per_collective) * per_collective
+        self._numbered += 1
+        return Exchange(self.group, self.topology, (self._tag_space << _TAG_BITS) + offset,
+                        self.timeout, encode_header(op, tag))
+
+    def _issued(self, op: str, tag: str, nbytes: int) -> CommRecord | None:
+        """Note a collective about to be issued; its record if anyone is recording."""
+        self._order_hash = zlib.crc32(f"{op} {tag}".encode(), self._order_hash)
+        return CommRecord(op, tag, nbytes) if self._recorders else None
+
+    def _announce(self, record: CommRecord | None) -> None:
+        if record is not None:
+            for records, on_issue in self._recorders:
+                records.append(record)
+                if on_issue is not None:
+                    on_issue(record)
+
+    def _on_lane(self, lane: Lane, op: str, tag: str, nbytes: int, body: Callable[[], None]) -> Pending:
+        record = self._issued(op, tag, nbytes)
+
+        def run() -> None:
+            if record is not None:
+                record.start = time.perf_counter()
+            body()
+            if record is not None:
+                record.end = time.perf_counter()
+
+        with record_function(f"shardwire::{op}({tag})"):
+            work = lane.submit(run)
+        self._announce(record)
+        return Pending(self, record, op, tag, work=work)
+
+    def _on_stream(self, which: str, op: str, tag: str, nbytes: int, tensors: Sequence[torch.Tensor],
+                   issue: Callable[[bool], object]) -> Pending:
+        """Issue a torch collective: synchronously on its side stream (CUDA), else asynchronously."""
+        record = self._issued(op, tag, nbytes)
+        with record_function(f"shardwire::{op}({tag})"):
+            if not self._cuda:
+                if record is not None:
+                    record.start = time.perf_counter()
+                work = issue(True)
+                if record is not None:
+                    work.get_future().add_done_callback(lambda _: setattr(record, "end", time.perf_counter()))
+                self._announce(record)
+                return Pending(self, record, op, tag, work=work)
+            with self._side(which, tensors):
+                stream = torch.cuda.current_stream(self.device)
+                if record is not None:
+                    record.start = self.clock.stamp(stream)
+                issue(False)
+                if record is not None:
+                    done = record.end = self.clock.stamp(stream)
+                else:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+        self._announce(record)
+        return Pending(self, record, op, tag, done=done)
