@@ -7,7 +7,6 @@ import csv
 import io
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -129,22 +128,6 @@ def test_csv_has_one_line_per_group_op_size_and_form():
 def test_plot_is_a_png_with_a_panel_per_group():
     png = report.plot_png(RESULTS)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
-
-
-def test_a_failed_save_leaves_the_previous_file_whole(tmp_path):
-    path = tmp_path / "results.json"
-    path.write_text("previous")
-
-    class Unwritable(str):
-        def encode(self):
-            raise OSError("disk full")
-
-    with pytest.raises(OSError):
-        report.write_atomically(str(path), Unwritable("new"))
-    assert path.read_text() == "previous"
-    assert os.listdir(tmp_path) == ["results.json"]
-    report.write_atomically(str(path), "new")
-    assert path.read_text() == "new"
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from shardwire.launch import die_with_launcher, under_launcher
+
 COMMANDS = {
     "train": ("shardwire.train", "train a byte-level GPT with the sharded engine"),
     "bench": ("shardwire.bench.run", "measure what the network delivers to collectives (nccl-tests' numbers)"),
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints usage or help and exits
         return 2
     name, rest = argv[0], argv[1:]
+    if under_launcher():
+        die_with_launcher()
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)

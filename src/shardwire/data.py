@@ -46,6 +46,9 @@ class ByteCorpus:
             files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes)
             name = str(root)
         data = b"".join(p.read_bytes() for p in files)
+        if not data:
+            what = "is empty" if root.is_file() else "holds no .py, .txt or .md file with any text"
+            raise ValueError(f"data path {path} {what}: give it a text file or a directory of them")
         return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, seq_len)
 
     @property

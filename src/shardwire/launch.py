@@ -7,13 +7,34 @@ unchanged under a user's own ``torchrun --nnodes ... --nproc-per-node ... -m sha
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def under_launcher() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets torchrun's variables)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def die_with_launcher() -> None:
+    """End this worker when the process that started it dies, however it dies.
+
+    A launcher killed with SIGKILL cannot stop its workers, and they would train on, holding GPUs
+    and ports. Linux can send a child a signal when its parent exits (``PR_SET_PDEATHSIG``); torch's
+    elastic agent starts each worker as its own child, so this ties each worker to its agent. A
+    worker whose parent is already gone (it died before the call) leaves at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        return  # not allowed here (a sandbox): nothing is lost but this safety net
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:

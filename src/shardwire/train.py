@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 import shardwire
 from shardwire.data import ByteCorpus
+from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
 from shardwire.launch import launch_local, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from shardwire.options import OptionError, bounded, check_bounds, check_writable_directory
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import gpt_flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
@@ -33,31 +35,31 @@ from shardwire.progress import ProgressBar, format_duration, format_rate
 @dataclasses.dataclass
 class TrainConfig:
     model: str = "small"  # a preset of shardwire.models.gpt.PRESETS
-    nproc: int | None = None  # local processes when not run under torchrun; default: one per GPU, or 2 on CPU
-    steps: int = 400
-    batch: int = 16  # sequences per rank and micro-batch
-    grad_accum: int = 1  # micro-batches per step (all but the last under no_sync)
-    lr: float = 3e-3
-    warmup: int = 40
-    weight_decay: float = 0.1
-    clip: float = 1.0
+    nproc: int | None = bounded(None, at_least=1)  # local processes when not run under torchrun; default: one per GPU, or 2 on CPU
+    steps: int = bounded(400, at_least=1)
+    batch: int = bounded(16, at_least=1)  # sequences per rank and micro-batch
+    grad_accum: int = bounded(1, at_least=1)  # micro-batches per step (all but the last under no_sync)
+    lr: float = bounded(3e-3, above=0)
+    warmup: int = bounded(40, at_least=0)
+    weight_decay: float = bounded(0.1, at_least=0)
+    clip: float = bounded(1.0, at_least=0)  # 0: off
     precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; masters stay fp32)
     backend: str = "auto"  # auto | gloo | nccl
-    prefetch: int = 2
+    prefetch: int = bounded(2, at_least=0)
     reshard: bool = True  # reshard_after_forward
     activation_checkpointing: bool = False
     data: str | None = None  # a text file or directory; default: the standard library's sources
-    seed: int = 0
-    log_every: int = 10  # reading the loss waits for the GPU: not every step
-    eval_batches: int = 8
+    seed: int = bounded(0, at_least=0)
+    log_every: int = bounded(10, at_least=1)  # reading the loss waits for the GPU: not every step
+    eval_batches: int = bounded(8, at_least=1)
     checkpoint_dir: str | None = None  # save checkpoints here, and resume from the newest good one
-    save_every: int = 100  # steps between checkpoints (the last step is always saved)
-    keep: int = 3  # newest checkpoints kept (0: all)
-    max_restarts: int = 0  # times torch's launcher restarts failed local workers
-    timeout: float = 600.0  # seconds a collective may take before the job fails with an error
+    save_every: int = bounded(100, at_least=1)  # steps between checkpoints (the last step is always saved)
+    keep: int = bounded(3, at_least=0)  # newest checkpoints kept (0: all)
+    max_restarts: int = bounded(0, at_least=0)  # times torch's launcher restarts failed local workers
+    timeout: float = bounded(600.0, above=0, unit="seconds")  # before a stuck collective is an error
     profile: bool = False  # record where every step's time goes (see shardwire.profile)
     run_dir: str | None = None  # where --profile writes; default runs/<date-time>
-    peak_tflops: float | None = None  # per worker, for MFU; default: a matrix-multiply probe
+    peak_tflops: float | None = bounded(None, above=0, real=True)  # per worker, for MFU; default: a GPU's data sheet, or a probe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,26 +116,21 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _validate(config: TrainConfig) -> None:
-    for name in ("steps", "batch", "grad_accum", "log_every", "save_every", "eval_batches"):
-        if getattr(config, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name in ("prefetch", "keep", "max_restarts"):
-        if getattr(config, name) < 0:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 0, got {getattr(config, name)}")
-    if config.peak_tflops is not None and config.peak_tflops <= 0:
-        raise SystemExit(f"error: --peak-tflops must be positive, got {config.peak_tflops}")
-    if not config.timeout > 0 or math.isinf(config.timeout):
-        raise SystemExit(f"error: --timeout must be a positive number of seconds, got {config.timeout}")
-    if config.nproc is not None and config.nproc < 1:
-        raise SystemExit(f"error: --nproc must be at least 1, got {config.nproc}")
+    """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
+    try:
+        check_bounds(config)
+        if config.checkpoint_dir is not None:
+            check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
+        if config.profile:
+            check_writable_directory(config.run_dir or "runs", "--run-dir")
+    except OptionError as err:
+        raise SystemExit(f"error: {err}") from None
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
     gpus = torch.cuda.device_count()
     if _uses_cuda(config) and config.nproc is not None and config.nproc > gpus and not under_launcher():
         raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
                          f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
-    if config.checkpoint_dir is not None and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
-        raise SystemExit(f"error: --checkpoint-dir {config.checkpoint_dir} is a file; give it a directory")
     if config.data is not None:  # the default, the standard library's sources, always serves
         try:
             ByteCorpus.load(config.data, PRESETS[config.model].seq_len)
@@ -289,7 +286,12 @@ def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
     if info.step > config.steps:
         raise SystemExit(f"error: {info.path} is at step {info.step}, past --steps {config.steps}: "
                          f"raise --steps to train on, or give another --checkpoint-dir")
-    scheduler.load_state_dict(info.extra["scheduler"])
+    saved, current = info.extra["scheduler"], scheduler.state_dict()
+    if (not isinstance(saved, dict) or not saved.keys() <= current.keys()
+            or not all(fits(saved[key], current[key]) for key in saved) or saved.get("last_epoch") != info.step):
+        raise SystemExit(f"error: {info.path} holds a learning-rate schedule that does not fit this run's, "
+                         f"or is not at step {info.step}; give --checkpoint-dir a directory of its own")
+    scheduler.load_state_dict(saved)
     if dist.get_rank() == 0:
         print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks)", flush=True)
     return info.step

@@ -40,11 +40,9 @@ S is nccl-tests' size of the operation in bytes (see ``metrics``); GB/s are 10^9
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import math
-import os
 
 from shardwire.bench.metrics import LatencyBandwidthFit
 from shardwire.bench.ops import OUT_OF_PLACE
@@ -228,17 +226,3 @@ def plot_png(results: list[OpResult]) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120)
     return buffer.getvalue()
-
-
-def write_atomically(path: str, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file beside it, so that ``path`` is either
-    left as it was or holds all of ``data``."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

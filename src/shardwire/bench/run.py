@@ -23,7 +23,6 @@ import collections
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import re
@@ -50,6 +49,8 @@ from shardwire.comm.groups import (
     node_topology,
 )
 from shardwire.comm.topology import Topology
+from shardwire.files import write_atomically
+from shardwire.options import OptionError, bounded, check_bounds, check_output_file
 from shardwire.launch import launch_local, under_launcher
 
 GROUPS = ("world", "intra", "inter")
@@ -66,16 +67,16 @@ class BenchError(Exception):
 @dataclasses.dataclass
 class BenchConfig:
     ops: list[str] = dataclasses.field(default_factory=lambda: list(OPS))
-    nproc: int = 2  # local processes when not run under torchrun
-    min_bytes: int = 1 << 10
+    nproc: int = bounded(2, at_least=1)  # local processes when not run under torchrun
+    min_bytes: int = bounded(1 << 10, at_least=1)
     max_bytes: int = 64 << 20
-    step_factor: int | None = None  # sizes grow by this factor (2 when neither is given) ...
-    step_bytes: int | None = None  # ... or by this many bytes
+    step_factor: int | None = bounded(None, at_least=2)  # sizes grow by this factor (2 when neither is given) ...
+    step_bytes: int | None = bounded(None, at_least=1)  # ... or by this many bytes
     dtype: str = "float32"
     redop: str = "sum"
     root: int = 0
-    warmup: int = 5
-    iters: int = 20
+    warmup: int = bounded(5, at_least=0)
+    iters: int = bounded(20, at_least=1)
     blocking: bool = False
     check: bool = False
     combine: str = "max"
@@ -83,7 +84,7 @@ class BenchConfig:
     ranks_per_node: int | None = None
     impl: str = "torch"
     backend: str = "auto"
-    timeout: float = 300.0
+    timeout: float = bounded(300.0, above=0, unit="seconds")
     json: str | None = None
     csv: str | None = None
     plot: str | None = None
@@ -167,19 +168,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def validate(config: BenchConfig, world: int) -> None:
     """Refuse, with what to change, everything that can be known wrong before a process group exists."""
-    for name, least in (("warmup", 0), ("iters", 1), ("nproc", 1)):
-        if getattr(config, name) < least:
-            raise BenchError(f"--{name} must be at least {least}, got {getattr(config, name)}")
-    if not 0 < config.timeout < math.inf:
-        raise BenchError(f"--timeout must be a positive, finite number of seconds, got {config.timeout:g}")
-    if config.min_bytes < 1:
-        raise BenchError("--min-bytes must be at least 1")
+    try:
+        check_bounds(config)
+        if int(os.environ.get("RANK", "0")) == 0:  # the rank that saves them
+            for option in ("json", "csv", "plot"):
+                if getattr(config, option) is not None:
+                    check_output_file(getattr(config, option), f"--{option}")
+    except OptionError as err:
+        raise BenchError(str(err)) from None
     if config.min_bytes > config.max_bytes:
         raise BenchError(f"--min-bytes ({config.min_bytes}) is larger than --max-bytes ({config.max_bytes})")
-    if config.step_factor is not None and config.step_factor < 2:
-        raise BenchError(f"--step-factor must be at least 2, got {config.step_factor}")
-    if config.step_bytes is not None and config.step_bytes < 1:
-        raise BenchError("--step-bytes must be at least 1")
     count = config.size_count()
     if count > MAX_SIZES:
         raise BenchError(
@@ -211,12 +209,6 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise BenchError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
-    if int(os.environ.get("RANK", "0")) == 0:  # the rank that saves them
-        for option in ("json", "csv", "plot"):
-            path = getattr(config, option)
-            if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise BenchError(f"--{option} {path}: the directory {os.path.dirname(os.path.abspath(path))} "
-                                 f"does not exist")
 
 
 def _members(topo: Topology) -> dict[str, list[list[int]]]:
@@ -420,5 +412,5 @@ def _save(config: BenchConfig, results: BenchResults) -> None:
     ]
     for path, render in outputs:
         if path is not None:
-            report.write_atomically(path, render())
+            write_atomically(path, render())
             print(f"# saved {path}", flush=True)

@@ -177,6 +177,15 @@ class Communicator:
             lambda async_op: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op),
         )
 
+    def broadcast(self, tensor: torch.Tensor, *, tag: str) -> Pending:
+        """Overwrite ``tensor`` on every rank with rank 0's."""
+        nbytes = tensor.numel() * tensor.element_size()
+        source = dist.get_global_rank(self.group, 0)
+        return self._on_stream(
+            "gather", "broadcast", tag, nbytes, (tensor,),
+            lambda async_op: dist.broadcast(tensor, src=source, group=self.group, async_op=async_op),
+        )
+
     def all_gather_values(self, values: Sequence[int], *, tag: str) -> list[list[int]]:
         """Every rank's ``values`` (integers, as many on every rank), in rank order. It reads the
         result on the host: for set-up and checks outside the steady state of training."""

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
+from torch.utils import _pytree as pytree
 
 from shardwire.comm.communicator import Communicator, Pending
 from shardwire.comm.errors import ScheduleMismatchError
@@ -46,14 +47,29 @@ _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
 Listener = Callable[[str, "str | None", str], None]
 
 
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
+# What a module may return besides tensors: values that cannot hold one.
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _tensors_needing_grad(output, producer: str) -> list[torch.Tensor]:
+    """The tensors in ``output`` that autograd will send gradients to, found with torch's pytree
+    (tuples, lists, dicts, namedtuples and registered types such as Hugging Face's ``ModelOutput``).
+
+    Backward is announced through these tensors, and a unit none of whose outputs needs a gradient
+    is released at once. An object pytree cannot look into might hide such a tensor, and then its
+    backward would meet released parameters, so it is refused here, naming ``producer``."""
+    tensors = []
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                tensors.append(leaf)
+        elif not isinstance(leaf, _PLAIN_VALUES):
+            raise TypeError(
+                f"{producer} returned a {type(leaf).__name__}, which shardwire cannot look into for "
+                f"tensors: return tensors in tuples, lists, dicts or namedtuples, or register the type "
+                f"with torch.utils._pytree.register_pytree_node"
+            )
+    return tensors
 
 
 class Engine:
@@ -84,6 +100,7 @@ class Engine:
         self._backward: Pass | None = None
         self._reductions: deque[tuple[FlatParam, Pending, torch.Tensor]] = deque()
         self._callback_queued = False
+        self._generation = 0  # forwards so far: backward must come from the latest one
         self._listeners: list[Listener] = []
 
     @property
@@ -121,6 +138,7 @@ class Engine:
     def _root_pre_forward(self, module: nn.Module, args, kwargs):
         if self._forward is not None or self._backward is not None or self._callback_queued:
             self._discard_unfinished_step()
+        self._generation += 1
         self.emit("forward", None, "start")
         recording = self._order["forward"] is None
         with record_function("shardwire::pre_forward(<root>)"):
@@ -129,7 +147,7 @@ class Engine:
             self._gather(self.root, "forward", check=recording)
             self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
             self.root.wait()
-            self.root.show(self._on_grad if torch.is_grad_enabled() else None)
+            self.root.show(self._grad_hook())
         if self.input_dtype is None:
             return None
         return _cast_floats(args, self.input_dtype), _cast_floats(kwargs, self.input_dtype)
@@ -145,14 +163,14 @@ class Engine:
             forward.enter(unit)
             self._gather(unit, "forward", check=forward.recording)
             unit.wait()
-            unit.show(self._on_grad if torch.is_grad_enabled() else None)
+            unit.show(self._grad_hook())
         self.emit("forward", unit.name, "start")
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
         self.emit("forward", unit.name, "end")
-        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        needs_grad = _tensors_needing_grad(output, f"unit {unit.name!r}") if torch.is_grad_enabled() else []
         if needs_grad:
-            announce = _once(functools.partial(self._pre_backward, unit))
+            announce = _once(functools.partial(self._pre_backward, self._generation, unit))
             for tensor in needs_grad:
                 tensor.register_hook(announce)
         if self.reshard_after_forward or not needs_grad:
@@ -167,10 +185,11 @@ class Engine:
         for unit in self.units:
             if unit not in ran:
                 unit.free()  # prefetched for an order this pass did not follow
-        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        needs_grad = _tensors_needing_grad(output, "the model") if torch.is_grad_enabled() else []
         if needs_grad:
             self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
-            announce = _once(self._enter_backward)  # backward starts when the outputs get gradients
+            # backward starts when the outputs get gradients
+            announce = _once(functools.partial(self._enter_backward, self._generation))
             for tensor in needs_grad:
                 tensor.register_hook(announce)
         else:
@@ -180,7 +199,19 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- backward
 
-    def _enter_backward(self) -> Pass:
+    def _grad_hook(self):
+        """What a unit's parameters report their complete gradients to in this forward, if any."""
+        if not torch.is_grad_enabled():
+            return None
+        return functools.partial(self._on_grad, self._generation)
+
+    def _enter_backward(self, generation: int) -> Pass:
+        if generation != self._generation:
+            raise RuntimeError(
+                "backward reached the outputs of a forward of this sharded model that a later forward "
+                "replaced: shardwire runs each backward before the next forward (call backward first, "
+                "or put the batches through one forward)"
+            )
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
@@ -189,8 +220,8 @@ class Engine:
             self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
         return self._backward
 
-    def _pre_backward(self, unit: Unit) -> None:
-        backward = self._enter_backward()
+    def _pre_backward(self, generation: int, unit: Unit) -> None:
+        backward = self._enter_backward(generation)
         with record_function(f"shardwire::pre_backward({unit.name})"):
             backward.enter(unit)
             self._gather(unit, "backward", check=backward.recording)
@@ -198,8 +229,8 @@ class Engine:
             unit.reveal()
         self.emit("backward", unit.name, "start")
 
-    def _on_grad(self, unit: Unit, flat: FlatParam, leaf: torch.Tensor) -> None:
-        backward = self._enter_backward()
+    def _on_grad(self, generation: int, unit: Unit, flat: FlatParam, leaf: torch.Tensor) -> None:
+        backward = self._enter_backward(generation)
         grad, leaf.grad = leaf.grad, None
         with record_function(f"shardwire::post_backward({flat.name})"):
             if self.sync_gradients:

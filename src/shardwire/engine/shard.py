@@ -21,6 +21,8 @@ from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, sele
 from shardwire.engine.unit import Unit
 
 _ENGINE_ATTR = "_shardwire_engine"
+# Set on every module of a sharded model: its parameters are no longer its own to shard again.
+_SHARDED_ATTR = "_shardwire_sharded"
 
 
 def shard(
@@ -37,7 +39,8 @@ def shard(
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
 
     Each unit's parameters (``units``: module classes or a predicate; by default the blocks of the
-    model's ``nn.ModuleList``s) become one flat buffer of which this rank keeps an equal slice;
+    model's ``nn.ModuleList``s) become one flat buffer of which this rank keeps an equal slice, cut
+    from rank 0's values (as DDP does at construction), so every rank starts from the same model;
     everything outside the units forms the root unit. Afterwards ``model.parameters()`` yields exactly
     those slices, so an optimizer built from them keeps sharded state with no further code.
 
@@ -73,6 +76,9 @@ def shard(
     _check_same_model_on_all_ranks(owned, comm)
 
     make_unit = functools.partial(_build_unit, comm=comm, policy=policy)
+    for name, buffer in model.named_buffers():
+        if comm.world > 1:
+            comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
     root = make_unit(0, "", model, owned[""])
     block_units = [make_unit(i, name, module, owned[name]) for i, (name, module) in enumerate(selected, 1)]
     engine = Engine(
@@ -89,6 +95,8 @@ def shard(
         for unit in block_units:
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
     setattr(model, _ENGINE_ATTR, engine)
+    for module in model.modules():
+        setattr(module, _SHARDED_ATTR, True)
     return model
 
 
@@ -101,6 +109,11 @@ def engine_of(model: nn.Module) -> Engine:
 
 
 def _check_not_sharded(model: nn.Module) -> None:
+    if getattr(model, _SHARDED_ATTR, False) and not hasattr(model, _ENGINE_ATTR):
+        raise ValueError(
+            f"this {type(model).__name__} is part of a model that is already sharded; shard the whole "
+            f"model once, choosing its units with units=..."
+        )
     for name, module in model.named_modules():
         if hasattr(module, _ENGINE_ATTR):
             where = "this model" if module is model else f"its submodule {name!r}"
@@ -144,6 +157,8 @@ def _build_unit(index, name, module, params, *, comm, policy) -> Unit:
     for (dtype, requires_grad), entries in grouped.items():
         layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, world)
         full = layout.flatten([e.param.detach() for e in entries])
+        if world > 1:
+            comm.broadcast(full, tag=f"initial values of {name}").wait()
         start, end = layout.shard_range(rank)
         shard = nn.Parameter(full[start:end].clone(), requires_grad=requires_grad)
         attr = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.shard import engine_of
+from shardwire.files import write_atomically
 from shardwire.profile import analysis
 from shardwire.profile.flops import FlopsPerToken, datasheet_peak_tflops, probe_peak_tflops
 from shardwire.profile.recorder import StepRecorder
@@ -151,8 +152,8 @@ class Profiler:
                          "ranks": [dataclasses.asdict(ranks[typical]) for ranks in per_rank_timelines]},
         }
         os.makedirs(run_dir, exist_ok=True)
-        _write_json(os.path.join(run_dir, "profile.json"), profile)
-        _write_json(os.path.join(run_dir, "trace.json"), chrome_trace(per_rank_timelines))
+        write_atomically(os.path.join(run_dir, "profile.json"), json.dumps(profile), durable=True)
+        write_atomically(os.path.join(run_dir, "trace.json"), json.dumps(chrome_trace(per_rank_timelines)), durable=True)
         return summary
 
     def _throughput(self, step_s: float) -> dict:
@@ -168,13 +169,3 @@ class Profiler:
             result["mfu"] = result["model_tflops_per_worker"] / peak
             result["hfu"] = result["hardware_tflops_per_worker"] / peak
         return result
-
-
-def _write_json(path: str, data: dict) -> None:
-    """Write whole or not at all: a reader never sees a half-written file."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)

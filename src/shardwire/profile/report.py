@@ -8,10 +8,13 @@ different world sizes: how step time and its parts scale with the number of work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
+from shardwire.files import figure_png, write_atomically
+from shardwire.options import OptionError, check_writable_directory
 from shardwire.profile.profiler import FORMAT_VERSION
 
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "clip": "#8172B3", "optimizer": "#55A868"}
@@ -54,8 +57,10 @@ def load_profile(run_dir: str) -> dict:
     try:
         with open(path) as f:
             profile = json.load(f)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ReportError(f"{path} is not valid JSON ({err}); profile the run again") from None
+    if not isinstance(profile, dict):
+        raise ReportError(f"{path} holds a JSON {type(profile).__name__}, not a profile; profile the run again")
     if profile.get("version") != FORMAT_VERSION:
         raise ReportError(f"{path} has format version {profile.get('version')!r}; this shardwire reads {FORMAT_VERSION}")
     return profile
@@ -63,8 +68,13 @@ def load_profile(run_dir: str) -> dict:
 
 def write_report(run_dirs: list[str], out: str) -> list[str]:
     profiles = [load_profile(d) for d in run_dirs]
-    if len(profiles) > 1:
-        _check_comparable(run_dirs, profiles)
+    try:
+        check_writable_directory(out, "--out")
+    except OptionError as err:
+        raise ReportError(str(err)) from None
+    with _damage_reported(run_dirs):
+        if len(profiles) > 1:
+            _check_comparable(run_dirs, profiles)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,12 +82,25 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
     written = []
     for run_dir, profile in zip(run_dirs, profiles):
         prefix = "" if len(profiles) == 1 else f"{os.path.basename(os.path.normpath(run_dir))}-"
-        written.append(_plot_timeline(profile, os.path.join(out, f"{prefix}timeline.png")))
-        written.append(_plot_breakdown(profile, os.path.join(out, f"{prefix}breakdown.png")))
-        written.append(_plot_overlap(profile, os.path.join(out, f"{prefix}overlap.png")))
+        with _damage_reported([run_dir]):
+            written.append(_plot_timeline(profile, os.path.join(out, f"{prefix}timeline.png")))
+            written.append(_plot_breakdown(profile, os.path.join(out, f"{prefix}breakdown.png")))
+            written.append(_plot_overlap(profile, os.path.join(out, f"{prefix}overlap.png")))
     if len(profiles) > 1:
-        written.append(_plot_scaling(profiles, os.path.join(out, "scaling.png")))
+        with _damage_reported(run_dirs):
+            written.append(_plot_scaling(profiles, os.path.join(out, "scaling.png")))
     return written
+
+
+@contextlib.contextmanager
+def _damage_reported(run_dirs: list[str]):
+    """A profile.json that parses but lacks what the plots read (edited, or from another tool) is
+    reported as damaged, naming the run, instead of failing deep inside a plot."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        where = " or ".join(os.path.join(d, "profile.json") for d in run_dirs)
+        raise ReportError(f"{where} is damaged ({type(err).__name__}: {err}); profile the run again") from None
 
 
 def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
@@ -191,10 +214,7 @@ def _plot_scaling(profiles: list[dict], path: str) -> str:
 
 
 def _save(fig, path: str) -> str:
-    """Write a finished figure and free it: reports of many runs would otherwise pile figures up."""
-    import matplotlib.pyplot as plt
-
+    """Write a finished figure (whole or not at all) and free it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    write_atomically(path, figure_png(fig))
     return path

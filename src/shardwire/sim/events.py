@@ -144,11 +144,22 @@ class Link:
         self.sim.at(finish, lambda: self._complete(generation))
 
     def _complete(self, generation: int) -> None:
+        """Finish the transfer this completion was planned for, whatever rounding left on it.
+
+        Settling subtracts floats, so the planned transfer may keep a remainder: from bytes too
+        many to subtract exactly, or from a clock so far along that its duration no longer moves
+        it (1e-3 s added to 1e14 s changes nothing). Judged by its remainder it would be planned
+        again, at once, without end. The planned transfer is the one with the least left (none
+        was added or removed since, or the generation would differ), so it is done, with every
+        transfer left with no more than it, or than a byte or a nanosecond's worth (transfers
+        finishing together): each completion finishes at least one transfer, and a link schedules
+        at most two actions per transfer (at its start and at its end) whatever its sizes,
+        capacity and clock.
+        """
         if generation != self._generation:
             return
         self._settle()
-        # Rounding leaves a few bytes on transfers that finish together: a nanosecond's worth is done.
-        done_below = max(1.0, self.capacity * 1e-9)
+        done_below = max(min(self._transfers.values()), 1.0, self.capacity * 1e-9)
         finished = [e for e, left in self._transfers.items() if left <= done_below]
         for event in finished:
             del self._transfers[event]

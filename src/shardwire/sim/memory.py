@@ -8,8 +8,9 @@ dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences per micro-
     optimizer state        8 P / s          Adam's two moments, fp32
     gathered parameters    c (P_root + k P_unit)   the root stays gathered; k units are gathered at
                            once: prefetch + 1 with a sliding window, prefetch (at least 1) with a
-                           block limiter; without resharding after forward, every unit by the end
-                           of forward
+                           block limiter, and never more than the model's units (the engine
+                           gathers ahead no further than the last); without resharding after
+                           forward, every unit by the end of forward
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
                            when micro-batches accumulate unsharded gradients (``no_sync``)
     communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
@@ -73,12 +74,10 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
     c, r, m = training.compute_bytes, training.reduce_bytes, training.micro_batch
     largest = max((u.params for u in arch.units), default=0)
 
-    if not training.reshards:
-        gathered_units = sum(u.params for u in arch.units)
-    elif training.limiter == "sliding":
-        gathered_units = (training.prefetch + 1) * largest
+    if training.reshards:
+        gathered_units = _units_gathered_at_once(training, len(arch.units)) * largest
     else:
-        gathered_units = max(training.prefetch, 1) * largest
+        gathered_units = sum(u.params for u in arch.units)
 
     accumulated = r * P if training.grad_accum > 1 else 0.0
 
@@ -99,3 +98,11 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         activations=activations,
         usable=USABLE_FRACTION * cluster.gpu_memory_gb * GIB,
     )
+
+
+def _units_gathered_at_once(training: TrainingSpec, units: int) -> int:
+    """The most units a resharding step holds gathered: the running one and ``prefetch`` ahead with a
+    sliding window, a group of ``prefetch`` (at least 1) with a block limiter; no more than the model
+    has, as the engine's window stops at the last unit (``shardwire.engine.schedule.Pass``)."""
+    window = training.prefetch + 1 if training.limiter == "sliding" else max(training.prefetch, 1)
+    return min(window, units)

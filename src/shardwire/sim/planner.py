@@ -21,7 +21,8 @@ import math
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
-from shardwire.sim.specs import MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
+                                 parse)
 
 MAX_PREFETCH = 4
 # Step times this close count as equal, and the configuration needing less memory wins.
@@ -50,9 +51,13 @@ class Plan:
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec) -> Plan:
-    """Search the settings; raises ``SpecError`` when the batch does not divide or nothing fits."""
+    """Search the settings; raises ``SpecError`` when the batch is out of range or does not divide, or
+    nothing fits."""
     if global_batch < 1:
         raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
+    if global_batch > MAX_BATCH:
+        raise SpecError(f"--global-batch {global_batch} is over {MAX_BATCH:,} sequences, hundreds of times the "
+                        f"largest published batches: it counts sequences, not tokens")
     world = cluster.world
     if global_batch % world:
         lower, upper = global_batch // world * world, (global_batch // world + 1) * world

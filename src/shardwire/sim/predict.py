@@ -116,6 +116,10 @@ class Sweep:
         return [p.samples_per_gpu_second / base for p in self.points]
 
 
+# Each value of a sweep is a full prediction: more than this makes a table or plot nobody reads,
+# and work that grows with the length of a command line.
+MAX_SWEEP_VALUES = 64
+
 SWEEPABLE = {
     "cluster": ("nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb"),
     "training": ("micro_batch", "grad_accum", "prefetch", "sharding", "limiter", "precision",
@@ -126,6 +130,9 @@ SWEEPABLE = {
 def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: str, values: list) -> Sweep:
     """Predict each value of ``key`` (a cluster or training setting); for a sweep over ``nodes``,
     with scaling efficiency against 1 node (simulated even when not among ``values``)."""
+    if len(values) > MAX_SWEEP_VALUES:
+        raise SpecError(f"a sweep of {len(values)} values is more than the {MAX_SWEEP_VALUES} it takes: "
+                        f"sweep fewer values, or several sweeps")
     if key in SWEEPABLE["cluster"]:
         configs = [(parse("cluster", {**as_dict(cluster), key: v}), training) for v in values]
     elif key in SWEEPABLE["training"]:

@@ -19,8 +19,8 @@ for sweeps over ``nodes``, else null).
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, unit_budgets, verdict
 from shardwire.sim.memory import GIB
 from shardwire.sim.predict import Prediction, Sweep
@@ -189,14 +189,7 @@ def plot_sweep(s: Sweep, path: str) -> None:
     p = s.points[0]
     fig.suptitle(f"{p.model.name} on {p.cluster.name}, {p.training.name} training")
     fig.tight_layout()
-    partial = f"{path}.partial"  # a plot is never left half-written under its name
-    try:
-        fig.savefig(partial, dpi=120, format="png")
-        os.replace(partial, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(partial):
-            os.remove(partial)
+    write_atomically(path, figure_png(fig))
 
 
 def _value(value) -> str:

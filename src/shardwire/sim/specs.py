@@ -8,6 +8,11 @@ construction, so the spec reads, and serializes, as what is simulated.
 
 Units: sizes in bytes, except ``gpu_memory_gb`` (GiB, as GPU memory is sold and reported);
 bandwidths in GB/s (1e9 bytes/s, as nccl-tests reports them); latencies in microseconds.
+
+Every number has a range (``LIMITS``): finite, positive (or at least 0), and at most a bound far
+beyond anything built or published, so that only a wrong unit or a typo meets it. The bounds keep
+every simulated time and byte count finite and the simulation's work bounded (one object per layer,
+events in proportion to units x micro-batches).
 """
 
 from __future__ import annotations
@@ -31,6 +36,98 @@ LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The range of one number: finite and positive (at least 0 when ``zero``), at least ``low`` and
+    at most ``high``; ``below`` and ``above`` complete the message "<key> <value> is ..." for a value
+    outside them, saying what is wrong and what to do."""
+
+    high: float
+    above: str
+    low: float = 0.0
+    below: str = ""
+    zero: bool = False
+
+
+# Model sizes. Layers: ten times the deepest published models (GPT-3: 96 blocks; Llama 3 405B: 126);
+# the simulator builds one unit per layer and steps through every one.
+MAX_LAYERS = 1024
+# Widths (hidden, MLP, heads): over ten times the widest published (PaLM 540B: hidden 18,432, MLP 73,728).
+MAX_WIDTH = 2**20
+# Vocabulary: over sixty times the largest published (Gemma: 256k tokens).
+MAX_VOCAB = 2**24
+# Sequence: 16M tokens, beyond the longest contexts published (Gemini 1.5 was evaluated on 10M).
+MAX_SEQ_LEN = 2**24
+# A stated parameter count: over 500 times the largest published models (Switch-C: 1.6T).
+MAX_PARAMS = 10**15
+# Nodes: 524,288 GPUs at 8 per node, beyond the largest GPU clusters built (a few hundred thousand).
+MAX_NODES = 2**16
+# GPUs per node: beyond the largest NVLink domains (GB200 NVL72: 72 GPUs).
+MAX_GPUS_PER_NODE = 1024
+# Sequences per GPU and micro-batch, and per step for the planner: a million, hundreds of times the
+# largest published batches (a few thousand sequences).
+MAX_BATCH = 2**20
+# Each micro-batch of a step is simulated in full, so their number bounds the simulation's cost.
+MAX_GRAD_ACCUM = 256
+
+_WIDTH = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, ten times the widest published layers: give the width in elements")
+_HEADS = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, more than hidden can be: heads must divide hidden")
+_SEQUENCE = Limit(MAX_SEQ_LEN, f"over {MAX_SEQ_LEN:,} tokens, beyond any published context: give tokens per sequence")
+_LAYERS = Limit(MAX_LAYERS, f"more blocks than the simulator builds (at most {MAX_LAYERS:,} per stack, ten times "
+                            f"the deepest published models)")
+# Bandwidths: from 100 kB/s, under a tenth of the testbed's slowest link (10 Mbit/s), to 1e12 GB/s.
+# Rates have upper bounds far above physics (HBM3e moves 8 TB/s, a GPU does petaFLOP/s) so that an
+# experiment can make communication or compute free, as tests do; only their lower bounds can make
+# times long, and those keep every time finite.
+_BANDWIDTH = Limit(
+    low=1e-4, below="under 0.0001 GB/s (100 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
+    high=1e12, above="over 1e12 GB/s, a hundred million times any memory or link: bandwidths are in GB/s "
+                     "(1e9 bytes/s)",
+)
+
+LIMITS = types.MappingProxyType({
+    "layers": _LAYERS,
+    "decoder_layers": _LAYERS,
+    "hidden": _WIDTH,
+    "ffn_hidden": _WIDTH,
+    "heads": _HEADS,
+    "kv_heads": _HEADS,
+    "vocab": Limit(MAX_VOCAB, f"over {MAX_VOCAB:,} tokens, sixty times the largest published vocabularies"),
+    "seq_len": _SEQUENCE,
+    "decoder_seq_len": _SEQUENCE,
+    "params": Limit(MAX_PARAMS, f"over {MAX_PARAMS:.0e} parameters, 500 times the largest published models: "
+                                f"give the count itself, not in millions or billions"),
+    "nodes": Limit(MAX_NODES, f"more nodes than the simulator takes (at most {MAX_NODES:,}, beyond the largest "
+                              f"GPU clusters)"),
+    "gpus_per_node": Limit(MAX_GPUS_PER_NODE, f"more GPUs per node than the simulator takes (at most "
+                                              f"{MAX_GPUS_PER_NODE:,}, beyond the largest NVLink domains)"),
+    # From 1 MFLOP/s, far below one CPU core (the calibration's "GPU"), to 1e9 TFLOP/s.
+    "peak_tflops": Limit(
+        low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peak_tflops is in TFLOP/s",
+        high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peak_tflops is in TFLOP/s (1e12 FLOP/s)",
+    ),
+    # 64 TiB: two hundred times the largest GPU memories (288 GB).
+    "gpu_memory_gb": Limit(2**16, "over 65,536 GiB, two hundred times any GPU's memory: give it in GiB"),
+    "busbw_GBps": _BANDWIDTH,
+    "memory_bandwidth_GBps": _BANDWIDTH,
+    # One second per step of a collective: several times an intercontinental round trip.
+    "latency_us": Limit(1e6, "over 1,000,000 us (1 s) per step, several times an intercontinental round trip: "
+                             "latencies are in microseconds", zero=True),
+    "micro_batch": Limit(MAX_BATCH, f"over {MAX_BATCH:,} sequences, hundreds of times the largest published "
+                                    f"batches: micro_batch is sequences per GPU"),
+    "grad_accum": Limit(MAX_GRAD_ACCUM, f"more micro-batches than the simulator steps through (at most "
+                                        f"{MAX_GRAD_ACCUM}, each simulated event by event): raise micro_batch"),
+    # No model has more units than this, and the engine gathers ahead no further than its last unit.
+    "prefetch": Limit(2 * MAX_LAYERS, f"more units than any model has (at most {2 * MAX_LAYERS:,}): prefetch "
+                                      f"counts units gathered ahead", zero=True),
+    # Kernels at under 0.01% of peak: the peak is wrong, not the kernels.
+    "compute_efficiency": Limit(
+        low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] the kernels reach: lower peak_tflops instead",
+        high=1.0, above="over 1: it is the fraction of peak the kernels reach, in (0, 1]",
+    ),
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +161,11 @@ class ModelSpec:
     params: int | None = None
 
     def __post_init__(self):
-        _positive(self, "layers", "hidden", "heads", "vocab", "seq_len")
+        _check_limits(self, "layers", "hidden", "heads", "vocab", "seq_len")
         _choice(self, "kind", MODEL_KINDS)
         _choice(self, "attention", ATTENTION_KINDS)
         _resolve(self, ffn_hidden=_given(self.ffn_hidden, 4 * self.hidden), kv_heads=_given(self.kv_heads, self.heads))
-        _positive(self, "ffn_hidden", "kv_heads")
+        _check_limits(self, "ffn_hidden", "kv_heads")
         if self.hidden % self.heads:
             raise SpecError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv_heads:
@@ -80,9 +177,9 @@ class ModelSpec:
         else:
             _resolve(self, decoder_layers=_given(self.decoder_layers, self.layers),
                      decoder_seq_len=_given(self.decoder_seq_len, self.seq_len))
-            _positive(self, "decoder_layers", "decoder_seq_len")
+            _check_limits(self, "decoder_layers", "decoder_seq_len")
         if self.params is not None:
-            _positive(self, "params")
+            _check_limits(self, "params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +196,7 @@ class LinkSpec:
     latency_us: float = 0.0
 
     def __post_init__(self):
-        _positive(self, "busbw_GBps")
-        if not 0 <= self.latency_us < math.inf:
-            raise SpecError(f"latency_us must be at least 0 and finite, got {self.latency_us}")
+        _check_limits(self, "busbw_GBps", "latency_us")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,18 +219,14 @@ class ClusterSpec:
     memory_bandwidth_GBps: float | None = None
 
     def __post_init__(self):
-        _positive(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb")
+        _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb")
         _choice(self, "algorithm", ALGORITHMS)
         if self.memory_bandwidth_GBps is not None:
-            _positive(self, "memory_bandwidth_GBps")
+            _check_limits(self, "memory_bandwidth_GBps")
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
-
-
-# Each micro-batch of a step is simulated in full, so their number bounds the simulation's cost.
-MAX_GRAD_ACCUM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,23 +257,11 @@ class TrainingSpec:
     name: str = "custom"
 
     def __post_init__(self):
-        _positive(self, "micro_batch", "grad_accum")
+        _check_limits(self, "micro_batch", "grad_accum", "prefetch", "compute_efficiency")
         _choice(self, "sharding", SHARDINGS)
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "reduce_precision", PRECISIONS)
-        if self.grad_accum > MAX_GRAD_ACCUM:
-            raise SpecError(
-                f"grad_accum {self.grad_accum} is more micro-batches than the simulator steps through "
-                f"(at most {MAX_GRAD_ACCUM}, each simulated event by event): raise micro_batch"
-            )
-        if self.prefetch < 0:
-            raise SpecError(f"prefetch must be at least 0 (units gathered ahead), got {self.prefetch}")
-        if not 0 < self.compute_efficiency <= 1:
-            raise SpecError(
-                f"compute_efficiency is a fraction of peak and must be in (0, 1], "
-                f"got {self.compute_efficiency}"
-            )
         if self.sharding == "grad_op" and self.reshard_after_forward:
             raise SpecError(
                 "sharding 'grad_op' keeps parameters gathered from forward to backward, so "
@@ -272,13 +351,19 @@ def _coerce(where: str, hint, value):
 _TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
 
 
-def _positive(spec, *keys: str) -> None:
-    """Refuse zero, negatives, NaN and infinity: no prediction can be made from such a rate, size or
-    count (a NaN bandwidth, which compares false with everything, never lets a transfer finish)."""
+def _check_limits(spec, *keys: str) -> None:
+    """Refuse a value outside its ``LIMITS``: NaN and infinity first (no prediction can be made from
+    such a rate, size or count, and a NaN time, which compares false with everything, would never
+    let a transfer finish), then values beyond the bounds."""
     for key in keys:
-        value = getattr(spec, key)
-        if not 0 < value < math.inf:
-            raise SpecError(f"{key} must be positive and finite, got {value}")
+        value, limit = getattr(spec, key), LIMITS[key]
+        shown = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
+        if not (0 <= value if limit.zero else 0 < value) or not value < math.inf:
+            raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {shown}")
+        if value < limit.low:
+            raise SpecError(f"{key} {shown} is {limit.below}")
+        if value > limit.high:
+            raise SpecError(f"{key} {shown} is {limit.above}")
 
 
 def _choice(spec, key: str, choices: tuple[str, ...]) -> None:

@@ -26,6 +26,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from shardwire.files import write_atomically
 from shardwire.testbed.topology import (
     NODE_INTERFACE,
     SUBNET,
@@ -123,7 +124,7 @@ def _build(t: Topology) -> None:
         _run("ip", "netns", "add", node)
         _run("ip", "-n", node, "link", "set", "lo", "up")  # ranks on one node talk over it
         (NETNS_ETC / node).mkdir(parents=True, exist_ok=True)
-        (NETNS_ETC / node / "hosts").write_text(hosts)
+        write_atomically(NETNS_ETC / node / "hosts", hosts)
         _run("ip", "-n", t.hub, "link", "add", port, "type", "veth", "peer", "name", NODE_INTERFACE, "netns", node)
         _run("ip", "-n", t.hub, "link", "set", port, "master", BRIDGE)
         _run("ip", "-n", t.hub, "link", "set", port, "up")

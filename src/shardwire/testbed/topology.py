@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
+
+from shardwire.files import write_atomically
 
 STATE_DIR = Path("/run/shardwire/testbed")
 DEFAULT_NAME = "shardwire"
@@ -100,9 +100,7 @@ class Topology:
     def save(self) -> None:
         """Write the state file atomically, so a crash never leaves a half-written one."""
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=STATE_DIR, delete=False, suffix=".tmp") as f:
-            json.dump(dataclasses.asdict(self), f)
-        os.replace(f.name, state_path(self.name))
+        write_atomically(state_path(self.name), json.dumps(dataclasses.asdict(self)), durable=True)
 
     @classmethod
     def load(cls, name: str) -> Topology:

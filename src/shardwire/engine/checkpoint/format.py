@@ -9,13 +9,17 @@ A checkpoint is a directory::
         replicated.safetensors   what every rank holds alike: the model's buffers and the scalar
                                  optimizer state (Adam's step count)
         manifest.json            written last: each flat buffer's layout, the optimizer's class and
-                                 hyperparameters, the step, the caller's ``extra``, and the size and
-                                 sha256 of every file above
+                                 hyperparameters, the step, the caller's ``extra``, the size and
+                                 sha256 of every file above, and the sha256 of its own contents
 
 The manifest describes each flat buffer completely (parameter names, shapes, offsets, dtype, the
 world size it was sharded for), so a loader at another world size knows which byte ranges of which
 rank files make up its own new shard, and an export needs no model at all. safetensors files can be
 read by slice, so a rank reads only the parts of old shards that overlap its new one.
+
+A manifest is untrusted input like any file: reading one checks its own sha256, then every field's
+type and range, then that the fields agree (one file per saving rank, each a plain name inside the
+checkpoint directory; layouts that pack as recorded); a manifest that fails is refused as a whole.
 """
 
 from __future__ import annotations
@@ -24,23 +28,19 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-import re
 import secrets
 from collections.abc import Iterator
 from itertools import zip_longest
 
 import torch
 
+from shardwire.engine.checkpoint import schema
 from shardwire.engine.layout import FlatLayout, ParamSlot
 
 FORMAT = "shardwire-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest records its own sha256
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
-
-# A directory being written, or hidden before deletion, has a temporary name beside its final one,
-# so only complete checkpoints ever carry a checkpoint's name.
-_TEMPORARY = re.compile(r".+\.tmp-[0-9a-f]{12}")
 
 # Kinds of optimizer state. Per-element state has the shard's shape and is re-sliced like the
 # parameters; scalar state (a step count) is the same on every rank and is saved once.
@@ -62,11 +62,9 @@ def new_token() -> str:
 
 
 def temporary_name(name: str, token: str) -> str:
+    """The name beside ``name`` of a directory being written or hidden before deletion, so that only
+    complete checkpoints ever carry a checkpoint's name."""
     return f"{name}.tmp-{token}"
-
-
-def is_temporary(name: str) -> bool:
-    return _TEMPORARY.fullmatch(name) is not None
 
 
 def param_key(flat: str) -> str:
@@ -136,7 +134,7 @@ class Manifest:
     files: list[FileRecord]
 
     def to_json(self) -> str:
-        return json.dumps({
+        body = {
             "format": FORMAT,
             "version": VERSION,
             "step": self.step,
@@ -149,38 +147,74 @@ class Manifest:
             "optimizer": self.optimizer,
             "extra": self.extra,
             "files": [dataclasses.asdict(f) for f in self.files],
-        }, indent=1)
+        }
+        return json.dumps({**body, "sha256": _body_sha256(body)}, indent=1)
 
     @classmethod
     def read(cls, directory: pathlib.Path) -> "Manifest":
-        """The manifest of the checkpoint in ``directory``; a ``CheckpointError`` naming the file
-        and what is wrong with it otherwise."""
+        """The manifest of the checkpoint in ``directory``, checked whole (see ``from_json``); a
+        ``CheckpointError`` naming the file and what is wrong with it otherwise."""
         path = directory / MANIFEST
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; {directory} is not a complete shardwire checkpoint")
         try:
-            raw = json.loads(path.read_text())
-            if not isinstance(raw, dict):
-                raise ValueError(f"a JSON {type(raw).__name__}, not an object")
-            if raw.get("format") != FORMAT:
-                raise ValueError(f"format is {raw.get('format')!r}, not {FORMAT!r}")
-            if raw.get("version") != VERSION:
-                raise ValueError(f"format version {raw.get('version')!r}; this shardwire reads version {VERSION}")
-            world_size = raw["world_size"]
-            return cls(
-                step=raw["step"],
-                world_size=world_size,
-                flats=[_flat_from_json(flat, world_size) for flat in raw["flats"]],
-                buffers=[BufferRecord(b["name"], tuple(b["shape"]), parse_dtype(b["dtype"])) for b in raw["buffers"]],
-                state_dict_keys=raw["state_dict_keys"],
-                optimizer=raw["optimizer"],
-                extra=raw["extra"],
-                files=[FileRecord(**f) for f in raw["files"]],
-            )
-        except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+            raw = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             raise CheckpointError(f"{path}: unreadable manifest ({type(err).__name__}: {err})") from None
+        try:
+            return cls.from_json(raw)
+        except ValueError as err:
+            raise CheckpointError(f"{path}: invalid manifest: {err}") from None
+
+    @classmethod
+    def from_json(cls, raw) -> "Manifest":
+        """A parsed manifest, every value checked before use: its own sha256 (version 2), then each
+        field's type and range, then that the fields agree with each other; a ``ValueError`` saying
+        what is wrong otherwise."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"format is {schema.shown(raw.get('format'))}, not {FORMAT!r}")
+        version = raw.get("version")
+        if type(version) is not int or version not in _READABLE_VERSIONS:
+            raise ValueError(f"format version {schema.shown(version)}; this shardwire reads versions "
+                             f"{', '.join(map(str, _READABLE_VERSIONS))}")
+        if version != 1:
+            body = {key: value for key, value in raw.items() if key != "sha256"}
+            if schema.sha256(raw.get("sha256"), "sha256") != _body_sha256(body):
+                raise ValueError("its contents differ from the sha256 it records: the manifest is corrupted")
+        raw = schema.fields(raw, "the manifest", _KEYS if version == 1 else (*_KEYS, "sha256"))
+        step = None if raw["step"] is None else schema.integer(raw["step"], "step")
+        world_size = schema.integer(raw["world_size"], "world_size", minimum=1)
+        files = _files_from_json(raw["files"], world_size)
+        flats = [_flat_from_json(flat, f"flats[{i}]", world_size)
+                 for i, flat in enumerate(schema.array(raw["flats"], "flats"))]
+        schema.unique([flat.name for flat in flats], "the flat buffers' names")
+        buffers = [_buffer_from_json(buffer, f"buffers[{i}]")
+                   for i, buffer in enumerate(schema.array(raw["buffers"], "buffers"))]
+        state_dict_keys = [schema.string(key, f"state_dict_keys[{i}]")
+                           for i, key in enumerate(schema.array(raw["state_dict_keys"], "state_dict_keys"))]
+        names = [name for flat in flats for slot in flat.layout.slots for name in slot.names]
+        names += [buffer.name for buffer in buffers]
+        schema.unique(names, "the parameter and buffer names")
+        if sorted(schema.unique(state_dict_keys, "state_dict_keys")) != sorted(names):
+            raise ValueError("state_dict_keys are not the names of the parameters and buffers it describes")
+        _check_optimizer(raw["optimizer"], flats)
+        return cls(step, world_size, flats, buffers, state_dict_keys, raw["optimizer"], raw["extra"], files)
+
+
+# Version 1 manifests (before a manifest recorded its own sha256) are read with every other check.
+_READABLE_VERSIONS = (1, VERSION)
+_KEYS = ("format", "version", "step", "world_size", "flats", "buffers", "state_dict_keys", "optimizer", "extra",
+         "files")
+
+
+def _body_sha256(body: dict) -> str:
+    """The sha256 of a manifest's fields serialized canonically (sorted keys, no whitespace): a
+    checksum of the values, which JSON parsing and serializing give back exactly, floats included."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _flat_to_json(flat: FlatRecord) -> dict:
@@ -196,14 +230,108 @@ def _flat_to_json(flat: FlatRecord) -> dict:
     }
 
 
-def _flat_from_json(raw: dict, world_size: int) -> FlatRecord:
-    slots = tuple(ParamSlot(tuple(s["names"]), tuple(s["shape"]), s["offset"]) for s in raw["slots"])
-    layout = FlatLayout(slots, parse_dtype(raw["dtype"]), raw["world_size"])
+def _files_from_json(raw, world_size: int) -> list[FileRecord]:
+    """The file records, which must be exactly one per saving rank and the replicated file."""
+    records = []
+    for i, record in enumerate(schema.array(raw, "files")):
+        record = schema.fields(record, f"files[{i}]", ("name", "nbytes", "sha256"))
+        records.append(FileRecord(
+            schema.plain_name(record["name"], f"files[{i}].name"),
+            schema.integer(record["nbytes"], f"files[{i}].nbytes"),
+            schema.sha256(record["sha256"], f"files[{i}].sha256"),
+        ))
+    if len(records) != world_size + 1:
+        raise ValueError(f"files lists {len(records)} files, where a checkpoint saved by {world_size} ranks has "
+                         f"{world_size + 1}")
+    expected = {rank_file(rank) for rank in range(world_size)} | {REPLICATED}
+    names = schema.unique([record.name for record in records], "files")
+    unexpected = [name for name in names if name not in expected]
+    if unexpected:
+        raise ValueError(
+            f"files lists {unexpected[0]!r}, which is not a file of a checkpoint saved by {world_size} ranks"
+        )
+    return records
+
+
+def _flat_from_json(raw, what: str, world_size: int) -> FlatRecord:
+    raw = schema.fields(
+        raw, what, ("name", "dtype", "world_size", "numel", "padded_numel", "slots", "optimizer_state")
+    )
+    name = schema.string(raw["name"], f"{what}.name")
+    slots = tuple(
+        _slot_from_json(slot, f"{what}.slots[{i}]")
+        for i, slot in enumerate(schema.array(raw["slots"], f"{what}.slots"))
+    )
+    dtype = _dtype_from_json(raw["dtype"], f"{what}.dtype")
+    layout = FlatLayout(slots, dtype, schema.integer(raw["world_size"], f"{what}.world_size", minimum=1))
     packed = FlatLayout.pack([(s.names, s.shape) for s in slots], layout.dtype, layout.world_size)
-    if (packed != layout or layout.world_size != world_size or layout.numel != raw["numel"]
-            or layout.padded_numel != raw["padded_numel"]):
-        raise ValueError(f"the layout of flat buffer {raw['name']!r} is inconsistent")
-    return FlatRecord(raw["name"], layout, raw["optimizer_state"])
+    if (packed != layout or layout.world_size != world_size
+            or layout.numel != schema.integer(raw["numel"], f"{what}.numel")
+            or layout.padded_numel != schema.integer(raw["padded_numel"], f"{what}.padded_numel")):
+        raise ValueError(f"the layout of flat buffer {name!r} is inconsistent")
+    return FlatRecord(name, layout, _optimizer_state_from_json(raw["optimizer_state"], f"{what}.optimizer_state"))
+
+
+def _slot_from_json(raw, what: str) -> ParamSlot:
+    raw = schema.fields(raw, what, ("names", "shape", "offset"))
+    names = tuple(
+        schema.string(name, f"{what}.names[{i}]") for i, name in enumerate(schema.array(raw["names"], f"{what}.names"))
+    )
+    if not names:
+        raise ValueError(f"{what}.names is empty")
+    shape = _shape_from_json(raw["shape"], f"{what}.shape")
+    return ParamSlot(names, shape, schema.integer(raw["offset"], f"{what}.offset"))
+
+
+def _optimizer_state_from_json(raw, what: str) -> dict[str, dict[str, str]] | None:
+    if raw is None:
+        return None
+    for key, spec in schema.fields(raw, what, (), open_ended=True).items():
+        spec = schema.fields(spec, f"{what}[{key!r}]", ("kind", "dtype"))
+        schema.one_of(spec["kind"], f"{what}[{key!r}].kind", (PER_ELEMENT, SCALAR))
+        _dtype_from_json(spec["dtype"], f"{what}[{key!r}].dtype")
+    return raw
+
+
+def _buffer_from_json(raw, what: str) -> BufferRecord:
+    raw = schema.fields(raw, what, ("name", "shape", "dtype"))
+    return BufferRecord(
+        schema.string(raw["name"], f"{what}.name"),
+        _shape_from_json(raw["shape"], f"{what}.shape"),
+        _dtype_from_json(raw["dtype"], f"{what}.dtype"),
+    )
+
+
+def _shape_from_json(raw, what: str) -> tuple[int, ...]:
+    return tuple(schema.integer(n, f"{what}[{i}]") for i, n in enumerate(schema.array(raw, what)))
+
+
+def _dtype_from_json(raw, what: str) -> torch.dtype:
+    try:
+        return parse_dtype(schema.string(raw, what))
+    except ValueError:
+        raise ValueError(f"{what} is {schema.shown(raw)}, not a torch dtype") from None
+
+
+def _check_optimizer(raw, flats: list[FlatRecord]) -> None:
+    """The optimizer record names a class and param groups holding flat buffers of this checkpoint,
+    each in one group; exactly those flat buffers have optimizer state. Its hyperparameters are
+    checked against the optimizer they are loaded into (``optim.read_state_dict``)."""
+    with_state = [flat.name for flat in flats if flat.optimizer_state is not None]
+    if raw is None:
+        if with_state:
+            raise ValueError(f"flat buffer {with_state[0]!r} has optimizer state, but there is no optimizer")
+        return
+    raw = schema.fields(raw, "optimizer", ("class", "param_groups"))
+    schema.string(raw["class"], "optimizer.class")
+    held = []
+    for i, group in enumerate(schema.array(raw["param_groups"], "optimizer.param_groups")):
+        what = f"optimizer.param_groups[{i}]"
+        group = schema.fields(group, what, ("params",), open_ended=True)
+        params = schema.array(group["params"], f"{what}.params")
+        held += [schema.string(name, f"{what}.params[{j}]") for j, name in enumerate(params)]
+    if sorted(schema.unique(held, "optimizer.param_groups' params")) != sorted(with_state):
+        raise ValueError("the optimizer's param groups do not hold exactly the flat buffers with optimizer state")
 
 
 def param_names(engine) -> set[str]:

@@ -59,18 +59,13 @@ def load_checkpoint(
     """Restore parameters, buffers, optimizer state and RNG states from the checkpoint at ``path``.
 
     Every rank must call it, with the model sharded as it was when saved (same units), at any world
-    size. A checkpoint that is incomplete, corrupted (every file read is checked against the sha256
-    in the manifest) or from a different model raises a ``CheckpointError`` on every rank naming the
-    file and the reason, and leaves the model and optimizer untouched.
+    size. A checkpoint that is incomplete, corrupted (the manifest is checked against its own sha256
+    and every field checked for type and range; every file read against the sha256 in the manifest)
+    or from a different model raises a ``CheckpointError`` on every rank naming the file and the
+    reason, and leaves the model and optimizer untouched.
     """
     finish_pending_save()
-    engine = engine_of(model)
-    path = pathlib.Path(path)
-    staged = on_every_rank(
-        engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer)
-    )
-    staged.apply(engine, model, optimizer)
-    return staged.info
+    return _load(pathlib.Path(path), engine_of(model), model, optimizer, named_step=None)
 
 
 def load_latest_checkpoint(
@@ -79,8 +74,9 @@ def load_latest_checkpoint(
     """Load the newest good checkpoint of the series in ``directory``; None if it holds none.
 
     A checkpoint that cannot be loaded is skipped with a warning saying why, and the one before it is
-    tried. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with each
-    one's reason rather than return None: starting over would let new saves prune the old ones.
+    tried; so is one whose manifest records another step than its name, which would make the series'
+    order a lie. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with
+    each one's reason rather than return None: starting over would let new saves prune the old ones.
     """
     finish_pending_save()
     engine = engine_of(model)
@@ -93,7 +89,7 @@ def load_latest_checkpoint(
     for name in reversed(candidates):
         path = pathlib.Path(directory) / name
         try:
-            return load_checkpoint(path, model, optimizer)
+            return _load(path, engine, model, optimizer, named_step=series.step_of(path))
         except CheckpointError as err:
             reasons.append(f"{name}: {err}")
             if dist.get_rank(engine.group) == 0:
@@ -101,6 +97,15 @@ def load_latest_checkpoint(
     if reasons:
         raise CheckpointError(f"no checkpoint in {directory} can be loaded: " + "; ".join(reasons))
     return None
+
+
+def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None) -> CheckpointInfo:
+    """Read and verify on every rank, then apply; ``named_step``: the step the path's name says."""
+    staged = on_every_rank(
+        engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer, named_step)
+    )
+    staged.apply(engine, model, optimizer)
+    return staged.info
 
 
 @dataclasses.dataclass
@@ -114,10 +119,16 @@ class _Staged:
     rng: dict[str, torch.Tensor]
 
     @classmethod
-    def read(cls, path: pathlib.Path, engine: Engine, model: nn.Module, optimizer) -> "_Staged":
+    def read(
+        cls, path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None
+    ) -> "_Staged":
         rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
         with CheckpointReader(path) as reader:
             manifest = reader.manifest
+            if named_step is not None and manifest.step != named_step:
+                raise CheckpointError(
+                    f"{path}: its manifest records step {manifest.step}, its name step {named_step}"
+                )
             here = [FlatRecord(flat.name, flat.layout, None) for flat in engine.flats]
             difference = first_difference(manifest, here, buffer_records(engine, model))
             if difference is not None:
@@ -127,13 +138,15 @@ class _Staged:
             for saved, flat in zip(manifest.flats, engine.flats):
                 start, stop = flat.layout.shard_range(rank)
                 shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.layout.dtype)
-            buffers = {b.name: reader.tensor(REPLICATED, buffer_key(b.name)) for b in manifest.buffers}
+            buffers = {
+                b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
+            }
             state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, rank)
             rng = {}
             if manifest.world_size == world:
-                rng["cpu"] = reader.tensor(rank_file(rank), rng_key("cpu"))
+                rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())
                 if engine.device.type == "cuda" and rng_key("cuda") in reader.keys(rank_file(rank)):
-                    rng["cuda"] = reader.tensor(rank_file(rank), rng_key("cuda"))
+                    rng["cuda"] = _rng_state(reader, rank, "cuda", torch.cuda.get_rng_state(engine.device))
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
         return cls(info, shards, buffers, state, rng)
 
@@ -145,6 +158,11 @@ class _Staged:
             torch.set_rng_state(self.rng["cpu"])
         if "cuda" in self.rng:
             torch.cuda.set_rng_state(self.rng["cuda"], engine.device)
+
+
+def _rng_state(reader: CheckpointReader, rank: int, device_type: str, current: torch.Tensor) -> torch.Tensor:
+    """``rank``'s saved RNG state, which must be shaped like the ``current`` one to be settable."""
+    return reader.tensor(rank_file(rank), rng_key(device_type), tuple(current.shape), current.dtype)
 
 
 @torch.no_grad()

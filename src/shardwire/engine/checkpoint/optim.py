@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 from collections.abc import Callable
 
 import torch
 
+from shardwire.engine.checkpoint import schema
 from shardwire.engine.checkpoint.format import (
     PER_ELEMENT,
     REPLICATED,
@@ -125,15 +127,28 @@ def read_state_dict(
                 if spec["kind"] == PER_ELEMENT:
                     values[key] = reader.flat_range(records[name], file_key, start, stop, dtype)
                 else:
-                    values[key] = reader.tensor(REPLICATED, file_key)
+                    values[key] = reader.tensor(REPLICATED, file_key, (), dtype)
             if values:
                 state[index] = values
             ids.append(index)
             index += 1
-        # JSON turned tuples (Adam's betas) into lists; give them back the type the optimizer uses.
         hyperparameters = {
-            key: tuple(value) if isinstance(group.get(key), tuple) else value
+            key: _hyperparameter(where, key, value, group.get(key))
             for key, value in saved_group.items() if key != "params"
         }
         param_groups.append({**hyperparameters, "params": ids})
     return {"state": state, "param_groups": param_groups}
+
+
+def _hyperparameter(where: pathlib.Path, key: str, saved, current):
+    """A saved hyperparameter as the optimizer takes it. It must be the kind of value the optimizer
+    holds now (a number for a number, a list as long for a tuple), or the first step would fail on a
+    string learning rate, or worse, run with it; JSON turned tuples (Adam's betas) into lists, which
+    get the optimizer's type back."""
+    if not schema.fits(saved, current):
+        raise CheckpointError(
+            f"{where}: the optimizer's {key!r} was saved as {schema.shown(saved)}, which cannot stand for its "
+            f"current {schema.shown(current)}"
+        )
+    return tuple(saved) if isinstance(current, tuple) else saved
+

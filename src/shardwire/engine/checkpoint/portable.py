@@ -87,7 +87,7 @@ def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
         for slot, view in zip(layout.slots, layout.views(full)):
             values.update(dict.fromkeys(slot.names, view.clone()))
     for buffer in manifest.buffers:
-        values[buffer.name] = reader.tensor(REPLICATED, buffer_key(buffer.name))
+        values[buffer.name] = reader.tensor(REPLICATED, buffer_key(buffer.name), buffer.shape, buffer.dtype)
     return {key: values[key] for key in manifest.state_dict_keys}
 
 

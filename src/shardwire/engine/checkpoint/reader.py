@@ -16,7 +16,15 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, FileRecord, FlatRecord, Manifest, rank_file
+from shardwire.engine.checkpoint.format import (
+    MANIFEST,
+    CheckpointError,
+    FileRecord,
+    FlatRecord,
+    Manifest,
+    dtype_name,
+    rank_file,
+)
 
 _HASH_CHUNK = 1 << 24
 
@@ -49,8 +57,16 @@ class CheckpointReader:
     def keys(self, file: str) -> list[str]:
         return self._open(file).keys()
 
-    def tensor(self, file: str, key: str) -> torch.Tensor:
-        return self._holding(file, key).get_tensor(key)
+    def tensor(self, file: str, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor ``key`` of ``file``, which must have the ``shape`` and ``dtype`` the manifest
+        implies: a wrong one would otherwise fail only when applied, after other state was changed."""
+        tensor = self._holding(file, key).get_tensor(key)
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise CheckpointError(
+                f"{self.directory / file}: {key!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)} where the "
+                f"manifest implies {dtype_name(dtype)}{list(shape)}"
+            )
+        return tensor
 
     def flat_range(self, flat: FlatRecord, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Elements [start, stop) of a flat buffer, from the shards the old ranks saved under ``key``.

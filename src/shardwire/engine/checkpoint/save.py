@@ -4,7 +4,8 @@ A save runs in three phases, each ending with the ranks agreeing that it succeed
 
 1. snapshot: copy this rank's shards, per-element optimizer state and RNG states to host memory
    (rank 0 also the buffers and the scalar optimizer state), describe the model for the manifest,
-   and agree on a temporary directory beside the target, ``<name>.tmp-<random>``;
+   and agree on a temporary directory beside the target, ``<name>.tmp-<random>``, which rank 0
+   creates with a marker naming it (``ownership``): the proof that the saves made it;
 2. write: serialize this rank's file into that directory, flush and fsync it, note its size and
    sha256. With ``asynchronous=True`` this runs on a background thread while training goes on: the
    snapshot is the point in time saved;
@@ -14,11 +15,16 @@ A save runs in three phases, each ending with the ranks agreeing that it succeed
    and with ``keep`` deletes the oldest checkpoints of the series. Collectives run only here and in
    the snapshot, on the calling thread, never on the writer thread.
 
-A crash at any moment before the rename leaves a temporary directory that no loader looks at (the
-next successful save deletes it) and every earlier checkpoint as it was. Replacing an existing
-checkpoint renames the old one aside first, so the target name only ever holds a complete checkpoint;
-a crash between those two renames leaves no checkpoint under that name, which is why training saves
-a series (``checkpoint_path(directory, step)``: a new name each time) and never replaces one.
+A crash at any moment before the rename leaves a marked temporary directory that no loader looks at
+(the next successful save deletes it) and every earlier checkpoint as it was. Clean-up deletes only
+what it can prove a save made (``ownership``): a user's directory is never deleted, whatever its name.
+
+Replacing an existing checkpoint hides the old one under a marked temporary name first, so the target
+name only ever holds a complete checkpoint; a crash between those two renames leaves no checkpoint
+under that name, which is why training saves a series (``checkpoint_path(directory, step)``: a new
+name each time) and never replaces one. In a series, a run that resumed past a newest checkpoint it
+could not load saves that step again: what holds the name then is replaced if it is provably a
+save's, and otherwise set aside under a name of its own, with a warning, never deleted.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import shutil
 import threading
 import warnings
 
@@ -36,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwire.engine.checkpoint import optim, series
+from shardwire.engine.checkpoint import optim, ownership, schema, series
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     MANIFEST,
@@ -47,7 +52,6 @@ from shardwire.engine.checkpoint.format import (
     Manifest,
     buffer_key,
     buffer_records,
-    is_temporary,
     new_token,
     param_key,
     rank_file,
@@ -76,7 +80,8 @@ def save_checkpoint(
     every rank sees. The checkpoint becomes visible only once complete: until then, and after a crash
     at any moment, every other checkpoint is intact. An existing checkpoint at ``path`` is replaced
     (a crash in the instant between renaming it aside and renaming the new one in loses both
-    names: save a series, a new path per step, to never replace one).
+    names: save a series, a new path per step, to never replace one); anything else there is
+    refused, except in a series, where it is set aside with a warning (see the module's doc).
 
     Args:
         step: the training step, returned by ``load_checkpoint``; it is also the data position of
@@ -100,6 +105,7 @@ def save_checkpoint(
     )
     token = all_gather_json(new_token(), engine, tag="checkpoint name")[0]
     pending = PendingCheckpoint(target, engine, snapshot, token, keep)
+    on_every_rank(engine, f"saving checkpoint {target}", pending._make_staging)
     if asynchronous:
         global _in_flight
         _in_flight = pending
@@ -124,6 +130,7 @@ class PendingCheckpoint:
         self.path = path
         self._engine = engine
         self._snapshot = snapshot
+        self._token = token
         self._staging = path.with_name(temporary_name(path.name, token))
         self._keep = keep
         self._written: list[FileRecord] | None = None
@@ -160,6 +167,12 @@ class PendingCheckpoint:
         if is_rank0:
             self._tidy()
 
+    def _make_staging(self) -> None:
+        """Rank 0 creates the directory that every rank writes into, marked as this save's; the others
+        wait for it in the agreement that follows."""
+        if dist.get_rank(self._engine.group) == 0:
+            ownership.create_marked(self._staging, self.path.name, self._token)
+
     def _write_in_background(self) -> None:
         self._writer = threading.Thread(target=self._write, name=f"writing {self.path.name}")
         self._writer.start()
@@ -188,24 +201,20 @@ class PendingCheckpoint:
         manifest = dataclasses.replace(self._snapshot.manifest, files=records)
         write_durably(staging / MANIFEST, manifest.to_json().encode())
         _fsync_directory(staging)
-        if target.exists():
-            replaced = target.with_name(temporary_name(target.name, new_token()))
-            target.rename(replaced)
-            staging.rename(target)
-            shutil.rmtree(replaced)
-        else:
-            staging.rename(target)
+        if target.exists() or target.is_symlink():
+            _make_way(target)
+        staging.rename(target)
         _fsync_directory(target.parent)
 
     def _tidy(self) -> None:
-        """Rank 0, once the checkpoint is visible: delete what ``keep`` drops and what crashed saves
-        left. A failure here is a warning: the checkpoint itself is saved."""
+        """Rank 0, once the checkpoint is visible: delete what ``keep`` drops, the checkpoint this one
+        replaced and what crashed saves left (nothing else is in flight), all of it provably made by
+        saves. A failure here is a warning: the checkpoint itself is saved."""
         try:
+            ownership.unmark(self.path)
             if self._keep is not None:
                 series.prune(self.path, self._keep)
-            for leftover in self.path.parent.iterdir():
-                if is_temporary(leftover.name):  # from saves that crashed: nothing else is in flight
-                    shutil.rmtree(leftover)
+            ownership.sweep(self.path.parent)
         except OSError as err:
             warnings.warn(f"checkpoint {self.path} is saved, but tidying its directory failed: {err}", stacklevel=3)
 
@@ -222,6 +231,11 @@ class _Snapshot:
     @classmethod
     def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
         _check_target(target, keep)
+        if step is not None:
+            try:
+                schema.integer(step, "step")  # what a loader accepts
+            except ValueError as err:
+                raise CheckpointError(f"{err}: give the training step, or None") from None
         try:
             extra = json.loads(json.dumps(extra))  # a copy: an asynchronous save keeps this moment's
         except (TypeError, ValueError) as err:
@@ -254,7 +268,11 @@ class _Snapshot:
         return cls(rank, tensors, replicated if rank == 0 else {}, manifest)
 
     def write(self, directory: pathlib.Path) -> list[FileRecord]:
-        directory.mkdir(parents=True, exist_ok=True)
+        if not directory.is_dir():
+            raise CheckpointError(
+                f"{directory}: created by rank 0 but not seen here: the checkpoint directory must be on "
+                f"storage that every rank sees"
+            )
         files = {rank_file(self.rank): self.tensors}
         if self.rank == 0:
             files[REPLICATED] = self.replicated
@@ -267,10 +285,10 @@ class _Snapshot:
 
 
 def _check_target(target: pathlib.Path, keep: int | None) -> None:
-    if target.exists() and not (target / MANIFEST).is_file():
-        raise CheckpointError(
-            f"{target} exists and is not a shardwire checkpoint; choose another path (nothing there is replaced)"
-        )
+    if series.step_of(target) is None and (target.exists() or target.is_symlink()):
+        reason = ownership.not_made_by_a_save(target)
+        if reason is not None:
+            raise _not_replaceable(target, reason)
     if keep is not None:
         if series.step_of(target) is None:
             raise CheckpointError(
@@ -281,12 +299,36 @@ def _check_target(target: pathlib.Path, keep: int | None) -> None:
             raise CheckpointError(f"keep must be at least 1 (this checkpoint), got {keep}")
 
 
+def _make_way(target: pathlib.Path) -> None:
+    """Rank 0, before renaming the new checkpoint in: free ``target``'s name.
+
+    What a save provably made (a complete checkpoint, an incomplete one still marked) is hidden for
+    deletion. Anything else is never deleted: in a series, where a run that resumed from an earlier
+    checkpoint must save this step again, it is set aside under a name of its own with a warning;
+    elsewhere the save is refused.
+    """
+    reason = ownership.not_made_by_a_save(target)
+    if reason is None:
+        ownership.hide(target)
+    elif series.step_of(target) is not None:
+        aside = target.with_name(f"{target.name}.set-aside-{new_token()}")
+        target.rename(aside)
+        warnings.warn(f"set {target} aside as {aside.name} to save in its place, never deleting it: {reason}")
+    else:
+        raise _not_replaceable(target, reason)
+
+
+def _not_replaceable(target: pathlib.Path, reason: str) -> CheckpointError:
+    return CheckpointError(f"cannot replace {target}: {reason} (choose another path; nothing there is replaced)")
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
 def write_durably(path: pathlib.Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """Write a new file and make it durable; an existing file is never overwritten."""
+    with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -1,17 +1,18 @@
 """A series of checkpoints in one directory, one per saved step: their names, and keeping the newest.
 
 ``checkpoint_path(directory, step)`` names them ``step_00000400``; zero-padding makes the names sort
-by step. Only complete checkpoints carry such a name: one being written, or hidden before deletion,
-has a temporary name beside it, which nothing here lists.
+by step. A save gives such a name only to a complete checkpoint: one being written, or hidden before
+deletion, has a temporary name beside it, which nothing here lists. Anything else named like a
+checkpoint (a user's directory, a checkpoint whose manifest is missing or damaged) is listed, so a
+loader says why it skips it, but ``prune`` neither counts nor deletes it.
 """
 
 from __future__ import annotations
 
 import pathlib
 import re
-import shutil
 
-from shardwire.engine.checkpoint.format import MANIFEST, new_token, temporary_name
+from shardwire.engine.checkpoint import ownership
 
 _STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -39,15 +40,15 @@ def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
 def prune(newest: pathlib.Path, keep: int) -> None:
     """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it.
 
-    Checkpoints of later steps (left by a run that resumed from an earlier one) are not counted or
-    touched. Each is first renamed to a temporary name, so a crash while deleting never leaves a
-    half-deleted checkpoint under a checkpoint's name.
+    Only what is provably a checkpoint, a real directory whose manifest is valid, counts and is
+    deleted; anything else named like one is left alone. Checkpoints of later steps (left by a run
+    that resumed from an earlier one) are not counted or touched. Each is hidden under a temporary
+    name before deletion, so a crash while deleting never leaves a half-deleted checkpoint under a
+    checkpoint's name.
     """
     older = [
         path for path in list_checkpoints(newest.parent)
-        if step_of(path) < step_of(newest) and (path / MANIFEST).is_file()
+        if step_of(path) < step_of(newest) and ownership.not_a_checkpoint(path) is None
     ]
     for path in older[: max(0, len(older) - (keep - 1))]:
-        hidden = path.with_name(temporary_name(path.name, new_token()))
-        path.rename(hidden)
-        shutil.rmtree(hidden)
+        ownership.discard(path)

@@ -1,0 +1,120 @@
+"""What a save may delete: only directories it can prove that a save made.
+
+A checkpoint directory is shared with whatever else lives there (a user's notes, another tool's
+output, a directory that merely looks like a temporary), so deleting by name alone can lose data.
+A save therefore marks what it makes: it writes ``made-by-shardwire.json``, naming the directory (the
+checkpoint's name and the save's random token), into the temporary directory it creates, and into a
+checkpoint before hiding it under a temporary name for deletion. Clean-up deletes a temporary
+directory only if its marker names it; a complete checkpoint's proof is its valid manifest. Anything
+else is left alone, however it is named.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import NamedTuple
+
+from shardwire.engine.checkpoint.format import CheckpointError, Manifest, new_token, temporary_name
+
+MARKER = "made-by-shardwire.json"
+
+
+def create_marked(directory: pathlib.Path, name: str, token: str) -> None:
+    """Create ``directory``, the temporary directory of a save of ``name`` with ``token``, and mark it.
+
+    It must not exist yet: a directory that was there before is not this save's to mark.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir()
+    _mark(directory, name, token)
+
+
+def unmark(checkpoint: pathlib.Path) -> None:
+    """Remove the marker from a checkpoint that is complete: its manifest is the proof from now on,
+    and a checkpoint holds only its own files."""
+    (checkpoint / MARKER).unlink(missing_ok=True)
+
+
+def not_a_checkpoint(path: pathlib.Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (a real directory with a valid manifest); None if it is."""
+    if path.is_symlink():
+        return f"{path} is a symbolic link"
+    try:
+        Manifest.read(path)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def not_made_by_a_save(path: pathlib.Path) -> str | None:
+    """Why ``path`` cannot be proven a save's (to replace it); None for a complete checkpoint, or an
+    incomplete one that still carries the marker naming it."""
+    names = _marked_as(path)
+    return None if names is not None and path.name == names.final else not_a_checkpoint(path)
+
+
+def hide(path: pathlib.Path) -> pathlib.Path:
+    """Mark a directory that a save made and move it to a temporary name, where ``sweep`` deletes it.
+
+    Its name is free at once; the marker goes in first, so whenever a crash comes it is either still
+    under its own name or provably the saves' under the temporary one.
+    """
+    token = new_token()
+    _mark(path, path.name, token)
+    hidden = path.with_name(temporary_name(path.name, token))
+    path.rename(hidden)
+    return hidden
+
+
+def discard(path: pathlib.Path) -> None:
+    """Delete a directory that a save made, hiding it first, so that a crash midway never leaves a
+    half-deleted directory under its name."""
+    _delete(hide(path))
+
+
+def sweep(directory: pathlib.Path) -> None:
+    """Delete the temporary directories in ``directory`` that saves made and left (a save that
+    crashed, a checkpoint hidden for deletion); everything else stays, however it is named."""
+    for path in directory.iterdir():
+        names = _marked_as(path)
+        if names is not None and path.name == names.temporary:
+            _delete(path)
+
+
+class _Names(NamedTuple):
+    final: str  # the checkpoint's
+    temporary: str  # while it was being written, or once hidden for deletion
+
+
+def _mark(directory: pathlib.Path, name: str, token: str) -> None:
+    (directory / MARKER).write_text(json.dumps({"name": name, "token": token}))
+
+
+def _marked_as(path: pathlib.Path) -> _Names | None:
+    """The names a save gave ``path``, from the marker in it; None for anything without one, and for a
+    link (what it points to is not the link's to give)."""
+    if path.is_symlink():
+        return None
+    try:
+        marker = json.loads((path / MARKER).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(marker, dict) and isinstance(marker.get("name"), str) and isinstance(marker.get("token"), str)):
+        return None
+    return _Names(marker["name"], temporary_name(marker["name"], marker["token"]))
+
+
+def _delete(path: pathlib.Path) -> None:
+    """Delete a marked directory, its marker last: a crash midway leaves it provably the saves', and
+    the next sweep finishes the job."""
+    for child in path.iterdir():
+        if child.name == MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    (path / MARKER).unlink()
+    path.rmdir()

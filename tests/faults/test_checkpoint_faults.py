@@ -1,0 +1,392 @@
+"""Checkpoints among things they did not make, and manifests that lie: clean-up deletes only what a
+save provably made, a manifest is checked (its own sha256, every field's type and range, file names
+confined to the checkpoint) before anything uses it, and a newest checkpoint without a manifest does
+not stop the next run from resuming and saving that step again.
+
+Starting ranks takes seconds, so every scenario runs in one set of two processes (the ``scenarios``
+fixture); each test asserts on its scenario's results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import pathlib
+import shutil
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwire
+from harness import run_workers
+from shardwire.engine.checkpoint import save
+
+pytestmark = pytest.mark.slow
+
+
+class Net(nn.Module):
+    """Two blocks (two flat buffers besides the root's) and a buffer: small, and every kind of state."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x)) * self.scale[0]
+        return x
+
+
+def make_model(seed: int):
+    torch.manual_seed(seed)
+    model = shardwire.shard(Net())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model, optimizer, step: int, rank: int) -> None:
+    """A step whose batch depends only on the step number, so a resumed run repeats it exactly."""
+    batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+    model(batch).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save_step(directory: pathlib.Path, model, optimizer, step: int, keep: int | None = 2):
+    shardwire.save_checkpoint(shardwire.checkpoint_path(directory, step), model, optimizer, step=step, keep=keep)
+
+
+def on_rank_0(rank: int, fn) -> None:
+    """File-system set-up done once, seen by every rank before it goes on."""
+    if rank == 0:
+        fn()
+    dist.barrier()
+
+
+def listing(directory: pathlib.Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
+
+
+def outcome(load) -> str:
+    """What a load did: the step it loaded, or its error's message."""
+    try:
+        return f"loaded step {load().step}"
+    except shardwire.CheckpointError as err:
+        return str(err)
+
+
+@contextlib.contextmanager
+def logged_warnings():
+    """The warnings logged under ``shardwire`` (``load_latest_checkpoint``'s reasons for skipping)."""
+    messages = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("shardwire")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def rewrite_manifest(checkpoint: pathlib.Path, change, *, reseal: bool = True) -> None:
+    """Edit a checkpoint's manifest; ``reseal`` records the sha256 of the edited contents (the
+    canonical serialization: sorted keys, no whitespace), as a tool that forges one would."""
+    path = checkpoint / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    if reseal and "sha256" in manifest:
+        body = {key: value for key, value in manifest.items() if key != "sha256"}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        manifest["sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+    path.write_text(json.dumps(manifest, indent=1))
+
+
+def crash_while_writing():
+    """Every rank's save fails while writing its file, leaving the save's temporary directory."""
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    return mock.patch.object(save, "write_durably", disk_full)
+
+
+# ------------------------------------------------------------------------------------ scenarios
+
+
+def _user_temporaries(rank, directory):
+    """A user's directory named like a save's temporary, and one whose marker names another directory,
+    beside a series; a save that crashed leaves a real temporary."""
+    def plant():
+        (directory / "step_00000001.tmp-0123456789ab").mkdir(parents=True)
+        (directory / "step_00000001.tmp-0123456789ab" / "notes.txt").write_text("mine")
+        forged = directory / "step_00000002.tmp-aaaaaaaaaaaa"
+        forged.mkdir()
+        (forged / "made-by-shardwire.json").write_text(json.dumps({"name": "other", "token": "bbbbbbbbbbbb"}))
+
+    on_rank_0(rank, plant)
+    model, optimizer = make_model(seed=0)
+    with crash_while_writing(), contextlib.suppress(shardwire.CheckpointError):
+        save_step(directory, model, optimizer, 1)
+    after_crash = listing(directory)
+    save_step(directory, model, optimizer, 1)
+    return {
+        "after crash": after_crash,
+        "after save": listing(directory),
+        "notes": (directory / "step_00000001.tmp-0123456789ab" / "notes.txt").read_text(),
+    }
+
+
+def _prune_among_strangers(rank, directory):
+    """keep=1 in a series that also holds a user's directory named like an older checkpoint, with a
+    manifest.json of its own, and one without any."""
+    def plant():
+        (directory / "step_00000000").mkdir(parents=True)
+        (directory / "step_00000000" / "manifest.json").write_text('{"my": "notes"}')
+        (directory / "step_00000001").mkdir()
+        (directory / "step_00000001" / "data.bin").write_bytes(b"\0" * 8)
+
+    on_rank_0(rank, plant)
+    model, optimizer = make_model(seed=0)
+    for step in (2, 3, 4):
+        save_step(directory, model, optimizer, step, keep=1)
+    return {"after": listing(directory)}
+
+
+BAD_MANIFESTS = {
+    "parent": lambda m: m["files"][0].update(name="../x"),
+    "absolute": lambda m: m["files"][1].update(name="/etc/hostname"),
+    "negative step": lambda m: m.update(step=-1),
+    "string step": lambda m: m.update(step="3"),
+    "world size 0": lambda m: m.update(world_size=0),
+}
+
+
+def _bad_manifests(rank, directory):
+    """For each damage, a series whose newest checkpoint's manifest has it (resealed, so only the
+    damage itself can refuse it), and one whose manifest was edited without resealing."""
+    model, optimizer = make_model(seed=0)
+    base = directory / "base"
+    save_step(base, model, optimizer, 1)
+    train_step(model, optimizer, 1, rank)
+    save_step(base, model, optimizer, 2)
+    cases = {**BAD_MANIFESTS, "edited": None}
+
+    def damage():
+        for name, change in cases.items():
+            shutil.copytree(base, directory / name)
+            newest = shardwire.checkpoint_path(directory / name, 2)
+            if change is None:
+                rewrite_manifest(newest, lambda m: m.update(extra={"epoch": 99}), reseal=False)
+            else:
+                rewrite_manifest(newest, change)
+
+    on_rank_0(rank, damage)
+    results = {}
+    for name in cases:
+        series = directory / name
+        refused = outcome(lambda: shardwire.load_checkpoint(shardwire.checkpoint_path(series, 2), model, optimizer))
+        with logged_warnings() as skipped:
+            latest = outcome(lambda: shardwire.load_latest_checkpoint(series, model, optimizer))
+        results[name] = {"load_checkpoint": refused, "load_latest_checkpoint": latest, "skipped": skipped}
+    return results
+
+
+def _step_unlike_name(rank, directory):
+    """A newest checkpoint whose manifest (resealed) records another step than its name."""
+    model, optimizer = make_model(seed=0)
+    for step in (1, 2):
+        save_step(directory, model, optimizer, step)
+    on_rank_0(rank, lambda: rewrite_manifest(shardwire.checkpoint_path(directory, 2), lambda m: m.update(step=7)))
+    with logged_warnings() as skipped:
+        latest = outcome(lambda: shardwire.load_latest_checkpoint(directory, model, optimizer))
+    return {"load_latest_checkpoint": latest, "skipped": skipped}
+
+
+def _run_saving_steps_1_and_2(rank, directory):
+    """The first run: checkpoints at steps 1 and 2; returns the state at step 2."""
+    model, optimizer = make_model(seed=0)
+    for step in (1, 2):
+        train_step(model, optimizer, step, rank)
+        save_step(directory, model, optimizer, step)
+    return shardwire.full_state_dict(model)
+
+
+def _next_run(rank, directory):
+    """A run resuming from the newest good checkpoint and saving step 2 again; the warnings of its save."""
+    model, optimizer = make_model(seed=1)
+    with logged_warnings() as skipped:
+        resumed = shardwire.load_latest_checkpoint(directory, model, optimizer).step
+    train_step(model, optimizer, 2, rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_step(directory, model, optimizer, 2)
+    return {
+        "skipped": skipped,
+        "resumed": resumed,
+        "state": shardwire.full_state_dict(model),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _incomplete_newest(rank, directory):
+    """A newest checkpoint that lost its manifest (nothing proves a save made what is left): the next
+    run resumes from step 1, sets the remains aside whole, and saves step 2 in their place."""
+    uninterrupted = _run_saving_steps_1_and_2(rank, directory)
+    newest = shardwire.checkpoint_path(directory, 2)
+    files = listing(newest)
+    on_rank_0(rank, lambda: (newest / "manifest.json").unlink())
+    run = _next_run(rank, directory)
+    aside = [name for name in listing(directory) if name.startswith("step_00000002.")]
+    model, optimizer = make_model(seed=2)
+    return {
+        **run,
+        "uninterrupted": uninterrupted,
+        "files": files,
+        "after": listing(directory),
+        "set aside holds": listing(directory / aside[0]) if aside else None,
+        "then resumes": outcome(lambda: shardwire.load_latest_checkpoint(directory, model, optimizer)),
+    }
+
+
+def _incomplete_made_by_a_save(rank, directory):
+    """A newest checkpoint that a save made but never completed (its temporary directory got the
+    checkpoint's name, as a rename that is not atomic can leave it): the next run replaces it."""
+    _run_saving_steps_1_and_2(rank, directory)
+    model, optimizer = make_model(seed=0)
+    with crash_while_writing(), contextlib.suppress(shardwire.CheckpointError):
+        save_step(directory, model, optimizer, 3)
+    newest = shardwire.checkpoint_path(directory, 3)
+    on_rank_0(rank, lambda: next(directory.glob("step_00000003.tmp-*")).rename(newest))
+    before = listing(directory)
+    model, optimizer = make_model(seed=1)
+    resumed = outcome(lambda: shardwire.load_latest_checkpoint(directory, model, optimizer))
+    train_step(model, optimizer, 3, rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_step(directory, model, optimizer, 3, keep=None)
+    return {
+        "before": before,
+        "resumed": resumed,
+        "warnings": [str(w.message) for w in caught],
+        "after": listing(directory),
+        "then resumes": outcome(lambda: shardwire.load_latest_checkpoint(directory, model, optimizer)),
+    }
+
+
+SCENARIOS = {
+    "user temporaries": _user_temporaries,
+    "prune": _prune_among_strangers,
+    "bad manifests": _bad_manifests,
+    "step unlike name": _step_unlike_name,
+    "incomplete newest": _incomplete_newest,
+    "incomplete made by a save": _incomplete_made_by_a_save,
+}
+
+
+def _all_scenarios(rank, world, root):
+    """Each scenario in a directory of its own; one that raises is reported and the others still run
+    (on code without these fixes, each test then fails on its own scenario)."""
+    results = {}
+    for name, scenario in SCENARIOS.items():
+        try:
+            results[name] = scenario(rank, pathlib.Path(root) / name)
+        except Exception as err:  # every call in a scenario either is collective or is followed by one
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict:
+    return run_workers(2, _all_scenarios, str(tmp_path_factory.mktemp("faults")))[0]
+
+
+def result(scenarios: dict, name: str) -> dict:
+    assert "error" not in scenarios[name], scenarios[name]["error"]
+    return scenarios[name]
+
+
+# ---------------------------------------------------------------------------------------- tests
+
+
+def test_clean_up_leaves_a_users_directory_named_like_a_temporary(scenarios):
+    outcome = result(scenarios, "user temporaries")
+    users = ["step_00000001.tmp-0123456789ab", "step_00000002.tmp-aaaaaaaaaaaa"]
+    leftover = [name for name in outcome["after crash"] if name not in users]
+    assert len(leftover) == 1 and leftover[0].startswith("step_00000001.tmp-")  # the crashed save's
+    assert outcome["after save"] == sorted([*users, "step_00000001"])  # its leftover deleted, nothing else
+    assert outcome["notes"] == "mine"
+
+
+def test_prune_deletes_only_complete_checkpoints(scenarios):
+    # The user's step_00000000 (a manifest.json of its own) and step_00000001 (none) are not counted,
+    # not deleted; keep=1 deletes the real checkpoints 2 and 3.
+    assert result(scenarios, "prune")["after"] == ["step_00000000", "step_00000001", "step_00000004"]
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("parent", "files[0].name is '../x', not a plain file name inside the checkpoint directory"),
+    ("absolute", "files[1].name is '/etc/hostname', not a plain file name inside the checkpoint directory"),
+])
+def test_a_file_name_outside_the_checkpoint_is_refused_and_skipped(scenarios, case, reason):
+    check_refused_and_skipped(result(scenarios, "bad manifests")[case], reason)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("negative step", "step is -1, not an integer >= 0"),
+    ("string step", "step is '3', not an integer >= 0"),
+    ("world size 0", "world_size is 0, not an integer >= 1"),
+])
+def test_a_wrong_type_or_range_is_refused_and_skipped(scenarios, case, reason):
+    check_refused_and_skipped(result(scenarios, "bad manifests")[case], reason)
+
+
+def test_a_manifest_unlike_its_checksum_is_refused_and_skipped(scenarios):
+    check_refused_and_skipped(
+        result(scenarios, "bad manifests")["edited"],
+        "invalid manifest: its contents differ from the sha256 it records: the manifest is corrupted",
+    )
+
+
+def check_refused_and_skipped(case: dict, reason: str) -> None:
+    assert "step_00000002/manifest.json: invalid manifest: " in case["load_checkpoint"]
+    assert reason in case["load_checkpoint"]
+    assert case["load_latest_checkpoint"] == "loaded step 1"
+    assert len(case["skipped"]) == 1 and "cannot resume from" in case["skipped"][0]
+    assert reason in case["skipped"][0]
+
+
+def test_a_checkpoint_whose_step_is_not_its_names_is_skipped(scenarios):
+    outcome = result(scenarios, "step unlike name")
+    assert outcome["load_latest_checkpoint"] == "loaded step 1"
+    assert len(outcome["skipped"]) == 1
+    assert "step_00000002: its manifest records step 7, its name step 2" in outcome["skipped"][0]
+
+
+def test_an_incomplete_newest_checkpoint_does_not_stop_the_next_run(scenarios):
+    outcome = result(scenarios, "incomplete newest")
+    assert outcome["resumed"] == 1
+    assert len(outcome["skipped"]) == 1 and "step_00000002/manifest.json: missing" in outcome["skipped"][0]
+    # The step saved again equals the first run's, so the resumed run repeated it exactly.
+    assert outcome["state"].keys() == outcome["uninterrupted"].keys()
+    assert all(torch.equal(outcome["state"][k], outcome["uninterrupted"][k]) for k in outcome["state"])
+    aside = [name for name in outcome["after"] if name.startswith("step_00000002.set-aside-")]
+    assert outcome["after"] == sorted(["step_00000001", "step_00000002", *aside]) and len(aside) == 1
+    assert outcome["set aside holds"] == [name for name in outcome["files"] if name != "manifest.json"]
+    assert len(outcome["warnings"]) == 1 and f"as {aside[0]}" in outcome["warnings"][0]
+    assert outcome["then resumes"] == "loaded step 2"
+
+
+def test_an_incomplete_checkpoint_a_save_made_is_replaced(scenarios):
+    outcome = result(scenarios, "incomplete made by a save")
+    assert outcome["before"] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert outcome["resumed"] == "loaded step 2"
+    assert outcome["warnings"] == []  # provably a save's: replaced, not set aside
+    assert outcome["after"] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert outcome["then resumes"] == "loaded step 3"

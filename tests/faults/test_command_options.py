@@ -1,0 +1,54 @@
+"""Bad options are one clear line and a non-zero exit before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwire.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "-1"], "--lr must be a positive, finite number, got -1.0"),
+    (["--warmup", "-5"], "--warmup must be at least 0, got -5"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
+])
+def test_nonsensical_hyperparameters_are_refused(args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["train", *args])
+
+
+def test_directories_that_cannot_be_created_are_refused_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=f"--checkpoint-dir {blocker}/ckpt cannot be created: {blocker} is a file"):
+        main(["train", "--checkpoint-dir", str(blocker / "ckpt")])
+    with pytest.raises(SystemExit, match=f"--run-dir {blocker}/run cannot be created: {blocker} is a file"):
+        main(["train", "--profile", "--run-dir", str(blocker / "run")])
+
+
+def test_an_empty_data_file_says_so(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match=f"--data: data path {empty} is empty"):
+        main(["train", "--data", str(empty)])
+
+
+def test_a_bench_output_that_is_a_directory_is_refused(tmp_path, capsys):
+    assert main(["bench", "--nproc", "2", "--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path} is a directory; give a file name" in capsys.readouterr().err
+
+
+def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "profile.json").write_text('{"version": 1, "timeline": {}}')
+    assert main(["report", str(run)]) == 2
+    assert f"{run}/profile.json is damaged (KeyError" in capsys.readouterr().err
+    (run / "profile.json").write_text("[1, 2]")
+    assert main(["report", str(run)]) == 2
+    assert "holds a JSON list, not a profile" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (run / "profile.json").write_text('{"version": 1}')
+    assert main(["report", str(run), "--out", str(blocker)]) == 2
+    assert f"--out {blocker} is a file; give it a directory" in capsys.readouterr().err
