@@ -9,6 +9,10 @@ from shardwire.cli import main
 
 @pytest.mark.parametrize("args, message", [
     (["--lr", "-1"], "--lr must be a positive, finite number, got -1.0"),
+    (["--lr", "nan"], "--lr must be a positive, finite number, got nan"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a non-negative, finite number, got -0.1"),
+    (["--clip", "inf"], "--clip must be a non-negative, finite number, got inf"),
+    (["--peak-tflops", "0"], "--peak-tflops must be a positive, finite number, got 0.0"),
     (["--warmup", "-5"], "--warmup must be at least 0, got -5"),
     (["--seed", "-1"], "--seed must be at least 0, got -1"),
 ])
