@@ -57,8 +57,10 @@ def run_steps(model, optimizer, data, *, sharded, clip=True):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last or not sharded else shardwire.no_sync(model):
                 (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / len(micro_batches)).backward()
-        if clip:
-            (shardwire.clip_grad_norm_ if sharded else torch.nn.utils.clip_grad_norm_)(model, 1.0)
+        if clip and sharded:
+            shardwire.clip_grad_norm_(model, 1.0)
+        elif clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -101,6 +101,7 @@ class Engine:
         self._reductions: deque[tuple[FlatParam, Pending, torch.Tensor]] = deque()
         self._callback_queued = False
         self._generation = 0  # forwards so far: backward must come from the latest one
+        self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
         self._listeners: list[Listener] = []
 
     @property

@@ -64,8 +64,9 @@ def load_checkpoint(
     or from a different model raises a ``CheckpointError`` on every rank naming the file and the
     reason, and leaves the model and optimizer untouched.
     """
-    finish_pending_save()
-    return _load(pathlib.Path(path), engine_of(model), model, optimizer, named_step=None)
+    engine = engine_of(model)
+    finish_pending_save(engine)
+    return _load(pathlib.Path(path), engine, model, optimizer, named_step=None)
 
 
 def load_latest_checkpoint(
@@ -78,8 +79,8 @@ def load_latest_checkpoint(
     order a lie. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with
     each one's reason rather than return None: starting over would let new saves prune the old ones.
     """
-    finish_pending_save()
     engine = engine_of(model)
+    finish_pending_save(engine)
     candidates = [path.name for path in series.list_checkpoints(directory)]
     if any(names != candidates for names in all_gather_json(candidates, engine, tag="checkpoint list")):
         raise CheckpointError(

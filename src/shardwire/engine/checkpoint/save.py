@@ -61,9 +61,6 @@ from shardwire.engine.checkpoint.format import (
 from shardwire.engine.runtime import Engine
 from shardwire.engine.shard import engine_of
 
-_in_flight: "PendingCheckpoint | None" = None
-
-
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -96,8 +93,8 @@ def save_checkpoint(
 
     Returns the ``PendingCheckpoint``, already visible unless ``asynchronous``.
     """
-    finish_pending_save()
     engine = engine_of(model)
+    finish_pending_save(engine)
     target = pathlib.Path(path)
     snapshot = on_every_rank(
         engine, f"saving checkpoint {target}",
@@ -107,8 +104,7 @@ def save_checkpoint(
     pending = PendingCheckpoint(target, engine, snapshot, token, keep)
     on_every_rank(engine, f"saving checkpoint {target}", pending._make_staging)
     if asynchronous:
-        global _in_flight
-        _in_flight = pending
+        engine.pending_save = pending
         pending._write_in_background()
     else:
         pending._write()
@@ -116,10 +112,10 @@ def save_checkpoint(
     return pending
 
 
-def finish_pending_save() -> None:
-    """Make the asynchronous save in flight, if any, visible (every rank must call it)."""
-    if _in_flight is not None:
-        _in_flight.wait()
+def finish_pending_save(engine: Engine) -> None:
+    """Make the model's asynchronous save in flight, if any, visible (every rank must call it)."""
+    if engine.pending_save is not None:
+        engine.pending_save.wait()
 
 
 class PendingCheckpoint:
@@ -141,13 +137,12 @@ class PendingCheckpoint:
 
     def wait(self) -> None:
         """Commit the checkpoint; a save that failed raises its error again on every later call."""
-        global _in_flight
         if self._done:
             if self._failure is not None:
                 raise self._failure
             return
-        if _in_flight is self:
-            _in_flight = None
+        if self._engine.pending_save is self:
+            self._engine.pending_save = None
         if self._writer is not None:
             self._writer.join()
         engine = self._engine
