@@ -325,6 +325,8 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         return
     f = {name: stats["max"] for name, stats in summary["figures"].items()}
     mfu = f"MFU {summary['mfu']:.1%}" if "mfu" in summary else "MFU unknown (no peak)"
+    if summary.get("mfu", 0) > 1:
+        mfu += " (above 100%: the probed peak is too low for this device and dtype; pass --peak-tflops)"
     print(
         f"profile: step {f['step_s'] * 1e3:.0f} ms on the slowest rank: forward {f['forward_s'] * 1e3:.0f}, "
         f"backward {f['backward_s'] * 1e3:.0f}, optimizer {f['optimizer_s'] * 1e3:.0f}, waiting for "

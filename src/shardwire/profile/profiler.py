@@ -91,8 +91,8 @@ class Profiler:
         if not probe:
             return {"tflops": None, "source": "unknown: pass peak_tflops or allow the probe"}
         self._engine.comm.all_gather_values([0], tag="peak probe start")  # every rank probes at once
-        gflops = round(probe_peak_tflops(device, dtype) * 1e3)
-        everyone = [row[0] / 1e3 for row in self._engine.comm.all_gather_values([gflops], tag="peak probe")]
+        mflops = round(probe_peak_tflops(device, dtype) * 1e6)
+        everyone = [row[0] / 1e6 for row in self._engine.comm.all_gather_values([mflops], tag="peak probe")]
         return {"tflops": statistics.median(everyone), "source": f"{dtype} matrix-multiply probe (median over ranks)"}
 
     @contextlib.contextmanager
