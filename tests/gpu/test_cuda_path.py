@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -29,6 +30,9 @@ from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
 pytestmark = pytest.mark.gpu
+
+# deterministic cuBLAS, so that two runs can differ only through a race (set before CUDA starts)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 CONFIG = dataclasses.replace(PRESETS["medium"], layers=4)
 
@@ -84,17 +88,20 @@ def test_train_runs_end_to_end_on_nccl(tmp_path, extra):
     result = subprocess.run(
         [sys.executable, "-m", "shardwire", "train", "--backend", "nccl", "--nproc", "1", "--precision", "bf16",
          "--model", "medium", "--steps", "30", "--eval-batches", "2", "--run-dir", str(run_dir), *extra],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=280,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     if "--profile" in extra:
         profile = json.loads((run_dir / "profile.json").read_text())
         summary = profile["summary"]
-        flops = profile["flops_per_token"]["model"]
-        by_hand = flops * profile["tokens_per_step"] / summary["step_time_s"] / 1e12
-        by_hand /= profile["peak_tflops_per_worker"]["tflops"]
+        # by hand: 6N + 12LHS FLOPs per token (N counted here), H100 SXM's dense bf16 peak
+        config = PRESETS["medium"]
+        n = sum(p.numel() for p in GPT(config).parameters())
+        per_token = 6 * n + 12 * config.layers * config.hidden * config.seq_len
+        by_hand = per_token * profile["tokens_per_step"] / summary["step_time_s"] / 1e12 / 989.0
         assert 0 < summary["mfu"] < 1
-        assert summary["mfu"] == pytest.approx(by_hand, rel=0.1)
+        if "H100 80GB HBM3" in torch.cuda.get_device_name(0) or "H200" in torch.cuda.get_device_name(0):
+            assert summary["mfu"] == pytest.approx(by_hand, rel=0.1)
 
 
 # -------------------------------------------------------------------------------------- parity
@@ -104,9 +111,9 @@ def test_train_runs_end_to_end_on_nccl(tmp_path, extra):
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_matches_the_unsharded_model(device, reshard, prefetch, checkpointing, grad_accum):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def test_matches_the_unsharded_model(device, monkeypatch, reshard, prefetch, checkpointing, grad_accum):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     data = batches(device, 4, grad_accum)
     torch.manual_seed(0)
     reference = GPT(CONFIG).to(device)
@@ -143,14 +150,31 @@ def collectives_start_late(cycles: int):
         Communicator._side = side
 
 
-def test_late_collectives_change_no_bit(device):
+def compute_runs_late(model, optimizer, cycles: int) -> None:
+    """Queue ``torch.cuda._sleep`` on the compute stream before every block's forward and before
+    every optimizer step, so collectives run ahead of the compute that feeds or frees their buffers."""
+    sleep = lambda *_: torch.cuda._sleep(cycles)  # noqa: E731
+    for block in model.blocks:
+        block.register_forward_pre_hook(sleep)
+    optimizer.register_step_pre_hook(sleep)
+
+
+@pytest.mark.parametrize("late", ["collectives", "compute"])
+def test_late_streams_change_no_bit(device, late):
     data = batches(device, 5, grad_accum=2)
     results = []
-    for cycles in (0, 2_000_000):
-        model, optimizer = sharded(device, mixed_precision="bf16", prefetch=2)
-        with sdpa_kernel(SDPBackend.MATH), collectives_start_late(cycles):
-            run_steps(model, optimizer, data, sharded=True)
-        results.append(full_params(model))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for cycles in (0, 2_000_000):
+            model, optimizer = sharded(device, mixed_precision="bf16", prefetch=2)
+            delayed = collectives_start_late(cycles) if late == "collectives" else contextlib.nullcontext()
+            if late == "compute" and cycles:
+                compute_runs_late(model, optimizer, cycles)
+            with sdpa_kernel(SDPBackend.MATH), delayed:
+                run_steps(model, optimizer, data, sharded=True)
+            results.append(full_params(model))
+    finally:
+        torch.use_deterministic_algorithms(False)
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
 
@@ -160,10 +184,11 @@ def test_the_first_gather_of_a_step_sees_the_optimizer_update(device):
     data = batches(device, 3, grad_accum=1)
     seen = []
     model.blocks[0].register_forward_pre_hook(lambda block, args: seen.append(block.mlp.up.weight.detach().clone()))
-    with collectives_start_late(2_000_000):
-        run_steps(model, optimizer, data, sharded=True)
-        with torch.no_grad():
-            model(data[0][0][:, :-1])
+    # the update runs late on the compute stream: a gather that did not wait for it reads old values
+    optimizer.register_step_pre_hook(lambda *_: torch.cuda._sleep(20_000_000))
+    run_steps(model, optimizer, data, sharded=True)
+    with torch.no_grad():
+        model(data[0][0][:, :-1])
     current = full_params(model)["blocks.0.mlp.up.weight"].to(device)
     assert torch.equal(seen[-1].float(), current)  # the last forward saw the last update
     assert not torch.equal(seen[0], seen[-1])
@@ -173,6 +198,7 @@ def test_the_first_gather_of_a_step_sees_the_optimizer_update(device):
 
 
 def test_steps_after_the_first_never_synchronize_the_host(device):
+    """At world 1: the order checks of several ranks (pinned copies read by event) need 2 GPUs."""
     model, optimizer = sharded(device, mixed_precision="bf16")
     data = batches(device, 4, grad_accum=2)
     run_steps(model, optimizer, data[:1], sharded=True)  # the first step records the order
@@ -253,10 +279,12 @@ def profiled(device, delay_cycles: int):
 
 
 def sleep_seconds(device, cycles: int) -> float:
+    stream = torch.cuda.current_stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    torch.cuda._sleep(cycles)  # warm-up: the clock settles
+    start.record(stream)
     torch.cuda._sleep(cycles)
-    end.record()
+    end.record(stream)
     torch.cuda.synchronize(device)
     return start.elapsed_time(end) / 1e3
 
@@ -267,4 +295,5 @@ def test_profiler_reports_a_known_reduce_scatter_delay(device):
     plain_rs, plain_wait, count = profiled(device, 0)
     delayed_rs, delayed_wait, _ = profiled(device, cycles)
     assert delayed_rs - plain_rs == pytest.approx(delay * count, rel=0.2)
-    assert delayed_wait <= plain_wait + 0.2 * delay * count, "a hidden delay must not show as waiting"
+    # the last reductions land after the last backward, with nothing left to hide them: 2 delays
+    assert delayed_wait <= plain_wait + 2 * delay, "a hidden delay must not show as waiting"

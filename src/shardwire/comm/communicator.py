@@ -4,23 +4,31 @@ Everything a process group's collectives need lives on its communicator, never i
 two process groups in one process can issue collectives in any interleaving:
 
 * where the work runs. On CUDA, a gather stream and a reduce stream of high priority: a collective is
-  issued synchronously on its stream (torch launches the NCCL kernel on that stream), after the
-  stream has waited for the compute stream, and an event after it tells the compute stream when its
-  result may be used. No host synchronization is ever needed. On gloo, a gather lane and a reduce
-  lane (threads, see ``lanes``) run the point-to-point algorithms of ``exchange``, which beat gloo's
-  own collectives; other collectives go through torch's asynchronous ones;
-* memory lifetime across streams: every tensor a collective touches is recorded to the stream that
-  runs it, so the caching allocator never hands its memory to another stream's kernels while the
-  collective still reads or writes it;
+  issued synchronously on its stream, after the stream has waited for the compute stream (torch 2.8
+  and later launch the NCCL kernel on that stream; earlier releases on their own NCCL stream, which
+  that stream then waits for), and an event after it tells the compute stream when its result may
+  be used. No host synchronization is ever needed. On gloo, a gather lane and a reduce lane
+  (threads, see ``lanes``) run the point-to-point algorithms of ``exchange``, which beat gloo's own
+  collectives; other collectives go through torch's asynchronous ones;
+* memory lifetime across streams, as FSDP2 keeps it: a ``Pending`` holds every tensor its collective
+  touches (and those its input was made from: ``holding``) until ``wait()`` has made the compute
+  stream wait for the collective, so a tensor the compute stream made is freed, and its memory
+  reused, only in the compute stream's order after the collective; a tensor a side stream made
+  returns to that stream, whose later work is queued after the collective anyway. (``record_stream``
+  would tie a block to the side stream until the GPU, not the host, got there: with the host running
+  ahead, memory would not be bounded by the collectives in flight.) Every ``Pending`` must be waited
+  for before its tensors are dropped;
 * a tag space for the point-to-point messages, drawn by rank 0 when the communicator is made, so
   two communicators over one group do not match each other's messages;
 * the deadline. On gloo, ``Pending.wait`` turns a collective that does not complete within it into a
   ``CollectiveError`` naming the rank, the operation and its tag. On NCCL the process group's own
   timeout applies (its watchdog aborts the job), so create the group with the same ``timeout``;
 * agreement between ranks: on gloo every point-to-point collective first checks that all ranks are
-  running the same one; ``verify_order`` compares, once per step, a running hash of every collective
-  issued, without a host synchronization on CUDA, so a rank that leaves the common order becomes a
-  ``ScheduleMismatchError`` rather than a hang or silently mixed-up buffers;
+  running the same one, so a rank that leaves the common order becomes a ``ScheduleMismatchError``
+  rather than mixed-up buffers or an abort inside gloo; ``verify_order`` compares, once per step, a
+  running hash of every collective issued, without a host synchronization on CUDA, which catches a
+  divergence in what the collectives carry (NCCL does not check it) a step or two later; ranks
+  that diverge in the number or sizes of NCCL collectives meet the process group's timeout;
 * records of what crossed the wire (``record``), stamped by a ``Clock`` without synchronizing.
 """
 
@@ -71,15 +79,17 @@ class Pending:
     until it completes (CPU), or orders the current stream after it (CUDA, no host sync); a failure
     or a missed deadline becomes a ``CollectiveError``."""
 
-    __slots__ = ("_comm", "_record", "_op", "_tag", "_work", "_done")
+    __slots__ = ("_comm", "_record", "_op", "_tag", "_work", "_done", "_tensors")
 
-    def __init__(self, comm: "Communicator", record: CommRecord | None, op: str, tag: str, *, work=None, done=None):
+    def __init__(self, comm: "Communicator", record: CommRecord | None, op: str, tag: str, *, work=None, done=None,
+                 tensors: Sequence[torch.Tensor] = ()):
         self._comm = comm
         self._record = record
         self._op = op
         self._tag = tag
         self._work = work  # CPU: something with wait(timeout)
         self._done = done  # CUDA: an event after the collective on its stream
+        self._tensors = tensors  # kept alive until the training has waited (see the module docstring)
 
     def wait(self) -> None:
         comm, record = self._comm, self._record
@@ -104,7 +114,7 @@ class Pending:
             record.stalls.append((stall_start, stall_end))
             if record.end is None:
                 record.end = stall_end  # a work without a future: completion as seen here
-        self._comm = self._work = self._done = None
+        self._comm = self._work = self._done = self._tensors = None
 
 
 class Communicator:
@@ -154,10 +164,12 @@ class Communicator:
             lambda async_op: torch_all_gather(output, shard, group=self.group, async_op=async_op),
         )
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, tag: str, average: bool = False) -> Pending:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, tag: str, average: bool = False,
+                       holding: Sequence[torch.Tensor] = ()) -> Pending:
         """Sum (with ``average``: average) the flat ``full`` over ranks and leave this rank's equal
         share of the result in ``output``. The average is taken inside the collective (NCCL's
-        ``AVG``, or a division of the one-slot result on gloo), never as an extra pass over ``full``."""
+        ``AVG``, or a division of the one-slot result on gloo), never as an extra pass over ``full``.
+        ``holding``: tensors ``full`` was made from where reductions run, kept alive with it."""
         nbytes = full.numel() * full.element_size()
         if self._point_to_point:
             exchange = self._exchange("reduce_scatter", tag)
@@ -165,7 +177,7 @@ class Communicator:
                                  lambda: exchange.reduce_scatter(output, full, average=average))
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         return self._on_stream(
-            "reduce", "reduce_scatter", tag, nbytes, (output, full),
+            "reduce", "reduce_scatter", tag, nbytes, (output, full, *holding),
             lambda async_op: torch_reduce_scatter(output, full, op=op, group=self.group, async_op=async_op),
         )
 
@@ -206,8 +218,9 @@ class Communicator:
 
     @contextlib.contextmanager
     def reduce_stream(self, uses: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-        """Run the block where reductions run, after the compute that produced ``uses``, which are
-        recorded to that stream (their memory is not reused until the stream is done with them)."""
+        """Run the block where reductions run, after the compute that produced ``uses``. Those are
+        recorded to that stream (their memory is not reused until the GPU is past the block): for
+        tensors the block reads that no ``Pending`` will hold."""
         with self._side("reduce", uses):
             yield
 
@@ -341,7 +354,7 @@ class Communicator:
                     work.get_future().add_done_callback(lambda _: setattr(record, "end", time.perf_counter()))
                 self._announce(record)
                 return Pending(self, record, op, tag, work=work)
-            with self._side(which, tensors):
+            with self._side(which, ()):
                 stream = torch.cuda.current_stream(self.device)
                 if record is not None:
                     record.start = self.clock.stamp(stream)
@@ -352,4 +365,4 @@ class Communicator:
                     done = torch.cuda.Event()
                     done.record(stream)
         self._announce(record)
-        return Pending(self, record, op, tag, done=done)
+        return Pending(self, record, op, tag, done=done, tensors=tensors)

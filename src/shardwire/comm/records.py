@@ -27,7 +27,8 @@ class CommRecord:
     stalls: list = dataclasses.field(default_factory=list)
 
     def span(self, clock: Clock) -> tuple[float, float] | None:
-        """(start, end) in ``clock``'s seconds, or None while the collective has not run to its end."""
+        """(start, end) in ``clock``'s seconds; None on CPU while the collective has not run to its
+        end. On CUDA both stamps exist from the start and must have completed (``Clock.ready``)."""
         if self.start is None or self.end is None:
             return None
         return clock.seconds(self.start), clock.seconds(self.end)

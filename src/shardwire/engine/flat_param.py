@@ -8,9 +8,11 @@ forward see the data gathered again for backward.
 
 On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
 shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
-its reduced share where reductions run, and a gradient autograd made on the compute stream is
-recorded to the reduce stream before that stream reads it. So the caching allocator never gives a
-buffer's memory to one stream while another still uses it.
+its reduced share where reductions run. A gradient autograd made on the compute stream stays alive
+with its reduce-scatter until the compute stream has waited for it (``land``), so its memory is
+reused only after that; one kept for accumulation is recorded to the reduce stream instead. So the
+caching allocator never gives a buffer's memory to one stream while another still uses it, and the
+reductions in flight bound the gradients held.
 """
 
 from __future__ import annotations
@@ -115,13 +117,13 @@ class FlatParam:
         The collective averages over ranks. Returns it and the tensor that will hold this rank's
         share; ``land`` adds that share to the shard's gradient.
         """
-        with self._comm.reduce_stream(uses=(grad,)):
-            grad = grad.to(self.reduce_dtype)
+        with self._comm.reduce_stream():
+            full = grad.to(self.reduce_dtype)
             if self._accumulated is not None:
-                grad = self._accumulated.add_(grad)
+                full = self._accumulated.add_(full)
                 self._accumulated = None
             share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-            return self._comm.reduce_scatter(share, grad, tag=self.name, average=True), share
+            return self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,)), share
 
     def land(self, pending: Pending, share: torch.Tensor) -> None:
         """Wait for a reduce-scatter from ``reduce`` and add its share to the shard's gradient.

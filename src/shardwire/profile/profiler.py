@@ -119,8 +119,11 @@ class Profiler:
             raise ValueError("no step was profiled: run training steps inside `with profiler.step():` first")
         figures = [analysis.breakdown(t) for t in timelines]
         gathered = [None] * self._world if dist.get_rank(self._group) == 0 else None
-        dist.gather_object((timelines, figures), gathered, dst=dist.get_global_rank(self._group, 0),
-                           group=self._group)
+        device = self._engine.device
+        # NCCL stages objects on the current device: make it the model's
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            dist.gather_object((timelines, figures), gathered, dst=dist.get_global_rank(self._group, 0),
+                               group=self._group)
         if gathered is None:
             return None
         per_rank_timelines = [t for t, _ in gathered]

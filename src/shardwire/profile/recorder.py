@@ -60,8 +60,10 @@ class StepRecorder:
             self._resolved.append(self._resolve(self._unresolved.pop(0)))
 
     def _complete(self, raw: _RawStep) -> bool:
-        """Every stamp of ``raw`` can be read without waiting (checked newest first)."""
-        ends = [raw.end, *(r.end for r in raw.comms if r.end is not None)]
+        """Every stamp of ``raw`` can be read without waiting: its end, and the ends of its collectives
+        and of every wait for them (a wait can come after the step, in the next one's clean-up)."""
+        ends = [raw.end, *(r.end for r in raw.comms if r.end is not None),
+                *(stall_end for r in raw.comms for _, stall_end in r.stalls)]
         return all(self._clock.ready(stamp) for stamp in ends)
 
     def on_phase(self, phase: str, unit: str | None, edge: str) -> None:
