@@ -52,7 +52,7 @@ from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
 from shardwire.comm.exchange import Exchange, encode_header
 from shardwire.comm.lanes import Lane
 from shardwire.comm.records import CommRecord
-from shardwire.comm.topology import Topology, topology
+from shardwire.comm.topology import topology
 
 # torch's own flat all-gather and reduce-scatter, under whichever name this torch release has
 torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -127,14 +127,13 @@ class Communicator:
         device: torch.device,
         *,
         timeout: datetime.timedelta,
-        placement: Topology | None = None,
     ):
         self.group = group
         self.device = device
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.topology = placement or topology(group)
+        self.topology = topology(group)
         self.clock = Clock(device)
         self._cuda = device.type == "cuda"
         self._point_to_point = str(dist.get_backend(group)) == "gloo"
