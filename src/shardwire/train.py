@@ -187,7 +187,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         timeout=config.timeout,
     )
     comm = engine_of(model).comm
-    scaler = shardwire.GradScaler(model) if config.precision == "fp16" else None
+    scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )
@@ -221,18 +221,13 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
                 sync = micro == config.grad_accum - 1
                 with contextlib.nullcontext() if sync else shardwire.no_sync(model):
                     loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
-                    scaled = loss / config.grad_accum
-                    (scaler.scale(scaled) if scaler else scaled).backward()
+                    scaler.scale(loss / config.grad_accum).backward()
                 loss_sum += loss.detach()
-            if scaler:
-                scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer)
             if config.clip > 0:
                 shardwire.clip_grad_norm_(model, config.clip)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         interval_steps += 1

@@ -48,28 +48,34 @@ class Opaque:
         self.tensor = tensor
 
 
-class OpaqueBlock(torch.nn.Module):
-    def __init__(self):
+class StructuredBlock(torch.nn.Module):
+    """A linear layer whose output comes wrapped: ``wrap(hidden)``."""
+
+    def __init__(self, wrap):
         super().__init__()
         self.linear = torch.nn.Linear(4, 4)
+        self.wrap = wrap
 
     def forward(self, x):
-        return Opaque(self.linear(x))
+        return self.wrap(self.linear(x))
 
 
-class OpaqueModel(torch.nn.Module):
-    def __init__(self):
+class StructuredModel(torch.nn.Module):
+    """Two such blocks, each block's output turned back into a tensor by ``unwrap``."""
+
+    def __init__(self, wrap, unwrap):
         super().__init__()
-        self.blocks = torch.nn.ModuleList([OpaqueBlock(), OpaqueBlock()])
+        self.blocks = torch.nn.ModuleList([StructuredBlock(wrap), StructuredBlock(wrap)])
+        self.unwrap = unwrap
 
     def forward(self, x):
         for block in self.blocks:
-            x = block(x).tensor
+            x = self.unwrap(block(x))
         return x
 
 
 def test_a_unit_output_that_cannot_be_looked_into_is_refused_naming_the_unit():
-    model = shardwire.shard(OpaqueModel())
+    model = shardwire.shard(StructuredModel(Opaque, lambda out: out.tensor))
     with pytest.raises(TypeError, match="unit 'blocks.0' returned a Opaque, which shardwire cannot look into"):
         model(torch.randn(2, 4))
     with torch.no_grad():  # nothing needs a gradient: nothing to look for
@@ -81,26 +87,10 @@ def test_namedtuple_and_dataclass_like_outputs_are_walked():
 
     Out = namedtuple("Out", ["hidden", "aux"])
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 4)
+    def wrap(hidden):
+        return Out(hidden, {"scale": 2.0, "extra": [hidden * 2]})
 
-        def forward(self, x):
-            return Out(self.linear(x), {"scale": 2.0, "extra": [self.linear(x)]})
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            for block in self.blocks:
-                out = block(x)
-                x = out.hidden + out.aux["extra"][0]
-            return x
-
-    model = shardwire.shard(Model())
+    model = shardwire.shard(StructuredModel(wrap, lambda out: out.hidden + out.aux["extra"][0]))
     model(torch.randn(2, 4)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 

@@ -87,8 +87,6 @@ class Engine:
         self.root = root
         self.units = units
         self.comm = comm
-        self.group = comm.group
-        self.device = comm.device
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating-point forward inputs are cast to it
@@ -103,6 +101,14 @@ class Engine:
         self._generation = 0  # forwards so far: backward must come from the latest one
         self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
         self._listeners: list[Listener] = []
+
+    @property
+    def group(self):
+        return self.comm.group
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
 
     @property
     def flats(self) -> list[FlatParam]:
@@ -151,7 +157,9 @@ class Engine:
             self.root.show(self._grad_hook())
         if self.input_dtype is None:
             return None
-        return _cast_floats(args, self.input_dtype), _cast_floats(kwargs, self.input_dtype)
+        # every floating-point tensor in them, in any structure pytree walks
+        cast = functools.partial(_cast_float, dtype=self.input_dtype)
+        return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
         forward = self._forward
@@ -307,15 +315,8 @@ class Engine:
             )
 
 
-def _cast_floats(value, dtype: torch.dtype):
-    """``value`` with every floating-point tensor in it (inside tuples, lists and dicts) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cast_floats(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: _cast_floats(item, dtype) for key, item in value.items()}
-    return value
+def _cast_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _once(fn):

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from shardwire.gpus import datasheet_tflops
 from shardwire.models.gpt import GPT, GPTConfig, loss_fn
 
 
@@ -61,18 +62,6 @@ def torch_counted_flops_per_token(config: GPTConfig, batch: int = 1) -> float:
     return counter.get_total_flops() / (batch * config.seq_len)
 
 
-# Dense peak TFLOP/s of recognised GPUs from their vendor's data sheets, by a substring of
-# torch.cuda.get_device_name() (the first that matches) and the matrix unit's input type: bf16/fp16,
-# tf32 (fp32 with TF32 allowed), fp32.
-_DATASHEET_PEAKS = (
-    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
-    ("H100 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
-    ("H100", {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9}),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("H200", {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9}),
-    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-)
-
-
 def datasheet_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The vendor's dense peak for ``device`` computing in ``dtype`` (fp32 as TF32 when torch is
     allowed to use it), or None for a device not in the table."""
@@ -85,7 +74,7 @@ def datasheet_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | N
         kind = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
     else:
         return None
-    return next((peaks[kind] for key, peaks in _DATASHEET_PEAKS if key in name), None)
+    return datasheet_tflops(name, kind)
 
 
 def probe_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:

@@ -32,6 +32,7 @@ assumed), and ``default``.
 
 from __future__ import annotations
 
+from shardwire.gpus import DATASHEET_TFLOPS
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
 
 _GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)
@@ -57,10 +58,10 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
 
 _NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4)
 _NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4)
-_A100_80 = dict(gpus_per_node=8, peak_tflops=312.0, gpu_memory_gb=80.0, memory_bandwidth_GBps=2039.0,
+_A100_80 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["A100"]["bf16"], gpu_memory_gb=80.0, memory_bandwidth_GBps=2039.0,
                 intra_node=_NVLINK3)
 _A100_40 = dict(_A100_80, gpu_memory_gb=40.0, memory_bandwidth_GBps=1555.0)
-_H100 = dict(gpus_per_node=8, peak_tflops=989.0, gpu_memory_gb=80.0, memory_bandwidth_GBps=3350.0,
+_H100 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["H100"]["bf16"], gpu_memory_gb=80.0, memory_bandwidth_GBps=3350.0,
              intra_node=_NVLINK4)
 
 

@@ -27,15 +27,13 @@ from shardwire.engine.checkpoint.format import (
     CheckpointError,
     buffer_key,
     buffer_records,
-    new_token,
     param_key,
     param_names,
-    temporary_name,
 )
 from shardwire.engine.checkpoint.load import copy_into_model
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.save import write_durably
 from shardwire.engine.shard import engine_of
+from shardwire.files import write_atomically
 
 
 def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
@@ -54,13 +52,7 @@ def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) 
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getvalue()
-    staging = output.with_name(temporary_name(output.name, new_token()))
-    try:
-        write_durably(staging, data)
-        staging.replace(output)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
+    write_atomically(output, data, durable=True)
     return output
 
 
