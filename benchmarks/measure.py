@@ -1,9 +1,10 @@
-"""Measurements shared by the benchmarks: peak resident memory, bytes on a network interface, and
-worker launching. All of them observe the processes from outside the systems being compared, so
-every system is measured the same way."""
+"""Measurements shared by the benchmarks: peak resident memory, bytes on a network interface, a
+step's time on the slowest rank, and worker launching. All of them observe the processes from outside
+the systems being compared, so every system is measured the same way."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -62,6 +63,33 @@ def median(values: list[float]) -> float:
 # resident memory stops following live tensors. Memory passes pin the threshold: every allocation of
 # 64 KiB or more is mapped on its own and returned to the system when freed.
 MEMORY_PASS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def slowest_rank_seconds(fn) -> float:
+    """Run ``fn()`` on every rank, started together after a barrier; the slowest rank's seconds."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def job_parser(description: str, *, model: str, batch: int) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs itself as a torchrun job (``run_torchrun``): the hidden
+    ones its workers get, the number of ranks, the GPT preset and the sequences per rank."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--batch", type=int, default=batch)
+    return parser
 
 
 def run_torchrun(nproc: int, script: str, args: list[str], *, threads: int, env: dict | None = None,

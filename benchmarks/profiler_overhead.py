@@ -10,15 +10,13 @@ the overhead is the ratio of the medians, minus one. Target: under 3%.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from measure import median, run_torchrun  # noqa: E402
+from measure import job_parser, median, run_torchrun, slowest_rank_seconds  # noqa: E402
 
 
 def worker(args) -> None:
@@ -45,26 +43,18 @@ def worker(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    def timed(profiler):
-        dist.barrier()
-        start = time.perf_counter()
-        if profiler is None:
+    def profiled_step(profiler):
+        with profiler.step():
             step()
-        else:
-            with profiler.step():
-                step()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return elapsed.item()
 
     for _ in range(3):
         step()
     times = {"off": [], "on": []}
     for _ in range(args.blocks):
-        times["off"] += [timed(None) for _ in range(args.steps)]
+        times["off"] += [slowest_rank_seconds(step) for _ in range(args.steps)]
         profiler = Profiler(model, optimizer, tokens_per_step=args.batch * config.seq_len * world,
                             flops=gpt_flops_per_token(config), probe_peak=False)
-        times["on"] += [timed(profiler) for _ in range(args.steps)]
+        times["on"] += [slowest_rank_seconds(lambda: profiled_step(profiler)) for _ in range(args.steps)]
         profiler.close()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
@@ -73,12 +63,7 @@ def worker(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=8)
+    parser = job_parser(__doc__.split("\n\n")[0], model="small", batch=8)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()

@@ -26,10 +26,19 @@ OTHER_MODEL = GPTConfig(seq_len=32, layers=3, hidden=48, heads=2)
 
 
 def make_model(seed: int, config=PRESETS["tiny"]):
+    """The GPT and AdamW in two param groups: matrices decayed, biases and norms not, at two rates."""
     torch.manual_seed(seed)
     model = shardwire.shard(GPT(config), units=[Block])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-6)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([
+        {"params": [p for p in params if len(p.full_shape) >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if len(p.full_shape) < 2], "weight_decay": 0.0, "lr": 1e-3},
+    ], lr=3e-3, betas=(0.9, 0.95), eps=1e-6)
     return model, optimizer
+
+
+def group_settings(optimizer) -> list[tuple]:
+    return [(group["lr"], group["weight_decay"], len(group["params"])) for group in optimizer.param_groups]
 
 
 def train(model, optimizer, steps: range, rank: int, world: int) -> None:
@@ -44,17 +53,21 @@ def train(model, optimizer, steps: range, rank: int, world: int) -> None:
 
 
 def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Every flat buffer's optimizer state, unsharded (per-element state without the padding)."""
+    """Every parameter's AdamW state, unsharded: its moments whole and its step count once."""
     engine = engine_of(model)
     full = {}
     for flat in engine.flats:
-        for key, value in optimizer.state[flat.shard].items():
-            if value.dim() == 0:
-                full[f"{flat.name}/{key}"] = value.clone()
-                continue
-            gathered = torch.empty(flat.layout.padded_numel, dtype=value.dtype)
-            engine.comm.all_gather(gathered, value, tag="test").wait()
-            full[f"{flat.name}/{key}"] = gathered[: flat.layout.numel]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            laid_out = torch.zeros(flat.layout.shard_numel)  # a step count fills its parameter's part
+            for slot, param, (start, end) in flat.held_parts():
+                if param in optimizer.state:
+                    at = slot.offset + start - flat.shard_start
+                    laid_out[at : at + end - start] = optimizer.state[param][key]
+            gathered = torch.empty(flat.layout.padded_numel)
+            engine.comm.all_gather(gathered, laid_out, tag="test").wait()
+            for slot in flat.layout.slots:
+                value = gathered[slot.offset : slot.offset + slot.numel]
+                full[f"{slot.names[0]}/{key}"] = value[0] if key == "step" else value
     return full
 
 
@@ -71,9 +84,11 @@ def _train_and_save(rank, world, root):
     root = pathlib.Path(root)
     model, optimizer = make_model(seed=0)
     train(model, optimizer, range(3), rank, world)
+    optimizer.param_groups[1]["lr"] = 5e-4  # as a scheduler would: the loaded groups must have it
     rng_at_save = torch.get_rng_state()
     shardwire.save_checkpoint(root / "step3", model, optimizer, step=3, extra={"epoch": 1, "tag": "t"})
-    saved = {"params": shardwire.full_state_dict(model), "optimizer": full_optimizer_state(model, optimizer)}
+    saved = {"params": shardwire.full_state_dict(model), "optimizer": full_optimizer_state(model, optimizer),
+             "groups": group_settings(optimizer)}
     train(model, optimizer, range(3, 5), rank, world)
     uninterrupted = shardwire.full_state_dict(model)
 
@@ -156,9 +171,10 @@ def _load_resharded(rank, world, saved):
     for flat in engine_of(model).flats:
         start, _ = flat.layout.shard_range(rank)
         data = max(0, flat.layout.numel - start)
-        assert not flat.shard[data:].any() and not optimizer.state[flat.shard]["exp_avg"][data:].any()
+        assert not flat.shard[data:].any()
     return {
         "info": (info.step, info.world_size, info.rng_restored),
+        "groups": group_settings(optimizer),
         "params": shardwire.full_state_dict(model),
         "optimizer": full_optimizer_state(model, optimizer),
     }
@@ -186,12 +202,12 @@ def _refuse_bad_input(rank, world, cases, series, scratch):
     unchanged = (shardwire.full_state_dict(model), not optimizer.state)
 
     # State that cannot be re-sliced for another world size is refused before anything is written.
-    root_shard = engine_of(model).flats[0].shard
-    optimizer.state[root_shard]["factored"] = torch.zeros(2)
+    embedding = dict(model.named_parameters())["tok_emb.weight"]
+    optimizer.state[embedding]["factored"] = torch.zeros(2)
     with pytest.raises(shardwire.CheckpointError) as caught:
         shardwire.save_checkpoint(pathlib.Path(scratch) / "unsaveable", model, optimizer)
     errors["unsaveable state"] = str(caught.value)
-    del optimizer.state[root_shard]
+    del optimizer.state[embedding]
     with pytest.raises(shardwire.CheckpointError) as caught:
         shardwire.save_checkpoint(pathlib.Path(scratch) / "unsaveable", model, extra={"at": object()})
     errors["unsaveable extra"] = str(caught.value)
@@ -309,6 +325,7 @@ def at_two_ranks(saved, tmp_path_factory) -> dict:
 def check_resharded(result: dict, saved: pathlib.Path) -> None:
     assert result["info"] == (3, 4, False)  # step, saved world size, RNG not restored
     ref = reference(saved)
+    assert result["groups"] == ref["groups"] == [(3e-3, 0.1, 14), (5e-4, 0.0, 23)]
     assert_same(result["params"], ref["params"])
     assert_same(result["optimizer"], ref["optimizer"])
 
@@ -337,7 +354,7 @@ def test_bad_input_is_refused_naming_file_and_reason(at_two_ranks):
     assert "missing/rank_00003.safetensors: missing" in errors["missing"]
     assert "no_manifest/manifest.json: missing" in errors["no manifest"]
     assert "saved from a different model: 'tok_emb.weight' has shape (256, 48)" in errors["other model"]
-    assert "optimizer state 'factored' of '<root>' is a tensor of shape (2,)" in errors["unsaveable state"]
+    assert "optimizer state 'factored' of 'tok_emb.weight' is a tensor of shape (2,)" in errors["unsaveable state"]
     assert "extra must be JSON-serializable" in errors["unsaveable extra"]
     assert_same(result["after"], result["before"])  # never a partial load
     assert result["optimizer untouched"]
@@ -352,3 +369,46 @@ def test_crash_during_save_leaves_the_previous_checkpoint(at_two_ranks):
     assert_same(result["restored"], result["saved at step 1"])
     # The next good saves delete the temporaries, and keep=2 keeps the newest two.
     assert result["finally"] == result["listed"] == ["step_00000002", "step_00000003"]
+
+
+def _as_format_2(directory: pathlib.Path) -> None:
+    """Rewrite a checkpoint's manifest as format 2 wrote it: optimizer state per flat buffer."""
+    from shardwire.engine.checkpoint.format import _body_sha256
+
+    body = json.loads((directory / "manifest.json").read_text())
+    del body["sha256"]
+    body["version"] = 2
+    for flat in body["flats"]:
+        flat["optimizer_state"] = {"exp_avg": {"kind": "per_element", "dtype": "float32"}}
+    body["optimizer"] = {"class": "AdamW", "param_groups": [{"lr": 3e-3, "params": [f["name"] for f in body["flats"]]}]}
+    (directory / "manifest.json").write_text(json.dumps({**body, "sha256": _body_sha256(body)}))
+
+
+def test_a_format_2_checkpoint_loads_its_model_and_refuses_its_optimizer_state(tmp_path):
+    model, optimizer = make_model(seed=0)
+    train(model, optimizer, range(1), rank=0, world=1)
+    shardwire.save_checkpoint(tmp_path / "old", model, optimizer, step=1)
+    expected = shardwire.full_state_dict(model)
+    _as_format_2(tmp_path / "old")
+    model, optimizer = make_model(seed=1)
+    with pytest.raises(shardwire.CheckpointError, match="written in checkpoint format 2, .*load it with optimizer=None"):
+        shardwire.load_checkpoint(tmp_path / "old", model, optimizer)
+    assert shardwire.load_checkpoint(tmp_path / "old", model).step == 1
+    assert_same(shardwire.full_state_dict(model), expected)
+
+
+def test_an_optimizer_with_other_param_groups_is_refused_naming_the_difference(tmp_path):
+    model, optimizer = make_model(seed=0)
+    train(model, optimizer, range(1), rank=0, world=1)
+    shardwire.save_checkpoint(tmp_path / "groups", model, optimizer)
+    ungrouped = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(shardwire.CheckpointError, match="the optimizer had 2 param groups when saved and has 1 now"):
+        shardwire.load_checkpoint(tmp_path / "groups", model, ungrouped)
+    params = dict(model.named_parameters())
+    moved = torch.optim.AdamW([  # norm.bias moved to the decayed group
+        {"params": [p for name, p in params.items() if len(p.full_shape) >= 2 or name == "norm.bias"]},
+        {"params": [p for name, p in params.items() if len(p.full_shape) < 2 and name != "norm.bias"]},
+    ])
+    with pytest.raises(shardwire.CheckpointError, match="param group 0 holds other parameters than when saved: "
+                                                        "'norm.bias' is in it only now"):
+        shardwire.load_checkpoint(tmp_path / "groups", model, moved)

@@ -50,17 +50,25 @@ def flat_buffers(rank, world):
     reference = GPT(SIX_LAYERS)
     model = shardwire.shard(copy.deepcopy(reference), units=[Block])
     owned = dict(model.named_parameters())
-    assert sorted(owned) == sorted(["flat_shard_float32", *[f"{b}.flat_shard_float32" for b in BLOCKS]])
+    expected = dict(reference.named_parameters())  # the tied head once, as torch lists it
+    assert list(owned) == list(expected)
+    assert all(owned[name].full_shape == param.shape for name, param in expected.items())
+    flats = engine_of(model).flats
     per_block = sum(p.numel() for p in reference.blocks[0].parameters())
-    assert owned["blocks.0.flat_shard_float32"].numel() == -(-per_block // world)
+    assert flats[1].shard.numel() == -(-per_block // world)
     # the tied head is stored once: the root holds the two embeddings and the final norm
     root = reference.tok_emb.weight.numel() + reference.pos_emb.weight.numel() + 2 * SIX_LAYERS.hidden
-    assert owned["flat_shard_float32"].numel() == -(-root // world)
+    assert flats[0].shard.numel() == -(-root // world)
+    for flat in flats:  # each parameter is this rank's part of it, a view of the unit's shard
+        start, _ = flat.layout.shard_range(rank)
+        assert sum(param.numel() for _, param, _ in flat.held_parts()) == min(flat.shard.numel(), flat.layout.numel - start)
+        assert {param.untyped_storage().data_ptr() for _, param, _ in flat.held_parts()} == {flat.shard.data_ptr()}
 
     seen = {}
 
     def inspect(block, args):
-        assert [name for name, _ in block.named_parameters()] == ["flat_shard_float32"]
+        assert [name for name, _ in block.named_parameters()] == [
+            name for name, _ in reference.blocks[2].named_parameters()]
         views = [block.norm1.weight, block.attn.qkv.weight, block.mlp.up.weight, block.mlp.down.bias]
         seen["storages"] = {v.untyped_storage().data_ptr() for v in views}
         seen["tied"] = model.head.weight is model.tok_emb.weight
@@ -252,7 +260,7 @@ def reduction_trace(rank, world):
     def announce_backward(i):
         def hook(module, args, output):
             def on_grad(grad):
-                landed = model.blocks[i + 1].flat_shard_float32.grad is not None if i + 1 < 6 else None
+                landed = next(model.blocks[i + 1].parameters()).grad is not None if i + 1 < 6 else None
                 events.append(("backward", f"blocks.{i}", landed))
             output.register_hook(on_grad)
         return hook

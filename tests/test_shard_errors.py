@@ -105,7 +105,6 @@ def test_released_parameters_cannot_be_computed_with():
 
 
 def test_training_goes_on_after_a_forward_or_backward_that_raised():
-    from shardwire.engine.shard import engine_of
     from shardwire.models.gpt import loss_fn
 
     model = shardwire.shard(tiny_gpt(), units=[Block])
@@ -131,6 +130,17 @@ def test_training_goes_on_after_a_forward_or_backward_that_raised():
     for m in (model, reference):
         loss_fn(m(tokens[:, :-1]), tokens[:, 1:]).backward()
     expected = dict(reference.named_parameters())
-    for flat in engine_of(model).flats:
-        for slot, grad in zip(flat.layout.slots, flat.layout.views(flat.shard.grad)):
-            assert torch.allclose(grad, expected[slot.names[0]].grad, rtol=1e-5, atol=1e-7), slot.names
+    for name, param in model.named_parameters():  # one rank: each parameter's part is all of it
+        grad = param.grad.view(param.full_shape)
+        assert torch.allclose(grad, expected[name].grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_requires_grad_changed_after_shard_is_an_error_at_the_next_forward():
+    from shardwire.models.gpt import loss_fn
+
+    model = shardwire.shard(tiny_gpt(), units=[Block])
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    dict(model.named_parameters())["blocks.1.mlp.up.weight"].requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad of 'blocks.1.mlp.up.weight' was set to False after "
+                                           "shardwire.shard: .* set requires_grad before sharding"):
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:])

@@ -159,6 +159,17 @@ def _lr_factor(step: int, config: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay for matrices (linear layers, embeddings), none for biases and norms, as nanoGPT
+    decides: by the number of dimensions a parameter has in the model (``full_shape``; a sharded
+    parameter itself is this rank's flat part)."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if len(p.full_shape) >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if len(p.full_shape) < 2], "weight_decay": 0.0},
+    ]
+
+
 def train(config: TrainConfig) -> None:
     """One worker's whole job; the process group ends with it, however it ends."""
     device, backend = _device_and_backend(config)
@@ -188,9 +199,9 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     )
     comm = engine_of(model).comm
     scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
+    # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),
+                                  fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
 
     global_batch = config.batch * world

@@ -1,10 +1,15 @@
 """One flat buffer of a unit: the slice this rank owns and, while the unit runs, the whole buffer.
 
-The owned slice is an ``nn.Parameter`` registered on the unit's module, so ``model.parameters()`` and
-any optimizer see exactly the sharded state. The gathered buffer is a single tensor kept for the unit's
-lifetime; its storage is allocated before each all-gather and released when the unit is resharded.
-The parameter views the modules compute with alias that storage, so tensors autograd saved during
-forward see the data gathered again for backward.
+The owned slice (``shard``, in the parameters' own dtype) is the master copy of the unit's weights.
+The user sees it through the model's own parameters: each original parameter stays registered under
+its name as an ``nn.Parameter`` viewing the part of the slice that falls inside it (flattened; empty
+where this rank's slice misses it), so ``model.named_parameters()`` keeps the model's names, an
+optimizer's in-place update lands in the buffer the next all-gather sends, and after backward each
+parameter's ``.grad`` is a view of this rank's share of the reduced flat gradient. The gathered buffer
+is a single tensor kept for the unit's lifetime; its storage is allocated before each all-gather and
+released when the unit is resharded. While gathered, the module attributes point at views of it,
+shadowing the registered parameters, so tensors autograd saved during forward see the data gathered
+again for backward.
 
 On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
 shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
@@ -17,13 +22,13 @@ reductions in flight bound the gradients held.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from shardwire.comm.communicator import Communicator, Pending
-from shardwire.engine.layout import FlatLayout
+from shardwire.engine.layout import FlatLayout, ParamSlot
 from shardwire.engine.released import ReleasedParameter
 
 
@@ -32,9 +37,11 @@ class FlatParam:
         self,
         name: str,
         layout: FlatLayout,
-        shard: nn.Parameter,
+        shard: torch.Tensor,
+        rank: int,
         owners: list[list[tuple[nn.Module, str]]],
         *,
+        requires_grad: bool,
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         comm: Communicator,
@@ -42,6 +49,11 @@ class FlatParam:
         self.name = name
         self.layout = layout
         self.shard = shard
+        self.requires_grad = requires_grad
+        start, _ = layout.shard_range(rank)
+        self.shard_start = start  # where this rank's slice begins in the buffer
+        self._parts = [(lo - start, hi - start) for lo, hi in (layout.held(slot, rank) for slot in layout.slots)]
+        self.params = [self._parameter(slot, lo, hi) for slot, (lo, hi) in zip(layout.slots, self._parts)]
         # For each slot, the module attribute dicts (and names) that expose that parameter.
         self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
         self.compute_dtype = compute_dtype
@@ -55,9 +67,27 @@ class FlatParam:
         self._accumulated: torch.Tensor | None = None  # unsharded gradient summed under no_sync
         self.free()
 
-    @property
-    def requires_grad(self) -> bool:
-        return self.shard.requires_grad
+    def _parameter(self, slot: ParamSlot, lo: int, hi: int) -> nn.Parameter:
+        """The user's handle on a parameter: a view of its part of the shard, with its full shape."""
+        param = nn.Parameter(self.shard[lo:hi], requires_grad=self.requires_grad)
+        param.full_shape = torch.Size(slot.shape)
+        return param
+
+    def held_parts(self) -> Iterator[tuple[ParamSlot, nn.Parameter, tuple[int, int]]]:
+        """Each parameter's slot, its view, and the [start, end) of its flattened elements held here."""
+        for slot, param, (lo, hi) in zip(self.layout.slots, self.params, self._parts):
+            yield slot, param, (self.shard_start + lo - slot.offset, self.shard_start + hi - slot.offset)
+
+    def check_requires_grad(self) -> None:
+        """Refuse a ``requires_grad`` changed since ``shard``: trainable and frozen parameters live in
+        different buffers, one reduced and one not, so the change cannot take effect."""
+        for slot, param in zip(self.layout.slots, self.params):
+            if param.requires_grad != self.requires_grad:
+                raise RuntimeError(
+                    f"requires_grad of {slot.names[0]!r} was set to {param.requires_grad} after shardwire.shard: "
+                    f"sharding puts trainable and frozen parameters in separate buffers (only the trainable "
+                    f"one is reduced), so set requires_grad before sharding the model"
+                )
 
     @property
     def is_allocated(self) -> bool:
@@ -126,14 +156,20 @@ class FlatParam:
             return self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,)), share
 
     def land(self, pending: Pending, share: torch.Tensor) -> None:
-        """Wait for a reduce-scatter from ``reduce`` and add its share to the shard's gradient.
+        """Wait for a reduce-scatter from ``reduce`` and hand its share to the parameters' gradients.
 
-        The training waits for the collective here (which bounds the gradients in flight), and the
-        addition runs where reductions run."""
+        A parameter without a gradient gets a view of the share (no copy); one that has a gradient
+        (accumulation across backward passes without ``zero_grad``) gets the share added. A parameter
+        this rank holds nothing of gets none, so optimizers skip it. The training waits for the
+        collective here (which bounds the gradients in flight), and the addition runs where
+        reductions run."""
         pending.wait()
         with self._comm.reduce_stream():
             share = share.to(self.shard.dtype)
-            if self.shard.grad is None:
-                self.shard.grad = share
-            else:
-                self.shard.grad.add_(share)
+            for param, (lo, hi) in zip(self.params, self._parts):
+                if hi == lo:
+                    continue
+                if param.grad is None:
+                    param.grad = share[lo:hi]
+                else:
+                    param.grad.add_(share[lo:hi])

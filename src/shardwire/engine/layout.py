@@ -59,6 +59,14 @@ class FlatLayout:
         """The [start, end) of the padded buffer that ``rank`` owns."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def held(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """The [start, end) of the buffer that is both ``slot``'s and ``rank``'s; start == end when
+        ``rank``'s shard misses the parameter. Consecutive ranks hold consecutive parts, so a
+        parameter flattened is its parts concatenated in rank order."""
+        start, end = self.shard_range(rank)
+        lo = min(max(start, slot.offset), end)
+        return lo, max(min(end, slot.offset + slot.numel), lo)
+
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """One padded flat buffer holding ``tensors`` (in slot order)."""
         flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=tensors[0].device)

@@ -35,6 +35,7 @@ class ReleasedParameter(torch.Tensor):
         released = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ReleasedParameter))
         raise RuntimeError(
             f"{released.param_name!r} belongs to sharded unit {released.unit_name!r}, which is not "
-            f"gathered now: a sharded model's parameters exist only while their unit runs inside the "
-            f"model's forward or backward. Read the weights with shardwire.full_state_dict(model)."
+            f"gathered now: a sharded model's whole weights exist only while their unit runs inside the "
+            f"model's forward or backward. This rank's part of it is in model.named_parameters(); read "
+            f"whole weights with shardwire.full_state_dict(model)."
         )

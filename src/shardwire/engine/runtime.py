@@ -36,7 +36,7 @@ from shardwire.comm.communicator import Communicator, Pending
 from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.schedule import Pass
-from shardwire.engine.unit import Unit
+from shardwire.engine.unit import INPUTS, Unit
 
 # Reduce-scatters allowed in flight. Each holds a whole unit's flat gradient until it lands, so the
 # bound trades memory for the time a slow reduction gets to finish behind later backward compute.
@@ -67,7 +67,8 @@ def _tensors_needing_grad(output, producer: str) -> list[torch.Tensor]:
             raise TypeError(
                 f"{producer} returned a {type(leaf).__name__}, which shardwire cannot look into for "
                 f"tensors: return tensors in tuples, lists, dicts or namedtuples, or register the type "
-                f"with torch.utils._pytree.register_pytree_node"
+                f"with torch.utils._pytree.register_pytree_node (a Hugging Face model's key/value cache: "
+                f"train with use_cache=False)"
             )
     return tensors
 
@@ -118,7 +119,9 @@ class Engine:
         self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         self.root.module.register_forward_hook(self._root_post_forward)
         for unit in self.units:
-            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), prepend=True)
+            unit.module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, unit), prepend=True, with_kwargs=True
+            )
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
 
     def add_listener(self, listener: Listener) -> None:
@@ -151,6 +154,8 @@ class Engine:
         with record_function("shardwire::pre_forward(<root>)"):
             if not recording:
                 self.comm.verify_order("the step before this forward")
+            for flat in self.flats:
+                flat.check_requires_grad()
             self._gather(self.root, "forward", check=recording)
             self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
             self.root.wait()
@@ -161,7 +166,7 @@ class Engine:
         cast = functools.partial(_cast_float, dtype=self.input_dtype)
         return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args, kwargs):
         forward = self._forward
         if forward is None:
             raise RuntimeError(
@@ -173,7 +178,25 @@ class Engine:
             self._gather(unit, "forward", check=forward.recording)
             unit.wait()
             unit.show(self._grad_hook())
+            routed = None
+            if unit.has_frozen and torch.is_grad_enabled():
+                routed = self._announce_backward_through_inputs(unit, (args, kwargs))
         self.emit("forward", unit.name, "start")
+        return routed
+
+    def _announce_backward_through_inputs(self, unit: Unit, inputs):
+        """Route the unit's forward inputs that need a gradient through an identity whose backward
+        reports ``INPUTS`` to the unit: it runs once backward has passed through all of the unit."""
+        leaves, spec = pytree.tree_flatten(inputs)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not positions:
+            return None
+        unit.await_inputs()
+        done = functools.partial(self._inputs_done, self._generation, unit)
+        routed = _BackwardThroughInputs.apply(done, *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, routed):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
         self.emit("forward", unit.name, "end")
@@ -250,7 +273,14 @@ class Engine:
                     self._land_oldest()
             else:
                 flat.accumulate(grad)
-        if unit.grad_arrived(flat):
+        self._arrived(unit, flat)
+
+    def _inputs_done(self, generation: int, unit: Unit) -> None:
+        self._enter_backward(generation)
+        self._arrived(unit, INPUTS)
+
+    def _arrived(self, unit: Unit, signal) -> None:
+        if unit.arrived(signal):
             self.emit("backward", unit.name, "end")
             unit.free()
 
@@ -313,6 +343,20 @@ class Engine:
                 f"ranks disagree on the next unit: {plan}. Every rank must run the same units in "
                 f"the same order in each step (no rank-dependent control flow around units)."
             )
+
+
+class _BackwardThroughInputs(torch.autograd.Function):
+    """The identity on tensors; its backward calls ``done()`` when their gradients are complete."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
 
 
 def _cast_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

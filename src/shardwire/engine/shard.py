@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
+from shardwire.engine import sharded_state_dict
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import FlatLayout
 from shardwire.engine.mixed_precision import MixedPrecision
@@ -41,8 +42,14 @@ def shard(
     Each unit's parameters (``units``: module classes or a predicate; by default the blocks of the
     model's ``nn.ModuleList``s) become one flat buffer of which this rank keeps an equal slice, cut
     from rank 0's values (as DDP does at construction), so every rank starts from the same model;
-    everything outside the units forms the root unit. Afterwards ``model.parameters()`` yields exactly
-    those slices, so an optimizer built from them keeps sharded state with no further code.
+    everything outside the units forms the root unit. Afterwards the model keeps its own parameters,
+    names and ``requires_grad`` flags, each holding this rank's part of it: a flat view of the slice
+    (``param.full_shape`` is its shape in the model), empty where the slice misses it. So an optimizer
+    built from ``model.parameters()``, in any param groups, keeps sharded state with no further code,
+    and ``model.state_dict()`` holds this rank's parts under the model's names.
+
+    Set ``requires_grad`` before sharding: frozen parameters go into buffers of their own, gathered
+    but never reduced, and changing the flag afterwards is an error at the next forward.
 
     Args:
         reshard_after_forward: release each unit's gathered parameters after its forward and gather
@@ -91,6 +98,7 @@ def shard(
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
+    sharded_state_dict.install(model, engine.flats, comm.rank, comm.world)
     if activation_checkpointing:
         for unit in block_units:
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
@@ -150,31 +158,30 @@ def _flat_groups(params: list[OwnedParam]) -> dict[tuple[torch.dtype, bool], lis
 
 
 def _build_unit(index, name, module, params, *, comm, policy) -> Unit:
-    rank, world = comm.rank, comm.world
     name = name or "<root>"
     grouped = _flat_groups(params)
     flats = []
     for (dtype, requires_grad), entries in grouped.items():
-        layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, world)
+        layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, comm.world)
         full = layout.flatten([e.param.detach() for e in entries])
-        if world > 1:
+        if comm.world > 1:
             comm.broadcast(full, tag=f"initial values of {name}").wait()
-        start, end = layout.shard_range(rank)
-        shard = nn.Parameter(full[start:end].clone(), requires_grad=requires_grad)
-        attr = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")
-        for entry in entries:
-            for owner, param_name in entry.owners:
-                owner._parameters.pop(param_name, None)
-        module.register_parameter(attr, shard)
+        start, end = layout.shard_range(comm.rank)
+        suffix = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")
         flat = FlatParam(
-            f"{name}.{attr}" if len(grouped) > 1 else name,
+            f"{name}.{suffix}" if len(grouped) > 1 else name,
             layout,
-            shard,
+            full[start:end].clone(),
+            comm.rank,
             [e.owners for e in entries],
+            requires_grad=requires_grad,
             compute_dtype=policy.param_dtype or dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or dtype,
             comm=comm,
         )
+        for entry, param in zip(entries, flat.params):
+            for owner, param_name in entry.owners:
+                owner._parameters[param_name] = param
         flats.append(flat)
     return Unit(index, name, module, flats)
 

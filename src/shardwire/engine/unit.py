@@ -3,6 +3,11 @@
 Typically a unit is one transformer block; everything outside every unit forms the root unit. A unit
 holds one ``FlatParam`` per (dtype, requires_grad) group of its parameters, which in a usual model
 means exactly one, so gathering a unit is one all-gather and reducing it one reduce-scatter.
+
+A unit's backward is over, and its parameters can be released, once every trainable buffer's flat
+gradient is complete: every use of a trainable view feeds that gradient. Frozen views feed none, so a
+unit with frozen parameters also waits for the gradient of its forward inputs, which autograd
+computes only after every path through the unit (``INPUTS``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from shardwire.comm.communicator import Pending
 from shardwire.engine.flat_param import FlatParam
 
 
+# The signal, besides its trainable buffers' gradients, that a unit with frozen parameters awaits.
+INPUTS = "inputs"
+
+
 class Unit:
     def __init__(self, index: int, name: str, module: nn.Module, flats: list[FlatParam]):
         self.index = index
@@ -24,7 +33,11 @@ class Unit:
         self.flats = flats
         self._in_flight: list[Pending] = []
         self._allocated = False
-        self._awaiting_grads: set[FlatParam] = set()
+        self._awaiting: set[FlatParam | str] = set()
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not flat.requires_grad for flat in self.flats)
 
     @property
     def is_gathered(self) -> bool:
@@ -54,10 +67,10 @@ class Unit:
     def show(self, on_grad: Callable[["Unit", FlatParam, torch.Tensor], None] | None) -> None:
         """Expose the gathered parameters to the modules; with ``on_grad``, as autograd leaves whose
         completed flat gradients are reported as ``on_grad(unit, flat, leaf)``."""
-        self._awaiting_grads = set()
+        self._awaiting = set()
         for flat in self.flats:
             if on_grad is not None and flat.requires_grad:
-                self._awaiting_grads.add(flat)
+                self._awaiting.add(flat)
                 flat.show(lambda leaf, flat=flat: on_grad(self, flat, leaf))
             else:
                 flat.show(None)
@@ -67,11 +80,16 @@ class Unit:
         for flat in self.flats:
             flat.reveal()
 
-    def grad_arrived(self, flat: FlatParam) -> bool:
-        """Note that ``flat``'s gradient is complete; True once every trainable buffer has reported,
-        i.e. when this unit's backward is over and its parameters can be released."""
-        self._awaiting_grads.discard(flat)
-        return not self._awaiting_grads
+    def await_inputs(self) -> None:
+        """Make the end of backward through the unit's forward inputs (``INPUTS``) a condition of
+        its release too."""
+        self._awaiting.add(INPUTS)
+
+    def arrived(self, signal: FlatParam | str) -> bool:
+        """Note that ``signal`` (a buffer whose gradient is complete, or ``INPUTS``) arrived; True
+        once all have, i.e. when this unit's backward is over and its parameters can be released."""
+        self._awaiting.discard(signal)
+        return not self._awaiting
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r})"

@@ -4,12 +4,13 @@ A checkpoint is a directory::
 
     step_00000400/
         rank_00000.safetensors   rank 0's shard of every flat buffer, its per-element optimizer
-        rank_00001.safetensors   state (Adam's moments) and its RNG states; one file per rank
-        ...
-        replicated.safetensors   what every rank holds alike: the model's buffers and the scalar
-                                 optimizer state (Adam's step count)
-        manifest.json            written last: each flat buffer's layout, the optimizer's class and
-                                 hyperparameters, the step, the caller's ``extra``, the size and
+        rank_00001.safetensors   state (Adam's moments) laid out like those shards, the scalar
+        ...                      optimizer state (Adam's step count) of the parameters whose first
+                                 element it holds, and its RNG states; one file per rank
+        replicated.safetensors   what every rank holds alike: the model's buffers
+        manifest.json            written last: each flat buffer's layout, the optimizer's class,
+                                 param groups (hyperparameters, parameter names) and which state
+                                 each parameter has, the step, the caller's ``extra``, the size and
                                  sha256 of every file above, and the sha256 of its own contents
 
 The manifest describes each flat buffer completely (parameter names, shapes, offsets, dtype, the
@@ -38,12 +39,12 @@ from shardwire.engine.checkpoint import schema
 from shardwire.engine.layout import FlatLayout, ParamSlot
 
 FORMAT = "shardwire-checkpoint"
-VERSION = 2  # 2: the manifest records its own sha256
+VERSION = 3  # 2: the manifest records its own sha256; 3: optimizer state per parameter
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
 
-# Kinds of optimizer state. Per-element state has the shard's shape and is re-sliced like the
-# parameters; scalar state (a step count) is the same on every rank and is saved once.
+# Kinds of optimizer state. Per-element state has the shape of the parameter's part and is re-sliced
+# like the parameters; scalar state (a step count) is the same on every rank and is saved once.
 PER_ELEMENT = "per_element"
 SCALAR = "scalar"
 
@@ -72,7 +73,13 @@ def param_key(flat: str) -> str:
 
 
 def optim_key(flat: str, state: str) -> str:
+    """Per-element optimizer state of a flat buffer's parameters, laid out like its shard."""
     return f"optim/{flat}/{state}"
+
+
+def scalar_key(param: str, state: str) -> str:
+    """Scalar optimizer state of one parameter."""
+    return f"optim-scalar/{param}/{state}"
 
 
 def buffer_key(name: str) -> str:
@@ -107,12 +114,10 @@ class FileRecord:
 
 @dataclasses.dataclass(frozen=True)
 class FlatRecord:
-    """A flat buffer as saved: its layout at the saving world size, and for each key of its optimizer
-    state the kind (``PER_ELEMENT`` or ``SCALAR``) and dtype; ``None`` when no optimizer holds it."""
+    """A flat buffer as saved: its name and its layout at the saving world size."""
 
     name: str
     layout: FlatLayout
-    optimizer_state: dict[str, dict[str, str]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +134,12 @@ class Manifest:
     flats: list[FlatRecord]
     buffers: list[BufferRecord]
     state_dict_keys: list[str]  # the unsharded model's, in order: what an export writes
-    optimizer: dict | None  # {"class": name, "param_groups": [hyperparameters + flat names]}
+    # {"class": name, "param_groups": [hyperparameters + parameter names],
+    #  "state": {parameter name: {state key: {"kind", "dtype"}}}}
+    optimizer: dict | None
     extra: object
     files: list[FileRecord]
+    version: int = VERSION  # of the format it was written in
 
     def to_json(self) -> str:
         body = {
@@ -189,7 +197,7 @@ class Manifest:
         step = None if raw["step"] is None else schema.integer(raw["step"], "step")
         world_size = schema.integer(raw["world_size"], "world_size", minimum=1)
         files = _files_from_json(raw["files"], world_size)
-        flats = [_flat_from_json(flat, f"flats[{i}]", world_size)
+        flats = [_flat_from_json(flat, f"flats[{i}]", world_size, version)
                  for i, flat in enumerate(schema.array(raw["flats"], "flats"))]
         schema.unique([flat.name for flat in flats], "the flat buffers' names")
         buffers = [_buffer_from_json(buffer, f"buffers[{i}]")
@@ -201,12 +209,14 @@ class Manifest:
         schema.unique(names, "the parameter and buffer names")
         if sorted(schema.unique(state_dict_keys, "state_dict_keys")) != sorted(names):
             raise ValueError("state_dict_keys are not the names of the parameters and buffers it describes")
-        _check_optimizer(raw["optimizer"], flats)
-        return cls(step, world_size, flats, buffers, state_dict_keys, raw["optimizer"], raw["extra"], files)
+        if version >= 3:
+            _check_optimizer(raw["optimizer"], flats)
+        return cls(step, world_size, flats, buffers, state_dict_keys, raw["optimizer"], raw["extra"], files, version)
 
 
-# Version 1 manifests (before a manifest recorded its own sha256) are read with every other check.
-_READABLE_VERSIONS = (1, VERSION)
+# Version 1 manifests (before a manifest recorded its own sha256) are read with every other check;
+# the optimizer state of versions 1 and 2 (kept per flat buffer) is not read.
+_READABLE_VERSIONS = (1, 2, VERSION)
 _KEYS = ("format", "version", "step", "world_size", "flats", "buffers", "state_dict_keys", "optimizer", "extra",
          "files")
 
@@ -226,7 +236,6 @@ def _flat_to_json(flat: FlatRecord) -> dict:
         "numel": layout.numel,
         "padded_numel": layout.padded_numel,
         "slots": [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset} for s in layout.slots],
-        "optimizer_state": flat.optimizer_state,
     }
 
 
@@ -253,10 +262,9 @@ def _files_from_json(raw, world_size: int) -> list[FileRecord]:
     return records
 
 
-def _flat_from_json(raw, what: str, world_size: int) -> FlatRecord:
-    raw = schema.fields(
-        raw, what, ("name", "dtype", "world_size", "numel", "padded_numel", "slots", "optimizer_state")
-    )
+def _flat_from_json(raw, what: str, world_size: int, version: int) -> FlatRecord:
+    keys = ("name", "dtype", "world_size", "numel", "padded_numel", "slots")
+    raw = schema.fields(raw, what, keys if version >= 3 else (*keys, "optimizer_state"))
     name = schema.string(raw["name"], f"{what}.name")
     slots = tuple(
         _slot_from_json(slot, f"{what}.slots[{i}]")
@@ -269,7 +277,7 @@ def _flat_from_json(raw, what: str, world_size: int) -> FlatRecord:
             or layout.numel != schema.integer(raw["numel"], f"{what}.numel")
             or layout.padded_numel != schema.integer(raw["padded_numel"], f"{what}.padded_numel")):
         raise ValueError(f"the layout of flat buffer {name!r} is inconsistent")
-    return FlatRecord(name, layout, _optimizer_state_from_json(raw["optimizer_state"], f"{what}.optimizer_state"))
+    return FlatRecord(name, layout)
 
 
 def _slot_from_json(raw, what: str) -> ParamSlot:
@@ -281,16 +289,6 @@ def _slot_from_json(raw, what: str) -> ParamSlot:
         raise ValueError(f"{what}.names is empty")
     shape = _shape_from_json(raw["shape"], f"{what}.shape")
     return ParamSlot(names, shape, schema.integer(raw["offset"], f"{what}.offset"))
-
-
-def _optimizer_state_from_json(raw, what: str) -> dict[str, dict[str, str]] | None:
-    if raw is None:
-        return None
-    for key, spec in schema.fields(raw, what, (), open_ended=True).items():
-        spec = schema.fields(spec, f"{what}[{key!r}]", ("kind", "dtype"))
-        schema.one_of(spec["kind"], f"{what}[{key!r}].kind", (PER_ELEMENT, SCALAR))
-        _dtype_from_json(spec["dtype"], f"{what}[{key!r}].dtype")
-    return raw
 
 
 def _buffer_from_json(raw, what: str) -> BufferRecord:
@@ -314,24 +312,32 @@ def _dtype_from_json(raw, what: str) -> torch.dtype:
 
 
 def _check_optimizer(raw, flats: list[FlatRecord]) -> None:
-    """The optimizer record names a class and param groups holding flat buffers of this checkpoint,
-    each in one group; exactly those flat buffers have optimizer state. Its hyperparameters are
-    checked against the optimizer they are loaded into (``optim.read_state_dict``)."""
-    with_state = [flat.name for flat in flats if flat.optimizer_state is not None]
+    """The optimizer record names a class and param groups holding parameters of this checkpoint (by
+    first name), each in one group, and the kind and dtype of each state key of parameters they hold.
+    Its hyperparameters are checked against the optimizer they are loaded into
+    (``optim.read_state_dict``)."""
     if raw is None:
-        if with_state:
-            raise ValueError(f"flat buffer {with_state[0]!r} has optimizer state, but there is no optimizer")
         return
-    raw = schema.fields(raw, "optimizer", ("class", "param_groups"))
+    raw = schema.fields(raw, "optimizer", ("class", "param_groups", "state"))
     schema.string(raw["class"], "optimizer.class")
+    params = {slot.names[0] for flat in flats for slot in flat.layout.slots}
     held = []
     for i, group in enumerate(schema.array(raw["param_groups"], "optimizer.param_groups")):
         what = f"optimizer.param_groups[{i}]"
         group = schema.fields(group, what, ("params",), open_ended=True)
-        params = schema.array(group["params"], f"{what}.params")
-        held += [schema.string(name, f"{what}.params[{j}]") for j, name in enumerate(params)]
-    if sorted(schema.unique(held, "optimizer.param_groups' params")) != sorted(with_state):
-        raise ValueError("the optimizer's param groups do not hold exactly the flat buffers with optimizer state")
+        held += [schema.string(name, f"{what}.params[{j}]")
+                 for j, name in enumerate(schema.array(group["params"], f"{what}.params"))]
+    schema.unique(held, "optimizer.param_groups' params")
+    strangers = [name for name in held if name not in params]
+    if strangers:
+        raise ValueError(f"the optimizer holds {strangers[0]!r}, which is not a parameter of the checkpoint")
+    for name, keys in schema.fields(raw["state"], "optimizer.state", (), open_ended=True).items():
+        if name not in held:
+            raise ValueError(f"optimizer.state has state of {name!r}, which no param group holds")
+        for key, spec in schema.fields(keys, f"optimizer.state[{name!r}]", (), open_ended=True).items():
+            spec = schema.fields(spec, f"optimizer.state[{name!r}][{key!r}]", ("kind", "dtype"))
+            schema.one_of(spec["kind"], f"optimizer.state[{name!r}][{key!r}].kind", (PER_ELEMENT, SCALAR))
+            _dtype_from_json(spec["dtype"], f"optimizer.state[{name!r}][{key!r}].dtype")
 
 
 def param_names(engine) -> set[str]:

@@ -130,7 +130,7 @@ class _Staged:
                 raise CheckpointError(
                     f"{path}: its manifest records step {manifest.step}, its name step {named_step}"
                 )
-            here = [FlatRecord(flat.name, flat.layout, None) for flat in engine.flats]
+            here = [FlatRecord(flat.name, flat.layout) for flat in engine.flats]
             difference = first_difference(manifest, here, buffer_records(engine, model))
             if difference is not None:
                 raise CheckpointError(f"{path} was saved from a different model: {difference}")
@@ -142,7 +142,7 @@ class _Staged:
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
-            state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, rank)
+            state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer)
             rng = {}
             if manifest.world_size == world:
                 rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())

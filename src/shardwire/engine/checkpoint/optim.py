@@ -1,12 +1,17 @@
 """How an optimizer's state maps onto a checkpoint, and back at any world size.
 
-A sharded model's parameters are its flat shards, so an optimizer built from ``model.parameters()``
-keeps its state per shard. A state tensor with the shard's shape (Adam's moments) is per element: it
-is saved with the shard and re-sliced exactly like the parameters when the world size changes. A
-0-dim tensor (Adam's step count) is the same on every rank and is saved once. Anything else has no
-meaning for another slicing of the buffer and is refused when saving, so a checkpoint never holds
-state it could not restore. The hyperparameters of each param group (including the learning rate a
-scheduler set) go into the manifest, with the names of the flat buffers the group holds.
+An optimizer built from a sharded model's parameters keeps its state per parameter, for the part of
+it this rank holds (``FlatParam``). A state tensor shaped like that part (Adam's moments) is per
+element: each rank saves it laid out like the flat shard it belongs to (zeros where a parameter has
+no such state), and a loader at another world size re-slices it exactly like the parameters. A 0-dim
+tensor (Adam's step count) is the same on every rank that holds part of the parameter; the rank
+holding its first element saves it. Anything else has no meaning for another slicing and is refused
+when saving, so a checkpoint never holds state it could not restore.
+
+The manifest records the optimizer's class, each param group's hyperparameters (including the
+learning rate a scheduler set) with the names of the parameters it holds, and which state each
+parameter has: a loaded parameter gets exactly the state it had, and a rank that holds nothing of a
+parameter gets none, as in training, where it never steps it.
 """
 
 from __future__ import annotations
@@ -17,43 +22,63 @@ import pathlib
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from shardwire.engine.checkpoint import schema
 from shardwire.engine.checkpoint.format import (
     PER_ELEMENT,
-    REPLICATED,
     SCALAR,
     CheckpointError,
     dtype_name,
     optim_key,
     parse_dtype,
+    rank_file,
+    scalar_key,
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.flat_param import FlatParam
+from shardwire.engine.layout import ParamSlot
 from shardwire.engine.runtime import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """A parameter an optimizer holds: its buffer, its slot, its view, and the [start, end) of its
+    flattened elements that this rank holds."""
+
+    flat: FlatParam
+    slot: ParamSlot
+    param: nn.Parameter
+    part: tuple[int, int]
+
+    @property
+    def name(self) -> str:
+        return self.slot.names[0]
 
 
 @dataclasses.dataclass
 class OptimizerSnapshot:
     record: dict  # for the manifest: the optimizer's class and its param groups
-    kinds: dict[str, dict[str, dict]]  # flat name -> state key -> {"kind", "dtype"}
-    per_element: dict[str, torch.Tensor]  # file key -> this rank's slice
-    scalars: dict[str, torch.Tensor]  # file key -> value (the same on every rank)
+    state: dict[str, dict[str, dict]]  # parameter name -> state key -> {"kind", "dtype"}, of this rank
+    tensors: dict[str, torch.Tensor]  # file key -> tensor, for this rank's file
 
 
-def group_flats(engine: Engine, optimizer: torch.optim.Optimizer) -> list[list[FlatParam]]:
-    """For each param group, the flat buffers whose shards it holds."""
-    flats = {id(flat.shard): flat for flat in engine.flats}
+def held_by_groups(engine: Engine, optimizer: torch.optim.Optimizer) -> list[list[_Held]]:
+    """For each param group, the parameters of the model it holds."""
+    placed = {
+        id(param): _Held(flat, slot, param, part)
+        for flat in engine.flats for slot, param, part in flat.held_parts()
+    }
     groups = []
     for group in optimizer.param_groups:
         held = []
         for param in group["params"]:
-            if id(param) not in flats:
+            if id(param) not in placed:
                 raise CheckpointError(
-                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not a shard of "
-                    f"this model: build the optimizer from model.parameters() after shardwire.shard(model)"
+                    f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a parameter of this "
+                    f"model: build the optimizer from model.parameters() after shardwire.shard(model)"
                 )
-            held.append(flats[id(param)])
+            held.append(placed[id(param)])
         groups.append(held)
     return groups
 
@@ -61,9 +86,9 @@ def group_flats(engine: Engine, optimizer: torch.optim.Optimizer) -> list[list[F
 def capture(
     engine: Engine, optimizer: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor]
 ) -> OptimizerSnapshot:
-    """This rank's optimizer state, each tensor passed through ``copy`` (a copy to host memory)."""
-    snapshot = OptimizerSnapshot({"class": type(optimizer).__qualname__, "param_groups": []}, {}, {}, {})
-    for group, flats in zip(optimizer.param_groups, group_flats(engine, optimizer)):
+    """This rank's optimizer state, each scalar passed through ``copy`` (a copy to host memory)."""
+    snapshot = OptimizerSnapshot({"class": type(optimizer).__qualname__, "param_groups": []}, {}, {})
+    for group, held in zip(optimizer.param_groups, held_by_groups(engine, optimizer)):
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         try:
             json.dumps(hyperparameters)
@@ -72,62 +97,92 @@ def capture(
                 f"the optimizer's hyperparameters cannot be saved ({err}): checkpoints store them as "
                 f"numbers, strings, booleans and lists"
             ) from None
-        snapshot.record["param_groups"].append({**hyperparameters, "params": [flat.name for flat in flats]})
-        for flat in flats:
-            kinds = snapshot.kinds[flat.name] = {}
-            for key, value in optimizer.state.get(flat.shard, {}).items():
-                kind = _kind(flat.name, key, value, flat.shard.shape)
-                kinds[key] = {"kind": kind, "dtype": dtype_name(value.dtype)}
-                target = snapshot.per_element if kind == PER_ELEMENT else snapshot.scalars
-                target[optim_key(flat.name, key)] = copy(value)
+        snapshot.record["param_groups"].append({**hyperparameters, "params": [entry.name for entry in held]})
+        for entry in held:
+            _capture_param(snapshot, entry, optimizer.state.get(entry.param, {}), copy)
     return snapshot
 
 
-def _kind(flat: str, key: str, value, shard_shape: torch.Size) -> str:
-    if isinstance(value, torch.Tensor) and value.shape == shard_shape:
-        return PER_ELEMENT
+def _capture_param(snapshot: OptimizerSnapshot, entry: _Held, state: dict, copy) -> None:
+    (start, end), flat = entry.part, entry.flat
+    if start == end:  # this rank holds nothing of it, so it never steps it
+        return
+    in_shard = entry.slot.offset + start - flat.shard_start
+    for key, value in state.items():
+        kind = _kind(entry.name, key, value, entry.param.shape)
+        snapshot.state.setdefault(entry.name, {})[key] = {"kind": kind, "dtype": dtype_name(value.dtype)}
+        if kind == SCALAR:
+            if start == 0:  # this rank holds the first element
+                snapshot.tensors[scalar_key(entry.name, key)] = copy(value)
+            continue
+        file_key = optim_key(flat.name, key)
+        if file_key not in snapshot.tensors:
+            snapshot.tensors[file_key] = torch.zeros(flat.layout.shard_numel, dtype=value.dtype)
+        laid_out = snapshot.tensors[file_key]
+        if laid_out.dtype != value.dtype:
+            raise CheckpointError(
+                f"optimizer state {key!r} is {dtype_name(value.dtype)} for {entry.name!r} and "
+                f"{dtype_name(laid_out.dtype)} for another parameter of its buffer {flat.name!r}"
+            )
+        laid_out[in_shard : in_shard + end - start].copy_(value.detach())
+
+
+def _kind(param: str, key: str, value, part_shape: torch.Size) -> str:
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return SCALAR
+    if isinstance(value, torch.Tensor) and value.shape == part_shape:
+        return PER_ELEMENT
     what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
     raise CheckpointError(
-        f"optimizer state {key!r} of {flat!r} is {what}; checkpoints hold per-element state (the shard's "
-        f"shape, {tuple(shard_shape)}) and 0-dim tensors, which can be re-sliced for any world size"
+        f"optimizer state {key!r} of {param!r} is {what}; checkpoints hold per-element state (the shape of "
+        f"this rank's part, {tuple(part_shape)}) and 0-dim tensors, which can be re-sliced for any world size"
     )
 
 
+def merged_state(per_rank: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
+    """The state each parameter has, from every rank's ``OptimizerSnapshot.state``: a rank that holds
+    nothing of a parameter has no state for it, and ranks that hold parts of it agree."""
+    merged: dict[str, dict[str, dict]] = {}
+    for rank, state in enumerate(per_rank):
+        for name, keys in state.items():
+            known = merged.setdefault(name, keys)
+            if known != keys:
+                raise CheckpointError(
+                    f"ranks hold different optimizer state for {name!r} (rank {rank}: {sorted(keys)}, an "
+                    f"earlier rank: {sorted(known)}): every rank must step the same parameters"
+                )
+    return merged
+
+
 def read_state_dict(
-    reader: CheckpointReader, engine: Engine, optimizer: torch.optim.Optimizer, rank: int
+    reader: CheckpointReader, engine: Engine, optimizer: torch.optim.Optimizer
 ) -> dict:
     """This rank's optimizer state at the current world size, as ``optimizer.load_state_dict`` takes it."""
-    saved = reader.manifest.optimizer
-    where = reader.directory
+    manifest, where = reader.manifest, reader.directory
+    saved = manifest.optimizer
     if saved is None:
         raise CheckpointError(f"{where} holds no optimizer state (it was saved without an optimizer)")
+    if manifest.version < 3:
+        raise CheckpointError(
+            f"{where} was written in checkpoint format {manifest.version}, which kept optimizer state per "
+            f"flat buffer; this shardwire reads its model but not its optimizer: load it with optimizer=None "
+            f"and start the optimizer afresh"
+        )
     if saved["class"] != type(optimizer).__qualname__:
         raise CheckpointError(
             f"{where} holds the state of a {saved['class']} optimizer, not of a {type(optimizer).__qualname__}"
         )
+    held = held_by_groups(engine, optimizer)
     saved_groups = [group["params"] for group in saved["param_groups"]]
-    current_groups = [[flat.name for flat in flats] for flats in group_flats(engine, optimizer)]
+    current_groups = [[entry.name for entry in group] for group in held]
     if saved_groups != current_groups:
-        raise CheckpointError(
-            f"{where}: the optimizer's param groups held the flat buffers {saved_groups} when saved, and "
-            f"hold {current_groups} now"
-        )
-    records = {record.name: record for record in reader.manifest.flats}
-    layouts = {flat.name: flat.layout for flat in engine.flats}
+        raise CheckpointError(f"{where}: {_group_difference(saved_groups, current_groups)}")
+    records = {record.name: record for record in manifest.flats}
     state, param_groups, index = {}, [], 0
-    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+    for saved_group, group, entries in zip(saved["param_groups"], optimizer.param_groups, held):
         ids = []
-        for name in saved_group["params"]:
-            start, stop = layouts[name].shard_range(rank)
-            values = {}
-            for key, spec in records[name].optimizer_state.items():
-                file_key, dtype = optim_key(name, key), parse_dtype(spec["dtype"])
-                if spec["kind"] == PER_ELEMENT:
-                    values[key] = reader.flat_range(records[name], file_key, start, stop, dtype)
-                else:
-                    values[key] = reader.tensor(REPLICATED, file_key, (), dtype)
+        for entry in entries:
+            values = _read_param_state(reader, records[entry.flat.name], entry, saved["state"].get(entry.name, {}))
             if values:
                 state[index] = values
             ids.append(index)
@@ -138,6 +193,31 @@ def read_state_dict(
         }
         param_groups.append({**hyperparameters, "params": ids})
     return {"state": state, "param_groups": param_groups}
+
+
+def _read_param_state(reader: CheckpointReader, record, entry: _Held, keys: dict) -> dict:
+    start, end = entry.part
+    if start == end:
+        return {}
+    offset, layout = entry.slot.offset, record.layout
+    values = {}
+    for key, spec in keys.items():
+        dtype = parse_dtype(spec["dtype"])
+        if spec["kind"] == PER_ELEMENT:
+            values[key] = reader.flat_range(record, optim_key(record.name, key), offset + start, offset + end, dtype)
+        else:
+            first_holder = offset // layout.shard_numel  # at the saving world size
+            values[key] = reader.tensor(rank_file(first_holder), scalar_key(entry.name, key), (), dtype)
+    return values
+
+
+def _group_difference(saved: list[list[str]], current: list[list[str]]) -> str:
+    if len(saved) != len(current):
+        return f"the optimizer had {len(saved)} param groups when saved and has {len(current)} now"
+    i, old, new = next((i, old, new) for i, (old, new) in enumerate(zip(saved, current)) if old != new)
+    moved = next((name for name in (*old, *new) if (name in old) != (name in new)), None)
+    detail = f"{moved!r} is in it only {'when saved' if moved in old else 'now'}" if moved else "in another order"
+    return f"param group {i} holds other parameters than when saved: {detail}"
 
 
 def _hyperparameter(where: pathlib.Path, key: str, saved, current):
@@ -151,4 +231,3 @@ def _hyperparameter(where: pathlib.Path, key: str, saved, current):
             f"current {schema.shown(current)}"
         )
     return tuple(saved) if isinstance(current, tuple) else saved
-

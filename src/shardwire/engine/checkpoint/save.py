@@ -2,8 +2,8 @@
 
 A save runs in three phases, each ending with the ranks agreeing that it succeeded everywhere:
 
-1. snapshot: copy this rank's shards, per-element optimizer state and RNG states to host memory
-   (rank 0 also the buffers and the scalar optimizer state), describe the model for the manifest,
+1. snapshot: copy this rank's shards, optimizer state and RNG states to host memory (rank 0 also
+   the buffers), describe the model and the optimizer for the manifest,
    and agree on a temporary directory beside the target, ``<name>.tmp-<random>``, which rank 0
    creates with a marker naming it (``ownership``): the proof that the saves made it;
 2. write: serialize this rank's file into that directory, flush and fsync it, note its size and
@@ -100,6 +100,9 @@ def save_checkpoint(
         engine, f"saving checkpoint {target}",
         lambda: _Snapshot.take(target, engine, model, optimizer, step, extra, keep),
     )
+    if optimizer is not None:
+        per_rank = all_gather_json(snapshot.optimizer_state, engine, tag="checkpoint optimizer state")
+        snapshot.manifest.optimizer["state"] = optim.merged_state(per_rank)
     token = all_gather_json(new_token(), engine, tag="checkpoint name")[0]
     pending = PendingCheckpoint(target, engine, snapshot, token, keep)
     on_every_rank(engine, f"saving checkpoint {target}", pending._make_staging)
@@ -222,6 +225,7 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]  # this rank's file
     replicated: dict[str, torch.Tensor]  # written by rank 0
     manifest: Manifest  # the same on every rank; rank 0 completes it with the file records
+    optimizer_state: dict | None  # which optimizer state this rank holds, per parameter
 
     @classmethod
     def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
@@ -244,23 +248,22 @@ class _Snapshot:
             tensors[rng_key("cuda")] = torch.cuda.get_rng_state(engine.device)
         buffers = buffer_records(engine, model)
         replicated = {buffer_key(b.name): _host_copy(model.get_buffer(b.name)) for b in buffers}
-        kinds, optimizer_record = {}, None
+        optimizer_state = None
         if optimizer is not None:
-            state = optim.capture(engine, optimizer, _host_copy)
-            tensors.update(state.per_element)
-            replicated.update(state.scalars)
-            kinds, optimizer_record = state.kinds, state.record
+            optimizer_state = optim.capture(engine, optimizer, _host_copy)
+            tensors.update(optimizer_state.tensors)
         manifest = Manifest(
             step=step,
             world_size=world,
-            flats=[FlatRecord(flat.name, flat.layout, kinds.get(flat.name)) for flat in engine.flats],
+            flats=[FlatRecord(flat.name, flat.layout) for flat in engine.flats],
             buffers=buffers,
             state_dict_keys=list(engine.state_dict_keys),
-            optimizer=optimizer_record,
+            optimizer=None if optimizer_state is None else optimizer_state.record,
             extra=extra,
             files=[],
         )
-        return cls(rank, tensors, replicated if rank == 0 else {}, manifest)
+        return cls(rank, tensors, replicated if rank == 0 else {}, manifest,
+                   None if optimizer_state is None else optimizer_state.state)
 
     def write(self, directory: pathlib.Path) -> list[FileRecord]:
         if not directory.is_dir():
