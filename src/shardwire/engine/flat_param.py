@@ -54,6 +54,8 @@ class FlatParam:
         self.shard_start = start  # where this rank's slice begins in the buffer
         self._parts = [(lo - start, hi - start) for lo, hi in (layout.held(slot, rank) for slot in layout.slots)]
         self.params = [self._parameter(slot, lo, hi) for slot, (lo, hi) in zip(layout.slots, self._parts)]
+        # The parameters with a part here and its place in the shard: where each step's gradient goes.
+        self._held = [(param, lo, hi) for param, (lo, hi) in zip(self.params, self._parts) if hi > lo]
         # For each slot, the module attribute dicts (and names) that expose that parameter.
         self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
         self.compute_dtype = compute_dtype
@@ -166,9 +168,7 @@ class FlatParam:
         pending.wait()
         with self._comm.reduce_stream():
             share = share.to(self.shard.dtype)
-            for param, (lo, hi) in zip(self.params, self._parts):
-                if hi == lo:
-                    continue
+            for param, lo, hi in self._held:
                 if param.grad is None:
                     param.grad = share[lo:hi]
                 else:

@@ -31,13 +31,10 @@ class Unit:
         self.name = name
         self.module = module
         self.flats = flats
+        self.has_frozen = any(not flat.requires_grad for flat in flats)
         self._in_flight: list[Pending] = []
         self._allocated = False
         self._awaiting: set[FlatParam | str] = set()
-
-    @property
-    def has_frozen(self) -> bool:
-        return any(not flat.requires_grad for flat in self.flats)
 
     @property
     def is_gathered(self) -> bool:
