@@ -16,16 +16,20 @@ communication overlaps its computation:
   collectives (``--impl shardwire``): busbw and per-step latency of each level, and the
   hierarchical algorithm the engine uses on gloo (``shardwire simulate --cluster-from``); runs on
   one node use the intra-node level only, which is the same loopback on and off the testbed;
-* compute, as the engine measures it: the profile ``benchmarks/scaling.py`` takes of each layout's
+* compute, as the engine measures it: the profile ``benchmarks/scaling.py`` takes of each
   shardwire step (``shardwire.profile``) gives forward and backward compute, waits left out, as a
   FLOP rate (the simulator's peak, kernels at 100% of it), and the optimizer step, as a memory
   bandwidth. Measured inside the step, these include what the step's own communication costs the
-  cores (copies, sums, the TCP stack), which on a CPU is not free as a GPU's copy engines are.
+  cores (copies, sums, the TCP stack), which on a CPU is not free as a GPU's copy engines are. One
+  machine is one set of numbers: the rate and the bandwidth are the medians over the profiles of
+  every sharding layout measured on the same nodes and link, each profile being one short run on
+  a machine whose speed drifts by tens of percent from run to run.
 
-Each shardwire run of ``benchmarks/scaling.py``'s JSON is then predicted and set against its
-measured median step time; the target is agreement within ``TOLERANCE``. The benchmark's
-compute-only step (the same model on an unsharded replica, no communication) is shown beside the
-engine's measured compute, and the predicted exposed communication beside both.
+Each shardwire run of ``benchmarks/scaling.py``'s JSON (every sharding layout it measured, hybrid
+ones in groups of a node's ranks) is then predicted and set against its measured median step time;
+the target is agreement within ``TOLERANCE``. The benchmark's compute-only step (the same model on
+an unsharded replica, no communication) is shown beside the engine's measured compute, and the
+predicted exposed communication beside both.
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ import os
 import statistics
 import sys
 
-from shardwire.models.gpt import PRESETS
-from shardwire.sim.architecture import architecture
-from shardwire.sim.inputs import cluster_from_bench
-from shardwire.sim.predict import Prediction, predict
-from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec, as_dict, parse
-from shardwire.sim.step import OPTIMIZER_BYTES_PER_PARAM
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from systems import SHARDWIRE_LAYOUTS  # noqa: E402
+
+from shardwire.models.gpt import PRESETS  # noqa: E402
+from shardwire.sim.architecture import architecture  # noqa: E402
+from shardwire.sim.inputs import cluster_from_bench  # noqa: E402
+from shardwire.sim.predict import Prediction, predict  # noqa: E402
+from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec, as_dict, parse  # noqa: E402
+from shardwire.sim.step import OPTIMIZER_BYTES_PER_PARAM  # noqa: E402
 
 TOLERANCE = 0.15
 
@@ -59,6 +67,7 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
+    system: str  # a shardwire layout of systems.py
     nodes: int
     ranks_per_node: int
     link: str | None  # the emulated link's rate, None on one node
@@ -90,7 +99,7 @@ def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
     compute_only = {int(world): statistics.median(times) for world, times in doc["compute_times_s"].items()}
     runs = []
     for row in doc["rows"]:
-        if row["system"] != "shardwire":
+        if row["system"] not in SHARDWIRE_LAYOUTS:
             continue
         shape, _, link = row["layout"].partition(" @")
         nodes, _, per_node = shape.partition("x")
@@ -98,7 +107,7 @@ def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
         if not row.get("profile"):
             raise ValueError(f"shardwire's run on {row['layout']} has no profile: measure it again with "
                              f"this version of benchmarks/scaling.py")
-        runs.append(Run(nodes, per_node, link or None, statistics.median(row["step_times"]),
+        runs.append(Run(row["system"], nodes, per_node, link or None, statistics.median(row["step_times"]),
                         compute_only[nodes * per_node], row["profile"]))
     if not runs:
         raise ValueError("the measured JSON has no shardwire run: run benchmarks/scaling.py with shardwire")
@@ -112,22 +121,29 @@ def model_spec(settings: Settings) -> ModelSpec:
                      vocab=c.vocab_size, seq_len=c.seq_len, learned_positions=True, tied_embeddings=True)
 
 
-def machine_cluster(run: Run, settings: Settings) -> ClusterSpec:
-    """This machine as a 'GPU': the engine's measured compute as its FLOP rate (the peak), and its
-    measured optimizer step over a rank's shard as its memory bandwidth."""
+def machine_cluster(runs: list[Run], settings: Settings) -> ClusterSpec:
+    """This machine as a 'GPU', from the profiles of ``runs`` (on the same nodes and link): the
+    engine's measured compute as its FLOP rate (the peak), and its measured optimizer step over a
+    rank's shard as its memory bandwidth, each the median over the runs."""
     arch = architecture(model_spec(settings), 4)
-    rate = 3 * arch.forward_flops * settings.batch / (run.profile["forward_s"] + run.profile["backward_s"])
-    streamed = OPTIMIZER_BYTES_PER_PARAM * arch.params / run.ranks / run.profile["optimizer_s"]
+    rates, bandwidths = [], []
+    for run in runs:
+        rates.append(3 * arch.forward_flops * settings.batch / (run.profile["forward_s"] + run.profile["backward_s"]))
+        holders = run.ranks_per_node if SHARDWIRE_LAYOUTS[run.system] == "hybrid" else run.ranks
+        bandwidths.append(OPTIMIZER_BYTES_PER_PARAM * arch.params / holders / run.profile["optimizer_s"])
     placeholder = LinkSpec(busbw_GBps=1.0)  # replaced by the bench's measurements
-    return ClusterSpec(name="this machine", nodes=1, gpus_per_node=1, peak_tflops=rate / 1e12,
+    return ClusterSpec(name="this machine", nodes=1, gpus_per_node=1, peak_tflops=statistics.median(rates) / 1e12,
                        gpu_memory_gb=1024.0, intra_node=placeholder, inter_node=placeholder,
-                       memory_bandwidth_GBps=streamed / 1e9)
+                       memory_bandwidth_GBps=statistics.median(bandwidths) / 1e9)
 
 
-def predict_run(run: Run, settings: Settings, bench_path: str) -> Prediction:
-    measured = cluster_from_bench(bench_path, machine_cluster(run, settings))
+def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: str) -> Prediction:
+    measured = cluster_from_bench(bench_path, machine)
     cluster = parse("cluster", {**as_dict(measured), "nodes": run.nodes, "gpus_per_node": run.ranks_per_node})
+    sharding = SHARDWIRE_LAYOUTS[run.system]
+    hybrid = sharding in ("hybrid", "hybrid_secondary")
     training = TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch,
+                            sharding=sharding, shard_group_size=run.ranks_per_node if hybrid else None,
                             reshard_after_forward=settings.reshard, precision="fp32",
                             reduce_precision="fp32", compute_efficiency=1.0)  # fp32, as the benchmark
     return predict(model_spec(settings), cluster, training)
@@ -154,13 +170,13 @@ def table(settings: Settings, comparisons: list[Comparison]) -> str:
         f"GPT {settings.model!r}, {settings.batch} sequences per rank, fp32, prefetch "
         f"{settings.prefetch}, {'reshard' if settings.reshard else 'keep'} after forward",
         "",
-        "| layout | measured step | predicted step | error | within 15% | engine's compute "
+        "| layout | system | measured step | predicted step | error | within 15% | engine's compute "
         "| compute-only step | predicted compute | predicted exposed comm |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in comparisons:
         lines.append(
-            f"| {c.run.layout} | {c.run.step_time_s * 1e3:.0f} ms | {c.predicted_s * 1e3:.0f} ms "
+            f"| {c.run.layout} | {c.run.system} | {c.run.step_time_s * 1e3:.0f} ms | {c.predicted_s * 1e3:.0f} ms "
             f"| {100 * c.error:+.1f}% | {'yes' if c.agrees else 'no'} | {c.run.engine_compute_s * 1e3:.0f} ms "
             f"| {c.run.compute_only_s * 1e3:.0f} ms | {c.compute_s * 1e3:.0f} ms | {c.exposed_s * 1e3:.0f} ms |"
         )
@@ -198,7 +214,9 @@ def main() -> int:
 
     comparisons = []
     for run in runs:
-        p = predict_run(run, settings, benches.get(run.link, any_bench))
+        peers = [r for r in runs if (r.nodes, r.ranks_per_node, r.link) == (run.nodes, run.ranks_per_node, run.link)]
+        machine = machine_cluster(peers, settings)
+        p = predict_run(run, machine, settings, benches.get(run.link, any_bench))
         comparisons.append(Comparison(run, p.step_time_s, p.compute_time_s, p.exposed_comm_s))
     print(table(settings, comparisons))
     if args.json:

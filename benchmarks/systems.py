@@ -1,13 +1,17 @@
 """The training systems the benchmarks compare, each wrapping the same GPT the way its users would.
 
 shardwire and PyTorch FSDP2 (``fully_shard``) shard the same units (the transformer blocks, plus the
-root) with the same reshard policy; DDP replicates the model and all-reduces gradients.
+root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each sharding
+layout is a system of its own: shardwire's ``full``, ``hybrid`` and ``hybrid_secondary`` and FSDP2's
+full sharding and HSDP (a 2-D device mesh), the hybrid ones in groups of a node's ranks
+(torchrun's ``LOCAL_WORLD_SIZE``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -20,18 +24,26 @@ from shardwire.comm.records import CommRecord
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
-SYSTEMS = ("shardwire", "fsdp2", "ddp")
+SHARDWIRE_LAYOUTS = {"shardwire": "full", "shardwire-hybrid": "hybrid",
+                     "shardwire-hybrid_secondary": "hybrid_secondary"}
+SYSTEMS = (*SHARDWIRE_LAYOUTS, "fsdp2", "fsdp2-hsdp", "ddp")
 
 
 def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int = 2) -> nn.Module:
-    if system == "shardwire":
-        return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch)
-    if system == "fsdp2":
+    if system in SHARDWIRE_LAYOUTS:
+        return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
+                               sharding=SHARDWIRE_LAYOUTS[system])
+    if system in ("fsdp2", "fsdp2-hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         device = next(model.parameters()).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        world = dist.get_world_size()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if system == "fsdp2-hsdp":
+            mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh)
@@ -42,7 +54,7 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
 
 
 def clip(system: str | None, model: nn.Module, max_norm: float) -> torch.Tensor:
-    if system == "shardwire":
+    if system in SHARDWIRE_LAYOUTS:
         return shardwire.clip_grad_norm_(model, max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
@@ -97,11 +109,14 @@ class StepCollectives:
         self._replays = []
         self._recording = True
         try:
-            if self.system == "shardwire":
-                with engine_of(self.model).comm.record() as records:
+            if self.system in SHARDWIRE_LAYOUTS:
+                with contextlib.ExitStack() as stack:
+                    comms = engine_of(self.model).sharding.communicators
+                    recorded = [(comm, stack.enter_context(comm.record())) for comm in comms]
                     yield
-                self._replays = [self._shardwire_replay(record) for record in records]
-            elif self.system == "fsdp2":
+                self._replays = [self._shardwire_replay(comm, record) for comm, records in recorded
+                                 for record in records]
+            elif self.system in ("fsdp2", "fsdp2-hsdp"):
                 with self._torch_collectives_recorded():
                     yield
             else:
@@ -114,8 +129,7 @@ class StepCollectives:
         for work in works:
             work.wait()
 
-    def _shardwire_replay(self, record: CommRecord) -> Callable[[], Pending]:
-        comm = engine_of(self.model).comm
+    def _shardwire_replay(self, comm, record: CommRecord) -> Callable[[], Pending]:
         # Records carry sizes, not dtypes: replay in fp32, the dtype these benchmarks train in.
         share = -(-record.nbytes // (4 * comm.world))
         full, shard = torch.zeros(share * comm.world), torch.zeros(share)

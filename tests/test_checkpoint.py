@@ -25,10 +25,10 @@ LOCAL_BATCH = 2
 OTHER_MODEL = GPTConfig(seq_len=32, layers=3, hidden=48, heads=2)
 
 
-def make_model(seed: int, config=PRESETS["tiny"]):
+def make_model(seed: int, config=PRESETS["tiny"], **shard_args):
     """The GPT and AdamW in two param groups: matrices decayed, biases and norms not, at two rates."""
     torch.manual_seed(seed)
-    model = shardwire.shard(GPT(config), units=[Block])
+    model = shardwire.shard(GPT(config), units=[Block], **shard_args)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([
         {"params": [p for p in params if len(p.full_shape) >= 2], "weight_decay": 0.1},
@@ -64,7 +64,7 @@ def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
                     at = slot.offset + start - flat.shard_start
                     laid_out[at : at + end - start] = optimizer.state[param][key]
             gathered = torch.empty(flat.layout.padded_numel)
-            engine.comm.all_gather(gathered, laid_out, tag="test").wait()
+            engine.sharding.shard.all_gather(gathered, laid_out, tag="test").wait()
             for slot in flat.layout.slots:
                 value = gathered[slot.offset : slot.offset + slot.numel]
                 full[f"{slot.names[0]}/{key}"] = value[0] if key == "step" else value
@@ -169,7 +169,7 @@ def _load_resharded(rank, world, saved):
     info = shardwire.load_checkpoint(pathlib.Path(saved) / "step3", model, optimizer)
     # The loaded state trains on: the padding of the new layout holds zeros, not stale values.
     for flat in engine_of(model).flats:
-        start, _ = flat.layout.shard_range(rank)
+        start, _ = flat.shard_range
         data = max(0, flat.layout.numel - start)
         assert not flat.shard[data:].any()
     return {

@@ -12,7 +12,7 @@ import torch
 from harness import run_workers
 from shardwire.comm.clock import Clock
 from shardwire.comm.records import CommRecord
-from shardwire.comm.topology import Topology
+from shardwire.comm.topology import Topology, placement
 from shardwire.profile.comm import CommSummary
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -23,6 +23,15 @@ def test_topology_places_ranks_node_by_node():
     assert topo.nodes == 2
     assert [topo.place(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert topo.rank(1, 2) == 5
+
+
+def test_a_subgroup_is_placed_by_its_ranks():
+    assert placement([0, 1, 2, 3], 2) == Topology(4, 2)
+    assert placement([1, 3], 2) == Topology(2, 1)  # a hybrid layout's replicas: one rank per node
+    assert placement([2, 3], 2) == Topology(2, 2)  # a shard group: one node
+    assert placement([0, 1, 4, 5], 2) == Topology(4, 2)  # groups spanning whole nodes
+    assert placement([0, 2, 1, 3], 2) == Topology(4, 4)  # interleaved nodes: treated as one node
+    assert placement([0, 1, 2], 2) == Topology(3, 3)  # uneven: treated as one node
 
 
 def exact_collectives(rank, world, dtype_name):
@@ -52,6 +61,23 @@ def exact_collectives(rank, world, dtype_name):
         expected = torch.arange(rank * size, (rank + 1) * size, dtype=dtype) * (ranks_sum + world * i)
         assert torch.equal(share, expected), f"reduce_scatter {i}: {share} != {expected}"
     assert torch.allclose(mean.float(), torch.full((size,), (world - 1) / 2), rtol=1e-2)
+    # all-reduces of any length (pieces of unequal length, some empty: nothing is sent for those)
+    for length in (1, 7, size * world):
+        for op in ("sum", "avg", "max"):
+            values = (torch.arange(length) + 3 * rank).to(dtype)
+            comm.all_reduce(values, tag=f"ar {op} {length}", op=op).wait()
+            everyone = torch.stack([torch.arange(length) + 3 * r for r in range(world)]).float()
+            expected = {"sum": everyone.sum(0), "avg": everyone.mean(0), "max": everyone.max(0).values}[op]
+            assert torch.allclose(values.float(), expected, rtol=1e-2), (op, length)
+    # an all-reduce on another communicator, started once the reduce-scatter that feeds it is done
+    other = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
+    share = torch.empty(size, dtype=dtype)
+    scattered = comm.reduce_scatter(share, torch.ones(size * world, dtype=dtype), tag="feeds")
+    summed = other.all_reduce(share, tag="fed", after=scattered)
+    summed.wait()
+    scattered.wait()
+    assert torch.equal(share, torch.full((size,), float(world * world), dtype=dtype))
+    other.close()
     comm.close()
     return comm.topology.ranks_per_node
 
@@ -145,10 +171,10 @@ def order_verified(rank, world):
 
     comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
     tensor = torch.ones(3)
-    comm.all_reduce(tensor, tag="same").wait()
+    comm.broadcast(tensor, tag="same").wait()
     comm.verify_order("step 1")  # agreed so far
-    # An all-reduce is not checked message by message: the running hash is what catches it.
-    comm.all_reduce(tensor, tag="clip" if rank == 0 else "something else").wait()
+    # A broadcast (gloo's own) is not checked message by message: the running hash is what catches it.
+    comm.broadcast(tensor, tag="initial values" if rank == 0 else "something else").wait()
     try:
         comm.verify_order("step 2")
     except ScheduleMismatchError as err:

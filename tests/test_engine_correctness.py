@@ -79,19 +79,16 @@ def train_sharded(model, rank, world, micro_batches, accumulate, make_optimizer=
     return losses, shardwire.full_state_dict(model)
 
 
-def compare_all_configs(rank, world):
+def compare(rank, world, configs):
+    """Each config's worst relative error (losses; weights on rank 0) against the reference."""
     torch.manual_seed(0)
     base = GPT(PRESETS["tiny"])
     references = {mb: train_reference(copy.deepcopy(base), world, mb) for mb in (1, 2)}
     worst = {}
-    for config in CONFIGS:
+    for config in configs:
         micro_batches = 2 if config["accumulate"] else 1
-        model = shardwire.shard(
-            copy.deepcopy(base),
-            units=[Block],
-            reshard_after_forward=config["reshard_after_forward"],
-            prefetch=config["prefetch"],
-        )
+        shard_args = {key: value for key, value in config.items() if key != "accumulate"}
+        model = shardwire.shard(copy.deepcopy(base), units=[Block], **shard_args)
         losses, state = train_sharded(model, rank, world, micro_batches, config["accumulate"])
         ref_losses, ref_state = references[micro_batches]
         errors = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
@@ -106,8 +103,27 @@ def compare_all_configs(rank, world):
 @pytest.mark.parametrize("world, ranks_per_node", [(1, 1), (2, 2), (3, 3), (4, 4), (4, 2)])
 def test_matches_single_process_reference(world, ranks_per_node):
     """(4, 2): four ranks placed as two nodes, so collectives take their two-step paths."""
-    per_rank = run_workers(world, compare_all_configs, timeout=600,
-                           env={"LOCAL_WORLD_SIZE": str(ranks_per_node)})
+    per_rank = run_workers(world, compare, CONFIGS, timeout=600, env={"LOCAL_WORLD_SIZE": str(ranks_per_node)})
     for rank, worst in enumerate(per_rank):
         for config, error in worst.items():
             assert error <= 1e-5, f"world {world}, rank {rank}, {config}: relative error {error:.2e}"
+
+
+LAYOUTS = [
+    dict(sharding=sharding, shard_group_size=size, reshard_after_forward=reshard, prefetch=prefetch,
+         activation_checkpointing=checkpointing, accumulate=accumulate)
+    for sharding in ("hybrid", "hybrid_secondary")
+    for size in (2, 4)
+    for reshard, prefetch, checkpointing, accumulate in [(True, 1, True, True), (True, 3, False, False),
+                                                         (False, 0, False, True)]
+]
+
+
+@pytest.mark.slow
+def test_every_sharding_layout_matches_single_process_reference():
+    """World 4 placed as two nodes of two: hybrid layouts in groups of 2 (the nodes) and of 4 (where
+    they equal full sharding), with prefetch, no_sync, activation checkpointing and clipping."""
+    per_rank = run_workers(4, compare, LAYOUTS, timeout=900, env={"LOCAL_WORLD_SIZE": "2"})
+    for rank, worst in enumerate(per_rank):
+        for config, error in worst.items():
+            assert error <= 1e-5, f"rank {rank}, {config}: relative error {error:.2e}"

@@ -240,6 +240,32 @@ def test_grad_op_gathers_once_per_unit_and_hybrid_gathers_inside_the_node():
     assert gather.busy_s == pytest.approx(gather.nbytes * 3 / 4 / 100e9)  # intra-node only
 
 
+def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
+    """hybrid_secondary gathers over the world for forward and within the group for backward, and
+    keeps a secondary shard per unit; hybrid in groups smaller than a node all-reduces between the
+    groups, several of them on every node at once; a group must fit the nodes."""
+    c = cluster(2, 4)
+    units = GPT.layers
+    hpz = predict(GPT, c, TrainingSpec(sharding="hybrid_secondary"))
+    gathers = [r for r in hpz.timeline.comms if r.op == "all_gather"]
+    assert len(gathers) == 2 * units + 1
+    assert [r.op for r in hpz.timeline.comms].count("all_reduce") == 1  # the norm only
+    intra = min(gathers, key=lambda r: r.busy_s)
+    assert intra.busy_s == pytest.approx(intra.nbytes * 3 / 4 / 100e9)  # backward: within the node
+    arch = architecture(GPT, 2)
+    full = estimate_memory(arch, c, TrainingSpec())
+    assert hpz.memory.parameter_shards == full.parameter_shards
+    assert hpz.memory.secondary_shards == pytest.approx(2 * sum(u.params for u in arch.units) / 4)
+    pairs = predict(GPT, c, TrainingSpec(sharding="hybrid", shard_group_size=2))
+    assert pairs.memory.parameter_shards == pytest.approx(4 * arch.params / 2)
+    assert [r.op for r in pairs.timeline.comms].count("all_reduce") == units + 1 + 1
+    for bad in (3, 16):
+        with pytest.raises(SpecError, match=f"shard_group_size {bad} must divide"):
+            predict(GPT, c, TrainingSpec(sharding="hybrid", shard_group_size=bad))
+    with pytest.raises(SpecError, match="shard_group_size applies to sharding 'hybrid' and 'hybrid_secondary'"):
+        TrainingSpec(shard_group_size=2)
+
+
 def test_gradient_accumulation_reduces_once():
     p = predict(GPT, cluster(), TrainingSpec(grad_accum=3))
     ops = [r.op for r in p.timeline.comms]

@@ -1,6 +1,7 @@
 """``shardwire simulate`` and ``shardwire plan`` as users run them: inputs, outputs, bad input, the
 bench results they read, and the calibration script's pure parts."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -168,10 +169,15 @@ def test_plan_command_and_its_errors(capsys):
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64")
     assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
+    assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 2
+    assert out.count("or:    shardwire.shard(model, sharding=") == 2  # the best and the runner-up
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--json")
     doc = json.loads(out)
     assert doc["best"]["fits"] and doc["fitting"] <= doc["candidates"] and doc["alternatives"]
+    run_best = doc["best"]["run"]
+    assert run_best["command"].endswith(" ".join(run_best["train_options"]))
+    assert run_best["shard_arguments"]["sharding"] in ("full", "hybrid", "hybrid_secondary")
     status, _, err = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "100")
     assert status == 2 and "does not divide over 16 GPUs; the nearest that do are 96, 112" in err
@@ -202,11 +208,14 @@ def test_calibration_reads_the_measured_runs(calibrate):
            "compute_times_s": {"2": [0.4], "4": [0.5, 0.7, 0.6]},
            "rows": [{"system": "fsdp2", "layout": "2x2 @1gbit", "step_times": [9.0], "profile": None},
                     {"system": "shardwire", "layout": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0], "profile": PROFILE},
-                    {"system": "shardwire", "layout": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE}]}
+                    {"system": "shardwire", "layout": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE},
+                    {"system": "shardwire-hybrid", "layout": "2x2 @1gbit", "step_times": [1.2], "profile": PROFILE}]}
     settings, runs = calibrate.read_measured(doc)
     assert settings == calibrate.Settings("30m", 2, 2, True)
-    assert runs == [calibrate.Run(2, 2, "1gbit", 1.5, 0.6, PROFILE), calibrate.Run(1, 2, None, 2.0, 0.4, PROFILE)]
-    assert [r.layout for r in runs] == ["2x2 @1gbit", "1x2"]
+    assert runs == [calibrate.Run("shardwire", 2, 2, "1gbit", 1.5, 0.6, PROFILE),
+                    calibrate.Run("shardwire", 1, 2, None, 2.0, 0.4, PROFILE),
+                    calibrate.Run("shardwire-hybrid", 2, 2, "1gbit", 1.2, 0.6, PROFILE)]
+    assert [r.layout for r in runs] == ["2x2 @1gbit", "1x2", "2x2 @1gbit"]
     assert runs[0].engine_compute_s == pytest.approx(0.013)
     with pytest.raises(ValueError, match="no shardwire run"):
         calibrate.read_measured({**doc, "rows": doc["rows"][:1]})
@@ -221,20 +230,27 @@ def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_p
     settings = calibrate.Settings("small", 4, 2, True)
     model = calibrate.model_spec(settings)
     assert (model.layers, model.hidden, model.vocab) == (4, 128, 256)
-    run = calibrate.Run(2, 2, "1gbit", 0.2, 0.1, PROFILE)
-    machine = calibrate.machine_cluster(run, settings)
+    run = calibrate.Run("shardwire", 2, 2, "1gbit", 0.2, 0.1, PROFILE)
+    machine = calibrate.machine_cluster([run], settings)
     model_flops = 3 * architecture(model, 4).forward_flops * 4  # forward and backward of the batch
     assert machine.peak_tflops * 1e12 == pytest.approx(model_flops / 0.012)
+    slower = dataclasses.replace(run, profile={**PROFILE, "forward_s": 0.008})
+    pooled = calibrate.machine_cluster([run, slower, run], settings)  # the median of the three
+    assert pooled.peak_tflops == machine.peak_tflops
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench_document()))
-    p = calibrate.predict_run(run, settings, str(path))
+    p = calibrate.predict_run(run, machine, settings, str(path))
     assert p.cluster.world == 4 and p.cluster.algorithm == "hierarchical"
     assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.012)
     assert p.timeline.compute["optimizer"] == pytest.approx(0.001)
     comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.exposed_comm_s)
     assert comparison.error == pytest.approx(p.step_time_s / 0.2 - 1)
-    assert "| 2x2 @1gbit |" in calibrate.table(settings, [comparison])
+    assert "| 2x2 @1gbit | shardwire |" in calibrate.table(settings, [comparison])
+    hybrid_run = dataclasses.replace(run, system="shardwire-hybrid")
+    hybrid = calibrate.predict_run(hybrid_run, calibrate.machine_cluster([hybrid_run], settings), settings, str(path))
+    assert (hybrid.training.sharding, hybrid.training.shard_group_size) == ("hybrid", 2)
+    assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001)  # each rank steps half the model
 
 
 def test_simulating_does_not_import_torch():

@@ -91,6 +91,59 @@ def test_gloo_job_runs_across_the_nodes(testbed, tmp_path):
 @pytest.mark.root
 @pytest.mark.slow
 @root_only
+def test_each_sharding_layout_sends_between_nodes_what_it_computes(testbed, tmp_path):
+    """2 nodes x 2 ranks: the bytes the nodes' links receive per step, against what
+    ``shardwire.engine.sharding`` says crosses between two nodes in fp32 (each collective's buffer
+    ``S``): full 3 S per block (gather twice, reduce-scatter) and 2 S for the root (gathered once);
+    hybrid 2 S per buffer (each rank's shard all-reduced with the other node's); hybrid_secondary
+    2 S per buffer (the forward gather and the reduce-scatter). The links add the frames' headers,
+    the TCP acknowledgements and the collectives' own headers: about 1%."""
+    command = _script(tmp_path, """
+        import os, torch, torch.distributed as dist
+        import shardwire
+        from shardwire.engine.shard import engine_of
+        from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+
+        def received():
+            dist.barrier()  # every rank's collectives complete, so every byte of them arrived
+            mine = 0
+            if os.environ["LOCAL_RANK"] == "0":  # one count per node
+                with open("/sys/class/net/eth0/statistics/rx_bytes") as f:
+                    mine = int(f.read())
+            total = torch.tensor(float(mine), dtype=torch.float64)
+            dist.all_reduce(total)
+            return total.item()
+
+        dist.init_process_group("gloo")
+        for layout in ("full", "hybrid", "hybrid_secondary"):
+            torch.manual_seed(0)
+            model = shardwire.shard(GPT(PRESETS["small"]), units=[Block], sharding=layout)
+            engine = engine_of(model)
+            tokens = torch.randint(0, 256, (1, PRESETS["small"].seq_len + 1))
+            step = lambda: loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            step()
+            before = received()
+            for _ in range(3):
+                step()
+            per_step = (received() - before) / 3
+            sizes = [4 * flat.layout.padded_numel for flat in engine.flats]
+            root, blocks = sizes[0], sizes[1:]
+            expected = 3 * sum(blocks) + 2 * root if layout == "full" else 2 * sum(sizes)
+            if dist.get_rank() == 0:
+                print(f"{layout}: {per_step / expected:.3f}", flush=True)
+        dist.destroy_process_group()
+    """)
+    out = io.StringIO()
+    assert job.run_job(testbed, 2, command, out=out) == 0, out.getvalue()
+    ratios = dict(re.findall(r"^\[node0\] (\w+): ([\d.]+)$", out.getvalue(), re.MULTILINE))
+    assert ratios.keys() == {"full", "hybrid", "hybrid_secondary"}, out.getvalue()
+    for layout, ratio in ratios.items():  # measured: 1.007 to 1.011
+        assert 1.0 <= float(ratio) <= 1.05, f"{layout}: {ratio} x the computed bytes"
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@root_only
 def test_a_failing_node_stops_the_job(testbed, tmp_path):
     command = _script(tmp_path, """
         import os, sys, time

@@ -23,6 +23,7 @@ import shardwire
 from shardwire.data import ByteCorpus
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
+from shardwire.engine.sharding import SHARDINGS, group_size
 from shardwire.launch import launch_local, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.options import OptionError, bounded, check_bounds, check_writable_directory
@@ -47,6 +48,8 @@ class TrainConfig:
     backend: str = "auto"  # auto | gloo | nccl
     prefetch: int = bounded(2, at_least=0)
     reshard: bool = True  # reshard_after_forward
+    sharding: str = "full"  # full | hybrid | hybrid_secondary (see shardwire.engine.sharding)
+    shard_group_size: int | None = bounded(None, at_least=1)  # ranks a shard spans; default: a node's
     activation_checkpointing: bool = False
     data: str | None = None  # a text file or directory; default: the standard library's sources
     seed: int = bounded(0, at_least=0)
@@ -81,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch", type=int, default=d.prefetch, help="units gathered ahead of use")
     parser.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=d.reshard,
                         help="release each unit's parameters after forward and gather again for backward")
+    parser.add_argument("--sharding", default=d.sharding, choices=SHARDINGS,
+                        help="full: over every rank; hybrid: within groups, replicated across them; "
+                             "hybrid_secondary: full, with backward gathering within groups (ZeRO++ hpZ)")
+    parser.add_argument("--shard-group-size", type=int, default=d.shard_group_size,
+                        help="ranks per shard group for the hybrid layouts (default: the ranks of a node)")
     parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                         default=d.activation_checkpointing)
     parser.add_argument("--data", default=d.data, help="text file or directory (default: Python's stdlib sources)")
@@ -115,6 +123,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
+    """The ranks the job will have, and on each node: the launcher's, or the local workers'."""
+    if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = config.nproc or (torch.cuda.device_count() if _uses_cuda(config) else 2)
+    return local, local
+
+
+def _describe_sharding(engine) -> str:
+    layout = engine.sharding
+    if layout.replicate is not None:
+        return f"hybrid ({layout.replicate.world} groups of {layout.shard.world})"
+    if layout.secondary is not None:
+        return f"hybrid_secondary (backward within groups of {layout.secondary.world})"
+    return "full" if layout.layout == "full" else f"{layout.layout} in one group (as full)"
+
+
 def _validate(config: TrainConfig) -> None:
     """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
     try:
@@ -125,6 +151,12 @@ def _validate(config: TrainConfig) -> None:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
     except OptionError as err:
         raise SystemExit(f"error: {err}") from None
+    try:
+        world, per_node = _world_and_node_size(config)
+        group_size(config.sharding, config.shard_group_size, world, per_node)
+    except ValueError as err:
+        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("sharding=", "--sharding ")
+        raise SystemExit(f"error: {message}") from None
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
     gpus = torch.cuda.device_count()
@@ -193,11 +225,13 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         units=[Block],
         reshard_after_forward=config.reshard,
         prefetch=config.prefetch,
+        sharding=config.sharding,
+        shard_group_size=config.shard_group_size,
         mixed_precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
         timeout=config.timeout,
     )
-    comm = engine_of(model).comm
+    engine = engine_of(model)
     scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
     # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),
@@ -211,7 +245,8 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         print(
             f"shardwire train: GPT {config.model!r} ({model_config.num_params() / 1e6:.2f}M parameters), "
             f"{world} ranks ({backend}, {device.type}), {model_config.layers} block units + root, "
-            f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
+            f"{_describe_sharding(engine)} sharding, prefetch {config.prefetch}, "
+            f"{'reshard' if config.reshard else 'keep'} after forward, "
             f"{config.precision}; data: {corpus.name}, {corpus.num_bytes / 1e6:.1f} MB",
             flush=True,
         )
@@ -225,7 +260,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     loss_sum = torch.zeros((), device=device)  # over the steps since the last progress update
     for step in range(start, config.steps):
         model.train()
-        with profiler.step() if profiler else contextlib.nullcontext(), comm.record() as records:
+        with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
             for micro in range(config.grad_accum):
                 batch = _to_device(corpus.batch(step * config.grad_accum + micro, global_batch,
                                                 model_config.seq_len, seed=config.seed)[rows], device)
@@ -250,7 +285,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
             first_loss = last_loss if first_loss is None else first_loss
             elapsed = time.perf_counter() - interval_start
             if progress is not None:
-                summary = CommSummary.of(records, comm.clock)  # the last step's; complete after item()
+                summary = CommSummary.of(records, engine.comm.clock)  # the last step's; complete after item()
                 progress.update(step + 1, {
                     "loss": f"{last_loss:.3f}",
                     "tok/s": format_rate(tokens_per_step * interval_steps / elapsed),

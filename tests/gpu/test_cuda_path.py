@@ -137,8 +137,8 @@ def collectives_start_late(cycles: int):
     side = Communicator._side
 
     @contextlib.contextmanager
-    def late(self, which, uses):
-        with side(self, which, uses):
+    def late(self, which, uses, after=None):
+        with side(self, which, uses, after):
             if self.device.type == "cuda":
                 torch.cuda._sleep(cycles)
             yield

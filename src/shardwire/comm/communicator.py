@@ -64,6 +64,8 @@ _TAG_BITS = 15
 
 OnIssue = Callable[[CommRecord], None]
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
 
 @dataclasses.dataclass
 class _OrderCheck:
@@ -180,12 +182,22 @@ class Communicator:
             lambda async_op: torch_reduce_scatter(output, full, op=op, group=self.group, async_op=async_op),
         )
 
-    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
-        """Reduce ``tensor`` in place over ranks."""
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "sum", after: Pending | None = None) -> Pending:
+        """Reduce ``tensor`` in place over ranks: ``op`` is "sum", "avg" or "max". With ``after`` (a
+        collective of another communicator), it starts once that one has completed, without the
+        training waiting for it: hybrid sharding all-reduces a gradient shard between groups as soon
+        as the reduce-scatter within the group has produced it."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
+        if self._point_to_point:
+            exchange = self._exchange("all_reduce", tag)
+            return self._on_lane(self._reduce_lane, "all_reduce", tag, nbytes,
+                                 lambda: exchange.all_reduce(tensor, op=op), after=after)
         return self._on_stream(
             "reduce", "all_reduce", tag, nbytes, (tensor,),
-            lambda async_op: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op),
+            lambda async_op: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=async_op),
+            after=after,
         )
 
     def broadcast(self, tensor: torch.Tensor, *, tag: str) -> Pending:
@@ -229,12 +241,14 @@ class Communicator:
             torch.cuda.current_stream(self.device).wait_stream(self._reduce_stream)
 
     @contextlib.contextmanager
-    def _side(self, which: str, uses: Sequence[torch.Tensor]) -> Iterator[None]:
+    def _side(self, which: str, uses: Sequence[torch.Tensor], after: Pending | None = None) -> Iterator[None]:
         if not self._cuda:
             yield
             return
         stream = self._gather_stream if which == "gather" else self._reduce_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None and after._done is not None:
+            stream.wait_event(after._done)
         for tensor in uses:
             tensor.record_stream(stream)
         with torch.cuda.stream(stream):
@@ -325,10 +339,14 @@ class Communicator:
                 if on_issue is not None:
                     on_issue(record)
 
-    def _on_lane(self, lane: Lane, op: str, tag: str, nbytes: int, body: Callable[[], None]) -> Pending:
+    def _on_lane(self, lane: Lane, op: str, tag: str, nbytes: int, body: Callable[[], None],
+                 after: Pending | None = None) -> Pending:
         record = self._issued(op, tag, nbytes)
+        prior = None if after is None else after._work  # taken now: the training may wait on it meanwhile
 
         def run() -> None:
+            if prior is not None:
+                prior.wait(timeout=self.timeout)
             if record is not None:
                 record.start = time.perf_counter()
             body()
@@ -341,11 +359,13 @@ class Communicator:
         return Pending(self, record, op, tag, work=work)
 
     def _on_stream(self, which: str, op: str, tag: str, nbytes: int, tensors: Sequence[torch.Tensor],
-                   issue: Callable[[bool], object]) -> Pending:
+                   issue: Callable[[bool], object], after: Pending | None = None) -> Pending:
         """Issue a torch collective: synchronously on its side stream (CUDA), else asynchronously."""
         record = self._issued(op, tag, nbytes)
         with record_function(f"shardwire::{op}({tag})"):
             if not self._cuda:
+                if after is not None:
+                    after.wait()
                 if record is not None:
                     record.start = time.perf_counter()
                 work = issue(True)
@@ -353,7 +373,7 @@ class Communicator:
                     work.get_future().add_done_callback(lambda _: setattr(record, "end", time.perf_counter()))
                 self._announce(record)
                 return Pending(self, record, op, tag, work=work)
-            with self._side(which, ()):
+            with self._side(which, (), after):
                 stream = torch.cuda.current_stream(self.device)
                 if record is not None:
                     record.start = self.clock.stamp(stream)

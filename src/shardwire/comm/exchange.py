@@ -17,6 +17,10 @@ matters most on a slow link) and part of it blocks the caller. So both are built
 messages in two steps, across nodes and within them (``Topology``), so that each node sends every
 other node exactly what it lacks, once: (N-1)/N of the buffer leaves a node, the least any algorithm
 can send. A ring sends about all of it per node; gloo's all-reduce-based reduce-scatter twice that.
+The all-reduce (of any length: hybrid sharding all-reduces each rank's gradient shard between the
+groups, clipping a norm) is a reduce-scatter within the node, an all-reduce of each rank's piece with
+the ranks of its position on the other nodes, and an all-gather within the node: 2 (N-1)/N of the
+buffer leaves a node, again the least possible.
 
 Every message carries one slot of the flat buffer (the shard of one rank) and is tagged with that
 slot's owner, so each message is matched by tag alone, whatever the order the two ranks post them
@@ -64,15 +68,23 @@ class Exchange:
         self.timeout = timeout
         self.header = header
 
+    # An empty tensor (a piece of an all-reduce shorter than the ranks) is never sent: both ends
+    # know its length.
+
     def send(self, tensor: torch.Tensor, peer: int, slot: int):
+        if tensor.numel() == 0:
+            return None
         return dist.isend(tensor, dist.get_global_rank(self.group, peer), self.group, self.tags + slot)
 
     def recv(self, tensor: torch.Tensor, peer: int, slot: int):
+        if tensor.numel() == 0:
+            return None
         return dist.irecv(tensor, dist.get_global_rank(self.group, peer), self.group, self.tags + slot)
 
     def wait(self, works: list) -> None:
         for work in works:
-            work.wait(timeout=self.timeout)
+            if work is not None:
+                work.wait(timeout=self.timeout)
 
     def other_nodes(self) -> list[int]:
         return [n for n in range(self.topology.nodes) if n != self.node]
@@ -154,6 +166,56 @@ class Exchange:
         output.copy_(_accumulate([*incoming, partial[self.node]]))
         if average:
             output.div_(self.topology.world)
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str) -> None:
+        """Reduce ``tensor`` in place over every rank: ``op`` is "sum", "avg" or "max".
+
+        1. Within the node: split the buffer into one piece per local rank (pieces may differ in
+        length by one element) and reduce each piece on its rank. 2. Across nodes: split this rank's
+        piece again, one part per node; reduce each part on the rank of this position on that node,
+        which sends the result back to all of them. 3. Within the node: pass every local peer this
+        rank's reduced piece, and receive theirs.
+
+        Each message is tagged with the rank that owns the piece it carries, as the receiver of a
+        reduction (steps 1 and 2) or as the sender of a result (steps 2 and 3), so no two messages
+        between a pair share a tag."""
+        self.check_headers()
+        at, nodes = self.topology.rank, self.topology.nodes
+        combine = torch.maximum if op == "max" else torch.add
+        pieces = tensor.view(-1).tensor_split(self.topology.ranks_per_node)
+        mine = pieces[self.local]
+        peers = self.local_peers()
+        received = [torch.empty_like(mine) for _ in peers]
+        within = []
+        for buffer, local in zip(received, peers):
+            peer = at(self.node, local)
+            within += [self.recv(buffer, peer, self.me), self.send(pieces[local], peer, peer)]
+        self.wait(within)
+        for term in received:
+            combine(mine, term, out=mine)
+        parts = mine.tensor_split(nodes)
+        part = parts[self.node]
+        others = self.other_nodes()
+        incoming = [torch.empty_like(part) for _ in others]
+        across = []
+        for buffer, node in zip(incoming, others):
+            peer = at(node, self.local)
+            across += [self.recv(buffer, peer, self.me), self.send(parts[node], peer, peer)]
+        self.wait(across)
+        for term in incoming:
+            combine(part, term, out=part)
+        if op == "avg":
+            part.div_(self.topology.world)
+        across = []
+        for node in others:
+            peer = at(node, self.local)
+            across += [self.send(part, peer, self.me), self.recv(parts[node], peer, peer)]
+        self.wait(across)
+        within = []
+        for local in peers:
+            peer = at(self.node, local)
+            within += [self.send(mine, peer, self.me), self.recv(pieces[local], peer, peer)]
+        self.wait(within)
 
 
 def _accumulate(terms: list[torch.Tensor]) -> torch.Tensor:

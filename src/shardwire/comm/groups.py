@@ -1,5 +1,6 @@
 """Process groups: joining the launcher's world, or making a one-process world when there is none;
-and the groups of ranks that share a node, or sit on different nodes."""
+the groups of ranks that share a node, or sit on different nodes; and the subgroups a hybrid
+sharding layout splits a group into."""
 
 from __future__ import annotations
 
@@ -86,3 +87,27 @@ def inter_node_group(topo: Topology) -> dist.ProcessGroup | None:
     ranks = cross_node_members(topo)
     group = dist.new_group(ranks)
     return group if dist.get_rank() in ranks else None
+
+
+def blocks(group: dist.ProcessGroup, size: int, device: torch.device,
+           timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """This rank's block when ``group`` is cut into blocks of ``size`` consecutive ranks. With ranks
+    placed node by node and ``size`` the ranks of a node, the blocks are the nodes."""
+    members, me = dist.get_process_group_ranks(group), dist.get_rank(group)
+    start = me // size * size
+    return _own_group(members[start:start + size], device, timeout)
+
+
+def columns(group: dist.ProcessGroup, size: int, device: torch.device,
+            timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """The group of the ranks at this rank's position in every block of ``size`` (see ``blocks``):
+    with blocks that are nodes, one rank per node."""
+    members, me = dist.get_process_group_ranks(group), dist.get_rank(group)
+    return _own_group(members[me % size::size], device, timeout)
+
+
+def _own_group(ranks: list[int], device: torch.device, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A group of ``ranks`` (global ranks, in the group's order), created by its members alone
+    (``use_local_synchronization``): no rank waits for groups it is not in."""
+    options = {"device_id": device} if device.type == "cuda" else {}
+    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True, sort_ranks=False, **options)

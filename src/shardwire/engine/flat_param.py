@@ -9,7 +9,11 @@ parameter's ``.grad`` is a view of this rank's share of the reduced flat gradien
 is a single tensor kept for the unit's lifetime; its storage is allocated before each all-gather and
 released when the unit is resharded. While gathered, the module attributes point at views of it,
 shadowing the registered parameters, so tensors autograd saved during forward see the data gathered
-again for backward.
+again for backward. Which ranks the slice is cut for, and which hold the same slice, is the
+layout's (``shardwire.engine.sharding``): under ``hybrid_secondary`` the buffer also keeps, from a
+unit's forward to its backward, this rank's part of the gathered buffer within its group (the
+secondary shard), which backward gathers from; under ``hybrid`` each reduced share is all-reduced
+with the other groups' before it lands.
 
 On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
 shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
@@ -27,9 +31,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from shardwire.comm.communicator import Communicator, Pending
+from shardwire.comm.communicator import Pending
 from shardwire.engine.layout import FlatLayout, ParamSlot
 from shardwire.engine.released import ReleasedParameter
+from shardwire.engine.sharding import Sharding
 
 
 class FlatParam:
@@ -38,18 +43,18 @@ class FlatParam:
         name: str,
         layout: FlatLayout,
         shard: torch.Tensor,
-        rank: int,
         owners: list[list[tuple[nn.Module, str]]],
         *,
         requires_grad: bool,
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
-        comm: Communicator,
+        sharding: Sharding,
     ):
         self.name = name
         self.layout = layout
         self.shard = shard
         self.requires_grad = requires_grad
+        rank = sharding.shard.rank
         start, _ = layout.shard_range(rank)
         self.shard_start = start  # where this rank's slice begins in the buffer
         self._parts = [(lo - start, hi - start) for lo, hi in (layout.held(slot, rank) for slot in layout.slots)]
@@ -60,8 +65,10 @@ class FlatParam:
         self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
-        self._comm = comm
+        self._sharding = sharding
+        self._comm = sharding.shard
         self._full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=shard.device)
+        self._secondary: torch.Tensor | None = None  # hybrid_secondary, from forward to backward
         self._placeholders = [
             ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in layout.slots
         ]
@@ -74,6 +81,11 @@ class FlatParam:
         param = nn.Parameter(self.shard[lo:hi], requires_grad=self.requires_grad)
         param.full_shape = torch.Size(slot.shape)
         return param
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """The [start, end) of the buffer this rank's slice holds."""
+        return self.shard_start, self.shard_start + self.layout.shard_numel
 
     def held_parts(self) -> Iterator[tuple[ParamSlot, nn.Parameter, tuple[int, int]]]:
         """Each parameter's slot, its view, and the [start, end) of its flattened elements held here."""
@@ -99,12 +111,29 @@ class FlatParam:
     def gathered_nbytes(self) -> int:
         return self.layout.padded_numel * self._full.element_size()
 
-    def gather(self) -> Pending:
-        """Allocate the full buffer and start the all-gather that fills it."""
-        with self._comm.gather_stream():
-            source = self.shard.detach().to(self.compute_dtype)
+    def gather(self, *, backward: bool = False) -> Pending:
+        """Allocate the full buffer and start the all-gather that fills it: from the shards, or, for
+        backward, from the secondary shards kept at forward, if any."""
+        if backward and self._secondary is not None:
+            comm, source, self._secondary = self._sharding.secondary, self._secondary, None
+        else:
+            comm, source = self._comm, None
+        with comm.gather_stream():
+            if source is None:
+                source = self.shard.detach().to(self.compute_dtype)
             self._full.untyped_storage().resize_(self.gathered_nbytes)
-            return self._comm.all_gather(self._full, source, tag=self.name)
+            return comm.all_gather(self._full, source, tag=self.name)
+
+    def keep_secondary(self) -> None:
+        """Keep this rank's part of the gathered buffer within its group, for backward to gather
+        from (``hybrid_secondary``; a no-op in other layouts). Call it while the buffer is gathered."""
+        within = self._sharding.secondary
+        if within is not None:
+            size = self.layout.padded_numel // within.world
+            self._secondary = self._full[within.rank * size : (within.rank + 1) * size].clone()
+
+    def drop_secondary(self) -> None:
+        self._secondary = None
 
     def free(self) -> None:
         self._full.untyped_storage().resize_(0)
@@ -143,11 +172,13 @@ class FlatParam:
             grad = grad.to(self.reduce_dtype)
             self._accumulated = grad if self._accumulated is None else self._accumulated.add_(grad)
 
-    def reduce(self, grad: torch.Tensor) -> tuple[Pending, torch.Tensor]:
-        """Start the reduce-scatter of this backward's flat gradient (plus any accumulated one).
+    def reduce(self, grad: torch.Tensor) -> tuple[list[Pending], torch.Tensor]:
+        """Start reducing this backward's flat gradient (plus any accumulated one).
 
-        The collective averages over ranks. Returns it and the tensor that will hold this rank's
-        share; ``land`` adds that share to the shard's gradient.
+        A reduce-scatter over the ranks that split the buffer and, under ``hybrid``, an all-reduce
+        of the share with the other groups, which starts once the share is complete; the result is
+        the average over every rank. Returns the collectives and the tensor that will hold this
+        rank's share; ``land`` adds that share to the parameters' gradients.
         """
         with self._comm.reduce_stream():
             full = grad.to(self.reduce_dtype)
@@ -155,17 +186,22 @@ class FlatParam:
                 full = self._accumulated.add_(full)
                 self._accumulated = None
             share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-            return self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,)), share
+            scattered = self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,))
+            across = self._sharding.replicate
+            if across is None:
+                return [scattered], share
+            return [scattered, across.all_reduce(share, tag=self.name, op="avg", after=scattered)], share
 
-    def land(self, pending: Pending, share: torch.Tensor) -> None:
-        """Wait for a reduce-scatter from ``reduce`` and hand its share to the parameters' gradients.
+    def land(self, pendings: list[Pending], share: torch.Tensor) -> None:
+        """Wait for the collectives from ``reduce`` and hand the share to the parameters' gradients.
 
         A parameter without a gradient gets a view of the share (no copy); one that has a gradient
         (accumulation across backward passes without ``zero_grad``) gets the share added. A parameter
         this rank holds nothing of gets none, so optimizers skip it. The training waits for the
-        collective here (which bounds the gradients in flight), and the addition runs where
+        collectives here (which bounds the gradients in flight), and the addition runs where
         reductions run."""
-        pending.wait()
+        for pending in pendings:
+            pending.wait()
         with self._comm.reduce_stream():
             share = share.to(self.shard.dtype)
             for param, lo, hi in self._held:

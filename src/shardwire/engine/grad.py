@@ -7,7 +7,6 @@ import math
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.shard import engine_of
@@ -17,9 +16,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Scale the gradients of a sharded model so that their global norm is at most ``max_norm``.
 
     The norm is over the whole model, not this rank's shards: each rank reduces its shards to one
-    scalar (``sum |g|^p``, or the max for the inf-norm) and one all-reduce of that scalar combines
-    them. The scaling factor stays on the device, so there is no host sync. Padding in the flat
-    buffers carries zero gradient and does not change the norm. Returns the total norm.
+    scalar (``sum |g|^p``, or the max for the inf-norm) and one all-reduce of that scalar over the
+    ranks that split the buffers combines them (under hybrid sharding every group holds the same
+    gradients, so one group's shards are the whole model). The scaling factor stays on the device,
+    so there is no host sync. Padding in the flat buffers carries zero gradient and does not change
+    the norm. Returns the total norm.
     """
     engine = engine_of(model)
     engine.emit("clip", None, "start")
@@ -33,12 +34,13 @@ def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.
     if not params:
         return torch.zeros((), device=engine.device)
     local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)
+    over = engine.sharding.shard
     if math.isinf(norm_type):
-        engine.comm.all_reduce(local, tag="grad norm", op=dist.ReduceOp.MAX).wait()
+        over.all_reduce(local, tag="grad norm", op="max").wait()
         total = local
     else:
         powered = local.double() ** norm_type
-        engine.comm.all_reduce(powered, tag="grad norm").wait()
+        over.all_reduce(powered, tag="grad norm").wait()
         total = (powered ** (1.0 / norm_type)).to(local.dtype)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

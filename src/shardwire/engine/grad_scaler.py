@@ -22,7 +22,6 @@ synchronization; bf16 needs no scaler at all.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.shard import engine_of
@@ -39,5 +38,5 @@ class GradScaler(torch.amp.GradScaler):
         device = self._comm.device
         if device not in found:  # no gradient on this rank: it still takes part in the decision
             found[device] = torch.zeros_like(found_inf, device=device)
-        self._comm.all_reduce(found[device], tag="loss scaler overflow", op=dist.ReduceOp.MAX).wait()
+        self._comm.all_reduce(found[device], tag="loss scaler overflow", op="max").wait()
         return found

@@ -4,27 +4,30 @@ One ``Engine`` lives on each sharded model and is driven entirely by module and 
 
 forward   root pre-forward gathers the root unit and opens a forward ``Pass``, which issues the first
           prefetches; each unit's pre-forward enters the pass (sliding the window), waits for its own
-          gather and exposes its parameters; its post-forward releases them (``reshard_after_forward``)
+          gather and exposes its parameters; its post-forward releases them (``reshard_after_forward``;
+          under ``hybrid_secondary`` keeping this rank's secondary shard for backward to gather from)
           and hooks the unit's outputs so that backward can announce it.
 backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
           for its gather. Its flat gradient being complete means its backward is over: start the
-          reduce-scatter asynchronously, release the parameters, land the reduction issued before it.
+          reduce-scatter asynchronously (under ``hybrid``, followed by the all-reduce between groups),
+          release the parameters, land the reduction issued before it.
           A callback queued on the autograd engine lands the last reductions when backward ends.
 
 Everything the order of collectives depends on is the same on every rank as long as every rank runs
 the same units in the same order. The passes that record the order check that, with one tiny
 all-gather before each collective they issue, and raise an error naming the units if ranks differ;
-every later step starts with the communicator comparing the collectives each rank issued in the
-step before (``Communicator.verify_order``: 8 bytes, no host sync), so a rank that leaves the order
-later is caught too.
+every later step starts with each communicator of the layout comparing the collectives each rank
+issued on it in the step before (``Communicator.verify_order``: 8 bytes, no host sync), so a rank
+that leaves the order later is caught too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,10 +35,12 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
-from shardwire.comm.communicator import Communicator, Pending
+from shardwire.comm.communicator import OnIssue, Pending
 from shardwire.comm.errors import ScheduleMismatchError
+from shardwire.comm.records import CommRecord
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.schedule import Pass
+from shardwire.engine.sharding import Sharding
 from shardwire.engine.unit import INPUTS, Unit
 
 # Reduce-scatters allowed in flight. Each holds a whole unit's flat gradient until it lands, so the
@@ -79,7 +84,7 @@ class Engine:
         root: Unit,
         units: list[Unit],
         *,
-        comm: Communicator,
+        sharding: Sharding,
         prefetch: int,
         reshard_after_forward: bool,
         input_dtype: torch.dtype | None,
@@ -87,7 +92,7 @@ class Engine:
     ):
         self.root = root
         self.units = units
-        self.comm = comm
+        self.sharding = sharding
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating-point forward inputs are cast to it
@@ -97,11 +102,16 @@ class Engine:
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None
-        self._reductions: deque[tuple[FlatParam, Pending, torch.Tensor]] = deque()
+        self._reductions: deque[tuple[FlatParam, list[Pending], torch.Tensor]] = deque()
         self._callback_queued = False
         self._generation = 0  # forwards so far: backward must come from the latest one
         self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
         self._listeners: list[Listener] = []
+
+    @property
+    def comm(self):
+        """The communicator of every rank of the job (set-up, agreement checks, checkpoints)."""
+        return self.sharding.world
 
     @property
     def group(self):
@@ -139,6 +149,22 @@ class Engine:
         for listener in self._listeners:
             listener(phase, unit, edge)
 
+    @contextlib.contextmanager
+    def record(self, on_issue: OnIssue | None = None) -> Iterator[list[CommRecord]]:
+        """``Communicator.record`` over every communicator of the layout: the records of all the
+        collectives issued inside the block, in the order they were issued."""
+        records: list[CommRecord] = []
+
+        def issued(record: CommRecord) -> None:
+            records.append(record)
+            if on_issue is not None:
+                on_issue(record)
+
+        with contextlib.ExitStack() as stack:
+            for comm in self.sharding.communicators:
+                stack.enter_context(comm.record(issued))
+            yield records
+
     def gathered_units(self) -> list[str]:
         """Names of the units whose full parameters are in memory right now (read off the storage)."""
         return [u.name for u in self._all_units if any(f.is_allocated for f in u.flats)]
@@ -153,11 +179,12 @@ class Engine:
         recording = self._order["forward"] is None
         with record_function("shardwire::pre_forward(<root>)"):
             if not recording:
-                self.comm.verify_order("the step before this forward")
+                for comm in self.sharding.communicators:
+                    comm.verify_order("the step before this forward")
             for flat in self.flats:
                 flat.check_requires_grad()
             self._gather(self.root, "forward", check=recording)
-            self._forward = Pass(self._order["forward"], self.prefetch, self._prefetch)
+            self._forward = Pass(self._order["forward"], self.prefetch, Unit.gather)
             self.root.wait()
             self.root.show(self._grad_hook())
         if self.input_dtype is None:
@@ -205,6 +232,8 @@ class Engine:
             announce = _once(functools.partial(self._pre_backward, self._generation, unit))
             for tensor in needs_grad:
                 tensor.register_hook(announce)
+        if self.reshard_after_forward and needs_grad:
+            unit.keep_secondary()
         if self.reshard_after_forward or not needs_grad:
             unit.free()
         return output
@@ -219,7 +248,7 @@ class Engine:
                 unit.free()  # prefetched for an order this pass did not follow
         needs_grad = _tensors_needing_grad(output, "the model") if torch.is_grad_enabled() else []
         if needs_grad:
-            self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
+            self._backward = Pass(self._order["backward"], self.prefetch, _gather_for_backward)
             # backward starts when the outputs get gradients
             announce = _once(functools.partial(self._enter_backward, self._generation))
             for tensor in needs_grad:
@@ -249,7 +278,7 @@ class Engine:
             self._callback_queued = True
             self.emit("backward", None, "start")
         if self._backward is None:  # e.g. a second backward through a retained graph
-            self._backward = Pass(self._order["backward"], self.prefetch, self._prefetch)
+            self._backward = Pass(self._order["backward"], self.prefetch, _gather_for_backward)
         return self._backward
 
     def _pre_backward(self, generation: int, unit: Unit) -> None:
@@ -292,24 +321,22 @@ class Engine:
         with record_function("shardwire::finish_backward"):
             while self._reductions:
                 self._land_oldest()
-            self.comm.join()
+            for comm in self.sharding.communicators:
+                comm.join()
         self._release_all()
         self.emit("backward", None, "end")
 
     # ----------------------------------------------------------------------------------- helpers
 
-    def _prefetch(self, unit: Unit) -> None:
-        unit.gather()
-
     def _gather(self, unit: Unit, phase: str, *, check: bool) -> None:
         if not unit.is_gathered:
             if check:
                 self._check_agreement(phase, unit)
-            unit.gather()
+            unit.gather(backward=phase == "backward")
 
     def _land_oldest(self) -> None:
-        flat, pending, share = self._reductions.popleft()
-        flat.land(pending, share)
+        flat, pendings, share = self._reductions.popleft()
+        flat.land(pendings, share)
 
     def _discard_unfinished_step(self) -> None:
         """Forget a step that did not finish: a forward or backward that raised, or a forward whose
@@ -318,13 +345,15 @@ class Engine:
         self._forward = self._backward = None
         self._callback_queued = False
         while self._reductions:
-            _, pending, _ = self._reductions.popleft()
-            pending.wait()
+            _, pendings, _ = self._reductions.popleft()
+            for pending in pendings:
+                pending.wait()
         self._release_all()
 
     def _release_all(self) -> None:
         for unit in self._all_units:
             unit.free()
+            unit.drop_secondary()
 
     def _check_agreement(self, phase: str, unit: Unit) -> None:
         """Before a collective of a recording pass: make sure every rank is about to run the same one."""
@@ -357,6 +386,10 @@ class _BackwardThroughInputs(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.done()
         return (None, *grads)
+
+
+def _gather_for_backward(unit: Unit) -> None:
+    unit.gather(backward=True)
 
 
 def _cast_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

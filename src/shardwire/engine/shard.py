@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
-from shardwire.engine import sharded_state_dict
+from shardwire.comm.topology import topology
+from shardwire.engine import sharded_state_dict, sharding as layouts
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import FlatLayout
 from shardwire.engine.mixed_precision import MixedPrecision
@@ -34,6 +35,8 @@ def shard(
     prefetch: int = 2,
     mixed_precision: MixedPrecision | str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    sharding: str = "full",
+    shard_group_size: int | None = None,
     activation_checkpointing: bool = False,
     timeout: float = 600.0,
 ) -> nn.Module:
@@ -59,6 +62,12 @@ def shard(
         process_group: defaults to the world, which is created if needed (torchrun's, or one process,
             with ``timeout``). The engine works on the device of the model's parameters, whatever the
             current CUDA device is.
+        sharding: "full" (every buffer split over all ranks), "hybrid" (split within groups of
+            ``shard_group_size`` ranks, replicated across groups, gradient shards all-reduced
+            between them) or "hybrid_secondary" (ZeRO++'s hpZ: split over all ranks, backward
+            gathering from a copy split within the group). See ``shardwire.engine.sharding``.
+        shard_group_size: the ranks of a group, a divisor of the process group's size; by default
+            the ranks of a node (the launcher's ``LOCAL_WORLD_SIZE``).
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         timeout: seconds a collective may take before it becomes an error naming the rank and unit.
             On NCCL the process group's own timeout applies: create it with the same one.
@@ -75,14 +84,17 @@ def shard(
         groups.ensure_initialized(device, deadline)
         process_group = dist.group.WORLD
     groups.check_backend_serves(process_group, device)
+    group_size = layouts.group_size(sharding, shard_group_size, dist.get_world_size(process_group),
+                                    topology(process_group).ranks_per_node)
 
     state_dict_keys = list(model.state_dict().keys())
     selected = select_units(model, units)
     owned = assign_params(model, [name for name, _ in selected])
-    comm = Communicator(process_group, device, timeout=deadline)
+    layout = layouts.build(sharding, group_size, process_group, device, deadline)
+    comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 
-    make_unit = functools.partial(_build_unit, comm=comm, policy=policy)
+    make_unit = functools.partial(_build_unit, sharding=layout, policy=policy)
     for name, buffer in model.named_buffers():
         if comm.world > 1:
             comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
@@ -91,14 +103,14 @@ def shard(
     engine = Engine(
         root,
         block_units,
-        comm=comm,
+        sharding=layout,
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
         input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, comm.rank, comm.world)
+    sharded_state_dict.install(model, engine.flats, layout.shard.rank, layout.shard.world)
     if activation_checkpointing:
         for unit in block_units:
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
@@ -157,27 +169,27 @@ def _flat_groups(params: list[OwnedParam]) -> dict[tuple[torch.dtype, bool], lis
     return grouped
 
 
-def _build_unit(index, name, module, params, *, comm, policy) -> Unit:
+def _build_unit(index, name, module, params, *, sharding, policy) -> Unit:
     name = name or "<root>"
     grouped = _flat_groups(params)
+    comm = sharding.world
     flats = []
     for (dtype, requires_grad), entries in grouped.items():
-        layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, comm.world)
+        layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, sharding.shard.world)
         full = layout.flatten([e.param.detach() for e in entries])
         if comm.world > 1:
             comm.broadcast(full, tag=f"initial values of {name}").wait()
-        start, end = layout.shard_range(comm.rank)
+        start, end = layout.shard_range(sharding.shard.rank)
         suffix = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")
         flat = FlatParam(
             f"{name}.{suffix}" if len(grouped) > 1 else name,
             layout,
             full[start:end].clone(),
-            comm.rank,
             [e.owners for e in entries],
             requires_grad=requires_grad,
             compute_dtype=policy.param_dtype or dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or dtype,
-            comm=comm,
+            sharding=sharding,
         )
         for entry, param in zip(entries, flat.params):
             for owner, param_name in entry.owners:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.shard import engine_of
@@ -18,11 +17,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     the unsharded model; other ranks get an empty dict.
     """
     engine = engine_of(model)
-    rank = dist.get_rank(engine.group)
+    rank = engine.comm.rank
     params: dict[str, torch.Tensor] = {}
     for flat in engine.flats:
         full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
-        engine.comm.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
+        engine.sharding.shard.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
         if rank == 0:
             for slot, view in zip(flat.layout.slots, flat.layout.views(full.cpu())):
                 value = view.clone()

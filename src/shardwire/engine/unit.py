@@ -41,10 +41,11 @@ class Unit:
         """The full parameters are allocated: being gathered, or ready."""
         return self._allocated
 
-    def gather(self) -> None:
-        """Start gathering (no-op if already gathered or being gathered)."""
+    def gather(self, *, backward: bool = False) -> None:
+        """Start gathering (no-op if already gathered or being gathered); for ``backward``, from the
+        secondary shards where forward kept them."""
         if not self._allocated:
-            self._in_flight = [flat.gather() for flat in self.flats]
+            self._in_flight = [flat.gather(backward=backward) for flat in self.flats]
             self._allocated = True
 
     def wait(self) -> None:
@@ -52,6 +53,15 @@ class Unit:
         in_flight, self._in_flight = self._in_flight, []
         for pending in in_flight:
             pending.wait()
+
+    def keep_secondary(self) -> None:
+        """After forward, keep what backward gathers from under ``hybrid_secondary``."""
+        for flat in self.flats:
+            flat.keep_secondary()
+
+    def drop_secondary(self) -> None:
+        for flat in self.flats:
+            flat.drop_secondary()
 
     def free(self) -> None:
         """Release the gathered parameters (after any gather still writing into them)."""

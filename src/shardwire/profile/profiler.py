@@ -98,7 +98,7 @@ class Profiler:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Profile the training step run inside the block (a step that raises is not kept)."""
-        with self._engine.comm.record() as records:
+        with self._engine.record() as records:
             self._recorder.begin_step(self._next_step)
             yield
             self._recorder.end_step(records)

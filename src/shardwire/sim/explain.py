@@ -14,7 +14,7 @@ import dataclasses
 
 from shardwire.sim import collectives
 from shardwire.sim.predict import Prediction
-from shardwire.sim.step import backward_s, forward_s, reduction_phases, shard_group
+from shardwire.sim.step import backward_gather_group, backward_s, forward_s, reduction_phases, shard_group
 
 # Below this share of the step, exposed communication is noise and the step is compute-bound.
 HIDDEN_SHARE = 0.05
@@ -42,7 +42,7 @@ class UnitBudget:
 
 def unit_budgets(p: Prediction) -> list[UnitBudget]:
     cluster, training = p.cluster, p.training
-    group = shard_group(cluster, training)
+    group, backward_group = shard_group(cluster, training), backward_gather_group(cluster, training)
     kinds: dict[str, list] = {}
     for unit in p.arch.units:
         kinds.setdefault(unit.name.split(".")[0], []).append(unit)
@@ -53,7 +53,9 @@ def unit_budgets(p: Prediction) -> list[UnitBudget]:
         gather = collectives.isolated_s(gather_phases, cluster)
         reductions = reduction_phases(unit, cluster, training)
         reduce = sum(collectives.isolated_s(phases, cluster) for _, _, phases in reductions)
-        backward_comm = reduce + (gather if training.reshards else 0.0)
+        regather = collectives.isolated_s(
+            collectives.all_gather(unit.params * training.compute_bytes, backward_group, cluster), cluster)
+        backward_comm = reduce + (regather if training.reshards else 0.0)
         budgets.append(UnitBudget(kind, len(units), forward_s(unit, cluster, training), gather,
                                   backward_s(unit, cluster, training), backward_comm))
     return budgets

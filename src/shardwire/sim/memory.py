@@ -1,11 +1,14 @@
 """Peak memory per GPU of a sharded step, by what holds it, and whether it fits.
 
-With ``P`` parameters sharded over ``s`` GPUs (the world; one node for hybrid sharding), compute
-dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences per micro-batch:
+With ``P`` parameters sharded over ``s`` GPUs (the world; the shard group for hybrid sharding),
+compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences per micro-batch:
 
     parameter shards       4 P / s          fp32 masters (the optimizer updates these)
     gradient shards        4 P / s          fp32
     optimizer state        8 P / s          Adam's two moments, fp32
+    secondary shards       c P_units / G    ``hybrid_secondary`` with resharding: every unit's
+                                            share of its group of ``G``, kept from its forward to
+                                            its backward (``P_units``: the units' parameters)
     gathered parameters    c (P_root + k P_unit)   the root stays gathered; k units are gathered at
                            once: prefetch + 1 with a sliding window, prefetch (at least 1) with a
                            block limiter, and never more than the model's units (the engine
@@ -31,7 +34,7 @@ import dataclasses
 
 from shardwire.sim.architecture import Architecture
 from shardwire.sim.specs import ClusterSpec, TrainingSpec
-from shardwire.sim.step import REDUCTIONS_IN_FLIGHT, shard_group
+from shardwire.sim.step import REDUCTIONS_IN_FLIGHT, group_size, shard_group
 
 USABLE_FRACTION = 0.92
 GIB = 2**30
@@ -44,6 +47,7 @@ class MemoryEstimate:
     parameter_shards: float
     gradient_shards: float
     optimizer_state: float
+    secondary_shards: float
     gathered_parameters: float
     unit_gradients: float
     communication_buffers: float
@@ -80,6 +84,9 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         gathered_units = sum(u.params for u in arch.units)
 
     accumulated = r * P if training.grad_accum > 1 else 0.0
+    secondary = 0.0
+    if training.sharding == "hybrid_secondary" and training.reshards:
+        secondary = c * sum(u.params for u in arch.units) / group_size(cluster, training)
 
     if training.activation_checkpointing:
         kept = sum(u.boundary_bytes for u in arch.units)
@@ -92,6 +99,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         parameter_shards=4 * P / shard_over,
         gradient_shards=4 * P / shard_over,
         optimizer_state=8 * P / shard_over,
+        secondary_shards=secondary,
         gathered_parameters=c * (arch.root.params + gathered_units),
         unit_gradients=c * largest + accumulated,
         communication_buffers=(REDUCTIONS_IN_FLIGHT + 1) * r * largest,

@@ -14,7 +14,7 @@ import sys
 from shardwire.sim import inputs, report
 from shardwire.sim.explain import verdict
 from shardwire.sim.memory import GIB
-from shardwire.sim.planner import Plan, describe_settings, plan
+from shardwire.sim.planner import Plan, describe_settings, launch_command, plan, runnable, shard_call
 from shardwire.sim.specs import SpecError
 
 
@@ -23,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, required=True,
                         help="sequences per optimizer step, all GPUs together")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    parser.epilog = ("--training gives what is not searched (precision, limiter, kernel efficiency); "
-                     "micro-batch, sharding, prefetch and activation checkpointing are searched.")
+    parser.epilog = ("--training gives what is not searched (precision, kernel efficiency); micro-batch, "
+                     "sharding, prefetch and activation checkpointing are searched, and the rest is what "
+                     "the engine runs.")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -45,8 +46,8 @@ def plan_json(result: Plan, global_batch: int) -> dict:
     best = result.best.step_time_s
     return {
         "global_batch": global_batch,
-        "best": report.prediction_json(result.best),
-        "runner_up": None if result.runner_up is None else report.prediction_json(result.runner_up),
+        "best": _with_run(result.best),
+        "runner_up": None if result.runner_up is None else _with_run(result.runner_up),
         "alternatives": [
             {"change": a.change, "step_time_s": a.step_time_s, "fits": a.memory.fits,
              "memory_gb_per_gpu": a.memory.total / GIB,
@@ -56,6 +57,17 @@ def plan_json(result: Plan, global_batch: int) -> dict:
         "candidates": result.candidates,
         "fitting": result.fitting,
     }
+
+
+def _with_run(p) -> dict:
+    options, shard_args = runnable(p.training, p.cluster)
+    return {**report.prediction_json(p), "run": {"command": launch_command(p.training, p.cluster),
+                                                 "train_options": options, "shard_arguments": shard_args}}
+
+
+def _how_to_run(p) -> list[str]:
+    return [f"          run:   {launch_command(p.training, p.cluster)}",
+            f"          or:    {shard_call(p.training, p.cluster)}"]
 
 
 def plan_text(result: Plan, global_batch: int) -> str:
@@ -71,6 +83,7 @@ def plan_text(result: Plan, global_batch: int) -> str:
         f"          step {best.step_time_s:.4g} s, {best.samples_per_step / best.step_time_s:.4g} samples/s, "
         f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
         f"          {verdict(best)}",
+        *_how_to_run(best),
         "",
         "why: each setting changed alone",
     ]
@@ -84,5 +97,5 @@ def plan_text(result: Plan, global_batch: int) -> str:
     if result.runner_up is not None:
         r = result.runner_up
         lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
-                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)"]
+                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r)]
     return "\n".join(lines)

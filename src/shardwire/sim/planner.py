@@ -2,11 +2,13 @@
 
 The global batch fixes the samples each GPU processes per step; the planner searches how to run
 them: the micro-batch (every divisor of the per-GPU batch, the rest made up by gradient
-accumulation), the sharding (full, grad_op, hybrid, and hybrid without resharding after
-forward), the prefetch depth (0 to ``MAX_PREFETCH``) and activation checkpointing. Everything else
-(precision, limiter, kernel efficiency) comes from the base training configuration. Candidates
-whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
-``TIE``) going to the one that needs less memory.
+accumulation), the sharding layout (full, grad_op, and on several nodes hybrid, hybrid without
+resharding after forward and hybrid_secondary, in groups of a node's GPUs), the prefetch depth (0
+to ``MAX_PREFETCH``) and activation checkpointing. The precision and kernel efficiency come from the
+base training configuration; the rest is what the engine runs (its sliding window, reductions in
+fp32), so that every configuration the planner names is one ``shard()`` and ``shardwire train`` run:
+``runnable`` gives the options for both. Candidates whose memory does not fit are not simulated;
+the rest are ranked by step time, ties (within ``TIE``) going to the one that needs less memory.
 
 The explanation sets the winner against what changing each of its settings alone would give:
 slower, or not fitting, which is why it wins; and names the runner-up.
@@ -23,13 +25,16 @@ from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
                                  parse)
+from shardwire.sim.step import group_size
 
 MAX_PREFETCH = 4
 # Step times this close count as equal, and the configuration needing less memory wins.
 TIE = 1e-3
 
-# (sharding, reshard_after_forward): full with no resharding is grad_op, so it is not listed twice.
-_SHARDINGS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False))
+# (sharding, reshard_after_forward): full with no resharding is grad_op, so it is not listed twice;
+# hybrid_secondary without resharding never gathers for backward, so it is grad_op too.
+_SHARDINGS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False), ("hybrid_secondary", True))
+_HYBRID = ("hybrid", "hybrid_secondary")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"{', '.join(str(b) for b in (lower, upper) if b > 0)}"
         )
     per_gpu = global_batch // world
-    candidates = [_training(base, **settings) for settings in _settings(per_gpu, cluster)]
+    candidates = candidate_settings(per_gpu, cluster, base)
     arch = architecture(model, base.compute_bytes)
     memory = {t: estimate_memory(arch, cluster, t) for t in candidates}
     fitting = [t for t in candidates if memory[t].fits]
@@ -107,7 +112,7 @@ def _divisors(n: int) -> list[int]:
 
 def _settings(per_gpu: int, cluster: ClusterSpec):
     micro_batches = [m for m in _divisors(per_gpu) if per_gpu // m <= MAX_GRAD_ACCUM]
-    shardings = [s for s in _SHARDINGS if s[0] != "hybrid" or (cluster.nodes > 1 and cluster.gpus_per_node > 1)]
+    shardings = [s for s in _SHARDINGS if s[0] not in _HYBRID or cluster.nodes > 1]
     for micro, (sharding, reshard), prefetch, checkpointing in itertools.product(
         micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True)
     ):
@@ -115,8 +120,44 @@ def _settings(per_gpu: int, cluster: ClusterSpec):
                    reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing)
 
 
+def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
+    """Every configuration the planner considers for ``per_gpu`` samples per GPU and step."""
+    return [_training(base, **settings) for settings in _settings(per_gpu, cluster)]
+
+
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
-    return parse("training", {**as_dict(base), **settings, "name": "planned"})
+    engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None}
+    return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
+
+
+def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
+    """The ``shardwire train`` options and the ``shard(...)`` arguments that run ``t`` on ``cluster``
+    (what is not the engine's, the batch and the launch, only in the former)."""
+    sharding = "full" if t.sharding == "grad_op" else t.sharding
+    shard_args = {"sharding": sharding}
+    if sharding in _HYBRID:
+        shard_args["shard_group_size"] = group_size(cluster, t)
+    shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": t.precision,
+                   "activation_checkpointing": t.activation_checkpointing}
+    options = ["--batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum), "--sharding", sharding]
+    if sharding in _HYBRID:
+        options += ["--shard-group-size", str(shard_args["shard_group_size"])]
+    options += ["--reshard" if t.reshards else "--no-reshard", "--prefetch", str(t.prefetch),
+                "--precision", t.precision,
+                "--activation-checkpointing" if t.activation_checkpointing else "--no-activation-checkpointing"]
+    return options, shard_args
+
+
+def launch_command(t: TrainingSpec, cluster: ClusterSpec) -> str:
+    """The command each node runs: ``torchrun`` with the node's GPUs, ``shardwire train`` and its options."""
+    options, _ = runnable(t, cluster)
+    return (f"torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.gpus_per_node} -m shardwire train "
+            + " ".join(options))
+
+
+def shard_call(t: TrainingSpec, cluster: ClusterSpec) -> str:
+    _, kwargs = runnable(t, cluster)
+    return "shardwire.shard(model, " + ", ".join(f"{key}={value!r}" for key, value in kwargs.items()) + ")"
 
 
 def _dimensions(t: TrainingSpec) -> dict:

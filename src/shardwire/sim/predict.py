@@ -95,8 +95,6 @@ class Prediction:
 
 def predict(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Prediction:
     arch = architecture(model, training.compute_bytes)
-    if training.sharding == "hybrid" and cluster.gpus_per_node == 1:
-        raise SpecError("hybrid sharding shards within a node and needs gpus_per_node > 1; use 'full'")
     return Prediction(model, cluster, training, arch,
                       simulate_step(arch, cluster, training), estimate_memory(arch, cluster, training))
 
@@ -122,7 +120,7 @@ MAX_SWEEP_VALUES = 64
 
 SWEEPABLE = {
     "cluster": ("nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb"),
-    "training": ("micro_batch", "grad_accum", "prefetch", "sharding", "limiter", "precision",
+    "training": ("micro_batch", "grad_accum", "prefetch", "sharding", "shard_group_size", "limiter", "precision",
                  "reduce_precision", "activation_checkpointing", "compute_efficiency"),
 }
 

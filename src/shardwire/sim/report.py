@@ -25,6 +25,7 @@ from shardwire.sim.explain import format_ms, unit_budgets, verdict
 from shardwire.sim.memory import GIB
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
+from shardwire.sim.step import group_size
 
 
 def fit_problem(p: Prediction) -> str:
@@ -84,7 +85,10 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         return f"swept {key}" if key == swept else text
 
     limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
-    sharding = f"{t.sharding} sharding, {'reshard' if t.reshards else 'keep'} after forward"
+    groups = ""
+    if t.sharding in ("hybrid", "hybrid_secondary"):
+        groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {group_size(c, t)}"
+    sharding = f"{t.sharding} sharding{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",

@@ -31,7 +31,7 @@ class SpecError(ValueError):
 
 MODEL_KINDS = ("decoder", "encoder-decoder")
 ATTENTION_KINDS = ("flash", "eager")
-SHARDINGS = ("full", "grad_op", "hybrid")
+SHARDINGS = ("full", "grad_op", "hybrid", "hybrid_secondary")
 LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
@@ -117,6 +117,8 @@ LIMITS = types.MappingProxyType({
                              "latencies are in microseconds", zero=True),
     "micro_batch": Limit(MAX_BATCH, f"over {MAX_BATCH:,} sequences, hundreds of times the largest published "
                                     f"batches: micro_batch is sequences per GPU"),
+    "shard_group_size": Limit(MAX_NODES * MAX_GPUS_PER_NODE, "more GPUs than the simulator's largest cluster: "
+                                                           "shard_group_size counts GPUs"),
     "grad_accum": Limit(MAX_GRAD_ACCUM, f"more micro-batches than the simulator steps through (at most "
                                         f"{MAX_GRAD_ACCUM}, each simulated event by event): raise micro_batch"),
     # No model has more units than this, and the engine gathers ahead no further than its last unit.
@@ -237,16 +239,20 @@ class TrainingSpec:
     (all but the last without reduction, accumulating unsharded gradients, as ``no_sync`` does).
     ``sharding``: ``full`` shards parameters, gradients and optimizer state over every GPU;
     ``grad_op`` (FSDP's SHARD_GRAD_OP) keeps each unit gathered from its forward to the end of its
-    backward; ``hybrid`` shards within a node and replicates across nodes, all-reducing gradient
-    shards between nodes. ``prefetch`` units are gathered ahead of the running one, by a ``sliding``
-    window (the engine's) or a ``block``-and-flush limiter that issues them in groups and waits for a
-    group to be consumed before issuing the next. ``reduce_precision`` defaults to fp32, as the
+    backward; ``hybrid`` shards within groups of ``shard_group_size`` GPUs and replicates across
+    them, all-reducing gradient shards between groups; ``hybrid_secondary`` (ZeRO++'s hpZ) shards
+    as ``full`` and gathers for backward within the group, from a secondary shard kept since forward
+    (``shardwire.engine.sharding``). ``shard_group_size`` defaults to a node's GPUs; a group is a
+    divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
+    running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
+    them in groups and waits for a group to be consumed before issuing the next. ``reduce_precision`` defaults to fp32, as the
     engine reduces; ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
     """
 
     micro_batch: int = 1
     grad_accum: int = 1
     sharding: str = "full"
+    shard_group_size: int | None = None
     prefetch: int = 2
     limiter: str = "sliding"
     reshard_after_forward: bool | None = None
@@ -262,6 +268,11 @@ class TrainingSpec:
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "reduce_precision", PRECISIONS)
+        if self.shard_group_size is not None:
+            _check_limits(self, "shard_group_size")
+            if self.sharding not in ("hybrid", "hybrid_secondary"):
+                raise SpecError(f"shard_group_size applies to sharding 'hybrid' and 'hybrid_secondary', not "
+                                f"{self.sharding!r}")
         if self.sharding == "grad_op" and self.reshard_after_forward:
             raise SpecError(
                 "sharding 'grad_op' keeps parameters gathered from forward to backward, so "

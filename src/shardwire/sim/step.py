@@ -23,8 +23,9 @@ step end   with gradient accumulation, micro-batches before the last skip reduct
 A ``block`` limiter replaces the sliding window: it issues gathers in groups of ``prefetch`` and
 issues the next group only when the whole previous one has been consumed, so the first unit of
 every group waits for a gather that was issued when the previous unit finished. Hybrid sharding
-gathers within the node and reduces each unit with a reduce-scatter within the node followed by an
-all-reduce of the shard between nodes, on the same lane.
+gathers within the shard group and reduces each unit with a reduce-scatter within it followed by an
+all-reduce of the shard between groups, on the same lane; ``hybrid_secondary`` gathers over the
+world for forward and within the group for backward.
 
 Left out: slowdown of compute by concurrent communication kernels, host overheads, stragglers and
 jitter; the step is the idealized schedule of the engine on ideal links.
@@ -39,7 +40,7 @@ from shardwire.sim import collectives
 from shardwire.sim.architecture import Architecture, UnitCost
 from shardwire.sim.collectives import Group, Phase
 from shardwire.sim.events import Event, Link, Process, Simulation
-from shardwire.sim.specs import ClusterSpec, TrainingSpec
+from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec
 
 # The engine's bound on pending reduce-scatters (shardwire.engine.runtime.REDUCTIONS_IN_FLIGHT),
 # repeated here so that simulating never imports torch; a test keeps the two equal.
@@ -102,24 +103,59 @@ def backward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec, *, 
     return (2 + recompute) * forward_s(unit, cluster, training)
 
 
+def group_size(cluster: ClusterSpec, training: TrainingSpec) -> int:
+    """The GPUs of a hybrid layout's group: as given, else a node's. A group must divide the world
+    and be a divisor of a node or a whole number of nodes (the engine runs any divisor, but only
+    these place its collectives on the network's two levels)."""
+    size = training.shard_group_size or cluster.gpus_per_node
+    g = cluster.gpus_per_node
+    if cluster.world % size or (g % size and size % g):
+        raise SpecError(f"shard_group_size {size} must divide the {cluster.world} GPUs and either divide a "
+                        f"node's {g} GPUs or be a multiple of them")
+    return size
+
+
 def shard_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
-    """The GPUs a unit is sharded over: the world, or one node under hybrid sharding."""
+    """The GPUs a unit's buffer is split over: the world, or a group under hybrid sharding."""
     if training.sharding == "hybrid":
-        return Group(1, cluster.gpus_per_node)
+        return _block(group_size(cluster, training), cluster)
     return Group(cluster.nodes, cluster.gpus_per_node)
+
+
+def backward_gather_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
+    """The GPUs backward gathers a unit from: the group's secondary shards under ``hybrid_secondary``."""
+    if training.sharding == "hybrid_secondary":
+        return _block(group_size(cluster, training), cluster)
+    return shard_group(cluster, training)
+
+
+def _block(size: int, cluster: ClusterSpec) -> Group:
+    """A group of ``size`` consecutive GPUs."""
+    g = cluster.gpus_per_node
+    return Group(1, size) if size <= g else Group(size // g, g)
+
+
+def _column(size: int, cluster: ClusterSpec) -> Group:
+    """The GPUs at one position of every group of ``size``: on each node, as many such groups run
+    at once as there are positions."""
+    g = cluster.gpus_per_node
+    if size <= g:
+        return Group(cluster.nodes, g // size, copies=size)
+    return Group(cluster.world // size, 1, copies=g)
 
 
 def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
                      training: TrainingSpec) -> list[tuple[str, float, list[Phase]]]:
     """The collectives that reduce a unit's gradient, in order, as (op, bytes, phases): a
-    reduce-scatter over the shard group and, under hybrid sharding across nodes, an all-reduce of
-    each GPU's shard with its peers on the other nodes."""
+    reduce-scatter over the shard group and, under hybrid sharding with several groups, an
+    all-reduce of each GPU's shard with its peers in the other groups."""
     nbytes = unit.params * training.reduce_bytes
-    steps = [("reduce_scatter", nbytes, collectives.reduce_scatter(nbytes, shard_group(cluster, training), cluster))]
-    if training.sharding == "hybrid" and cluster.nodes > 1:
-        g = cluster.gpus_per_node
-        between_nodes = Group(cluster.nodes, 1, copies=g)
-        steps.append(("all_reduce", nbytes / g, collectives.all_reduce(nbytes / g, between_nodes, cluster)))
+    group = shard_group(cluster, training)
+    steps = [("reduce_scatter", nbytes, collectives.reduce_scatter(nbytes, group, cluster))]
+    if training.sharding == "hybrid" and group.size < cluster.world:
+        column = _column(group.size, cluster)
+        share = nbytes / group.size
+        steps.append(("all_reduce", share, collectives.all_reduce(share, column, cluster)))
     return steps
 
 
@@ -204,6 +240,8 @@ class _Step:
         self._reductions = _Lane(self.sim, self.links, self.comms)
         self._scalars = _Lane(self.sim, self.links, self.comms)
         self._gathered: dict[str, Event] = {}
+        self._shard_group = shard_group(cluster, training)
+        self._backward_group = backward_gather_group(cluster, training)
 
         self._world = Group(cluster.nodes, cluster.gpus_per_node)
         self._forward_s = {u.name: forward_s(u, cluster, training) for u in (arch.root, *arch.units)}
@@ -212,7 +250,7 @@ class _Step:
         if cluster.memory_bandwidth_GBps is None:
             self._optimizer_s = 0.0
         else:
-            shard_params = arch.params / shard_group(cluster, training).size
+            shard_params = arch.params / self._shard_group.size
             self._optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard_params / (cluster.memory_bandwidth_GBps * 1e9)
 
     def run(self) -> Timeline:
@@ -254,12 +292,12 @@ class _Step:
             forward.consumed()
         yield from self._compute("forward", self._forward_s[root.name])
 
-        backward = _Window(units[::-1], depth, block, self._gather)
+        backward = _Window(units[::-1], depth, block, self._gather_for_backward)
         yield from self._compute("backward", self._backward_s[root.name])
         pending: collections.deque[Event] = collections.deque()
         for unit in reversed(units):
             backward.enter()
-            yield from self._wait(self._gather(unit), "backward all-gathers", unit.name)
+            yield from self._wait(self._gather_for_backward(unit), "backward all-gathers", unit.name)
             yield from self._compute("backward", self._backward_s[unit.name])
             if sync:
                 pending.append(self._reduce(unit))
@@ -275,13 +313,17 @@ class _Step:
 
     # -------------------------------------------------------------------------------- its pieces
 
-    def _gather(self, unit: UnitCost) -> Event:
-        """Start gathering ``unit`` unless it is gathered or being gathered (``Unit.gather``)."""
+    def _gather(self, unit: UnitCost, group: Group | None = None) -> Event:
+        """Start gathering ``unit`` (over ``group``; default: the shard group) unless it is gathered
+        or being gathered (``Unit.gather``)."""
         if unit.name not in self._gathered:
             nbytes = unit.params * self.training.compute_bytes
-            phases = collectives.all_gather(nbytes, shard_group(self.cluster, self.training), self.cluster)
+            phases = collectives.all_gather(nbytes, group or self._shard_group, self.cluster)
             self._gathered[unit.name] = self._gathers.submit("all_gather", unit.name, nbytes, phases)
         return self._gathered[unit.name]
+
+    def _gather_for_backward(self, unit: UnitCost) -> Event:
+        return self._gather(unit, self._backward_group)
 
     def _release(self, unit: UnitCost) -> None:
         self._gathered.pop(unit.name, None)

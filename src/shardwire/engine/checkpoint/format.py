@@ -6,7 +6,10 @@ A checkpoint is a directory::
         rank_00000.safetensors   rank 0's shard of every flat buffer, its per-element optimizer
         rank_00001.safetensors   state (Adam's moments) laid out like those shards, the scalar
         ...                      optimizer state (Adam's step count) of the parameters whose first
-                                 element it holds, and its RNG states; one file per rank
+                                 element it holds, and its RNG states; one file per rank. Under
+                                 hybrid sharding every group holds the same shards, and only the
+                                 first group's ranks save them: a buffer's layout is then cut for
+                                 fewer ranks than saved, and the other ranks' files hold RNG states
         replicated.safetensors   what every rank holds alike: the model's buffers
         manifest.json            written last: each flat buffer's layout, the optimizer's class,
                                  param groups (hyperparameters, parameter names) and which state
@@ -39,7 +42,9 @@ from shardwire.engine.checkpoint import schema
 from shardwire.engine.layout import FlatLayout, ParamSlot
 
 FORMAT = "shardwire-checkpoint"
-VERSION = 3  # 2: the manifest records its own sha256; 3: optimizer state per parameter
+# 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
+# sharded over fewer ranks than saved (hybrid sharding)
+VERSION = 4
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
 
@@ -216,7 +221,7 @@ class Manifest:
 
 # Version 1 manifests (before a manifest recorded its own sha256) are read with every other check;
 # the optimizer state of versions 1 and 2 (kept per flat buffer) is not read.
-_READABLE_VERSIONS = (1, 2, VERSION)
+_READABLE_VERSIONS = (1, 2, 3, VERSION)
 _KEYS = ("format", "version", "step", "world_size", "flats", "buffers", "state_dict_keys", "optimizer", "extra",
          "files")
 
@@ -273,7 +278,7 @@ def _flat_from_json(raw, what: str, world_size: int, version: int) -> FlatRecord
     dtype = _dtype_from_json(raw["dtype"], f"{what}.dtype")
     layout = FlatLayout(slots, dtype, schema.integer(raw["world_size"], f"{what}.world_size", minimum=1))
     packed = FlatLayout.pack([(s.names, s.shape) for s in slots], layout.dtype, layout.world_size)
-    if (packed != layout or layout.world_size != world_size
+    if (packed != layout or world_size % layout.world_size or (version < 4 and layout.world_size != world_size)
             or layout.numel != schema.integer(raw["numel"], f"{what}.numel")
             or layout.padded_numel != schema.integer(raw["padded_numel"], f"{what}.padded_numel")):
         raise ValueError(f"the layout of flat buffer {name!r} is inconsistent")

@@ -1,7 +1,8 @@
 """``load_checkpoint``: restore a sharded model and its optimizer from a checkpoint of any world size.
 
-Each rank computes the range it owns of every flat buffer at the current world size and reads the
-overlapping parts of the old ranks' files (save at 4, load at 3: re-slicing the same flat buffers).
+Each rank computes the range it owns of every flat buffer at the current world size and layout and
+reads the overlapping parts of the old ranks' files (save at 4, load at 3: re-slicing the same flat
+buffers; save hybrid in groups of 2, load full at 3: the first group's files hold every buffer).
 Nothing is modified until every rank has read and verified all it needs: a load either completes
 on every rank or changes nothing anywhere.
 
@@ -137,7 +138,7 @@ class _Staged:
             reader.check_complete()
             shards = {}
             for saved, flat in zip(manifest.flats, engine.flats):
-                start, stop = flat.layout.shard_range(rank)
+                start, stop = flat.shard_range
                 shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.layout.dtype)
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers

@@ -84,9 +84,10 @@ def held_by_groups(engine: Engine, optimizer: torch.optim.Optimizer) -> list[lis
 
 
 def capture(
-    engine: Engine, optimizer: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor]
+    engine: Engine, optimizer: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor] | None
 ) -> OptimizerSnapshot:
-    """This rank's optimizer state, each scalar passed through ``copy`` (a copy to host memory)."""
+    """This rank's optimizer state, each scalar passed through ``copy`` (a copy to host memory); with
+    ``copy`` None, only what the manifest records (a rank whose shards another rank saves)."""
     snapshot = OptimizerSnapshot({"class": type(optimizer).__qualname__, "param_groups": []}, {}, {})
     for group, held in zip(optimizer.param_groups, held_by_groups(engine, optimizer)):
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
@@ -111,6 +112,8 @@ def _capture_param(snapshot: OptimizerSnapshot, entry: _Held, state: dict, copy)
     for key, value in state.items():
         kind = _kind(entry.name, key, value, entry.param.shape)
         snapshot.state.setdefault(entry.name, {})[key] = {"kind": kind, "dtype": dtype_name(value.dtype)}
+        if copy is None:
+            continue
         if kind == SCALAR:
             if start == 0:  # this rank holds the first element
                 snapshot.tensors[scalar_key(entry.name, key)] = copy(value)

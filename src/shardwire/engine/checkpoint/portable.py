@@ -17,7 +17,6 @@ import pickle
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
@@ -91,7 +90,6 @@ def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def _read_shards(path: pathlib.Path, engine, model: nn.Module):
-    rank = dist.get_rank(engine.group)
     source = _StateDictFile(path)
     buffers = buffer_records(engine, model)
     expected = param_names(engine)
@@ -100,7 +98,7 @@ def _read_shards(path: pathlib.Path, engine, model: nn.Module):
         raise CheckpointError(f"{path}: holds {', '.join(map(repr, unexpected[:3]))}, which this model does not have")
     shards = {}
     for flat in engine.flats:
-        start, stop = flat.layout.shard_range(rank)
+        start, stop = flat.shard_range
         shard = torch.zeros(stop - start, dtype=flat.layout.dtype)
         for slot in flat.layout.slots:
             key = next((name for name in slot.names if name in source.keys()), None)

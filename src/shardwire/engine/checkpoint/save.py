@@ -2,7 +2,8 @@
 
 A save runs in three phases, each ending with the ranks agreeing that it succeeded everywhere:
 
-1. snapshot: copy this rank's shards, optimizer state and RNG states to host memory (rank 0 also
+1. snapshot: copy this rank's shards and optimizer state (under hybrid sharding, the first
+   group's ranks only: every group holds the same), and its RNG states, to host memory (rank 0 also
    the buffers), describe the model and the optimizer for the manifest,
    and agree on a temporary directory beside the target, ``<name>.tmp-<random>``, which rank 0
    creates with a marker naming it (``ownership``): the proof that the saves made it;
@@ -242,7 +243,8 @@ class _Snapshot:
                 f"extra must be JSON-serializable (dicts, lists, strings, numbers): {err}"
             ) from None
         rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
-        tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats}
+        writes_shards = engine.sharding.writes_shards  # one group's under hybrid sharding: all hold the same
+        tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
         if engine.device.type == "cuda":
             tensors[rng_key("cuda")] = torch.cuda.get_rng_state(engine.device)
@@ -250,7 +252,7 @@ class _Snapshot:
         replicated = {buffer_key(b.name): _host_copy(model.get_buffer(b.name)) for b in buffers}
         optimizer_state = None
         if optimizer is not None:
-            optimizer_state = optim.capture(engine, optimizer, _host_copy)
+            optimizer_state = optim.capture(engine, optimizer, _host_copy if writes_shards else None)
             tensors.update(optimizer_state.tensors)
         manifest = Manifest(
             step=step,

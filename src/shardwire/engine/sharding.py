@@ -1,0 +1,120 @@
+"""Sharding layouts: which ranks split a unit's buffer, and which hold copies of the same split.
+
+The ``W`` ranks of the process group are cut into groups of ``G`` consecutive ranks
+(``shard_group_size``; by default the ranks of a node, as launchers place ranks node by node), so
+``R = W / G`` groups. Per step, for a model of ``P`` parameters:
+
+``full``              every buffer is split over all ``W`` ranks: each unit is gathered over the
+                      world for forward and again for backward, its gradient reduce-scattered over
+                      the world. Across nodes that is the parameters three times.
+``hybrid``            split over the ``G`` ranks of a group, replicated across the ``R`` groups
+                      (FSDP's HYBRID_SHARD, FSDP2's HSDP; MiCS for groups of any size): gathers and
+                      reduce-scatters stay within the group, and only each rank's reduced gradient
+                      shard is all-reduced with the ranks of its position in the other groups,
+                      asynchronously, while backward goes on. Each rank keeps ``1/G`` of the master
+                      weights, gradients and optimizer state instead of ``1/W``.
+``hybrid_secondary``  ZeRO++'s hpZ: master weights, gradients and optimizer state split over the
+                      world, and the forward gather over the world, as ``full``; after a unit's
+                      forward each rank keeps its ``1/G`` of the gathered compute-dtype parameters
+                      (the secondary shard), and backward gathers from those within the group.
+
+The collectives of a step, and the bytes that leave each node when the groups are the ``N`` nodes
+(``c`` and ``r`` the bytes of an element in the compute and the reduction dtype):
+
+====================  ===============================================  =========================
+layout                collectives per unit and step                    bytes leaving a node
+====================  ===============================================  =========================
+full                  gather over W (forward, backward),               P (N-1)/N (2c + r)
+                      reduce-scatter over W
+hybrid                gather over G (forward, backward),               2 r P (N-1)/N
+                      reduce-scatter over G, all-reduce of the shard
+                      over R
+hybrid_secondary      gather over W (forward), over G (backward),      P (N-1)/N (c + r)
+                      reduce-scatter over W
+====================  ===============================================  =========================
+
+Memory per rank (fp32 master weights and their gradients, Adam's two moments, so 16 bytes per
+element held; see ``shardwire.sim.memory`` for what a step adds on top): ``16 P / W`` for full,
+``16 P / G`` for hybrid, ``16 P / W + c P / G`` for hybrid_secondary (every unit's secondary
+shard is held from its forward to its backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from shardwire.comm import groups
+from shardwire.comm.communicator import Communicator
+
+SHARDINGS = ("full", "hybrid", "hybrid_secondary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """The communicators of a layout. Where two roles fall on the same ranks they are one object."""
+
+    layout: str
+    world: Communicator  # every rank: set-up, agreement checks, checkpoints
+    shard: Communicator  # splits each buffer: gathers and reduce-scatters
+    replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
+    secondary: Communicator | None = None  # hybrid_secondary: backward gathers from secondary shards
+
+    @property
+    def communicators(self) -> list[Communicator]:
+        found = [self.world, self.shard, self.replicate, self.secondary]
+        return list({id(c): c for c in found if c is not None}.values())
+
+    @property
+    def writes_shards(self) -> bool:
+        """Whether this rank saves its shards in a checkpoint: each group holds the same ones, and
+        the first group's ranks write them."""
+        return self.replicate is None or self.replicate.rank == 0
+
+
+def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_node: int) -> int:
+    """The ranks a shard spans in a process group of ``world`` ranks (``ranks_per_node`` on each
+    node: the default), or a ``ValueError`` saying what contradicts what. It needs no process group,
+    so launchers check their options with it before starting a worker."""
+    if layout not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {layout!r}")
+    if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
+        raise ValueError(f"shard_group_size must be a positive integer (ranks per shard group), got {shard_group_size!r}")
+    if layout == "full":
+        if shard_group_size not in (None, world):
+            raise ValueError(
+                f"sharding='full' splits every buffer over all {world} ranks of the process group, so "
+                f"shard_group_size={shard_group_size} contradicts it: leave it out, or use "
+                f"sharding='hybrid' or 'hybrid_secondary' to shard within groups of {shard_group_size}"
+            )
+        return world
+    if world == 1:
+        raise ValueError(
+            f"sharding={layout!r} shards within groups and replicates across them, which needs more "
+            f"than one rank; this process group has one: use sharding='full' (or launch more ranks)"
+        )
+    size = ranks_per_node if shard_group_size is None else shard_group_size
+    if world % size:
+        divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ValueError(
+            f"shard_group_size={size} does not divide the {world} ranks of the process group: choose "
+            f"one of {divisors}"
+        )
+    return size
+
+
+def build(layout: str, size: int, group: dist.ProcessGroup, device: torch.device,
+          timeout: datetime.timedelta) -> Sharding:
+    """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``). Every
+    rank creates them in the same order."""
+    world = Communicator(group, device, timeout=timeout)
+    if layout == "full" or size == world.world:
+        return Sharding(layout, world, world)
+    within = Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout)
+    if layout == "hybrid":
+        across = Communicator(groups.columns(group, size, device, timeout), device, timeout=timeout)
+        return Sharding(layout, world, within, replicate=across)
+    return Sharding(layout, world, world, secondary=within)

@@ -1,0 +1,211 @@
+"""Sharding layouts: what each holds and sends, the checks that refuse a layout that cannot run,
+checkpoints across layouts, and the planner naming only layouts the engine runs.
+
+Training parity of every layout against a single process is in ``test_engine_correctness``."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import shardwire
+from harness import run_workers
+from shardwire.engine.shard import engine_of
+from shardwire.engine.sharding import group_size
+from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from test_checkpoint import assert_same, full_optimizer_state, group_settings, make_model, train
+
+LAYOUTS = ("full", "hybrid", "hybrid_secondary")
+GROUP = 2  # world 4 placed as two nodes of two ranks
+
+
+# ----------------------------------------------------------------------------- refused layouts
+
+
+@pytest.mark.parametrize("layout, size, world, message", [
+    ("hybrid", 3, 4, "shard_group_size=3 does not divide the 4 ranks of the process group: choose one of 1, 2, 4"),
+    ("hybrid_secondary", 8, 4, "shard_group_size=8 does not divide"),
+    ("hybrid", None, 1, "sharding='hybrid' shards within groups and replicates across them, which needs more "
+                        "than one rank"),
+    ("full", 2, 4, "sharding='full' splits every buffer over all 4 ranks of the process group, so "
+                   "shard_group_size=2 contradicts it"),
+    ("zero3", None, 4, "sharding must be one of 'full', 'hybrid', 'hybrid_secondary', got 'zero3'"),
+    ("hybrid", 0, 4, "shard_group_size must be a positive integer"),
+    ("hybrid", 2.0, 4, "shard_group_size must be a positive integer"),
+])
+def test_a_layout_that_cannot_run_is_refused_saying_why(layout, size, world, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        group_size(layout, size, world, ranks_per_node=world)
+
+
+def test_group_size_defaults_to_the_ranks_of_a_node():
+    assert group_size("hybrid", None, 8, ranks_per_node=4) == 4
+    assert group_size("hybrid_secondary", 2, 8, ranks_per_node=4) == 2
+    assert group_size("full", None, 8, ranks_per_node=4) == 8
+
+
+def test_hybrid_on_one_rank_is_refused_before_any_collective():
+    with pytest.raises(ValueError, match="needs more than one rank"):
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="hybrid")
+
+
+# --------------------------------------------------------------- what each layout holds and sends
+
+
+def _one_step(model) -> None:
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+
+
+def _held_and_sent(rank, world):
+    """Per layout: the state bytes this rank holds at the step's peak (shards, gradients, Adam's
+    moments, secondary shards) beside the README's bound, and the collectives of one step."""
+    results = {}
+    for layout in LAYOUTS:
+        torch.manual_seed(0)
+        # prefetch 0: backward's first gathers, which consume secondary shards, wait for backward
+        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding=layout, prefetch=0)
+        engine = engine_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _one_step(model)  # records the order
+        optimizer.step()
+        optimizer.zero_grad()
+        secondary = []
+
+        def at_backward_start(phase, unit, edge, flats=engine.flats):
+            if (phase, unit, edge) == ("backward", None, "start"):  # every unit's secondary shard kept
+                secondary.append(sum(f._secondary.nbytes for f in flats if f._secondary is not None))
+
+        engine.add_listener(at_backward_start)
+        with engine.record() as records:
+            _one_step(model)
+        optimizer.step()
+        held = sum(t.nbytes for p in model.parameters() for t in (p, p.grad, *optimizer.state[p].values())
+                   if t is not None and t.dim() > 0) + secondary[0]
+        units = [sum(f.layout.numel for f in unit.flats) for unit in engine.units]
+        root = sum(f.layout.numel for f in engine.root.flats)
+        over = GROUP if layout == "hybrid" else world
+        bound = 16 * sum(math.ceil(n / over) for n in (root, *units))
+        if layout == "hybrid_secondary":
+            bound += 4 * sum(math.ceil(n / GROUP) for n in units)  # fp32: the compute dtype here
+        ops = {}
+        for record in records:
+            if record.tag not in ("grad norm", "order check"):
+                ops.setdefault(record.op, []).append(record.nbytes)
+        results[layout] = {"held": held, "bound": bound, "ops": ops,
+                           "shards": [flat.shard.numel() for flat in engine.flats],
+                           "buffers": [flat.layout.padded_numel for flat in engine.flats]}
+    return results
+
+
+@pytest.fixture(scope="module")
+def held_and_sent():
+    return run_workers(4, _held_and_sent, env={"LOCAL_WORLD_SIZE": str(GROUP)})[0]
+
+
+@pytest.mark.slow
+def test_each_layout_holds_no_more_than_its_memory_formula(held_and_sent):
+    for layout, result in held_and_sent.items():
+        assert 0.9 * result["bound"] <= result["held"] <= result["bound"], layout
+    assert held_and_sent["hybrid"]["held"] > 1.8 * held_and_sent["full"]["held"]  # a group's share, not the world's
+
+
+@pytest.mark.slow
+def test_each_layout_issues_the_collectives_it_promises(held_and_sent):
+    """One step of 3 blocks and the root, each one buffer: bytes as ``shardwire.engine.sharding``
+    says, over the ranks it says (a shard is the buffer over the ranks that split it)."""
+    full, hybrid, secondary = (held_and_sent[layout] for layout in LAYOUTS)
+    for result in (full, hybrid, secondary):
+        buffers = result["buffers"]
+        gathered = [*buffers, *buffers[1:]]  # the root once, each block twice
+        assert sorted(result["ops"]["all_gather"]) == sorted(4 * n for n in gathered)
+        assert sorted(result["ops"]["reduce_scatter"]) == sorted(4 * n for n in buffers)
+    assert full["shards"] == [n // 4 for n in full["buffers"]]
+    assert secondary["shards"] == [n // 4 for n in secondary["buffers"]]
+    assert hybrid["shards"] == [n // GROUP for n in hybrid["buffers"]]
+    # only hybrid all-reduces between groups: each rank's reduced shard, with the other group's rank
+    assert "all_reduce" not in full["ops"] and "all_reduce" not in secondary["ops"]
+    assert sorted(hybrid["ops"]["all_reduce"]) == sorted(4 * n for n in hybrid["shards"])
+
+
+# ------------------------------------------------------------------ checkpoints across layouts
+
+
+def _save_hybrid(rank, world, root):
+    model, optimizer = make_model(seed=0, sharding="hybrid")
+    train(model, optimizer, range(3), rank, world)
+    optimizer.param_groups[1]["lr"] = 5e-4
+    shardwire.save_checkpoint(pathlib.Path(root) / "hybrid", model, optimizer, step=3)
+    return {"params": shardwire.full_state_dict(model), "optimizer": full_optimizer_state(model, optimizer),
+            "groups": group_settings(optimizer)}
+
+
+def _load_as(rank, world, path, sharding):
+    model, optimizer = make_model(seed=7, sharding=sharding)
+    info = shardwire.load_checkpoint(path, model, optimizer)
+    return {"info": (info.step, info.world_size), "params": shardwire.full_state_dict(model),
+            "optimizer": full_optimizer_state(model, optimizer), "groups": group_settings(optimizer)}
+
+
+@pytest.mark.slow
+def test_a_hybrid_checkpoint_loads_in_any_layout_and_world(tmp_path):
+    """Saved hybrid on 2 nodes x 2 ranks, by the first group's ranks only; loaded full at 3 ranks and
+    hybrid at 2 nodes x 1 rank (each rank a whole replica): every weight, moment, step count and
+    param group exactly."""
+    saved = run_workers(4, _save_hybrid, str(tmp_path), env={"LOCAL_WORLD_SIZE": "2"})[0]
+    path = tmp_path / "hybrid"
+    with safe_open(str(path / "rank_00002.safetensors"), framework="pt") as second_group:
+        assert not any(key.startswith(("param/", "optim")) for key in second_group.keys())
+    cases = [run_workers(3, _load_as, str(path), "full")[0],
+             run_workers(2, _load_as, str(path), "hybrid", env={"LOCAL_WORLD_SIZE": "1"})[0]]
+    for loaded in cases:
+        assert loaded["info"] == (3, 4)
+        assert loaded["groups"] == saved["groups"]
+        assert_same(loaded["params"], saved["params"])
+        assert_same(loaded["optimizer"], saved["optimizer"])
+
+
+
+# ------------------------------------------------------------- the planner names what runs
+
+
+def _plans_run(rank, world, calls):
+    for shard_args in calls:
+        torch.manual_seed(0)
+        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], **shard_args)
+        _one_step(model)
+    return len(calls)
+
+
+@pytest.mark.slow
+def test_every_configuration_the_planner_can_name_runs(monkeypatch):
+    """Every candidate of a plan for 2 nodes x 2 GPUs, as ``shard(...)`` arguments on 4 ranks placed
+    so, and as ``shardwire train`` options checked as its workers would be under torchrun."""
+    import argparse
+
+    from shardwire import train as train_command
+    from shardwire.sim.planner import candidate_settings, runnable
+    from shardwire.sim.presets import CLUSTERS
+    from shardwire.sim.specs import TrainingSpec, as_dict, parse
+
+    cluster = parse("cluster", {**as_dict(CLUSTERS["a100-100gbe"]), "nodes": 2, "gpus_per_node": 2})
+    candidates = candidate_settings(4, cluster, TrainingSpec(limiter="block", reduce_precision="bf16"))
+    assert {t.sharding for t in candidates} == {"full", "grad_op", "hybrid", "hybrid_secondary"}
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    for t in candidates:
+        assert (t.limiter, t.reduce_precision) == ("sliding", "fp32")  # what the engine runs
+        options, shard_args = runnable(t, cluster)
+        args = vars(parser.parse_args(options))
+        train_command._validate(train_command.TrainConfig(**args))  # exits with the error otherwise
+        if shard_args not in calls:
+            calls.append(shard_args)
+    assert run_workers(4, _plans_run, calls, env={"LOCAL_WORLD_SIZE": "2"})[0] == len(calls)
