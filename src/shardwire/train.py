@@ -138,7 +138,7 @@ def _describe_sharding(engine) -> str:
         return f"hybrid ({layout.replicate.world} groups of {layout.shard.world})"
     if layout.secondary is not None:
         return f"hybrid_secondary (backward within groups of {layout.secondary.world})"
-    return "full" if layout.layout == "full" else f"{layout.layout} in one group (as full)"
+    return "full" if layout.name == "full" else f"{layout.name} in one group (as full)"
 
 
 def _validate(config: TrainConfig) -> None:

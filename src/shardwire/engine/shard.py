@@ -90,11 +90,11 @@ def shard(
     state_dict_keys = list(model.state_dict().keys())
     selected = select_units(model, units)
     owned = assign_params(model, [name for name, _ in selected])
-    layout = layouts.build(sharding, group_size, process_group, device, deadline)
-    comm = layout.world
+    mesh = layouts.build(sharding, group_size, process_group, device, deadline)
+    comm = mesh.world
     _check_same_model_on_all_ranks(owned, comm)
 
-    make_unit = functools.partial(_build_unit, sharding=layout, policy=policy)
+    make_unit = functools.partial(_build_unit, sharding=mesh, policy=policy)
     for name, buffer in model.named_buffers():
         if comm.world > 1:
             comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
@@ -103,14 +103,14 @@ def shard(
     engine = Engine(
         root,
         block_units,
-        sharding=layout,
+        sharding=mesh,
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
         input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, layout.shard.rank, layout.shard.world)
+    sharded_state_dict.install(model, engine.flats, mesh.shard.rank, mesh.shard.world)
     if activation_checkpointing:
         for unit in block_units:
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)

@@ -57,7 +57,7 @@ SHARDINGS = ("full", "hybrid", "hybrid_secondary")
 class Sharding:
     """The communicators of a layout. Where two roles fall on the same ranks they are one object."""
 
-    layout: str
+    name: str  # one of SHARDINGS
     world: Communicator  # every rank: set-up, agreement checks, checkpoints
     shard: Communicator  # splits each buffer: gathers and reduce-scatters
     replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
@@ -82,7 +82,9 @@ def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_
     if layout not in SHARDINGS:
         raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {layout!r}")
     if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
-        raise ValueError(f"shard_group_size must be a positive integer (ranks per shard group), got {shard_group_size!r}")
+        raise ValueError(
+            f"shard_group_size must be a positive integer (ranks per shard group), got {shard_group_size!r}"
+        )
     if layout == "full":
         if shard_group_size not in (None, world):
             raise ValueError(

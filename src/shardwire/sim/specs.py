@@ -245,8 +245,9 @@ class TrainingSpec:
     (``shardwire.engine.sharding``). ``shard_group_size`` defaults to a node's GPUs; a group is a
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
-    them in groups and waits for a group to be consumed before issuing the next. ``reduce_precision`` defaults to fp32, as the
-    engine reduces; ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
+    them in groups and waits for a group to be consumed before issuing the next.
+    ``reduce_precision`` defaults to fp32, as the engine reduces; ``compute_efficiency`` is the
+    fraction of peak FLOP/s the kernels reach.
     """
 
     micro_batch: int = 1
