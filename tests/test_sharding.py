@@ -209,3 +209,18 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
         if shard_args not in calls:
             calls.append(shard_args)
     assert run_workers(4, _plans_run, calls, env={"LOCAL_WORLD_SIZE": "2"})[0] == len(calls)
+
+
+def _different_layouts(rank, world):
+    try:
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="hybrid" if rank == 0 else "full")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_ranks_asking_for_different_layouts_are_told_before_any_group_is_made():
+    for message in run_workers(2, _different_layouts, timeout=60, env={"LOCAL_WORLD_SIZE": "1"}):
+        assert "ranks asked for different sharding layouts (rank 0: sharding='hybrid' in groups of 1; " \
+               "rank 1: sharding='full' in groups of 2)" in message

@@ -185,8 +185,9 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "sum", after: Pending | None = None) -> Pending:
         """Reduce ``tensor`` in place over ranks: ``op`` is "sum", "avg" or "max". With ``after`` (a
         collective of another communicator), it starts once that one has completed, without the
-        training waiting for it: hybrid sharding all-reduces a gradient shard between groups as soon
-        as the reduce-scatter within the group has produced it."""
+        training waiting for it on CUDA and gloo (on another CPU backend the call waits for it):
+        hybrid sharding all-reduces a gradient shard between groups as soon as the reduce-scatter
+        within the group has produced it."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()

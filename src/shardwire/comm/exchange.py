@@ -1,4 +1,4 @@
-"""All-gather and reduce-scatter built from point-to-point messages, for gloo.
+"""All-gather, reduce-scatter and all-reduce built from point-to-point messages, for gloo.
 
 gloo's own collectives are slow for what the engine needs (measured with 64 MiB buffers on 2 and 4
 local ranks):
@@ -23,8 +23,8 @@ the ranks of its position on the other nodes, and an all-gather within the node:
 buffer leaves a node, again the least possible.
 
 Every message carries one slot of the flat buffer (the shard of one rank) and is tagged with that
-slot's owner, so each message is matched by tag alone, whatever the order the two ranks post them
-in. Before any data moves, every rank sends every other its *header*, the operation and tag of the
+slot's owner (the all-reduce's pieces: see ``Exchange.all_reduce``), so each message is matched by
+tag alone, whatever the order the two ranks post them in. Before any data moves, every rank sends every other its *header*, the operation and tag of the
 collective it is running: messages are matched by number, so ranks that issue different collectives
 would otherwise silently exchange the wrong buffers. A header that differs raises
 ``ScheduleMismatchError`` on every rank, naming what each was running.

@@ -107,7 +107,10 @@ def columns(group: dist.ProcessGroup, size: int, device: torch.device,
 
 
 def _own_group(ranks: list[int], device: torch.device, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A group of ``ranks`` (global ranks, in the group's order), created by its members alone
-    (``use_local_synchronization``): no rank waits for groups it is not in."""
+    """A group of ``ranks`` (global ranks, in the group's order), created by its members
+    (``use_local_synchronization``). On gloo no rank waits for groups it is not in; on NCCL with a
+    default group bound to a device, torch splits the default communicator, which every rank of the
+    job joins: all ranks must create their groups together (``shard`` refuses hybrid layouts over
+    a subgroup there)."""
     options = {"device_id": device} if device.type == "cuda" else {}
     return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True, sort_ranks=False, **options)

@@ -31,9 +31,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return torch.zeros((), device=engine.device)
-    local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)
+    # a rank holding no gradient (its slices all padding) still takes part in the all-reduce
+    local = (torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True) if params
+             else torch.zeros((), device=engine.device))
     over = engine.sharding.shard
     if math.isinf(norm_type):
         over.all_reduce(local, tag="grad norm", op="max").wait()
@@ -42,7 +42,8 @@ def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.
         powered = local.double() ** norm_type
         over.all_reduce(powered, tag="grad norm").wait()
         total = (powered ** (1.0 / norm_type)).to(local.dtype)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
 
 

@@ -344,11 +344,14 @@ class Engine:
         every rank issued them, but not added to any gradient."""
         self._forward = self._backward = None
         self._callback_queued = False
-        while self._reductions:
-            _, pendings, _ = self._reductions.popleft()
-            for pending in pendings:
-                pending.wait()
-        self._release_all()
+        try:
+            while self._reductions:
+                _, pendings, _ = self._reductions.popleft()
+                for pending in pendings:
+                    pending.wait()
+        finally:
+            self._reductions.clear()
+            self._release_all()
 
     def _release_all(self) -> None:
         for unit in self._all_units:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
+import warnings
 import zlib
 
 import torch
@@ -84,8 +86,15 @@ def shard(
         groups.ensure_initialized(device, deadline)
         process_group = dist.group.WORLD
     groups.check_backend_serves(process_group, device)
-    group_size = layouts.group_size(sharding, shard_group_size, dist.get_world_size(process_group),
-                                    topology(process_group).ranks_per_node)
+    world = dist.get_world_size(process_group)
+    group_size = layouts.group_size(sharding, shard_group_size, world, topology(process_group).ranks_per_node)
+    if sharding != "full" and shard_group_size is None and group_size == world:
+        warnings.warn(
+            f"sharding={sharding!r} takes its groups from the ranks of a node, and here all {world} ranks "
+            f"form one (LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', 'not set')}): that is full "
+            f"sharding. Pass shard_group_size, or launch with torchrun --nnodes N --nproc-per-node M",
+            stacklevel=2,
+        )
 
     state_dict_keys = list(model.state_dict().keys())
     selected = select_units(model, units)

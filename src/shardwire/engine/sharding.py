@@ -113,10 +113,30 @@ def build(layout: str, size: int, group: dist.ProcessGroup, device: torch.device
     """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``). Every
     rank creates them in the same order."""
     world = Communicator(group, device, timeout=timeout)
+    _check_same_layout_on_all_ranks(world, layout, size)
     if layout == "full" or size == world.world:
         return Sharding(layout, world, world)
+    if device.type == "cuda" and group is not dist.group.WORLD:
+        raise ValueError(
+            f"sharding={layout!r} over a process group other than the default one is not supported on "
+            f"NCCL (its subgroups split the default communicator, which every rank must join): shard "
+            f"over the default group, or use sharding='full'"
+        )
     within = Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout)
     if layout == "hybrid":
         across = Communicator(groups.columns(group, size, device, timeout), device, timeout=timeout)
         return Sharding(layout, world, within, replicate=across)
     return Sharding(layout, world, world, secondary=within)
+
+
+def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int) -> None:
+    """Ranks asking for different layouts would wait for each other in different group creations
+    until the timeout: compare first, and say which rank asked for what."""
+    if world.world == 1:
+        return
+    rows = world.all_gather_values([SHARDINGS.index(layout), size], tag="sharding layout check")
+    if any(row != rows[0] for row in rows):
+        asked = "; ".join(f"rank {r}: sharding={SHARDINGS[code]!r} in groups of {n}"
+                          for r, (code, n) in enumerate(rows))
+        raise ValueError(f"ranks asked for different sharding layouts ({asked}): pass the same sharding and "
+                         f"shard_group_size on every rank")

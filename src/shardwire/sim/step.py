@@ -243,7 +243,6 @@ class _Step:
         self._shard_group = shard_group(cluster, training)
         self._backward_group = backward_gather_group(cluster, training)
 
-        self._world = Group(cluster.nodes, cluster.gpus_per_node)
         self._forward_s = {u.name: forward_s(u, cluster, training) for u in (arch.root, *arch.units)}
         self._backward_s = {u.name: backward_s(u, cluster, training) for u in arch.units}
         self._backward_s[arch.root.name] = backward_s(arch.root, cluster, training, block=False)
@@ -270,8 +269,8 @@ class _Step:
     def _step(self) -> Process:
         for micro in range(self.training.grad_accum):
             yield from self._micro_batch(sync=micro == self.training.grad_accum - 1)
-        norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,
-                                    collectives.scalar_all_reduce(self._world, self.cluster))
+        norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,  # over the ranks that split buffers
+                                    collectives.scalar_all_reduce(self._shard_group, self.cluster))
         yield from self._wait(norm, "gradient-norm all-reduce", "")
         yield from self._compute("optimizer", self._optimizer_s)
 
