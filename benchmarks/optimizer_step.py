@@ -22,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import job_parser, median, run_torchrun, slowest_rank_seconds  # noqa: E402
+from systems import TrainingStep  # noqa: E402
 
 IMPLEMENTATIONS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -41,18 +42,11 @@ def worker(args) -> None:
     model = shardwire.shard(GPT(config), units=[Block])
     per_parameter = list(model.parameters())
     per_buffer = [nn.Parameter(flat.shard) for flat in engine_of(model).flats]  # the same storage
-    training = torch.optim.AdamW(per_parameter, lr=1e-4)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-
-    def train_step():
-        tokens = torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1), generator=gen)
-        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        shardwire.clip_grad_norm_(model, 1.0)
-        training.step()
-        training.zero_grad()
+    train_step = TrainingStep("shardwire", model, config, args.batch)
 
     for _ in range(2):
         train_step()
+    gen = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1), generator=gen)
     loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     for param in per_buffer:

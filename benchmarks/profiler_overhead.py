@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import job_parser, median, run_torchrun, slowest_rank_seconds  # noqa: E402
+from systems import TrainingStep  # noqa: E402
 
 
 def worker(args) -> None:
@@ -24,7 +25,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import shardwire
-    from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+    from shardwire.models.gpt import GPT, PRESETS, Block
     from shardwire.profile.flops import gpt_flops_per_token
     from shardwire.profile.profiler import Profiler
 
@@ -33,15 +34,8 @@ def worker(args) -> None:
     config = PRESETS[args.model]
     torch.manual_seed(0)
     model = shardwire.shard(GPT(config), units=[Block])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-
-    def step():
-        tokens = torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1), generator=gen)
-        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        shardwire.clip_grad_norm_(model, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+    step = TrainingStep("shardwire", model, config, args.batch)
+    optimizer = step.optimizer
 
     def profiled_step(profiler):
         with profiler.step():
