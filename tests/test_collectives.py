@@ -195,9 +195,9 @@ def test_records_resolve_through_a_clock():
     clock = Clock(torch.device("cpu"))
     t = clock.origin
     records = [
-        CommRecord("all_gather", "a", 100, start=t + 1, end=t + 3, stalls=[(t + 2, t + 3)]),
-        CommRecord("reduce_scatter", "b", 50, start=t + 2, end=t + 5),
-        CommRecord("all_gather", "c", 10, start=t + 6),  # not finished: not counted as busy
+        CommRecord("all_gather", "a", 100, 100, start=t + 1, end=t + 3, stalls=[(t + 2, t + 3)]),
+        CommRecord("reduce_scatter", "b", 50, 50, start=t + 2, end=t + 5),
+        CommRecord("all_gather", "c", 10, 10, start=t + 6),  # not finished: not counted as busy
     ]
     summary = CommSummary.of(records, clock)
     assert summary.busy_s == pytest.approx(4.0)  # the union of 1-3 and 2-5
@@ -224,9 +224,9 @@ def test_cuda_records_are_resolved_as_event_pairs_not_subtracted():
     clock = Clock(torch.device("cpu"))
     clock.cuda, clock.origin = True, FakeEvent(1000.0)
     records = [
-        CommRecord("all_gather", "a", 8, start=FakeEvent(1010), end=FakeEvent(1030),
+        CommRecord("all_gather", "a", 8, 8, start=FakeEvent(1010), end=FakeEvent(1030),
                    stalls=[(FakeEvent(1020), FakeEvent(1030))]),
-        CommRecord("reduce_scatter", "b", 8, start=FakeEvent(1025), end=FakeEvent(1040)),
+        CommRecord("reduce_scatter", "b", 8, 8, start=FakeEvent(1025), end=FakeEvent(1040)),
     ]
     summary = CommSummary.of(records, clock)
     assert summary.busy_s == pytest.approx(0.030)  # 10-40 ms after the origin

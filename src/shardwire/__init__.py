@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "GradScaler",
     "MixedPrecision",
+    "Wire",
     "checkpoint_path",
     "clip_grad_norm_",
     "export_state_dict",

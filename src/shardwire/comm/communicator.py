@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import secrets
 import time
 import zlib
@@ -51,8 +52,11 @@ from shardwire.comm.clock import Clock
 from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
 from shardwire.comm.exchange import Exchange, encode_header
 from shardwire.comm.lanes import Lane
+from shardwire.comm.levels import Levels
+from shardwire.comm.quantize import decode, encode
 from shardwire.comm.records import CommRecord
 from shardwire.comm.topology import topology
+from shardwire.comm.wire import Codec
 
 # torch's own flat all-gather and reduce-scatter, under whichever name this torch release has
 torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -129,7 +133,13 @@ class Communicator:
         device: torch.device,
         *,
         timeout: datetime.timedelta,
+        torch_collectives: bool = False,
+        quantized_reductions: bool = False,
     ):
+        """``torch_collectives``: run torch's collectives on gloo too, instead of the point-to-point
+        ones (NCCL always runs torch's). ``quantized_reductions``: make the process groups that
+        quantized reductions need where torch's collectives carry them (``Levels``), so that
+        ``reduce_scatter`` and ``all_reduce`` may be given a codec."""
         self.group = group
         self.device = device
         self.timeout = timeout
@@ -138,7 +148,10 @@ class Communicator:
         self.topology = topology(group)
         self.clock = Clock(device)
         self._cuda = device.type == "cuda"
-        self._point_to_point = str(dist.get_backend(group)) == "gloo"
+        self._point_to_point = str(dist.get_backend(group)) == "gloo" and not torch_collectives
+        self._levels = None
+        if quantized_reductions and not self._point_to_point and self.topology.nodes > 1:
+            self._levels = Levels.of(group, self.topology, device, timeout)
         if self._cuda:
             # high priority: a collective's kernels start ahead of queued compute kernels
             self._gather_stream = torch.cuda.Stream(device, priority=-1)
@@ -153,9 +166,20 @@ class Communicator:
 
     # ------------------------------------------------------------------------------ collectives
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, tag: str) -> Pending:
-        """Gather every rank's equal-sized ``shard`` into the flat ``output``, in rank order."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, tag: str, codec: Codec | None = None) -> Pending:
+        """Gather every rank's equal-sized ``shard`` into the flat ``output``, in rank order. With
+        ``codec``, where the group spans nodes, the shards travel quantized and every rank, this one
+        included, reads the decoded values: all ranks hold the same ``output``."""
         nbytes = output.numel() * output.element_size()
+        codec = self._across_nodes(codec)
+        if codec is not None:
+            wire_nbytes = self.world * codec.packed_numel(shard.numel())
+            if self._point_to_point:
+                exchange = self._exchange("all_gather", tag)
+                body = functools.partial(self._gather_quantized, codec, output, shard, exchange.all_gather)
+                return self._on_lane(self._gather_lane, "all_gather", tag, nbytes, body, wire_nbytes=wire_nbytes)
+            body = functools.partial(self._gather_quantized, codec, output, shard, self._torch_gather)
+            return self._compound("gather", "all_gather", tag, nbytes, (output, shard), body, wire_nbytes=wire_nbytes)
         if self._point_to_point:
             exchange = self._exchange("all_gather", tag)
             return self._on_lane(self._gather_lane, "all_gather", tag, nbytes,
@@ -166,12 +190,26 @@ class Communicator:
         )
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, tag: str, average: bool = False,
-                       holding: Sequence[torch.Tensor] = ()) -> Pending:
+                       holding: Sequence[torch.Tensor] = (), codec: Codec | None = None,
+                       residual: torch.Tensor | None = None) -> Pending:
         """Sum (with ``average``: average) the flat ``full`` over ranks and leave this rank's equal
         share of the result in ``output``. The average is taken inside the collective (NCCL's
         ``AVG``, or a division of the one-slot result on gloo), never as an extra pass over ``full``.
-        ``holding``: tensors ``full`` was made from where reductions run, kept alive with it."""
+        ``holding``: tensors ``full`` was made from where reductions run, kept alive with it.
+
+        With ``codec``, where the group spans nodes, the partial sums that cross nodes travel
+        quantized (``residual``, from ``residual_for``: error feedback) and are added up in fp32;
+        within a node the sums stay exact (``shardwire.comm.levels``)."""
         nbytes = full.numel() * full.element_size()
+        codec = self._across_nodes(codec)
+        if codec is not None:
+            wire_nbytes = self._quantized_reduce_nbytes(codec, output.numel(), full.element_size())
+            reduce = self._quantized_reduce_scatter(tag, codec, average, residual)
+            body = functools.partial(reduce, output, full)
+            if self._point_to_point:
+                return self._on_lane(self._reduce_lane, "reduce_scatter", tag, nbytes, body, wire_nbytes=wire_nbytes)
+            return self._compound("reduce", "reduce_scatter", tag, nbytes, (output, full, *holding), body,
+                                  wire_nbytes=wire_nbytes)
         if self._point_to_point:
             exchange = self._exchange("reduce_scatter", tag)
             return self._on_lane(self._reduce_lane, "reduce_scatter", tag, nbytes,
@@ -182,15 +220,36 @@ class Communicator:
             lambda async_op: torch_reduce_scatter(output, full, op=op, group=self.group, async_op=async_op),
         )
 
-    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "sum", after: Pending | None = None) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "sum", after: Pending | None = None,
+                   codec: Codec | None = None, residual: torch.Tensor | None = None) -> Pending:
         """Reduce ``tensor`` in place over ranks: ``op`` is "sum", "avg" or "max". With ``after`` (a
         collective of another communicator), it starts once that one has completed, without the
         training waiting for it on CUDA and gloo (on another CPU backend the call waits for it):
         hybrid sharding all-reduces a gradient shard between groups as soon as the reduce-scatter
-        within the group has produced it."""
+        within the group has produced it.
+
+        With ``codec`` (sums and averages), where the group spans nodes: a quantized reduce-scatter
+        (see ``reduce_scatter``) and a quantized all-gather of its result, so every rank ends with
+        the same decoded values. ``residual`` (from ``residual_for(..., all_reduce=True)``) feeds
+        back the errors of both: the partial sums' rows, then the row of the result this rank owns
+        (without it, values below half a step of their block would be lost at every call)."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
+        codec = self._across_nodes(codec) if op != "max" else None
+        if codec is not None:
+            size = -(-tensor.numel() // self.world)
+            reduce_nbytes = self._quantized_reduce_nbytes(codec, size, tensor.element_size())
+            wire_nbytes = (reduce_nbytes + self.world * codec.packed_numel(size)) // 2
+            partials, result = (None, None) if residual is None else (residual[:-1], residual[-1:])
+            reduce = self._quantized_reduce_scatter(tag, codec, op == "avg", partials)
+            gather = self._exchange("all_reduce", tag).all_gather if self._point_to_point else self._torch_gather
+            body = functools.partial(self._all_reduce_quantized, codec, tensor, reduce, gather, result)
+            if self._point_to_point:
+                return self._on_lane(self._reduce_lane, "all_reduce", tag, nbytes, body, after=after,
+                                     wire_nbytes=wire_nbytes)
+            return self._compound("reduce", "all_reduce", tag, nbytes, (tensor,), body, after=after,
+                                  wire_nbytes=wire_nbytes)
         if self._point_to_point:
             exchange = self._exchange("all_reduce", tag)
             return self._on_lane(self._reduce_lane, "all_reduce", tag, nbytes,
@@ -217,6 +276,66 @@ class Communicator:
         everyone = torch.empty(self.world * len(values), dtype=torch.int64, device=self.device)
         self.all_gather(everyone, mine, tag=tag).wait()
         return everyone.view(self.world, len(values)).tolist()
+
+    def residual_for(self, numel: int, *, all_reduce: bool = False) -> torch.Tensor | None:
+        """A zeroed error-feedback residual for quantized reductions of ``numel`` elements here (a
+        reduce-scatter's input, or with ``all_reduce`` an all-reduce's tensor): one fp32 row of a
+        slot per other node, since only partial sums that cross nodes are quantized, and for an
+        all-reduce one more, for the result. None where the group is one node."""
+        if self.topology.nodes == 1:
+            return None
+        rows = self.topology.nodes - 1 + all_reduce
+        return torch.zeros(rows, -(-numel // self.world), device=self.device)
+
+    # ------------------------------------------------------------------- quantized collectives
+
+    def _across_nodes(self, codec: Codec | None) -> Codec | None:
+        """The codec to use: none within a node, where bytes stay exact."""
+        return codec if self.topology.nodes > 1 else None
+
+    def _gather_quantized(self, codec: Codec, output: torch.Tensor, shard: torch.Tensor,
+                          gather_bytes: Callable[[torch.Tensor, torch.Tensor], None],
+                          residual: torch.Tensor | None = None) -> None:
+        packed = encode(codec, shard.view(1, -1), residual)
+        gathered = torch.empty(self.world, packed.shape[1], dtype=torch.uint8, device=shard.device)
+        gather_bytes(gathered.view(-1), packed.view(-1))
+        output.view(self.world, -1).copy_(decode(codec, gathered, shard.numel()))
+
+    def _torch_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        torch_all_gather(output, shard, group=self.group)
+
+    def _quantized_reduce_scatter(self, tag: str, codec: Codec, average: bool, residual: torch.Tensor | None
+                                  ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """The two steps of a quantized reduce-scatter into ``output`` from ``full``, as a function
+        of those two, by the transport of this communicator."""
+        if self._point_to_point:
+            exchange = self._exchange("reduce_scatter", tag)
+            return functools.partial(exchange.reduce_scatter, average=average, codec=codec, residual=residual)
+        if self._levels is None:
+            raise RuntimeError("this communicator was made without quantized_reductions=True, which a "
+                               "quantized reduction over torch's collectives needs")
+        return functools.partial(self._levels.reduce_scatter, codec, average=average, residual=residual)
+
+    def _all_reduce_quantized(self, codec: Codec, tensor: torch.Tensor,
+                              reduce: Callable[[torch.Tensor, torch.Tensor], None],
+                              gather_bytes: Callable[[torch.Tensor, torch.Tensor], None],
+                              residual: torch.Tensor | None) -> None:
+        """A quantized reduce-scatter of ``tensor`` (padded to a slot per rank), then a quantized
+        all-gather of the slots (``residual``: the error feedback of this rank's), back into ``tensor``."""
+        flat, numel = tensor.view(-1), tensor.numel()
+        size = -(-numel // self.world)
+        padded = torch.nn.functional.pad(flat, (0, size * self.world - numel))
+        slot = torch.empty(size, dtype=tensor.dtype, device=tensor.device)
+        reduce(slot, padded)
+        self._gather_quantized(codec, padded, slot, gather_bytes, residual)
+        flat.copy_(padded[:numel])
+
+    def _quantized_reduce_nbytes(self, codec: Codec, slot_numel: int, element_size: int) -> int:
+        """A quantized reduce-scatter's size as it travels, in nccl-tests' convention (the buffer
+        whose (n-1)/n a rank sends): exact slots within the node, packed ones across nodes."""
+        nodes, per_node = self.topology.nodes, self.topology.ranks_per_node
+        sent = (per_node - 1) * nodes * slot_numel * element_size + (nodes - 1) * codec.packed_numel(slot_numel)
+        return sent * self.world // (self.world - 1)
 
     # ------------------------------------------------------------------ streams and their order
 
@@ -328,10 +447,12 @@ class Communicator:
         return Exchange(self.group, self.topology, (self._tag_space << _TAG_BITS) + offset,
                         self.timeout, encode_header(op, tag))
 
-    def _issued(self, op: str, tag: str, nbytes: int) -> CommRecord | None:
+    def _issued(self, op: str, tag: str, nbytes: int, wire_nbytes: int | None) -> CommRecord | None:
         """Note a collective about to be issued; its record if anyone is recording."""
         self._order_hash = zlib.crc32(f"{op} {tag}".encode(), self._order_hash)
-        return CommRecord(op, tag, nbytes) if self._recorders else None
+        if not self._recorders:
+            return None
+        return CommRecord(op, tag, nbytes, nbytes if wire_nbytes is None else wire_nbytes)
 
     def _announce(self, record: CommRecord | None) -> None:
         if record is not None:
@@ -341,8 +462,8 @@ class Communicator:
                     on_issue(record)
 
     def _on_lane(self, lane: Lane, op: str, tag: str, nbytes: int, body: Callable[[], None],
-                 after: Pending | None = None) -> Pending:
-        record = self._issued(op, tag, nbytes)
+                 after: Pending | None = None, wire_nbytes: int | None = None) -> Pending:
+        record = self._issued(op, tag, nbytes, wire_nbytes)
         prior = None if after is None else after._work  # taken now: the training may wait on it meanwhile
 
         def run() -> None:
@@ -362,27 +483,42 @@ class Communicator:
     def _on_stream(self, which: str, op: str, tag: str, nbytes: int, tensors: Sequence[torch.Tensor],
                    issue: Callable[[bool], object], after: Pending | None = None) -> Pending:
         """Issue a torch collective: synchronously on its side stream (CUDA), else asynchronously."""
-        record = self._issued(op, tag, nbytes)
+        if self._cuda:
+            return self._on_side(which, op, tag, nbytes, tensors, lambda: issue(False), after, None)
+        record = self._issued(op, tag, nbytes, None)
         with record_function(f"shardwire::{op}({tag})"):
-            if not self._cuda:
-                if after is not None:
-                    after.wait()
-                if record is not None:
-                    record.start = time.perf_counter()
-                work = issue(True)
-                if record is not None:
-                    work.get_future().add_done_callback(lambda _: setattr(record, "end", time.perf_counter()))
-                self._announce(record)
-                return Pending(self, record, op, tag, work=work)
-            with self._side(which, (), after):
-                stream = torch.cuda.current_stream(self.device)
-                if record is not None:
-                    record.start = self.clock.stamp(stream)
-                issue(False)
-                if record is not None:
-                    done = record.end = self.clock.stamp(stream)
-                else:
-                    done = torch.cuda.Event()
-                    done.record(stream)
+            if after is not None:
+                after.wait()
+            if record is not None:
+                record.start = time.perf_counter()
+            work = issue(True)
+            if record is not None:
+                work.get_future().add_done_callback(lambda _: setattr(record, "end", time.perf_counter()))
+        self._announce(record)
+        return Pending(self, record, op, tag, work=work)
+
+    def _compound(self, which: str, op: str, tag: str, nbytes: int, tensors: Sequence[torch.Tensor],
+                  body: Callable[[], None], after: Pending | None = None, wire_nbytes: int | None = None) -> Pending:
+        """Issue a collective made of several torch collectives and kernels (a quantized one): on
+        its side stream (CUDA), else on its lane, where it runs them synchronously."""
+        if self._cuda:
+            return self._on_side(which, op, tag, nbytes, tensors, body, after, wire_nbytes)
+        lane = self._gather_lane if which == "gather" else self._reduce_lane
+        return self._on_lane(lane, op, tag, nbytes, body, after=after, wire_nbytes=wire_nbytes)
+
+    def _on_side(self, which: str, op: str, tag: str, nbytes: int, tensors: Sequence[torch.Tensor],
+                 body: Callable[[], None], after: Pending | None, wire_nbytes: int | None) -> Pending:
+        """Run ``body`` on the side stream ``which``, between two events that time it (CUDA)."""
+        record = self._issued(op, tag, nbytes, wire_nbytes)
+        with record_function(f"shardwire::{op}({tag})"), self._side(which, (), after):
+            stream = torch.cuda.current_stream(self.device)
+            if record is not None:
+                record.start = self.clock.stamp(stream)
+            body()
+            if record is not None:
+                done = record.end = self.clock.stamp(stream)
+            else:
+                done = torch.cuda.Event()
+                done.record(stream)
         self._announce(record)
         return Pending(self, record, op, tag, done=done, tensors=tensors)

@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from shardwire.comm.errors import ScheduleMismatchError
+from shardwire.comm.quantize import decode, encode
 from shardwire.comm.topology import Topology
+from shardwire.comm.wire import Codec
 
 HEADER_BYTES = 64
 
@@ -134,12 +136,17 @@ class Exchange:
             within += [self.send(slot(at(n, self.local)), peer, at(n, self.local)) for n in self.other_nodes()]
         self.wait(within)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, average: bool) -> None:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, average: bool,
+                       codec: Codec | None = None, residual: torch.Tensor | None = None) -> None:
         """1. Within the node: collect from every local peer its pieces of the slots owned by ranks
         in this rank's position (one per node) and add them up: the node's partial sums. 2. Across
         nodes: send each such partial sum to the node whose rank owns it, and add up the partial
         sums of this rank's own slot received from every other node. With ``average`` the sum is
-        divided by the world size at the end, where it is one slot long."""
+        divided by the world size at the end, where it is one slot long.
+
+        With ``codec``, step 2 sends the partial sums quantized (plus, and into, ``residual``: error
+        feedback, one fp32 row per other node) and adds up the decoded ones in fp32: only bytes
+        that cross nodes are quantized, each partial sum once."""
         self.check_headers()
         size, at, nodes = output.numel(), self.topology.rank, self.topology.nodes
         piece = lambda r: full.narrow(0, r * size, size)  # noqa: E731
@@ -157,13 +164,21 @@ class Exchange:
         # about as much as the messages.
         partial = _accumulate([*received, column])
         others = self.other_nodes()
-        incoming = torch.empty(len(others), size, dtype=full.dtype, device=full.device)
+        if codec is None:
+            outgoing = [partial[node] for node in others]
+            incoming = torch.empty(len(others), size, dtype=full.dtype, device=full.device)
+        else:
+            outgoing = encode(codec, partial[others], residual)
+            incoming = torch.empty_like(outgoing)
         across = []
         for i, node in enumerate(others):
             peer = at(node, self.local)
-            across += [self.send(partial[node], peer, peer), self.recv(incoming[i], peer, self.me)]
+            across += [self.send(outgoing[i], peer, peer), self.recv(incoming[i], peer, self.me)]
         self.wait(across)
-        output.copy_(_accumulate([*incoming, partial[self.node]]))
+        if codec is None:
+            output.copy_(_accumulate([*incoming, partial[self.node]]))
+        else:
+            output.copy_(decode(codec, incoming, size).sum(dim=0).add_(partial[self.node]))
         if average:
             output.div_(self.topology.world)
 

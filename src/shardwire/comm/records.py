@@ -12,7 +12,8 @@ class CommRecord:
     """One issued collective.
 
     ``nbytes`` follows nccl-tests: the size of the whole gathered (or scattered) buffer, not of one
-    rank's share. ``start`` and ``end`` are ``Clock`` stamps of when the collective ran: on CUDA,
+    rank's share. ``wire_nbytes`` is the same buffer as it travels: ``nbytes`` unless the
+    collective was quantized (``shardwire.comm.wire``), when it is the size of its packed bytes. ``start`` and ``end`` are ``Clock`` stamps of when the collective ran: on CUDA,
     events on the stream that runs it, placed right before and after it; on CPU, the moments the
     transport began and finished it (``end`` stays ``None`` until then). ``stalls`` are the intervals
     the training waited for it, as pairs of stamps: on CPU the training thread blocking in
@@ -22,6 +23,7 @@ class CommRecord:
     op: str
     tag: str
     nbytes: int
+    wire_nbytes: int
     start: object = None
     end: object = None
     stalls: list = dataclasses.field(default_factory=list)

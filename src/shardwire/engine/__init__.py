@@ -1,5 +1,6 @@
 """The sharded data-parallel engine: units, flat buffers, the prefetch schedule and its hooks."""
 
+from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "GradScaler",
     "MixedPrecision",
+    "Wire",
     "checkpoint_path",
     "clip_grad_norm_",
     "export_state_dict",

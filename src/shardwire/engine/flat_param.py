@@ -13,7 +13,9 @@ again for backward. Which ranks the slice is cut for, and which hold the same sl
 layout's (``shardwire.engine.sharding``): under ``hybrid_secondary`` the buffer also keeps, from a
 unit's forward to its backward, this rank's part of the gathered buffer within its group (the
 secondary shard), which backward gathers from; under ``hybrid`` each reduced share is all-reduced
-with the other groups' before it lands.
+with the other groups' before it lands. With a quantized ``Wire``, gathers and reductions that
+cross nodes carry the buffer quantized, and the buffer keeps the error-feedback residuals of its
+gradients' quantization.
 
 On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
 shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from shardwire.comm.communicator import Pending
+from shardwire.comm.wire import Wire
 from shardwire.engine.layout import FlatLayout, ParamSlot
 from shardwire.engine.released import ReleasedParameter
 from shardwire.engine.sharding import Sharding
@@ -49,6 +52,7 @@ class FlatParam:
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         sharding: Sharding,
+        wire: Wire,
     ):
         self.name = name
         self.layout = layout
@@ -67,6 +71,16 @@ class FlatParam:
         self.reduce_dtype = reduce_dtype
         self._sharding = sharding
         self._comm = sharding.shard
+        self._param_codec = wire.param_codec
+        self._grad_codec = wire.grad_codec if requires_grad else None
+        # Error feedback: what quantizing this buffer's gradients lost on their way across nodes,
+        # kept for the next step, one per quantized reduction (None where nothing is quantized).
+        self.residuals: dict[str, torch.Tensor] = {}
+        if self._grad_codec is not None and wire.error_feedback:
+            pieces = {"reduce_scatter": self._comm.residual_for(layout.padded_numel)}
+            if sharding.replicate is not None:
+                pieces["all_reduce"] = sharding.replicate.residual_for(layout.shard_numel, all_reduce=True)
+            self.residuals = {which: residual for which, residual in pieces.items() if residual is not None}
         self._full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=shard.device)
         self._secondary: torch.Tensor | None = None  # hybrid_secondary, from forward to backward
         self._placeholders = [
@@ -122,7 +136,7 @@ class FlatParam:
             if source is None:
                 source = self.shard.detach().to(self.compute_dtype)
             self._full.untyped_storage().resize_(self.gathered_nbytes)
-            return comm.all_gather(self._full, source, tag=self.name)
+            return comm.all_gather(self._full, source, tag=self.name, codec=self._param_codec)
 
     def keep_secondary(self) -> None:
         """Keep this rank's part of the gathered buffer within its group, for backward to gather
@@ -186,11 +200,14 @@ class FlatParam:
                 full = self._accumulated.add_(full)
                 self._accumulated = None
             share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-            scattered = self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,))
+            scattered = self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,),
+                                                  codec=self._grad_codec, residual=self.residuals.get("reduce_scatter"))
             across = self._sharding.replicate
             if across is None:
                 return [scattered], share
-            return [scattered, across.all_reduce(share, tag=self.name, op="avg", after=scattered)], share
+            between = across.all_reduce(share, tag=self.name, op="avg", after=scattered, codec=self._grad_codec,
+                                        residual=self.residuals.get("all_reduce"))
+            return [scattered, between], share
 
     def land(self, pendings: list[Pending], share: torch.Tensor) -> None:
         """Wait for the collectives from ``reduce`` and hand the share to the parameters' gradients.

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.topology import topology
+from shardwire.comm.wire import Wire
 from shardwire.engine import sharded_state_dict, sharding as layouts
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import FlatLayout
@@ -39,6 +40,7 @@ def shard(
     process_group: dist.ProcessGroup | None = None,
     sharding: str = "full",
     shard_group_size: int | None = None,
+    wire: Wire | str | None = None,
     activation_checkpointing: bool = False,
     timeout: float = 600.0,
 ) -> nn.Module:
@@ -70,6 +72,10 @@ def shard(
             gathering from a copy split within the group). See ``shardwire.engine.sharding``.
         shard_group_size: the ranks of a group, a divisor of the process group's size; by default
             the ranks of a node (the launcher's ``LOCAL_WORLD_SIZE``).
+        wire: what gathers and reductions send between nodes: ``None`` (the compute and reduce
+            dtypes), "int8" (int8 parameters and gradients), or a ``shardwire.Wire`` (say,
+            ``Wire(params="int8", grads="int4")``). Bytes within a node stay exact; master weights
+            and optimizer state are never quantized. See ``shardwire.comm.wire``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         timeout: seconds a collective may take before it becomes an error naming the rank and unit.
             On NCCL the process group's own timeout applies: create it with the same one.
@@ -81,6 +87,7 @@ def shard(
         raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    wire = Wire.parse(wire)
     deadline = datetime.timedelta(seconds=timeout)
     if process_group is None:
         groups.ensure_initialized(device, deadline)
@@ -99,11 +106,12 @@ def shard(
     state_dict_keys = list(model.state_dict().keys())
     selected = select_units(model, units)
     owned = assign_params(model, [name for name, _ in selected])
-    mesh = layouts.build(sharding, group_size, process_group, device, deadline)
+    _check_wire_carries(wire, owned)
+    mesh = layouts.build(sharding, group_size, wire, process_group, device, deadline)
     comm = mesh.world
     _check_same_model_on_all_ranks(owned, comm)
 
-    make_unit = functools.partial(_build_unit, sharding=mesh, policy=policy)
+    make_unit = functools.partial(_build_unit, sharding=mesh, policy=policy, wire=wire)
     for name, buffer in model.named_buffers():
         if comm.world > 1:
             comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
@@ -178,7 +186,21 @@ def _flat_groups(params: list[OwnedParam]) -> dict[tuple[torch.dtype, bool], lis
     return grouped
 
 
-def _build_unit(index, name, module, params, *, sharding, policy) -> Unit:
+def _check_wire_carries(wire: Wire, owned: dict[str, list[OwnedParam]]) -> None:
+    """Quantization is for floating-point values: refuse it for a model with other parameters."""
+    if wire.params is None:
+        return
+    for entries in owned.values():
+        for entry in entries:
+            if not entry.param.is_floating_point():
+                raise ValueError(
+                    f"parameter {entry.names[0]!r} is {str(entry.param.dtype).removeprefix('torch.')}, which "
+                    f"wire params={wire.params!r} cannot quantize: keep integer values as buffers "
+                    f"(register_buffer), or leave params unquantized (wire='params=none,grads=...')"
+                )
+
+
+def _build_unit(index, name, module, params, *, sharding, policy, wire) -> Unit:
     name = name or "<root>"
     grouped = _flat_groups(params)
     comm = sharding.world
@@ -199,6 +221,7 @@ def _build_unit(index, name, module, params, *, sharding, policy) -> Unit:
             compute_dtype=policy.param_dtype or dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or dtype,
             sharding=sharding,
+            wire=wire,
         )
         for entry, param in zip(entries, flat.params):
             for owner, param_name in entry.owners:

@@ -43,12 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
+from shardwire.comm.wire import Wire
 
 SHARDINGS = ("full", "hybrid", "hybrid_secondary")
 
@@ -108,12 +111,13 @@ def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_
     return size
 
 
-def build(layout: str, size: int, group: dist.ProcessGroup, device: torch.device,
+def build(layout: str, size: int, wire: Wire, group: dist.ProcessGroup, device: torch.device,
           timeout: datetime.timedelta) -> Sharding:
-    """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``). Every
-    rank creates them in the same order."""
-    world = Communicator(group, device, timeout=timeout)
-    _check_same_layout_on_all_ranks(world, layout, size)
+    """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
+    carry ``wire``'s quantized reductions. Every rank creates them in the same order."""
+    make = functools.partial(Communicator, device=device, timeout=timeout, quantized_reductions=wire.grads is not None)
+    world = make(group)
+    _check_same_layout_on_all_ranks(world, layout, size, wire)
     if layout == "full" or size == world.world:
         return Sharding(layout, world, world)
     if device.type == "cuda" and group is not dist.group.WORLD:
@@ -122,21 +126,27 @@ def build(layout: str, size: int, group: dist.ProcessGroup, device: torch.device
             f"NCCL (its subgroups split the default communicator, which every rank must join): shard "
             f"over the default group, or use sharding='full'"
         )
-    within = Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout)
+    within = make(groups.blocks(group, size, device, timeout))
     if layout == "hybrid":
-        across = Communicator(groups.columns(group, size, device, timeout), device, timeout=timeout)
+        across = make(groups.columns(group, size, device, timeout))
         return Sharding(layout, world, within, replicate=across)
     return Sharding(layout, world, world, secondary=within)
 
 
-def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int) -> None:
+def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire) -> None:
     """Ranks asking for different layouts would wait for each other in different group creations
-    until the timeout: compare first, and say which rank asked for what."""
+    until the timeout, and ranks with different wires would exchange messages of different sizes:
+    compare first, and say which rank asked for what."""
     if world.world == 1:
         return
-    rows = world.all_gather_values([SHARDINGS.index(layout), size], tag="sharding layout check")
-    if any(row != rows[0] for row in rows):
+    rows = world.all_gather_values([SHARDINGS.index(layout), size, zlib.crc32(str(wire).encode())],
+                                   tag="sharding layout check")
+    if any(row[:2] != rows[0][:2] for row in rows):
         asked = "; ".join(f"rank {r}: sharding={SHARDINGS[code]!r} in groups of {n}"
-                          for r, (code, n) in enumerate(rows))
+                          for r, (code, n, _) in enumerate(rows))
         raise ValueError(f"ranks asked for different sharding layouts ({asked}): pass the same sharding and "
                          f"shard_group_size on every rank")
+    differing = [r for r, row in enumerate(rows) if row[2] != rows[0][2]]
+    if differing:
+        raise ValueError(f"ranks {differing} asked for a different wire than rank 0 (rank {world.rank} asked for "
+                         f"wire={str(wire)!r}): pass the same wire on every rank")

@@ -29,6 +29,25 @@ An all-reduce is a reduce-scatter followed by an all-gather (2 (n-1)/n of the bu
 nccl-tests' factor); an all-reduce of a scalar costs the latency of a tree instead. Several
 independent groups may run side by side on a node (hybrid sharding all-reduces each GPU's shard
 with its peers of equal local rank on the other nodes): their NIC traffic adds up.
+
+Quantized collectives (``shardwire.comm.wire``: a ``Codec`` of B elements per fp32 scale, ``w`` =
+``packed_numel(k) / k`` bytes per element of a row of k, 1 + 4/B for int8 and 1/2 + 4/B for int4)
+run only over groups that span nodes, as the engine's (``shardwire.comm.communicator``); ``P``
+elements, ``s = ceil(P/n)`` per GPU:
+
+* all-gather: each GPU encodes its shard and the packed bytes of all shards, ``n packed(s)`` = ``w P``,
+  are gathered by the cluster's algorithm, within nodes too; then each GPU decodes all ``n s``.
+* reduce-scatter, always in two steps whatever the algorithm (``shardwire.comm.levels``): within
+  the node in full precision (the hierarchical intra phase, ``r P (g-1)/g``), then each GPU encodes
+  the node's partial sums of the ``N - 1`` slots that other nodes own, sends them (a NIC carries
+  ``w P (N-1)/N``), and decodes and adds up the ``N - 1`` slots it receives.
+* all-reduce: a quantized reduce-scatter, then a quantized all-gather of its result.
+
+Encoding and decoding are elementwise passes, ``cluster.quantize_gelems`` billion elements a second:
+each is a phase of its own on the collective's lane, with no bytes moving (encode before the
+transfer it feeds, decode after the one it reads), so the collective takes that much longer and
+its lane is busy that much more. The compute lane does not slow down for them, as it does not for
+any communication kernel.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from shardwire.comm.wire import Codec
 from shardwire.sim.specs import ClusterSpec
 
 INTRA, INTER = "intra", "inter"
@@ -43,7 +63,8 @@ INTRA, INTER = "intra", "inter"
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """A fixed latency, then ``flows`` (level -> bytes) moving concurrently."""
+    """A fixed time (a latency, or a quantization kernel), then ``flows`` (level -> bytes) moving
+    concurrently."""
 
     latency_s: float
     flows: tuple[tuple[str, float], ...]
@@ -75,6 +96,35 @@ def all_reduce(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]
     return reduce_scatter(nbytes, group, cluster) + all_gather(nbytes, group, cluster)
 
 
+def crossing_nodes(codec: Codec | None, group: Group) -> Codec | None:
+    """The codec of a collective over ``group``: none within a node, where bytes stay exact."""
+    return codec if group.nodes > 1 else None
+
+
+def quantized_all_gather(numel: float, group: Group, cluster: ClusterSpec, codec: Codec) -> list[Phase]:
+    """Gather ``numel`` elements as packed bytes: encode this GPU's shard, gather every shard's
+    bytes, decode them all."""
+    shard = math.ceil(numel / group.size)
+    packed = group.size * codec.packed_numel(shard)
+    return [*_kernels(shard, cluster), *all_gather(packed, group, cluster), *_kernels(group.size * shard, cluster)]
+
+
+def quantized_reduce_scatter(numel: float, element_bytes: int, group: Group, cluster: ClusterSpec,
+                             codec: Codec) -> list[Phase]:
+    """Reduce-scatter ``numel`` elements of ``element_bytes``: exact within the node, then the
+    partial sums of the slots other nodes own, encoded, sent and decoded."""
+    slot = math.ceil(numel / group.size)
+    crossing = (group.nodes - 1) * slot  # elements each GPU sends to other nodes, and receives
+    return [*_within(numel * element_bytes, group, cluster), *_kernels(crossing, cluster),
+            *_across(group.size * codec.packed_numel(slot), group, cluster), *_kernels(crossing, cluster)]
+
+
+def quantized_all_reduce(numel: float, element_bytes: int, group: Group, cluster: ClusterSpec,
+                         codec: Codec) -> list[Phase]:
+    return (quantized_reduce_scatter(numel, element_bytes, group, cluster, codec)
+            + quantized_all_gather(numel, group, cluster, codec))
+
+
 def scalar_all_reduce(group: Group, cluster: ClusterSpec) -> list[Phase]:
     """An all-reduce of a few bytes (the gradient norm): libraries pick a tree or recursive
     doubling for it, which waits for log2 of the peers, up and down, on each level."""
@@ -89,21 +139,41 @@ def _exchange(nbytes: float, group: Group, cluster: ClusterSpec, *, inter_first:
     N, g, n = group.nodes, group.gpus, group.size
     if n == 1:
         return []
-    a_intra = cluster.intra_node.latency_us * 1e-6
-    a_inter = cluster.inter_node.latency_us * 1e-6
     if cluster.algorithm == "ring":
         flows = []
         if N > 1:
             flows.append((INTER, group.copies * nbytes * (n - 1) / n))
         if g > 1:
             flows.append((INTRA, nbytes * (n - 1) / n))
-        return [Phase((n - 1) * (a_inter if N > 1 else a_intra), tuple(flows))]
-    phases = []
-    if N > 1:
-        phases.append(Phase((N - 1) * a_inter, ((INTER, group.copies * nbytes * (N - 1) / N),)))
-    if g > 1:
-        phases.append(Phase((g - 1) * a_intra, ((INTRA, nbytes * (g - 1) / g),)))
-    return phases if inter_first else phases[::-1]
+        latency_us = (cluster.inter_node if N > 1 else cluster.intra_node).latency_us
+        return [Phase((n - 1) * latency_us * 1e-6, tuple(flows))]
+    if inter_first:
+        return _across(nbytes, group, cluster) + _within(nbytes, group, cluster)
+    return _within(nbytes, group, cluster) + _across(nbytes, group, cluster)
+
+
+def _across(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
+    """The hierarchical phase across nodes of a buffer of ``nbytes``, among GPUs of equal local rank."""
+    N = group.nodes
+    if N == 1:
+        return []
+    return [Phase((N - 1) * cluster.inter_node.latency_us * 1e-6, ((INTER, group.copies * nbytes * (N - 1) / N),))]
+
+
+def _within(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
+    """The hierarchical phase within each node of a buffer of ``nbytes``."""
+    g = group.gpus
+    if g == 1:
+        return []
+    return [Phase((g - 1) * cluster.intra_node.latency_us * 1e-6, ((INTRA, nbytes * (g - 1) / g),))]
+
+
+def _kernels(elements: float, cluster: ClusterSpec) -> list[Phase]:
+    """A pass of the quantization kernels over ``elements`` on one GPU; none where the cluster does
+    not price them."""
+    if cluster.quantize_gelems is None:
+        return []
+    return [Phase(elements / (cluster.quantize_gelems * 1e9), ())]
 
 
 def capacities_Bps(cluster: ClusterSpec) -> dict[str, float]:

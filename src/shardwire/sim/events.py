@@ -112,12 +112,14 @@ class Link:
         self._since = 0.0
         self._generation = 0
         self.busy_s = 0.0  # time during which at least one transfer was moving
+        self.moved = 0.0  # bytes of the transfers started
 
     def transfer(self, nbytes: float) -> Event:
         done = Event(self.sim)
         if nbytes <= 0:
             self.sim.at(self.sim.now, done.succeed)
             return done
+        self.moved += nbytes
         self._settle()
         self._transfers[done] = nbytes
         self._plan()

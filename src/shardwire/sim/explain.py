@@ -14,7 +14,8 @@ import dataclasses
 
 from shardwire.sim import collectives
 from shardwire.sim.predict import Prediction
-from shardwire.sim.step import backward_gather_group, backward_s, forward_s, reduction_phases, shard_group
+from shardwire.sim.step import (backward_gather_group, backward_s, forward_s, gather_phases, reduction_phases,
+                                shard_group)
 
 # Below this share of the step, exposed communication is noise and the step is compute-bound.
 HIDDEN_SHARE = 0.05
@@ -49,12 +50,10 @@ def unit_budgets(p: Prediction) -> list[UnitBudget]:
     budgets = []
     for kind, units in kinds.items():
         unit = max(units, key=lambda u: u.params)
-        gather_phases = collectives.all_gather(unit.params * training.compute_bytes, group, cluster)
-        gather = collectives.isolated_s(gather_phases, cluster)
+        gather = collectives.isolated_s(gather_phases(unit, group, cluster, training), cluster)
         reductions = reduction_phases(unit, cluster, training)
         reduce = sum(collectives.isolated_s(phases, cluster) for _, _, phases in reductions)
-        regather = collectives.isolated_s(
-            collectives.all_gather(unit.params * training.compute_bytes, backward_group, cluster), cluster)
+        regather = collectives.isolated_s(gather_phases(unit, backward_group, cluster, training), cluster)
         backward_comm = reduce + (regather if training.reshards else 0.0)
         budgets.append(UnitBudget(kind, len(units), forward_s(unit, cluster, training), gather,
                                   backward_s(unit, cluster, training), backward_comm))

@@ -17,6 +17,11 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
                            when micro-batches accumulate unsharded gradients (``no_sync``)
     communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
+    error feedback         4 (N_g - 1) P / n_g   with a wire that quantizes gradients and keeps error
+                           feedback on: for every unit's buffer and each reduction over ``n_g`` GPUs
+                           on ``N_g`` nodes, what quantizing the partial sums it sends across nodes
+                           lost, in fp32 (``(N-1)/W`` of the parameters with ``full`` over W GPUs on
+                           N nodes; nothing for a reduction within a node)
     activations            m (kept + the root's + one unit's full activations + logits), where
                            kept is every unit's boundary with activation checkpointing, every
                            unit's full activations without; the root's (the head's input, an
@@ -34,7 +39,7 @@ import dataclasses
 
 from shardwire.sim.architecture import Architecture
 from shardwire.sim.specs import ClusterSpec, TrainingSpec
-from shardwire.sim.step import REDUCTIONS_IN_FLIGHT, group_size, shard_group
+from shardwire.sim.step import REDUCTIONS_IN_FLIGHT, error_feedback_elements, group_size, shard_group
 
 USABLE_FRACTION = 0.92
 GIB = 2**30
@@ -51,6 +56,7 @@ class MemoryEstimate:
     gathered_parameters: float
     unit_gradients: float
     communication_buffers: float
+    error_feedback: float
     activations: float
     usable: float
 
@@ -103,6 +109,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         gathered_parameters=c * (arch.root.params + gathered_units),
         unit_gradients=c * largest + accumulated,
         communication_buffers=(REDUCTIONS_IN_FLIGHT + 1) * r * largest,
+        error_feedback=4 * sum(error_feedback_elements(u.params, cluster, training) for u in (arch.root, *arch.units)),
         activations=activations,
         usable=USABLE_FRACTION * cluster.gpu_memory_gb * GIB,
     )

@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step, all GPUs together")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.epilog = ("--training gives what is not searched (precision, kernel efficiency); micro-batch, "
-                     "sharding, prefetch and activation checkpointing are searched, and the rest is what "
-                     "the engine runs.")
+                     "sharding, prefetch, activation checkpointing and, on several nodes, the wire are "
+                     "searched, and the rest is what the engine runs.")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -83,6 +83,7 @@ def plan_text(result: Plan, global_batch: int) -> str:
         f"          step {best.step_time_s:.4g} s, {best.samples_per_step / best.step_time_s:.4g} samples/s, "
         f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
         f"          {verdict(best)}",
+        *(f"          note: {n}" for n in report.notes(best)),
         *_how_to_run(best),
         "",
         "why: each setting changed alone",

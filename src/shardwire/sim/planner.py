@@ -4,11 +4,14 @@ The global batch fixes the samples each GPU processes per step; the planner sear
 them: the micro-batch (every divisor of the per-GPU batch, the rest made up by gradient
 accumulation), the sharding layout (full, grad_op, and on several nodes hybrid, hybrid without
 resharding after forward and hybrid_secondary, in groups of a node's GPUs), the prefetch depth (0
-to ``MAX_PREFETCH``) and activation checkpointing. The precision and kernel efficiency come from the
-base training configuration; the rest is what the engine runs (its sliding window, reductions in
-fp32), so that every configuration the planner names is one ``shard()`` and ``shardwire train`` run:
-``runnable`` gives the options for both. Candidates whose memory does not fit are not simulated;
-the rest are ranked by step time, ties (within ``TIE``) going to the one that needs less memory.
+to ``MAX_PREFETCH``), activation checkpointing and, on several nodes, the wire (``WIRES``: exact,
+int8, or int8 parameters with int4 gradients, in blocks of the default size with error feedback;
+on one node no collective crosses nodes, so the wire changes nothing and only "none" is tried). The
+precision and kernel efficiency come from the base training configuration; the rest is what the
+engine runs (its sliding window, reductions in fp32), so that every configuration the planner names
+is one ``shard()`` and ``shardwire train`` run: ``runnable`` gives the options for both. Candidates
+whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
+``TIE``) going to the one that needs less memory (an exact wire keeps no error feedback).
 
 The explanation sets the winner against what changing each of its settings alone would give:
 slower, or not fitting, which is why it wins; and names the runner-up.
@@ -35,6 +38,9 @@ TIE = 1e-3
 # hybrid_secondary without resharding never gathers for backward, so it is grad_op too.
 _SHARDINGS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False), ("hybrid_secondary", True))
 _HYBRID = ("hybrid", "hybrid_secondary")
+# Wire formats, as ``shardwire train --wire`` and ``shard(wire=...)`` take them: exact, the smallest
+# quantization of both, and the smallest wire (ZeRO++'s qwZ and qgZ).
+WIRES = ("none", "int8", "params=int8,grads=int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +106,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
 def describe_settings(t: TrainingSpec) -> str:
     """The searched settings of ``t``, as the plan and its errors name them."""
     return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, {_sharding(t)} sharding, prefetch {t.prefetch}, "
-            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}")
+            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, wire {t.wire}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,11 +119,13 @@ def _divisors(n: int) -> list[int]:
 def _settings(per_gpu: int, cluster: ClusterSpec):
     micro_batches = [m for m in _divisors(per_gpu) if per_gpu // m <= MAX_GRAD_ACCUM]
     shardings = [s for s in _SHARDINGS if s[0] not in _HYBRID or cluster.nodes > 1]
-    for micro, (sharding, reshard), prefetch, checkpointing in itertools.product(
-        micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True)
+    wires = WIRES if cluster.nodes > 1 else WIRES[:1]
+    for micro, (sharding, reshard), prefetch, checkpointing, wire in itertools.product(
+        micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True), wires
     ):
         yield dict(micro_batch=micro, grad_accum=per_gpu // micro, sharding=sharding,
-                   reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing)
+                   reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing,
+                   wire=wire)
 
 
 def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
@@ -138,13 +146,14 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     if sharding in _HYBRID:
         shard_args["shard_group_size"] = group_size(cluster, t)
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": t.precision,
-                   "activation_checkpointing": t.activation_checkpointing}
+                   "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
     options = ["--batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum), "--sharding", sharding]
     if sharding in _HYBRID:
         options += ["--shard-group-size", str(shard_args["shard_group_size"])]
     options += ["--reshard" if t.reshards else "--no-reshard", "--prefetch", str(t.prefetch),
                 "--precision", t.precision,
-                "--activation-checkpointing" if t.activation_checkpointing else "--no-activation-checkpointing"]
+                "--activation-checkpointing" if t.activation_checkpointing else "--no-activation-checkpointing",
+                "--wire", t.wire]
     return options, shard_args
 
 
@@ -162,7 +171,7 @@ def shard_call(t: TrainingSpec, cluster: ClusterSpec) -> str:
 
 def _dimensions(t: TrainingSpec) -> dict:
     return {"micro_batch": t.micro_batch, "sharding": (t.sharding, t.reshards), "prefetch": t.prefetch,
-            "checkpointing": t.activation_checkpointing}
+            "checkpointing": t.activation_checkpointing, "wire": t.wire}
 
 
 def _one_changes(best: TrainingSpec, candidates: list[TrainingSpec]):
@@ -194,6 +203,8 @@ def _change(best: TrainingSpec, other: TrainingSpec) -> str:
         return f"micro-batch {other.micro_batch}, grad_accum {other.grad_accum}"
     if other.prefetch != best.prefetch:
         return f"prefetch {other.prefetch}"
+    if other.wire != best.wire:
+        return f"wire {other.wire}"
     return f"activation checkpointing {'on' if other.activation_checkpointing else 'off'}"
 
 

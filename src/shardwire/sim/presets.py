@@ -24,7 +24,13 @@ SXM: 989 TFLOP/s dense BF16, 3350 GB/s HBM3, NVLink 900 GB/s). Assumed, not meas
   2 x 100 Gbps usable); RDMA (EFA, InfiniBand) 90%;
 * latency per collective step: NVLink 3.4 us and RDMA 14 us (NCCL's own tuning model,
   src/graph/tuning.cc, ring/simple); TCP 50 us (kernel TCP round trips of 20-30 us plus NCCL's
-  socket proxy).
+  socket proxy);
+* quantization kernels (a quantized wire's encode and decode): elementwise, so bound by memory
+  bandwidth, at about ``QUANTIZE_BYTES_PER_ELEMENT`` = 10 bytes of HBM traffic per element (encoding
+  with error feedback reads the value and its fp32 residual and writes a byte and the residual;
+  decoding reads a byte and writes fp32): HBM bandwidth / 10 elements per second, 204 billion on an
+  A100 80 GB, 156 on the 40 GB, 335 on an H100. A fused kernel's figure: the torch operations of
+  ``shardwire.comm.quantize`` make several passes and may reach less.
 
 Training: the four T5 runs of the document (see docs/simulator.md for what it states and what is
 assumed), and ``default``.
@@ -56,13 +62,23 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               params=69_000_000_000, **_LLAMA2),
 )}
 
+QUANTIZE_BYTES_PER_ELEMENT = 10
+
 _NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4)
 _NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4)
-_A100_80 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["A100"]["bf16"], gpu_memory_gb=80.0, memory_bandwidth_GBps=2039.0,
-                intra_node=_NVLINK3)
-_A100_40 = dict(_A100_80, gpu_memory_gb=40.0, memory_bandwidth_GBps=1555.0)
-_H100 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["H100"]["bf16"], gpu_memory_gb=80.0, memory_bandwidth_GBps=3350.0,
-             intra_node=_NVLINK4)
+
+
+def _memory(memory_gb: float, hbm_GBps: float) -> dict:
+    """A GPU's memory: its size, its bandwidth, and the quantization kernels' rate that bandwidth allows."""
+    return dict(gpu_memory_gb=memory_gb, memory_bandwidth_GBps=hbm_GBps,
+                quantize_gelems=hbm_GBps / QUANTIZE_BYTES_PER_ELEMENT)
+
+
+_A100_80 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["A100"]["bf16"], intra_node=_NVLINK3,
+                **_memory(80.0, 2039.0))
+_A100_40 = dict(_A100_80, **_memory(40.0, 1555.0))
+_H100 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["H100"]["bf16"], intra_node=_NVLINK4,
+             **_memory(80.0, 3350.0))
 
 
 def _tcp(gbps: float) -> LinkSpec:

@@ -6,6 +6,7 @@ JSON of one prediction (times in seconds, memory in GiB per GPU)::
      "step_time_s", "compute_time_s", "compute": {"forward", "backward", "optimizer"},
      "comm": {"all_gather_s", "reduce_scatter_s", "all_reduce_s"},  # time each lane was busy
      "exposed_comm_s", "exposed_comm": {REASON: s},                 # compute waiting on them
+     "bytes_per_step": {"inter_node", "intra_node"},  # through one node's NICs, one GPU's NVLink
      "samples_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu", "mfu",
      "memory_gb_per_gpu", "memory": {PART: GiB, "usable_gb": GiB}, "fits", "shortfall_gb",
      "units": [{"kind", "count", "forward_s", "gather_s", "backward_s", "backward_comm_s"}],
@@ -34,9 +35,13 @@ def fit_problem(p: Prediction) -> str:
 
 
 def notes(p: Prediction) -> list[str]:
+    """What the prediction leaves out for want of a cluster figure."""
+    missing = []
     if p.cluster.memory_bandwidth_GBps is None:
-        return ["optimizer step not priced: the cluster gives no memory_bandwidth_GBps"]
-    return []
+        missing.append("optimizer step not priced: the cluster gives no memory_bandwidth_GBps")
+    if p.training.wire_format.quantized and p.cluster.nodes > 1 and p.cluster.quantize_gelems is None:
+        missing.append("quantization kernels not priced: the cluster gives no quantize_gelems")
+    return missing
 
 
 def prediction_json(p: Prediction) -> dict:
@@ -49,6 +54,7 @@ def prediction_json(p: Prediction) -> dict:
         "comm": {f"{op}_s": seconds for op, seconds in comm.items()},
         "exposed_comm_s": p.exposed_comm_s,
         "exposed_comm": p.exposed_by_reason,
+        "bytes_per_step": {"inter_node": p.timeline.link_bytes["inter"], "intra_node": p.timeline.link_bytes["intra"]},
         "samples_per_s": p.samples_per_step / p.step_time_s,
         "tflops_per_gpu": p.tflops_per_gpu,
         "hardware_tflops_per_gpu": p.hardware_tflops_per_gpu,
@@ -103,7 +109,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('sharding', sharding)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
         f"{setting('precision', t.precision)} (reduce {setting('reduce_precision', t.reduce_precision)}), "
-        f"{setting('activation_checkpointing', checkpointing)}, "
+        f"wire {t.wire}, {setting('activation_checkpointing', checkpointing)}, "
         f"{setting('compute_efficiency', f'kernels at {100 * t.compute_efficiency:g}% of peak')}",
     ]
 
@@ -122,6 +128,8 @@ def prediction_text(p: Prediction) -> str:
         f"  exposed comm {p.exposed_comm_s:10.4g} s   {exposed}",
         f"comm busy      all-gather {comm['all_gather']:.4g} s, reduce-scatter {comm['reduce_scatter']:.4g} s, "
         f"all-reduce {comm['all_reduce']:.4g} s",
+        f"bytes moved    {p.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs, "
+        f"{p.timeline.link_bytes['intra'] / 1e9:.4g} GB through each GPU's intra-node links",
         f"throughput     {p.samples_per_step / p.step_time_s:.4g} samples/s; {p.tflops_per_gpu:.4g} TFLOP/s per GPU "
         f"(with recomputation {p.hardware_tflops_per_gpu:.4g}), MFU {100 * p.mfu:.1f}%",
         f"memory         {p.memory.total / GIB:.2f} GiB per GPU of {p.memory.usable / GIB:.1f} usable: "

@@ -24,6 +24,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from shardwire.comm.wire import Wire
+
 
 class SpecError(ValueError):
     """A model, cluster or training description that cannot be simulated; the message says why."""
@@ -71,6 +73,9 @@ MAX_GPUS_PER_NODE = 1024
 MAX_BATCH = 2**20
 # Each micro-batch of a step is simulated in full, so their number bounds the simulation's cost.
 MAX_GRAD_ACCUM = 256
+# Elements per scale of a quantized wire: more than any unit's shard holds (Llama 2 70B's blocks hold
+# 0.86B parameters), and every shard is padded to whole blocks, so a larger block only adds bytes.
+MAX_WIRE_BLOCK = 2**30
 
 _WIDTH = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, ten times the widest published layers: give the width in elements")
 _HEADS = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, more than hidden can be: heads must divide hidden")
@@ -124,6 +129,16 @@ LIMITS = types.MappingProxyType({
     # No model has more units than this, and the engine gathers ahead no further than its last unit.
     "prefetch": Limit(2 * MAX_LAYERS, f"more units than any model has (at most {2 * MAX_LAYERS:,}): prefetch "
                                       f"counts units gathered ahead", zero=True),
+    # From 100k elements/s, far below one CPU core (the testbed encodes about 0.4 billion a second), to
+    # a million times what any GPU's memory allows (H100: about 335 billion).
+    "quantize_gelems": Limit(
+        low=1e-4, below="under 0.0001 (100k elements/s), slower than any processor: quantize_gelems is in "
+                        "billions of elements per second",
+        high=1e9, above="over 1e9, a million times what any GPU's memory allows: quantize_gelems is in billions "
+                        "of elements per second",
+    ),
+    "block": Limit(MAX_WIRE_BLOCK, f"over {MAX_WIRE_BLOCK:,} elements per scale, more than any unit's shard holds "
+                                   f"(shards are padded to whole blocks): the wire's block counts elements"),
     # Kernels at under 0.01% of peak: the peak is wrong, not the kernels.
     "compute_efficiency": Limit(
         low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] the kernels reach: lower peak_tflops instead",
@@ -208,6 +223,9 @@ class ClusterSpec:
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
     ``shardwire.sim.collectives``). ``memory_bandwidth_GBps`` prices the optimizer step, which only
     streams memory; without it that step is left out of the prediction (and the report says so).
+    ``quantize_gelems`` prices the kernels of a quantized wire (``TrainingSpec.wire``): billions of
+    elements one GPU encodes or decodes per second; without it they are left out (and the report
+    says so).
     """
 
     nodes: int
@@ -219,12 +237,14 @@ class ClusterSpec:
     name: str = "custom"
     algorithm: str = "ring"
     memory_bandwidth_GBps: float | None = None
+    quantize_gelems: float | None = None
 
     def __post_init__(self):
         _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb")
         _choice(self, "algorithm", ALGORITHMS)
-        if self.memory_bandwidth_GBps is not None:
-            _check_limits(self, "memory_bandwidth_GBps")
+        for key in ("memory_bandwidth_GBps", "quantize_gelems"):
+            if getattr(self, key) is not None:
+                _check_limits(self, key)
 
     @property
     def world(self) -> int:
@@ -246,8 +266,10 @@ class TrainingSpec:
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.
-    ``reduce_precision`` defaults to fp32, as the engine reduces; ``compute_efficiency`` is the
-    fraction of peak FLOP/s the kernels reach.
+    ``reduce_precision`` defaults to fp32, as the engine reduces; ``wire`` is what collectives put
+    on the wire between nodes, as ``shard(wire=...)`` and ``shardwire train --wire`` take it ("none",
+    "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``);
+    ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
     """
 
     micro_batch: int = 1
@@ -259,6 +281,7 @@ class TrainingSpec:
     reshard_after_forward: bool | None = None
     precision: str = "bf16"
     reduce_precision: str = "fp32"
+    wire: str = "none"
     activation_checkpointing: bool = False
     compute_efficiency: float = 0.6
     name: str = "custom"
@@ -269,6 +292,7 @@ class TrainingSpec:
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "reduce_precision", PRECISIONS)
+        _check_value("block", self.wire_format.block)
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
             if self.sharding not in ("hybrid", "hybrid_secondary"):
@@ -287,6 +311,14 @@ class TrainingSpec:
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
         return self.sharding != "grad_op"
+
+    @property
+    def wire_format(self) -> Wire:
+        """``wire`` parsed, or the reason it cannot be."""
+        try:
+            return Wire.parse(self.wire)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
 
     @property
     def compute_bytes(self) -> int:
@@ -368,14 +400,20 @@ def _check_limits(spec, *keys: str) -> None:
     such a rate, size or count, and a NaN time, which compares false with everything, would never
     let a transfer finish), then values beyond the bounds."""
     for key in keys:
-        value, limit = getattr(spec, key), LIMITS[key]
-        shown = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
-        if not (0 <= value if limit.zero else 0 < value) or not value < math.inf:
-            raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {shown}")
-        if value < limit.low:
-            raise SpecError(f"{key} {shown} is {limit.below}")
-        if value > limit.high:
-            raise SpecError(f"{key} {shown} is {limit.above}")
+        _check_value(key, getattr(spec, key))
+
+
+def _check_value(key: str, value: float) -> None:
+    """Refuse ``value`` of ``key`` outside its ``LIMITS``: a number that is no spec's own key too (a
+    wire's block, inside its string)."""
+    limit = LIMITS[key]
+    shown = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
+    if not (0 <= value if limit.zero else 0 < value) or not value < math.inf:
+        raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {shown}")
+    if value < limit.low:
+        raise SpecError(f"{key} {shown} is {limit.below}")
+    if value > limit.high:
+        raise SpecError(f"{key} {shown} is {limit.above}")
 
 
 def _choice(spec, key: str, choices: tuple[str, ...]) -> None:

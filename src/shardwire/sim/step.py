@@ -25,7 +25,9 @@ issues the next group only when the whole previous one has been consumed, so the
 every group waits for a gather that was issued when the previous unit finished. Hybrid sharding
 gathers within the shard group and reduces each unit with a reduce-scatter within it followed by an
 all-reduce of the shard between groups, on the same lane; ``hybrid_secondary`` gathers over the
-world for forward and within the group for backward.
+world for forward and within the group for backward. A quantized ``wire`` changes what these
+collectives move and adds its kernels to them where their group spans nodes
+(``shardwire.sim.collectives``); the schedule stays the same.
 
 Left out: slowdown of compute by concurrent communication kernels, host overheads, stragglers and
 jitter; the step is the idealized schedule of the engine on ideal links.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 from shardwire.sim import collectives
 from shardwire.sim.architecture import Architecture, UnitCost
@@ -81,6 +84,7 @@ class Timeline:
     comms: list[CommRecord]
     stalls: list[Stall]
     link_busy_s: dict[str, float]
+    link_bytes: dict[str, float]  # through one GPU's intra-node links, one node's NICs
 
     @property
     def compute_time_s(self) -> float:
@@ -144,19 +148,54 @@ def _column(size: int, cluster: ClusterSpec) -> Group:
     return Group(cluster.world // size, 1, copies=g)
 
 
+def gather_phases(unit: UnitCost, group: Group, cluster: ClusterSpec, training: TrainingSpec) -> list[Phase]:
+    """The phases of gathering ``unit`` over ``group``: in the compute dtype, or packed by the wire's
+    parameter codec where the group spans nodes."""
+    codec = collectives.crossing_nodes(training.wire_format.param_codec, group)
+    if codec is None:
+        return collectives.all_gather(unit.params * training.compute_bytes, group, cluster)
+    return collectives.quantized_all_gather(unit.params, group, cluster, codec)
+
+
+def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> list[tuple[str, float, Group]]:
+    """The collectives that reduce a gradient of ``params`` elements, in order, as (op, elements,
+    group): a reduce-scatter over the shard group and, under hybrid sharding with several groups,
+    an all-reduce of each GPU's shard with its peers in the other groups."""
+    group = shard_group(cluster, training)
+    steps = [("reduce_scatter", params, group)]
+    if training.sharding == "hybrid" and group.size < cluster.world:
+        steps.append(("all_reduce", params / group.size, _column(group.size, cluster)))
+    return steps
+
+
 def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
                      training: TrainingSpec) -> list[tuple[str, float, list[Phase]]]:
-    """The collectives that reduce a unit's gradient, in order, as (op, bytes, phases): a
-    reduce-scatter over the shard group and, under hybrid sharding with several groups, an
-    all-reduce of each GPU's shard with its peers in the other groups."""
-    nbytes = unit.params * training.reduce_bytes
-    group = shard_group(cluster, training)
-    steps = [("reduce_scatter", nbytes, collectives.reduce_scatter(nbytes, group, cluster))]
-    if training.sharding == "hybrid" and group.size < cluster.world:
-        column = _column(group.size, cluster)
-        share = nbytes / group.size
-        steps.append(("all_reduce", share, collectives.all_reduce(share, column, cluster)))
+    """The collectives that reduce ``unit``'s gradient (``reductions``) as (op, bytes in the reduce
+    dtype, phases): exact, or quantized by the wire's gradient codec where their group spans nodes."""
+    r = training.reduce_bytes
+    steps = []
+    for op, numel, group in reductions(unit.params, cluster, training):
+        codec = collectives.crossing_nodes(training.wire_format.grad_codec, group)
+        if codec is None:
+            exact = collectives.reduce_scatter if op == "reduce_scatter" else collectives.all_reduce
+            phases = exact(numel * r, group, cluster)
+        else:
+            quantized = (collectives.quantized_reduce_scatter if op == "reduce_scatter"
+                         else collectives.quantized_all_reduce)
+            phases = quantized(numel, r, group, cluster, codec)
+        steps.append((op, numel * r, phases))
     return steps
+
+
+def error_feedback_elements(params: int, cluster: ClusterSpec, training: TrainingSpec) -> int:
+    """The fp32 elements of error feedback one GPU keeps for a buffer of ``params``: for each of its
+    reductions whose gradients the wire quantizes, one slot per other node of the group (what the
+    GPU sends across nodes, ``Communicator.residual_for``)."""
+    wire = training.wire_format
+    if wire.grads is None or not wire.error_feedback:
+        return 0
+    return sum((group.nodes - 1) * math.ceil(numel / group.size)
+               for _, numel, group in reductions(params, cluster, training))
 
 
 class _Lane:
@@ -262,6 +301,7 @@ class _Step:
             comms=self.comms,
             stalls=self.stalls,
             link_busy_s={level: link.busy_s for level, link in self.links.items()},
+            link_bytes={level: link.moved for level, link in self.links.items()},
         )
 
     # ------------------------------------------------------------------------------- the program
@@ -317,7 +357,7 @@ class _Step:
         or being gathered (``Unit.gather``)."""
         if unit.name not in self._gathered:
             nbytes = unit.params * self.training.compute_bytes
-            phases = collectives.all_gather(nbytes, group or self._shard_group, self.cluster)
+            phases = gather_phases(unit, group or self._shard_group, self.cluster, self.training)
             self._gathered[unit.name] = self._gathers.submit("all_gather", unit.name, nbytes, phases)
         return self._gathered[unit.name]
 

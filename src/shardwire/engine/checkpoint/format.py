@@ -6,7 +6,8 @@ A checkpoint is a directory::
         rank_00000.safetensors   rank 0's shard of every flat buffer, its per-element optimizer
         rank_00001.safetensors   state (Adam's moments) laid out like those shards, the scalar
         ...                      optimizer state (Adam's step count) of the parameters whose first
-                                 element it holds, and its RNG states; one file per rank. Under
+                                 element it holds, its RNG states and its gradients' error-feedback
+                                 residuals (quantized wires); one file per rank. Under
                                  hybrid sharding every group holds the same shards, and only the
                                  first group's ranks save them: a buffer's layout is then cut for
                                  fewer ranks than saved, and the other ranks' files hold RNG states
@@ -93,6 +94,10 @@ def buffer_key(name: str) -> str:
 
 def rng_key(device_type: str) -> str:
     return f"rng/{device_type}"
+
+
+def residual_key(flat: str, reduction: str) -> str:
+    return f"residual/{flat}/{reduction}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

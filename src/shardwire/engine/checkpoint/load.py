@@ -35,6 +35,7 @@ from shardwire.engine.checkpoint.format import (
     first_difference,
     param_key,
     rank_file,
+    residual_key,
     rng_key,
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
@@ -119,6 +120,7 @@ class _Staged:
     buffers: dict[str, torch.Tensor]
     optimizer_state: dict | None
     rng: dict[str, torch.Tensor]
+    residuals: dict[str, torch.Tensor]  # error feedback, by key; restored where saved alike
 
     @classmethod
     def read(
@@ -144,22 +146,44 @@ class _Staged:
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
             state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer)
-            rng = {}
+            rng, residuals = {}, {}
             if manifest.world_size == world:
                 rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())
                 if engine.device.type == "cuda" and rng_key("cuda") in reader.keys(rank_file(rank)):
                     rng["cuda"] = _rng_state(reader, rank, "cuda", torch.cuda.get_rng_state(engine.device))
+                residuals = _residuals(reader, rank, engine)
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
-        return cls(info, shards, buffers, state, rng)
+        return cls(info, shards, buffers, state, rng, residuals)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
         copy_into_model(engine, model, self.shards, self.buffers)
+        for flat in engine.flats:
+            for reduction, residual in flat.residuals.items():
+                saved = self.residuals.get(residual_key(flat.name, reduction))
+                residual.copy_(saved) if saved is not None else residual.zero_()
         if optimizer is not None:
             optimizer.load_state_dict(self.optimizer_state)
         if "cpu" in self.rng:
             torch.set_rng_state(self.rng["cpu"])
         if "cuda" in self.rng:
             torch.cuda.set_rng_state(self.rng["cuda"], engine.device)
+
+
+def _residuals(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str, torch.Tensor]:
+    """``rank``'s saved error-feedback residuals that fit this run's: one saved for another placement
+    of ranks on nodes, or another wire, does not, and its feedback starts again from zero (it holds
+    one step's rounding, not training state)."""
+    saved = set(reader.keys(rank_file(rank)))
+    found = {}
+    for flat in engine.flats:
+        for reduction, residual in flat.residuals.items():
+            key = residual_key(flat.name, reduction)
+            if key in saved:
+                try:
+                    found[key] = reader.tensor(rank_file(rank), key, tuple(residual.shape), residual.dtype)
+                except CheckpointError:
+                    continue
+    return found
 
 
 def _rng_state(reader: CheckpointReader, rank: int, device_type: str, current: torch.Tensor) -> torch.Tensor:

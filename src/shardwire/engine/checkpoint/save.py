@@ -56,6 +56,7 @@ from shardwire.engine.checkpoint.format import (
     new_token,
     param_key,
     rank_file,
+    residual_key,
     rng_key,
     temporary_name,
 )
@@ -246,6 +247,9 @@ class _Snapshot:
         writes_shards = engine.sharding.writes_shards  # one group's under hybrid sharding: all hold the same
         tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
+        for flat in engine.flats:
+            for reduction, residual in flat.residuals.items():
+                tensors[residual_key(flat.name, reduction)] = _host_copy(residual)
         if engine.device.type == "cuda":
             tensors[rng_key("cuda")] = torch.cuda.get_rng_state(engine.device)
         buffers = buffer_records(engine, model)

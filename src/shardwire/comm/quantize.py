@@ -1,0 +1,56 @@
+"""The kernels of a ``Codec`` (``shardwire.comm.wire``): rows of values to rows of bytes and back.
+
+Vectorised torch operations on the device the values are on, in fp32 whatever the values' dtype:
+a block's scale is its largest magnitude over the format's largest integer, so rounding to the
+nearest step moves no element by more than half a step and nothing is clamped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardwire.comm.wire import SCALE_BYTES, Codec
+
+
+def encode(codec: Codec, rows: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize each row of ``rows`` (2-d, any float dtype) into a row of ``codec.packed_numel``
+    bytes: the integers (two per byte for int4, low nibble first), then the blocks' fp32 scales.
+
+    With ``residual`` (fp32, the shape of ``rows``), error feedback: it is added to the values before
+    quantizing, and replaced by what quantizing them lost, so what one call drops the next sends."""
+    count, numel = rows.shape
+    blocks, block = codec.blocks(numel), codec.block
+    values = rows.float() if residual is None else rows.float() + residual
+    padded = F.pad(values, (0, blocks * block - numel)).view(count, blocks, block)
+    scales = padded.abs().amax(dim=2, keepdim=True) / codec.largest
+    steps = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quantized = torch.round(padded / steps).clamp_(-codec.largest, codec.largest)
+    if residual is not None:
+        residual.copy_((padded - quantized * steps).view(count, -1)[:, :numel])
+    packed = torch.empty(count, codec.packed_numel(numel), dtype=torch.uint8, device=rows.device)
+    payload_bytes = packed.shape[1] - blocks * SCALE_BYTES
+    packed[:, payload_bytes:] = scales.view(count, blocks).view(torch.uint8)
+    integers = quantized.view(count, -1).to(torch.int8)
+    if codec.bits == 8:
+        packed[:, :payload_bytes] = integers.view(torch.uint8)
+    else:
+        nibbles = F.pad((integers + 8).view(torch.uint8), (0, 2 * payload_bytes - integers.shape[1]))
+        packed[:, :payload_bytes] = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    return packed
+
+
+def decode(codec: Codec, packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 values, ``(rows, numel)``, of rows of bytes that ``encode`` made from ``numel``
+    values each."""
+    count = packed.shape[0]
+    blocks, block = codec.blocks(numel), codec.block
+    payload_bytes = packed.shape[1] - blocks * SCALE_BYTES
+    scales = packed[:, payload_bytes:].contiguous().view(torch.float32).view(count, blocks, 1)
+    payload = packed[:, :payload_bytes]
+    if codec.bits == 8:
+        integers = payload.contiguous().view(torch.int8)
+    else:
+        integers = torch.stack((payload & 0xF, payload >> 4), dim=2).view(count, -1).view(torch.int8) - 8
+    values = integers[:, : blocks * block].float().view(count, blocks, block) * scales
+    return values.view(count, -1)[:, :numel]

@@ -1,0 +1,137 @@
+"""What collectives put on the wire between nodes: full precision, or block-wise quantized integers.
+
+On a slow link the bytes are the step. ``Wire`` says, for parameter gathers and gradient
+reductions separately, whether the bytes that cross nodes are the tensors themselves or their
+quantized form (DeepSpeed ZeRO++'s qwZ and qgZ): int8 parameters, int8 or int4 gradients.
+Bytes within a node stay exact, so where every rank of a group shares a node nothing is quantized.
+
+A ``Codec`` quantizes rows of values block by block, symmetrically: each block of ``block``
+consecutive elements gets one fp32 scale, its largest magnitude over the largest integer of the
+format, and each element becomes the nearest integer multiple of that scale, so no element moves by
+more than half a step (``scale / 2``). A row travels as one byte buffer, its integers (two per byte
+for int4) followed by its scales, so a collective of bytes carries it unchanged on gloo and NCCL.
+The kernels are in ``shardwire.comm.quantize``; this module is plain arithmetic, which the simulator
+and planner read without importing torch.
+
+Bytes per element on the wire, for a block of B elements: int8 ``1 + 4/B``, int4 ``1/2 + 4/B``,
+against 4 (fp32) or 2 (bf16) without quantization. ``DEFAULT_BLOCK`` is 256 (measured: see
+``benchmarks/wire_quality.py`` and BENCHMARKS.md), where the scales add 1.6% to int8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+DEFAULT_BLOCK = 256
+PARAM_FORMATS = ("int8",)
+GRAD_FORMATS = ("int8", "int4")
+_BITS = {"int8": 8, "int4": 4}
+SCALE_BYTES = 4  # one fp32 per block
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """Block-wise symmetric quantization to ``bits`` (8 or 4) with blocks of ``block`` elements."""
+
+    bits: int
+    block: int
+
+    @property
+    def largest(self) -> int:
+        """The largest integer magnitude: 127 for int8, 7 for int4 (symmetric, so -8 is unused)."""
+        return (1 << (self.bits - 1)) - 1
+
+    def blocks(self, numel: int) -> int:
+        return math.ceil(numel / self.block)
+
+    def packed_numel(self, numel: int) -> int:
+        """Bytes one row of ``numel`` values takes on the wire."""
+        blocks = self.blocks(numel)
+        return math.ceil(blocks * self.block * self.bits / 8) + blocks * SCALE_BYTES
+
+    def wire_bytes_per_element(self, numel: int) -> float:
+        return self.packed_numel(numel) / numel
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """The wire format of a sharded model's collectives between nodes.
+
+    ``params``: ``None`` (the compute dtype) or "int8", for parameter all-gathers. ``grads``:
+    ``None`` (the reduce dtype), "int8" or "int4", for gradient reduce-scatters (and hybrid
+    sharding's all-reduce between groups). ``block``: elements per scale. ``error_feedback``: each
+    rank keeps what quantizing its gradients lost and adds it to the next step's (on by default:
+    without it int4 gradients bias training). Master weights and optimizer state stay exact."""
+
+    params: str | None = None
+    grads: str | None = None
+    block: int = DEFAULT_BLOCK
+    error_feedback: bool = True
+
+    def __post_init__(self):
+        if self.params == "int4":
+            raise ValueError(
+                "wire params='int4' is not supported: 16 levels per block lose too much of the weights "
+                "every rank computes with. Use params='int8' (and grads='int4' for the smallest wire)"
+            )
+        if self.params not in (None, *PARAM_FORMATS):
+            raise ValueError(f"wire params must be None or 'int8', got {self.params!r}")
+        if self.grads not in (None, *GRAD_FORMATS):
+            raise ValueError(f"wire grads must be None, 'int8' or 'int4', got {self.grads!r}")
+        if type(self.block) is not int or self.block < 1:
+            raise ValueError(f"wire block must be a positive integer (elements per scale), got {self.block!r}")
+
+    @classmethod
+    def parse(cls, wire: "Wire | str | None") -> "Wire":
+        """``None`` or "none": full precision; "int8": int8 parameters and gradients; or the
+        command line's form, comma-separated ``key=value`` pairs, e.g. "params=int8,grads=int4,block=128"
+        (``error_feedback=off`` turns feedback off)."""
+        if wire is None or isinstance(wire, Wire):
+            return wire or cls()
+        if not isinstance(wire, str):
+            raise TypeError(f"wire must be None, a string or a shardwire.Wire, got {type(wire).__name__}")
+        if wire in ("none", ""):
+            return cls()
+        if wire == "int8":
+            return cls(params="int8", grads="int8")
+        fields: dict[str, object] = {}
+        for item in wire.split(","):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or key not in ("params", "grads", "block", "error_feedback"):
+                raise ValueError(
+                    f"wire {wire!r} is not understood: use 'none', 'int8', or key=value pairs of params, "
+                    f"grads, block and error_feedback, e.g. 'params=int8,grads=int4'"
+                )
+            if key == "block":
+                if not value.isdigit():
+                    raise ValueError(f"wire block must be a positive integer, got {value!r}")
+                fields[key] = int(value)
+            elif key == "error_feedback":
+                if value not in ("on", "off"):
+                    raise ValueError(f"wire error_feedback must be 'on' or 'off', got {value!r}")
+                fields[key] = value == "on"
+            else:
+                fields[key] = None if value == "none" else value
+        return cls(**fields)
+
+    @property
+    def quantized(self) -> bool:
+        return self.params is not None or self.grads is not None
+
+    @property
+    def param_codec(self) -> Codec | None:
+        return None if self.params is None else Codec(_BITS[self.params], self.block)
+
+    @property
+    def grad_codec(self) -> Codec | None:
+        return None if self.grads is None else Codec(_BITS[self.grads], self.block)
+
+    def __str__(self) -> str:
+        if not self.quantized:
+            return "none"
+        text = f"params={self.params or 'none'},grads={self.grads or 'none'}"
+        if self.block != DEFAULT_BLOCK:
+            text += f",block={self.block}"
+        return text + ("" if self.error_feedback else ",error_feedback=off")
