@@ -20,7 +20,8 @@ communication overlaps its computation:
   shardwire step (``shardwire.profile``) gives forward and backward compute, waits left out, as a
   FLOP rate (the simulator's peak, kernels at 100% of it), and the optimizer step, as a memory
   bandwidth. Measured inside the step, these include what the step's own communication costs the
-  cores (copies, sums, the TCP stack), which on a CPU is not free as a GPU's copy engines are. One
+  cores (copies, sums, the TCP stack), which on a CPU is not free as a GPU's copy engines are. The
+  rate a lane thread quantizes at, for the quantized wires, is timed here. One
   machine is one set of numbers: the rate and the bandwidth are the medians over the profiles of
   every sharding layout measured on the same nodes and link, each profile being one short run on
   a machine whose speed drifts by tens of percent from run to run.
@@ -40,11 +41,16 @@ import json
 import os
 import statistics
 import sys
+import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from systems import SHARDWIRE_LAYOUTS  # noqa: E402
+from systems import SHARDWIRE_SYSTEMS  # noqa: E402
 
+from shardwire.comm.quantize import encode  # noqa: E402
+from shardwire.comm.wire import DEFAULT_BLOCK, Codec  # noqa: E402
 from shardwire.models.gpt import PRESETS  # noqa: E402
 from shardwire.sim.architecture import architecture  # noqa: E402
 from shardwire.sim.inputs import cluster_from_bench  # noqa: E402
@@ -99,7 +105,7 @@ def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
     compute_only = {int(world): statistics.median(times) for world, times in doc["compute_times_s"].items()}
     runs = []
     for row in doc["rows"]:
-        if row["system"] not in SHARDWIRE_LAYOUTS:
+        if row["system"] not in SHARDWIRE_SYSTEMS:
             continue
         shape, _, link = row["layout"].partition(" @")
         nodes, _, per_node = shape.partition("x")
@@ -129,21 +135,35 @@ def machine_cluster(runs: list[Run], settings: Settings) -> ClusterSpec:
     rates, bandwidths = [], []
     for run in runs:
         rates.append(3 * arch.forward_flops * settings.batch / (run.profile["forward_s"] + run.profile["backward_s"]))
-        holders = run.ranks_per_node if SHARDWIRE_LAYOUTS[run.system] == "hybrid" else run.ranks
+        holders = run.ranks_per_node if SHARDWIRE_SYSTEMS[run.system][0] == "hybrid" else run.ranks
         bandwidths.append(OPTIMIZER_BYTES_PER_PARAM * arch.params / holders / run.profile["optimizer_s"])
     placeholder = LinkSpec(busbw_GBps=1.0)  # replaced by the bench's measurements
     return ClusterSpec(name="this machine", nodes=1, gpus_per_node=1, peak_tflops=statistics.median(rates) / 1e12,
                        gpu_memory_gb=1024.0, intra_node=placeholder, inter_node=placeholder,
-                       memory_bandwidth_GBps=statistics.median(bandwidths) / 1e9)
+                       memory_bandwidth_GBps=statistics.median(bandwidths) / 1e9,
+                       quantize_gelems=quantize_rate() / 1e9)
+
+
+def quantize_rate() -> float:
+    """Elements per second one thread (a lane's) quantizes here: the median of a few int8 encodes
+    of 8M elements, the wire's kernels as the engine runs them."""
+    torch.set_num_threads(1)
+    codec, values = Codec(8, DEFAULT_BLOCK), torch.randn(1, 8_000_000)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        encode(codec, values)
+        times.append(time.perf_counter() - start)
+    return values.numel() / statistics.median(times)
 
 
 def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: str) -> Prediction:
     measured = cluster_from_bench(bench_path, machine)
     cluster = parse("cluster", {**as_dict(measured), "nodes": run.nodes, "gpus_per_node": run.ranks_per_node})
-    sharding = SHARDWIRE_LAYOUTS[run.system]
+    sharding, wire = SHARDWIRE_SYSTEMS[run.system]
     hybrid = sharding in ("hybrid", "hybrid_secondary")
     training = TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch,
-                            sharding=sharding, shard_group_size=run.ranks_per_node if hybrid else None,
+                            sharding=sharding, shard_group_size=run.ranks_per_node if hybrid else None, wire=wire,
                             reshard_after_forward=settings.reshard, precision="fp32",
                             reduce_precision="fp32", compute_efficiency=1.0)  # fp32, as the benchmark
     return predict(model_spec(settings), cluster, training)
@@ -201,11 +221,15 @@ def main() -> int:
     parser.add_argument("--measured", required=True, help="scaling.json of benchmarks/scaling.py")
     parser.add_argument("--bench", nargs="+", required=True, metavar="LINK=PATH",
                         help="`shardwire bench --json` on the testbed at each link rate of the runs")
+    parser.add_argument("--links", nargs="+", metavar="LINK",
+                        help="compare only the measured runs on these link rates (default: every run)")
     parser.add_argument("--json", help="write the comparison here")
     args = parser.parse_args()
 
     with open(args.measured) as f:
         settings, runs = read_measured(json.load(f))
+    if args.links:
+        runs = [run for run in runs if run.link in args.links]
     benches = parse_bench(args.bench)
     missing = sorted({r.link for r in runs if r.link is not None} - set(benches))
     if missing:

@@ -46,7 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import median, net_bytes, run_torchrun  # noqa: E402
-from systems import SHARDWIRE_LAYOUTS, SYSTEMS, StepCollectives, TrainingStep, wrap  # noqa: E402
+from systems import SHARDWIRE_SYSTEMS, SYSTEMS, StepCollectives, TrainingStep, wrap  # noqa: E402
 
 from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
 
@@ -283,7 +283,7 @@ def measure_all(args, layouts: list[Layout]) -> tuple[dict[tuple[str, Layout], R
             for system in args.systems:
                 rows[(system, layout)].comm_times = runner.run(layout, "comm", system)["times_s"]
             for system in args.systems:
-                if system in SHARDWIRE_LAYOUTS:
+                if system in SHARDWIRE_SYSTEMS:
                     rows[(system, layout)].profile = runner.run(layout, "profile", system)["profile"]
             print(f"measured {layout}", file=sys.stderr, flush=True)
     finally:
@@ -315,7 +315,7 @@ def report(rows: dict, compute: dict, args) -> str:
             f"| {bound * 1e3:.0f} ms | {row.step_s / bound:.2f} |"
         )
     target = Layout(2, 2, "1gbit")
-    ours = [rows[(system, target)] for system in SHARDWIRE_LAYOUTS if (system, target) in rows]
+    ours = [rows[(system, target)] for system in SHARDWIRE_SYSTEMS if (system, target) in rows]
     if ours and ("fsdp2", target) in rows and ("ddp", target) in rows:
         best = min(ours, key=lambda row: row.step_s)
         fsdp2, ddp = rows[("fsdp2", target)], rows[("ddp", target)]

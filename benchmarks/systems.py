@@ -4,7 +4,7 @@ shardwire and PyTorch FSDP2 (``fully_shard``) shard the same units (the transfor
 root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each sharding
 layout is a system of its own: shardwire's ``full``, ``hybrid`` and ``hybrid_secondary`` and FSDP2's
 full sharding and HSDP (a 2-D device mesh), the hybrid ones in groups of a node's ranks
-(torchrun's ``LOCAL_WORLD_SIZE``).
+(torchrun's ``LOCAL_WORLD_SIZE``); so is each of shardwire's quantized wires (full sharding).
 """
 
 from __future__ import annotations
@@ -21,18 +21,26 @@ from torch import nn
 import shardwire
 from shardwire.comm.communicator import Pending
 from shardwire.comm.records import CommRecord
+from shardwire.comm.wire import Wire
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
-SHARDWIRE_LAYOUTS = {"shardwire": "full", "shardwire-hybrid": "hybrid",
-                     "shardwire-hybrid_secondary": "hybrid_secondary"}
-SYSTEMS = (*SHARDWIRE_LAYOUTS, "fsdp2", "fsdp2-hsdp", "ddp")
+# Each shardwire system: (sharding layout, wire).
+SHARDWIRE_SYSTEMS = {
+    "shardwire": ("full", "none"),
+    "shardwire-hybrid": ("hybrid", "none"),
+    "shardwire-hybrid_secondary": ("hybrid_secondary", "none"),
+    "shardwire-int8": ("full", "int8"),
+    "shardwire-int8-int4": ("full", "params=int8,grads=int4"),
+}
+SYSTEMS = (*SHARDWIRE_SYSTEMS, "fsdp2", "fsdp2-hsdp", "ddp")
 
 
 def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int = 2) -> nn.Module:
-    if system in SHARDWIRE_LAYOUTS:
+    if system in SHARDWIRE_SYSTEMS:
+        sharding, wire = SHARDWIRE_SYSTEMS[system]
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               sharding=SHARDWIRE_LAYOUTS[system])
+                               sharding=sharding, wire=wire)
     if system in ("fsdp2", "fsdp2-hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -54,7 +62,7 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
 
 
 def clip(system: str | None, model: nn.Module, max_norm: float) -> torch.Tensor:
-    if system in SHARDWIRE_LAYOUTS:
+    if system in SHARDWIRE_SYSTEMS:
         return shardwire.clip_grad_norm_(model, max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
@@ -109,7 +117,7 @@ class StepCollectives:
         self._replays = []
         self._recording = True
         try:
-            if self.system in SHARDWIRE_LAYOUTS:
+            if self.system in SHARDWIRE_SYSTEMS:
                 with contextlib.ExitStack() as stack:
                     comms = engine_of(self.model).sharding.communicators
                     recorded = [(comm, stack.enter_context(comm.record())) for comm in comms]
@@ -130,13 +138,15 @@ class StepCollectives:
             work.wait()
 
     def _shardwire_replay(self, comm, record: CommRecord) -> Callable[[], Pending]:
-        # Records carry sizes, not dtypes: replay in fp32, the dtype these benchmarks train in.
+        # Records carry sizes, not dtypes: replay in fp32, the dtype these benchmarks train in, on the
+        # system's wire (a quantized record is one whose bytes as sent differ from its size).
         share = -(-record.nbytes // (4 * comm.world))
         full, shard = torch.zeros(share * comm.world), torch.zeros(share)
+        wire = Wire.parse(SHARDWIRE_SYSTEMS[self.system][1]) if record.wire_nbytes != record.nbytes else Wire()
         if record.op == "all_gather":
-            return lambda: comm.all_gather(full, shard, tag=record.tag)
+            return lambda: comm.all_gather(full, shard, tag=record.tag, codec=wire.param_codec)
         if record.op == "reduce_scatter":
-            return lambda: comm.reduce_scatter(shard, full, tag=record.tag, average=True)
+            return lambda: comm.reduce_scatter(shard, full, tag=record.tag, average=True, codec=wire.grad_codec)
         return lambda: comm.all_reduce(full, tag=record.tag)
 
     @contextlib.contextmanager

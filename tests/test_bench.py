@@ -14,7 +14,7 @@ import torch
 from harness import run_workers
 from shardwire.bench import ops
 from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE
-from shardwire.bench.run import BenchConfig, BenchError, benchmark, measure_and_report
+from shardwire.bench.run import BenchConfig, BenchError, benchmark, measure_and_report, validate
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +130,38 @@ def test_engine_transport_keeps_each_group_to_its_own_communicator():
             (group, op) for group in ("world", "intra", "inter") for op in ("all_gather", "reduce_scatter")
         ]
         assert all(wrong == 0 and rows == 3 for *_, wrong, rows in measured)
+
+
+def quantized_wire(rank, world):
+    config = dataclasses.replace(TINY, impl="shardwire", wire="params=int8,grads=int4", max_bytes=64000,
+                                 ops=["all_gather", "reduce_scatter"])
+    return [(r.op, r.wrong, [(row.nbytes, row.wire_nbytes, row.count) for row in r.rows])
+            for r in benchmark(config, CPU).ops]
+
+
+def test_a_quantized_wire_reports_the_bytes_it_sent_and_checks_within_its_error():
+    """4 ranks as 2 nodes: the gather sends each rank's int8 shard and its scales, the reduce-scatter
+    exact slots within the node and int4 ones across; no element is off by more than quantization
+    allows."""
+    from shardwire.comm.wire import Codec
+
+    (gather, reduce), *_ = run_workers(4, quantized_wire, env={"LOCAL_WORLD_SIZE": "2"})
+    assert gather[1] == 0 and reduce[1] == 0
+    int8, int4 = Codec(8, 256), Codec(4, 256)
+    for nbytes, wire_nbytes, count in gather[2]:
+        assert wire_nbytes == 4 * int8.packed_numel(count)
+    nbytes, wire_nbytes, _ = gather[2][-1]
+    assert wire_nbytes < nbytes / 3  # small sizes pay for whole blocks
+    for nbytes, wire_nbytes, count in reduce[2]:
+        sent = 1 * 2 * count * 4 + 1 * int4.packed_numel(count)  # within the node, then across
+        assert wire_nbytes == sent * 4 // 3
+
+
+def test_a_quantized_wire_needs_the_engines_transport():
+    with pytest.raises(BenchError, match="--wire quantizes the engine's own collectives: add --impl shardwire"):
+        validate(dataclasses.replace(TINY, wire="int8"), 2)
+    with pytest.raises(BenchError, match="--wire params='int4' is not supported"):
+        validate(dataclasses.replace(TINY, impl="shardwire", wire="params=int4"), 2)
 
 
 def unsupported_dtype(rank, world):

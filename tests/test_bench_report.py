@@ -18,13 +18,14 @@ from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE
 from shardwire.bench.sweep import OpResult, Point, Row
 
 POINT_KEYS = {"time_us", "algbw_GBps", "busbw_GBps", "wrong"}
-ROW_KEYS = {"bytes", "count", "dtype", "redop", "root", OUT_OF_PLACE, IN_PLACE}
+ROW_KEYS = {"bytes", "wire_bytes", "count", "dtype", "redop", "root", OUT_OF_PLACE, IN_PLACE}
 SUMMARY_KEYS = {"ranks", "placement", "peak_busbw_GBps", "peak_bytes", "bytes_to_80pct", "bytes_to_90pct",
                 "avg_busbw_GBps_from_1MiB"}
 FIT_KEYS = {"ranks", "placement", "alpha_s", "beta_Bps", "r2", "points"}
 CONTEXT_KEYS = {"world", "nodes", "ranks_per_node", "backend", "devices", "hosts", "torch", "nccl", "env",
                 "groups", "settings", "command"}
-SETTINGS_KEYS = {"ops", "dtype", "redop", "root", "impl", "warmup", "iters", "blocking", "check", "combine", "sizes"}
+SETTINGS_KEYS = {"ops", "dtype", "redop", "root", "impl", "wire", "warmup", "iters", "blocking", "check", "combine",
+                 "sizes"}
 
 
 def assert_bench_schema(doc: dict) -> None:
@@ -83,7 +84,8 @@ CONTEXT = {
     "hosts": ["a", "b"], "torch": "2.13.0", "nccl": None, "env": {"GLOO_SOCKET_IFNAME": "lo"},
     "groups": {"world": {"ranks": 4, "members": [[0, 1, 2, 3]]}, "inter": {"ranks": 2, "members": [[0, 2]]}},
     "settings": {"ops": ["all_gather", "all_reduce"], "dtype": "float32", "redop": "sum", "root": 0,
-                 "impl": "torch", "warmup": 1, "iters": 2, "blocking": False, "check": True, "combine": "max",
+                 "impl": "torch", "wire": "none", "warmup": 1, "iters": 2, "blocking": False, "check": True,
+                 "combine": "max",
                  "sizes": [1 << k for k in range(10, 25)]},
     "command": "shardwire bench --nproc 4 --ops all_gather all_reduce -w 1 -n 2 --check --groups world inter",
 }

@@ -35,8 +35,8 @@ def test_synthetic_schedule_gives_exact_overlap_and_exposed_time():
     timeline = StepTimeline(
         step=0, start=0.0, end=10.0,
         phases=[("forward", None, 0.0, 4.0), ("forward", "blocks.0", 0.5, 3.5), ("backward", None, 4.0, 9.0)],
-        comms=[("all_gather", "blocks.0", 100, 1.0, 3.0), ("all_gather", "blocks.1", 100, 5.0, 7.0),
-               ("reduce_scatter", "blocks.1", 200, 8.0, 11.0)],
+        comms=[("all_gather", "blocks.0", 100, 26, 1.0, 3.0), ("all_gather", "blocks.1", 100, 26, 5.0, 7.0),
+               ("reduce_scatter", "blocks.1", 200, 200, 8.0, 11.0)],
         waits=[("blocks.1", 6.0, 7.0)],
     )
     f = analysis.breakdown(timeline)
@@ -46,6 +46,7 @@ def test_synthetic_schedule_gives_exact_overlap_and_exposed_time():
     assert f["exposed_comm_s"] == 1.0
     assert f["overlap_ratio"] == pytest.approx(5 / 6)
     assert f["all_gather_bytes"] == 200 and f["reduce_scatter_bytes"] == 200
+    assert f["all_gather_wire_bytes"] == 52 and f["reduce_scatter_wire_bytes"] == 200  # gathers quantized
 
 
 def test_spread_over_ranks_and_the_straggler():

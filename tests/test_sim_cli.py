@@ -42,6 +42,7 @@ def test_simulate_json_has_the_promised_keys(capsys):
                 "fits"):
         assert isinstance(doc[key], (int, float, bool)), key
     assert set(doc["comm"]) == {"all_gather_s", "reduce_scatter_s", "all_reduce_s"}
+    assert set(doc["bytes_per_step"]) == {"inter_node", "intra_node"}
     assert doc["cluster"]["nodes"] == 2 and status == 0
     assert doc["step_time_s"] == pytest.approx(doc["compute_time_s"] + doc["exposed_comm_s"])
 
@@ -171,6 +172,7 @@ def test_plan_command_and_its_errors(capsys):
     assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
     assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 2
     assert out.count("or:    shardwire.shard(model, sharding=") == 2  # the best and the runner-up
+    assert out.count(" --wire ") == 2 and out.count(", wire='") == 2
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--json")
     doc = json.loads(out)

@@ -14,6 +14,10 @@ from shardwire.cli import main
     (["--data", "/no/such/corpus"], "--data: data path /no/such/corpus does not exist"),
     (["--timeout", "0"], "--timeout must be a positive, finite number of seconds, got 0.0"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--eval-every", "-1"], "--eval-every must be at least 0, got -1"),
+    (["--wire", "params=int4"], "--wire params='int4' is not supported"),
+    (["--wire", "grads=int4,block=0"], "--wire block must be a positive integer"),
+    (["--wire", "fast"], "--wire 'fast' is not understood"),
 ])
 def test_bad_settings_are_refused_before_launch(args, message):
     with pytest.raises(SystemExit, match=message):

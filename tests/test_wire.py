@@ -89,8 +89,8 @@ def quantized_collectives(rank, world, torch_collectives):
 
     from shardwire.comm.communicator import Communicator
 
-    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT,
-                        torch_collectives=torch_collectives, quantized_reductions=True)
+    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT, torch_collectives=torch_collectives)
+    comm.prepare_quantized_reductions()
     codec = Codec(8, 16)
     size = 40  # per rank: more than one block, and a partial last one
     generator = torch.Generator().manual_seed(0)
@@ -179,11 +179,12 @@ def _train_with_wire(rank, world, sharding, wire, root):
     fresh, fresh_optimizer = make_model(seed=1, sharding=sharding, wire=wire)
     shardwire.load_checkpoint(path, fresh, fresh_optimizer)
     restored = {f"{flat.name}/{which}": r for flat in engine_of(fresh).flats for which, r in flat.residuals.items()}
-    sent = {op: sum(r.wire_nbytes for r in records if r.op == op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
-    exact = {op: sum(r.nbytes for r in records if r.op == op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    sent = {op: sum(r.wire_nbytes for r in records if r.op == op) for op in ops}
+    exact = {op: sum(r.nbytes for r in records if r.op == op) for op in ops}
     shards = {flat.name: flat.shard.clone() for flat in engine.flats}
-    return {"grads": grads, "loss": loss, "params": full, "shards": shards, "residuals": residuals, "restored": restored, "sent": sent,
-            "exact": exact}
+    return {"grads": grads, "loss": loss, "params": full, "shards": shards, "residuals": residuals,
+            "restored": restored, "sent": sent, "exact": exact}
 
 
 @pytest.mark.slow
@@ -233,3 +234,41 @@ def test_a_quantized_wire_for_integer_parameters_is_refused():
         shardwire.shard(model, wire="int8")
     with pytest.raises(ValueError, match="params='int4' is not supported"):
         shardwire.shard(torch.nn.Linear(4, 4), wire="params=int4")
+
+
+def _different_wires(rank, world):
+    import shardwire
+    from shardwire.models.gpt import GPT, PRESETS, Block
+
+    shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], wire="int8" if rank == 0 else None)
+
+
+@pytest.mark.slow
+def test_ranks_asking_for_different_wires_are_told_before_any_group_is_made():
+    errors = run_workers(2, _different_wires, expect_errors=True)
+    assert all("ranks [1] asked for a different wire than rank 0" in str(error) for error in errors)
+
+
+def _bf16_accumulating(rank, world, wire):
+    import shardwire
+    from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], mixed_precision="bf16", wire=wire)
+    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(rank))
+    with shardwire.no_sync(model):
+        loss_fn(model(tokens[:2, :-1]), tokens[:2, 1:]).backward()
+    loss_fn(model(tokens[2:, :-1]), tokens[2:, 1:]).backward()
+    shardwire.clip_grad_norm_(model, 1.0)
+    return torch.cat([p.grad.float() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.slow
+def test_a_quantized_wire_with_bf16_and_accumulated_gradients():
+    """bf16 gathers and reductions, a no_sync micro-batch, then clipping: the accumulated gradients
+    cross the nodes quantized once, within a quantization's error of the unquantized run's."""
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    exact = run_workers(2, _bf16_accumulating, None, env=env)
+    quantized = run_workers(2, _bf16_accumulating, "int8", env=env)
+    for a, b in zip(exact, quantized):
+        assert (b - a).norm() < 0.05 * a.norm()

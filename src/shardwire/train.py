@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import shardwire
+from shardwire.comm.wire import Wire
 from shardwire.data import ByteCorpus
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
@@ -50,11 +51,13 @@ class TrainConfig:
     reshard: bool = True  # reshard_after_forward
     sharding: str = "full"  # full | hybrid | hybrid_secondary (see shardwire.engine.sharding)
     shard_group_size: int | None = bounded(None, at_least=1)  # ranks a shard spans; default: a node's
+    wire: str = "none"  # none | int8 | params=int8,grads=int4[,block=N] (see shardwire.comm.wire)
     activation_checkpointing: bool = False
     data: str | None = None  # a text file or directory; default: the standard library's sources
     seed: int = bounded(0, at_least=0)
     log_every: int = bounded(10, at_least=1)  # reading the loss waits for the GPU: not every step
     eval_batches: int = bounded(8, at_least=1)
+    eval_every: int = bounded(0, at_least=0)  # steps between validation losses (0: at the end only)
     checkpoint_dir: str | None = None  # save checkpoints here, and resume from the newest good one
     save_every: int = bounded(100, at_least=1)  # steps between checkpoints (the last step is always saved)
     keep: int = bounded(3, at_least=0)  # newest checkpoints kept (0: all)
@@ -89,12 +92,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hybrid_secondary: full, with backward gathering within groups (ZeRO++ hpZ)")
     parser.add_argument("--shard-group-size", type=int, default=d.shard_group_size,
                         help="ranks per shard group for the hybrid layouts (default: the ranks of a node)")
+    parser.add_argument("--wire", default=d.wire,
+                        help="what crosses nodes: none, int8 (parameters and gradients), or key=value pairs "
+                             "such as params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
     parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                         default=d.activation_checkpointing)
     parser.add_argument("--data", default=d.data, help="text file or directory (default: Python's stdlib sources)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress updates")
-    parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches at the end")
+    parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
+    parser.add_argument("--eval-every", type=int, default=d.eval_every,
+                        help="steps between validation losses, shown as val in the progress line (0: at the end only)")
     parser.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
                         help="save checkpoints here; running again resumes from the newest good one")
     parser.add_argument("--save-every", type=int, default=d.save_every,
@@ -141,6 +149,13 @@ def _describe_sharding(engine) -> str:
     return "full" if layout.name == "full" else f"{layout.name} in one group (as full)"
 
 
+def _describe_wire(engine, wire: str) -> str:
+    wire = Wire.parse(wire)
+    if wire.quantized and engine.comm.topology.nodes == 1:
+        return f"wire {wire} (unused: all ranks share a node, and only what crosses nodes is quantized)"
+    return f"wire {wire}"
+
+
 def _validate(config: TrainConfig) -> None:
     """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
     try:
@@ -157,6 +172,10 @@ def _validate(config: TrainConfig) -> None:
     except ValueError as err:
         message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("sharding=", "--sharding ")
         raise SystemExit(f"error: {message}") from None
+    try:
+        Wire.parse(config.wire)
+    except ValueError as err:
+        raise SystemExit(f"error: --{err}") from None
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
     gpus = torch.cuda.device_count()
@@ -227,6 +246,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         prefetch=config.prefetch,
         sharding=config.sharding,
         shard_group_size=config.shard_group_size,
+        wire=config.wire,
         mixed_precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
         timeout=config.timeout,
@@ -245,7 +265,8 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         print(
             f"shardwire train: GPT {config.model!r} ({model_config.num_params() / 1e6:.2f}M parameters), "
             f"{world} ranks ({backend}, {device.type}), {model_config.layers} block units + root, "
-            f"{_describe_sharding(engine)} sharding, prefetch {config.prefetch}, "
+            f"{_describe_sharding(engine)} sharding, {_describe_wire(engine, config.wire)}, "
+            f"prefetch {config.prefetch}, "
             f"{'reshard' if config.reshard else 'keep'} after forward, "
             f"{config.precision}; data: {corpus.name}, {corpus.num_bytes / 1e6:.1f} MB",
             flush=True,
@@ -278,7 +299,12 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
             optimizer.zero_grad(set_to_none=True)
         interval_steps += 1
 
-        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+        val_loss = None
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            evaluating_from = time.perf_counter()
+            val_loss = evaluate(model, corpus, config, rows, global_batch, model_config.seq_len, device)
+            interval_start += time.perf_counter() - evaluating_from  # tokens/s counts training alone
+        if (step + 1) % config.log_every == 0 or step + 1 == config.steps or val_loss is not None:
             dist.all_reduce(loss_sum)
             last_loss = loss_sum.item() / (world * config.grad_accum * interval_steps)
             loss_sum.zero_()
@@ -286,11 +312,14 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
             elapsed = time.perf_counter() - interval_start
             if progress is not None:
                 summary = CommSummary.of(records, engine.comm.clock)  # the last step's; complete after item()
-                progress.update(step + 1, {
+                fields = {
                     "loss": f"{last_loss:.3f}",
                     "tok/s": format_rate(tokens_per_step * interval_steps / elapsed),
                     "comm": f"{summary.busy_s * 1e3:.0f}ms (exposed {summary.exposed_s * 1e3:.0f}ms)",
-                })
+                }
+                if val_loss is not None:
+                    fields["val"] = f"{val_loss:.4f}"
+                progress.update(step + 1, fields)
             interval_start, interval_steps = time.perf_counter(), 0
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             saving_from = time.perf_counter()

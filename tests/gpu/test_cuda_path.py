@@ -297,3 +297,19 @@ def test_profiler_reports_a_known_reduce_scatter_delay(device):
     assert delayed_rs - plain_rs == pytest.approx(delay * count, rel=0.2)
     # the last reductions land after the last backward, with nothing left to hide them: 2 delays
     assert delayed_wait <= plain_wait + 2 * delay, "a hidden delay must not show as waiting"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_wire_codec_on_cuda_matches_the_cpu(device, bits):
+    """The quantization kernels run on the GPU the values are on, bit for bit as on the CPU (the
+    engine's NCCL path encodes and decodes on its side streams)."""
+    from shardwire.comm.quantize import decode, encode
+    from shardwire.comm.wire import Codec
+
+    codec = Codec(bits, 256)
+    rows = torch.randn(3, 10_001, generator=torch.Generator().manual_seed(bits))
+    residual_cpu, residual_gpu = torch.zeros_like(rows), torch.zeros_like(rows, device=device)
+    packed_cpu, packed_gpu = encode(codec, rows, residual_cpu), encode(codec, rows.to(device), residual_gpu)
+    assert torch.equal(packed_gpu.cpu(), packed_cpu)
+    assert torch.equal(residual_gpu.cpu(), residual_cpu)
+    assert torch.equal(decode(codec, packed_gpu, 10_001).cpu(), decode(codec, packed_cpu, 10_001))

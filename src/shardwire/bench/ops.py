@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardwire.comm.communicator import Communicator, torch_all_gather, torch_reduce_scatter
+from shardwire.comm.wire import Codec, Wire
 
 IN_PLACE, OUT_OF_PLACE = "in_place", "out_of_place"
 
@@ -80,6 +81,7 @@ class OpContext:
     # the engine's transport for all_gather and reduce_scatter (--impl shardwire); None: torch's
     # collectives, and on ranks outside the group
     comm: Communicator | None
+    wire: Wire = Wire()  # what the engine's transport sends between nodes (--wire)
 
     @property
     def size(self) -> int:
@@ -157,12 +159,27 @@ class Operation:
         """What the output must hold after one operation on filled inputs (None: nothing defined)."""
         raise NotImplementedError
 
+    @classmethod
+    def codec_of(cls, wire: Wire) -> Codec | None:
+        """The codec the engine's transport quantizes this operation with on ``wire``, if any."""
+        return None
+
     def count_wrong(self) -> int:
-        """Output elements that differ, bit for bit, from their expected values."""
+        """Output elements that differ, bit for bit, from their expected values; on a quantized wire,
+        by more than quantization may move them: half a step of the largest input for a gather, and
+        for a reduction that for each rank's contribution (every partial sum is quantized at most
+        once, and holds at most every rank's input)."""
         expected = self.expected()
         if expected is None:
             return 0
-        return int((_bits(self.output) != _bits(expected)).sum())
+        codec = self.codec_of(self.ctx.wire)
+        if self.ctx.comm is None or not self.ctx.comm.quantizes(codec):
+            return int((_bits(self.output) != _bits(expected)).sum())
+        largest = max(float(self.ctx.rank_input(q, self.input.numel(), reduced=self.reduces).abs().max())
+                      for q in range(self.ctx.size))
+        contributions = self.ctx.size if self.reduces else 1
+        bound = contributions * largest / codec.largest / 2 * (1 + 1e-6)
+        return int(((self.output.double() - expected.double()).abs() > bound).sum())
 
     def _global(self, group_rank: int) -> int:
         return self.ctx.ranks[group_rank]
@@ -213,10 +230,14 @@ class AllGather(Operation):
             return output.narrow(0, self.ctx.rank * self.piece, self.piece), output
         return self._zeros(self.piece), output
 
+    @classmethod
+    def codec_of(cls, wire):
+        return wire.param_codec
+
     def issue(self):
         ctx = self.ctx
         if ctx.comm is not None:
-            return [ctx.comm.all_gather(self.output, self.input, tag="bench")]
+            return [ctx.comm.all_gather(self.output, self.input, tag="bench", codec=self.codec_of(ctx.wire))]
         return [torch_all_gather(self.output, self.input, group=ctx.group, async_op=True)]
 
     def expected(self):
@@ -232,10 +253,14 @@ class ReduceScatter(Operation):
             return full, full.narrow(0, self.ctx.rank * self.piece, self.piece)
         return full, self._zeros(self.piece)
 
+    @classmethod
+    def codec_of(cls, wire):
+        return wire.grad_codec
+
     def issue(self):
         ctx = self.ctx
-        if ctx.comm is not None:
-            return [ctx.comm.reduce_scatter(self.output, self.input, tag="bench")]
+        if ctx.comm is not None:  # no error feedback: each call stands alone, as nccl-tests' do
+            return [ctx.comm.reduce_scatter(self.output, self.input, tag="bench", codec=self.codec_of(ctx.wire))]
         return [torch_reduce_scatter(self.output, self.input, op=REDOPS[ctx.redop], group=ctx.group, async_op=True)]
 
     def expected(self):

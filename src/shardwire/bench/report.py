@@ -14,13 +14,14 @@ The JSON document (``--json``) is read by the simulator; its schema, ``shardwire
                    "intra": {"ranks": 2, "members": [[0, 1], [2, 3]]},   # measured at once
                    "inter": {"ranks": 2, "members": [[0, 2]]}},
         "settings": {"ops": [...], "dtype": "float32", "redop": "sum", "root": 0, "impl": "torch",
+                     "wire": "none",                       # --wire (shardwire.comm.wire)
                      "warmup": 5, "iters": 20, "blocking": false, "check": true, "combine": "max",
                      "sizes": [1024, ...]},
         "command": "shardwire bench ..."
       },
       "results": {GROUP: {OP: [                          # one entry per size, ascending
-        {"bytes": S, "count": 256, "dtype": "float32", "redop": "sum" | null, "root": 0 | null,
-         "out_of_place": POINT | null, "in_place": POINT | null}]}},   # null: no such form
+        {"bytes": S, "wire_bytes": S' | null, "count": 256, "dtype": "float32", "redop": "sum" | null,
+         "root": 0 | null, "out_of_place": POINT | null, "in_place": POINT | null}]}},   # null: no such form
       "summary": {GROUP: {OP: {
         "ranks": 4, "placement": "out_of_place",
         "peak_busbw_GBps": 9.1, "peak_bytes": S,
@@ -34,8 +35,11 @@ The JSON document (``--json``) is read by the simulator; its schema, ``shardwire
 
     POINT = {"time_us": 812.4, "algbw_GBps": 5.2, "busbw_GBps": 9.1, "wrong": 0 | null}
 
-S is nccl-tests' size of the operation in bytes (see ``metrics``); GB/s are 10^9 bytes/s;
-``wrong`` is null when the run did not check results.
+S is nccl-tests' size of the operation in bytes (see ``metrics``), on which algbw and busbw are
+computed whatever the wire; S' the same size as it was sent where ``--wire`` quantized it (the
+bytes a rank sent are S' times what they would be for S), null otherwise; GB/s are 10^9 bytes/s;
+``wrong`` is null when the run did not check results (on a quantized wire it counts elements
+moved by more than quantization can move them).
 """
 
 from __future__ import annotations
@@ -137,6 +141,10 @@ def summary_lines(result: OpResult) -> list[str]:
         model = "" if math.isinf(fit.beta) else f" + S / {fit.beta / GB:.3g} GB/s"
         flat = ", time did not grow with size" if math.isinf(fit.beta) else ""
         lines.append(f"# fit: t = {fit.alpha * 1e6:.3g} us{model}  (r2 {fit.r2:.4f}, {fit.points} sizes{flat})")
+    largest = result.rows[-1] if result.rows else None
+    if largest is not None and largest.wire_nbytes is not None:
+        lines.append(f"# on the wire: {largest.wire_nbytes / largest.nbytes:.1%} of the bytes at "
+                     f"{format_size(largest.nbytes)} (quantized; algbw and busbw are on the uncompressed size)")
     return lines
 
 
@@ -145,7 +153,8 @@ def document(context: dict, results: list[OpResult]) -> dict:
     doc = {"schema": SCHEMA, "context": context, "results": {}, "summary": {}, "fit": {}}
     for result in results:
         doc["results"].setdefault(result.group, {})[result.op] = [
-            {"bytes": row.nbytes, "count": row.count, "dtype": result.dtype, "redop": result.redop,
+            {"bytes": row.nbytes, "wire_bytes": row.wire_nbytes, "count": row.count, "dtype": result.dtype,
+             "redop": result.redop,
              "root": result.root, **{p: _point_json(row.points.get(p)) for p in PLACEMENTS}}
             for row in result.rows
         ]

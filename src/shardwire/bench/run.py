@@ -49,6 +49,7 @@ from shardwire.comm.groups import (
     node_topology,
 )
 from shardwire.comm.topology import Topology
+from shardwire.comm.wire import Wire
 from shardwire.files import write_atomically
 from shardwire.options import OptionError, bounded, check_bounds, check_output_file
 from shardwire.launch import launch_local, under_launcher
@@ -83,6 +84,7 @@ class BenchConfig:
     groups: list[str] = dataclasses.field(default_factory=lambda: ["world"])
     ranks_per_node: int | None = None
     impl: str = "torch"
+    wire: str = "none"  # with --impl shardwire: what crosses nodes (see shardwire.comm.wire)
     backend: str = "auto"
     timeout: float = bounded(300.0, above=0, unit="seconds")
     json: str | None = None
@@ -142,6 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", choices=["torch", "shardwire"], default=d.impl,
                         help="shardwire: time all_gather and reduce_scatter as the engine runs them "
                              "(shardwire.comm.communicator; point-to-point on gloo)")
+    parser.add_argument("--wire", default=d.wire,
+                        help="with --impl shardwire: quantize what crosses nodes, as shard(wire=...) does: "
+                             "int8, or params=int8,grads=int4[,block=N] (all_gather uses params, reduce_scatter "
+                             "grads); busbw stays on the uncompressed size, the bytes sent are reported beside it")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default=d.backend,
                         help="auto: NCCL when CUDA is available, else gloo")
     parser.add_argument("--timeout", type=float, default=d.timeout,
@@ -205,6 +211,12 @@ def validate(config: BenchConfig, world: int) -> None:
             f"--check cannot verify a sum over {largest} ranks exactly in {config.dtype} (exact up to "
             f"{exact_sum_limit(DTYPES[config.dtype])}): use a wider --dtype or leave {', '.join(reducing)} out of --ops"
         )
+    try:
+        wire = Wire.parse(config.wire)
+    except ValueError as err:
+        raise BenchError(f"--{err}") from None
+    if wire.quantized and config.impl != "shardwire":
+        raise BenchError("--wire quantizes the engine's own collectives: add --impl shardwire")
     if config.impl == "shardwire" and config.redop != "sum" and "reduce_scatter" in config.ops:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if config.backend == "nccl" and not torch.cuda.is_available():
@@ -357,6 +369,7 @@ def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[
         redop=config.redop,
         root=config.root,
         comm=comm,
+        wire=Wire.parse(config.wire),
     )
 
 
@@ -379,7 +392,8 @@ def _describe(config: BenchConfig, topo: Topology, contexts: dict[str, OpContext
         "groups": {name: {"ranks": ctx.size, "members": members[name]} for name, ctx in contexts.items()},
         "settings": {
             "ops": config.ops, "dtype": config.dtype, "redop": config.redop, "root": config.root,
-            "impl": config.impl, "warmup": config.warmup, "iters": config.iters, "blocking": config.blocking,
+            "impl": config.impl, "wire": str(Wire.parse(config.wire)), "warmup": config.warmup,
+            "iters": config.iters, "blocking": config.blocking,
             "check": config.check, "combine": config.combine, "sizes": config.sizes(),
         },
         "command": shlex.join(["shardwire", "bench", *config.argv]),

@@ -84,6 +84,7 @@ class Row:
     nbytes: int
     count: int
     points: dict[str, Point]  # by placement, for the forms the operation has
+    wire_nbytes: int | None = None  # the size as sent, where --wire quantized it (as a rank in the group sees it)
 
 
 def sweep(operation: type[Operation], numels: list[int], ctx: OpContext, settings: SweepSettings) -> Iterator[Row]:
@@ -107,7 +108,16 @@ def sweep(operation: type[Operation], numels: list[int], ctx: OpContext, setting
             if placement in operation.forms:
                 measured = [values[2 * i : 2 * i + 2] for values in everyone]
                 points[placement] = _over_ranks(operation.name, nbytes, ctx.size, measured, settings)
-        yield Row(nbytes=nbytes, count=operation.call_count(numel, ctx.size), points=points)
+        yield Row(nbytes=nbytes, count=operation.call_count(numel, ctx.size), points=points,
+                  wire_nbytes=_as_sent(operation, numel, ctx))
+
+
+def _as_sent(operation: type[Operation], numel: int, ctx: OpContext) -> int | None:
+    """The size as the engine's transport sends it on a quantized wire; None where nothing is quantized."""
+    codec = operation.codec_of(ctx.wire)
+    if ctx.comm is None or not ctx.comm.quantizes(codec):
+        return None
+    return ctx.comm.wire_nbytes(operation.name, numel // ctx.size, ctx.dtype.itemsize, codec)
 
 
 def _over_ranks(op: str, nbytes: int, ranks: int, measured: list[list[float]], settings: SweepSettings) -> Point:

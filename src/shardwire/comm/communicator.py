@@ -134,12 +134,9 @@ class Communicator:
         *,
         timeout: datetime.timedelta,
         torch_collectives: bool = False,
-        quantized_reductions: bool = False,
     ):
         """``torch_collectives``: run torch's collectives on gloo too, instead of the point-to-point
-        ones (NCCL always runs torch's). ``quantized_reductions``: make the process groups that
-        quantized reductions need where torch's collectives carry them (``Levels``), so that
-        ``reduce_scatter`` and ``all_reduce`` may be given a codec."""
+        ones (NCCL always runs torch's)."""
         self.group = group
         self.device = device
         self.timeout = timeout
@@ -149,9 +146,7 @@ class Communicator:
         self.clock = Clock(device)
         self._cuda = device.type == "cuda"
         self._point_to_point = str(dist.get_backend(group)) == "gloo" and not torch_collectives
-        self._levels = None
-        if quantized_reductions and not self._point_to_point and self.topology.nodes > 1:
-            self._levels = Levels.of(group, self.topology, device, timeout)
+        self._levels: Levels | None = None  # see prepare_quantized_reductions
         if self._cuda:
             # high priority: a collective's kernels start ahead of queued compute kernels
             self._gather_stream = torch.cuda.Stream(device, priority=-1)
@@ -173,7 +168,7 @@ class Communicator:
         nbytes = output.numel() * output.element_size()
         codec = self._across_nodes(codec)
         if codec is not None:
-            wire_nbytes = self.world * codec.packed_numel(shard.numel())
+            wire_nbytes = self.wire_nbytes("all_gather", shard.numel(), shard.element_size(), codec)
             if self._point_to_point:
                 exchange = self._exchange("all_gather", tag)
                 body = functools.partial(self._gather_quantized, codec, output, shard, exchange.all_gather)
@@ -203,7 +198,7 @@ class Communicator:
         nbytes = full.numel() * full.element_size()
         codec = self._across_nodes(codec)
         if codec is not None:
-            wire_nbytes = self._quantized_reduce_nbytes(codec, output.numel(), full.element_size())
+            wire_nbytes = self.wire_nbytes("reduce_scatter", output.numel(), full.element_size(), codec)
             reduce = self._quantized_reduce_scatter(tag, codec, average, residual)
             body = functools.partial(reduce, output, full)
             if self._point_to_point:
@@ -239,8 +234,7 @@ class Communicator:
         codec = self._across_nodes(codec) if op != "max" else None
         if codec is not None:
             size = -(-tensor.numel() // self.world)
-            reduce_nbytes = self._quantized_reduce_nbytes(codec, size, tensor.element_size())
-            wire_nbytes = (reduce_nbytes + self.world * codec.packed_numel(size)) // 2
+            wire_nbytes = self.wire_nbytes("all_reduce", size, tensor.element_size(), codec)
             partials, result = (None, None) if residual is None else (residual[:-1], residual[-1:])
             reduce = self._quantized_reduce_scatter(tag, codec, op == "avg", partials)
             gather = self._exchange("all_reduce", tag).all_gather if self._point_to_point else self._torch_gather
@@ -277,6 +271,13 @@ class Communicator:
         self.all_gather(everyone, mine, tag=tag).wait()
         return everyone.view(self.world, len(values)).tolist()
 
+    def prepare_quantized_reductions(self) -> None:
+        """Make the process groups a quantized ``reduce_scatter`` or ``all_reduce`` needs where
+        torch's collectives carry it (``Levels``: NCCL, or ``torch_collectives``). Every rank of the
+        group calls it, in the same order as any other group creation."""
+        if not self._point_to_point and self.topology.nodes > 1 and self._levels is None:
+            self._levels = Levels.of(self.group, self.topology, self.device, self.timeout)
+
     def residual_for(self, numel: int, *, all_reduce: bool = False) -> torch.Tensor | None:
         """A zeroed error-feedback residual for quantized reductions of ``numel`` elements here (a
         reduce-scatter's input, or with ``all_reduce`` an all-reduce's tensor): one fp32 row of a
@@ -289,9 +290,13 @@ class Communicator:
 
     # ------------------------------------------------------------------- quantized collectives
 
+    def quantizes(self, codec: Codec | None) -> bool:
+        """Whether collectives given ``codec`` quantize here: only where the group spans nodes
+        (within a node bytes stay exact)."""
+        return codec is not None and self.topology.nodes > 1
+
     def _across_nodes(self, codec: Codec | None) -> Codec | None:
-        """The codec to use: none within a node, where bytes stay exact."""
-        return codec if self.topology.nodes > 1 else None
+        return codec if self.quantizes(codec) else None
 
     def _gather_quantized(self, codec: Codec, output: torch.Tensor, shard: torch.Tensor,
                           gather_bytes: Callable[[torch.Tensor, torch.Tensor], None],
@@ -312,8 +317,8 @@ class Communicator:
             exchange = self._exchange("reduce_scatter", tag)
             return functools.partial(exchange.reduce_scatter, average=average, codec=codec, residual=residual)
         if self._levels is None:
-            raise RuntimeError("this communicator was made without quantized_reductions=True, which a "
-                               "quantized reduction over torch's collectives needs")
+            raise RuntimeError("call prepare_quantized_reductions() on every rank before a quantized "
+                               "reduction over torch's collectives")
         return functools.partial(self._levels.reduce_scatter, codec, average=average, residual=residual)
 
     def _all_reduce_quantized(self, codec: Codec, tensor: torch.Tensor,
@@ -330,12 +335,21 @@ class Communicator:
         self._gather_quantized(codec, padded, slot, gather_bytes, residual)
         flat.copy_(padded[:numel])
 
-    def _quantized_reduce_nbytes(self, codec: Codec, slot_numel: int, element_size: int) -> int:
-        """A quantized reduce-scatter's size as it travels, in nccl-tests' convention (the buffer
-        whose (n-1)/n a rank sends): exact slots within the node, packed ones across nodes."""
+    def wire_nbytes(self, op: str, slot_numel: int, element_size: int, codec: Codec | None) -> int:
+        """The size of ``op`` ("all_gather", "reduce_scatter" or "all_reduce") with slots of
+        ``slot_numel`` elements, as it travels here with ``codec``: in nccl-tests' convention (the
+        buffer whose (n-1)/n a rank sends, twice that for an all-reduce), so that its ratio to the
+        uncompressed size is the ratio of the bytes sent. Within a node slots travel exact, across
+        nodes packed; a reduction packs only the partial sums that cross nodes."""
+        exact = self.world * slot_numel * element_size
+        codec = self._across_nodes(codec)
+        if codec is None or self.world == 1:
+            return exact
+        gathered = self.world * codec.packed_numel(slot_numel)
         nodes, per_node = self.topology.nodes, self.topology.ranks_per_node
         sent = (per_node - 1) * nodes * slot_numel * element_size + (nodes - 1) * codec.packed_numel(slot_numel)
-        return sent * self.world // (self.world - 1)
+        reduced = sent * self.world // (self.world - 1)
+        return {"all_gather": gathered, "reduce_scatter": reduced, "all_reduce": (reduced + gathered) // 2}[op]
 
     # ------------------------------------------------------------------ streams and their order
 

@@ -3,7 +3,9 @@
 On a slow link the bytes are the step. ``Wire`` says, for parameter gathers and gradient
 reductions separately, whether the bytes that cross nodes are the tensors themselves or their
 quantized form (DeepSpeed ZeRO++'s qwZ and qgZ): int8 parameters, int8 or int4 gradients.
-Bytes within a node stay exact, so where every rank of a group shares a node nothing is quantized.
+Only collectives whose group spans nodes quantize: a gather then sends every rank's shard quantized,
+within the node too (every rank must compute with the same values), and a reduction only the
+partial sums that cross nodes. Where every rank of a group shares a node, nothing is quantized.
 
 A ``Codec`` quantizes rows of values block by block, symmetrically: each block of ``block``
 consecutive elements gets one fp32 scale, its largest magnitude over the largest integer of the
@@ -14,8 +16,8 @@ The kernels are in ``shardwire.comm.quantize``; this module is plain arithmetic,
 and planner read without importing torch.
 
 Bytes per element on the wire, for a block of B elements: int8 ``1 + 4/B``, int4 ``1/2 + 4/B``,
-against 4 (fp32) or 2 (bf16) without quantization. ``DEFAULT_BLOCK`` is 256 (measured: see
-``benchmarks/wire_quality.py`` and BENCHMARKS.md), where the scales add 1.6% to int8.
+against 4 (fp32) or 2 (bf16) without quantization. ``DEFAULT_BLOCK`` is 256 (measured with
+``benchmarks/wire_codec.py``, in BENCHMARKS.md), where the scales add 1.6% to int8.
 """
 
 from __future__ import annotations

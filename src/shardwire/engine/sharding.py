@@ -33,6 +33,9 @@ hybrid_secondary      gather over W (forward), over G (backward),      P (N-1)/N
                       reduce-scatter over W
 ====================  ===============================================  =========================
 
+With a quantized wire (``shardwire.comm.wire``), ``c`` and ``r`` become its bytes per element for
+the part that crosses nodes: the gathers, and the partial sums of reductions sent between nodes.
+
 Memory per rank (fp32 master weights and their gradients, Adam's two moments, so 16 bytes per
 element held; see ``shardwire.sim.memory`` for what a step adds on top): ``16 P / W`` for full,
 ``16 P / G`` for hybrid, ``16 P / W + c P / G`` for hybrid_secondary (every unit's secondary
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import zlib
 
 import torch
@@ -115,9 +117,24 @@ def build(layout: str, size: int, wire: Wire, group: dist.ProcessGroup, device: 
           timeout: datetime.timedelta) -> Sharding:
     """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
     carry ``wire``'s quantized reductions. Every rank creates them in the same order."""
-    make = functools.partial(Communicator, device=device, timeout=timeout, quantized_reductions=wire.grads is not None)
-    world = make(group)
+    world = Communicator(group, device, timeout=timeout)
     _check_same_layout_on_all_ranks(world, layout, size, wire)
+    if wire.grads is not None and device.type == "cuda" and group is not dist.group.WORLD:
+        raise ValueError(
+            f"wire grads={wire.grads!r} over a process group other than the default one is not supported on "
+            f"NCCL (its reductions make subgroups of the nodes, which split the default communicator): shard "
+            f"over the default group, or leave gradients unquantized"
+        )
+    sharding = _communicators(layout, size, world, device, timeout)
+    if wire.grads is not None:
+        for comm in sharding.communicators:
+            comm.prepare_quantized_reductions()
+    return sharding
+
+
+def _communicators(layout: str, size: int, world: Communicator, device: torch.device,
+                   timeout: datetime.timedelta) -> Sharding:
+    group = world.group
     if layout == "full" or size == world.world:
         return Sharding(layout, world, world)
     if device.type == "cuda" and group is not dist.group.WORLD:
@@ -126,9 +143,9 @@ def build(layout: str, size: int, wire: Wire, group: dist.ProcessGroup, device: 
             f"NCCL (its subgroups split the default communicator, which every rank must join): shard "
             f"over the default group, or use sharding='full'"
         )
-    within = make(groups.blocks(group, size, device, timeout))
+    within = Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout)
     if layout == "hybrid":
-        across = make(groups.columns(group, size, device, timeout))
+        across = Communicator(groups.columns(group, size, device, timeout), device, timeout=timeout)
         return Sharding(layout, world, within, replicate=across)
     return Sharding(layout, world, world, secondary=within)
 

@@ -28,6 +28,7 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce")
 FIGURES = (
     "step_s", *(f"{p}_s" for p in PHASES), "other_s", "wait_s", "comm_s",
     *(f"{op}_s" for op in OPS), "exposed_comm_s", "overlap_ratio", *(f"{op}_bytes" for op in OPS),
+    *(f"{op}_wire_bytes" for op in OPS),
 )
 
 
@@ -51,7 +52,8 @@ def breakdown(timeline: StepTimeline) -> dict[str, float]:
     for op in OPS:
         mine = [c for c in timeline.comms if c[0] == op]
         figures[f"{op}_s"] = intervals.total(intervals.clip([(s, e) for *_, s, e in mine], window))
-        figures[f"{op}_bytes"] = float(sum(c[2] for c in mine))
+        figures[f"{op}_bytes"] = float(sum(c[2] for c in mine))  # nccl-tests' sizes
+        figures[f"{op}_wire_bytes"] = float(sum(c[3] for c in mine))  # as sent: smaller on a quantized wire
     return figures
 
 

@@ -15,6 +15,7 @@ class CommSummary:
     busy_s: float  # time with at least one collective in flight
     exposed_s: float  # time the training waited for one (the thread on CPU, the compute stream on CUDA)
     nbytes: int  # bytes of the buffers collectives produced or consumed (nccl-tests' sizes)
+    wire_nbytes: int  # the same buffers as they travelled: smaller where a wire quantized them
     count: int
 
     @classmethod
@@ -25,5 +26,6 @@ class CommSummary:
             busy_s=intervals.total(spans),
             exposed_s=sum(r.stalled_s(clock) for r in records),
             nbytes=sum(r.nbytes for r in records),
+            wire_nbytes=sum(r.wire_nbytes for r in records),
             count=len(records),
         )

@@ -28,7 +28,7 @@ class StepTimeline:
     start: float
     end: float
     phases: list[tuple[str, str | None, float, float]]  # (phase, unit or None, start, end)
-    comms: list[tuple[str, str, int, float, float]]  # (op, tag, nbytes, start, end)
+    comms: list[tuple[str, str, int, int, float, float]]  # (op, tag, nbytes, wire_nbytes, start, end)
     waits: list[tuple[str, float, float]]  # (tag waited for, start, end)
 
 
@@ -96,6 +96,7 @@ class StepRecorder:
             # Still in flight when the step ended (a step that did not wait for everything it
             # issued): count it as running until the step's end.
             end = record.end if record.end is not None else raw.end
-            comms.append((record.op, record.tag, record.nbytes, self._seconds(record.start), self._seconds(end)))
+            comms.append((record.op, record.tag, record.nbytes, record.wire_nbytes, self._seconds(record.start),
+                          self._seconds(end)))
             waits += [(record.tag, self._seconds(a), self._seconds(b)) for a, b in record.stalls]
         return StepTimeline(raw.step, self._seconds(raw.start), self._seconds(raw.end), phases, comms, waits)

@@ -138,7 +138,7 @@ def _plot_timeline(profile: dict, path: str) -> str:
                     color=_PHASE_COLORS.get(phase, "#999999"), alpha=1.0 if unit is None else 0.6)
         for _, start, end in timeline["waits"]:
             ax.barh(base, (end - start) * 1e3, left=(start - origin) * 1e3, height=0.8, color="#E24A33")
-        for op, _, _, start, end in timeline["comms"]:
+        for op, *_, start, end in timeline["comms"]:
             ax.barh(base + lanes.index(op), (end - start) * 1e3, left=(start - origin) * 1e3,
                     height=0.6, color=_OP_COLORS.get(op, "#999999"), edgecolor="white", linewidth=0.5)
         labels += [(base + i, f"rank {rank} {lane}") for i, lane in enumerate(lanes)]

@@ -36,7 +36,7 @@ def chrome_trace(per_rank: list[list[StepTimeline]]) -> dict:
                 events.append(_slice(unit or phase, phase, rank, 0, start, end))
             for tag, start, end in t.waits:
                 events.append(_slice(f"wait: {tag}", "wait", rank, 0, start, end))
-            for op, tag, nbytes, start, end in t.comms:
+            for op, tag, nbytes, wire_nbytes, start, end in t.comms:
                 events.append(_slice(tag, op, rank, _TRACKS.get(op, 3), start, end,
-                                     {"op": op, "bytes": nbytes, "step": t.step}))
+                                     {"op": op, "bytes": nbytes, "wire_bytes": wire_nbytes, "step": t.step}))
     return {"traceEvents": events, "displayTimeUnit": "ms"}

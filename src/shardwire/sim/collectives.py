@@ -1,4 +1,5 @@
-"""What a collective costs: phases of fixed latency followed by bytes through the network's levels.
+"""What a collective costs: phases of fixed time (latencies, quantization kernels) followed by bytes
+through the network's levels.
 
 A collective over a group of ``n = N x g`` GPUs (``N`` nodes, ``g`` GPUs of each) moves a buffer of
 ``S`` bytes (the whole gathered or scattered buffer, as nccl-tests counts it). Its bytes cross two

@@ -17,11 +17,12 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
                            when micro-batches accumulate unsharded gradients (``no_sync``)
     communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
-    error feedback         4 (N_g - 1) P / n_g   with a wire that quantizes gradients and keeps error
-                           feedback on: for every unit's buffer and each reduction over ``n_g`` GPUs
-                           on ``N_g`` nodes, what quantizing the partial sums it sends across nodes
-                           lost, in fp32 (``(N-1)/W`` of the parameters with ``full`` over W GPUs on
-                           N nodes; nothing for a reduction within a node)
+    error feedback         4 (N_g - 1) P_g / n_g   with a wire that quantizes gradients and keeps
+                           error feedback on: for every unit's buffer and each of its reductions of
+                           ``P_g`` elements over ``n_g`` GPUs on ``N_g > 1`` nodes, what quantizing
+                           the partial sums a GPU sends across nodes lost, in fp32 (``(N-1) P / W``
+                           for ``full`` over W GPUs on N nodes); an all-reduce between hybrid groups
+                           keeps one more slot, for its result (``N_g P_g / n_g``)
     activations            m (kept + the root's + one unit's full activations + logits), where
                            kept is every unit's boundary with activation checkpointing, every
                            unit's full activations without; the root's (the head's input, an

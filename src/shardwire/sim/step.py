@@ -189,13 +189,15 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
 
 def error_feedback_elements(params: int, cluster: ClusterSpec, training: TrainingSpec) -> int:
     """The fp32 elements of error feedback one GPU keeps for a buffer of ``params``: for each of its
-    reductions whose gradients the wire quantizes, one slot per other node of the group (what the
-    GPU sends across nodes, ``Communicator.residual_for``)."""
+    reductions whose gradients the wire quantizes across nodes, a slot per other node of the group
+    (the partial sums it sends), and for an all-reduce one more (its result, which it gathers
+    quantized), as ``Communicator.residual_for`` allocates them."""
     wire = training.wire_format
-    if wire.grads is None or not wire.error_feedback:
+    if not wire.error_feedback:
         return 0
-    return sum((group.nodes - 1) * math.ceil(numel / group.size)
-               for _, numel, group in reductions(params, cluster, training))
+    return sum((group.nodes - 1 + (op == "all_reduce")) * math.ceil(numel / group.size)
+               for op, numel, group in reductions(params, cluster, training)
+               if collectives.crossing_nodes(wire.grad_codec, group) is not None)
 
 
 class _Lane:

@@ -160,7 +160,10 @@ class _Staged:
         for flat in engine.flats:
             for reduction, residual in flat.residuals.items():
                 saved = self.residuals.get(residual_key(flat.name, reduction))
-                residual.copy_(saved) if saved is not None else residual.zero_()
+                if saved is None:
+                    residual.zero_()
+                else:
+                    residual.copy_(saved)
         if optimizer is not None:
             optimizer.load_state_dict(self.optimizer_state)
         if "cpu" in self.rng:
