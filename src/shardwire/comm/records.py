@@ -12,12 +12,14 @@ class CommRecord:
     """One issued collective.
 
     ``nbytes`` follows nccl-tests: the size of the whole gathered (or scattered) buffer, not of one
-    rank's share. ``wire_nbytes`` is the same buffer as it travels: ``nbytes`` unless the
-    collective was quantized (``shardwire.comm.wire``), when it is the size of its packed bytes. ``start`` and ``end`` are ``Clock`` stamps of when the collective ran: on CUDA,
-    events on the stream that runs it, placed right before and after it; on CPU, the moments the
-    transport began and finished it (``end`` stays ``None`` until then). ``stalls`` are the intervals
-    the training waited for it, as pairs of stamps: on CPU the training thread blocking in
-    ``wait()``, on CUDA the compute stream held back by it, whose gap is exactly the stall.
+    rank's share. ``wire_nbytes`` is the same buffer as it travels, in the same convention:
+    ``nbytes`` unless the collective was quantized (``shardwire.comm.wire``), smaller if it was
+    (``Communicator.wire_nbytes``). ``start`` and ``end`` are ``Clock`` stamps of when the collective
+    ran: on CUDA, events on the stream that runs it, placed right before and after it; on CPU, the
+    moments the transport began and finished it (``end`` stays ``None`` until then). ``stalls`` are
+    the intervals the training waited for it, as pairs of stamps: on CPU the training thread
+    blocking in ``wait()``, on CUDA the compute stream held back by it, whose gap is exactly the
+    stall.
     """
 
     op: str

@@ -74,7 +74,7 @@ class FlatParam:
         self._param_codec = wire.param_codec
         self._grad_codec = wire.grad_codec if requires_grad else None
         # Error feedback: what quantizing this buffer's gradients lost on their way across nodes,
-        # kept for the next step, one per quantized reduction (None where nothing is quantized).
+        # kept for the next step, by the reduction it belongs to (none where nothing is quantized).
         self.residuals: dict[str, torch.Tensor] = {}
         if self._grad_codec is not None and wire.error_feedback:
             pieces = {"reduce_scatter": self._comm.residual_for(layout.padded_numel)}
@@ -200,8 +200,9 @@ class FlatParam:
                 full = self._accumulated.add_(full)
                 self._accumulated = None
             share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-            scattered = self._comm.reduce_scatter(share, full, tag=self.name, average=True, holding=(grad,),
-                                                  codec=self._grad_codec, residual=self.residuals.get("reduce_scatter"))
+            scattered = self._comm.reduce_scatter(
+                share, full, tag=self.name, average=True, holding=(grad,), codec=self._grad_codec,
+                residual=self.residuals.get("reduce_scatter"))
             across = self._sharding.replicate
             if across is None:
                 return [scattered], share

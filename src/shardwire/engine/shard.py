@@ -74,8 +74,8 @@ def shard(
             the ranks of a node (the launcher's ``LOCAL_WORLD_SIZE``).
         wire: what gathers and reductions send between nodes: ``None`` (the compute and reduce
             dtypes), "int8" (int8 parameters and gradients), or a ``shardwire.Wire`` (say,
-            ``Wire(params="int8", grads="int4")``). Bytes within a node stay exact; master weights
-            and optimizer state are never quantized. See ``shardwire.comm.wire``.
+            ``Wire(params="int8", grads="int4")``). Only collectives whose group spans nodes
+            quantize; master weights and optimizer state never do. See ``shardwire.comm.wire``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         timeout: seconds a collective may take before it becomes an error naming the rank and unit.
             On NCCL the process group's own timeout applies: create it with the same one.
