@@ -13,7 +13,7 @@ from shardwire.comm.wire import DEFAULT_BLOCK, Wire
 from shardwire.sim import collectives
 from shardwire.sim.architecture import architecture
 from shardwire.sim.collectives import INTER, INTRA, Group
-from shardwire.sim.planner import WIRES, candidate_settings, plan
+from shardwire.sim.planner import HYBRID_WIRES, WIRES, candidate_settings, plan
 from shardwire.sim.predict import predict
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, parse
 
@@ -222,7 +222,7 @@ def test_the_planner_quantizes_across_a_slow_network_and_prints_the_wire(capsys)
     best, run_line, shard_line = (next(line for line in lines if line.lstrip().startswith(start))
                                   for start in ("best", "run:", "or:"))
     wire = run_line.split(" --wire ")[1]
-    assert status == 0 and wire in WIRES[1:] and best.endswith(f"wire {wire}")
+    assert status == 0 and wire in {*WIRES[1:], *HYBRID_WIRES[1:]} and best.endswith(f"wire {wire}")
     assert f"wire={wire!r}" in shard_line
     assert "  wire none " in out  # why: the exact wire, slower
 
@@ -230,4 +230,6 @@ def test_the_planner_quantizes_across_a_slow_network_and_prints_the_wire(capsys)
 def test_the_planner_tries_wires_only_across_nodes():
     one, two = cluster(nodes=1), cluster(nodes=2)
     assert {t.wire for t in candidate_settings(4, one, TrainingSpec())} == {"none"}
-    assert {t.wire for t in candidate_settings(4, two, TrainingSpec())} == set(WIRES)
+    candidates = candidate_settings(4, two, TrainingSpec())
+    assert {t.wire for t in candidates if t.sharding != "hybrid"} == set(WIRES)
+    assert {t.wire for t in candidates if t.sharding == "hybrid"} == set(HYBRID_WIRES)  # its gathers stay in nodes

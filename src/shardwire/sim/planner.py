@@ -6,7 +6,8 @@ accumulation), the sharding layout (full, grad_op, and on several nodes hybrid, 
 resharding after forward and hybrid_secondary, in groups of a node's GPUs), the prefetch depth (0
 to ``MAX_PREFETCH``), activation checkpointing and, on several nodes, the wire (``WIRES``: exact,
 int8, or int8 parameters with int4 gradients, in blocks of the default size with error feedback;
-on one node no collective crosses nodes, so the wire changes nothing and only "none" is tried). The
+``HYBRID_WIRES`` for hybrid sharding, whose parameters never cross nodes; on one node no
+collective crosses nodes, so the wire changes nothing and only "none" is tried). The
 precision and kernel efficiency come from the base training configuration; the rest is what the
 engine runs (its sliding window, reductions in fp32), so that every configuration the planner names
 is one ``shard()`` and ``shardwire train`` run: ``runnable`` gives the options for both. Candidates
@@ -39,8 +40,10 @@ TIE = 1e-3
 _SHARDINGS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False), ("hybrid_secondary", True))
 _HYBRID = ("hybrid", "hybrid_secondary")
 # Wire formats, as ``shardwire train --wire`` and ``shard(wire=...)`` take them: exact, the smallest
-# quantization of both, and the smallest wire (ZeRO++'s qwZ and qgZ).
+# quantization of both, and the smallest wire (ZeRO++'s qwZ and qgZ); for hybrid sharding, whose
+# gathers stay within a node's group and never quantize, the same for gradients alone.
 WIRES = ("none", "int8", "params=int8,grads=int4")
+HYBRID_WIRES = ("none", "grads=int8", "grads=int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +122,14 @@ def _divisors(n: int) -> list[int]:
 def _settings(per_gpu: int, cluster: ClusterSpec):
     micro_batches = [m for m in _divisors(per_gpu) if per_gpu // m <= MAX_GRAD_ACCUM]
     shardings = [s for s in _SHARDINGS if s[0] not in _HYBRID or cluster.nodes > 1]
-    wires = WIRES if cluster.nodes > 1 else WIRES[:1]
-    for micro, (sharding, reshard), prefetch, checkpointing, wire in itertools.product(
-        micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True), wires
+    for micro, (sharding, reshard), prefetch, checkpointing in itertools.product(
+        micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True)
     ):
-        yield dict(micro_batch=micro, grad_accum=per_gpu // micro, sharding=sharding,
-                   reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing,
-                   wire=wire)
+        wires = (HYBRID_WIRES if sharding == "hybrid" else WIRES) if cluster.nodes > 1 else ("none",)
+        for wire in wires:
+            yield dict(micro_batch=micro, grad_accum=per_gpu // micro, sharding=sharding,
+                       reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing,
+                       wire=wire)
 
 
 def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
