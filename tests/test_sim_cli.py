@@ -44,7 +44,7 @@ def test_simulate_json_has_the_promised_keys(capsys):
     assert set(doc["comm"]) == {"all_gather_s", "reduce_scatter_s", "all_reduce_s"}
     assert set(doc["bytes_per_step"]) == {"inter_node", "intra_node"}
     assert doc["cluster"]["nodes"] == 2 and status == 0
-    assert doc["step_time_s"] == pytest.approx(doc["compute_time_s"] + doc["exposed_comm_s"])
+    assert doc["step_time_s"] == pytest.approx(doc["compute_time_s"] + doc["compute_slowed_s"] + doc["exposed_comm_s"])
 
 
 def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
@@ -138,6 +138,21 @@ def test_cluster_from_bench_converts_fits_to_busbw_and_step_latency(tmp_path):
     path.write_text(json.dumps({"schema": "something else"}))
     with pytest.raises(SpecError, match="is not `shardwire bench --json` output"):
         cluster_from_bench(str(path), CLUSTERS["a100-100gbe"])
+
+
+def test_cluster_from_bench_takes_the_compute_share_measured_beside_each_level(tmp_path):
+    path = tmp_path / "bench.json"
+    doc = bench_document()
+    path.write_text(json.dumps(doc))
+    preset = CLUSTERS["a100-100gbe"]
+    unmeasured = cluster_from_bench(str(path), preset)
+    assert unmeasured.intra_node.compute_share == preset.intra_node.compute_share  # the cluster's own stays
+    doc["contention"] = {"workload": {"op": "matmul", "n": 1024, "dtype": "float32"},
+                         "intra": {"compute_share": 0.3}, "world": {"compute_share": 0.1}}
+    path.write_text(json.dumps(doc))
+    measured = cluster_from_bench(str(path), preset)
+    assert measured.intra_node.compute_share == 0.3
+    assert measured.inter_node.compute_share == 0.1  # no inter measurement: the world's
 
 
 def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):

@@ -1,4 +1,6 @@
-"""The published results the simulator must reproduce: T5 on IBM Cloud (../shared/seeds/000).
+"""The published results the simulator must reproduce: T5 on IBM Cloud (../shared/seeds/000), and
+torchtitan's Llama 3.1 8B with FSDP on 8 and 128 H100s (pytorch/torchtitan, docs/performance.md,
+tables 1 and 3: eager, local batch 2 of 8192 tokens, selective activation checkpointing).
 
 8 x A100-80GB per node, ~120 Gbps of usable Ethernet between nodes, BF16, activation
 checkpointing. T5-3B scales at about 95% from 1 to 64 nodes; T5-11B scales poorly with a small batch
@@ -10,8 +12,13 @@ the others in the document's order.
 
 import pytest
 
-from shardwire.sim.predict import sweep
+from shardwire.sim.memory import GIB
+from shardwire.sim.predict import predict, sweep
 from shardwire.sim.presets import CLUSTERS, MODELS, TRAININGS
+from shardwire.sim.specs import as_dict, parse
+
+# Each published figure is predicted within this, with one set of knobs per hardware.
+TOLERANCE = 0.15
 
 NODES = [1, 2, 4, 8, 16, 32, 64]
 RUNS = {
@@ -57,3 +64,18 @@ def test_efficiency_falls_with_scale(efficiency):
         values = [by_nodes[n] for n in NODES]
         assert values[0] == pytest.approx(1.0)
         assert all(a >= b for a, b in zip(values, values[1:], strict=False)), run
+
+
+# GPUs: (tokens/s per GPU, peak memory GiB) as torchtitan publishes them.
+TORCHTITAN_LLAMA3_8B = {8: (5762, 82.4), 128: (5605, 67.0)}
+
+
+@pytest.mark.parametrize("gpus", sorted(TORCHTITAN_LLAMA3_8B))
+def test_torchtitan_llama3_8b_throughput_and_memory(gpus):
+    tokens_per_s, memory_gib = TORCHTITAN_LLAMA3_8B[gpus]
+    cluster = parse("cluster", {**as_dict(CLUSTERS["h100-grand-teton"]), "nodes": gpus // 8})
+    training = TRAININGS["torchtitan-llama3.1-8b"]
+    p = predict(MODELS["llama3.1-8b"], cluster, training)
+    predicted = training.micro_batch * p.model.seq_len / p.step_time_s
+    assert predicted == pytest.approx(tokens_per_s, rel=TOLERANCE)
+    assert p.memory.total / GIB == pytest.approx(memory_gib, rel=TOLERANCE)

@@ -47,8 +47,15 @@ elements, ``s = ceil(P/n)`` per GPU:
 Encoding and decoding are elementwise passes, ``cluster.quantize_gelems`` billion elements a second:
 each is a phase of its own on the collective's lane, with no bytes moving (encode before the
 transfer it feeds, decode after the one it reads), so the collective takes that much longer and
-its lane is busy that much more. The compute lane does not slow down for them, as it does not for
-any communication kernel.
+its lane is busy that much more.
+
+Communication is not free for compute: NCCL runs each collective as kernels that hold some of the
+GPU's SMs (and share its memory bandwidth) from start to end, and on CPUs the transport's threads
+take cores. Each phase names the level whose collective runs it: the outermost level it moves bytes
+through (a ring that crosses nodes is sized for the network, its channels set by the NICs), and for
+a phase without bytes, the level of the transfer it serves (a latency, the wire's kernels, which
+only run across nodes). While a phase runs, compute proceeds at ``1 - compute_share`` of that
+level (``shardwire.sim.specs.LinkSpec``; ``shardwire.sim.events.Processor``).
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ import dataclasses
 import math
 
 from shardwire.comm.wire import Codec
-from shardwire.sim.specs import ClusterSpec
+from shardwire.sim.specs import ClusterSpec, LinkSpec
 
 INTRA, INTER = "intra", "inter"
 
@@ -65,10 +72,12 @@ INTRA, INTER = "intra", "inter"
 @dataclasses.dataclass(frozen=True)
 class Phase:
     """A fixed time (a latency, or a quantization kernel), then ``flows`` (level -> bytes) moving
-    concurrently."""
+    concurrently; ``level`` is the network level whose collective runs it, and whose
+    ``compute_share`` of the GPU it takes meanwhile."""
 
     latency_s: float
     flows: tuple[tuple[str, float], ...]
+    level: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +141,7 @@ def scalar_all_reduce(group: Group, cluster: ClusterSpec) -> list[Phase]:
     steps_inter = math.ceil(math.log2(group.nodes))
     steps_intra = math.ceil(math.log2(group.gpus))
     latency = 2 * (steps_inter * cluster.inter_node.latency_us + steps_intra * cluster.intra_node.latency_us)
-    return [Phase(latency * 1e-6, ())] if group.size > 1 else []
+    return [Phase(latency * 1e-6, (), INTER if group.nodes > 1 else INTRA)] if group.size > 1 else []
 
 
 def _exchange(nbytes: float, group: Group, cluster: ClusterSpec, *, inter_first: bool) -> list[Phase]:
@@ -146,8 +155,8 @@ def _exchange(nbytes: float, group: Group, cluster: ClusterSpec, *, inter_first:
             flows.append((INTER, group.copies * nbytes * (n - 1) / n))
         if g > 1:
             flows.append((INTRA, nbytes * (n - 1) / n))
-        latency_us = (cluster.inter_node if N > 1 else cluster.intra_node).latency_us
-        return [Phase((n - 1) * latency_us * 1e-6, tuple(flows))]
+        level = INTER if N > 1 else INTRA
+        return [Phase((n - 1) * level_spec(cluster, level).latency_us * 1e-6, tuple(flows), level)]
     if inter_first:
         return _across(nbytes, group, cluster) + _within(nbytes, group, cluster)
     return _within(nbytes, group, cluster) + _across(nbytes, group, cluster)
@@ -158,7 +167,8 @@ def _across(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
     N = group.nodes
     if N == 1:
         return []
-    return [Phase((N - 1) * cluster.inter_node.latency_us * 1e-6, ((INTER, group.copies * nbytes * (N - 1) / N),))]
+    return [Phase((N - 1) * cluster.inter_node.latency_us * 1e-6, ((INTER, group.copies * nbytes * (N - 1) / N),),
+                  INTER)]
 
 
 def _within(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
@@ -166,15 +176,19 @@ def _within(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
     g = group.gpus
     if g == 1:
         return []
-    return [Phase((g - 1) * cluster.intra_node.latency_us * 1e-6, ((INTRA, nbytes * (g - 1) / g),))]
+    return [Phase((g - 1) * cluster.intra_node.latency_us * 1e-6, ((INTRA, nbytes * (g - 1) / g),), INTRA)]
 
 
 def _kernels(elements: float, cluster: ClusterSpec) -> list[Phase]:
-    """A pass of the quantization kernels over ``elements`` on one GPU; none where the cluster does
-    not price them."""
+    """A pass of the quantization kernels over ``elements`` on one GPU, for a transfer across nodes;
+    none where the cluster does not price them."""
     if cluster.quantize_gelems is None:
         return []
-    return [Phase(elements / (cluster.quantize_gelems * 1e9), ())]
+    return [Phase(elements / (cluster.quantize_gelems * 1e9), (), INTER)]
+
+
+def level_spec(cluster: ClusterSpec, level: str) -> LinkSpec:
+    return cluster.inter_node if level == INTER else cluster.intra_node
 
 
 def capacities_Bps(cluster: ClusterSpec) -> dict[str, float]:

@@ -5,6 +5,8 @@ the step simulator writes the compute lane and each communication lane as one pr
 like the engine's own code. A ``Link`` is a shared resource of fixed capacity: transfers through it
 progress together, each at an equal share (processor sharing), so an all-gather and a
 reduce-scatter crossing the same NIC at the same time each get half of it and both finish later.
+A ``Processor`` does work at a rate that others lower while they run: the compute lane, which a
+collective in flight slows by the share of the GPU (or the cores) it takes.
 """
 
 from __future__ import annotations
@@ -168,3 +170,77 @@ class Link:
         self._plan()
         for event in finished:
             event.succeed()
+
+
+class Processor:
+    """One job at a time, done at a rate that others lower while they hold a share of it.
+
+    A job of ``seconds`` takes that long on the processor to itself. Each holder takes a share ``s``
+    of what is left to the job (two collectives in flight, each holding its own SMs or threads,
+    leave ``(1 - s1)(1 - s2)``), so the job stretches over the time it overlaps them, and only that
+    time. ``slowed_s`` adds up how much longer the jobs took than their ``seconds``.
+    """
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self._shares: list[float] = []
+        self._job: Event | None = None
+        self._left = 0.0  # seconds of work, at the full rate, the job has left
+        self._since = 0.0
+        self._generation = 0
+        self.slowed_s = 0.0
+
+    @property
+    def rate(self) -> float:
+        rate = 1.0
+        for share in self._shares:
+            rate *= 1.0 - share
+        return rate
+
+    def run(self, seconds: float) -> Event:
+        """Do ``seconds`` of work; the event happens when it is done."""
+        if self._job is not None:
+            raise RuntimeError("a processor runs one job at a time")
+        done = Event(self.sim)
+        self._job, self._left, self._since = done, seconds, self.sim.now
+        self._plan()
+        return done
+
+    def hold(self, share: float) -> None:
+        """Take ``share`` of the processor until ``release(share)``."""
+        if share > 0:
+            self._settle()
+            self._shares.append(share)
+            self._plan()
+
+    def release(self, share: float) -> None:
+        if share > 0:
+            self._settle()
+            self._shares.remove(share)
+            self._plan()
+
+    def _settle(self) -> None:
+        """Account for the work done since the last change of rate."""
+        elapsed = self.sim.now - self._since
+        if self._job is not None and elapsed > 0:
+            rate = self.rate
+            self._left -= elapsed * rate
+            self.slowed_s += elapsed * (1.0 - rate)
+        self._since = self.sim.now
+
+    def _plan(self) -> None:
+        """Schedule the job's end at the present rate; ends planned before a change are ignored."""
+        self._generation += 1
+        if self._job is None:
+            return
+        generation = self._generation
+        self.sim.at(self.sim.now + max(0.0, self._left) / self.rate, lambda: self._finish(generation))
+
+    def _finish(self, generation: int) -> None:
+        """End the job this was planned for, whatever rounding left of it (as ``Link._complete``)."""
+        if generation != self._generation:
+            return
+        self._settle()
+        done, self._job = self._job, None
+        self._generation += 1
+        done.succeed()

@@ -19,6 +19,8 @@ from shardwire.sim.step import (backward_gather_group, backward_s, forward_s, ga
 
 # Below this share of the step, exposed communication is noise and the step is compute-bound.
 HIDDEN_SHARE = 0.05
+# Below this, the slowdown of compute by overlapped communication is not worth a word in the verdict.
+NOTABLE_SLOWDOWN = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +62,18 @@ def unit_budgets(p: Prediction) -> list[UnitBudget]:
     return budgets
 
 
+def slowdown_text(p: Prediction) -> str:
+    """What the collectives running beside compute cost it, as the report and the planner say it."""
+    return f"compute slowed {100 * p.compute_slowdown:.0f}% by overlapped communication"
+
+
 def verdict(p: Prediction) -> str:
     """One sentence: what binds the step, and where it costs time."""
     share = p.exposed_comm_s / p.step_time_s
+    slowed = f"; {slowdown_text(p)}" if p.compute_slowdown >= NOTABLE_SLOWDOWN else ""
     if share < HIDDEN_SHARE:
         return (f"compute-bound: communication hides behind compute (exposed {100 * share:.1f}% "
-                f"of the step)")
+                f"of the step){slowed}")
     reason, seconds = next(iter(p.exposed_by_reason.items()))
     needs = []
     for b in unit_budgets(p):
@@ -77,7 +85,7 @@ def verdict(p: Prediction) -> str:
                          f"{format_ms(b.backward_s)} of backward")
     because = "; ".join(needs) or "no unit's communication outlasts its compute, but it is issued too late to hide"
     return (f"communication-bound: {100 * share:.0f}% of the step waits on communication, most of it "
-            f"on {reason} ({seconds:.3g} s): {because}")
+            f"on {reason} ({seconds:.3g} s): {because}{slowed}")
 
 
 def format_ms(seconds: float) -> str:

@@ -11,12 +11,15 @@ all-gather and reduce-scatter of a group of ``k`` ranks, busbw = beta (k-1)/k (n
 and latency per step = alpha / (k-1), averaged over the two operations. The ``intra`` group gives
 the intra-node level, the ``inter`` group (one rank per node) the inter-node level. Collectives
 measured as the engine runs them on gloo (``--impl shardwire``) cross the levels hierarchically;
-others (NCCL's, gloo's own) by a ring.
+others (NCCL's, gloo's own) by a ring. Where the bench measured contention (``--contention``), a
+level's ``compute_share`` is the share measured beside its group's all-gather (``world``'s when
+that group's was not measured); elsewhere the cluster's own stays.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -88,7 +91,11 @@ def _cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) 
                 f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
                 f"it with `shardwire bench --groups intra inter --ops all_gather reduce_scatter`"
             )
-        levels[level] = link or getattr(cluster, level)
+        own = getattr(cluster, level)
+        share = _compute_share(doc.get("contention") or {}, group)
+        levels[level] = dataclasses.replace(
+            own, **({} if link is None else {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}),
+            compute_share=own.compute_share if share is None else share)
     engine_on_gloo = context["backend"] == "gloo" and context["settings"].get("impl") == "shardwire"
     return parse("cluster", {
         **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
@@ -96,6 +103,14 @@ def _cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) 
         "algorithm": "hierarchical" if engine_on_gloo else "ring",
         "name": f"{cluster.name} measured by {os.path.basename(path)}",
     })
+
+
+def _compute_share(contention: Mapping, group: str) -> float | None:
+    """The compute share measured beside ``group``'s all-gather, else beside the world's, else None."""
+    for name in (group, "world"):
+        if contention.get(name):
+            return contention[name]["compute_share"]
+    return None
 
 
 def _link_from_fits(fits: Mapping) -> LinkSpec | None:

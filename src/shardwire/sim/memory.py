@@ -25,7 +25,8 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            keeps one more slot, for its result (``N_g P_g / n_g``)
     activations            m (kept + the root's + one unit's full activations + logits), where
                            kept is every unit's boundary with activation checkpointing, every
-                           unit's full activations without; the root's (the head's input, an
+                           unit's full activations without (under a selective policy, the
+                           boundary and the part of the rest it does not recompute); the root's (the head's input, an
                            encoder-decoder's encoder output) are kept either way, as the root is
                            not recomputed (see ``shardwire.sim.architecture``)
 
@@ -95,10 +96,9 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
     if training.sharding == "hybrid_secondary" and training.reshards:
         secondary = c * sum(u.params for u in arch.units) / group_size(cluster, training)
 
-    if training.activation_checkpointing:
-        kept = sum(u.boundary_bytes for u in arch.units)
-    else:
-        kept = sum(u.activation_bytes for u in arch.units)
+    # Checkpointing keeps each block's input and, under a selective policy, what it does not recompute.
+    dropped = training.recomputed
+    kept = sum(u.activation_bytes - dropped * (u.activation_bytes - u.boundary_bytes) for u in arch.units)
     working = max((u.activation_bytes for u in arch.units), default=0.0)
     activations = m * (kept + arch.root.activation_bytes + working + arch.logits_bytes)
 

@@ -12,7 +12,7 @@ import json
 import sys
 
 from shardwire.sim import inputs, report
-from shardwire.sim.explain import verdict
+from shardwire.sim.explain import slowdown_text, verdict
 from shardwire.sim.memory import GIB
 from shardwire.sim.planner import Plan, describe_settings, launch_command, plan, runnable, shard_call
 from shardwire.sim.specs import SpecError
@@ -81,6 +81,7 @@ def plan_text(result: Plan, global_batch: int) -> str:
         "",
         f"best      {describe_settings(t)}",
         f"          step {best.step_time_s:.4g} s, {best.samples_per_step / best.step_time_s:.4g} samples/s, "
+        f"{slowdown_text(best)}, {100 * best.exposed_comm_s / best.step_time_s:.1f}% exposed communication, "
         f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
         f"          {verdict(best)}",
         *(f"          note: {n}" for n in report.notes(best)),

@@ -138,7 +138,7 @@ def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -
 
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
-    engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None}
+    engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None, "recompute_fraction": None}
     return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
 
 

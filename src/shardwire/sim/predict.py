@@ -2,12 +2,14 @@
 
 ``predict`` runs the step model and the memory model and condenses them into the figures users
 compare with measurements: step time, compute time, time each kind of collective kept its lane
-busy, the communication computation had to wait for (``exposed``), throughput and MFU.
+busy, how much longer compute took for the collectives running beside it (``compute_slowed``),
+the communication computation had to wait for (``exposed``), throughput and MFU. The step is the
+three together: compute at its full rate, plus its slowdown, plus the exposed waits.
 
 FLOPs: ``tflops_per_gpu`` and ``mfu`` count model FLOPs (forward and backward, 3 x forward: what
 the model needs, PaLM's definition of MFU); ``hardware_tflops_per_gpu`` adds the blocks'
-recomputation under activation checkpointing (4 x their forward), which is what the T5 document
-reports as TFLOP/s.
+recomputation under activation checkpointing (4 x their forward, less under a selective policy),
+which is what the T5 document reports as TFLOP/s.
 
 Scaling efficiency (the T5 document's definition): seconds per step normalized by the batch at N
 nodes against 1 node, the batch being per GPU; that is, samples per GPU-second at N nodes over
@@ -43,6 +45,15 @@ class Prediction:
         return self.timeline.compute_time_s
 
     @property
+    def compute_slowed_s(self) -> float:
+        return self.timeline.compute_slowed_s
+
+    @property
+    def compute_slowdown(self) -> float:
+        """How much longer compute took beside running collectives, over its time alone."""
+        return self.compute_slowed_s / self.compute_time_s if self.compute_time_s else 0.0
+
+    @property
     def exposed_comm_s(self) -> float:
         return sum(stall.seconds for stall in self.timeline.stalls)
 
@@ -68,9 +79,7 @@ class Prediction:
 
     @property
     def hardware_flops_per_gpu(self) -> float:
-        if not self.training.activation_checkpointing:
-            return self.model_flops_per_gpu
-        recomputed = sum(u.forward_flops for u in self.arch.units)  # the blocks, not the root
+        recomputed = self.training.recomputed * sum(u.forward_flops for u in self.arch.units)  # not the root
         return self.model_flops_per_gpu + recomputed * self.training.micro_batch * self.training.grad_accum
 
     @property

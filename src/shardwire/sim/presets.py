@@ -13,10 +13,16 @@ Biases are left out of parameter counts (under 0.2% of any of these models).
   document says it started from trains Hugging Face's T5 on WikiHow with those lengths.
 * Llama 2 7B, 13B, 70B (Touvron et al. 2023, table 1 and the released ``params.json``): SwiGLU MLP,
   RoPE (no learned positions), untied head, 4096-token context, grouped-query attention for 70B.
+* Llama 3.1 8B (Meta's released ``params.json``: 32 layers, hidden 4096, 32 heads, 8 kv heads, MLP
+  14336, vocabulary 128256), at torchtitan's training context of 8192 tokens.
 
 Clusters: 8-GPU nodes. GPU figures from NVIDIA's datasheets (A100 SXM: 312 TFLOP/s dense BF16,
-2039 GB/s HBM2e for 80 GB, 1555 GB/s for 40 GB, NVLink 600 GB/s per GPU in both directions; H100
-SXM: 989 TFLOP/s dense BF16, 3350 GB/s HBM3, NVLink 900 GB/s). Assumed, not measured:
+108 SMs, 2039 GB/s HBM2e for 80 GB, 1555 GB/s for 40 GB, NVLink 600 GB/s per GPU in both
+directions; H100 SXM: 989 TFLOP/s dense BF16, 132 SMs, 3350 GB/s HBM3, NVLink 900 GB/s).
+``h100-grand-teton`` is the machine of torchtitan's published runs (its docs/performance.md): H100s
+with 96 GB of HBM2e at 2.4 TB/s and a 500 W limit, whose peak lies between the SXM's and the
+NVL's; like torchtitan's MFU, it is given the SXM's 989 TFLOP/s. 400 Gb/s of RDMA per GPU.
+Assumed, not measured:
 
 * intra-node busbw: 80% of one direction of NVLink (240 GB/s on A100, 360 GB/s on H100), what
   nccl-tests typically reports for all-gather on such nodes;
@@ -30,10 +36,24 @@ SXM: 989 TFLOP/s dense BF16, 3350 GB/s HBM3, NVLink 900 GB/s). Assumed, not meas
   with error feedback reads the value and its fp32 residual and writes a byte and the residual;
   decoding reads a byte and writes fp32): HBM bandwidth / 10 elements per second, 204 billion on an
   A100 80 GB, 156 on the 40 GB, 335 on an H100. A fused kernel's figure: the torch operations of
-  ``shardwire.comm.quantize`` make several passes and may reach less.
+  ``shardwire.comm.quantize`` make several passes and may reach less;
+* compute a collective takes while it runs (``compute_share``): the SMs its channels hold, one per
+  channel, over the GPU's. Within a node, NCCL's ring runs 2 channels per NVLink (24 channels for
+  the A100's 12 NVLinks, as NCCL's maintainers describe DGX A100 in NVIDIA/nccl#1225: 24 of 108
+  SMs, 0.22); on the H100's 18 NVLinks that rule gives 36, capped at NCCL's 32 channels (32 of 132,
+  0.24). Across nodes a ring's channels follow the NICs, 2 per NIC (NVIDIA/nccl#689: "2 is the
+  minimum" for a single NIC): 2 NICs of the IBM cluster 4 of 108 SMs; one NIC per node 2; AWS p4d's
+  4 EFA NICs 8; Grand Teton's 8 NICs 16 of 132. Memory bandwidth the kernels take is left out.
 
 Training: the four T5 runs of the document (see docs/simulator.md for what it states and what is
-assumed), and ``default``.
+assumed), torchtitan's Llama 3.1 8B runs with FSDP (its docs/performance.md, tables 1 and 3: local
+batch 2, selective activation checkpointing, no torch.compile), and ``default``. torchtitan's
+selective policy ("op") keeps the outputs of attention and of every other matrix multiplication,
+so backward recomputes half of a block's matrix multiplications: for Llama 3.1 8B at 8192 tokens,
+218M of the 570M forward FLOPs per token and block, a ``recompute_fraction`` of 0.38. FSDP2
+gathers one unit ahead (``prefetch`` 1) and reduces in fp32 (torchtitan's default). Its kernels'
+``compute_efficiency`` on Grand Teton, 0.39, is set from the 8-GPU run (published 5,762 tokens/s
+per GPU); the 128-GPU run, and both runs' memory, are then predictions.
 """
 
 from __future__ import annotations
@@ -46,6 +66,7 @@ _GPT3 = dict(vocab=50257, seq_len=2048, learned_positions=True)
 _T5 = dict(kind="encoder-decoder", vocab=32128, seq_len=512, decoder_seq_len=150, ffn_gated=True,
            tied_embeddings=False, attention="eager")
 _LLAMA2 = dict(vocab=32000, seq_len=4096, ffn_gated=True, tied_embeddings=False)
+_LLAMA3 = dict(vocab=128256, seq_len=8192, ffn_gated=True, tied_embeddings=False)
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec(name="gpt2-125m", layers=12, hidden=768, heads=12, params=124_000_000, **_GPT2),
@@ -60,12 +81,15 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec(name="llama2-13b", layers=40, hidden=5120, heads=40, ffn_hidden=13824, params=13_000_000_000, **_LLAMA2),
     ModelSpec(name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
               params=69_000_000_000, **_LLAMA2),
+    ModelSpec(name="llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+              params=8_030_000_000, **_LLAMA3),
 )}
 
 QUANTIZE_BYTES_PER_ELEMENT = 10
 
-_NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4)
-_NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4)
+A100_SMS, H100_SMS = 108, 132
+_NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4, compute_share=24 / A100_SMS)
+_NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4, compute_share=32 / H100_SMS)
 
 
 def _memory(memory_gb: float, hbm_GBps: float) -> dict:
@@ -81,23 +105,31 @@ _H100 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["H100"]["bf16"], intr
              **_memory(80.0, 3350.0))
 
 
-def _tcp(gbps: float) -> LinkSpec:
-    return LinkSpec(busbw_GBps=0.6 * gbps / 8, latency_us=50.0)
+def _channels(nics: int, sms: int) -> float:
+    """The compute share of a ring across nodes: two channels per NIC, an SM each."""
+    return 2 * nics / sms
 
 
-def _rdma(gbps: float) -> LinkSpec:
-    return LinkSpec(busbw_GBps=0.9 * gbps / 8, latency_us=14.0)
+def _tcp(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
+    return LinkSpec(busbw_GBps=0.6 * gbps / 8, latency_us=50.0, compute_share=_channels(nics, sms))
+
+
+def _rdma(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
+    return LinkSpec(busbw_GBps=0.9 * gbps / 8, latency_us=14.0, compute_share=_channels(nics, sms))
 
 
 CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     # The T5 document's IBM Cloud system: 2 x 100 GbE per node, 120 Gbps usable (stated).
-    ClusterSpec(name="ibm-a100-ethernet", nodes=8, inter_node=LinkSpec(busbw_GBps=15.0, latency_us=50.0), **_A100_80),
-    ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100), **_A100_80),
-    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400), **_A100_40),  # AWS p4d.24xlarge
-    ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200), **_A100_80),
-    ClusterSpec(name="h100-100gbe", nodes=8, inter_node=_tcp(100), **_H100),
-    ClusterSpec(name="h100-400gbe", nodes=8, inter_node=_tcp(400), **_H100),
-    ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400), **_H100),
+    ClusterSpec(name="ibm-a100-ethernet", nodes=8, **_A100_80, inter_node=LinkSpec(
+        busbw_GBps=15.0, latency_us=50.0, compute_share=_channels(2, A100_SMS))),
+    ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
+    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
+    ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200, A100_SMS), **_A100_80),
+    ClusterSpec(name="h100-100gbe", nodes=8, inter_node=_tcp(100, H100_SMS), **_H100),
+    ClusterSpec(name="h100-400gbe", nodes=8, inter_node=_tcp(400, H100_SMS), **_H100),
+    ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400, H100_SMS), **_H100),
+    ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=_rdma(8 * 400, H100_SMS, nics=8),
+                **dict(_H100, **_memory(96.0, 2400.0))),
 )}
 
 # The T5 document's runs: BF16 with BF16 reductions (the FSDP example's policy), activation
@@ -113,6 +145,8 @@ TRAININGS: dict[str, TrainingSpec] = {t.name: t for t in (
     TrainingSpec(name="ibm-t5-11b-batch20-block", micro_batch=20, limiter="block", **_IBM_T5),
     TrainingSpec(name="ibm-t5-11b-batch50-block", micro_batch=50, limiter="block", **_IBM_T5),
     TrainingSpec(name="ibm-t5-11b-batch50-sliding", micro_batch=50, limiter="sliding", **_IBM_T5),
+    TrainingSpec(name="torchtitan-llama3.1-8b", micro_batch=2, prefetch=1, precision="bf16", reduce_precision="fp32",
+                 activation_checkpointing=True, recompute_fraction=0.38, compute_efficiency=0.39),
 )}
 
 PRESETS = {"model": MODELS, "cluster": CLUSTERS, "training": TRAININGS}

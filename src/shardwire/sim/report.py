@@ -3,7 +3,8 @@
 JSON of one prediction (times in seconds, memory in GiB per GPU)::
 
     {"model": {...}, "cluster": {...}, "training": {...},          # the specs as simulated
-     "step_time_s", "compute_time_s", "compute": {"forward", "backward", "optimizer"},
+     "step_time_s", "compute_time_s", "compute": {"forward", "backward", "optimizer"},  # at full rate
+     "compute_slowed_s", "compute_slowdown",  # longer for overlapped collectives: s, over compute
      "comm": {"all_gather_s", "reduce_scatter_s", "all_reduce_s"},  # time each lane was busy
      "exposed_comm_s", "exposed_comm": {REASON: s},                 # compute waiting on them
      "bytes_per_step": {"inter_node", "intra_node"},  # through one node's NICs, one GPU's NVLink
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.files import figure_png, write_atomically
-from shardwire.sim.explain import format_ms, unit_budgets, verdict
+from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
 from shardwire.sim.memory import GIB
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
@@ -51,6 +52,8 @@ def prediction_json(p: Prediction) -> dict:
         "step_time_s": p.step_time_s,
         "compute_time_s": p.compute_time_s,
         "compute": dict(p.timeline.compute),
+        "compute_slowed_s": p.compute_slowed_s,
+        "compute_slowdown": p.compute_slowdown,
         "comm": {f"{op}_s": seconds for op, seconds in comm.items()},
         "exposed_comm_s": p.exposed_comm_s,
         "exposed_comm": p.exposed_by_reason,
@@ -125,6 +128,7 @@ def prediction_text(p: Prediction) -> str:
         f"step time      {p.step_time_s:10.4g} s",
         f"  compute      {p.compute_time_s:10.4g} s   forward {compute['forward']:.4g}, backward "
         f"{compute['backward']:.4g} (with recomputation), optimizer {compute['optimizer']:.3g}",
+        f"  slowed       {p.compute_slowed_s:10.4g} s   {slowdown_text(p)}",
         f"  exposed comm {p.exposed_comm_s:10.4g} s   {exposed}",
         f"comm busy      all-gather {comm['all_gather']:.4g} s, reduce-scatter {comm['reduce_scatter']:.4g} s, "
         f"all-reduce {comm['all_reduce']:.4g} s",
@@ -148,7 +152,8 @@ def prediction_text(p: Prediction) -> str:
 
 def sweep_text(s: Sweep) -> str:
     efficiency = s.scaling_efficiency
-    header = (f"{s.key:>14} {'GPUs':>5} {'step s':>9} {'compute s':>9} {'exposed s':>9} {'gather s':>9} "
+    header = (f"{s.key:>14} {'GPUs':>5} {'step s':>9} {'compute s':>9} {'slowed s':>9} {'exposed s':>9} "
+              f"{'gather s':>9} "
               f"{'reduce s':>9} {'TFLOP/s':>8} {'MFU':>6} {'GiB/GPU':>8} {'fits':>4}")
     if efficiency is not None:
         header += f" {'scaling':>8}"
@@ -157,8 +162,8 @@ def sweep_text(s: Sweep) -> str:
     for i, p in enumerate(s.points):
         comm = p.comm_s
         row = (f"{_value(s.values[i]):>14} {p.cluster.world:>5} {p.step_time_s:>9.4g} {p.compute_time_s:>9.4g} "
-               f"{p.exposed_comm_s:>9.3g} {comm['all_gather']:>9.4g} {comm['reduce_scatter']:>9.4g} "
-               f"{p.tflops_per_gpu:>8.4g} {100 * p.mfu:>5.1f}% {p.memory.total / GIB:>8.2f} "
+               f"{p.compute_slowed_s:>9.3g} {p.exposed_comm_s:>9.3g} {comm['all_gather']:>9.4g} "
+               f"{comm['reduce_scatter']:>9.4g} {p.tflops_per_gpu:>8.4g} {100 * p.mfu:>5.1f}% {p.memory.total / GIB:>8.2f} "
                f"{'yes' if p.memory.fits else 'NO':>4}")
         if efficiency is not None:
             row += f" {100 * efficiency[i]:>7.1f}%"

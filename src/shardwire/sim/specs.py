@@ -139,6 +139,14 @@ LIMITS = types.MappingProxyType({
     ),
     "block": Limit(MAX_WIRE_BLOCK, f"over {MAX_WIRE_BLOCK:,} elements per scale, more than any unit's shard holds "
                                    f"(shards are padded to whole blocks): the wire's block counts elements"),
+    # A collective taking all of the compute would stop it; over 99% the share is in percent, not a fraction.
+    "compute_share": Limit(0.99, "over 0.99: it is the fraction of compute a running collective takes, in [0, 1)",
+                           zero=True),
+    # A selective checkpointing policy recomputes some of a block's forward: a fraction in (0, 1].
+    "recompute_fraction": Limit(
+        low=1e-3, below="under 0.001 of a block's forward: turn activation_checkpointing off instead",
+        high=1.0, above="over 1: it is the fraction of a block's forward FLOPs backward recomputes, in (0, 1]",
+    ),
     # Kernels at under 0.01% of peak: the peak is wrong, not the kernels.
     "compute_efficiency": Limit(
         low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] the kernels reach: lower peak_tflops instead",
@@ -206,14 +214,18 @@ class LinkSpec:
     ``busbw_GBps`` follows nccl-tests: for the intra-node level, what one GPU's links deliver; for
     the inter-node level, what one node's NICs deliver together (the busbw of a collective with one
     rank per node). ``latency_us`` is the fixed cost of one step of a collective's algorithm on this
-    level (a ring over k members takes k - 1 steps).
+    level (a ring over k members takes k - 1 steps). ``compute_share`` is the fraction of a GPU's
+    compute a collective on this level takes while it runs (the SMs its kernels hold and the memory
+    bandwidth they use; on CPUs, the cores its threads take): compute runs at ``1 - compute_share``
+    of its rate meanwhile (``shardwire.sim.collectives``).
     """
 
     busbw_GBps: float
     latency_us: float = 0.0
+    compute_share: float = 0.0
 
     def __post_init__(self):
-        _check_limits(self, "busbw_GBps", "latency_us")
+        _check_limits(self, "busbw_GBps", "latency_us", "compute_share")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +282,10 @@ class TrainingSpec:
     on the wire between nodes, as ``shard(wire=...)`` and ``shardwire train --wire`` take it ("none",
     "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``);
     ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
+    ``recompute_fraction`` is the share of a block's forward FLOPs that backward recomputes under
+    ``activation_checkpointing``, and of its activations forward does not keep: 1 (the default)
+    for full checkpointing, the engine's; less for a selective policy (torchtitan's keeps the
+    outputs of attention and of every other matrix multiplication).
     """
 
     micro_batch: int = 1
@@ -283,6 +299,7 @@ class TrainingSpec:
     reduce_precision: str = "fp32"
     wire: str = "none"
     activation_checkpointing: bool = False
+    recompute_fraction: float | None = None
     compute_efficiency: float = 0.6
     name: str = "custom"
 
@@ -298,6 +315,10 @@ class TrainingSpec:
             if self.sharding not in ("hybrid", "hybrid_secondary"):
                 raise SpecError(f"shard_group_size applies to sharding 'hybrid' and 'hybrid_secondary', not "
                                 f"{self.sharding!r}")
+        if self.recompute_fraction is not None:
+            _check_limits(self, "recompute_fraction")
+            if not self.activation_checkpointing:
+                raise SpecError("recompute_fraction applies with activation_checkpointing true")
         if self.sharding == "grad_op" and self.reshard_after_forward:
             raise SpecError(
                 "sharding 'grad_op' keeps parameters gathered from forward to backward, so "
@@ -311,6 +332,13 @@ class TrainingSpec:
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
         return self.sharding != "grad_op"
+
+    @property
+    def recomputed(self) -> float:
+        """The share of a block's forward that backward recomputes: none without checkpointing."""
+        if not self.activation_checkpointing:
+            return 0.0
+        return 1.0 if self.recompute_fraction is None else self.recompute_fraction
 
     @property
     def wire_format(self) -> Wire:

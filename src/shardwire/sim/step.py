@@ -5,7 +5,9 @@ compute lane and three communication lanes: all-gathers, reductions (a CUDA stre
 a lane thread each under gloo, see ``shardwire.comm.communicator``) and the scalar all-reduce of the
 gradient norm. Collectives of one lane run one after another; the lanes run concurrently and share
 the links (``shardwire.sim.events.Link``): an all-gather and a reduce-scatter crossing a NIC at the
-same time each get half of it.
+same time each get half of it. While a collective runs it takes its level's ``compute_share`` of
+the GPU, and the compute lane (a ``shardwire.sim.events.Processor``) runs that much slower: a unit's
+compute overlapped with communication for part of its length stretches by that part.
 
 The compute lane follows the engine (``shardwire.engine.runtime`` and ``schedule``):
 
@@ -29,8 +31,8 @@ world for forward and within the group for backward. A quantized ``wire`` change
 collectives move and adds its kernels to them where their group spans nodes
 (``shardwire.sim.collectives``); the schedule stays the same.
 
-Left out: slowdown of compute by concurrent communication kernels, host overheads, stragglers and
-jitter; the step is the idealized schedule of the engine on ideal links.
+Left out: host overheads, stragglers and jitter; the step is the idealized schedule of the engine
+on ideal links.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import math
 from shardwire.sim import collectives
 from shardwire.sim.architecture import Architecture, UnitCost
 from shardwire.sim.collectives import Group, Phase
-from shardwire.sim.events import Event, Link, Process, Simulation
+from shardwire.sim.events import Event, Link, Process, Processor, Simulation
 from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec
 
 # The engine's bound on pending reduce-scatters (shardwire.engine.runtime.REDUCTIONS_IN_FLIGHT),
@@ -80,7 +82,8 @@ class Stall:
 @dataclasses.dataclass
 class Timeline:
     step_time_s: float
-    compute: dict[str, float]  # forward, backward (with recomputation), optimizer
+    compute: dict[str, float]  # forward, backward (with recomputation), optimizer, at the full rate
+    compute_slowed_s: float  # how much longer compute took for the collectives running beside it
     comms: list[CommRecord]
     stalls: list[Stall]
     link_busy_s: dict[str, float]
@@ -101,9 +104,10 @@ def forward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec) -> f
 
 
 def backward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec, *, block: bool = True) -> float:
-    """Seconds of a unit's backward (twice its forward), with the recomputation of its forward when
-    activation checkpointing is on and it is a block (the root is not checkpointed)."""
-    recompute = 1 if training.activation_checkpointing and block else 0
+    """Seconds of a unit's backward (twice its forward), with the recomputation of its forward (or
+    the part a selective policy recomputes) when activation checkpointing is on and it is a block
+    (the root is not checkpointed)."""
+    recompute = training.recomputed if block else 0.0
     return (2 + recompute) * forward_s(unit, cluster, training)
 
 
@@ -201,11 +205,15 @@ def error_feedback_elements(params: int, cluster: ClusterSpec, training: Trainin
 
 
 class _Lane:
-    """Collectives of one lane, one after another, each through its phases."""
+    """Collectives of one lane, one after another, each through its phases, each phase holding its
+    level's share of the compute while it runs."""
 
-    def __init__(self, sim: Simulation, links: dict[str, Link], records: list[CommRecord]):
+    def __init__(self, sim: Simulation, links: dict[str, Link], processor: Processor, cluster: ClusterSpec,
+                 records: list[CommRecord]):
         self._sim = sim
         self._links = links
+        self._processor = processor
+        self._cluster = cluster
         self._records = records
         self._queue: collections.deque = collections.deque()
         self._wake: Event | None = None
@@ -230,9 +238,12 @@ class _Lane:
             record, phases, done = self._queue.popleft()
             record.started = self._sim.now
             for phase in phases:
+                share = collectives.level_spec(self._cluster, phase.level).compute_share
+                self._processor.hold(share)
                 if phase.latency_s > 0:
                     yield self._sim.timeout(phase.latency_s)
                 yield self._sim.all_of(self._links[level].transfer(b) for level, b in phase.flows)
+                self._processor.release(share)
             record.done = self._sim.now
             done.succeed()
 
@@ -277,9 +288,9 @@ class _Step:
         self.comms: list[CommRecord] = []
         self.stalls: list[Stall] = []
         self.compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        self._gathers = _Lane(self.sim, self.links, self.comms)
-        self._reductions = _Lane(self.sim, self.links, self.comms)
-        self._scalars = _Lane(self.sim, self.links, self.comms)
+        self.processor = Processor(self.sim)
+        self._gathers, self._reductions, self._scalars = (
+            _Lane(self.sim, self.links, self.processor, cluster, self.comms) for _ in range(3))
         self._gathered: dict[str, Event] = {}
         self._shard_group = shard_group(cluster, training)
         self._backward_group = backward_gather_group(cluster, training)
@@ -300,6 +311,7 @@ class _Step:
         return Timeline(
             step_time_s=done.time,
             compute=self.compute,
+            compute_slowed_s=self.processor.slowed_s,
             comms=self.comms,
             stalls=self.stalls,
             link_busy_s={level: link.busy_s for level, link in self.links.items()},
@@ -378,7 +390,7 @@ class _Step:
     def _compute(self, kind: str, seconds: float) -> Process:
         if seconds > 0:
             self.compute[kind] += seconds
-            yield self.sim.timeout(seconds)
+            yield self.processor.run(seconds)
 
     def _wait(self, event: Event, reason: str, unit: str) -> Process:
         if not event.happened:
