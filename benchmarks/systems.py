@@ -36,14 +36,18 @@ SHARDWIRE_SYSTEMS = {
 SYSTEMS = (*SHARDWIRE_SYSTEMS, "fsdp2", "fsdp2-hsdp", "ddp")
 
 
-def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int = 2) -> nn.Module:
+def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int = 2,
+         compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` as ``system`` trains it. ``compute_dtype`` (the sharded systems): units compute in it
+    and reduce gradients in fp32, the master weights staying in the model's own dtype."""
     if system in SHARDWIRE_SYSTEMS:
         sharding, wire = SHARDWIRE_SYSTEMS[system]
+        precision = shardwire.MixedPrecision(compute_dtype, torch.float32) if compute_dtype else None
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               sharding=sharding, wire=wire)
+                               sharding=sharding, wire=wire, mixed_precision=precision)
     if system in ("fsdp2", "fsdp2-hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device = next(model.parameters()).device
         world = dist.get_world_size()
@@ -52,9 +56,10 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
             mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,))
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     if system == "ddp":
         return nn.parallel.DistributedDataParallel(model)
@@ -68,21 +73,29 @@ def clip(system: str | None, model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 class TrainingStep:
-    """The step every benchmark times: a batch of random tokens (drawn per rank), forward, backward,
-    gradient clipping to norm 1 and AdamW. ``system`` None: ``model`` is a bare, unwrapped GPT."""
+    """The step every benchmark times: a batch of random tokens (drawn per rank, on the model's
+    device), forward, backward, gradient clipping to norm 1 and AdamW. ``system`` None: ``model`` is
+    a bare, unwrapped GPT; ``autocast``: its forward and loss run under torch's autocast to that dtype
+    (the usual mixed precision of an unsharded model: fp32 weights, cast for each matmul).
+    ``fused``: AdamW's single-kernel implementation (torchtitan's default) instead of torch's default."""
 
-    def __init__(self, system: str | None, model: nn.Module, config: GPTConfig, batch: int):
+    def __init__(self, system: str | None, model: nn.Module, config: GPTConfig, batch: int,
+                 autocast: torch.dtype | None = None, fused: bool | None = None):
         self.system = system
         self.model = model
         self.config = config
         self.batch = batch
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self._generator = torch.Generator().manual_seed(dist.get_rank())
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+        self._device = next(model.parameters()).device
+        self._generator = torch.Generator(self._device).manual_seed(dist.get_rank())
+        self._autocast = autocast
 
     def __call__(self) -> None:
         tokens = torch.randint(0, self.config.vocab_size, (self.batch, self.config.seq_len + 1),
-                               generator=self._generator)
-        loss_fn(self.model(tokens[:, :-1]), tokens[:, 1:]).backward()
+                               generator=self._generator, device=self._device)
+        with torch.autocast(self._device.type, self._autocast, enabled=self._autocast is not None):
+            loss = loss_fn(self.model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
         clip(self.system, self.model, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -248,10 +249,34 @@ def test_memory_is_flat_from_step_to_step_and_bounded(device):
 # ------------------------------------------------------------------------------------ profiler
 
 
-def profiled(device, delay_cycles: int):
+class _SleepInBackward(torch.autograd.Function):
+    """The identity; its backward queues ``torch.cuda._sleep(cycles)`` on the compute stream."""
+
+    @staticmethod
+    def forward(ctx, cycles, tensor):
+        ctx.cycles = cycles
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(ctx.cycles)
+        return None, grad
+
+
+def profiled(device, delay_cycles: int, block_backward_cycles: int):
+    """Median reduce-scatter and wait seconds of profiled steps, and the number of units.
+
+    Each step starts with a long sleep on the compute stream, so the host queues the whole step
+    before the GPU reaches it and every event times GPU work alone (with the GPU waiting on the
+    host, a collective's span would also hold the host's time to launch it). Each block's backward
+    is lengthened by ``block_backward_cycles`` so that a reduction has compute to hide behind."""
+    from shardwire.profile.analysis import breakdown
     from shardwire.profile.profiler import Profiler
 
     model, optimizer = sharded(device, mixed_precision="bf16")
+    for block in model.blocks:
+        block.register_forward_pre_hook(
+            lambda block, args: (_SleepInBackward.apply(block_backward_cycles, args[0]), *args[1:]))
     data = batches(device, 8, grad_accum=1, batch=8)
     run_steps(model, optimizer, data[:1], sharded=True)
     original = communicator.torch_reduce_scatter
@@ -265,16 +290,15 @@ def profiled(device, delay_cycles: int):
     try:
         for micro_batches in data[1:]:
             with profiler.step():
+                torch.cuda._sleep(200_000_000)  # the host runs ahead of the GPU
                 run_steps(model, optimizer, [micro_batches], sharded=True)
     finally:
         communicator.torch_reduce_scatter = original
     timelines = profiler._recorder.timelines()
     profiler.close()
-    from shardwire.profile.analysis import breakdown
-
     figures = [breakdown(t) for t in timelines[1:]]
-    return (sorted(f["reduce_scatter_s"] for f in figures)[len(figures) // 2],
-            sorted(f["wait_s"] for f in figures)[len(figures) // 2],
+    return (statistics.median(f["reduce_scatter_s"] for f in figures),
+            statistics.median(f["wait_s"] for f in figures),
             len(engine_of(model).flats))
 
 
@@ -290,13 +314,15 @@ def sleep_seconds(device, cycles: int) -> float:
 
 
 def test_profiler_reports_a_known_reduce_scatter_delay(device):
-    cycles = 300_000  # a fraction of a block's backward, so the reductions stay hidden behind it
+    cycles = 1_000_000
     delay = sleep_seconds(device, cycles)
-    plain_rs, plain_wait, count = profiled(device, 0)
-    delayed_rs, delayed_wait, _ = profiled(device, cycles)
-    assert delayed_rs - plain_rs == pytest.approx(delay * count, rel=0.2)
+    plain_rs, plain_wait, count = profiled(device, 0, 3 * cycles)
+    delayed_rs, delayed_wait, _ = profiled(device, cycles, 3 * cycles)
+    seen = f"reduce-scatter {plain_rs * 1e3:.3f} -> {delayed_rs * 1e3:.3f} ms, wait {plain_wait * 1e3:.3f} -> " \
+           f"{delayed_wait * 1e3:.3f} ms, {count} units, delay {delay * 1e3:.3f} ms"
+    assert delayed_rs - plain_rs == pytest.approx(delay * count, rel=0.2), seen
     # the last reductions land after the last backward, with nothing left to hide them: 2 delays
-    assert delayed_wait <= plain_wait + 2 * delay, "a hidden delay must not show as waiting"
+    assert delayed_wait <= plain_wait + 2 * delay, "a hidden delay must not show as waiting: " + seen
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -3,6 +3,11 @@
 Vectorised torch operations on the device the values are on, in fp32 whatever the values' dtype:
 a block's scale is its largest magnitude over the format's largest integer, so rounding to the
 nearest step moves no element by more than half a step and nothing is clamped.
+
+The CPU and CUDA kernels give the same bytes, so a run's wire does not depend on where it encodes.
+That rules out dividing by a Python number: CUDA computes ``tensor / scalar`` as a product with the
+scalar's reciprocal, the CPU as a division, and the two differ in the last bit. The scale is taken
+as that product on both.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ def encode(codec: Codec, rows: torch.Tensor, residual: torch.Tensor | None = Non
     blocks, block = codec.blocks(numel), codec.block
     values = rows.float() if residual is None else rows.float() + residual
     padded = F.pad(values, (0, blocks * block - numel)).view(count, blocks, block)
-    scales = padded.abs().amax(dim=2, keepdim=True) / codec.largest
+    scales = padded.abs().amax(dim=2, keepdim=True) * (1.0 / codec.largest)
     steps = torch.where(scales > 0, scales, torch.ones_like(scales))
     quantized = torch.round(padded / steps).clamp_(-codec.largest, codec.largest)
     if residual is not None:

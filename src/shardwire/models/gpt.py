@@ -30,12 +30,17 @@ class GPTConfig:
 
 
 # Sizes by name. "tiny" is for tests; "small" trains visibly in two minutes on two CPU cores;
-# "30m" is the size the CPU benchmarks compare systems on.
+# "30m" is the size the CPU benchmarks compare systems on. The "gpt-" sizes are the GPU benchmarks':
+# the shapes of GPT-3's Small, Medium and XL (Brown et al. 2020, table 2.1; XL with 16 heads of 128) at
+# 2048 positions, with GPT-2's vocabulary padded to a multiple of 64 (50304) as nanoGPT pads it.
 PRESETS = {
     "tiny": GPTConfig(seq_len=32, layers=3, hidden=32, heads=2),
     "small": GPTConfig(seq_len=128, layers=4, hidden=128, heads=4),
     "medium": GPTConfig(seq_len=256, layers=6, hidden=384, heads=6),
     "30m": GPTConfig(seq_len=256, layers=8, hidden=576, heads=8),
+    "gpt-125m": GPTConfig(vocab_size=50304, seq_len=2048, layers=12, hidden=768, heads=12),
+    "gpt-350m": GPTConfig(vocab_size=50304, seq_len=2048, layers=24, hidden=1024, heads=16),
+    "gpt-1.3b": GPTConfig(vocab_size=50304, seq_len=2048, layers=24, hidden=2048, heads=16),
 }
 
 

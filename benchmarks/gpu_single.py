@@ -1,0 +1,217 @@
+"""One GPU: shardwire's overhead and MFU against the same GPT unsharded and under FSDP2.
+
+    python benchmarks/gpu_single.py --json benchmarks/results/gpu_single.json --trace runs/gpu_trace
+
+At world 1 (NCCL) shardwire runs all of its machinery (flat buffers, gathers into them, prefetch,
+reductions, casts, side streams) with nothing to wait for on the wire, so what separates it from the
+unsharded model is its overhead. Three systems train the same GPT (``models/gpt.py``'s GPU sizes,
+2048 positions) on random tokens with AdamW (fused by default, as torchtitan runs it) and gradient
+clipping (``benchmarks/systems.py``):
+
+* unsharded: fp32 weights under torch's bf16 autocast (each forward casts the weights for its
+  matrix multiplies; gradients and the optimizer stay in fp32);
+* shardwire: ``shard(units=[Block])`` with ``MixedPrecision(bf16, fp32)``: gathered copies in bf16,
+  gradients reduced in fp32, fp32 master shards;
+* fsdp2: ``fully_shard`` on each Block and on the root with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
+
+All three use SDPA attention (flash kernels on Hopper) and no activation checkpointing. For each size,
+``--rounds`` rounds build every system in turn (the order reversed every other round, so that drift
+falls on all alike), run ``--warmup`` steps, time ``--steps`` steps (each between two device
+synchronizations) and free it. Reported per system: the median step, tokens/s, MFU (6N + 12LHS per
+token, ``shardwire.profile.flops``, over the data sheet's dense bf16 peak: 989 TFLOP/s for the H100
+SXM and the H200) and the peak memory allocated while it ran.
+
+``--trace DIR`` then profiles the last size under shardwire: the engine's own breakdown over a few
+steps (``DIR/profile.json``) and one step under ``torch.profiler``, the engine's collectives labelled
+``shardwire::op(tag)`` (``DIR/torch_trace.json.gz``, for chrome://tracing or Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from systems import TrainingStep, wrap  # noqa: E402
+
+from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
+from shardwire.profile.flops import datasheet_peak_tflops, gpt_flops_per_token  # noqa: E402
+
+SYSTEMS = ("unsharded", "shardwire", "fsdp2")
+SIZES = ("gpt-125m", "gpt-350m", "gpt-1.3b")
+BATCH = {"gpt-125m": 16, "gpt-350m": 16, "gpt-1.3b": 8}  # sequences per step; fit an 80 GB H100
+
+
+def build(system: str, size: str, batch: int, device: torch.device, dtype: torch.dtype,
+          fused: bool) -> TrainingStep:
+    config = PRESETS[size]
+    torch.manual_seed(0)
+    with device:
+        model = GPT(config)
+    if system == "unsharded":
+        return TrainingStep(None, model, config, batch, autocast=dtype, fused=fused)
+    return TrainingStep(system, wrap(system, model, compute_dtype=dtype), config, batch, fused=fused)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step: TrainingStep, warmup: int, steps: int, device: torch.device) -> list[float]:
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: float | None) -> dict:
+    batch = args.batch or BATCH.get(size, 8)
+    config = PRESETS[size]
+    tokens = batch * config.seq_len
+    flops = gpt_flops_per_token(config).model
+    times: dict[str, list[float]] = {system: [] for system in args.systems}
+    memory: dict[str, int] = {}
+    for round_ in range(args.rounds):
+        for system in args.systems if round_ % 2 == 0 else reversed(args.systems):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            step = build(system, size, batch, device, dtype, args.optimizer == "fused")
+            times[system] += timed(step, args.warmup, args.steps, device)
+            if device.type == "cuda":
+                memory[system] = max(memory.get(system, 0), torch.cuda.max_memory_allocated(device))
+            del step
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    systems = {}
+    for system, seconds in times.items():
+        step_s = statistics.median(seconds)
+        tflops = flops * tokens / step_s / 1e12
+        systems[system] = {
+            "step_times_s": seconds,
+            "median_step_s": step_s,
+            "tokens_per_s": tokens / step_s,
+            "model_tflops": tflops,
+            "mfu": tflops / peak if peak else None,
+            "peak_memory_bytes": memory.get(system),
+        }
+    return {"batch": batch, "seq_len": config.seq_len, "params": config.num_params(),
+            "flops_per_token": flops, "systems": systems}
+
+
+def table(results: dict) -> str:
+    lines = [f"{'size':<9} {'system':<10} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
+             f"{'peak GiB':>8} {'/unsharded':>10} {'/fsdp2':>7}"]
+    for size, result in results.items():
+        systems = result["systems"]
+        for system, row in systems.items():
+            ratio = {other: row["median_step_s"] / systems[other]["median_step_s"] if other in systems else None
+                     for other in ("unsharded", "fsdp2")}
+            mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+            peak = f"{row['peak_memory_bytes'] / 2**30:.1f}" if row["peak_memory_bytes"] else "-"
+            lines.append(
+                f"{size:<9} {system:<10} {row['median_step_s'] * 1e3:>8.1f} {row['tokens_per_s']:>9.0f} "
+                f"{row['model_tflops']:>8.1f} {mfu:>6} {peak:>8} "
+                + " ".join(f"{value:>{width}.3f}x" if value else f"{'-':>{width + 1}}"
+                           for value, width in ((ratio["unsharded"], 9), (ratio["fsdp2"], 6))))
+    return "\n".join(lines)
+
+
+def trace(size: str, args, device: torch.device, dtype: torch.dtype, peak: float | None) -> None:
+    """The engine's breakdown of a few steps of ``size`` under shardwire, then one step under
+    torch.profiler, both written to ``args.trace``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardwire.profile.profiler import Profiler
+
+    batch = args.batch or BATCH.get(size, 8)
+    config = PRESETS[size]
+    step = build("shardwire", size, batch, device, dtype, args.optimizer == "fused")
+    timed(step, args.warmup, 0, device)
+    profiler = Profiler(step.model, step.optimizer, tokens_per_step=batch * config.seq_len,
+                        flops=gpt_flops_per_token(config), peak_tflops=peak, probe_peak=False)
+    for _ in range(6):
+        with profiler.step():
+            step()
+    summary = profiler.save(args.trace)
+    profiler.close()
+    f = {name: stats["max"] for name, stats in summary["figures"].items()}
+    mfu = f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""
+    print(f"\nshardwire's profiler, {size}: step {f['step_s'] * 1e3:.1f} ms: forward {f['forward_s'] * 1e3:.1f}, "
+          f"backward {f['backward_s'] * 1e3:.1f}, clip {f['clip_s'] * 1e3:.1f}, optimizer "
+          f"{f['optimizer_s'] * 1e3:.1f}, other {f['other_s'] * 1e3:.1f}, waiting {f['wait_s'] * 1e3:.1f} ms; "
+          f"communication {f['comm_s'] * 1e3:.1f} ms, exposed {f['exposed_comm_s'] * 1e3:.1f} ms{mfu}")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as torch_profile:
+        step()
+        synchronize(device)
+    path = os.path.join(args.trace, "torch_trace.json")
+    torch_profile.export_chrome_trace(path)
+    with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    os.remove(path)
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(torch_profile.key_averages().table(sort_by=sort, row_limit=20))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=sorted(PRESETS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--batch", type=int, help="sequences per step (default: per size, %s)" % BATCH)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per system and round")
+    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                        help="AdamW's implementation, the same for every system (default fused, as torchtitan)")
+    parser.add_argument("--peak-tflops", type=float, help="for MFU (default: the GPU's data sheet, bf16)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--trace", help="profile the last size under shardwire into this directory")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if cuda else {}))
+    dtype = torch.bfloat16
+    peak = args.peak_tflops or datasheet_peak_tflops(device, dtype)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"{name}, torch {torch.__version__}, peak {peak} TFLOP/s; {args.optimizer} AdamW; {args.rounds} rounds "
+          f"x {args.steps} timed steps after {args.warmup} per system", flush=True)
+    results = {}
+    for size in args.sizes:
+        results[size] = measure(size, args, device, dtype, peak)
+        print(table({size: results[size]}), flush=True)
+    print("\n" + table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "peak_tflops": peak,
+                       "optimizer": args.optimizer, "command": " ".join(sys.argv), "sizes": results}, f, indent=1)
+    if args.trace:
+        trace(args.sizes[-1], args, device, dtype, peak)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
