@@ -3,34 +3,43 @@ measured network and the measured compute, and compare.
 
     shardwire testbed up --nodes 2 --link 1gbit
     shardwire testbed run --nproc-per-node 2 -- -m shardwire bench --groups intra inter \
-        --impl shardwire --ops all_gather reduce_scatter -b 64K -e 64M --json bench-1gbit.json
+        --impl shardwire --ops all_gather reduce_scatter -b 64K -e 64M --contention --json bench-1gbit.json
+    shardwire testbed run --nproc-per-node 1 -- -m shardwire bench --groups inter \
+        --impl shardwire --ops all_gather reduce_scatter -b 64K -e 64M --contention --json bench-2x1-1gbit.json
     shardwire testbed down
     python benchmarks/scaling.py --systems shardwire --links 1gbit --out-dir benchmarks/results/scaling
     python benchmarks/calibrate_sim.py --measured benchmarks/results/scaling/scaling.json \
-        --bench 1gbit=bench-1gbit.json
+        --bench 1gbit=bench-1gbit.json 2x1@1gbit=bench-2x1-1gbit.json
+
+On this machine every rank of every node shares the same two cores, so what a collective takes
+from a rank's compute depends on how many ranks share them: a bench run on the layout of a run
+(``2x1@1gbit``) measures its share as that run sees it; a link's bench (``1gbit``, on 2 x 2) serves
+its other layouts.
 
 The simulator is given what was measured on this machine, and predicts how the step's
-communication overlaps its computation:
+communication overlaps its computation and how much it slows it:
 
-* the network, from ``shardwire bench --json`` run on the emulated cluster with the engine's own
-  collectives (``--impl shardwire``): busbw and per-step latency of each level, and the
-  hierarchical algorithm the engine uses on gloo (``shardwire simulate --cluster-from``); runs on
-  one node use the intra-node level only, which is the same loopback on and off the testbed;
-* compute, as the engine measures it: the profile ``benchmarks/scaling.py`` takes of each
-  shardwire step (``shardwire.profile``) gives forward and backward compute, waits left out, as a
-  FLOP rate (the simulator's peak, kernels at 100% of it), and the optimizer step, as a memory
-  bandwidth. Measured inside the step, these include what the step's own communication costs the
-  cores (copies, sums, the TCP stack), which on a CPU is not free as a GPU's copy engines are. The
-  rate a lane thread quantizes at, for the quantized wires, is timed here. One
-  machine is one set of numbers: the rate and the bandwidth are the medians over the profiles of
-  every sharding layout measured on the same nodes and link, each profile being one short run on
-  a machine whose speed drifts by tens of percent from run to run.
+* the network, from ``shardwire bench --contention --json`` run on the emulated cluster with the
+  engine's own collectives (``--impl shardwire``): busbw and per-step latency of each level, the
+  hierarchical algorithm the engine uses on gloo, and each level's compute share, the part of a
+  rank's compute a running all-gather of that level takes (``shardwire simulate --cluster-from``);
+  runs on one node use the intra-node level only, which is the same loopback on and off the
+  testbed;
+* compute, undisturbed: the benchmark's compute-only step (the same model as an unsharded replica
+  on as many ranks, no communication) as a FLOP rate (the simulator's peak, kernels at 100% of it),
+  once the optimizer's share of it is taken out; the optimizer step as a memory bandwidth, from the
+  profile ``benchmarks/scaling.py`` takes of each shardwire step (``shardwire.profile``). What the
+  step's own communication costs the cores (copies, sums, the TCP stack: on a CPU it is not free as
+  a GPU's copy engines are) is then the simulator's to predict from the measured shares. The rate a
+  lane thread quantizes at, for the quantized wires, is timed here. One machine is one set of
+  numbers: the bandwidth is the median over the profiles of every sharding layout measured on the
+  same nodes and link.
 
 Each shardwire run of ``benchmarks/scaling.py``'s JSON (every sharding layout it measured, hybrid
 ones in groups of a node's ranks) is then predicted and set against its measured median step time;
 the target is agreement within ``TOLERANCE``. The benchmark's compute-only step (the same model on
-an unsharded replica, no communication) is shown beside the engine's measured compute, and the
-predicted exposed communication beside both.
+an unsharded replica, no communication) is shown beside the engine's compute as its profile measured
+it inside the step, and the predicted compute, slowdown and exposed communication beside them.
 """
 
 from __future__ import annotations
@@ -128,20 +137,22 @@ def model_spec(settings: Settings) -> ModelSpec:
 
 
 def machine_cluster(runs: list[Run], settings: Settings) -> ClusterSpec:
-    """This machine as a 'GPU', from the profiles of ``runs`` (on the same nodes and link): the
-    engine's measured compute as its FLOP rate (the peak), and its measured optimizer step over a
-    rank's shard as its memory bandwidth, each the median over the runs."""
+    """This machine as a 'GPU', from ``runs`` (on the same nodes and link): the optimizer step over
+    a rank's shard as its memory bandwidth (the median over the runs' profiles), and the compute-only
+    step, less its optimizer over the whole model at that bandwidth, as its FLOP rate."""
     arch = architecture(model_spec(settings), 4)
-    rates, bandwidths = [], []
+    bandwidths = []
     for run in runs:
-        rates.append(3 * arch.forward_flops * settings.batch / (run.profile["forward_s"] + run.profile["backward_s"]))
         holders = run.ranks_per_node if SHARDWIRE_SYSTEMS[run.system][0] == "hybrid" else run.ranks
         bandwidths.append(OPTIMIZER_BYTES_PER_PARAM * arch.params / holders / run.profile["optimizer_s"])
+    bandwidth = statistics.median(bandwidths)
+    compute_only = runs[0].compute_only_s  # the same for every run of this shape
+    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * arch.params / bandwidth  # the replica updates every parameter
+    rate = 3 * arch.forward_flops * settings.batch / (compute_only - optimizer_s)
     placeholder = LinkSpec(busbw_GBps=1.0)  # replaced by the bench's measurements
-    return ClusterSpec(name="this machine", nodes=1, gpus_per_node=1, peak_tflops=statistics.median(rates) / 1e12,
+    return ClusterSpec(name="this machine", nodes=1, gpus_per_node=1, peak_tflops=rate / 1e12,
                        gpu_memory_gb=1024.0, intra_node=placeholder, inter_node=placeholder,
-                       memory_bandwidth_GBps=statistics.median(bandwidths) / 1e9,
-                       quantize_gelems=quantize_rate() / 1e9)
+                       memory_bandwidth_GBps=bandwidth / 1e9, quantize_gelems=quantize_rate() / 1e9)
 
 
 def quantize_rate() -> float:
@@ -174,6 +185,7 @@ class Comparison:
     run: Run
     predicted_s: float
     compute_s: float  # the prediction's compute alone
+    slowed_s: float  # what overlapped communication added to it
     exposed_s: float
 
     @property
@@ -191,36 +203,48 @@ def table(settings: Settings, comparisons: list[Comparison]) -> str:
         f"{settings.prefetch}, {'reshard' if settings.reshard else 'keep'} after forward",
         "",
         "| layout | system | measured step | predicted step | error | within 15% | engine's compute "
-        "| compute-only step | predicted compute | predicted exposed comm |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| compute-only step | predicted compute | predicted slowdown | predicted exposed comm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in comparisons:
         lines.append(
             f"| {c.run.layout} | {c.run.system} | {c.run.step_time_s * 1e3:.0f} ms | {c.predicted_s * 1e3:.0f} ms "
             f"| {100 * c.error:+.1f}% | {'yes' if c.agrees else 'no'} | {c.run.engine_compute_s * 1e3:.0f} ms "
-            f"| {c.run.compute_only_s * 1e3:.0f} ms | {c.compute_s * 1e3:.0f} ms | {c.exposed_s * 1e3:.0f} ms |"
+            f"| {c.run.compute_only_s * 1e3:.0f} ms | {c.compute_s * 1e3:.0f} ms | {c.slowed_s * 1e3:.0f} ms "
+            f"| {c.exposed_s * 1e3:.0f} ms |"
         )
     return "\n".join(lines)
 
 
 def parse_bench(items: list[str]) -> dict[str, str]:
-    """``LINK=PATH`` arguments -> {link: path}."""
+    """``KEY=PATH`` arguments -> {key: path}; a key is a link rate (``1gbit``) or a layout on one
+    (``2x1@1gbit``)."""
     paths = {}
     for item in items:
-        link, sep, path = item.partition("=")
-        if not sep or not link or not path:
-            raise SystemExit(f"error: --bench takes LINK=PATH (e.g. 1gbit=bench-1gbit.json), got {item!r}")
+        key, sep, path = item.partition("=")
+        if not sep or not key or not path:
+            raise SystemExit(f"error: --bench takes LINK=PATH or NODESxRANKS@LINK=PATH (e.g. 1gbit=bench-1gbit.json), "
+                             f"got {item!r}")
         if not os.path.isfile(path):
             raise SystemExit(f"error: --bench {item}: no such file")
-        paths[link] = path
+        paths[key] = path
     return paths
+
+
+def bench_for(run: Run, benches: dict[str, str]) -> str | None:
+    """The bench measured on ``run``'s layout, else on its link; on one node, any link's (the
+    intra-node level is the same loopback on every testbed)."""
+    if run.link is None:
+        return next((path for key, path in benches.items() if "@" not in key), None)
+    return benches.get(f"{run.nodes}x{run.ranks_per_node}@{run.link}") or benches.get(run.link)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measured", required=True, help="scaling.json of benchmarks/scaling.py")
-    parser.add_argument("--bench", nargs="+", required=True, metavar="LINK=PATH",
-                        help="`shardwire bench --json` on the testbed at each link rate of the runs")
+    parser.add_argument("--bench", nargs="+", required=True, metavar="KEY=PATH",
+                        help="`shardwire bench --json` on the testbed at each link rate of the runs (1gbit=PATH), "
+                             "and optionally on one layout (2x1@1gbit=PATH), which its runs then use")
     parser.add_argument("--links", nargs="+", metavar="LINK",
                         help="compare only the measured runs on these link rates (default: every run)")
     parser.add_argument("--json", help="write the comparison here")
@@ -231,17 +255,16 @@ def main() -> int:
     if args.links:
         runs = [run for run in runs if run.link in args.links]
     benches = parse_bench(args.bench)
-    missing = sorted({r.link for r in runs if r.link is not None} - set(benches))
+    missing = sorted({r.layout for r in runs if bench_for(r, benches) is None})
     if missing:
-        raise SystemExit(f"error: no --bench for link(s) {', '.join(missing)} of the measured runs")
-    any_bench = next(iter(benches.values()))  # one node: the intra-node level, alike in every bench
+        raise SystemExit(f"error: no --bench for {', '.join(missing)} of the measured runs: give one per link rate")
 
     comparisons = []
     for run in runs:
         peers = [r for r in runs if (r.nodes, r.ranks_per_node, r.link) == (run.nodes, run.ranks_per_node, run.link)]
         machine = machine_cluster(peers, settings)
-        p = predict_run(run, machine, settings, benches.get(run.link, any_bench))
-        comparisons.append(Comparison(run, p.step_time_s, p.compute_time_s, p.exposed_comm_s))
+        p = predict_run(run, machine, settings, bench_for(run, benches))
+        comparisons.append(Comparison(run, p.step_time_s, p.compute_time_s, p.compute_slowed_s, p.exposed_comm_s))
     print(table(settings, comparisons))
     if args.json:
         with open(args.json, "w") as f:

@@ -175,3 +175,30 @@ def test_a_dtype_the_backend_lacks_is_a_clear_error_not_a_hang():
         assert message.startswith(BenchError.__name__)
         assert "gloo could not run all_reduce with redop sum on float8_e4m3fn (Invalid scalar type)" in message
         assert "choose another --dtype" in message
+
+
+def contention_on_node_groups(rank, world):
+    config = dataclasses.replace(TINY, impl="shardwire", ops=["all_gather"], groups=["intra", "inter"],
+                                 ranks_per_node=2, max_bytes=1 << 20, check=False, contention=True)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        measured = benchmark(config, CPU, out=out).contention
+    plain = benchmark(dataclasses.replace(config, contention=False), CPU).contention
+    return measured, plain, out.getvalue() if rank == 0 else None
+
+
+def test_contention_times_matmuls_alone_and_beside_each_groups_all_gather():
+    """4 ranks as 2 nodes: each group's all-gather runs beside the workload, the inter group's on
+    ranks 0 and 2 only (1 and 3 compute alone in both phases); every rank gets the same section."""
+    outcomes = run_workers(4, contention_on_node_groups, timeout=240)
+    measured, plain, printed = outcomes[0]
+    assert all(outcome[:2] == (measured, plain) for outcome in outcomes)
+    assert plain is None, "no contention section without --contention"
+    assert measured["workload"] == {"op": "matmul", "n": 1024, "dtype": "float32", "count": 8}
+    for group, ranks, members in (("intra", 2, 4), ("inter", 2, 2)):
+        result = measured[group]
+        assert result["ranks"] == ranks and len(result["rank_shares"]) == members
+        assert result["all_gather_bytes"] == 1 << 20
+        assert 0 < result["alone_s"] and 0 < result["beside_s"]
+        assert all(0 <= share < 1 for share in result["rank_shares"])
+        assert min(result["rank_shares"]) <= result["compute_share"] <= max(result["rank_shares"])
+        assert f"# contention {group}: 8 x 1024^2 float32 matmuls" in printed

@@ -250,24 +250,36 @@ def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_p
     run = calibrate.Run("shardwire", 2, 2, "1gbit", 0.2, 0.1, PROFILE)
     machine = calibrate.machine_cluster([run], settings)
     model_flops = 3 * architecture(model, 4).forward_flops * 4  # forward and backward of the batch
-    assert machine.peak_tflops * 1e12 == pytest.approx(model_flops / 0.012)
-    slower = dataclasses.replace(run, profile={**PROFILE, "forward_s": 0.008})
+    # the compute-only step less its optimizer, which updates the whole model where a rank of the
+    # sharded run (its profile: 1 ms) updates a quarter of it
+    assert machine.peak_tflops * 1e12 == pytest.approx(model_flops / (0.1 - 4 * 0.001))
+    slower = dataclasses.replace(run, profile={**PROFILE, "optimizer_s": 0.002})
     pooled = calibrate.machine_cluster([run, slower, run], settings)  # the median of the three
-    assert pooled.peak_tflops == machine.peak_tflops
+    assert pooled.memory_bandwidth_GBps == machine.memory_bandwidth_GBps
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench_document()))
     p = calibrate.predict_run(run, machine, settings, str(path))
     assert p.cluster.world == 4 and p.cluster.algorithm == "hierarchical"
-    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.012)
+    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.096)
     assert p.timeline.compute["optimizer"] == pytest.approx(0.001)
-    comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.exposed_comm_s)
+    comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.compute_slowed_s, p.exposed_comm_s)
     assert comparison.error == pytest.approx(p.step_time_s / 0.2 - 1)
     assert "| 2x2 @1gbit | shardwire |" in calibrate.table(settings, [comparison])
     hybrid_run = dataclasses.replace(run, system="shardwire-hybrid")
     hybrid = calibrate.predict_run(hybrid_run, calibrate.machine_cluster([hybrid_run], settings), settings, str(path))
     assert (hybrid.training.sharding, hybrid.training.shard_group_size) == ("hybrid", 2)
     assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001)  # each rank steps half the model
+
+
+def test_calibration_takes_a_layouts_bench_before_its_links(calibrate):
+    benches = {"1gbit": "links.json", "2x1@1gbit": "2x1.json", "5gbit": "fast.json"}
+    run = calibrate.Run("shardwire", 2, 1, "1gbit", 1.0, 1.0, PROFILE)
+    assert calibrate.bench_for(run, benches) == "2x1.json"
+    assert calibrate.bench_for(dataclasses.replace(run, ranks_per_node=2), benches) == "links.json"
+    assert calibrate.bench_for(dataclasses.replace(run, link="5gbit"), benches) == "fast.json"
+    assert calibrate.bench_for(dataclasses.replace(run, nodes=1, link=None), benches) == "links.json"
+    assert calibrate.bench_for(dataclasses.replace(run, link="10gbit"), benches) is None
 
 
 def test_simulating_does_not_import_torch():

@@ -30,7 +30,13 @@ The JSON document (``--json``) is read by the simulator; its schema, ``shardwire
       "fit": {GROUP: {OP: {                              # t(S) = alpha_s + S / beta_Bps
         "ranks": 4, "placement": "out_of_place", "alpha_s": 3.1e-05,
         "beta_Bps": 1.1e+10 | null,                      # null: time did not grow with size
-        "r2": 0.998, "points": 17} | null}}              # null: fewer than two sizes
+        "r2": 0.998, "points": 17} | null}},             # null: fewer than two sizes
+      "contention": {                                    # only with --contention (shardwire.bench.contention)
+        "workload": {"op": "matmul", "n": 1024, "dtype": "float32", "count": 8},
+        GROUP: {"ranks": 4, "all_gather_bytes": S,
+                "alone_s": 0.31, "beside_s": 0.42,        # the workload's time, median over the members
+                "compute_share": 0.26,                   # 1 - alone / beside, median over the members
+                "rank_shares": [0.25, ...]}}             # each member's, in group order
     }
 
     POINT = {"time_us": 812.4, "algbw_GBps": 5.2, "busbw_GBps": 9.1, "wrong": 0 | null}
@@ -84,6 +90,15 @@ def header_lines(context: dict) -> list[str]:
         f"# warmup {settings['warmup']}, iters {settings['iters']}, {timing}; time: {settings['combine']} over "
         f"ranks; check {'on' if settings['check'] else 'off'}",
     ]
+
+
+def contention_line(group: str, workload: dict, result: dict) -> str:
+    """One group's ``--contention`` result (``shardwire.bench.contention``)."""
+    shares = result["rank_shares"]
+    return (f"# contention {group}: {workload['count']} x {workload['n']}^2 {workload['dtype']} matmuls "
+            f"{result['alone_s'] * 1e3:.1f} ms alone, {result['beside_s'] * 1e3:.1f} ms beside an all_gather of "
+            f"{format_size(result['all_gather_bytes'])}: compute share {result['compute_share']:.3f} "
+            f"(members {min(shares):.3f} to {max(shares):.3f})")
 
 
 def rounding_note(align: int, split: bool, rounded: list[tuple[int, int]]) -> str:
@@ -148,9 +163,11 @@ def summary_lines(result: OpResult) -> list[str]:
     return lines
 
 
-def document(context: dict, results: list[OpResult]) -> dict:
+def document(context: dict, results: list[OpResult], contention: dict | None = None) -> dict:
     """The JSON document (schema in the module docstring)."""
     doc = {"schema": SCHEMA, "context": context, "results": {}, "summary": {}, "fit": {}}
+    if contention is not None:
+        doc["contention"] = contention
     for result in results:
         doc["results"].setdefault(result.group, {})[result.op] = [
             {"bytes": row.nbytes, "wire_bytes": row.wire_nbytes, "count": row.count, "dtype": result.dtype,

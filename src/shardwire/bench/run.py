@@ -35,7 +35,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from shardwire.bench import report
+from shardwire.bench import contention, report
 from shardwire.bench.metrics import COMBINE, OPS
 from shardwire.bench.ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
 from shardwire.bench.sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
@@ -87,6 +87,7 @@ class BenchConfig:
     wire: str = "none"  # with --impl shardwire: what crosses nodes (see shardwire.comm.wire)
     backend: str = "auto"
     timeout: float = bounded(300.0, above=0, unit="seconds")
+    contention: bool = False  # also measure the compute an all-gather of max_bytes takes (bench.contention)
     json: str | None = None
     csv: str | None = None
     plot: str | None = None
@@ -152,6 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: NCCL when CUDA is available, else gloo")
     parser.add_argument("--timeout", type=float, default=d.timeout,
                         help="seconds before a collective that does not complete is an error")
+    parser.add_argument("--contention", action="store_true",
+                        help="also time matrix multiplies alone and beside a running all_gather of --max-bytes on "
+                             "each group: the share of compute communication takes, which shardwire simulate "
+                             "--cluster-from reads")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON (schema: shardwire.bench.report)")
     parser.add_argument("--csv", metavar="PATH", help="save one CSV line per group, operation, size and form")
     parser.add_argument("--plot", metavar="PATH", help="save busbw against size as a PNG")
@@ -265,6 +270,7 @@ def _device(backend: str) -> torch.device:
 class BenchResults:
     context: dict
     ops: list[OpResult]
+    contention: dict | None = None  # with --contention (shardwire.bench.contention)
 
 
 def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = None) -> BenchResults:
@@ -296,7 +302,13 @@ def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = No
             for group, ctx in contexts.items()
             for op in config.ops
         ]
-        return BenchResults(context, results)
+        if not config.contention:
+            return BenchResults(context, results)
+        say("#")
+        try:
+            return BenchResults(context, results, contention.measure(contexts, config.max_bytes, device, say))
+        except contention.ContentionError as err:
+            raise BenchError(str(err)) from None
     finally:
         for ctx in contexts.values():
             ctx.close()
@@ -420,7 +432,8 @@ def _nccl_version() -> str | None:
 
 def _save(config: BenchConfig, results: BenchResults) -> None:
     outputs = [
-        (config.json, lambda: json.dumps(report.document(results.context, results.ops), indent=2) + "\n"),
+        (config.json, lambda: json.dumps(report.document(results.context, results.ops, results.contention),
+                                         indent=2) + "\n"),
         (config.csv, lambda: report.csv_text(results.ops)),
         (config.plot, lambda: report.plot_png(results.ops)),
     ]
