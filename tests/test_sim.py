@@ -6,15 +6,15 @@ import math
 
 import pytest
 
-from shardwire.sim import collectives
+from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
+from shardwire.sim import costs
 from shardwire.sim.architecture import architecture
-from shardwire.sim.collectives import Group
+from shardwire.sim.costs import Group
 from shardwire.sim.events import Link, Simulation
 from shardwire.sim.memory import GIB, USABLE_FRACTION, estimate_memory
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.presets import CLUSTERS, MODELS
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, parse
-from shardwire.sim.step import REDUCTIONS_IN_FLIGHT
 
 GPT = ModelSpec(name="gpt", layers=4, hidden=256, heads=4, vocab=1000, seq_len=128)
 
@@ -112,31 +112,31 @@ def test_activation_bytes_match_korthikanti_without_dropout():
     assert flash.boundary_bytes == 2 * h * s
 
 
-# -------------------------------------------------------------------------------- collectives
+# -------------------------------------------------------------------------------------- costs
 
 
 def test_collective_bytes_and_latency_by_algorithm():
     S, N, g = 8e6, 4, 8
     c = cluster(N, g, latency_us=10.0, algorithm="hierarchical")
-    inter, intra = collectives.all_gather(S, Group(N, g), c)
+    inter, intra = costs.all_gather_phases(S, Group(N, g), c)
     assert inter.flows == (("inter", S * 3 / 4),) and inter.latency_s == pytest.approx(3 * 10e-6)
     assert intra.flows == (("intra", S * 7 / 8),) and intra.latency_s == pytest.approx(7 * 10e-6)
-    assert [p.flows[0][0] for p in collectives.reduce_scatter(S, Group(N, g), c)] == ["intra", "inter"]
+    assert [p.flows[0][0] for p in costs.reduce_scatter_phases(S, Group(N, g), c)] == ["intra", "inter"]
 
-    (ring,) = collectives.all_gather(S, Group(N, g), dataclasses.replace(c, algorithm="ring"))
+    (ring,) = costs.all_gather_phases(S, Group(N, g), dataclasses.replace(c, algorithm="ring"))
     assert dict(ring.flows) == {"inter": S * 31 / 32, "intra": S * 31 / 32}
     assert ring.latency_s == pytest.approx(31 * 10e-6)
 
 
-    assert collectives.all_gather(S, Group(1, 1), c) == []
+    assert costs.all_gather_phases(S, Group(1, 1), c) == []
 
 
 def test_all_reduce_is_reduce_scatter_then_all_gather_and_groups_side_by_side_add_up():
     c = cluster(4, 8)
-    phases = collectives.all_reduce(1e6, Group(4, 1, copies=8), c)
+    phases = costs.all_reduce_phases(1e6, Group(4, 1, copies=8), c)
     assert sum(b for p in phases for _, b in p.flows) == pytest.approx(8 * 2 * 1e6 * 3 / 4)
     # With the network to itself: bytes over capacity plus latencies.
-    assert collectives.isolated_s(phases, c) == pytest.approx(8 * 2 * 1e6 * 3 / 4 / 10e9)
+    assert costs.isolated_s(phases, c) == pytest.approx(8 * 2 * 1e6 * 3 / 4 / 10e9)
 
 
 # ---------------------------------------------------------------------------- discrete events
@@ -174,12 +174,6 @@ def test_processes_wait_for_events_and_timeouts():
 
 
 # ------------------------------------------------------------------------------- step schedule
-
-
-def test_engine_constants_are_the_engines():
-    from shardwire.engine import runtime
-
-    assert REDUCTIONS_IN_FLIGHT == runtime.REDUCTIONS_IN_FLIGHT
 
 
 def test_without_communication_the_step_is_its_compute():

@@ -10,9 +10,9 @@ import pytest
 
 from shardwire.cli import main
 from shardwire.comm.wire import DEFAULT_BLOCK, Wire
-from shardwire.sim import collectives
+from shardwire.sim import costs
 from shardwire.sim.architecture import architecture
-from shardwire.sim.collectives import INTER, INTRA, Group
+from shardwire.sim.costs import INTER, INTRA, Group
 from shardwire.sim.planner import HYBRID_WIRES, WIRES, candidate_settings, plan
 from shardwire.sim.predict import predict
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, parse
@@ -121,10 +121,10 @@ def test_quantized_reduce_scatter_is_hierarchical_and_the_gather_follows_the_alg
 def test_kernels_sit_on_the_lane_before_and_after_the_transfer():
     c = cluster(quantize=2.0)
     codec = TrainingSpec(wire="int8").wire_format.grad_codec
-    phases = collectives.quantized_reduce_scatter(8 * 1024, 4, Group(2, 4), c, codec)
+    phases = costs.quantized_reduce_scatter_phases(8 * 1024, 4, Group(2, 4), c, codec)
     assert [dict(p.flows) for p in phases] == [{INTRA: 8 * 1024 * 4 * 3 / 4}, {}, {INTER: 8 * 1024 * INT8 / 2}, {}]
     assert phases[1].latency_s == phases[3].latency_s == pytest.approx(1024 / 2e9)  # one slot each way
-    encode, *transfer, decode = collectives.quantized_all_gather(8 * 1024, Group(2, 4), c, codec)
+    encode, *transfer, decode = costs.quantized_all_gather_phases(8 * 1024, Group(2, 4), c, codec)
     assert [dict(p.flows) for p in transfer] == [{INTER: 8 * 1024 * INT8 / 2}, {INTRA: 8 * 1024 * INT8 * 3 / 4}]
     assert (encode.flows, decode.flows) == ((), ())
     assert (encode.latency_s, decode.latency_s) == pytest.approx((1024 / 2e9, 8 * 1024 / 2e9))  # a shard; all

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import shardwire
 from shardwire.comm import communicator
 from shardwire.comm.communicator import Communicator
-from shardwire.engine.runtime import REDUCTIONS_IN_FLIGHT
+from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 

@@ -39,13 +39,10 @@ from shardwire.comm.communicator import OnIssue, Pending
 from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.comm.records import CommRecord
 from shardwire.engine.flat_param import FlatParam
+from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.engine.schedule import Pass
 from shardwire.engine.sharding import Sharding
 from shardwire.engine.unit import INPUTS, Unit
-
-# Reduce-scatters allowed in flight. Each holds a whole unit's flat gradient until it lands, so the
-# bound trades memory for the time a slow reduction gets to finish behind later backward compute.
-REDUCTIONS_IN_FLIGHT = 2
 
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
 

@@ -9,7 +9,7 @@
 
 specs, presets, inputs   what is simulated, the named ones, and reading them from the command line
 architecture             a model's units: parameters, FLOPs, activation bytes
-collectives              what a collective costs on a cluster's two network levels
+costs                    what a collective costs on a cluster's two network levels
 events, step             the discrete-event core, and one step of the engine on it
 memory                   peak memory per GPU, and whether it fits
 predict, explain         a prediction, a sweep, and why the step takes what it takes

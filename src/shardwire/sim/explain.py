@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwire.sim import collectives
+from shardwire.sim import costs
 from shardwire.sim.predict import Prediction
 from shardwire.sim.step import (backward_gather_group, backward_s, forward_s, gather_phases, reduction_phases,
                                 shard_group)
@@ -52,10 +52,10 @@ def unit_budgets(p: Prediction) -> list[UnitBudget]:
     budgets = []
     for kind, units in kinds.items():
         unit = max(units, key=lambda u: u.params)
-        gather = collectives.isolated_s(gather_phases(unit, group, cluster, training), cluster)
+        gather = costs.isolated_s(gather_phases(unit, group, cluster, training), cluster)
         reductions = reduction_phases(unit, cluster, training)
-        reduce = sum(collectives.isolated_s(phases, cluster) for _, _, phases in reductions)
-        regather = collectives.isolated_s(gather_phases(unit, backward_group, cluster, training), cluster)
+        reduce = sum(costs.isolated_s(phases, cluster) for _, _, phases in reductions)
+        regather = costs.isolated_s(gather_phases(unit, backward_group, cluster, training), cluster)
         backward_comm = reduce + (regather if training.reshards else 0.0)
         budgets.append(UnitBudget(kind, len(units), forward_s(unit, cluster, training), gather,
                                   backward_s(unit, cluster, training), backward_comm))

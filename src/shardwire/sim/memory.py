@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.sim.architecture import Architecture
 from shardwire.sim.specs import ClusterSpec, TrainingSpec
-from shardwire.sim.step import REDUCTIONS_IN_FLIGHT, error_feedback_elements, group_size, shard_group
+from shardwire.sim.step import error_feedback_elements, group_size, shard_group
 
 USABLE_FRACTION = 0.92
 GIB = 2**30

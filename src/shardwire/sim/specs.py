@@ -217,7 +217,7 @@ class LinkSpec:
     level (a ring over k members takes k - 1 steps). ``compute_share`` is the fraction of a GPU's
     compute a collective on this level takes while it runs (the SMs its kernels hold and the memory
     bandwidth they use; on CPUs, the cores its threads take): compute runs at ``1 - compute_share``
-    of its rate meanwhile (``shardwire.sim.collectives``).
+    of its rate meanwhile (``shardwire.sim.costs``).
     """
 
     busbw_GBps: float
@@ -233,7 +233,7 @@ class ClusterSpec:
     """Nodes of identical GPUs: their compute, memory and the two levels of network between them.
 
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
-    ``shardwire.sim.collectives``). ``memory_bandwidth_GBps`` prices the optimizer step, which only
+    ``shardwire.sim.costs``). ``memory_bandwidth_GBps`` prices the optimizer step, which only
     streams memory; without it that step is left out of the prediction (and the report says so).
     ``quantize_gelems`` prices the kernels of a quantized wire (``TrainingSpec.wire``): billions of
     elements one GPU encodes or decodes per second; without it they are left out (and the report

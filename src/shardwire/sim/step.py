@@ -29,7 +29,7 @@ gathers within the shard group and reduces each unit with a reduce-scatter withi
 all-reduce of the shard between groups, on the same lane; ``hybrid_secondary`` gathers over the
 world for forward and within the group for backward. A quantized ``wire`` changes what these
 collectives move and adds its kernels to them where their group spans nodes
-(``shardwire.sim.collectives``); the schedule stays the same.
+(``shardwire.sim.costs``); the schedule stays the same.
 
 Left out: host overheads, stragglers and jitter; the step is the idealized schedule of the engine
 on ideal links.
@@ -41,15 +41,12 @@ import collections
 import dataclasses
 import math
 
-from shardwire.sim import collectives
+from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
+from shardwire.sim import costs
 from shardwire.sim.architecture import Architecture, UnitCost
-from shardwire.sim.collectives import Group, Phase
+from shardwire.sim.costs import Group, Phase
 from shardwire.sim.events import Event, Link, Process, Processor, Simulation
 from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec
-
-# The engine's bound on pending reduce-scatters (shardwire.engine.runtime.REDUCTIONS_IN_FLIGHT),
-# repeated here so that simulating never imports torch; a test keeps the two equal.
-REDUCTIONS_IN_FLIGHT = 2
 
 # Bytes an Adam step streams per parameter: reads master weight, gradient and both moments (fp32),
 # writes weight and moments.
@@ -57,7 +54,10 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 
 
 @dataclasses.dataclass
-class CommRecord:
+class SimulatedCollective:
+    """A collective on the simulated timeline: issued when the schedule asks for it, started when its
+    lane is free, done when its last phase ends."""
+
     op: str  # all_gather | reduce_scatter | all_reduce
     unit: str
     nbytes: float
@@ -84,7 +84,7 @@ class Timeline:
     step_time_s: float
     compute: dict[str, float]  # forward, backward (with recomputation), optimizer, at the full rate
     compute_slowed_s: float  # how much longer compute took for the collectives running beside it
-    comms: list[CommRecord]
+    comms: list[SimulatedCollective]
     stalls: list[Stall]
     link_busy_s: dict[str, float]
     link_bytes: dict[str, float]  # through one GPU's intra-node links, one node's NICs
@@ -155,10 +155,10 @@ def _column(size: int, cluster: ClusterSpec) -> Group:
 def gather_phases(unit: UnitCost, group: Group, cluster: ClusterSpec, training: TrainingSpec) -> list[Phase]:
     """The phases of gathering ``unit`` over ``group``: in the compute dtype, or packed by the wire's
     parameter codec where the group spans nodes."""
-    codec = collectives.crossing_nodes(training.wire_format.param_codec, group)
+    codec = costs.crossing_nodes(training.wire_format.param_codec, group)
     if codec is None:
-        return collectives.all_gather(unit.params * training.compute_bytes, group, cluster)
-    return collectives.quantized_all_gather(unit.params, group, cluster, codec)
+        return costs.all_gather_phases(unit.params * training.compute_bytes, group, cluster)
+    return costs.quantized_all_gather_phases(unit.params, group, cluster, codec)
 
 
 def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> list[tuple[str, float, Group]]:
@@ -179,13 +179,13 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
     r = training.reduce_bytes
     steps = []
     for op, numel, group in reductions(unit.params, cluster, training):
-        codec = collectives.crossing_nodes(training.wire_format.grad_codec, group)
+        codec = costs.crossing_nodes(training.wire_format.grad_codec, group)
         if codec is None:
-            exact = collectives.reduce_scatter if op == "reduce_scatter" else collectives.all_reduce
+            exact = costs.reduce_scatter_phases if op == "reduce_scatter" else costs.all_reduce_phases
             phases = exact(numel * r, group, cluster)
         else:
-            quantized = (collectives.quantized_reduce_scatter if op == "reduce_scatter"
-                         else collectives.quantized_all_reduce)
+            quantized = (costs.quantized_reduce_scatter_phases if op == "reduce_scatter"
+                         else costs.quantized_all_reduce_phases)
             phases = quantized(numel, r, group, cluster, codec)
         steps.append((op, numel * r, phases))
     return steps
@@ -201,7 +201,7 @@ def error_feedback_elements(params: int, cluster: ClusterSpec, training: Trainin
         return 0
     return sum((group.nodes - 1 + (op == "all_reduce")) * math.ceil(numel / group.size)
                for op, numel, group in reductions(params, cluster, training)
-               if collectives.crossing_nodes(wire.grad_codec, group) is not None)
+               if costs.crossing_nodes(wire.grad_codec, group) is not None)
 
 
 class _Lane:
@@ -209,7 +209,7 @@ class _Lane:
     level's share of the compute while it runs."""
 
     def __init__(self, sim: Simulation, links: dict[str, Link], processor: Processor, cluster: ClusterSpec,
-                 records: list[CommRecord]):
+                 records: list[SimulatedCollective]):
         self._sim = sim
         self._links = links
         self._processor = processor
@@ -221,7 +221,7 @@ class _Lane:
 
     def submit(self, op: str, unit: str, nbytes: float, phases: list[Phase]) -> Event:
         done = self._sim.event()
-        record = CommRecord(op, unit, nbytes, issued=self._sim.now)
+        record = SimulatedCollective(op, unit, nbytes, issued=self._sim.now)
         self._records.append(record)
         self._queue.append((record, phases, done))
         if self._wake is not None:
@@ -238,7 +238,7 @@ class _Lane:
             record, phases, done = self._queue.popleft()
             record.started = self._sim.now
             for phase in phases:
-                share = collectives.level_spec(self._cluster, phase.level).compute_share
+                share = costs.level_spec(self._cluster, phase.level).compute_share
                 self._processor.hold(share)
                 if phase.latency_s > 0:
                     yield self._sim.timeout(phase.latency_s)
@@ -284,8 +284,8 @@ class _Step:
         self.cluster = cluster
         self.training = training
         self.sim = Simulation()
-        self.links = {level: Link(self.sim, cap) for level, cap in collectives.capacities_Bps(cluster).items()}
-        self.comms: list[CommRecord] = []
+        self.links = {level: Link(self.sim, cap) for level, cap in costs.capacities_Bps(cluster).items()}
+        self.comms: list[SimulatedCollective] = []
         self.stalls: list[Stall] = []
         self.compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self.processor = Processor(self.sim)
@@ -324,7 +324,7 @@ class _Step:
         for micro in range(self.training.grad_accum):
             yield from self._micro_batch(sync=micro == self.training.grad_accum - 1)
         norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,  # over the ranks that split buffers
-                                    collectives.scalar_all_reduce(self._shard_group, self.cluster))
+                                    costs.scalar_all_reduce_phases(self._shard_group, self.cluster))
         yield from self._wait(norm, "gradient-norm all-reduce", "")
         yield from self._compute("optimizer", self._optimizer_s)
 

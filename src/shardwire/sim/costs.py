@@ -1,5 +1,5 @@
-"""What a collective costs: phases of fixed time (latencies, quantization kernels) followed by bytes
-through the network's levels.
+"""What collectives cost, priced rather than run (running them is ``shardwire.comm``'s): phases of
+fixed time (latencies, quantization kernels) followed by bytes through the network's levels.
 
 A collective over a group of ``n = N x g`` GPUs (``N`` nodes, ``g`` GPUs of each) moves a buffer of
 ``S`` bytes (the whole gathered or scattered buffer, as nccl-tests counts it). Its bytes cross two
@@ -94,16 +94,16 @@ class Group:
         return self.nodes * self.gpus
 
 
-def all_gather(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
+def all_gather_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
     return _exchange(nbytes, group, cluster, inter_first=True)
 
 
-def reduce_scatter(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
+def reduce_scatter_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
     return _exchange(nbytes, group, cluster, inter_first=False)
 
 
-def all_reduce(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
-    return reduce_scatter(nbytes, group, cluster) + all_gather(nbytes, group, cluster)
+def all_reduce_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
+    return reduce_scatter_phases(nbytes, group, cluster) + all_gather_phases(nbytes, group, cluster)
 
 
 def crossing_nodes(codec: Codec | None, group: Group) -> Codec | None:
@@ -111,16 +111,17 @@ def crossing_nodes(codec: Codec | None, group: Group) -> Codec | None:
     return codec if group.nodes > 1 else None
 
 
-def quantized_all_gather(numel: float, group: Group, cluster: ClusterSpec, codec: Codec) -> list[Phase]:
+def quantized_all_gather_phases(numel: float, group: Group, cluster: ClusterSpec, codec: Codec) -> list[Phase]:
     """Gather ``numel`` elements as packed bytes: encode this GPU's shard, gather every shard's
     bytes, decode them all."""
     shard = math.ceil(numel / group.size)
     packed = group.size * codec.packed_numel(shard)
-    return [*_kernels(shard, cluster), *all_gather(packed, group, cluster), *_kernels(group.size * shard, cluster)]
+    return [*_kernels(shard, cluster), *all_gather_phases(packed, group, cluster),
+            *_kernels(group.size * shard, cluster)]
 
 
-def quantized_reduce_scatter(numel: float, element_bytes: int, group: Group, cluster: ClusterSpec,
-                             codec: Codec) -> list[Phase]:
+def quantized_reduce_scatter_phases(numel: float, element_bytes: int, group: Group, cluster: ClusterSpec,
+                                    codec: Codec) -> list[Phase]:
     """Reduce-scatter ``numel`` elements of ``element_bytes``: exact within the node, then the
     partial sums of the slots other nodes own, encoded, sent and decoded."""
     slot = math.ceil(numel / group.size)
@@ -129,13 +130,13 @@ def quantized_reduce_scatter(numel: float, element_bytes: int, group: Group, clu
             *_across(group.size * codec.packed_numel(slot), group, cluster), *_kernels(crossing, cluster)]
 
 
-def quantized_all_reduce(numel: float, element_bytes: int, group: Group, cluster: ClusterSpec,
-                         codec: Codec) -> list[Phase]:
-    return (quantized_reduce_scatter(numel, element_bytes, group, cluster, codec)
-            + quantized_all_gather(numel, group, cluster, codec))
+def quantized_all_reduce_phases(numel: float, element_bytes: int, group: Group, cluster: ClusterSpec,
+                                codec: Codec) -> list[Phase]:
+    return (quantized_reduce_scatter_phases(numel, element_bytes, group, cluster, codec)
+            + quantized_all_gather_phases(numel, group, cluster, codec))
 
 
-def scalar_all_reduce(group: Group, cluster: ClusterSpec) -> list[Phase]:
+def scalar_all_reduce_phases(group: Group, cluster: ClusterSpec) -> list[Phase]:
     """An all-reduce of a few bytes (the gradient norm): libraries pick a tree or recursive
     doubling for it, which waits for log2 of the peers, up and down, on each level."""
     steps_inter = math.ceil(math.log2(group.nodes))

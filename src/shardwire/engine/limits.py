@@ -1,0 +1,6 @@
+"""The engine's fixed bounds that the simulator mirrors: torch-free, so that the simulator imports
+them from here without importing torch."""
+
+# Reduce-scatters allowed in flight. Each holds a whole unit's flat gradient until it lands, so the
+# bound trades memory for the time a slow reduction gets to finish behind later backward compute.
+REDUCTIONS_IN_FLIGHT = 2
