@@ -181,10 +181,10 @@ class Runner:
 
     def _testbed(self, layout: Layout) -> None:
         from shardwire.testbed import network
-        from shardwire.testbed.topology import Topology, parse_rate
+        from shardwire.testbed.spec import Testbed, parse_rate
 
         if self.testbed != (layout.nodes, layout.link):
-            network.up(Topology(TESTBED, layout.nodes, parse_rate(layout.link)))
+            network.up(Testbed(TESTBED, layout.nodes, parse_rate(layout.link)))
             self.testbed = (layout.nodes, layout.link)
 
     def close(self) -> None:
@@ -239,7 +239,7 @@ def main() -> None:
     layouts = parse_layouts(args.layouts, args.links)
     if any(layout.nodes > 1 for layout in layouts):
         from shardwire.testbed.network import require_privileges
-        from shardwire.testbed.topology import TestbedError, parse_rate
+        from shardwire.testbed.spec import TestbedError, parse_rate
 
         try:
             require_privileges("up")

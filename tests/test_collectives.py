@@ -12,26 +12,9 @@ import torch
 from harness import run_workers
 from shardwire.comm.clock import Clock
 from shardwire.comm.records import CommRecord
-from shardwire.comm.topology import Topology, placement
 from shardwire.profile.comm import CommSummary
 
 TIMEOUT = datetime.timedelta(seconds=60)
-
-
-def test_topology_places_ranks_node_by_node():
-    topo = Topology(world=6, ranks_per_node=3)
-    assert topo.nodes == 2
-    assert [topo.place(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-    assert topo.rank(1, 2) == 5
-
-
-def test_a_subgroup_is_placed_by_its_ranks():
-    assert placement([0, 1, 2, 3], 2) == Topology(4, 2)
-    assert placement([1, 3], 2) == Topology(2, 1)  # a hybrid layout's replicas: one rank per node
-    assert placement([2, 3], 2) == Topology(2, 2)  # a shard group: one node
-    assert placement([0, 1, 4, 5], 2) == Topology(4, 2)  # groups spanning whole nodes
-    assert placement([0, 2, 1, 3], 2) == Topology(4, 4)  # interleaved nodes: treated as one node
-    assert placement([0, 1, 2], 2) == Topology(3, 3)  # uneven: treated as one node
 
 
 def exact_collectives(rank, world, dtype_name):
@@ -79,7 +62,7 @@ def exact_collectives(rank, world, dtype_name):
     assert torch.equal(share, torch.full((size,), float(world * world), dtype=dtype))
     other.close()
     comm.close()
-    return comm.topology.ranks_per_node
+    return comm.placement.ranks_per_node
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from shardwire.cli import main
-from shardwire.testbed import check, job, network, topology
-from shardwire.testbed.topology import Topology, check_name, parse_rate, state_path
+from shardwire.testbed import check, job, network, spec
+from shardwire.testbed.spec import check_name, parse_rate, state_path
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: builds network namespaces, links and qdiscs")
 RATE = parse_rate("200mbit")  # low enough that two busy cores shape it exactly, high enough to be quick
@@ -24,14 +24,14 @@ def test_rates_parse_in_tc_units():
     assert parse_rate("2.5gbit") == 2_500_000_000
     assert parse_rate("500mbit") == 500_000_000
     for bad in ("1gb", "fast", "1 gbit", "1mbit"):  # bytes, a word, a space, under 10mbit
-        with pytest.raises(topology.TestbedError, match="link rate"):
+        with pytest.raises(spec.TestbedError, match="link rate"):
             parse_rate(bad)
 
 
 def test_names_must_carry_the_prefix():
     assert check_name("shardwire-ci") == "shardwire-ci"
     for bad in ("ci", "shardwire_x", "shardwire-", "../shardwire", "shardwire-A"):
-        with pytest.raises(topology.TestbedError, match="must start with 'shardwire'"):
+        with pytest.raises(spec.TestbedError, match="must start with 'shardwire'"):
             check_name(bad)
 
 
@@ -57,7 +57,7 @@ def _leftovers(name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def testbed():
-    bed = Topology("shardwire-test", 2, RATE)
+    bed = spec.Testbed("shardwire-test", 2, RATE)
     network.up(bed)
     yield bed
     network.down(bed.name)
@@ -181,9 +181,9 @@ def test_up_is_idempotent_and_down_leaves_nothing():
     network.down(name)  # whatever an interrupted run left
     host_before = _host_network()
     try:
-        assert network.up(Topology(name, 2, RATE))
-        assert not network.up(Topology(name, 2, RATE))  # same layout: nothing changes
-        assert network.up(Topology(name, 3, RATE))  # another layout: rebuilt
+        assert network.up(spec.Testbed(name, 2, RATE))
+        assert not network.up(spec.Testbed(name, 2, RATE))  # same layout: nothing changes
+        assert network.up(spec.Testbed(name, 3, RATE))  # another layout: rebuilt
         assert network.existing_namespaces(name) == [f"{name}-hub", *(f"{name}-node{k}" for k in range(3))]
     finally:
         assert main(["testbed", "down", "--name", name]) == 0
@@ -199,11 +199,11 @@ def test_a_failed_up_leaves_nothing(monkeypatch):
 
     def tc_fails(*argv):
         if argv[0] == "tc":
-            raise topology.TestbedError("tc refused")
+            raise spec.TestbedError("tc refused")
         return real_run(*argv)
 
     monkeypatch.setattr(network, "_run", tc_fails)
-    with pytest.raises(topology.TestbedError, match="tc refused"):
-        network.up(Topology(name, 2, RATE))
+    with pytest.raises(spec.TestbedError, match="tc refused"):
+        network.up(spec.Testbed(name, 2, RATE))
     monkeypatch.undo()
     assert _leftovers(name) == []

@@ -107,7 +107,7 @@ def quantized_collectives(rank, world, torch_collectives):
         comm.all_reduce(summed, tag="ar", op="sum", codec=Codec(4, 16),
                         residual=comm.residual_for(summed.numel(), all_reduce=True)).wait()
     # every rank reads the same decoded shards, its own included; within a node, the shards
-    nodes = comm.topology.nodes
+    nodes = comm.placement.nodes
     sent = decode(codec, encode(codec, torch.stack(shards)), size) if nodes > 1 else torch.stack(shards)
     assert torch.equal(gathered, sent.reshape(-1))
     exact = torch.stack(fulls).mean(dim=0).view(world, size)[rank]

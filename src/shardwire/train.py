@@ -151,7 +151,7 @@ def _describe_sharding(engine) -> str:
 
 def _describe_wire(engine, wire: str) -> str:
     wire = Wire.parse(wire)
-    if wire.quantized and engine.comm.topology.nodes == 1:
+    if wire.quantized and engine.comm.placement.nodes == 1:
         return f"wire {wire} (unused: all ranks share a node, and only what crosses nodes is quantized)"
     return f"wire {wire}"
 

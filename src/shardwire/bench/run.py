@@ -40,19 +40,12 @@ from shardwire.bench.metrics import COMBINE, OPS
 from shardwire.bench.ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
 from shardwire.bench.sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
 from shardwire.comm.communicator import Communicator
-from shardwire.comm.groups import (
-    backend_for,
-    cross_node_members,
-    inter_node_group,
-    intra_node_group,
-    node_members,
-    node_topology,
-)
-from shardwire.comm.topology import Topology
+from shardwire.comm.groups import backend_for, inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.files import write_atomically
 from shardwire.options import OptionError, bounded, check_bounds, check_output_file
 from shardwire.launch import launch_local, under_launcher
+from shardwire.placement import Placement
 
 GROUPS = ("world", "intra", "inter")
 # More sizes than this is a mistake (-b 1 -e 1G -i 1 is a billion), not a sweep anyone waits for.
@@ -196,15 +189,15 @@ def validate(config: BenchConfig, world: int) -> None:
             f"{MAX_SIZES}: raise --step-bytes or --step-factor, or narrow the range"
         )
     try:
-        topo = node_topology(world, config.ranks_per_node)
+        placement = Placement.launched(world, config.ranks_per_node)
     except ValueError as err:
         raise BenchError(f"{err}: give --ranks-per-node a divisor of {world}") from None
-    sizes = {name: len(groups[0]) for name, groups in _members(topo).items()}
+    sizes = {name: len(groups[0]) for name, groups in _members(placement).items()}
     for name in config.groups:
         if sizes[name] < 2:
             raise BenchError(
-                f"the {name} group would have {sizes[name]} rank ({topo.nodes} node(s) of {topo.ranks_per_node} "
-                f"ranks): it needs at least 2; change --groups, --nproc or --ranks-per-node"
+                f"the {name} group would have {sizes[name]} rank ({placement.nodes} node(s) of "
+                f"{placement.ranks_per_node} ranks): it needs at least 2; change --groups, --nproc or --ranks-per-node"
             )
     smallest = min(sizes[name] for name in config.groups)
     if not 0 <= config.root < smallest:
@@ -228,9 +221,10 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
 
 
-def _members(topo: Topology) -> dict[str, list[list[int]]]:
+def _members(placement: Placement) -> dict[str, list[list[int]]]:
     """The ranks of each kind of group (intra: one group per node)."""
-    return {"world": [list(range(topo.world))], "intra": node_members(topo), "inter": [cross_node_members(topo)]}
+    return {"world": [list(range(placement.world))], "intra": placement.node_members(),
+            "inter": [placement.cross_node_members()]}
 
 
 def _worker(config: BenchConfig) -> int:
@@ -280,10 +274,10 @@ def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = No
     Raises ``BenchError`` when the backend cannot run an operation as asked.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    topo = node_topology(world, config.ranks_per_node)
-    contexts = _contexts(config, topo, device)
+    placement = Placement.launched(world, config.ranks_per_node)
+    contexts = _contexts(config, placement, device)
     try:
-        context = _describe(config, topo, contexts, device)
+        context = _describe(config, placement, contexts, device)
         show = out is not None and rank == 0
 
         def say(line: str) -> None:
@@ -350,14 +344,14 @@ def _measure(operation: type[Operation], sizes: list[int], group: str, ctx: OpCo
     return result
 
 
-def _contexts(config: BenchConfig, topo: Topology, device: torch.device) -> dict[str, OpContext]:
+def _contexts(config: BenchConfig, placement: Placement, device: torch.device) -> dict[str, OpContext]:
     """This rank's view of each measured group, created in the same order on every rank because
     creating one is collective: its process group among all ranks, its communicator among its members."""
     make_group = {"world": lambda _: dist.group.WORLD, "intra": intra_node_group, "inter": inter_node_group}
     contexts = {}
-    for name, groups in _members(topo).items():
+    for name, groups in _members(placement).items():
         if name in config.groups:
-            group = make_group[name](topo)
+            group = make_group[name](placement)
             mine = next((ranks for ranks in groups if dist.get_rank() in ranks), groups[0])
             contexts[name] = _context(config, group, tuple(mine), device)
     return contexts
@@ -385,16 +379,16 @@ def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[
     )
 
 
-def _describe(config: BenchConfig, topo: Topology, contexts: dict[str, OpContext], device: torch.device) -> dict:
+def _describe(config: BenchConfig, placement: Placement, contexts: dict[str, OpContext], device: torch.device) -> dict:
     """The run's context for the report's header and JSON: world, machines, versions, settings and the
     command that asked for them."""
-    places = [None] * topo.world
+    places = [None] * placement.world
     dist.all_gather_object(places, (socket.gethostname(), _device_name(device)))
-    members = _members(topo)
+    members = _members(placement)
     return {
-        "world": topo.world,
-        "nodes": topo.nodes,
-        "ranks_per_node": topo.ranks_per_node,
+        "world": placement.world,
+        "nodes": placement.nodes,
+        "ranks_per_node": placement.ranks_per_node,
         "backend": str(dist.get_backend()),
         "devices": dict(collections.Counter(name for _, name in places)),
         "hosts": sorted({host for host, _ in places}),

@@ -1,1 +1,1 @@
-"""The transport the engine uses: collectives, process groups and node topology."""
+"""The transport the engine uses: collectives and process groups."""

@@ -51,11 +51,11 @@ from torch.profiler import record_function
 from shardwire.comm.clock import Clock
 from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
 from shardwire.comm.exchange import Exchange, encode_header
+from shardwire.comm.groups import placement_of
 from shardwire.comm.lanes import Lane
 from shardwire.comm.levels import Levels
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.records import CommRecord
-from shardwire.comm.topology import topology
 from shardwire.comm.wire import Codec
 
 # torch's own flat all-gather and reduce-scatter, under whichever name this torch release has
@@ -142,7 +142,7 @@ class Communicator:
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.topology = topology(group)
+        self.placement = placement_of(group)
         self.clock = Clock(device)
         self._cuda = device.type == "cuda"
         self._point_to_point = str(dist.get_backend(group)) == "gloo" and not torch_collectives
@@ -275,17 +275,17 @@ class Communicator:
         """Make the process groups a quantized ``reduce_scatter`` or ``all_reduce`` needs where
         torch's collectives carry it (``Levels``: NCCL, or ``torch_collectives``). Every rank of the
         group calls it, in the same order as any other group creation."""
-        if not self._point_to_point and self.topology.nodes > 1 and self._levels is None:
-            self._levels = Levels.of(self.group, self.topology, self.device, self.timeout)
+        if not self._point_to_point and self.placement.nodes > 1 and self._levels is None:
+            self._levels = Levels.of(self.group, self.placement, self.device, self.timeout)
 
     def residual_for(self, numel: int, *, all_reduce: bool = False) -> torch.Tensor | None:
         """A zeroed error-feedback residual for quantized reductions of ``numel`` elements here (a
         reduce-scatter's input, or with ``all_reduce`` an all-reduce's tensor): one fp32 row of a
         slot per other node, since only partial sums that cross nodes are quantized, and for an
         all-reduce one more, for the result. None where the group is one node."""
-        if self.topology.nodes == 1:
+        if self.placement.nodes == 1:
             return None
-        rows = self.topology.nodes - 1 + all_reduce
+        rows = self.placement.nodes - 1 + all_reduce
         return torch.zeros(rows, -(-numel // self.world), device=self.device)
 
     # ------------------------------------------------------------------- quantized collectives
@@ -293,7 +293,7 @@ class Communicator:
     def quantizes(self, codec: Codec | None) -> bool:
         """Whether collectives given ``codec`` quantize here: only where the group spans nodes
         (within a node bytes stay exact)."""
-        return codec is not None and self.topology.nodes > 1
+        return codec is not None and self.placement.nodes > 1
 
     def _across_nodes(self, codec: Codec | None) -> Codec | None:
         return codec if self.quantizes(codec) else None
@@ -346,7 +346,7 @@ class Communicator:
         if codec is None or self.world == 1:
             return exact
         gathered = self.world * codec.packed_numel(slot_numel)
-        nodes, per_node = self.topology.nodes, self.topology.ranks_per_node
+        nodes, per_node = self.placement.nodes, self.placement.ranks_per_node
         sent = (per_node - 1) * nodes * slot_numel * element_size + (nodes - 1) * codec.packed_numel(slot_numel)
         reduced = sent * self.world // (self.world - 1)
         return {"all_gather": gathered, "reduce_scatter": reduced, "all_reduce": (reduced + gathered) // 2}[op]
@@ -458,7 +458,7 @@ class Communicator:
         per_collective = self.world + 1  # a tag per slot, and the header's
         offset = self._numbered % ((1 << _TAG_BITS) // per_collective) * per_collective
         self._numbered += 1
-        return Exchange(self.group, self.topology, (self._tag_space << _TAG_BITS) + offset,
+        return Exchange(self.group, self.placement, (self._tag_space << _TAG_BITS) + offset,
                         self.timeout, encode_header(op, tag))
 
     def _issued(self, op: str, tag: str, nbytes: int, wire_nbytes: int | None) -> CommRecord | None:

@@ -14,7 +14,7 @@ reduce-scatter, all-to-all+sum  117 ms          153 ms          (n-1)/n S
 
 gloo's reduce-scatter is an all-reduce underneath (twice the bytes a reduce-scatter needs, which
 matters most on a slow link) and part of it blocks the caller. So both are built from point-to-point
-messages in two steps, across nodes and within them (``Topology``), so that each node sends every
+messages in two steps, across nodes and within them (``Placement``), so that each node sends every
 other node exactly what it lacks, once: (N-1)/N of the buffer leaves a node, the least any algorithm
 can send. A ring sends about all of it per node; gloo's all-reduce-based reduce-scatter twice that.
 The all-reduce (of any length: hybrid sharding all-reduces each rank's gradient shard between the
@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.comm.quantize import decode, encode
-from shardwire.comm.topology import Topology
 from shardwire.comm.wire import Codec
+from shardwire.placement import Placement
 
 HEADER_BYTES = 64
 
@@ -60,12 +60,12 @@ class Exchange:
     """One point-to-point collective, run on a lane thread. ``tags`` is the first of ``world + 1``
     tags reserved for it: one per slot, and the header's."""
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology, tags: int,
+    def __init__(self, group: dist.ProcessGroup, placement: Placement, tags: int,
                  timeout: datetime.timedelta, header: torch.Tensor):
         self.group = group
-        self.topology = topology
+        self.placement = placement
         self.me = dist.get_rank(group)
-        self.node, self.local = topology.place(self.me)
+        self.node, self.local = placement.place(self.me)
         self.tags = tags
         self.timeout = timeout
         self.header = header
@@ -89,14 +89,14 @@ class Exchange:
                 work.wait(timeout=self.timeout)
 
     def other_nodes(self) -> list[int]:
-        return [n for n in range(self.topology.nodes) if n != self.node]
+        return [n for n in range(self.placement.nodes) if n != self.node]
 
     def local_peers(self) -> list[int]:
-        return [l for l in range(self.topology.ranks_per_node) if l != self.local]
+        return [l for l in range(self.placement.ranks_per_node) if l != self.local]
 
     def check_headers(self) -> None:
         """Every rank is running the same collective, or every rank raises."""
-        world = self.topology.world
+        world = self.placement.world
         if world == 1:
             return
         headers = torch.empty(world, HEADER_BYTES, dtype=torch.uint8)
@@ -118,7 +118,7 @@ class Exchange:
         node, and receive theirs. 2. Within the node: pass every local peer the shards of this
         position (one per node), and receive those of theirs."""
         self.check_headers()
-        size, at = shard.numel(), self.topology.rank
+        size, at = shard.numel(), self.placement.rank
         slot = lambda r: output.narrow(0, r * size, size)  # noqa: E731
         slot(self.me).copy_(shard)
         across = []
@@ -128,7 +128,7 @@ class Exchange:
         within = []
         for local in self.local_peers():
             peer = at(self.node, local)
-            within += [self.recv(slot(at(n, local)), peer, at(n, local)) for n in range(self.topology.nodes)]
+            within += [self.recv(slot(at(n, local)), peer, at(n, local)) for n in range(self.placement.nodes)]
             within.append(self.send(shard, peer, self.me))
         self.wait(across)
         for local in self.local_peers():
@@ -148,10 +148,10 @@ class Exchange:
         feedback, one fp32 row per other node) and adds up the decoded ones in fp32: only bytes
         that cross nodes are quantized, each partial sum once."""
         self.check_headers()
-        size, at, nodes = output.numel(), self.topology.rank, self.topology.nodes
+        size, at, nodes = output.numel(), self.placement.rank, self.placement.nodes
         piece = lambda r: full.narrow(0, r * size, size)  # noqa: E731
         # this rank's own pieces of the slots whose owners share its position, one per node
-        column = full.view(nodes, self.topology.ranks_per_node, size)[:, self.local]
+        column = full.view(nodes, self.placement.ranks_per_node, size)[:, self.local]
         peers = self.local_peers()
         received = torch.empty(len(peers), nodes, size, dtype=full.dtype, device=full.device)
         within = []
@@ -180,7 +180,7 @@ class Exchange:
         else:
             output.copy_(decode(codec, incoming, size).sum(dim=0).add_(partial[self.node]))
         if average:
-            output.div_(self.topology.world)
+            output.div_(self.placement.world)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str) -> None:
         """Reduce ``tensor`` in place over every rank: ``op`` is "sum", "avg" or "max".
@@ -195,9 +195,9 @@ class Exchange:
         reduction (steps 1 and 2) or as the sender of a result (steps 2 and 3), so no two messages
         between a pair share a tag."""
         self.check_headers()
-        at, nodes = self.topology.rank, self.topology.nodes
+        at, nodes = self.placement.rank, self.placement.nodes
         combine = torch.maximum if op == "max" else torch.add
-        pieces = tensor.view(-1).tensor_split(self.topology.ranks_per_node)
+        pieces = tensor.view(-1).tensor_split(self.placement.ranks_per_node)
         mine = pieces[self.local]
         peers = self.local_peers()
         received = [torch.empty_like(mine) for _ in peers]
@@ -220,7 +220,7 @@ class Exchange:
         for term in incoming:
             combine(part, term, out=part)
         if op == "avg":
-            part.div_(self.topology.world)
+            part.div_(self.placement.world)
         across = []
         for node in others:
             peer = at(node, self.local)

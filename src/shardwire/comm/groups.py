@@ -1,6 +1,6 @@
 """Process groups: joining the launcher's world, or making a one-process world when there is none;
-the groups of ranks that share a node, or sit on different nodes; and the subgroups a hybrid
-sharding layout splits a group into."""
+where a group's ranks sit on nodes; the groups of ranks that share a node, or sit on different
+nodes; and the subgroups a hybrid sharding layout splits a group into."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardwire.comm.topology import Topology
+from shardwire.placement import Placement, placement
 
 
 def backend_for(device: torch.device) -> str:
@@ -55,36 +55,23 @@ def check_backend_serves(group: dist.ProcessGroup, device: torch.device) -> None
         )
 
 
-def node_topology(world: int, ranks_per_node: int | None = None) -> Topology:
-    """Which of ``world`` ranks share a node: ``ranks_per_node`` when given (to treat one machine's
-    processes as several nodes, say), else torchrun's ``LOCAL_WORLD_SIZE``, else a single node.
-    Unlike ``topology.topology()``, which the engine only uses for speed, a count that does not
-    divide the world is an error here, not a fallback to one node."""
-    per_node = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if per_node < 1 or world % per_node:
-        raise ValueError(f"{world} ranks do not split into nodes of {per_node} ranks each")
-    return Topology(world, per_node)
+def placement_of(group: dist.ProcessGroup) -> Placement:
+    """The placement of ``group``'s ranks, from torchrun's ``LOCAL_WORLD_SIZE`` ranks per node of
+    the default group (the lenient rule: see ``shardwire.placement``)."""
+    members = dist.get_process_group_ranks(group)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return placement(members, per_node)
 
 
-def node_members(topo: Topology) -> list[list[int]]:
-    """Each node's ranks."""
-    return [[topo.rank(node, local) for local in range(topo.ranks_per_node)] for node in range(topo.nodes)]
-
-
-def cross_node_members(topo: Topology) -> list[int]:
-    """One rank per node (each node's first), to measure what crosses between nodes alone."""
-    return [topo.rank(node, 0) for node in range(topo.nodes)]
-
-
-def intra_node_group(topo: Topology) -> dist.ProcessGroup:
+def intra_node_group(launched: Placement) -> dist.ProcessGroup:
     """The group of this rank's node. Every rank must call it (each node gets its own group)."""
-    group, _ = dist.new_subgroups_by_enumeration(node_members(topo))
+    group, _ = dist.new_subgroups_by_enumeration(launched.node_members())
     return group
 
 
-def inter_node_group(topo: Topology) -> dist.ProcessGroup | None:
+def inter_node_group(launched: Placement) -> dist.ProcessGroup | None:
     """The group of each node's first rank; None on other ranks. Every rank must call it."""
-    ranks = cross_node_members(topo)
+    ranks = launched.cross_node_members()
     group = dist.new_group(ranks)
     return group if dist.get_rank() in ranks else None
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from shardwire.comm import groups
 from shardwire.comm.quantize import decode, encode
-from shardwire.comm.topology import Topology
 from shardwire.comm.wire import Codec
+from shardwire.placement import Placement
 
 _torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -31,18 +31,18 @@ class Levels:
     """``within``: the ranks of this rank's node (None where a node holds one rank); ``across``: the
     ranks of this rank's position on every node, in node order."""
 
-    topology: Topology
+    placement: Placement
     within: dist.ProcessGroup | None
     across: dist.ProcessGroup
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, topology: Topology, device: torch.device,
+    def of(cls, group: dist.ProcessGroup, placement: Placement, device: torch.device,
            timeout: datetime.timedelta) -> "Levels":
         """Every rank of ``group`` makes its levels together, in the same order."""
-        per_node = topology.ranks_per_node
+        per_node = placement.ranks_per_node
         if per_node == 1:
-            return cls(topology, None, group)
-        return cls(topology,
+            return cls(placement, None, group)
+        return cls(placement,
                    groups.blocks(group, per_node, device, timeout),
                    groups.columns(group, per_node, device, timeout))
 
@@ -51,19 +51,19 @@ class Levels:
         """Sum ``full`` over the group into this rank's slot ``output``, quantizing across nodes only
         (``residual``: error feedback, one fp32 row per other node, in node order). Synchronous:
         on CUDA, ordered on the current stream."""
-        topology, size = self.topology, output.numel()
+        placement, size = self.placement, output.numel()
         node = dist.get_rank(self.across)
-        by_position = full.view(topology.nodes, topology.ranks_per_node, size).transpose(0, 1)
+        by_position = full.view(placement.nodes, placement.ranks_per_node, size).transpose(0, 1)
         if self.within is None:
             partial = by_position[0]
         else:
-            partial = torch.empty(topology.nodes, size, dtype=full.dtype, device=full.device)
+            partial = torch.empty(placement.nodes, size, dtype=full.dtype, device=full.device)
             _torch_reduce_scatter(partial.view(-1), by_position.contiguous().view(-1), group=self.within)
-        others = [n for n in range(topology.nodes) if n != node]
+        others = [n for n in range(placement.nodes) if n != node]
         outgoing = encode(codec, partial[others], residual)
         incoming = torch.empty_like(outgoing)
         row = outgoing.shape[1]
-        splits = [0 if n == node else row for n in range(topology.nodes)]
+        splits = [0 if n == node else row for n in range(placement.nodes)]
         dist.all_to_all_single(incoming.view(-1), outgoing.view(-1), splits, splits, group=self.across)
         total = decode(codec, incoming, size).sum(dim=0).add_(partial[node])
-        output.copy_(total.div_(topology.world) if average else total)
+        output.copy_(total.div_(placement.world) if average else total)

@@ -15,7 +15,6 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
-from shardwire.comm.topology import topology
 from shardwire.comm.wire import Wire
 from shardwire.engine import sharded_state_dict, sharding as layouts
 from shardwire.engine.flat_param import FlatParam
@@ -94,7 +93,8 @@ def shard(
         process_group = dist.group.WORLD
     groups.check_backend_serves(process_group, device)
     world = dist.get_world_size(process_group)
-    group_size = layouts.group_size(sharding, shard_group_size, world, topology(process_group).ranks_per_node)
+    per_node = groups.placement_of(process_group).ranks_per_node
+    group_size = layouts.group_size(sharding, shard_group_size, world, per_node)
     if sharding != "full" and shard_group_size is None and group_size == world:
         warnings.warn(
             f"sharding={sharding!r} takes its groups from the ranks of a node, and here all {world} ranks "

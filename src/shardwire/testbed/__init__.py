@@ -5,7 +5,7 @@ server), and ranks on different nodes cross a veth link into a bridge whose both
 shaped with a token bucket (``tc tbf``), like a server's Ethernet port. ``shardwire testbed
 up/run/check/down`` builds it, runs torchrun jobs across it, measures its link and removes it.
 
-Modules: ``topology`` (names, addresses, rate, the state file), ``network`` (namespaces, bridge and
-shaping through ``ip`` and ``tc``), ``job`` (one torchrun per node), ``probe`` and ``check`` (link
-measurements), ``cli`` (the subcommands).
+Modules: ``spec`` (``Testbed``: names, addresses, rate, the state file), ``network`` (namespaces,
+bridge and shaping through ``ip`` and ``tc``), ``job`` (one torchrun per node), ``probe`` and
+``check`` (link measurements), ``cli`` (the subcommands).
 """

@@ -16,7 +16,7 @@ import sys
 
 from shardwire.testbed import probe
 from shardwire.testbed.network import burst_bytes, in_namespace
-from shardwire.testbed.topology import TestbedError, Topology, format_rate
+from shardwire.testbed.spec import Testbed, TestbedError, format_rate
 
 # Payload over the wire may exceed the rate by the bucket's burst, plus timer slack.
 RATE_TOLERANCE = 1.02
@@ -49,12 +49,12 @@ class Finding:
         return f"{where:<20} {format_rate(int(t.bits_per_s)) + '/s':>14}  {'ok' if self.ok else 'FAIL'}: {self.verdict}"
 
 
-def transfer(topology: Topology, source: int, target: int, nbytes: int, timeout_s: float) -> Transfer:
+def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s: float) -> Transfer:
     """Send ``nbytes`` from node ``source`` to node ``target`` over TCP and time it at the receiver."""
     script = [sys.executable, probe.__file__]
-    address = topology.address(target)
+    address = testbed.address(target)
     receiver = subprocess.Popen(
-        in_namespace(topology.namespace(target), [*script, "receive", "--bind", address, "--timeout", str(timeout_s)]),
+        in_namespace(testbed.namespace(target), [*script, "receive", "--bind", address, "--timeout", str(timeout_s)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -62,7 +62,7 @@ def transfer(topology: Topology, source: int, target: int, nbytes: int, timeout_
         if ready[:1] != ["ready"]:
             raise TestbedError(f"the receiver on node{target} did not start: {receiver.stderr.read().strip()}")
         sender = subprocess.run(
-            in_namespace(topology.namespace(source),
+            in_namespace(testbed.namespace(source),
                          [*script, "send", "--to", address, "--port", ready[1], "--bytes", str(nbytes),
                           "--timeout", str(timeout_s)]),
             capture_output=True, text=True, timeout=timeout_s, check=False,
@@ -82,15 +82,15 @@ def transfer(topology: Topology, source: int, target: int, nbytes: int, timeout_
     return Transfer(source, target, result["bytes"], result["seconds"])
 
 
-def check(topology: Topology, seconds: float = 1.0) -> list[Finding]:
+def check(testbed: Testbed, seconds: float = 1.0) -> list[Finding]:
     """Measure the links and judge each measurement; see the module docstring."""
-    rate = topology.rate_bits
+    rate = testbed.rate_bits
     nbytes = max(int(rate / 8 * seconds), MIN_TRANSFER_BYTES)
     timeout_s = 30 + 20 * seconds
     findings = []
-    pairs = [(k, (k + 1) % topology.nodes) for k in range(topology.nodes)] if topology.nodes > 1 else []
+    pairs = [(k, (k + 1) % testbed.nodes) for k in range(testbed.nodes)] if testbed.nodes > 1 else []
     for source, target in pairs:
-        t = transfer(topology, source, target, nbytes, timeout_s)
+        t = transfer(testbed, source, target, nbytes, timeout_s)
         ceiling = rate * RATE_TOLERANCE + burst_bytes(rate) * 8 / t.seconds
         share = f"{t.bits_per_s / rate:.0%} of the {format_rate(rate)} link"
         if t.bits_per_s > ceiling:
@@ -99,7 +99,7 @@ def check(topology: Topology, seconds: float = 1.0) -> list[Finding]:
             findings.append(Finding(t, False, f"{share}: under half the link rate; is the machine busy?"))
         else:
             findings.append(Finding(t, True, share))
-    t = transfer(topology, 0, 0, nbytes, timeout_s)
+    t = transfer(testbed, 0, 0, nbytes, timeout_s)
     speedup = t.bits_per_s / rate
     findings.append(Finding(
         t, speedup >= MIN_INTRA_NODE_SPEEDUP,

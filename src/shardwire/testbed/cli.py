@@ -16,10 +16,10 @@ import signal
 import sys
 
 from shardwire.testbed import check, job, network
-from shardwire.testbed.topology import (
+from shardwire.testbed.spec import (
     DEFAULT_NAME,
+    Testbed,
     TestbedError,
-    Topology,
     check_name,
     parse_rate,
 )
@@ -61,11 +61,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _up(args) -> int:
-    topology = Topology(args.name, args.nodes, parse_rate(args.link))
-    built = network.up(topology)
-    print(f"{topology.describe()}: {'built' if built else 'already up, unchanged'}")
-    for k in range(topology.nodes):
-        print(f"  node{k}: namespace {topology.namespace(k)}, address {topology.address(k)}")
+    testbed = Testbed(args.name, args.nodes, parse_rate(args.link))
+    built = network.up(testbed)
+    print(f"{testbed.describe()}: {'built' if built else 'already up, unchanged'}")
+    for k in range(testbed.nodes):
+        print(f"  node{k}: namespace {testbed.namespace(k)}, address {testbed.address(k)}")
     return 0
 
 
@@ -75,23 +75,23 @@ def _run(args) -> int:
         raise TestbedError("give the job after --, e.g. `shardwire testbed run -- -m shardwire train`")
     if args.nproc_per_node < 1:
         raise TestbedError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    topology = Topology.load(args.name)
-    if not network.is_up(topology):
-        raise TestbedError(f"{topology.describe()} is only partly there; rebuild it with `shardwire testbed up`")
+    testbed = Testbed.load(args.name)
+    if not network.is_up(testbed):
+        raise TestbedError(f"{testbed.describe()} is only partly there; rebuild it with `shardwire testbed up`")
 
     def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    return job.run_job(topology, args.nproc_per_node, command)
+    return job.run_job(testbed, args.nproc_per_node, command)
 
 
 def _check(args) -> int:
-    topology = Topology.load(args.name)
+    testbed = Testbed.load(args.name)
     if args.seconds <= 0:
         raise TestbedError(f"--seconds must be positive, got {args.seconds}")
-    print(topology.describe())
-    findings = check.check(topology, args.seconds)
+    print(testbed.describe())
+    findings = check.check(testbed, args.seconds)
     for finding in findings:
         print(f"  {finding}")
     passed = all(finding.ok for finding in findings)

@@ -19,47 +19,47 @@ import time
 from typing import IO
 
 from shardwire.testbed.network import in_namespace
-from shardwire.testbed.topology import NODE_INTERFACE, Topology
+from shardwire.testbed.spec import NODE_INTERFACE, Testbed
 
 RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
 STOP_GRACE_S = 10.0
 POLL_S = 0.1
 
 
-def node_command(topology: Topology, node: int, nproc_per_node: int, command: list[str], job_id: str) -> list[str]:
-    return in_namespace(topology.namespace(node), [
+def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list[str], job_id: str) -> list[str]:
+    return in_namespace(testbed.namespace(node), [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={topology.nodes}", f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={topology.address(0)}:{RDZV_PORT}", f"--rdzv-id={job_id}",
+        f"--nnodes={testbed.nodes}", f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={testbed.address(0)}:{RDZV_PORT}", f"--rdzv-id={job_id}",
         # Every node has this machine's hostname, which names none of them: say which node hosts
         # the rendezvous store, and give each node's address for the workers' MASTER_ADDR.
-        f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={topology.address(node)}",
+        f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={testbed.address(node)}",
         "--max-restarts=0",
         *command,
     ])
 
 
-def node_environment(topology: Topology, nproc_per_node: int) -> dict[str, str]:
+def node_environment(testbed: Testbed, nproc_per_node: int) -> dict[str, str]:
     """The caller's environment, with collectives bound to the node's link and, unless the user chose,
     one compute thread per core and rank: all the nodes share this machine's cores."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=NODE_INTERFACE, NCCL_SOCKET_IFNAME=NODE_INTERFACE)
-    ranks = topology.nodes * nproc_per_node
+    ranks = testbed.nodes * nproc_per_node
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     return env
 
 
-def run_job(topology: Topology, nproc_per_node: int, command: list[str], *, out: IO[str] | None = None) -> int:
+def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, out: IO[str] | None = None) -> int:
     """Run ``command`` (torchrun's script and arguments) on every node; returns the job's exit status:
     0, the first failing node's status (128 + N for a node killed by signal N), or 130 when
     interrupted."""
     out = out or sys.stdout
-    job_id = f"{topology.name}-{os.getpid()}-{time.monotonic_ns()}"
-    env = node_environment(topology, nproc_per_node)
+    job_id = f"{testbed.name}-{os.getpid()}-{time.monotonic_ns()}"
+    env = node_environment(testbed, nproc_per_node)
     lock = threading.Lock()
     nodes, streams = [], []
     try:
-        for k in range(topology.nodes):
-            proc = subprocess.Popen(node_command(topology, k, nproc_per_node, command, job_id), env=env,
+        for k in range(testbed.nodes):
+            proc = subprocess.Popen(node_command(testbed, k, nproc_per_node, command, job_id), env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             nodes.append(proc)
             streams.append(threading.Thread(target=_stream, args=(proc.stdout, f"[node{k}] ", out, lock), daemon=True))

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 from shardwire.files import write_atomically
-from shardwire.testbed.topology import (
+from shardwire.testbed.spec import (
     NODE_INTERFACE,
     SUBNET,
+    Testbed,
     TestbedError,
-    Topology,
     check_name,
     state_path,
 )
@@ -87,32 +87,32 @@ def existing_namespaces(name: str) -> list[str]:
     return sorted(ns for ns in listed if _owned_by(name).fullmatch(ns))
 
 
-def is_up(topology: Topology) -> bool:
+def is_up(testbed: Testbed) -> bool:
     """Whether exactly this layout is built (the state file says so and every namespace exists)."""
     try:
-        recorded = Topology.load(topology.name)
+        recorded = Testbed.load(testbed.name)
     except TestbedError:
         return False
-    return recorded == topology and set(existing_namespaces(topology.name)) == set(topology.namespaces)
+    return recorded == testbed and set(existing_namespaces(testbed.name)) == set(testbed.namespaces)
 
 
-def up(topology: Topology) -> bool:
-    """Build ``topology``, replacing whatever of that name exists; False if it was already up as asked.
+def up(testbed: Testbed) -> bool:
+    """Build ``testbed``, replacing whatever of that name exists; False if it was already up as asked.
 
     A failure part way removes everything built so far before the error goes on."""
-    if is_up(topology):
+    if is_up(testbed):
         return False
-    down(topology.name)
+    down(testbed.name)
     try:
-        _build(topology)
-        topology.save()
+        _build(testbed)
+        testbed.save()
     except BaseException:
-        down(topology.name)
+        down(testbed.name)
         raise
     return True
 
 
-def _build(t: Topology) -> None:
+def _build(t: Testbed) -> None:
     burst = burst_bytes(t.rate_bits)
     shape = ["root", "tbf", "rate", f"{t.rate_bits}bit", "burst", str(burst), "latency", QUEUE_LATENCY]
     _run("ip", "netns", "add", t.hub)

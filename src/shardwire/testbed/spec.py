@@ -63,8 +63,9 @@ def format_rate(bits: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Topology:
-    """``nodes`` namespaces, each with one link of ``rate_bits`` bits per second in each direction."""
+class Testbed:
+    """A testbed: ``nodes`` namespaces, each with one link of ``rate_bits`` bits per second in each
+    direction, and everything named after ``name``."""
 
     name: str
     nodes: int
@@ -103,7 +104,7 @@ class Topology:
         write_atomically(state_path(self.name), json.dumps(dataclasses.asdict(self)), durable=True)
 
     @classmethod
-    def load(cls, name: str) -> Topology:
+    def load(cls, name: str) -> Testbed:
         """The layout ``up`` recorded for ``name``; an error that says how to build one if none is up."""
         try:
             with open(state_path(name)) as f:
