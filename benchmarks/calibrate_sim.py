@@ -131,9 +131,7 @@ def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
 
 def model_spec(settings: Settings) -> ModelSpec:
     """The simulator's description of the benchmark's GPT (``shardwire.models.gpt``)."""
-    c = PRESETS[settings.model]
-    return ModelSpec(name=f"gpt {settings.model}", layers=c.layers, hidden=c.hidden, heads=c.heads,
-                     vocab=c.vocab_size, seq_len=c.seq_len, learned_positions=True, tied_embeddings=True)
+    return PRESETS[settings.model].spec(f"gpt {settings.model}")
 
 
 def machine_cluster(runs: list[Run], settings: Settings) -> ClusterSpec:

@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from systems import TrainingStep, wrap  # noqa: E402
 
 from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
-from shardwire.profile.flops import datasheet_peak_tflops, gpt_flops_per_token  # noqa: E402
+from shardwire.profile.flops import datasheet_peak_tflops, flops_per_token  # noqa: E402
+from shardwire.worker import ensure_initialized  # noqa: E402
 
 SYSTEMS = ("unsharded", "shardwire", "fsdp2")
 SIZES = ("gpt-125m", "gpt-350m", "gpt-1.3b")
@@ -87,7 +88,7 @@ def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: flo
     batch = args.batch or BATCH.get(size, 8)
     config = PRESETS[size]
     tokens = batch * config.seq_len
-    flops = gpt_flops_per_token(config).model
+    flops = flops_per_token(config.spec(size)).model
     times: dict[str, list[float]] = {system: [] for system in args.systems}
     memory: dict[str, int] = {}
     for round_ in range(args.rounds):
@@ -148,7 +149,7 @@ def trace(size: str, args, device: torch.device, dtype: torch.dtype, peak: float
     step = build("shardwire", size, batch, device, dtype, args.optimizer == "fused")
     timed(step, args.warmup, 0, device)
     profiler = Profiler(step.model, step.optimizer, tokens_per_step=batch * config.seq_len,
-                        flops=gpt_flops_per_token(config), peak_tflops=peak, probe_peak=False)
+                        flops=flops_per_token(config.spec(size)), peak_tflops=peak, probe_peak=False)
     for _ in range(6):
         with profiler.step():
             step()
@@ -192,8 +193,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            **({"device_id": device} if cuda else {}))
+    ensure_initialized(device)  # a world of one: NCCL on the GPU, gloo on the CPU
     dtype = torch.bfloat16
     peak = args.peak_tflops or datasheet_peak_tflops(device, dtype)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"

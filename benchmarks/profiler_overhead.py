@@ -26,7 +26,7 @@ def worker(args) -> None:
 
     import shardwire
     from shardwire.models.gpt import GPT, PRESETS, Block
-    from shardwire.profile.flops import gpt_flops_per_token
+    from shardwire.profile.flops import flops_per_token
     from shardwire.profile.profiler import Profiler
 
     dist.init_process_group("gloo")
@@ -47,7 +47,7 @@ def worker(args) -> None:
     for _ in range(args.blocks):
         times["off"] += [slowest_rank_seconds(step) for _ in range(args.steps)]
         profiler = Profiler(model, optimizer, tokens_per_step=args.batch * config.seq_len * world,
-                            flops=gpt_flops_per_token(config), probe_peak=False)
+                            flops=flops_per_token(config.spec()), probe_peak=False)
         times["on"] += [slowest_rank_seconds(lambda: profiled_step(profiler)) for _ in range(args.steps)]
         profiler.close()
     if dist.get_rank() == 0:

@@ -219,13 +219,13 @@ def test_cuda_records_are_resolved_as_event_pairs_not_subtracted():
 def test_a_cuda_model_binds_its_own_device_when_shardwire_creates_the_world(monkeypatch):
     import torch.distributed as dist
 
-    from shardwire.comm import groups
+    from shardwire import worker
 
     calls = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(current=device))
     device = torch.device("cuda", 3)
-    groups.ensure_initialized(device, TIMEOUT)
+    worker.ensure_initialized(device, TIMEOUT)
     assert calls["backend"] == "nccl" and calls["device_id"] == device and calls["current"] == device
     assert calls["timeout"] == TIMEOUT

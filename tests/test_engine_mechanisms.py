@@ -126,7 +126,8 @@ def window_trace(rank, world, prefetch):
     events, peak = [], [0]
 
     def sample(_record=None):
-        blocks = [u for u in engine.gathered_units() if u != "<root>"]
+        # a unit is gathered while its full buffer has storage (``FlatParam.free`` resizes it to 0)
+        blocks = [u for u in engine.units if any(f._full.untyped_storage().nbytes() for f in u.flats)]
         peak[0] = max(peak[0], len(blocks))
 
     def on_issue(record):

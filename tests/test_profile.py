@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from harness import run_workers
-from shardwire.models.gpt import GPTConfig, PRESETS
+from shardwire.models.gpt import GPT, PRESETS, GPTConfig, loss_fn
 from shardwire.profile import analysis, intervals
-from shardwire.profile.flops import gpt_flops_per_token, torch_counted_flops_per_token
+from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.recorder import StepTimeline
 from shardwire.profile.report import ReportError, write_report
 
@@ -64,21 +64,35 @@ def test_flops_of_a_known_config_match_the_closed_form():
     # GPT-2 small's shape: 12 layers, hidden 768, 1024 positions, 50257-token vocabulary (tied head).
     config = GPTConfig(vocab_size=50257, seq_len=1024, layers=12, hidden=768, heads=12)
     h, layers, seq, vocab = 768, 12, 1024, 50257
-    matmul_params = vocab * h + layers * (12 * h * h + 10 * h) + 2 * h
-    flops = gpt_flops_per_token(config)
+    matmul_params = vocab * h + layers * 12 * h * h  # the head (tied) and the blocks' weight matrices
+    flops = flops_per_token(config.spec())
     assert flops.model == 6 * matmul_params + 12 * layers * h * seq
     assert flops.hardware == flops.model
     # torch's own count (matrix multiplies and attention only) agrees to well under 1%
-    assert torch_counted_flops_per_token(config) == pytest.approx(flops.model, rel=5e-3)
+    with torch.device("meta"):
+        model = GPT(config)
+        tokens = torch.zeros(1, seq + 1, dtype=torch.long)
+    counted = torch_counted_flops_per_token(lambda: loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward(), seq)
+    assert counted == pytest.approx(flops.model, rel=5e-3)
+
+
+def test_the_profiler_and_the_simulator_count_the_same_flops():
+    from shardwire.sim.predict import predict
+    from shardwire.sim.presets import CLUSTERS, TRAININGS
+
+    config = PRESETS["30m"]
+    prediction = predict(config.spec(), CLUSTERS["a100-100gbe"], TRAININGS["default"])
+    per_sequence = prediction.model_flops_per_gpu / TRAININGS["default"].micro_batch
+    assert flops_per_token(config.spec()).model * config.seq_len == pytest.approx(per_sequence)
 
 
 def test_recomputation_counts_as_hardware_flops_only():
     config = PRESETS["small"]
-    plain = gpt_flops_per_token(config)
-    recomputed = gpt_flops_per_token(config, activation_checkpointing=True)
+    plain = flops_per_token(config.spec())
+    recomputed = flops_per_token(config.spec(), activation_checkpointing=True)
     h, layers, seq = config.hidden, config.layers, config.seq_len
     assert recomputed.model == plain.model
-    assert recomputed.hardware - recomputed.model == 2 * layers * (12 * h * h + 10 * h) + 4 * layers * h * seq
+    assert recomputed.hardware - recomputed.model == layers * (24 * h * h + 4 * h * seq)  # every block's forward
 
 
 # ----------------------------------------------------------------------------- real steps
@@ -109,7 +123,7 @@ def profiled_training(rank, world, run_dir, probe_peak):
     with comm.record() as plain:
         step(1)
     profiler = Profiler(model, optimizer, tokens_per_step=batch * config.seq_len * world,
-                        flops=gpt_flops_per_token(config), probe_peak=probe_peak,
+                        flops=flops_per_token(config.spec()), probe_peak=probe_peak,
                         metadata={"model": "small-6", "precision": "fp32"})
     walls = []
     with comm.record() as profiled:

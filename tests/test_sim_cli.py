@@ -73,7 +73,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,many"], "nodes must be a whole number"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
-    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"], "a value is not a YAML scalar"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"], "nodes must be a whole number, got '[1'"),
     (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: gpt2-125m"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
 ])

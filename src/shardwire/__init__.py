@@ -2,28 +2,29 @@
 
 import importlib
 
-__all__ = [
-    "CheckpointError",
-    "GradScaler",
-    "MixedPrecision",
-    "Wire",
-    "checkpoint_path",
-    "clip_grad_norm_",
-    "export_state_dict",
-    "full_state_dict",
-    "import_state_dict",
-    "load_checkpoint",
-    "load_latest_checkpoint",
-    "no_sync",
-    "save_checkpoint",
-    "shard",
-]
+# The public API, each name with the module that defines it: imported on first use, so that
+# commands that never train (``shardwire simulate``, ``shardwire --help``) start without torch.
+_API = {
+    "CheckpointError": "shardwire.engine.checkpoint",
+    "GradScaler": "shardwire.engine.grad_scaler",
+    "MixedPrecision": "shardwire.engine.mixed_precision",
+    "Wire": "shardwire.comm.wire",
+    "checkpoint_path": "shardwire.engine.checkpoint",
+    "clip_grad_norm_": "shardwire.engine.grad",
+    "export_state_dict": "shardwire.engine.checkpoint",
+    "full_state_dict": "shardwire.engine.state_dict",
+    "import_state_dict": "shardwire.engine.checkpoint",
+    "load_checkpoint": "shardwire.engine.checkpoint",
+    "load_latest_checkpoint": "shardwire.engine.checkpoint",
+    "no_sync": "shardwire.engine.grad",
+    "save_checkpoint": "shardwire.engine.checkpoint",
+    "shard": "shardwire.engine.shard",
+}
+__all__ = list(_API)
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """The engine's API, imported on first use: commands that never train (``shardwire simulate``,
-    ``shardwire --help``) then start without importing torch."""
-    if name in __all__:
-        return getattr(importlib.import_module("shardwire.engine"), name)
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'shardwire' has no attribute {name!r}")

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from shardwire.extras import MissingExtra
 from shardwire.launch import die_with_launcher, under_launcher
 
 COMMANDS = {
@@ -41,4 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
-    return module.run(parser.parse_args(rest), rest)
+    try:
+        return module.run(parser.parse_args(rest), rest)
+    except MissingExtra as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import shardwire
+from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.data import ByteCorpus
 from shardwire.engine.checkpoint.schema import fits
@@ -29,7 +30,7 @@ from shardwire.launch import launch_local, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.options import OptionError, bounded, check_bounds, check_writable_directory
 from shardwire.profile.comm import CommSummary
-from shardwire.profile.flops import gpt_flops_per_token, torch_counted_flops_per_token
+from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
 from shardwire.progress import ProgressBar, format_duration, format_rate
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     _validate(config)
     if config.nproc is None:
-        config.nproc = torch.cuda.device_count() if _uses_cuda(config) else 2
+        config.nproc = torch.cuda.device_count() if worker.uses_cuda(config.backend) else 2
     if not under_launcher():
         return launch_local(config.nproc, ["train", *argv], max_restarts=config.max_restarts)
     train(config)
@@ -136,7 +137,7 @@ def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
         return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    local = config.nproc or (torch.cuda.device_count() if _uses_cuda(config) else 2)
+    local = config.nproc or (torch.cuda.device_count() if worker.uses_cuda(config.backend) else 2)
     return local, local
 
 
@@ -176,10 +177,10 @@ def _validate(config: TrainConfig) -> None:
         Wire.parse(config.wire)
     except ValueError as err:
         raise SystemExit(f"error: --{err}") from None
-    if config.backend == "nccl" and not torch.cuda.is_available():
-        raise SystemExit("error: --backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+    if (problem := worker.unavailable(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
     gpus = torch.cuda.device_count()
-    if _uses_cuda(config) and config.nproc is not None and config.nproc > gpus and not under_launcher():
+    if worker.uses_cuda(config.backend) and config.nproc is not None and config.nproc > gpus and not under_launcher():
         raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
                          f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
     if config.data is not None:  # the default, the standard library's sources, always serves
@@ -187,19 +188,6 @@ def _validate(config: TrainConfig) -> None:
             ByteCorpus.load(config.data, PRESETS[config.model].seq_len)
         except (OSError, ValueError) as err:
             raise SystemExit(f"error: --data: {err}") from None
-
-
-def _uses_cuda(config: TrainConfig) -> bool:
-    return config.backend == "nccl" or (config.backend == "auto" and torch.cuda.is_available())
-
-
-def _device_and_backend(config: TrainConfig) -> tuple[torch.device, str]:
-    """This worker's device: the GPU of its ``LOCAL_RANK`` (torchrun's one GPU per worker), or the CPU."""
-    if _uses_cuda(config):
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device, "nccl"
-    return torch.device("cpu"), "gloo"
 
 
 def _lr_factor(step: int, config: TrainConfig) -> float:
@@ -223,13 +211,9 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def train(config: TrainConfig) -> None:
     """One worker's whole job; the process group ends with it, however it ends."""
-    device, backend = _device_and_backend(config)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout),
-                            device_id=device if device.type == "cuda" else None)
-    try:
-        _train(config, device, backend)
-    finally:
-        dist.destroy_process_group()
+    device = worker.worker_device(config.backend)
+    with worker.process_group(device, datetime.timedelta(seconds=config.timeout)):
+        _train(config, device, worker.backend_for(device))
 
 
 def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
@@ -377,12 +361,17 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
 
 def _profiler(config: TrainConfig, model, optimizer, tokens_per_step: int) -> Profiler:
     model_config = PRESETS[config.model]
-    flops = gpt_flops_per_token(model_config, activation_checkpointing=config.activation_checkpointing)
+    flops = flops_per_token(model_config.spec(config.model), activation_checkpointing=config.activation_checkpointing)
+    with torch.device("meta"):  # torch's own count of the same model, as a cross-check
+        meta_model = GPT(model_config)
+        tokens = torch.zeros(1, model_config.seq_len + 1, dtype=torch.long)
+    counted = torch_counted_flops_per_token(
+        lambda: loss_fn(meta_model(tokens[:, :-1]), tokens[:, 1:]).backward(), model_config.seq_len)
     metadata = {
         "model": config.model,
         "precision": config.precision,
         "config": dataclasses.asdict(config),
-        "torch_counted_flops_per_token": torch_counted_flops_per_token(model_config),
+        "torch_counted_flops_per_token": counted,
     }
     return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
                     peak_tflops=config.peak_tflops, metadata=metadata)

@@ -57,6 +57,7 @@ import math
 from shardwire.bench.metrics import LatencyBandwidthFit
 from shardwire.bench.ops import OUT_OF_PLACE
 from shardwire.bench.schema import SCHEMA
+from shardwire.extras import require
 from shardwire.bench.sweep import PLACEMENTS, OpResult, Point, Row
 
 GB = 1e9
@@ -226,6 +227,7 @@ def csv_text(results: list[OpResult]) -> str:
 
 def plot_png(results: list[OpResult]) -> bytes:
     """busbw against size, one panel per measured group and one line per operation."""
+    require("matplotlib", "--plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -35,13 +35,15 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from shardwire import worker
 from shardwire.bench import contention, report
 from shardwire.bench.metrics import COMBINE, OPS
 from shardwire.bench.ops import DTYPES, OPERATIONS, REDOPS, OpContext, Operation, exact_sum_limit
 from shardwire.bench.sweep import OpResult, SweepSettings, aligned_sizes, first_failure, sweep, sweep_sizes
 from shardwire.comm.communicator import Communicator
-from shardwire.comm.groups import backend_for, inter_node_group, intra_node_group
+from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
+from shardwire.extras import require
 from shardwire.files import write_atomically
 from shardwire.options import OptionError, bounded, check_bounds, check_output_file
 from shardwire.launch import launch_local, under_launcher
@@ -180,6 +182,8 @@ def validate(config: BenchConfig, world: int) -> None:
                     check_output_file(getattr(config, option), f"--{option}")
     except OptionError as err:
         raise BenchError(str(err)) from None
+    if config.plot is not None:
+        require("matplotlib", "--plot")
     if config.min_bytes > config.max_bytes:
         raise BenchError(f"--min-bytes ({config.min_bytes}) is larger than --max-bytes ({config.max_bytes})")
     count = config.size_count()
@@ -217,8 +221,8 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--wire quantizes the engine's own collectives: add --impl shardwire")
     if config.impl == "shardwire" and config.redop != "sum" and "reduce_scatter" in config.ops:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
-    if config.backend == "nccl" and not torch.cuda.is_available():
-        raise BenchError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+    if (problem := worker.unavailable(config.backend)) is not None:
+        raise BenchError(problem)
 
 
 def _members(placement: Placement) -> dict[str, list[list[int]]]:
@@ -228,15 +232,9 @@ def _members(placement: Placement) -> dict[str, list[list[int]]]:
 
 
 def _worker(config: BenchConfig) -> int:
-    device = _device(config.backend)
-    dist.init_process_group(
-        backend_for(device),
-        timeout=datetime.timedelta(seconds=config.timeout),
-        device_id=device if device.type == "cuda" else None,
-    )
-    status = measure_and_report(config, device)
-    dist.destroy_process_group()
-    return status
+    device = worker.worker_device(config.backend)
+    with worker.process_group(device, datetime.timedelta(seconds=config.timeout)):
+        return measure_and_report(config, device)
 
 
 def measure_and_report(config: BenchConfig, device: torch.device) -> int:
@@ -250,14 +248,6 @@ def measure_and_report(config: BenchConfig, device: torch.device) -> int:
             print(f"error: {wrong} output elements differ from their expected values (the #wrong columns)",
                   file=sys.stderr)
     return 1 if wrong else 0
-
-
-def _device(backend: str) -> torch.device:
-    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
 
 
 @dataclasses.dataclass

@@ -118,10 +118,6 @@ class FlatParam:
                 )
 
     @property
-    def is_allocated(self) -> bool:
-        return self._full.untyped_storage().nbytes() > 0
-
-    @property
     def gathered_nbytes(self) -> int:
         return self.layout.padded_numel * self._full.element_size()
 

@@ -162,10 +162,6 @@ class Engine:
                 stack.enter_context(comm.record(issued))
             yield records
 
-    def gathered_units(self) -> list[str]:
-        """Names of the units whose full parameters are in memory right now (read off the storage)."""
-        return [u.name for u in self._all_units if any(f.is_allocated for f in u.flats)]
-
     # ----------------------------------------------------------------------------------- forward
 
     def _root_pre_forward(self, module: nn.Module, args, kwargs):

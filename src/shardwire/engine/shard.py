@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardwire import worker
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
@@ -89,9 +90,9 @@ def shard(
     wire = Wire.parse(wire)
     deadline = datetime.timedelta(seconds=timeout)
     if process_group is None:
-        groups.ensure_initialized(device, deadline)
+        worker.ensure_initialized(device, deadline)
         process_group = dist.group.WORLD
-    groups.check_backend_serves(process_group, device)
+    worker.check_backend_serves(process_group, device)
     world = dist.get_world_size(process_group)
     per_node = groups.placement_of(process_group).ranks_per_node
     group_size = layouts.group_size(sharding, shard_group_size, world, per_node)

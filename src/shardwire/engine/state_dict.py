@@ -1,10 +1,15 @@
-"""``full_state_dict``: the unsharded weights of a sharded model, under their original names."""
+"""The unsharded weights of a sharded model under their original names: gathered from the live
+model (``full_state_dict``), or read from a checkpoint (``checkpoint.export_state_dict``), both
+assembled by ``assemble``."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from shardwire.engine.layout import FlatLayout
 from shardwire.engine.shard import engine_of
 
 
@@ -17,18 +22,27 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     the unsharded model; other ranks get an empty dict.
     """
     engine = engine_of(model)
-    rank = engine.comm.rank
-    params: dict[str, torch.Tensor] = {}
-    for flat in engine.flats:
-        full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
-        engine.sharding.shard.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
-        if rank == 0:
-            for slot, view in zip(flat.layout.slots, flat.layout.views(full.cpu())):
-                value = view.clone()
-                params.update(dict.fromkeys(slot.names, value))
-    if rank != 0:
+
+    def gathered():
+        for flat in engine.flats:
+            full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
+            engine.sharding.shard.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
+            yield flat.layout, full.cpu()
+
+    if engine.comm.rank != 0:
+        for _ in gathered():
+            pass
         return {}
-    state = {}
-    for key in engine.state_dict_keys:
-        state[key] = params[key] if key in params else model.get_buffer(key).detach().cpu().clone()
-    return state
+    return assemble(gathered(), engine.state_dict_keys, lambda key: model.get_buffer(key).detach().cpu().clone())
+
+
+def assemble(flats: Iterable[tuple[FlatLayout, torch.Tensor]], keys: Sequence[str],
+             buffer: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with ``keys`` (the unsharded model's, in its order) from each flat buffer's full
+    values in its layout, taken one at a time, and ``buffer(key)`` for the keys no flat holds. A tied
+    parameter is one tensor under each of its names, as PyTorch keeps it."""
+    values: dict[str, torch.Tensor] = {}
+    for layout, full in flats:
+        for slot, view in zip(layout.slots, layout.views(full)):
+            values.update(dict.fromkeys(slot.names, view.clone()))
+    return {key: values[key] if key in values else buffer(key) for key in keys}

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwire.sim.specs import ModelSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -21,6 +23,11 @@ class GPTConfig:
     hidden: int = 128
     heads: int = 4
     dropout: float = 0.0
+
+    def spec(self, name: str = "gpt") -> ModelSpec:
+        """This GPT as the simulator and the FLOP count describe a model."""
+        return ModelSpec(name=name, layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab_size,
+                         seq_len=self.seq_len, learned_positions=True, tied_embeddings=True)
 
     def num_params(self) -> int:
         """Parameters, counting the tied embedding once."""

@@ -1,27 +1,32 @@
-"""FLOP accounting: the standard per-token count, torch's own count as a cross-check, and a probe of
+"""FLOP accounting: the model's count per token, torch's own count as a cross-check, and a probe of
 what the hardware actually delivers.
 
-Model FLOPs follow PaLM (Chowdhery et al. 2022, appendix B): a training step costs, per token,
-``6 N + 12 L H S`` FLOPs, where N counts the parameters that take part in matrix multiplies (6 = 2
-for the forward multiply-add, 4 for the two backward ones), L is the number of layers, H the hidden
-size and S the sequence length (the attention scores and their use, forward and backward, without
-discounting the causal mask). In shardwire's GPT the output head is tied to the token embedding, so
-that matrix is counted once, as the head; the position embedding is a lookup and is not counted.
+The count is the simulator's (``shardwire.sim.architecture``), so the profiler's MFU and the
+simulator's MFU of the same job are the same quantity: matrix multiplications only, 2 m k n each,
+backward twice forward (Megatron-LM's convention, which the published results the simulator is
+checked against use). For a GPT it is PaLM's ``6 N + 12 L H S`` per token (Chowdhery et al. 2022,
+appendix B), with N the parameters that take part in matrix multiplies (a tied embedding counted
+once, as the head; position lookups, biases and norms not at all), L layers, H hidden, S sequence
+length (the causal mask not discounted). It takes a model description (``ModelSpec``), not a
+model's class: ``GPTConfig.spec()`` describes the project's GPT.
 
 Hardware FLOPs add what the machine computes beyond the model's count: with activation checkpointing
-every unit's forward runs a second time in backward, ``2 N_units + 4 L H S`` more per token. MFU uses
-model FLOPs; HFU uses hardware FLOPs.
+every block's forward runs a second time in backward. MFU uses model FLOPs; HFU uses hardware FLOPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 
 from shardwire.gpus import datasheet_tflops
-from shardwire.models.gpt import GPT, GPTConfig, loss_fn
+from shardwire.sim.architecture import architecture
+from shardwire.sim.specs import ModelSpec
+
+DEFINITION = "matrix multiplies, backward 2 x forward (Megatron-LM); 6N + 12LHS per token for a GPT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,35 +36,25 @@ class FlopsPerToken:
     definition: str
 
 
-def gpt_flops_per_token(config: GPTConfig, *, activation_checkpointing: bool = False) -> FlopsPerToken:
-    h, layers, seq = config.hidden, config.layers, config.seq_len
-    matmul_params = config.num_params() - config.seq_len * h  # all but the position lookup
-    attention = 12 * layers * h * seq
-    model = 6 * matmul_params + attention
-    block_params = layers * (12 * h * h + 10 * h)
-    recompute = (2 * block_params + attention / 3) if activation_checkpointing else 0.0
-    return FlopsPerToken(
-        model=float(model),
-        hardware=float(model + recompute),
-        definition="6N + 12LHS per token (PaLM, appendix B); N = parameters in matrix multiplies",
-    )
+def flops_per_token(model: ModelSpec, *, activation_checkpointing: bool = False) -> FlopsPerToken:
+    """Training FLOPs per token of ``model``'s input sequence; with ``activation_checkpointing``,
+    the engine's, every block's forward is recomputed whole."""
+    arch = architecture(model, compute_bytes=2)  # FLOPs do not depend on the activations' dtype
+    recomputed = 1.0 if activation_checkpointing else 0.0
+    return FlopsPerToken(model=arch.model_flops / model.seq_len,
+                         hardware=arch.hardware_flops(recomputed) / model.seq_len, definition=DEFINITION)
 
 
-def torch_counted_flops_per_token(config: GPTConfig, batch: int = 1) -> float:
-    """Training FLOPs per token as torch's FlopCounterMode counts them for one forward and backward.
-
-    Runs on the meta device: shapes only, no memory, no time. It counts matrix multiplies and
-    attention (torch's SDPA formula) and so should agree with the closed form to within the
-    small terms the closed form also ignores.
-    """
+def torch_counted_flops_per_token(step: Callable[[], object], tokens: int) -> float:
+    """Training FLOPs per token as torch's FlopCounterMode counts ``step()``, one forward and backward
+    over ``tokens`` tokens. Run it on the meta device: shapes only, no memory, no time. It counts
+    matrix multiplies and attention (torch's SDPA formula) and so should agree with the model's
+    count to within the small terms that count also ignores."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
-        model = GPT(config)
-        tokens = torch.zeros(batch, config.seq_len + 1, dtype=torch.long)
     with FlopCounterMode(display=False) as counter:
-        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    return counter.get_total_flops() / (batch * config.seq_len)
+        step()
+    return counter.get_total_flops() / tokens
 
 
 def datasheet_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -1,7 +1,7 @@
 """``Profiler``: where each step's time went, on every rank of a sharded job, cheap enough to leave on.
 
     profiler = Profiler(model, optimizer, tokens_per_step=batch * seq_len * world,
-                        flops=gpt_flops_per_token(config))
+                        flops=flops_per_token(config.spec()))
     for batch in batches:
         with profiler.step():
             loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.options import OptionError, check_writable_directory
 from shardwire.profile.profiler import FORMAT_VERSION
@@ -75,9 +76,7 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
     with _damage_reported(run_dirs):
         if len(profiles) > 1:
             _check_comparable(run_dirs, profiles)
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "shardwire report").use("Agg")
     os.makedirs(out, exist_ok=True)
     written = []
     for run_dir, profile in zip(run_dirs, profiles):

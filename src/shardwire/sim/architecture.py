@@ -73,6 +73,16 @@ class Architecture:
     def forward_flops(self) -> float:
         return self.root.forward_flops + sum(u.forward_flops for u in self.units)
 
+    @property
+    def model_flops(self) -> float:
+        """A training step's FLOPs per sequence: forward, and backward at twice forward (MFU's count)."""
+        return 3 * self.forward_flops
+
+    def hardware_flops(self, recomputed: float) -> float:
+        """``model_flops`` plus the share ``recomputed`` of every block's forward that activation
+        checkpointing runs again in backward (the root is not recomputed): HFU's count."""
+        return self.model_flops + recomputed * sum(u.forward_flops for u in self.units)
+
 
 def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
     """The units of ``model`` with activations counted at ``compute_bytes`` per element."""

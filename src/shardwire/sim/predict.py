@@ -75,12 +75,11 @@ class Prediction:
 
     @property
     def model_flops_per_gpu(self) -> float:
-        return 3 * self.arch.forward_flops * self.training.micro_batch * self.training.grad_accum
+        return self.arch.model_flops * self.training.micro_batch * self.training.grad_accum
 
     @property
     def hardware_flops_per_gpu(self) -> float:
-        recomputed = self.training.recomputed * sum(u.forward_flops for u in self.arch.units)  # not the root
-        return self.model_flops_per_gpu + recomputed * self.training.micro_batch * self.training.grad_accum
+        return self.arch.hardware_flops(self.training.recomputed) * self.training.micro_batch * self.training.grad_accum
 
     @property
     def tflops_per_gpu(self) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
 from shardwire.sim.memory import GIB
@@ -180,9 +181,7 @@ def sweep_text(s: Sweep) -> str:
 def plot_sweep(s: Sweep, path: str) -> None:
     """Step time split into compute and exposed communication per point, and scaling efficiency
     (or MFU when the sweep is not over nodes), as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "--plot").use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [_value(v) for v in s.values]

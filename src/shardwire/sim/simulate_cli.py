@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-import yaml
 
+from shardwire.extras import require
 from shardwire.sim import inputs, report
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.specs import SpecError
@@ -33,6 +33,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         if args.plot and not args.sweep:
             raise SpecError("--plot draws a sweep: add --sweep KEY=V1,V2,...")
+        if args.plot:
+            require("matplotlib", "--plot")
         model, cluster, training = inputs.load_arguments(args)
         if args.sweep:
             key, values = parse_sweep(args.sweep)
@@ -59,12 +61,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def parse_sweep(text: str) -> tuple[str, list]:
-    """``KEY=V1,V2,...`` -> (KEY, values), each value read as YAML reads a scalar (4, 0.5, true, block)."""
+    """``KEY=V1,V2,...`` -> (KEY, values), each value a JSON scalar where it is one (4, 0.5, true),
+    else the word itself (block)."""
     key, sep, listed = text.partition("=")
-    try:
-        values = [yaml.safe_load(v.strip()) for v in listed.split(",") if v.strip()]
-    except yaml.YAMLError as err:
-        raise SpecError(f"--sweep {text!r}: a value is not a YAML scalar: {err}") from None
+    values = [_scalar(v.strip()) for v in listed.split(",") if v.strip()]
     if not sep or not key.strip() or not values:
         raise SpecError(f"--sweep takes KEY=V1,V2,... (e.g. nodes=1,2,4,8), got {text!r}")
     return key.strip(), values
+
+
+def _scalar(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -32,6 +32,7 @@ from shardwire.engine.checkpoint.format import (
 from shardwire.engine.checkpoint.load import copy_into_model
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.shard import engine_of
+from shardwire.engine.state_dict import assemble
 from shardwire.files import write_atomically
 
 
@@ -71,15 +72,14 @@ def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:
 
 def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     manifest = reader.manifest
-    values: dict[str, torch.Tensor] = {}
-    for flat in manifest.flats:
-        layout = flat.layout
-        full = reader.flat_range(flat, param_key(flat.name), 0, layout.numel, layout.dtype)
-        for slot, view in zip(layout.slots, layout.views(full)):
-            values.update(dict.fromkeys(slot.names, view.clone()))
-    for buffer in manifest.buffers:
-        values[buffer.name] = reader.tensor(REPLICATED, buffer_key(buffer.name), buffer.shape, buffer.dtype)
-    return {key: values[key] for key in manifest.state_dict_keys}
+    flats = ((flat.layout, reader.flat_range(flat, param_key(flat.name), 0, flat.layout.numel, flat.layout.dtype))
+             for flat in manifest.flats)
+    buffers = {buffer.name: buffer for buffer in manifest.buffers}
+
+    def buffer(name: str) -> torch.Tensor:
+        return reader.tensor(REPLICATED, buffer_key(name), buffers[name].shape, buffers[name].dtype)
+
+    return assemble(flats, manifest.state_dict_keys, buffer)
 
 
 def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
