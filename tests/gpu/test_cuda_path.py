@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -222,6 +223,7 @@ def test_memory_is_flat_from_step_to_step_and_bounded(device):
             torch.cuda.reset_peak_memory_stats(device)
         run_steps(model, optimizer, data[i:i + 1], sharded=True)
         torch.cuda.synchronize(device)
+        gc.collect()  # earlier tests' models (reference cycles) must not be freed mid-measurement
         allocated.append(torch.cuda.memory_allocated(device))
         reserved.append(torch.cuda.memory_reserved(device))
     assert len(set(allocated[1:])) == 1, allocated
