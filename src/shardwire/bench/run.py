@@ -193,15 +193,15 @@ def validate(config: BenchConfig, world: int) -> None:
             f"{MAX_SIZES}: raise --step-bytes or --step-factor, or narrow the range"
         )
     try:
-        placement = Placement.launched(world, config.ranks_per_node)
+        launched = Placement.launched(world, config.ranks_per_node)
     except ValueError as err:
         raise BenchError(f"{err}: give --ranks-per-node a divisor of {world}") from None
-    sizes = {name: len(groups[0]) for name, groups in _members(placement).items()}
+    sizes = {name: len(groups[0]) for name, groups in _members(launched).items()}
     for name in config.groups:
         if sizes[name] < 2:
             raise BenchError(
-                f"the {name} group would have {sizes[name]} rank ({placement.nodes} node(s) of "
-                f"{placement.ranks_per_node} ranks): it needs at least 2; change --groups, --nproc or --ranks-per-node"
+                f"the {name} group would have {sizes[name]} rank ({launched.nodes} node(s) of "
+                f"{launched.ranks_per_node} ranks): it needs at least 2; change --groups, --nproc or --ranks-per-node"
             )
     smallest = min(sizes[name] for name in config.groups)
     if not 0 <= config.root < smallest:
@@ -225,10 +225,10 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError(problem)
 
 
-def _members(placement: Placement) -> dict[str, list[list[int]]]:
+def _members(launched: Placement) -> dict[str, list[list[int]]]:
     """The ranks of each kind of group (intra: one group per node)."""
-    return {"world": [list(range(placement.world))], "intra": placement.node_members(),
-            "inter": [placement.cross_node_members()]}
+    return {"world": [list(range(launched.world))], "intra": launched.node_members(),
+            "inter": [launched.cross_node_members()]}
 
 
 def _worker(config: BenchConfig) -> int:
@@ -264,10 +264,10 @@ def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = No
     Raises ``BenchError`` when the backend cannot run an operation as asked.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    placement = Placement.launched(world, config.ranks_per_node)
-    contexts = _contexts(config, placement, device)
+    launched = Placement.launched(world, config.ranks_per_node)
+    contexts = _contexts(config, launched, device)
     try:
-        context = _describe(config, placement, contexts, device)
+        context = _describe(config, launched, contexts, device)
         show = out is not None and rank == 0
 
         def say(line: str) -> None:
@@ -334,14 +334,14 @@ def _measure(operation: type[Operation], sizes: list[int], group: str, ctx: OpCo
     return result
 
 
-def _contexts(config: BenchConfig, placement: Placement, device: torch.device) -> dict[str, OpContext]:
+def _contexts(config: BenchConfig, launched: Placement, device: torch.device) -> dict[str, OpContext]:
     """This rank's view of each measured group, created in the same order on every rank because
     creating one is collective: its process group among all ranks, its communicator among its members."""
     make_group = {"world": lambda _: dist.group.WORLD, "intra": intra_node_group, "inter": inter_node_group}
     contexts = {}
-    for name, groups in _members(placement).items():
+    for name, groups in _members(launched).items():
         if name in config.groups:
-            group = make_group[name](placement)
+            group = make_group[name](launched)
             mine = next((ranks for ranks in groups if dist.get_rank() in ranks), groups[0])
             contexts[name] = _context(config, group, tuple(mine), device)
     return contexts
@@ -369,16 +369,16 @@ def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[
     )
 
 
-def _describe(config: BenchConfig, placement: Placement, contexts: dict[str, OpContext], device: torch.device) -> dict:
+def _describe(config: BenchConfig, launched: Placement, contexts: dict[str, OpContext], device: torch.device) -> dict:
     """The run's context for the report's header and JSON: world, machines, versions, settings and the
     command that asked for them."""
-    places = [None] * placement.world
+    places = [None] * launched.world
     dist.all_gather_object(places, (socket.gethostname(), _device_name(device)))
-    members = _members(placement)
+    members = _members(launched)
     return {
-        "world": placement.world,
-        "nodes": placement.nodes,
-        "ranks_per_node": placement.ranks_per_node,
+        "world": launched.world,
+        "nodes": launched.nodes,
+        "ranks_per_node": launched.ranks_per_node,
         "backend": str(dist.get_backend()),
         "devices": dict(collections.Counter(name for _, name in places)),
         "hosts": sorted({host for host, _ in places}),
