@@ -11,18 +11,19 @@ measured network and the measured compute, and compare.
     python benchmarks/calibrate_sim.py --measured benchmarks/results/scaling/scaling.json \
         --bench 1gbit=bench-1gbit.json 2x1@1gbit=bench-2x1-1gbit.json
 
-On this machine every rank of every node shares the same two cores, so what a collective takes
-from a rank's compute depends on how many ranks share them: a bench run on the layout of a run
+On this machine every rank of every node shares the same two cores, so what a collective and a
+rank's compute take from each other depends on how many ranks share them: a bench run on the layout of a run
 (``2x1@1gbit``) measures its share as that run sees it; a link's bench (``1gbit``, on 2 x 2) serves
 its other layouts.
 
 The simulator is given what was measured on this machine, and predicts how the step's
-communication overlaps its computation and how much it slows it:
+communication overlaps its computation and how much each slows the other:
 
 * the network, from ``shardwire bench --contention --json`` run on the emulated cluster with the
   engine's own collectives (``--impl shardwire``): busbw and per-step latency of each level, the
-  hierarchical algorithm the engine uses on gloo, and each level's compute share, the part of a
-  rank's compute a running all-gather of that level takes (``shardwire simulate --cluster-from``);
+  hierarchical algorithm the engine uses on gloo, and each level's compute share and bandwidth
+  share, the part of a rank's compute a running all-gather of that level takes and the part of the
+  all-gather's bandwidth the compute takes (``shardwire simulate --cluster-from``);
   runs on one node use the intra-node level only, which is the same loopback on and off the
   testbed;
 * compute, undisturbed: the benchmark's compute-only step (the same model as an unsharded replica

@@ -199,6 +199,9 @@ def test_contention_times_matmuls_alone_and_beside_each_groups_all_gather():
         assert result["ranks"] == ranks and len(result["rank_shares"]) == members
         assert result["all_gather_bytes"] == 1 << 20
         assert 0 < result["alone_s"] and 0 < result["beside_s"]
-        assert all(0 <= share < 1 for share in result["rank_shares"])
+        assert all(0 <= share <= 1 for share in result["rank_shares"])
         assert min(result["rank_shares"]) <= result["compute_share"] <= max(result["rank_shares"])
+        assert result["all_gather_s"] > 0 and len(result["rank_bandwidth_shares"]) == members
+        assert all(0 <= share <= 1 for share in result["rank_bandwidth_shares"])
+        assert min(result["rank_bandwidth_shares"]) <= result["bandwidth_share"] <= max(result["rank_bandwidth_shares"])
         assert f"# contention {group}: 8 x 1024^2 float32 matmuls" in printed

@@ -73,7 +73,8 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,many"], "nodes must be a whole number"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
-    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"], "nodes must be a whole number, got '[1'"),
+    (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"],
+     "nodes must be a whole number, got '[1'"),
     (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: gpt2-125m"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
 ])
@@ -140,7 +141,7 @@ def test_cluster_from_bench_converts_fits_to_busbw_and_step_latency(tmp_path):
         cluster_from_bench(str(path), CLUSTERS["a100-100gbe"])
 
 
-def test_cluster_from_bench_takes_the_compute_share_measured_beside_each_level(tmp_path):
+def test_cluster_from_bench_takes_the_shares_measured_of_each_level(tmp_path):
     path = tmp_path / "bench.json"
     doc = bench_document()
     path.write_text(json.dumps(doc))
@@ -148,11 +149,12 @@ def test_cluster_from_bench_takes_the_compute_share_measured_beside_each_level(t
     unmeasured = cluster_from_bench(str(path), preset)
     assert unmeasured.intra_node.compute_share == preset.intra_node.compute_share  # the cluster's own stays
     doc["contention"] = {"workload": {"op": "matmul", "n": 1024, "dtype": "float32"},
-                         "intra": {"compute_share": 0.3}, "world": {"compute_share": 0.1}}
+                         "intra": {"compute_share": 0.3, "bandwidth_share": 0.4},
+                         "world": {"compute_share": 0.1, "bandwidth_share": 0.2}}
     path.write_text(json.dumps(doc))
     measured = cluster_from_bench(str(path), preset)
-    assert measured.intra_node.compute_share == 0.3
-    assert measured.inter_node.compute_share == 0.1  # no inter measurement: the world's
+    assert (measured.intra_node.compute_share, measured.intra_node.bandwidth_share) == (0.3, 0.4)
+    assert (measured.inter_node.compute_share, measured.inter_node.bandwidth_share) == (0.1, 0.2)  # the world's
 
 
 def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):

@@ -1,8 +1,9 @@
-"""The simulator's contention model: collectives in flight take their level's share of compute."""
+"""The simulator's contention model: collectives in flight take their level's share of compute, and
+compute takes its share of their bandwidth."""
 
 import pytest
 
-from shardwire.sim.events import Processor, Simulation
+from shardwire.sim.events import Link, Processor, Simulation
 from shardwire.sim.planner import plan
 from shardwire.sim.predict import predict
 from shardwire.sim.presets import CLUSTERS, MODELS, TRAININGS
@@ -12,10 +13,11 @@ from shardwire.sim.specs import SpecError, TrainingSpec, as_dict, parse
 GPT = MODELS["gpt2-350m"]
 
 
-def with_shares(cluster_name: str, nodes: int, intra: float, inter: float):
+def with_shares(cluster_name: str, nodes: int, intra: float, inter: float, bandwidth: float = 0.0):
     cluster = as_dict(CLUSTERS[cluster_name])
     cluster["intra_node"]["compute_share"] = intra
     cluster["inter_node"]["compute_share"] = inter
+    cluster["intra_node"]["bandwidth_share"] = cluster["inter_node"]["bandwidth_share"] = bandwidth
     return parse("cluster", {**cluster, "nodes": nodes})
 
 
@@ -74,6 +76,26 @@ def test_each_level_slows_compute_only_while_its_collectives_run():
                      training)
     within = predict(GPT, with_shares("a100-100gbe", 1, 0.0, 0.5), training)
     assert across.compute_slowed_s == 0.0 and within.compute_slowed_s == 0.0
+
+
+def test_a_slowed_link_moves_bytes_at_its_reduced_rate_until_restored():
+    sim = Simulation()
+    link = Link(sim, capacity=1.0)
+    done = link.transfer(1.0)
+    link.slow(0.5)  # half a byte in the first second, the other half at full rate
+    sim.at(1.0, lambda: link.slow(0.0))
+    sim.run()
+    assert done.time == pytest.approx(1.5)
+
+
+def test_compute_slows_communication_by_its_bandwidth_share():
+    """Full sharding on slow links: collectives take longer while compute runs, so more of them is
+    left exposed and the step grows; with no compute share, the compute itself is untouched."""
+    training = TrainingSpec(micro_batch=4)
+    free, taken = (predict(GPT, with_shares("a100-100gbe", 4, 0.0, 0.0, share), training) for share in (0.0, 0.5))
+    assert taken.comm_s["all_gather"] > free.comm_s["all_gather"]
+    assert taken.step_time_s > free.step_time_s and taken.exposed_comm_s > free.exposed_comm_s
+    assert taken.compute_time_s == free.compute_time_s and taken.compute_slowed_s == 0.0
 
 
 def test_report_and_json_say_how_much_compute_slowed():

@@ -1,9 +1,11 @@
-"""How much of a device's compute a running collective takes: ``shardwire bench --contention``.
+"""What compute and a running collective take from each other: ``shardwire bench --contention``.
 
-Communication that overlaps compute is not free for it. NCCL runs its rings as kernels on the GPU's
-own SMs and through its memory; gloo's threads take the CPU's cores and memory bandwidth from the
-matrix multiplies. The simulator models this as each level's ``compute_share``: while a collective
-of that level is in flight, compute runs at ``1 - share`` of its speed (``shardwire.sim.events``).
+Communication that overlaps compute is not free for it, nor compute for communication. NCCL runs
+its rings as kernels on the GPU's own SMs and through its memory; gloo's threads take the CPU's
+cores and memory bandwidth from the matrix multiplies, and the multiplies take them from the
+threads. The simulator models each level with two shares (``shardwire.sim.events``): while a
+collective of that level is in flight, compute runs at ``1 - compute_share`` of its speed; while
+compute runs, the level's collectives move bytes at ``1 - bandwidth_share`` of theirs.
 
 This measures it. On each measured group, every rank of the world times a fixed matrix-multiply
 workload alone, then again while the group's members keep an all-gather of ``--max-bytes``
@@ -11,9 +13,16 @@ running (issued as the benchmark issues it: torch's collective or the engine's t
 benchmark's wire). The all-gathers are queued before the workload starts, enough of them to outlast
 it: a rank that sees the last one finished before its workload did (so that part of the workload ran
 alone) makes every rank try again with twice as many. A member's share is ``1 - alone / beside``
-(medians of a few trials), clamped to [0, 1); the group's is the median over its members, which is
+(medians of a few trials), clamped to [0, 1]; the group's is the median over its members, which is
 what ``shardwire simulate --cluster-from`` reads. Ranks outside the group compute in both phases, so
 that what they take from a shared machine is the same alone and beside.
+
+The bandwidth share comes from the same trials. Once the workload is done, each all-gather is
+waited for in turn and the time stamped after each wait: those that landed while the workload ran
+return at once, and the first that did not lands ``left`` seconds later, running alone, so
+``left / one`` of it was still to do (``one``: an all-gather's time alone). What the all-gathers
+moved beside the workload, in all-gathers, is ``moved = landed + 1 - left / one``, where alone they
+would have moved ``beside / one``: ``bandwidth_share = 1 - moved * one / beside``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ DOUBLINGS = 4
 # The chain of all-gathers counts as having outlasted the workload when waiting for it, once the
 # workload is done, takes at least this share of one all-gather: the last one was still running.
 STILL_RUNNING = 0.1
+# An all-gather whose wait, after the workload, takes under this share of one all-gather had landed.
+LANDED = 0.01
 
 
 class ContentionError(Exception):
@@ -93,12 +104,12 @@ def _measure_group(ctx: OpContext, nbytes: int, run: Callable[[], None], clock: 
     numel = max(nbytes // ctx.dtype.itemsize // ctx.size, 1) * ctx.size
     gather = AllGather(ctx, numel, OUT_OF_PLACE) if ctx.member else None
     alone = statistics.median(_timed(run, clock, None, 0)[0] for _ in range(TRIALS))
-    one_gather = statistics.median(_timed(_idle, clock, gather, 1)[1] for _ in range(3))  # 0 outside the group
+    one_gather = statistics.median(_last(_timed(_idle, clock, gather, 1)[1]) for _ in range(3))  # 0 outside
     # enough all-gathers to outlast the workload by half again, agreed by every rank
     count = _agree_max(math.ceil(1.5 * alone / one_gather) + 1 if gather else 1, ctx.device)
     for _ in range(DOUBLINGS + 1):
         trials = [_timed(run, clock, gather, count) for _ in range(TRIALS)]
-        covered = gather is None or all(tail >= STILL_RUNNING * one_gather for _, tail in trials)
+        covered = gather is None or all(_last(lands) >= STILL_RUNNING * one_gather for _, lands in trials)
         if _agree_max(0 if covered else 1, ctx.device) == 0:
             break
         count *= 2
@@ -108,34 +119,61 @@ def _measure_group(ctx: OpContext, nbytes: int, run: Callable[[], None], clock: 
             f"multiplies on some rank of the {ctx.size}-rank group: raise --max-bytes"
         )
     beside = statistics.median(seconds for seconds, _ in trials)
-    share = min(max(1.0 - alone / beside, 0.0), math.nextafter(1.0, 0.0))
+    share = _share(1.0 - alone / beside)
+    slowed = _share(statistics.median(_bandwidth_share(lands, one_gather, seconds) for seconds, lands in trials)
+                    if gather else 0.0)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (ctx.member, alone, beside, share))
-    members = [(a, b, s) for member, a, b, s in everyone if member]
+    dist.all_gather_object(everyone, (ctx.member, alone, beside, share, one_gather, slowed))
+    members = [values for member, *values in everyone if member]
     return {
         "ranks": ctx.size,
         "all_gather_bytes": numel * ctx.dtype.itemsize,
-        "alone_s": statistics.median(a for a, _, _ in members),
-        "beside_s": statistics.median(b for _, b, _ in members),
-        "compute_share": statistics.median(s for _, _, s in members),
-        "rank_shares": [s for _, _, s in members],
+        "alone_s": statistics.median(m[0] for m in members),
+        "beside_s": statistics.median(m[1] for m in members),
+        "compute_share": statistics.median(m[2] for m in members),
+        "rank_shares": [m[2] for m in members],
+        "all_gather_s": statistics.median(m[3] for m in members),
+        "bandwidth_share": statistics.median(m[4] for m in members),
+        "rank_bandwidth_shares": [m[4] for m in members],
     }
 
 
-def _timed(run: Callable[[], None], clock: Clock, gather: AllGather | None, count: int) -> tuple[float, float]:
-    """Seconds of ``run()`` with ``count`` all-gathers queued before it, and seconds spent after it
-    waiting for them; every rank of the world starts together."""
+def _share(value: float) -> float:
+    return min(max(value, 0.0), 1.0)
+
+
+def _bandwidth_share(lands: list[float], one: float, beside: float) -> float:
+    """What the workload took from the all-gathers queued before it (see the module docstring), from
+    how long after the workload each landed."""
+    landed = sum(1 for left in lands if left < LANDED * one)
+    left = next(left for left in lands if left >= LANDED * one)  # the chain outlasts the workload
+    moved = landed + 1.0 - min(1.0, left / one)
+    return 1.0 - moved * one / beside
+
+
+def _last(lands: list[float]) -> float:
+    return lands[-1] if lands else 0.0
+
+
+def _timed(run: Callable[[], None], clock: Clock, gather: AllGather | None,
+           count: int) -> tuple[float, list[float]]:
+    """Seconds of ``run()`` with ``count`` all-gathers queued before it, and for each all-gather the
+    seconds after it until the all-gather had landed; every rank of the world starts together.
+    On CUDA the stamps are events after each wait, which orders the stream after the collective."""
     dist.barrier()
-    handles = [handle for _ in range(count) for handle in gather.issue()] if gather else []
+    issued = [gather.issue() for _ in range(count)] if gather else []
     start = clock.stamp()
     run()
     done = clock.stamp()
-    for handle in handles:
-        handle.wait()
-    landed = clock.stamp()
+    stamps = []
+    for handles in issued:
+        for handle in handles:
+            handle.wait()
+        stamps.append(clock.stamp())
     if clock.cuda:
         torch.cuda.synchronize(clock.device)
-    return clock.seconds(done) - clock.seconds(start), clock.seconds(landed) - clock.seconds(done)
+    after = clock.seconds(done)
+    return after - clock.seconds(start), [clock.seconds(stamp) - after for stamp in stamps]
 
 
 def _idle() -> None:

@@ -36,7 +36,10 @@ The JSON document (``--json``) is read by the simulator; its schema, ``shardwire
         GROUP: {"ranks": 4, "all_gather_bytes": S,
                 "alone_s": 0.31, "beside_s": 0.42,        # the workload's time, median over the members
                 "compute_share": 0.26,                   # 1 - alone / beside, median over the members
-                "rank_shares": [0.25, ...]}}             # each member's, in group order
+                "rank_shares": [0.25, ...],              # each member's, in group order
+                "all_gather_s": 0.05,                    # one all-gather alone, median over the members
+                "bandwidth_share": 0.3,                  # what the workload took from the all-gathers
+                "rank_bandwidth_shares": [0.3, ...]}}
     }
 
     POINT = {"time_us": 812.4, "algbw_GBps": 5.2, "busbw_GBps": 9.1, "wrong": 0 | null}
@@ -95,11 +98,12 @@ def header_lines(context: dict) -> list[str]:
 
 def contention_line(group: str, workload: dict, result: dict) -> str:
     """One group's ``--contention`` result (``shardwire.bench.contention``)."""
-    shares = result["rank_shares"]
+    shares, bandwidth = result["rank_shares"], result["rank_bandwidth_shares"]
     return (f"# contention {group}: {workload['count']} x {workload['n']}^2 {workload['dtype']} matmuls "
             f"{result['alone_s'] * 1e3:.1f} ms alone, {result['beside_s'] * 1e3:.1f} ms beside an all_gather of "
-            f"{format_size(result['all_gather_bytes'])}: compute share {result['compute_share']:.3f} "
-            f"(members {min(shares):.3f} to {max(shares):.3f})")
+            f"{format_size(result['all_gather_bytes'])} ({result['all_gather_s'] * 1e3:.1f} ms alone): compute "
+            f"share {result['compute_share']:.3f} (members {min(shares):.3f} to {max(shares):.3f}), bandwidth "
+            f"share {result['bandwidth_share']:.3f} ({min(bandwidth):.3f} to {max(bandwidth):.3f})")
 
 
 def rounding_note(align: int, split: bool, rounded: list[tuple[int, int]]) -> str:

@@ -105,11 +105,15 @@ class Simulation:
 
 
 class Link:
-    """A resource moving ``capacity`` bytes per second, shared equally by the transfers on it."""
+    """A resource moving ``capacity`` bytes per second, shared equally by the transfers on it.
+
+    ``slow(share)`` lowers the rate to ``1 - share`` of the capacity until ``slow(0)``: what running
+    compute takes from the collectives on it."""
 
     def __init__(self, sim: Simulation, capacity: float):
         self.sim = sim
         self.capacity = capacity
+        self._rate = capacity
         self._transfers: dict[Event, float] = {}  # completion event -> bytes left
         self._since = 0.0
         self._generation = 0
@@ -127,11 +131,19 @@ class Link:
         self._plan()
         return done
 
+    def slow(self, share: float) -> None:
+        """Move bytes at ``1 - share`` of the capacity from now on."""
+        rate = self.capacity * (1.0 - share)
+        if rate != self._rate:
+            self._settle()
+            self._rate = rate
+            self._plan()
+
     def _settle(self) -> None:
         """Account for the bytes moved since the last change."""
         elapsed = self.sim.now - self._since
         if self._transfers and elapsed > 0:
-            share = self.capacity * elapsed / len(self._transfers)
+            share = self._rate * elapsed / len(self._transfers)
             for event in self._transfers:
                 self._transfers[event] -= share
             self.busy_s += elapsed
@@ -144,7 +156,7 @@ class Link:
             return
         generation = self._generation
         soonest = min(self._transfers.values())
-        finish = self.sim.now + max(0.0, soonest) * len(self._transfers) / self.capacity
+        finish = self.sim.now + max(0.0, soonest) * len(self._transfers) / self._rate
         self.sim.at(finish, lambda: self._complete(generation))
 
     def _complete(self, generation: int) -> None:

@@ -12,8 +12,8 @@ and latency per step = alpha / (k-1), averaged over the two operations. The ``in
 the intra-node level, the ``inter`` group (one rank per node) the inter-node level. Collectives
 measured as the engine runs them on gloo (``--impl shardwire``) cross the levels hierarchically;
 others (NCCL's, gloo's own) by a ring. Where the bench measured contention (``--contention``), a
-level's ``compute_share`` is the share measured beside its group's all-gather (``world``'s when
-that group's was not measured); elsewhere the cluster's own stays.
+level's ``compute_share`` and ``bandwidth_share`` are those measured of its group's all-gather
+(``world``'s when that group's was not measured); elsewhere the cluster's own stay.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
 from shardwire.extras import require
 from shardwire.sim.presets import PRESETS
-from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
 
@@ -91,10 +91,13 @@ def _cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) 
                 f"it with `shardwire bench --groups intra inter --ops all_gather reduce_scatter`"
             )
         own = getattr(cluster, level)
-        share = _compute_share(doc.get("contention") or {}, group)
+        measured = _contention(doc.get("contention") or {}, group)
+        # a share of 1 (nothing left to the other side) is kept just under it, where rates stay finite
+        shares = {key: min(measured.get(key, getattr(own, key)), LIMITS[key].high)
+                  for key in ("compute_share", "bandwidth_share")}
         levels[level] = dataclasses.replace(
             own, **({} if link is None else {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}),
-            compute_share=own.compute_share if share is None else share)
+            **shares)
     engine_on_gloo = context["backend"] == "gloo" and context["settings"].get("impl") == "shardwire"
     return parse("cluster", {
         **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
@@ -104,12 +107,12 @@ def _cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) 
     })
 
 
-def _compute_share(contention: Mapping, group: str) -> float | None:
-    """The compute share measured beside ``group``'s all-gather, else beside the world's, else None."""
+def _contention(contention: Mapping, group: str) -> Mapping:
+    """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing."""
     for name in (group, "world"):
         if contention.get(name):
-            return contention[name]["compute_share"]
-    return None
+            return contention[name]
+    return {}
 
 
 def _link_from_fits(fits: Mapping) -> LinkSpec | None:

@@ -142,6 +142,8 @@ LIMITS = types.MappingProxyType({
     # A collective taking all of the compute would stop it; over 99% the share is in percent, not a fraction.
     "compute_share": Limit(0.99, "over 0.99: it is the fraction of compute a running collective takes, in [0, 1)",
                            zero=True),
+    "bandwidth_share": Limit(0.99, "over 0.99: it is the fraction of a level's bandwidth running compute takes, "
+                                   "in [0, 1)", zero=True),
     # A selective checkpointing policy recomputes some of a block's forward: a fraction in (0, 1].
     "recompute_fraction": Limit(
         low=1e-3, below="under 0.001 of a block's forward: turn activation_checkpointing off instead",
@@ -217,15 +219,19 @@ class LinkSpec:
     level (a ring over k members takes k - 1 steps). ``compute_share`` is the fraction of a GPU's
     compute a collective on this level takes while it runs (the SMs its kernels hold and the memory
     bandwidth they use; on CPUs, the cores its threads take): compute runs at ``1 - compute_share``
-    of its rate meanwhile (``shardwire.sim.costs``).
+    of its rate meanwhile (``shardwire.sim.costs``). ``bandwidth_share`` is the converse, the
+    fraction of this level's bandwidth that running compute takes from its collectives (on CPUs, the
+    cores gloo's threads need to move and sum bytes; on GPUs, where a collective's SMs are its own,
+    0 unless measured): while compute runs, they move bytes at ``1 - bandwidth_share`` of the rate.
     """
 
     busbw_GBps: float
     latency_us: float = 0.0
     compute_share: float = 0.0
+    bandwidth_share: float = 0.0
 
     def __post_init__(self):
-        _check_limits(self, "busbw_GBps", "latency_us", "compute_share")
+        _check_limits(self, "busbw_GBps", "latency_us", "compute_share", "bandwidth_share")
 
 
 @dataclasses.dataclass(frozen=True)

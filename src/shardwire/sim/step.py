@@ -7,7 +7,9 @@ gradient norm. Collectives of one lane run one after another; the lanes run conc
 the links (``shardwire.sim.events.Link``): an all-gather and a reduce-scatter crossing a NIC at the
 same time each get half of it. While a collective runs it takes its level's ``compute_share`` of
 the GPU, and the compute lane (a ``shardwire.sim.events.Processor``) runs that much slower: a unit's
-compute overlapped with communication for part of its length stretches by that part.
+compute overlapped with communication for part of its length stretches by that part. While compute
+runs it takes each level's ``bandwidth_share`` from the links, and collectives move bytes that much
+slower (on CPUs, where the cores that compute are the ones that move the bytes).
 
 The compute lane follows the engine (``shardwire.engine.runtime`` and ``schedule``):
 
@@ -388,9 +390,15 @@ class _Step:
         return done
 
     def _compute(self, kind: str, seconds: float) -> Process:
+        """``seconds`` of compute, at the rate collectives in flight leave it, taking each level's
+        ``bandwidth_share`` from the collectives meanwhile."""
         if seconds > 0:
             self.compute[kind] += seconds
+            for level, link in self.links.items():
+                link.slow(costs.level_spec(self.cluster, level).bandwidth_share)
             yield self.processor.run(seconds)
+            for link in self.links.values():
+                link.slow(0.0)
 
     def _wait(self, event: Event, reason: str, unit: str) -> Process:
         if not event.happened:
