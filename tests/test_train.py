@@ -46,3 +46,40 @@ def test_more_workers_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="--nproc 2 asks for one GPU per worker, but 1 is visible; use --nproc 1"):
         main(["train", "--nproc", "2"])
+
+
+def test_print_launch_writes_one_command_for_every_node_that_parses_back_to_the_job(capsys):
+    import argparse
+    import shlex
+
+    from shardwire.train import add_arguments
+
+    job = ["--model", "30m", "--no-reshard", "--wire", "int8", "--backend", "nccl", "--precision", "bf16"]
+    assert main(["train", "--print-launch", "--nnodes", "4", "--nproc-per-node", "8", "--max-restarts", "2", *job]) == 0
+    comment, command = capsys.readouterr().out.splitlines()
+    assert "on each of the 4 node(s)" in comment and "HEAD_ADDRESS" in comment
+    words = shlex.split(command)
+    assert words[:8] == ["torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=HEAD_ADDRESS:29500", "--rdzv-id=shardwire", "--max-restarts=2", "-m"]
+    assert words[8:10] == ["shardwire", "train"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert vars(parser.parse_args(words[10:])) == vars(parser.parse_args(job))
+
+
+def test_print_launch_checks_the_layout_against_the_cluster_it_is_for():
+    """16 ranks in groups of 3 do not divide, on the cluster the command is for (not this machine)."""
+    with pytest.raises(SystemExit, match="--shard-group-size 3 does not divide"):
+        main(["train", "--print-launch", "--nnodes", "2", "--nproc-per-node", "8", "--sharding", "hybrid",
+              "--shard-group-size", "3"])
+
+
+def test_the_slurm_example_is_valid_bash_and_launches_as_print_launch_does():
+    import pathlib
+    import subprocess
+
+    script = pathlib.Path(__file__).parents[1] / "examples" / "slurm.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    text = script.read_text()
+    for part in ("srun torchrun", "--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD:29500"', "-m shardwire train"):
+        assert part in text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import sys
 
@@ -35,6 +36,18 @@ def die_with_launcher() -> None:
         return  # not allowed here (a sandbox): nothing is lost but this safety net
     if os.getppid() != parent:
         os._exit(1)
+
+
+def torchrun_command(nnodes: int, nproc_per_node: int, argv: list[str], *, max_restarts: int = 0) -> str:
+    """The command that runs ``python -m shardwire <argv>`` as ``nproc_per_node`` workers on each of
+    ``nnodes`` nodes: the same on every node, the nodes meeting at a c10d rendezvous on the first
+    one (``HEAD_ADDRESS``, for the launcher or the user to fill in), so no node needs a rank of its
+    own and a restarted node rejoins."""
+    torchrun = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=HEAD_ADDRESS:29500", "--rdzv-id=shardwire"]
+    if max_restarts:
+        torchrun.append(f"--max-restarts={max_restarts}")
+    return shlex.join([*torchrun, "-m", "shardwire", *argv])
 
 
 def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:

@@ -26,7 +26,7 @@ from shardwire.data import ByteCorpus
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
 from shardwire.engine.sharding import SHARDINGS, group_size
-from shardwire.launch import launch_local, under_launcher
+from shardwire.launch import launch_local, torchrun_command, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.options import OptionError, bounded, check_bounds, check_writable_directory
 from shardwire.profile.comm import CommSummary
@@ -67,6 +67,13 @@ class TrainConfig:
     profile: bool = False  # record where every step's time goes (see shardwire.profile)
     run_dir: str | None = None  # where --profile writes; default runs/<date-time>
     peak_tflops: float | None = bounded(None, above=0, real=True)  # per worker, for MFU; default: a GPU's data sheet, or a probe
+    print_launch: bool = False  # print the torchrun command for a cluster instead of training
+    nnodes: int = bounded(1, at_least=1)  # nodes of that cluster
+    nproc_per_node: int | None = bounded(None, at_least=1)  # workers on each; default: as --nproc
+
+
+# Options that say where and how to start the workers, not what they train.
+_LAUNCH_OPTIONS = ("nproc", "max_restarts", "print_launch", "nnodes", "nproc_per_node")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,26 +125,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=d.run_dir, help="profile output directory (default runs/<date-time>)")
     parser.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
                         help="peak TFLOP/s per worker for MFU (default: measured by a matmul probe)")
+    parser.add_argument("--print-launch", action="store_true",
+                        help="print the torchrun command that runs this job on each of --nnodes nodes, and exit")
+    parser.add_argument("--nnodes", type=int, default=d.nnodes, help="with --print-launch: nodes")
+    parser.add_argument("--nproc-per-node", type=int, default=d.nproc_per_node,
+                        help="with --print-launch: workers per node (default: as --nproc)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``shardwire train``: launch local workers, or be one."""
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     _validate(config)
+    if config.print_launch:
+        print(f"# on each of the {config.nnodes} node(s); HEAD_ADDRESS: the first node's address, which every "
+              f"node must reach\n{_launch_command(config)}")
+        return 0
     if config.nproc is None:
-        config.nproc = torch.cuda.device_count() if worker.uses_cuda(config.backend) else 2
+        config.nproc = _local_workers(config)
     if not under_launcher():
         return launch_local(config.nproc, ["train", *argv], max_restarts=config.max_restarts)
     train(config)
     return 0
 
 
+def _launch_command(config: TrainConfig) -> str:
+    """The torchrun command for ``--print-launch``: this job's options, written back from the config."""
+    defaults = TrainConfig()
+    argv = ["train"]
+    for field in dataclasses.fields(TrainConfig):
+        value = getattr(config, field.name)
+        if field.name in _LAUNCH_OPTIONS or value == getattr(defaults, field.name):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            argv += [flag, str(value)]
+    per_node = config.nproc_per_node or config.nproc or _local_workers(config)
+    return torchrun_command(config.nnodes, per_node, argv, max_restarts=config.max_restarts)
+
+
+def _local_workers(config: TrainConfig) -> int:
+    """Workers on this machine by default: one per GPU with NCCL, else 2."""
+    return torch.cuda.device_count() if worker.uses_cuda(config.backend) else 2
+
+
 def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
-    """The ranks the job will have, and on each node: the launcher's, or the local workers'."""
+    """The ranks the job will have, and on each node: with --print-launch, the cluster's; under a
+    launcher, its; else the local workers'."""
+    if config.print_launch:
+        per_node = config.nproc_per_node or config.nproc or _local_workers(config)
+        return config.nnodes * per_node, per_node
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
         return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    local = config.nproc or (torch.cuda.device_count() if worker.uses_cuda(config.backend) else 2)
+    local = config.nproc or _local_workers(config)
     return local, local
 
 
@@ -161,9 +203,9 @@ def _validate(config: TrainConfig) -> None:
     """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
     try:
         check_bounds(config)
-        if config.checkpoint_dir is not None:
+        if config.checkpoint_dir is not None and not config.print_launch:
             check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
-        if config.profile:
+        if config.profile and not config.print_launch:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
     except OptionError as err:
         raise SystemExit(f"error: {err}") from None
@@ -177,6 +219,8 @@ def _validate(config: TrainConfig) -> None:
         Wire.parse(config.wire)
     except ValueError as err:
         raise SystemExit(f"error: --{err}") from None
+    if config.print_launch:
+        return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:
         raise SystemExit(f"error: {problem}")
     gpus = torch.cuda.device_count()
