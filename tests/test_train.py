@@ -83,3 +83,29 @@ def test_the_slurm_example_is_valid_bash_and_launches_as_print_launch_does():
     text = script.read_text()
     for part in ("srun torchrun", "--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD:29500"', "-m shardwire train"):
         assert part in text
+
+
+def test_progress_is_a_line_per_update_in_a_log_and_a_redrawn_bar_on_a_terminal():
+    import io
+
+    from shardwire.progress import ProgressBar
+
+    log = io.StringIO()
+    progress = ProgressBar(400, stream=log)
+    progress.update(10, {"loss": "3.100"})
+    progress.update(20, {"loss": "2.900"})
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split("  eta ")[0] for line in lines] == [
+        "step  10/400 [........................] loss 3.100", "step  20/400 [#.......................] loss 2.900"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    progress = ProgressBar(400, stream=terminal)
+    progress.update(400, {"loss": "2.100"})
+    progress.close()
+    drawn = terminal.getvalue()
+    assert "\r" in drawn and drawn.endswith("\n") and "step 400/400" in drawn and "loss 2.100" in drawn

@@ -1,4 +1,4 @@
-"""Optional dependencies: the core install is what training needs (torch, numpy, safetensors);
+"""Optional dependencies: the core install is what training needs (torch, numpy, safetensors, tqdm);
 plotting and YAML input are extras, imported only by the features that use them.
 
 ``require`` is how such a feature imports one: a missing package becomes a ``MissingExtra`` whose

@@ -1,10 +1,13 @@
-"""A one-line progress bar for training: redrawn in place on a terminal, a plain line per update
-otherwise (logs, CI), so it reads well in both."""
+"""Training progress, one update per log interval: tqdm's bar, redrawn in place, on a terminal; a
+plain line per update otherwise (logs, CI, pipes), where a redrawn bar would only pile up carriage
+returns."""
 
 from __future__ import annotations
 
 import sys
 import time
+
+from tqdm import tqdm
 
 
 def format_duration(seconds: float) -> str:
@@ -27,27 +30,27 @@ class ProgressBar:
         self.total = total
         self.width = width
         self.stream = stream or sys.stdout
-        self.interactive = self.stream.isatty()
         self._start_step = start
         self._started = time.monotonic()
+        self._bar = (tqdm(total=total, initial=start, file=self.stream, unit="step", dynamic_ncols=True,
+                          bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc}  eta {remaining}")
+                     if self.stream.isatty() else None)
 
     def update(self, step: int, fields: dict[str, str]) -> None:
         """Show ``step`` (1-based, of ``total``) and the given ``name: value`` fields."""
-        done = step / self.total
-        filled = int(done * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.monotonic() - self._started
-        steps_run = step - self._start_step
-        eta = elapsed / steps_run * (self.total - step) if steps_run else 0.0
         text = "  ".join(f"{name} {value}" for name, value in fields.items())
-        line = f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {text}  eta {format_duration(eta)}"
-        if self.interactive:
-            self.stream.write("\r\033[K" + line)
-        else:
-            self.stream.write(line + "\n")
+        if self._bar is not None:
+            self._bar.set_description_str(text, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        filled = int(step / self.total * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        steps_run = step - self._start_step
+        eta = (time.monotonic() - self._started) / steps_run * (self.total - step) if steps_run else 0.0
+        counter = f"{step:>{len(str(self.total))}}/{self.total}"
+        self.stream.write(f"step {counter} [{bar}] {text}  eta {format_duration(eta)}\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
