@@ -12,7 +12,7 @@ import importlib
 from types import ModuleType
 
 # top-level package -> the extra of pyproject.toml that installs it
-EXTRAS = {"matplotlib": "plots", "yaml": "yaml", "transformers": "hf"}
+EXTRAS = {"matplotlib": "plots", "yaml": "yaml", "transformers": "hf", "tensorboard": "tensorboard"}
 
 
 class MissingExtra(ImportError):

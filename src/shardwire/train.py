@@ -24,15 +24,17 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.data import ByteCorpus
 from shardwire.engine.checkpoint.schema import fits
+from shardwire.extras import require
 from shardwire.engine.shard import engine_of
 from shardwire.engine.sharding import SHARDINGS, group_size
 from shardwire.launch import launch_local, torchrun_command, under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
-from shardwire.options import OptionError, bounded, check_bounds, check_writable_directory
+from shardwire.options import OptionError, bounded, check_bounds, check_output_file, check_writable_directory
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
 from shardwire.progress import ProgressBar, format_duration, format_rate
+from shardwire.scalars import ScalarLog
 
 
 @dataclasses.dataclass
@@ -67,6 +69,8 @@ class TrainConfig:
     profile: bool = False  # record where every step's time goes (see shardwire.profile)
     run_dir: str | None = None  # where --profile writes; default runs/<date-time>
     peak_tflops: float | None = bounded(None, above=0, real=True)  # per worker, for MFU; default: a GPU's data sheet, or a probe
+    tensorboard: str | None = None  # write the log interval's scalars as TensorBoard events here
+    log_jsonl: str | None = None  # append them to this file as JSON lines
     print_launch: bool = False  # print the torchrun command for a cluster instead of training
     nnodes: int = bounded(1, at_least=1)  # nodes of that cluster
     nproc_per_node: int | None = bounded(None, at_least=1)  # workers on each; default: as --nproc
@@ -125,6 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=d.run_dir, help="profile output directory (default runs/<date-time>)")
     parser.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
                         help="peak TFLOP/s per worker for MFU (default: measured by a matmul probe)")
+    parser.add_argument("--tensorboard", metavar="DIR", default=d.tensorboard,
+                        help="write loss, learning rate, tokens/s, step time, communication and exposed "
+                             "communication (and MFU with --profile) as TensorBoard scalars here, each log interval")
+    parser.add_argument("--log-jsonl", metavar="FILE", default=d.log_jsonl,
+                        help="append the same scalars to this file as JSON lines")
     parser.add_argument("--print-launch", action="store_true",
                         help="print the torchrun command that runs this job on each of --nnodes nodes, and exit")
     parser.add_argument("--nnodes", type=int, default=d.nnodes, help="with --print-launch: nodes")
@@ -207,6 +216,11 @@ def _validate(config: TrainConfig) -> None:
             check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
         if config.profile and not config.print_launch:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
+        if config.tensorboard is not None and not config.print_launch:
+            require("tensorboard", "--tensorboard")
+            check_writable_directory(config.tensorboard, "--tensorboard")
+        if config.log_jsonl is not None and not config.print_launch:
+            check_output_file(config.log_jsonl, "--log-jsonl")
     except OptionError as err:
         raise SystemExit(f"error: {err}") from None
     try:
@@ -302,6 +316,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
     profiler = _profiler(config, model, optimizer, tokens_per_step) if config.profile else None
     progress = ProgressBar(config.steps, start=start) if rank == 0 else None
+    scalars = ScalarLog(config.tensorboard, config.log_jsonl) if rank == 0 else None
     first_loss = last_loss = None
     interval_start, interval_steps = time.perf_counter(), 0
     started = time.perf_counter()
@@ -348,6 +363,15 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
                 if val_loss is not None:
                     fields["val"] = f"{val_loss:.4f}"
                 progress.update(step + 1, fields)
+                step_time = elapsed / interval_steps
+                values = {"loss": last_loss, "lr": scheduler.get_last_lr()[0],
+                          "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                          "comm_s": summary.busy_s, "exposed_comm_s": summary.exposed_s}
+                if val_loss is not None:
+                    values["val_loss"] = val_loss
+                if profiler is not None and "mfu" in (throughput := profiler.throughput(step_time)):
+                    values["mfu"] = throughput["mfu"]
+                scalars.write(step + 1, values)
             interval_start, interval_steps = time.perf_counter(), 0
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             saving_from = time.perf_counter()
@@ -356,6 +380,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
 
     if progress is not None:
         progress.close()
+        scalars.close()
     if profiler is not None and config.steps > start:
         _save_profile(profiler, config, rank)
     val_loss = evaluate(model, corpus, config, rows, global_batch, model_config.seq_len, device)

@@ -136,7 +136,7 @@ class Profiler:
         first = self._warmup_steps if len(steps) > self._warmup_steps else 0
         summary = analysis.over_steps(steps[first:])
         step_time = summary["figures"]["step_s"]["max"]
-        summary.update(self._throughput(step_time))
+        summary.update(self.throughput(step_time))
         # the measured step closest to the median, for the report's one-step timeline
         typical = min(range(first, len(steps)), key=lambda i: abs(steps[i]["figures"]["step_s"]["max"] - step_time))
         profile = {
@@ -159,7 +159,7 @@ class Profiler:
         write_atomically(os.path.join(run_dir, "trace.json"), json.dumps(chrome_trace(per_rank_timelines)), durable=True)
         return summary
 
-    def _throughput(self, step_s: float) -> dict:
+    def throughput(self, step_s: float) -> dict:
         """Tokens/s, TFLOP/s per worker and MFU/HFU for a step time (the slowest rank's)."""
         result = {"step_time_s": step_s, "tokens_per_s": self._tokens_per_step / step_s}
         if self._flops is None:

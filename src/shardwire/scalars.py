@@ -1,0 +1,47 @@
+"""Training's scalars beyond the progress line, one record per log interval: TensorBoard event
+files (``--tensorboard DIR``, the ``tensorboard`` extra) and JSON lines (``--log-jsonl FILE``,
+appended to, so a resumed run goes on where it stopped). Rank 0 writes them."""
+
+from __future__ import annotations
+
+import json
+
+from shardwire.extras import require
+
+# TensorBoard's tag for each scalar: grouped so that its dashboard shows one panel per group.
+TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_time_s": "train/step_time_s",
+    "comm_s": "comm/busy_s",
+    "exposed_comm_s": "comm/exposed_s",
+    "val_loss": "val/loss",
+    "mfu": "perf/mfu",
+}
+
+
+class ScalarLog:
+    def __init__(self, tensorboard: str | None = None, jsonl: str | None = None):
+        self._writer = None
+        if tensorboard is not None:
+            require("tensorboard", "--tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(tensorboard)
+        self._jsonl = open(jsonl, "a") if jsonl is not None else None
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        """The scalars (keys of ``TAGS``) at ``step``."""
+        if self._writer is not None:
+            for name, value in scalars.items():
+                self._writer.add_scalar(TAGS[name], value, step)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
