@@ -1,9 +1,12 @@
-"""Byte-level text data: a corpus every Python installation has, and batches that depend only on the step.
+"""Training data: text as bytes (a corpus every Python installation has), or pre-tokenised ids,
+and batches that depend only on the step.
 
 The default corpus is the ``.py`` files of the standard library: present wherever shardwire runs, so
-the main job needs no download. Batches are a pure function of (seed, step): every rank can compute
-the global batch and keep its own rows, a run's data position is its step number, and a resumed run
-sees exactly the batches an uninterrupted one would have.
+the main job needs no download. A pre-tokenised corpus is a flat array of token ids, read through a
+memory map and never loaded whole: nanoGPT's ``.bin`` (uint16) or a ``.npy`` of any unsigned
+integer dtype (uint32 for vocabularies past 65,536). Batches are a pure function of (seed, step):
+every rank can compute the global batch and keep its own rows, a run's data position is its step
+number, and a resumed run sees exactly the batches an uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -12,23 +15,88 @@ import math
 import pathlib
 import sysconfig
 
+import numpy as np
 import torch
 
 VALIDATION_FRACTION = 0.01
 
 
+TOKEN_SUFFIXES = (".bin", ".npy")
+# Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
+_CHECK_CHUNK = 1 << 24
+
+
+def load_corpus(path: str | None, seq_len: int) -> "ByteCorpus | TokenCorpus":
+    """The corpus ``path`` names: pre-tokenised ids for ``.bin`` and ``.npy`` files, else text."""
+    if path is not None and path.endswith(TOKEN_SUFFIXES):
+        return TokenCorpus.load(path, seq_len)
+    return ByteCorpus.load(path, seq_len)
+
+
+def _splits(data, name: str, unit: str, seq_len: int) -> dict:
+    """The train and validation splits of ``data``, the last ``VALIDATION_FRACTION`` validating."""
+    split = int(len(data) * (1 - VALIDATION_FRACTION))
+    if len(data) - split <= seq_len + 1:
+        needed = math.ceil((seq_len + 2) / VALIDATION_FRACTION)
+        raise ValueError(
+            f"corpus {name} has only {len(data):,} {unit}: its validation split ({VALIDATION_FRACTION:.0%}) "
+            f"must hold a sequence of {seq_len + 1} {unit}, so give it at least {needed:,} {unit}"
+        )
+    return {"train": data[:split], "val": data[split:]}
+
+
+class TokenCorpus:
+    """Pre-tokenised ids, memory-mapped."""
+
+    def __init__(self, ids: np.ndarray, name: str, seq_len: int):
+        self.name = name
+        self.ids = ids
+        self.splits = _splits(ids, name, "tokens", seq_len)
+
+    @classmethod
+    def load(cls, path: str, seq_len: int) -> TokenCorpus:
+        file = pathlib.Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"data path {path} does not exist: pass a .bin or .npy file of token ids")
+        if file.suffix == ".bin":
+            ids = np.memmap(file, dtype=np.uint16, mode="r")
+        else:
+            ids = np.load(file, mmap_mode="r")
+            if ids.ndim != 1 or ids.dtype.kind != "u":
+                raise ValueError(f"{path} holds a {ids.ndim}-d {ids.dtype} array: token ids are a flat array of "
+                                 f"unsigned integers (uint16 or uint32)")
+        return cls(ids, str(file), seq_len)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a corpus with an id the model's vocabulary does not have, naming the first one."""
+        for start in range(0, len(self.ids), _CHECK_CHUNK):
+            chunk = np.asarray(self.ids[start:start + _CHECK_CHUNK])
+            if chunk.max(initial=0) >= vocab_size:
+                at = start + int(np.argmax(chunk >= vocab_size))
+                raise ValueError(f"{self.name} holds token id {int(self.ids[at])} at position {at:,}, but the model's "
+                                 f"vocabulary has {vocab_size:,} ids: tokenise for this model, or pick a model "
+                                 f"whose vocabulary covers it")
+
+    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
+        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets) for the whole global batch."""
+        data = self.splits[split]
+        starts = _starts(len(data), global_batch, seq_len, seed, step, split)
+        return torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+
+
+def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
+    return torch.randint(0, length - seq_len - 1, (global_batch,), generator=gen).tolist()
+
+
 class ByteCorpus:
     def __init__(self, data: torch.Tensor, name: str, seq_len: int):
-        split = int(data.numel() * (1 - VALIDATION_FRACTION))
-        if data.numel() - split <= seq_len + 1:
-            needed = math.ceil((seq_len + 2) / VALIDATION_FRACTION)
-            raise ValueError(
-                f"corpus {name} has only {data.numel():,} bytes: its validation split "
-                f"({VALIDATION_FRACTION:.0%}) must hold a sequence of {seq_len + 1} bytes, so give it "
-                f"at least {needed:,} bytes of text"
-            )
         self.name = name
-        self.splits = {"train": data[:split], "val": data[split:]}
+        self.splits = _splits(data, name, "bytes", seq_len)
 
     @classmethod
     def load(cls, path: str | None, seq_len: int) -> ByteCorpus:
@@ -52,12 +120,16 @@ class ByteCorpus:
         return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, seq_len)
 
     @property
-    def num_bytes(self) -> int:
+    def num_tokens(self) -> int:
         return sum(split.numel() for split in self.splits.values())
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if vocab_size < 256:
+            raise ValueError(f"a text corpus is read as bytes, ids 0 to 255, but the model's vocabulary has "
+                             f"{vocab_size} ids")
 
     def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
         """Rows of ``seq_len + 1`` tokens (inputs and shifted targets) for the whole global batch."""
         data = self.splits[split]
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
-        starts = torch.randint(0, data.numel() - seq_len - 1, (global_batch,), generator=gen)
-        return torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()
+        starts = _starts(data.numel(), global_batch, seq_len, seed, step, split)
+        return torch.stack([data[s : s + seq_len + 1] for s in starts]).long()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
-from shardwire.data import ByteCorpus
+from shardwire.data import load_corpus
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.extras import require
 from shardwire.engine.shard import engine_of
@@ -56,7 +56,7 @@ class TrainConfig:
     shard_group_size: int | None = bounded(None, at_least=1)  # ranks a shard spans; default: a node's
     wire: str = "none"  # none | int8 | params=int8,grads=int4[,block=N] (see shardwire.comm.wire)
     activation_checkpointing: bool = False
-    data: str | None = None  # a text file or directory; default: the standard library's sources
+    data: str | None = None  # text (file or directory) or token ids (.bin, .npy); default: the stdlib's sources
     seed: int = bounded(0, at_least=0)
     log_every: int = bounded(10, at_least=1)  # reading the loss waits for the GPU: not every step
     eval_batches: int = bounded(8, at_least=1)
@@ -109,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "such as params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
     parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                         default=d.activation_checkpointing)
-    parser.add_argument("--data", default=d.data, help="text file or directory (default: Python's stdlib sources)")
+    parser.add_argument("--data", default=d.data,
+                        help="text file or directory, read as bytes, or pre-tokenised ids: a .bin (nanoGPT's flat "
+                             "uint16) or .npy file (default: Python's stdlib sources)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress updates")
     parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
@@ -243,7 +245,8 @@ def _validate(config: TrainConfig) -> None:
                          f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
     if config.data is not None:  # the default, the standard library's sources, always serves
         try:
-            ByteCorpus.load(config.data, PRESETS[config.model].seq_len)
+            model_config = PRESETS[config.model]
+            load_corpus(config.data, model_config.seq_len).check_vocab(model_config.vocab_size)
         except (OSError, ValueError) as err:
             raise SystemExit(f"error: --data: {err}") from None
 
@@ -277,7 +280,7 @@ def train(config: TrainConfig) -> None:
 def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model_config = PRESETS[config.model]
-    corpus = ByteCorpus.load(config.data, model_config.seq_len)
+    corpus = load_corpus(config.data, model_config.seq_len)
 
     torch.manual_seed(config.seed)
     model = GPT(model_config).to(device)
@@ -310,7 +313,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
             f"{_describe_sharding(engine)} sharding, {_describe_wire(engine, config.wire)}, "
             f"prefetch {config.prefetch}, "
             f"{'reshard' if config.reshard else 'keep'} after forward, "
-            f"{config.precision}; data: {corpus.name}, {corpus.num_bytes / 1e6:.1f} MB",
+            f"{config.precision}; data: {corpus.name}, {corpus.num_tokens / 1e6:.1f}M tokens",
             flush=True,
         )
     start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0

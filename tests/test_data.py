@@ -1,0 +1,66 @@
+"""Training data: pre-tokenised ids read through a memory map, batches that are slices of them, and
+ids the model's vocabulary lacks refused before any worker starts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from shardwire.cli import main
+from shardwire.data import ByteCorpus, TokenCorpus, load_corpus
+
+
+@pytest.mark.parametrize("suffix, dtype", [(".bin", np.uint16), (".npy", np.uint32)])
+def test_token_ids_round_trip_through_a_memory_map(tmp_path, suffix, dtype):
+    ids = (np.arange(50_000) * 7919 % 70_000 if dtype == np.uint32 else np.arange(50_000) % 65_000).astype(dtype)
+    path = tmp_path / f"tokens{suffix}"
+    ids.tofile(path) if suffix == ".bin" else np.save(path, ids)
+    corpus = load_corpus(str(path), seq_len=64)
+    assert isinstance(corpus, TokenCorpus) and isinstance(corpus.ids, np.memmap)
+    assert corpus.num_tokens == len(ids)
+    batch = corpus.batch(3, global_batch=4, seq_len=64, seed=1)
+    assert batch.shape == (4, 65) and batch.dtype == torch.int64
+    train = ids[: len(corpus.splits["train"])]
+    for row in batch.numpy():  # each row is a window of the training split
+        start = int(np.flatnonzero(train == row[0])[0])
+        assert np.array_equal(train[start : start + 65], row)
+    assert torch.equal(batch, corpus.batch(3, global_batch=4, seq_len=64, seed=1))  # a function of the step
+
+
+def test_text_stays_bytes():
+    assert isinstance(load_corpus(None, seq_len=64), ByteCorpus)
+
+
+def test_an_id_past_the_vocabulary_is_refused_before_any_worker_starts(tmp_path):
+    path = tmp_path / "tokens.bin"
+    ids = np.full(20_000, 7, dtype=np.uint16)
+    ids[12_345] = 300  # the byte-level GPT has 256 ids
+    ids.tofile(path)
+    with pytest.raises(SystemExit, match="holds token id 300 at position 12,345, but the model's vocabulary has 256"):
+        main(["train", "--model", "small", "--data", str(path)])
+
+
+def test_ids_must_be_a_flat_unsigned_array(tmp_path):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.zeros((10, 10), dtype=np.float32))
+    with pytest.raises(SystemExit, match="holds a 2-d float32 array: token ids are a flat array of unsigned"):
+        main(["train", "--data", str(path)])
+
+
+@pytest.mark.slow
+def test_training_on_token_ids_lowers_the_loss(tmp_path):
+    path = tmp_path / "tokens.bin"
+    text = (b"the quick brown fox jumps over the lazy dog. " * 2000)
+    np.frombuffer(text, dtype=np.uint8).astype(np.uint16).tofile(path)
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "30",
+                           "--nproc", "1", "--eval-batches", "1", "--data", str(path)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "M tokens" in done.stdout
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", done.stdout).groups())
+    assert last < first
