@@ -28,7 +28,8 @@ from shardwire.extras import require
 from shardwire.engine.shard import engine_of
 from shardwire.engine.sharding import SHARDINGS, group_size
 from shardwire.launch import launch_local, torchrun_command, under_launcher
-from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from shardwire.models.choice import ModelChoice, choose
+from shardwire.models.gpt import PRESETS, loss_fn
 from shardwire.options import OptionError, bounded, check_bounds, check_output_file, check_writable_directory
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
@@ -39,7 +40,9 @@ from shardwire.scalars import ScalarLog
 
 @dataclasses.dataclass
 class TrainConfig:
-    model: str = "small"  # a preset of shardwire.models.gpt.PRESETS
+    model: str = "small"  # a preset of shardwire.models.gpt.PRESETS, or hf:PATH_OR_JSON (shardwire.models.choice)
+    units: str | None = None  # hf: the module classes to shard into; default: the model's _no_split_modules
+    seq_len: int | None = bounded(None, at_least=2)  # tokens per sequence; default: the preset's, or hf: up to 1024
     nproc: int | None = bounded(None, at_least=1)  # local processes when not run under torchrun; default: one per GPU, or 2 on CPU
     steps: int = bounded(400, at_least=1)
     batch: int = bounded(16, at_least=1)  # sequences per rank and micro-batch
@@ -82,7 +85,15 @@ _LAUNCH_OPTIONS = ("nproc", "max_restarts", "print_launch", "nnodes", "nproc_per
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
-    parser.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model size preset")
+    parser.add_argument("--model", default=d.model,
+                        help=f"a GPT preset ({', '.join(sorted(PRESETS))}), or hf:PATH_OR_JSON: a Hugging Face "
+                             f"causal LM from a local directory (its weights, if it holds them), a config .json or "
+                             f"an inline JSON config")
+    parser.add_argument("--units", default=d.units,
+                        help="hf: comma-separated module classes to shard into (default: the model's "
+                             "_no_split_modules, its transformer block)")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len,
+                        help="tokens per sequence (default: the preset's; hf: the model's positions, at most 1024)")
     parser.add_argument("--nproc", type=int, default=d.nproc,
                         help="local worker processes (default: one per visible GPU with NCCL, 2 on CPU; "
                              "ignored under torchrun)")
@@ -243,12 +254,19 @@ def _validate(config: TrainConfig) -> None:
     if worker.uses_cuda(config.backend) and config.nproc is not None and config.nproc > gpus and not under_launcher():
         raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
                          f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
+    choice = _choice(config)
     if config.data is not None:  # the default, the standard library's sources, always serves
         try:
-            model_config = PRESETS[config.model]
-            load_corpus(config.data, model_config.seq_len).check_vocab(model_config.vocab_size)
+            load_corpus(config.data, choice.seq_len).check_vocab(choice.vocab_size)
         except (OSError, ValueError) as err:
             raise SystemExit(f"error: --data: {err}") from None
+
+
+def _choice(config: TrainConfig) -> ModelChoice:
+    try:
+        return choose(config.model, units=config.units, seq_len=config.seq_len)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def _lr_factor(step: int, config: TrainConfig) -> float:
@@ -279,14 +297,15 @@ def train(config: TrainConfig) -> None:
 
 def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model_config = PRESETS[config.model]
-    corpus = load_corpus(config.data, model_config.seq_len)
+    choice = _choice(config)
+    corpus = load_corpus(config.data, choice.seq_len)
 
     torch.manual_seed(config.seed)
-    model = GPT(model_config).to(device)
+    model = choice.build().to(device)
+    params = sum(p.numel() for p in model.parameters())
     shardwire.shard(
         model,
-        units=[Block],
+        units=list(choice.units),
         reshard_after_forward=config.reshard,
         prefetch=config.prefetch,
         sharding=config.sharding,
@@ -305,11 +324,11 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
 
     global_batch = config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)
-    tokens_per_step = global_batch * config.grad_accum * model_config.seq_len
+    tokens_per_step = global_batch * config.grad_accum * choice.seq_len
     if rank == 0:
         print(
-            f"shardwire train: GPT {config.model!r} ({model_config.num_params() / 1e6:.2f}M parameters), "
-            f"{world} ranks ({backend}, {device.type}), {model_config.layers} block units + root, "
+            f"shardwire train: {choice.name} ({params / 1e6:.2f}M parameters), "
+            f"{world} ranks ({backend}, {device.type}), {len(engine.units)} block units + root, "
             f"{_describe_sharding(engine)} sharding, {_describe_wire(engine, config.wire)}, "
             f"prefetch {config.prefetch}, "
             f"{'reshard' if config.reshard else 'keep'} after forward, "
@@ -317,7 +336,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
             flush=True,
         )
     start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
-    profiler = _profiler(config, model, optimizer, tokens_per_step) if config.profile else None
+    profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
     progress = ProgressBar(config.steps, start=start) if rank == 0 else None
     scalars = ScalarLog(config.tensorboard, config.log_jsonl) if rank == 0 else None
     first_loss = last_loss = None
@@ -330,10 +349,10 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
             for micro in range(config.grad_accum):
                 batch = _to_device(corpus.batch(step * config.grad_accum + micro, global_batch,
-                                                model_config.seq_len, seed=config.seed)[rows], device)
+                                                choice.seq_len, seed=config.seed)[rows], device)
                 sync = micro == config.grad_accum - 1
                 with contextlib.nullcontext() if sync else shardwire.no_sync(model):
-                    loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+                    loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
                     scaler.scale(loss / config.grad_accum).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)
@@ -348,7 +367,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         val_loss = None
         if config.eval_every and (step + 1) % config.eval_every == 0:
             evaluating_from = time.perf_counter()
-            val_loss = evaluate(model, corpus, config, rows, global_batch, model_config.seq_len, device)
+            val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
             interval_start += time.perf_counter() - evaluating_from  # tokens/s counts training alone
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps or val_loss is not None:
             dist.all_reduce(loss_sum)
@@ -386,7 +405,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         scalars.close()
     if profiler is not None and config.steps > start:
         _save_profile(profiler, config, rank)
-    val_loss = evaluate(model, corpus, config, rows, global_batch, model_config.seq_len, device)
+    val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
     if rank == 0:
         losses = f"loss {first_loss:.3f} -> {last_loss:.3f}, " if first_loss is not None else ""
         print(
@@ -431,14 +450,14 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
     )
 
 
-def _profiler(config: TrainConfig, model, optimizer, tokens_per_step: int) -> Profiler:
-    model_config = PRESETS[config.model]
-    flops = flops_per_token(model_config.spec(config.model), activation_checkpointing=config.activation_checkpointing)
+def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:
+    flops = (flops_per_token(choice.spec, activation_checkpointing=config.activation_checkpointing)
+             if choice.spec is not None else None)  # MFU needs an architecture the FLOP count knows
     with torch.device("meta"):  # torch's own count of the same model, as a cross-check
-        meta_model = GPT(model_config)
-        tokens = torch.zeros(1, model_config.seq_len + 1, dtype=torch.long)
+        meta_model = choice.build()
+        tokens = torch.zeros(1, choice.seq_len + 1, dtype=torch.long)
     counted = torch_counted_flops_per_token(
-        lambda: loss_fn(meta_model(tokens[:, :-1]), tokens[:, 1:]).backward(), model_config.seq_len)
+        lambda: loss_fn(choice.logits(meta_model, tokens[:, :-1]), tokens[:, 1:]).backward(), choice.seq_len)
     metadata = {
         "model": config.model,
         "precision": config.precision,
@@ -477,12 +496,13 @@ def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, corpus, config, rows, global_batch, seq_len, device) -> float:
+def evaluate(model, choice: ModelChoice, corpus, config, rows, global_batch, device) -> float:
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(config.eval_batches):
-        batch = _to_device(corpus.batch(i, global_batch, seq_len, seed=config.seed, split="val")[rows], device)
-        total += loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        batch = _to_device(corpus.batch(i, global_batch, choice.seq_len, seed=config.seed, split="val")[rows],
+                           device)
+        total += loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
     dist.all_reduce(total)
     return total.item() / (config.eval_batches * dist.get_world_size())
 

@@ -1,0 +1,100 @@
+"""What ``shardwire train --model`` names: a preset of the project's GPT, or ``hf:`` and a Hugging
+Face causal LM.
+
+``hf:`` takes a local directory or a JSON file or an inline JSON mapping. A directory holding
+weights loads them (``from_pretrained``, local files only: training never downloads); a config
+alone, in a directory or a file or inline (``{"model_type": "llama", "hidden_size": 256, ...}``),
+builds the architecture with random weights (``from_config``). Its sharding units are the classes
+the model names in ``_no_split_modules``, the convention accelerate follows for FSDP's auto-wrap
+(the transformer block: ``LlamaDecoderLayer``, ``GPT2Block``), unless ``--units`` names others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardwire.extras import require
+from shardwire.models.gpt import GPT, PRESETS, Block
+from shardwire.sim.specs import ModelSpec
+
+HF_PREFIX = "hf:"
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """How to build the model, what to shard it into, the sequences it trains on, and (where the
+    FLOP count knows the architecture) its description for MFU."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    units: tuple[type[nn.Module], ...]
+    seq_len: int
+    vocab_size: int
+    spec: ModelSpec | None
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -> ModelChoice:
+    """The model ``name`` names; ``units``: comma-separated class names to shard into instead of the
+    model's own; ``seq_len``: tokens per sequence instead of the preset's (or, for ``hf:``, the
+    smaller of the model's positions and 1024). Raises ``ValueError`` saying what to change."""
+    if name.startswith(HF_PREFIX):
+        return _hugging_face(name[len(HF_PREFIX):], units, seq_len)
+    if name not in PRESETS:
+        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor hf:PATH_OR_JSON")
+    if units is not None:
+        raise ValueError("--units is for hf: models; the GPT presets shard into their blocks")
+    config = PRESETS[name] if seq_len is None else dataclasses.replace(PRESETS[name], seq_len=seq_len)
+    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size,
+                       config.spec(name), lambda model, tokens: model(tokens))
+
+
+def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
+    transformers = require("transformers", "--model hf:")
+    config, weights = _hf_config(transformers, source)
+    config.use_cache = False  # training reads no key/value cache, and the engine refuses to return one
+    auto = transformers.AutoModelForCausalLM
+    if weights is not None:
+        build = lambda: auto.from_pretrained(weights, config=config, local_files_only=True)  # noqa: E731
+    else:
+        build = lambda: auto.from_config(config)  # noqa: E731
+    with torch.device("meta"):
+        skeleton = auto.from_config(config)
+    classes = {type(module).__name__: type(module) for module in skeleton.modules()}
+    wanted = units.split(",") if units else list(getattr(skeleton, "_no_split_modules", None) or ())
+    if not wanted:
+        raise ValueError(f"{type(skeleton).__name__} names no _no_split_modules to shard into: give --units "
+                         f"with its block's class name")
+    missing = [unit for unit in wanted if unit not in classes]
+    if missing:
+        raise ValueError(f"{type(skeleton).__name__} has no module of class {', '.join(missing)}: --units takes "
+                         f"class names of its modules, such as its decoder layer")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1024
+    length = seq_len or min(positions, 1024)
+    if length > positions:
+        raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")
+    return ModelChoice(f"hf:{type(skeleton).__name__}", build, tuple(classes[unit] for unit in wanted), length,
+                       config.vocab_size, None, lambda model, tokens: model(tokens).logits)
+
+
+def _hf_config(transformers, source: str):
+    """(config, directory of weights or None) of ``source``: a directory, a JSON file or inline JSON."""
+    path = pathlib.Path(source)
+    try:
+        if source.lstrip().startswith("{"):
+            fields = json.loads(source)
+            return transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields), None
+        if not path.exists():
+            raise ValueError(f"{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"hf:{source}: {str(err).splitlines()[0]}") from None
+    has_weights = path.is_dir() and any((path / name).exists() for name in _WEIGHTS)
+    return config, (path if has_weights else None)

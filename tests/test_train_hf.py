@@ -1,0 +1,78 @@
+"""``shardwire train --model hf:...``: Hugging Face causal LMs built from configs (inline, a file) or
+loaded from a local directory train with the engine, and bad models are refused before any worker
+starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardwire.cli import main
+from shardwire.models.choice import choose
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128,
+        "bos_token_id": 0, "eos_token_id": 0}
+
+
+def trained(model: str, *extra: str) -> tuple[float, float, str]:
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", model, "--steps", "20",
+                           "--log-every", "5", "--nproc", "2", "--batch", "8", "--eval-batches", "1", *extra],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", done.stdout).groups())
+    return first, last, done.stdout
+
+
+@pytest.mark.slow
+def test_a_llama_built_from_an_inline_config_trains():
+    first, last, out = trained("hf:" + json.dumps(LLAMA))
+    assert "hf:LlamaForCausalLM" in out and "2 block units + root" in out
+    assert last < first
+
+
+@pytest.mark.slow
+def test_a_gpt2_built_from_a_config_file_trains(tmp_path):
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(GPT2))
+    first, last, out = trained(f"hf:{path}", "--seq-len", "64")
+    assert "hf:GPT2LMHeadModel" in out and last < first
+
+
+def test_a_directory_with_weights_loads_them(tmp_path):
+    config = transformers.AutoConfig.for_model(**LLAMA)
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path)
+    choice = choose(f"hf:{tmp_path}")
+    loaded = choice.build()
+    assert [c.__name__ for c in choice.units] == ["LlamaDecoderLayer"] and choice.seq_len == 128
+    for (name, mine), theirs in zip(loaded.state_dict().items(), saved.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.parametrize("model, extra, message", [
+    ('hf:{"model_type": "nope"}', [], "Unrecognized model identifier: nope"),
+    ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),
+    ("hf:/no/such/model", [], "/no/such/model does not exist"),
+    ("hf:" + json.dumps(LLAMA), ["--seq-len", "512"], "--seq-len 512 is longer than the 128 positions"),
+    ("small", ["--units", "Block"], "--units is for hf: models"),
+])
+def test_bad_models_are_refused_before_any_worker_starts(model, extra, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["train", "--model", model, *extra])
+
+
+def test_a_model_naming_no_blocks_needs_units(monkeypatch):
+    monkeypatch.setattr(transformers.LlamaPreTrainedModel, "_no_split_modules", None)
+    with pytest.raises(ValueError, match="LlamaForCausalLM names no _no_split_modules to shard into: give --units"):
+        choose("hf:" + json.dumps(LLAMA))
+    assert [c.__name__ for c in choose("hf:" + json.dumps(LLAMA), units="LlamaDecoderLayer").units] == [
+        "LlamaDecoderLayer"]
