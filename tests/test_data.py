@@ -3,6 +3,7 @@ ids the model's vocabulary lacks refused before any worker starts."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -64,3 +65,45 @@ def test_training_on_token_ids_lowers_the_loss(tmp_path):
     assert "M tokens" in done.stdout
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     assert last < first
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
+    directory = tmp_path / "tokenizer"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)
+    return directory
+
+
+def test_text_is_tokenised_once_into_ids_beside_it(tmp_path, tokenizer_dir):
+    import transformers
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog " * (200 + i))
+    corpus = load_corpus(str(texts), seq_len=16, tokenizer=str(tokenizer_dir))
+    assert isinstance(corpus, TokenCorpus)
+    cache = pathlib.Path(corpus.name)
+    assert cache.parent == tmp_path and cache.name.startswith("texts.tokens-") and cache.suffix == ".npy"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    first = tokenizer((texts / "0.txt").read_text(), add_special_tokens=False)["input_ids"]
+    assert list(corpus.ids[: len(first) + 1]) == [*first, tokenizer.eos_token_id]
+    written = cache.stat().st_mtime_ns
+    again = load_corpus(str(texts), seq_len=16, tokenizer=str(tokenizer_dir))
+    assert again.name == corpus.name and cache.stat().st_mtime_ns == written  # read, not tokenised again
+
+
+def test_a_tokenizer_needs_a_directory_and_a_text_corpus(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("x" * 50_000)
+    with pytest.raises(SystemExit, match="--tokenizer /no/such/tokenizer is not a directory"):
+        main(["train", "--data", str(text), "--tokenizer", "/no/such/tokenizer"])
+    with pytest.raises(SystemExit, match="--tokenizer tokenises a text corpus: give --data a text file"):
+        main(["train", "--tokenizer", str(tmp_path)])

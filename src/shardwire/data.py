@@ -11,7 +11,9 @@ number, and a resumed run sees exactly the batches an uninterrupted one would ha
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import pathlib
 import sysconfig
 
@@ -26,11 +28,56 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 _CHECK_CHUNK = 1 << 24
 
 
-def load_corpus(path: str | None, seq_len: int) -> "ByteCorpus | TokenCorpus":
-    """The corpus ``path`` names: pre-tokenised ids for ``.bin`` and ``.npy`` files, else text."""
+def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None) -> "ByteCorpus | TokenCorpus":
+    """The corpus ``path`` names: pre-tokenised ids for ``.bin`` and ``.npy`` files; text tokenised
+    by the Hugging Face tokenizer in the directory ``tokenizer`` (see ``tokenized``); else text as
+    bytes."""
+    if tokenizer is not None:
+        if path is None or path.endswith(TOKEN_SUFFIXES):
+            raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
+        return TokenCorpus.load(str(tokenized(path, tokenizer)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len)
     return ByteCorpus.load(path, seq_len)
+
+
+def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
+    """The ids of the text at ``path`` under the tokenizer in ``tokenizer_dir``, tokenised once, with a
+    progress bar, into a ``.npy`` beside the data, named for both (a digest of the tokenizer's files
+    and the texts' sizes and times), so a changed tokenizer or text is tokenised again. Documents are
+    joined with the tokenizer's end-of-text id where it has one."""
+    from tqdm import tqdm
+
+    from shardwire.extras import require
+
+    directory = pathlib.Path(tokenizer_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a directory: give a local Hugging Face "
+                                f"tokenizer's directory (as save_pretrained writes it)")
+    files, name = _text_files(path)
+    digest = hashlib.sha256()
+    for file in sorted(directory.iterdir()):
+        digest.update(file.name.encode() + file.read_bytes())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    cache = pathlib.Path(f"{pathlib.Path(path).resolve()}.tokens-{digest.hexdigest()[:12]}.npy")
+    if cache.exists():
+        return cache
+    transformers = require("transformers", "--tokenizer")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tokenizer {tokenizer_dir}: {str(err).splitlines()[0]}") from None
+    separator = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    pieces = [np.asarray(tokenizer(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
+              for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
+    ids = np.concatenate(pieces).astype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
+    partial = cache.with_name(cache.name + ".partial")
+    with open(partial, "wb") as f:
+        np.save(f, ids)
+    os.replace(partial, cache)  # whole or absent: a run stopped while tokenising leaves no cache behind
+    return cache
 
 
 def _splits(data, name: str, unit: str, seq_len: int) -> dict:
@@ -93,6 +140,20 @@ def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, 
     return torch.randint(0, length - seq_len - 1, (global_batch,), generator=gen).tolist()
 
 
+def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
+    """The text files ``path`` names (a file, or every ``.py``/``.txt``/``.md`` file under a
+    directory; None: the standard library's ``.py`` files), and a name for them."""
+    if path is None:
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+        return files, f"the standard library's .py files ({root})"
+    root = pathlib.Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"data path {path} does not exist: pass a text file or a directory of them")
+    suffixes = {".py", ".txt", ".md"}
+    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes), str(root)
+
+
 class ByteCorpus:
     def __init__(self, data: torch.Tensor, name: str, seq_len: int):
         self.name = name
@@ -102,20 +163,10 @@ class ByteCorpus:
     def load(cls, path: str | None, seq_len: int) -> ByteCorpus:
         """The bytes of ``path`` (a file, or every ``.py``/``.txt``/``.md`` file under a directory),
         or of the standard library's ``.py`` files when ``path`` is None, for sequences of ``seq_len``."""
-        if path is None:
-            root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-            files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-            name = f"the standard library's .py files ({root})"
-        else:
-            root = pathlib.Path(path)
-            if not root.exists():
-                raise FileNotFoundError(f"data path {path} does not exist: pass a text file or a directory of them")
-            suffixes = {".py", ".txt", ".md"}
-            files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes)
-            name = str(root)
+        files, name = _text_files(path)
         data = b"".join(p.read_bytes() for p in files)
         if not data:
-            what = "is empty" if root.is_file() else "holds no .py, .txt or .md file with any text"
+            what = "is empty" if len(files) == 1 else "holds no .py, .txt or .md file with any text"
             raise ValueError(f"data path {path} {what}: give it a text file or a directory of them")
         return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, seq_len)
 

@@ -60,6 +60,7 @@ class TrainConfig:
     wire: str = "none"  # none | int8 | params=int8,grads=int4[,block=N] (see shardwire.comm.wire)
     activation_checkpointing: bool = False
     data: str | None = None  # text (file or directory) or token ids (.bin, .npy); default: the stdlib's sources
+    tokenizer: str | None = None  # a local Hugging Face tokenizer's directory: tokenise the text --data once
     seed: int = bounded(0, at_least=0)
     log_every: int = bounded(10, at_least=1)  # reading the loss waits for the GPU: not every step
     eval_batches: int = bounded(8, at_least=1)
@@ -123,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=d.data,
                         help="text file or directory, read as bytes, or pre-tokenised ids: a .bin (nanoGPT's flat "
                              "uint16) or .npy file (default: Python's stdlib sources)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=d.tokenizer,
+                        help="a local Hugging Face tokenizer: tokenise the text --data once, with a progress bar, "
+                             "into a .npy beside it, and train on its ids")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress updates")
     parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
@@ -255,11 +259,11 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
                          f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
     choice = _choice(config)
-    if config.data is not None:  # the default, the standard library's sources, always serves
+    if config.data is not None or config.tokenizer is not None:  # the default, the stdlib's sources, serves
         try:
-            load_corpus(config.data, choice.seq_len).check_vocab(choice.vocab_size)
-        except (OSError, ValueError) as err:
-            raise SystemExit(f"error: --data: {err}") from None
+            load_corpus(config.data, choice.seq_len, config.tokenizer).check_vocab(choice.vocab_size)
+        except (OSError, ValueError) as err:  # a message not naming its option is about --data
+            raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
 
 
 def _choice(config: TrainConfig) -> ModelChoice:
@@ -298,7 +302,7 @@ def train(config: TrainConfig) -> None:
 def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     choice = _choice(config)
-    corpus = load_corpus(config.data, choice.seq_len)
+    corpus = load_corpus(config.data, choice.seq_len, config.tokenizer)
 
     torch.manual_seed(config.seed)
     model = choice.build().to(device)
