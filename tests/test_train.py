@@ -109,3 +109,21 @@ def test_progress_is_a_line_per_update_in_a_log_and_a_redrawn_bar_on_a_terminal(
     progress.close()
     drawn = terminal.getvalue()
     assert "\r" in drawn and drawn.endswith("\n") and "step 400/400" in drawn and "loss 2.100" in drawn
+
+
+def test_the_kubeflow_example_is_a_trainjob_that_runs_shardwire_train():
+    import pathlib
+
+    yaml = pytest.importorskip("yaml", reason="the yaml extra is not installed")
+    job = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / "kubeflow-trainjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = job["spec"]["trainer"]
+    assert trainer["command"] == ["torchrun", "-m", "shardwire", "train"] and trainer["numNodes"] >= 1
+    import argparse
+
+    from shardwire.train import add_arguments
+
+    parser = argparse.ArgumentParser()  # the arguments are ones shardwire train takes
+    add_arguments(parser)
+    assert parser.parse_args(trainer["args"]).backend == "nccl"
