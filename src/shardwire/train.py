@@ -24,9 +24,9 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.data import load_corpus
 from shardwire.engine.checkpoint.schema import fits
-from shardwire.extras import require
 from shardwire.engine.shard import engine_of
 from shardwire.engine.sharding import SHARDINGS, group_size
+from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
 from shardwire.models.choice import ModelChoice, choose
 from shardwire.models.gpt import PRESETS, loss_fn
