@@ -76,3 +76,18 @@ def test_a_model_naming_no_blocks_needs_units(monkeypatch):
         choose("hf:" + json.dumps(LLAMA))
     assert [c.__name__ for c in choose("hf:" + json.dumps(LLAMA), units="LlamaDecoderLayer").units] == [
         "LlamaDecoderLayer"]
+
+
+def test_the_flop_count_describes_hugging_face_decoders():
+    """GPT-2's count equals torch's own (its attention is plain matrix multiplies); Llama's names its
+    gated MLP, grouped keys and untied head."""
+    from shardwire.models.gpt import loss_fn
+    from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
+
+    choice = choose("hf:" + json.dumps(GPT2))
+    model, tokens = choice.build(), torch.zeros(1, choice.seq_len + 1, dtype=torch.long)
+    counted = torch_counted_flops_per_token(
+        lambda: loss_fn(choice.logits(model, tokens[:, :-1]), tokens[:, 1:]).backward(), choice.seq_len)
+    assert flops_per_token(choice.spec).model == pytest.approx(counted, rel=1e-6)
+    llama = choose("hf:" + json.dumps(LLAMA)).spec
+    assert (llama.ffn_gated, llama.kv_heads, llama.ffn_hidden, llama.tied_embeddings) == (True, 2, 128, False)

@@ -457,11 +457,13 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
 def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:
     flops = (flops_per_token(choice.spec, activation_checkpointing=config.activation_checkpointing)
              if choice.spec is not None else None)  # MFU needs an architecture the FLOP count knows
-    with torch.device("meta"):  # torch's own count of the same model, as a cross-check
-        meta_model = choice.build()
-        tokens = torch.zeros(1, choice.seq_len + 1, dtype=torch.long)
-    counted = torch_counted_flops_per_token(
-        lambda: loss_fn(choice.logits(meta_model, tokens[:, :-1]), tokens[:, 1:]).backward(), choice.seq_len)
+    counted = None
+    if choice.runs_on_meta:
+        with torch.device("meta"):  # torch's own count of the same model, as a cross-check
+            meta_model = choice.build()
+            tokens = torch.zeros(1, choice.seq_len + 1, dtype=torch.long)
+        counted = torch_counted_flops_per_token(
+            lambda: loss_fn(choice.logits(meta_model, tokens[:, :-1]), tokens[:, 1:]).backward(), choice.seq_len)
     metadata = {
         "model": config.model,
         "precision": config.precision,

@@ -39,6 +39,9 @@ class ModelChoice:
     vocab_size: int
     spec: ModelSpec | None
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
+    # at no cost (Hugging Face models read tensor values to build their attention masks)
+    runs_on_meta: bool = True
 
 
 def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -> ModelChoice:
@@ -81,7 +84,25 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     if length > positions:
         raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, tuple(classes[unit] for unit in wanted), length,
-                       config.vocab_size, None, lambda model, tokens: model(tokens).logits)
+                       config.vocab_size, _hf_spec(config, skeleton, length),
+                       lambda model, tokens: model(tokens).logits, runs_on_meta=False)
+
+
+def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
+    """The decoder the config describes, for the FLOP count (Llama's and GPT-2's names for its sizes;
+    a gated MLP where the model has ``gate_proj`` modules), or None where it names no such sizes."""
+    def first(*names):
+        return next((getattr(config, name) for name in names if getattr(config, name, None) is not None), None)
+
+    layers, hidden = first("num_hidden_layers", "n_layer"), first("hidden_size", "n_embd")
+    heads = first("num_attention_heads", "n_head")
+    if None in (layers, hidden, heads):
+        return None
+    gated = any(name.endswith("gate_proj") for name, _ in skeleton.named_modules())
+    return ModelSpec(name=f"hf:{type(skeleton).__name__}", layers=layers, hidden=hidden, heads=heads,
+                     kv_heads=first("num_key_value_heads") or heads, vocab=config.vocab_size, seq_len=seq_len,
+                     ffn_hidden=first("intermediate_size", "n_inner") or 4 * hidden, ffn_gated=gated,
+                     tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)))
 
 
 def _hf_config(transformers, source: str):
