@@ -56,7 +56,8 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
             mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,))
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                      reduce_dtype=torch.float32 if compute_dtype else None)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
     parser.add_argument("--clip", type=float, default=d.clip, help="max global gradient norm (0: off)")
     parser.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"],
+    parser.add_argument("--backend", default=d.backend, choices=worker.BACKENDS,
                         help="auto: NCCL when CUDA is available, else gloo")
     parser.add_argument("--prefetch", type=int, default=d.prefetch, help="units gathered ahead of use")
     parser.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=d.reshard,

@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --impl shardwire: quantize what crosses nodes, as shard(wire=...) does: "
                              "int8, or params=int8,grads=int4[,block=N] (all_gather uses params, reduce_scatter "
                              "grads); busbw stays on the uncompressed size, the bytes sent are reported beside it")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default=d.backend,
+    parser.add_argument("--backend", choices=worker.BACKENDS, default=d.backend,
                         help="auto: NCCL when CUDA is available, else gloo")
     parser.add_argument("--timeout", type=float, default=d.timeout,
                         help="seconds before a collective that does not complete is an error")
