@@ -2,7 +2,8 @@
 
 A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv) -> exit status``
 (``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers).
-Modules are imported only when their command runs, so ``shardwire --help`` stays instant.
+Modules are imported only when their command runs, so ``shardwire --help`` stays instant. Every
+command also takes ``--config FILE`` and ``--print-config`` (``shardwire.config_file``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from shardwire import config_file
+from shardwire.config_file import ConfigError
 from shardwire.extras import MissingExtra
 from shardwire.launch import die_with_launcher, under_launcher
 
@@ -42,8 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
+    config_file.add_help(parser)
     try:
-        return module.run(parser.parse_args(rest), rest)
-    except MissingExtra as err:
+        path, printing, options = config_file.split(rest)
+        if path is not None:
+            config_file.apply(parser, path)
+        args = parser.parse_args(options)
+        if printing:
+            print(config_file.dump(parser, args), end="")
+            return 0
+        return module.run(args, rest)  # with --config: workers read the file again
+    except (ConfigError, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,16 +1,28 @@
-"""A command's options checked before any worker starts: one clear line for a bad value, and a
-non-zero exit, instead of a run that trains on nan or a worker traceback after the work is done.
+"""A command's options, declared once on its configuration dataclass and checked before any worker
+starts: one clear line for a bad value, and a non-zero exit, instead of a run that trains on nan or
+a worker traceback after the work is done.
 
-Each numeric bound is declared on the configuration's field (``bounded``) and checked in one place
-(``check_bounds``); paths the job will write to are checked here too, so a directory that cannot be
-created is found before training, not at the first checkpoint.
+Each field of ``TrainConfig`` or ``BenchConfig`` that the user sets is an ``option``: its default,
+help, bounds and parsing live on the field, and ``add_options`` makes the command line from them
+(``--seq-len`` from ``seq_len``, ``--reshard/--no-reshard`` from a bool, ``--ops OP [OP ...]`` from
+a list). ``command_line`` writes a configuration back as options, for the commands shardwire prints
+(``--print-launch``, ``shardwire plan``). The numeric bounds are checked in one place
+(``check_bounds``); so are paths the job will write to, so a directory that cannot be created is
+found before training, not at the first checkpoint.
+
+This is argparse underneath, and deliberately so: nccl-tests' short flags (``-b 1K -e 64M``), one-line
+errors and a ``--help`` that imports nothing heavy matter more here than what a generator library adds.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 
 
 class OptionError(ValueError):
@@ -43,12 +55,82 @@ class Bounds:
         return f"{text} of {self.unit}" if self.unit else text
 
 
-def bounded(default, *, at_least: float | None = None, above: float | None = None, real: bool | None = None,
-            unit: str = "") -> dataclasses.Field:
-    """A configuration field whose value must lie within the bounds (``real``: a float, also finite;
-    by default, whether ``default`` is one)."""
-    real = isinstance(default, float) if real is None else real
-    return dataclasses.field(default=default, metadata={"bounds": Bounds(at_least, above, real, unit)})
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """How a configuration field appears on the command line."""
+    help: str
+    flags: tuple[str, ...] = ()  # short forms besides the long one, e.g. ("-b",)
+    choices: Sequence[str] | None = None
+    parse: Callable[[str], typing.Any] | None = None  # text -> value; default: the field's type
+    metavar: str | None = None
+    bounds: Bounds | None = None
+
+
+def option(default=dataclasses.MISSING, help: str = "", *, factory: Callable[[], typing.Any] | None = None,
+           flags: Sequence[str] = (), choices: Sequence[str] | None = None,
+           parse: Callable[[str], typing.Any] | None = None, metavar: str | None = None,
+           at_least: float | None = None, above: float | None = None, real: bool | None = None,
+           unit: str = "") -> dataclasses.Field:
+    """A configuration field that is a command-line option: ``default`` (or ``factory`` for a list),
+    its ``help``, and the bounds its value must lie within (``real``: a float, also finite; by
+    default, whether ``default`` is one)."""
+    bounds = None
+    if at_least is not None or above is not None:
+        bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit)
+    metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def add_options(parser: argparse.ArgumentParser, config_class: type) -> None:
+    """An option on ``parser`` for each ``option`` field of the dataclass ``config_class``."""
+    hints = typing.get_type_hints(config_class)
+    defaults = config_class()
+    for field in dataclasses.fields(config_class):
+        spec = field.metadata.get("option")
+        if spec is None:
+            continue
+        kind = _without_none(hints[field.name])
+        kwargs = {"dest": field.name, "default": getattr(defaults, field.name), "help": spec.help}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            if typing.get_origin(kind) is list:
+                kwargs["nargs"] = "+"
+                kind = typing.get_args(kind)[0]
+            kwargs["type"] = spec.parse or (None if kind is str else kind)
+            kwargs["choices"] = spec.choices
+            kwargs["metavar"] = spec.metavar
+        parser.add_argument(*spec.flags, flag(field.name), **kwargs)
+
+
+def config_from(args: argparse.Namespace, config_class: type, **others):
+    """The ``config_class`` that parsed ``args`` describe; ``others`` gives its fields that are not options."""
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_class) if "option" in f.metadata}
+    return config_class(**options, **others)
+
+
+def command_line(values: Mapping[str, typing.Any]) -> list[str]:
+    """Options that set each field of ``values`` (``None``: left out, as unset)."""
+    argv = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, list):
+            argv += [flag(name), *map(str, value)]
+        else:
+            argv += [flag(name), str(value)]
+    return argv
+
+
+def _without_none(hint):
+    """``int`` for ``int | None``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return hint
 
 
 def flag(name: str) -> str:
@@ -58,7 +140,7 @@ def flag(name: str) -> str:
 def check_bounds(config) -> None:
     """Raise ``OptionError`` for the first field of the dataclass ``config`` outside its bounds."""
     for field in dataclasses.fields(config):
-        bounds = field.metadata.get("bounds")
+        bounds = field.metadata["option"].bounds if "option" in field.metadata else None
         value = getattr(config, field.name)
         if bounds is not None and not bounds.allows(value):
             raise OptionError(f"{flag(field.name)} must be {bounds.describe()}, got {value}")

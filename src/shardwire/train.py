@@ -30,7 +30,16 @@ from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
 from shardwire.models.choice import ModelChoice, choose
 from shardwire.models.gpt import PRESETS, loss_fn
-from shardwire.options import OptionError, bounded, check_bounds, check_output_file, check_writable_directory
+from shardwire.options import (
+    OptionError,
+    add_options,
+    check_bounds,
+    check_output_file,
+    check_writable_directory,
+    command_line,
+    config_from,
+    option,
+)
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
@@ -40,44 +49,69 @@ from shardwire.scalars import ScalarLog
 
 @dataclasses.dataclass
 class TrainConfig:
-    model: str = "small"  # a preset of shardwire.models.gpt.PRESETS, or hf:PATH_OR_JSON (shardwire.models.choice)
-    units: str | None = None  # hf: the module classes to shard into; default: the model's _no_split_modules
-    seq_len: int | None = bounded(None, at_least=2)  # tokens per sequence; default: the preset's, or hf: up to 1024
-    nproc: int | None = bounded(None, at_least=1)  # local processes when not run under torchrun; default: one per GPU, or 2 on CPU
-    steps: int = bounded(400, at_least=1)
-    batch: int = bounded(16, at_least=1)  # sequences per rank and micro-batch
-    grad_accum: int = bounded(1, at_least=1)  # micro-batches per step (all but the last under no_sync)
-    lr: float = bounded(3e-3, above=0)
-    warmup: int = bounded(40, at_least=0)
-    weight_decay: float = bounded(0.1, at_least=0)
-    clip: float = bounded(1.0, at_least=0)  # 0: off
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; masters stay fp32)
-    backend: str = "auto"  # auto | gloo | nccl
-    prefetch: int = bounded(2, at_least=0)
-    reshard: bool = True  # reshard_after_forward
-    sharding: str = "full"  # full | hybrid | hybrid_secondary (see shardwire.engine.sharding)
-    shard_group_size: int | None = bounded(None, at_least=1)  # ranks a shard spans; default: a node's
-    wire: str = "none"  # none | int8 | params=int8,grads=int4[,block=N] (see shardwire.comm.wire)
-    activation_checkpointing: bool = False
-    data: str | None = None  # text (file or directory) or token ids (.bin, .npy); default: the stdlib's sources
-    tokenizer: str | None = None  # a local Hugging Face tokenizer's directory: tokenise the text --data once
-    seed: int = bounded(0, at_least=0)
-    log_every: int = bounded(10, at_least=1)  # reading the loss waits for the GPU: not every step
-    eval_batches: int = bounded(8, at_least=1)
-    eval_every: int = bounded(0, at_least=0)  # steps between validation losses (0: at the end only)
-    checkpoint_dir: str | None = None  # save checkpoints here, and resume from the newest good one
-    save_every: int = bounded(100, at_least=1)  # steps between checkpoints (the last step is always saved)
-    keep: int = bounded(3, at_least=0)  # newest checkpoints kept (0: all)
-    max_restarts: int = bounded(0, at_least=0)  # times torch's launcher restarts failed local workers
-    timeout: float = bounded(600.0, above=0, unit="seconds")  # before a stuck collective is an error
-    profile: bool = False  # record where every step's time goes (see shardwire.profile)
-    run_dir: str | None = None  # where --profile writes; default runs/<date-time>
-    peak_tflops: float | None = bounded(None, above=0, real=True)  # per worker, for MFU; default: a GPU's data sheet, or a probe
-    tensorboard: str | None = None  # write the log interval's scalars as TensorBoard events here
-    log_jsonl: str | None = None  # append them to this file as JSON lines
-    print_launch: bool = False  # print the torchrun command for a cluster instead of training
-    nnodes: int = bounded(1, at_least=1)  # nodes of that cluster
-    nproc_per_node: int | None = bounded(None, at_least=1)  # workers on each; default: as --nproc
+    """The job's settings; each is a ``shardwire train`` option (``seq_len`` is ``--seq-len``) and a
+    key of its ``--config`` file."""
+
+    model: str = option(
+        "small", f"a GPT preset ({', '.join(sorted(PRESETS))}), or hf:PATH_OR_JSON: a Hugging Face causal LM "
+                 f"from a local directory (its weights, if it holds them), a config .json or an inline JSON config")
+    units: str | None = option(None, "hf: comma-separated module classes to shard into (default: the model's "
+                                     "_no_split_modules, its transformer block)")
+    seq_len: int | None = option(None, "tokens per sequence (default: the preset's; hf: the model's positions, "
+                                       "at most 1024)", at_least=2)
+    nproc: int | None = option(None, "local worker processes (default: one per visible GPU with NCCL, 2 on CPU; "
+                                     "ignored under torchrun)", at_least=1)
+    steps: int = option(400, "optimizer steps", at_least=1)
+    batch: int = option(16, "sequences per rank and micro-batch", at_least=1)
+    grad_accum: int = option(1, "micro-batches per step (all but the last under no_sync)", at_least=1)
+    lr: float = option(3e-3, "peak learning rate (warmup, then cosine)", above=0)
+    warmup: int = option(40, "warmup steps", at_least=0)
+    weight_decay: float = option(0.1, "AdamW's, on matrices", at_least=0)
+    clip: float = option(1.0, "max global gradient norm (0: off)", at_least=0)
+    precision: str = option("fp32", "compute dtype (master weights stay fp32)", choices=("fp32", "bf16", "fp16"))
+    backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
+    prefetch: int = option(2, "units gathered ahead of use", at_least=0)
+    reshard: bool = option(True, "release each unit's parameters after forward and gather again for backward")
+    sharding: str = option(
+        "full", "full: over every rank; hybrid: within groups, replicated across them; hybrid_secondary: full, "
+                "with backward gathering within groups (ZeRO++ hpZ)", choices=SHARDINGS)
+    shard_group_size: int | None = option(
+        None, "ranks per shard group for the hybrid layouts (default: the ranks of a node)", at_least=1)
+    wire: str = option(
+        "none", "what crosses nodes: none, int8 (parameters and gradients), or key=value pairs such as "
+                "params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
+    activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
+    data: str | None = option(
+        None, "text file or directory, read as bytes, or pre-tokenised ids: a .bin (nanoGPT's flat uint16) or "
+              ".npy file (default: Python's stdlib sources)")
+    tokenizer: str | None = option(
+        None, "a local Hugging Face tokenizer: tokenise the text --data once, with a progress bar, into a .npy "
+              "beside it, and train on its ids", metavar="DIR")
+    seed: int = option(0, "seed of the weights and the batches", at_least=0)
+    log_every: int = option(10, "steps between progress updates (reading the loss waits for the GPU)", at_least=1)
+    eval_batches: int = option(8, "validation batches per evaluation", at_least=1)
+    eval_every: int = option(0, "steps between validation losses, shown as val in the progress line "
+                                "(0: at the end only)", at_least=0)
+    checkpoint_dir: str | None = option(None, "save checkpoints here; running again resumes from the newest good one")
+    save_every: int = option(100, "steps between checkpoints (the last step is always saved)", at_least=1)
+    keep: int = option(3, "newest checkpoints to keep (0: all)", at_least=0)
+    max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "
+                                  "checkpoint", at_least=0)
+    timeout: float = option(600.0, "seconds a collective may take before the job stops with an error naming it",
+                            above=0, unit="seconds")
+    profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
+    run_dir: str | None = option(None, "profile output directory (default runs/<date-time>)")
+    peak_tflops: float | None = option(None, "peak TFLOP/s per worker for MFU (default: a GPU's data sheet, or a "
+                                             "matmul probe)", above=0, real=True)
+    tensorboard: str | None = option(
+        None, "write loss, learning rate, tokens/s, step time, communication and exposed communication (and MFU "
+              "with --profile) as TensorBoard scalars here, each log interval", metavar="DIR")
+    log_jsonl: str | None = option(None, "append the same scalars to this file as JSON lines", metavar="FILE")
+    print_launch: bool = option(False, "print the torchrun command that runs this job on each of --nnodes nodes, "
+                                       "and exit")
+    nnodes: int = option(1, "with --print-launch: nodes", at_least=1)
+    nproc_per_node: int | None = option(None, "with --print-launch: workers per node (default: as --nproc)",
+                                        at_least=1)
 
 
 # Options that say where and how to start the workers, not what they train.
@@ -85,82 +119,12 @@ _LAUNCH_OPTIONS = ("nproc", "max_restarts", "print_launch", "nnodes", "nproc_per
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    parser.add_argument("--model", default=d.model,
-                        help=f"a GPT preset ({', '.join(sorted(PRESETS))}), or hf:PATH_OR_JSON: a Hugging Face "
-                             f"causal LM from a local directory (its weights, if it holds them), a config .json or "
-                             f"an inline JSON config")
-    parser.add_argument("--units", default=d.units,
-                        help="hf: comma-separated module classes to shard into (default: the model's "
-                             "_no_split_modules, its transformer block)")
-    parser.add_argument("--seq-len", type=int, default=d.seq_len,
-                        help="tokens per sequence (default: the preset's; hf: the model's positions, at most 1024)")
-    parser.add_argument("--nproc", type=int, default=d.nproc,
-                        help="local worker processes (default: one per visible GPU with NCCL, 2 on CPU; "
-                             "ignored under torchrun)")
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank and micro-batch")
-    parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
-    parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup, then cosine)")
-    parser.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
-    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    parser.add_argument("--clip", type=float, default=d.clip, help="max global gradient norm (0: off)")
-    parser.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--backend", default=d.backend, choices=worker.BACKENDS,
-                        help="auto: NCCL when CUDA is available, else gloo")
-    parser.add_argument("--prefetch", type=int, default=d.prefetch, help="units gathered ahead of use")
-    parser.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=d.reshard,
-                        help="release each unit's parameters after forward and gather again for backward")
-    parser.add_argument("--sharding", default=d.sharding, choices=SHARDINGS,
-                        help="full: over every rank; hybrid: within groups, replicated across them; "
-                             "hybrid_secondary: full, with backward gathering within groups (ZeRO++ hpZ)")
-    parser.add_argument("--shard-group-size", type=int, default=d.shard_group_size,
-                        help="ranks per shard group for the hybrid layouts (default: the ranks of a node)")
-    parser.add_argument("--wire", default=d.wire,
-                        help="what crosses nodes: none, int8 (parameters and gradients), or key=value pairs "
-                             "such as params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
-    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                        default=d.activation_checkpointing)
-    parser.add_argument("--data", default=d.data,
-                        help="text file or directory, read as bytes, or pre-tokenised ids: a .bin (nanoGPT's flat "
-                             "uint16) or .npy file (default: Python's stdlib sources)")
-    parser.add_argument("--tokenizer", metavar="DIR", default=d.tokenizer,
-                        help="a local Hugging Face tokenizer: tokenise the text --data once, with a progress bar, "
-                             "into a .npy beside it, and train on its ids")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress updates")
-    parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
-    parser.add_argument("--eval-every", type=int, default=d.eval_every,
-                        help="steps between validation losses, shown as val in the progress line (0: at the end only)")
-    parser.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
-                        help="save checkpoints here; running again resumes from the newest good one")
-    parser.add_argument("--save-every", type=int, default=d.save_every,
-                        help="steps between checkpoints (the last step is always saved)")
-    parser.add_argument("--keep", type=int, default=d.keep, help="newest checkpoints to keep (0: all)")
-    parser.add_argument("--max-restarts", type=int, default=d.max_restarts,
-                        help="restart failed local workers this many times; they resume from the newest checkpoint")
-    parser.add_argument("--timeout", type=float, default=d.timeout,
-                        help="seconds a collective may take before the job stops with an error naming it")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile every step; writes profile.json and trace.json to --run-dir")
-    parser.add_argument("--run-dir", default=d.run_dir, help="profile output directory (default runs/<date-time>)")
-    parser.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
-                        help="peak TFLOP/s per worker for MFU (default: measured by a matmul probe)")
-    parser.add_argument("--tensorboard", metavar="DIR", default=d.tensorboard,
-                        help="write loss, learning rate, tokens/s, step time, communication and exposed "
-                             "communication (and MFU with --profile) as TensorBoard scalars here, each log interval")
-    parser.add_argument("--log-jsonl", metavar="FILE", default=d.log_jsonl,
-                        help="append the same scalars to this file as JSON lines")
-    parser.add_argument("--print-launch", action="store_true",
-                        help="print the torchrun command that runs this job on each of --nnodes nodes, and exit")
-    parser.add_argument("--nnodes", type=int, default=d.nnodes, help="with --print-launch: nodes")
-    parser.add_argument("--nproc-per-node", type=int, default=d.nproc_per_node,
-                        help="with --print-launch: workers per node (default: as --nproc)")
+    add_options(parser, TrainConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``shardwire train``: launch local workers, or be one."""
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    config = config_from(args, TrainConfig)
     _validate(config)
     if config.print_launch:
         print(f"# on each of the {config.nnodes} node(s); HEAD_ADDRESS: the first node's address, which every "
@@ -177,16 +141,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def _launch_command(config: TrainConfig) -> str:
     """The torchrun command for ``--print-launch``: this job's options, written back from the config."""
     defaults = TrainConfig()
-    argv = ["train"]
-    for field in dataclasses.fields(TrainConfig):
-        value = getattr(config, field.name)
-        if field.name in _LAUNCH_OPTIONS or value == getattr(defaults, field.name):
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            argv += [flag, str(value)]
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
+               if f.name not in _LAUNCH_OPTIONS and getattr(config, f.name) != getattr(defaults, f.name)}
+    argv = ["train", *command_line(changed)]
     per_node = config.nproc_per_node or config.nproc or _local_workers(config)
     return torchrun_command(config.nnodes, per_node, argv, max_restarts=config.max_restarts)
 

@@ -45,7 +45,7 @@ from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
 from shardwire.files import write_atomically
-from shardwire.options import OptionError, bounded, check_bounds, check_output_file
+from shardwire.options import OptionError, add_options, check_bounds, check_output_file, config_from, option
 from shardwire.launch import launch_local, under_launcher
 from shardwire.placement import Placement
 
@@ -60,32 +60,53 @@ class BenchError(Exception):
     what to change."""
 
 
+def parse_size(text: str) -> int:
+    """Bytes, with an optional binary suffix as nccl-tests takes them: 8, 64K, 128M, 1G (or 1GiB)."""
+    match = re.fullmatch(r"(\d+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes with an optional K, M, G or T, e.g. 64K")
+    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+
+
 @dataclasses.dataclass
 class BenchConfig:
-    ops: list[str] = dataclasses.field(default_factory=lambda: list(OPS))
-    nproc: int = bounded(2, at_least=1)  # local processes when not run under torchrun
-    min_bytes: int = bounded(1 << 10, at_least=1)
-    max_bytes: int = 64 << 20
-    step_factor: int | None = bounded(None, at_least=2)  # sizes grow by this factor (2 when neither is given) ...
-    step_bytes: int | None = bounded(None, at_least=1)  # ... or by this many bytes
-    dtype: str = "float32"
-    redop: str = "sum"
-    root: int = 0
-    warmup: int = bounded(5, at_least=0)
-    iters: int = bounded(20, at_least=1)
-    blocking: bool = False
-    check: bool = False
-    combine: str = "max"
-    groups: list[str] = dataclasses.field(default_factory=lambda: ["world"])
-    ranks_per_node: int | None = None
-    impl: str = "torch"
-    wire: str = "none"  # with --impl shardwire: what crosses nodes (see shardwire.comm.wire)
-    backend: str = "auto"
-    timeout: float = bounded(300.0, above=0, unit="seconds")
-    contention: bool = False  # also measure the compute an all-gather of max_bytes takes (bench.contention)
-    json: str | None = None
-    csv: str | None = None
-    plot: str | None = None
+    """The benchmark's settings; each but ``argv`` is a ``shardwire bench`` option and a key of its
+    ``--config`` file."""
+
+    ops: list[str] = option(factory=lambda: list(OPS), help=f"operations to measure (default: all of "
+                            f"{', '.join(OPS)})", choices=OPS, metavar="OP")
+    nproc: int = option(2, "local worker processes (ignored under torchrun)", at_least=1)
+    min_bytes: int = option(1 << 10, "smallest size (default 1K)", flags=("-b",), parse=parse_size, at_least=1)
+    max_bytes: int = option(64 << 20, "largest size (default 64M)", flags=("-e",), parse=parse_size)
+    step_factor: int | None = option(None, "multiply the size by this between steps (default 2)", flags=("-f",),
+                                     at_least=2)
+    step_bytes: int | None = option(None, "add this many bytes between steps instead", flags=("-i",),
+                                    parse=parse_size, at_least=1)
+    dtype: str = option("float32", "element type", choices=DTYPES)
+    redop: str = option("sum", "reduction of all_reduce, reduce_scatter and reduce", choices=REDOPS)
+    root: int = option(0, "group rank that broadcast sends from and reduce reduces to")
+    warmup: int = option(5, "untimed operations per size", flags=("-w",), at_least=0)
+    iters: int = option(20, "timed operations per size", flags=("-n",), at_least=1)
+    blocking: bool = option(False, "wait for each operation before issuing the next")
+    check: bool = option(False, "compare every output element with its known value (#wrong); exit 1 if any differs")
+    combine: str = option("max", "how ranks' times combine", choices=COMBINE)
+    groups: list[str] = option(factory=lambda: ["world"], help="world: all ranks; intra: each node's ranks; "
+                               "inter: one rank per node (default world)", choices=GROUPS, metavar="GROUP")
+    ranks_per_node: int | None = option(None, "ranks that share a node (default: torchrun's LOCAL_WORLD_SIZE)")
+    impl: str = option("torch", "shardwire: time all_gather and reduce_scatter as the engine runs them "
+                                "(shardwire.comm.communicator; point-to-point on gloo)", choices=("torch", "shardwire"))
+    wire: str = option("none", "with --impl shardwire: quantize what crosses nodes, as shard(wire=...) does: int8, "
+                               "or params=int8,grads=int4[,block=N] (all_gather uses params, reduce_scatter grads); "
+                               "busbw stays on the uncompressed size, the bytes sent are reported beside it")
+    backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
+    timeout: float = option(300.0, "seconds before a collective that does not complete is an error", above=0,
+                            unit="seconds")
+    contention: bool = option(False, "also time matrix multiplies alone and beside a running all_gather of "
+                                     "--max-bytes on each group: the share of compute communication takes, which "
+                                     "shardwire simulate --cluster-from reads")
+    json: str | None = option(None, "save the results as JSON (schema: shardwire.bench.report)", metavar="PATH")
+    csv: str | None = option(None, "save one CSV line per group, operation, size and form", metavar="PATH")
+    plot: str | None = option(None, "save busbw against size as a PNG", metavar="PATH")
     argv: list[str] = dataclasses.field(default_factory=list)  # the command's arguments, saved with the results
 
     def __post_init__(self):
@@ -104,62 +125,13 @@ class BenchConfig:
         return len(self.sizes())  # a factor of at least 2 reaches any size in a few dozen steps
 
 
-def parse_size(text: str) -> int:
-    """Bytes, with an optional binary suffix as nccl-tests takes them: 8, 64K, 128M, 1G (or 1GiB)."""
-    match = re.fullmatch(r"(\d+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes with an optional K, M, G or T, e.g. 64K")
-    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = BenchConfig()
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=d.ops, metavar="OP",
-                        help=f"operations to measure (default: all of {', '.join(OPS)})")
-    parser.add_argument("--nproc", type=int, default=d.nproc, help="local worker processes (ignored under torchrun)")
-    parser.add_argument("-b", "--min-bytes", type=parse_size, default=d.min_bytes, help="smallest size (default 1K)")
-    parser.add_argument("-e", "--max-bytes", type=parse_size, default=d.max_bytes, help="largest size (default 64M)")
-    step = parser.add_mutually_exclusive_group()
-    step.add_argument("-f", "--step-factor", type=int, help="multiply the size by this between steps (default 2)")
-    step.add_argument("-i", "--step-bytes", type=parse_size, help="add this many bytes between steps instead")
-    parser.add_argument("--dtype", choices=DTYPES, default=d.dtype)
-    parser.add_argument("--redop", choices=REDOPS, default=d.redop,
-                        help="reduction of all_reduce, reduce_scatter and reduce")
-    parser.add_argument("--root", type=int, default=d.root,
-                        help="group rank that broadcast sends from and reduce reduces to")
-    parser.add_argument("-w", "--warmup", type=int, default=d.warmup, help="untimed operations per size")
-    parser.add_argument("-n", "--iters", type=int, default=d.iters, help="timed operations per size")
-    parser.add_argument("--blocking", action="store_true", help="wait for each operation before issuing the next")
-    parser.add_argument("--check", action="store_true",
-                        help="compare every output element with its known value (#wrong); exit 1 if any differs")
-    parser.add_argument("--combine", choices=COMBINE, default=d.combine, help="how ranks' times combine (default max)")
-    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=d.groups, metavar="GROUP",
-                        help="world: all ranks; intra: each node's ranks; inter: one rank per node (default world)")
-    parser.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
-                        help="ranks that share a node (default: torchrun's LOCAL_WORLD_SIZE)")
-    parser.add_argument("--impl", choices=["torch", "shardwire"], default=d.impl,
-                        help="shardwire: time all_gather and reduce_scatter as the engine runs them "
-                             "(shardwire.comm.communicator; point-to-point on gloo)")
-    parser.add_argument("--wire", default=d.wire,
-                        help="with --impl shardwire: quantize what crosses nodes, as shard(wire=...) does: "
-                             "int8, or params=int8,grads=int4[,block=N] (all_gather uses params, reduce_scatter "
-                             "grads); busbw stays on the uncompressed size, the bytes sent are reported beside it")
-    parser.add_argument("--backend", choices=worker.BACKENDS, default=d.backend,
-                        help="auto: NCCL when CUDA is available, else gloo")
-    parser.add_argument("--timeout", type=float, default=d.timeout,
-                        help="seconds before a collective that does not complete is an error")
-    parser.add_argument("--contention", action="store_true",
-                        help="also time matrix multiplies alone and beside a running all_gather of --max-bytes on "
-                             "each group: the share of compute communication takes, which shardwire simulate "
-                             "--cluster-from reads")
-    parser.add_argument("--json", metavar="PATH", help="save the results as JSON (schema: shardwire.bench.report)")
-    parser.add_argument("--csv", metavar="PATH", help="save one CSV line per group, operation, size and form")
-    parser.add_argument("--plot", metavar="PATH", help="save busbw against size as a PNG")
+    add_options(parser, BenchConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``shardwire bench``: check the arguments, then launch local workers or be one."""
-    config = BenchConfig(**vars(args), argv=argv)
+    config = config_from(args, BenchConfig, argv=argv)
     try:
         if not under_launcher():
             validate(config, world=config.nproc)
@@ -177,13 +149,15 @@ def validate(config: BenchConfig, world: int) -> None:
     try:
         check_bounds(config)
         if int(os.environ.get("RANK", "0")) == 0:  # the rank that saves them
-            for option in ("json", "csv", "plot"):
-                if getattr(config, option) is not None:
-                    check_output_file(getattr(config, option), f"--{option}")
+            for output in ("json", "csv", "plot"):
+                if getattr(config, output) is not None:
+                    check_output_file(getattr(config, output), f"--{output}")
     except OptionError as err:
         raise BenchError(str(err)) from None
     if config.plot is not None:
         require("matplotlib", "--plot")
+    if config.step_factor is not None and config.step_bytes is not None:
+        raise BenchError("give --step-factor or --step-bytes, not both")
     if config.min_bytes > config.max_bytes:
         raise BenchError(f"--min-bytes ({config.min_bytes}) is larger than --max-bytes ({config.max_bytes})")
     count = config.size_count()

@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.extras import require
+from shardwire.config_file import ConfigError, read_mapping
 from shardwire.sim.presets import PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
@@ -129,18 +129,10 @@ def _link_from_fits(fits: Mapping) -> LinkSpec | None:
 
 
 def _read_mapping(text: str, what: str) -> dict:
-    """A JSON mapping, or a YAML one (with the ``yaml`` extra): YAML is read only where JSON fails."""
     try:
-        data = json.loads(text)
-    except ValueError:
-        yaml = require("yaml", f"{what}, which is not JSON,")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise SpecError(f"{what} is neither JSON nor YAML: {err}") from None
-    if not isinstance(data, Mapping):
-        raise SpecError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
-    return dict(data)
+        return read_mapping(text, what)
+    except ConfigError as err:
+        raise SpecError(str(err)) from None
 
 
 def _merged(base: dict, changes: Mapping) -> dict:

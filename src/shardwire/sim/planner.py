@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import math
 
+from shardwire.options import command_line
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
@@ -151,13 +152,10 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
         shard_args["shard_group_size"] = group_size(cluster, t)
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": t.precision,
                    "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
-    options = ["--batch", str(t.micro_batch), "--grad-accum", str(t.grad_accum), "--sharding", sharding]
-    if sharding in _HYBRID:
-        options += ["--shard-group-size", str(shard_args["shard_group_size"])]
-    options += ["--reshard" if t.reshards else "--no-reshard", "--prefetch", str(t.prefetch),
-                "--precision", t.precision,
-                "--activation-checkpointing" if t.activation_checkpointing else "--no-activation-checkpointing",
-                "--wire", t.wire]
+    options = command_line({"batch": t.micro_batch, "grad_accum": t.grad_accum, "sharding": sharding,
+                            "shard_group_size": shard_args.get("shard_group_size"), "reshard": t.reshards,
+                            "prefetch": t.prefetch, "precision": t.precision,
+                            "activation_checkpointing": t.activation_checkpointing, "wire": t.wire})
     return options, shard_args
 
 

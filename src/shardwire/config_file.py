@@ -1,0 +1,179 @@
+"""``--config FILE`` and ``--print-config``, for every command: option values kept in a file.
+
+A config file is a mapping from a command's long options to their values, in YAML (with the ``yaml``
+extra) or JSON::
+
+    # shardwire train --config job.yaml --steps 50
+    model: 125m
+    seq_len: 512          # or seq-len: --seq-len without its dashes
+    sharding: hybrid
+    reshard: false        # a switch takes true or false
+    lr: 3e-3
+
+Its values become the parser's defaults, so an option given on the command line wins over the file
+wherever it stands. They are checked as the command line's are: a choice must be one of the choices,
+a number must read as one (``3e-3`` too, which YAML 1.1 reads as text), a size may be ``64M``, a
+switch is true or false, and a key that is no option of the command is an error naming the nearest
+one. ``--print-config`` prints the options the command would run with, in this form: a file to
+start from, or a record of a run.
+
+Both are taken out of the arguments before the command's parser reads them, so they work for every
+command and subcommand alike, and a command that relaunches itself as workers passes ``--config`` on
+to them with the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from collections.abc import Mapping
+
+from shardwire.extras import require
+
+CONFIG, PRINT = "--config", "--print-config"
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and what to change."""
+
+
+def add_help(parser: argparse.ArgumentParser) -> None:
+    """List the two options in ``parser``'s help. They never reach the parser (``split`` takes them
+    out), except as an abbreviation, which is refused rather than silently ignored."""
+    group = parser.add_argument_group("configuration file")
+    group.add_argument(CONFIG, metavar="FILE", action=_WrittenInFull, default=argparse.SUPPRESS,
+                       help="read option values from this YAML or JSON file; options given here win over it")
+    group.add_argument(PRINT, nargs=0, action=_WrittenInFull, default=argparse.SUPPRESS,
+                       help="print the options this command would run with, as a config file, and exit")
+
+
+class _WrittenInFull(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"write {self.option_strings[0]} in full")
+
+
+def split(argv: list[str]) -> tuple[str | None, bool, list[str]]:
+    """(the ``--config`` file, whether ``--print-config`` was given, the other arguments). What follows
+    ``--`` belongs to another program (``shardwire testbed run -- ...``) and is left alone."""
+    path, printing, rest = None, False, []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            rest += [word, *words]
+        elif word == PRINT:
+            printing = True
+        elif word == CONFIG or word.startswith(CONFIG + "="):
+            if path is not None:
+                raise ConfigError(f"{CONFIG} is given twice: give one file")
+            path = word.partition("=")[2] if "=" in word else next(words, None)
+            if not path:
+                raise ConfigError(f"{CONFIG} needs a file: {CONFIG} FILE")
+        else:
+            rest.append(word)
+    return path, printing, rest
+
+
+def apply(parser: argparse.ArgumentParser, path: str) -> None:
+    """Make the values of the config file at ``path`` the defaults of ``parser`` (and of those of its
+    subcommands that have the option)."""
+    where = f"{CONFIG} {path}"
+    try:
+        with open(path) as f:
+            values = read_mapping(f.read(), where)
+    except OSError as err:
+        raise ConfigError(f"{where}: {err.strerror}") from None
+    options = _options(parser)
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        if dest not in options:
+            raise ConfigError(f"{where}: {key!r} is not an option of {parser.prog}{_nearest(dest, options)}")
+        for sub, action in options[dest]:
+            sub.set_defaults(**{dest: _converted(action, value, f"{where}: {key}")})
+            action.required = False
+
+
+def dump(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The options in ``args`` as a config file for ``parser``'s command."""
+    yaml = require("yaml", PRINT)
+    options = _options(parser)
+    values = {key: value for key, value in vars(args).items() if key in options}
+    return (f"# {parser.prog} {CONFIG} FILE reads this; options given with it win over it\n"
+            + yaml.safe_dump(values, sort_keys=False))
+
+
+def read_mapping(text: str, what: str) -> dict:
+    """A JSON mapping, or a YAML one (with the ``yaml`` extra): YAML is read only where JSON fails."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        yaml = require("yaml", f"{what}, which is not JSON,")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{what} is neither JSON nor YAML: {_one_line(err)}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
+    return dict(data)
+
+
+def _one_line(err) -> str:
+    """A YAML error, which spans several lines with a picture of where, as one line."""
+    problem, mark = getattr(err, "problem", None) or str(err), getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(problem.split()) + where
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, list[tuple[argparse.ArgumentParser, argparse.Action]]]:
+    """Each option a config file may set -> the parsers (the command's, its subcommands') that have it."""
+    options: dict[str, list] = {}
+    parsers = [parser]
+    while parsers:
+        current = parsers.pop()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+            elif action.option_strings and not isinstance(action, (argparse._HelpAction, _WrittenInFull)):
+                options.setdefault(action.dest, []).append((current, action))
+    return options
+
+
+def _nearest(key: str, options) -> str:
+    nearest = difflib.get_close_matches(key, options, n=1)
+    return f"; did you mean {nearest[0]!r}?" if nearest else f"; its options are {', '.join(options)}"
+
+
+def _converted(action: argparse.Action, value, where: str):
+    """``value`` from the file as the command line would give the option: parsed, in its choices."""
+    if value is None:
+        if action.default is None and not action.required:
+            return None
+        raise ConfigError(f"{where}: give a value, not null")
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: a switch is true or false, got {value!r}")
+        return value
+    if action.nargs in ("+", "*"):
+        items = value if isinstance(value, list) else [value]
+        if not items and action.nargs == "+":
+            raise ConfigError(f"{where}: give at least one value")
+        return [_converted_item(action, item, where) for item in items]
+    return _converted_item(action, value, where)
+
+
+def _converted_item(action: argparse.Action, value, where: str):
+    if isinstance(value, (bool, list, dict)):
+        raise ConfigError(f"{where}: give a value as the command line takes it, got {value!r}")
+    if action.type is None:
+        converted = str(value)
+    else:
+        try:
+            converted = action.type(str(value))
+        except argparse.ArgumentTypeError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        except ValueError:
+            kind = {int: "an integer", float: "a number"}.get(action.type, "a valid value")
+            raise ConfigError(f"{where}: {value!r} is not {kind}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return converted

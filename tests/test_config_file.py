@@ -1,0 +1,174 @@
+"""Options declared once on the configuration, and ``--config FILE``: a file's values under the
+command line's, checked as the command line's are, for every command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardwire import config_file
+from shardwire.bench.run import BenchConfig
+from shardwire.cli import main
+from shardwire.options import add_options, config_from
+from shardwire.train import TrainConfig
+
+yaml = pytest.importorskip("yaml", reason="the yaml extra is not installed")
+
+
+def command_parser(command: str, add_arguments) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"shardwire {command}")
+    add_arguments(parser)
+    config_file.add_help(parser)
+    return parser
+
+
+def parsed(command: str, argv: list[str]):
+    """The configuration ``shardwire <command> <argv>`` runs with, parsed as ``cli.main`` parses."""
+    import shardwire.bench.run as bench
+    import shardwire.train as train
+
+    module, config_class = {"train": (train, TrainConfig), "bench": (bench, BenchConfig)}[command]
+    parser = command_parser(command, module.add_arguments)
+    path, _, options = config_file.split(argv)
+    if path is not None:
+        config_file.apply(parser, path)
+    return config_from(parser.parse_args(options), config_class)
+
+
+def write(tmp_path, text: str, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("config_class", [TrainConfig, BenchConfig])
+def test_the_command_line_is_the_configuration(config_class):
+    """Every setting is an option with the configuration's default, named after its field."""
+    parser = argparse.ArgumentParser()
+    add_options(parser, config_class)
+    defaults = parser.parse_args([])
+    assert config_from(defaults, config_class) == config_class()
+    flags = {s for action in parser._actions for s in action.option_strings}
+    for name in vars(defaults):
+        assert "--" + name.replace("_", "-") in flags
+
+
+def test_the_file_sets_defaults_and_the_command_line_wins_wherever_it_stands(tmp_path):
+    path = write(tmp_path, "model: 30m\nseq-len: 64\nlr: 3e-3\nreshard: false\nsteps: 50\nsharding: hybrid\n")
+    config = parsed("train", ["--steps", "7", "--config", path, "--reshard"])
+    assert (config.model, config.seq_len, config.lr, config.sharding) == ("30m", 64, 0.003, "hybrid")
+    assert config.steps == 7 and config.reshard is True  # given on the command line, before and after
+    assert parsed("train", ["--config", path]).reshard is False
+    assert parsed("train", [f"--config={path}", "--no-reshard", "--sharding", "full"]).sharding == "full"
+
+
+def test_bench_files_take_sizes_lists_and_json(tmp_path):
+    path = write(tmp_path, "max_bytes: 1M\nmin_bytes: 4096\nops: all_gather\ngroups: [world, intra]\n")
+    config = parsed("bench", ["--config", path])
+    assert (config.max_bytes, config.min_bytes, config.ops, config.groups) == (1 << 20, 4096, ["all_gather"],
+                                                                                ["world", "intra"])
+    path = write(tmp_path, json.dumps({"ops": ["all_reduce", "broadcast"], "iters": 3}), "bench.json")
+    config = parsed("bench", ["-n", "4", "--config", path])
+    assert (config.ops, config.iters) == (["all_reduce", "broadcast"], 4)
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("train", ["--model", "tiny", "--no-reshard", "--wire", "int8", "--seq-len", "32", "--lr", "1e-4"]),
+    ("bench", ["--ops", "all_gather", "reduce_scatter", "-e", "1M", "--contention", "--json", "out.json"]),
+])
+def test_print_config_writes_a_file_that_reads_back_as_the_same_job(command, argv, tmp_path, capsys):
+    assert main([command, "--print-config", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"# shardwire {command} --config FILE reads this")
+    path = write(tmp_path, printed)
+    assert parsed(command, ["--config", path]) == parsed(command, argv)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("shardng: hybrid\n", "'shardng' is not an option of shardwire train; did you mean 'sharding'?"),
+    ("sharding: hybird\n", "sharding: 'hybird' is not one of full, hybrid, hybrid_secondary"),
+    ("steps: 1.5\n", "steps: 1.5 is not an integer"),
+    ("lr: fast\n", "lr: 'fast' is not a number"),
+    ("profile: yes please\n", "profile: a switch is true or false, got 'yes please'"),
+    ("steps: null\n", "steps: give a value, not null"),
+    ("model: [tiny]\n", "model: give a value as the command line takes it, got ['tiny']"),
+    ("- steps\n", "must be a mapping of keys to values, got list"),
+    ("steps: [1\n", "is neither JSON nor YAML"),
+])
+def test_a_bad_file_is_one_line_naming_the_file_and_the_key(text, message, tmp_path, capsys):
+    path = write(tmp_path, text)
+    assert main(["train", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config {path}") and message in err and err.count("\n") == 1
+
+
+def test_the_file_bounds_are_checked_as_the_command_lines_are(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--steps must be at least 1, got 0"):
+        main(["train", "--config", write(tmp_path, "steps: 0\n")])
+    assert main(["bench", "--config", write(tmp_path, "step_factor: 4\n"), "-i", "1K"]) == 2
+    assert "give --step-factor or --step-bytes, not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "missing.yaml"], "error: --config missing.yaml: No such file or directory\n"),
+    (["--config"], "error: --config needs a file: --config FILE\n"),
+    (["--config", "a.yaml", "--config", "b.yaml"], "error: --config is given twice: give one file\n"),
+])
+def test_a_missing_file_is_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *argv]) == 2
+    assert capsys.readouterr().err == message
+
+
+def test_an_abbreviated_config_is_refused_not_ignored(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--conf", "job.yaml"])
+    assert "write --config in full" in capsys.readouterr().err
+
+
+def test_yaml_without_its_extra_says_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # importing it fails, as when it is not installed
+    assert main(["train", "--config", write(tmp_path, "steps: 5\n")]) == 2
+    assert capsys.readouterr().err == (f"error: --config {tmp_path / 'job.yaml'}, which is not JSON, needs yaml, "
+                                       f"which is not installed: pip install 'shardwire[yaml]'\n")
+    assert main(["train", "--config", write(tmp_path, '{"steps": 5}', "job.json"), "--print-launch"]) == 0
+
+
+def test_required_options_of_simulate_and_plan_may_come_from_the_file(tmp_path, capsys):
+    path = write(tmp_path, "model: gpt2-125m\ncluster: a100-100gbe\nnodes: 2\nglobal_batch: 64\n")
+    assert main(["plan", "--config", path]) == 0
+    assert "torchrun --nnodes 2" in capsys.readouterr().out
+    assert main(["simulate", "--config", path]) == 2  # global_batch is plan's, not simulate's
+    assert "'global_batch' is not an option of shardwire simulate" in capsys.readouterr().err
+    path = write(tmp_path, "model: gpt2-125m\ncluster: a100-100gbe\n")
+    assert main(["simulate", "--config", path, "--json", "--nodes", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["nodes"] == 4
+
+
+def test_subcommands_take_the_options_they_have_and_what_follows_dashes_is_left_alone(tmp_path):
+    from shardwire.testbed import cli as testbed
+
+    parser = command_parser("testbed", testbed.add_arguments)
+    path = write(tmp_path, "name: lab\nnodes: 2\nlink: 1gbit\nnproc_per_node: 2\n")
+    config_file.apply(parser, path)
+    up = parser.parse_args(["up"])
+    assert (up.name, up.nodes, up.link) == ("lab", 2, "1gbit")
+    assert vars(parser.parse_args(["down"])) == {"action": "down", "name": "lab"}
+    argv = ["run", "--config", path, "--", "-m", "shardwire", "train", "--config", "job.yaml"]
+    assert config_file.split(argv) == (path, False, ["run", "--", "-m", "shardwire", "train", "--config", "job.yaml"])
+
+
+@pytest.mark.slow
+def test_workers_started_by_the_command_read_the_file(tmp_path):
+    """``shardwire bench --config`` relaunches itself as two gloo workers; they measure what the file says."""
+    path = write(tmp_path, "ops: [all_reduce]\nmin_bytes: 1K\nmax_bytes: 4K\nwarmup: 1\niters: 2\njson: out.json\n")
+    done = subprocess.run([sys.executable, "-m", "shardwire", "bench", "--config", path, "-n", "3"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    settings = doc["context"]["settings"]
+    assert (settings["ops"], settings["sizes"], settings["iters"]) == (["all_reduce"], [1024, 2048, 4096], 3)
