@@ -5,18 +5,22 @@ process group Ray has already made (gloo for CPU workers, NCCL for GPU ones), wh
     pip install -e '.[ray]'
     python examples/ray_train.py --workers 2               # CPU workers on this machine
     python examples/ray_train.py --workers 16 --gpu        # one GPU per worker, on a Ray cluster
+    torchrun --nproc-per-node 2 examples/ray_train.py      # the same training, without Ray
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import shardwire
+from shardwire import worker
 from shardwire.data import load_corpus
+from shardwire.launch import under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
 
@@ -72,16 +76,25 @@ def fit(config: dict, workers: int, gpu: bool = False, storage: str | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--gpu", action="store_true", help="one GPU per worker")
+    parser.add_argument("--workers", type=int, default=2, help="Ray workers (under torchrun: its world)")
+    parser.add_argument("--gpu", action="store_true", help="one GPU per Ray worker (under torchrun: where CUDA is)")
     parser.add_argument("--model", default="small", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=8, help="sequences per worker")
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
     config = {"model": args.model, "steps": args.steps, "batch": args.batch, "lr": args.lr}
-    for record in fit(config, args.workers, args.gpu):
-        print(f"step {record['step']}: loss {record['loss']:.3f}")
+    if under_launcher():  # started by torchrun: its process group, its devices, no Ray
+        device = worker.worker_device("auto")
+        with worker.process_group(device, datetime.timedelta(minutes=10)):
+            records = []
+            train(config, records.append, device)
+            if dist.get_rank() != 0:
+                return
+    else:
+        records = fit(config, args.workers, args.gpu)
+    for record in records:
+        print(f"step {record['step']}: loss {record['loss']:.6f}")
 
 
 if __name__ == "__main__":
