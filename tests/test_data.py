@@ -16,12 +16,12 @@ from shardwire.cli import main
 from shardwire.data import ByteCorpus, TokenCorpus, load_corpus
 
 
-@pytest.mark.parametrize("suffix, dtype", [(".bin", np.uint16), (".npy", np.uint32)])
+@pytest.mark.parametrize("suffix, dtype", [(".bin", np.uint16), (".bin", np.uint32), (".npy", np.uint32)])
 def test_token_ids_round_trip_through_a_memory_map(tmp_path, suffix, dtype):
     ids = (np.arange(50_000) * 7919 % 70_000 if dtype == np.uint32 else np.arange(50_000) % 65_000).astype(dtype)
     path = tmp_path / f"tokens{suffix}"
     ids.tofile(path) if suffix == ".bin" else np.save(path, ids)
-    corpus = load_corpus(str(path), seq_len=64)
+    corpus = load_corpus(str(path), seq_len=64, bin_dtype=np.dtype(dtype).name)
     assert isinstance(corpus, TokenCorpus) and isinstance(corpus.ids, np.memmap)
     assert corpus.num_tokens == len(ids)
     batch = corpus.batch(3, global_batch=4, seq_len=64, seed=1)
@@ -44,6 +44,16 @@ def test_an_id_past_the_vocabulary_is_refused_before_any_worker_starts(tmp_path)
     ids.tofile(path)
     with pytest.raises(SystemExit, match="holds token id 300 at position 12,345, but the model's vocabulary has 256"):
         main(["train", "--model", "small", "--data", str(path)])
+
+
+def test_a_bin_of_another_element_type_is_refused_with_the_option_to_give(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.full(20_001, 7, dtype=np.uint16).tofile(path)  # 40,002 bytes: not whole uint32 ids
+    with pytest.raises(SystemExit, match="holds 40,002 bytes, not a whole number of uint32 ids.*--token-dtype"):
+        main(["train", "--data", str(path), "--token-dtype", "uint32"])
+    np.full(40_000, 7, dtype=np.uint16).tofile(path)  # read as uint32: ids of 7 * 65,537
+    with pytest.raises(SystemExit, match="holds token id 458759 at position 0.*not uint32, give --token-dtype"):
+        main(["train", "--data", str(path), "--token-dtype", "uint32"])
 
 
 def test_ids_must_be_a_flat_unsigned_array(tmp_path):

@@ -3,8 +3,9 @@ and batches that depend only on the step.
 
 The default corpus is the ``.py`` files of the standard library: present wherever shardwire runs, so
 the main job needs no download. A pre-tokenised corpus is a flat array of token ids, read through a
-memory map and never loaded whole: nanoGPT's ``.bin`` (uint16) or a ``.npy`` of any unsigned
-integer dtype (uint32 for vocabularies past 65,536). Batches are a pure function of (seed, step):
+memory map and never loaded whole: a flat ``.bin`` (nanoGPT's uint16, or uint32 for vocabularies
+past 65,536: a ``.bin`` has no header, so the run says which) or a ``.npy`` of any unsigned integer
+dtype (its header says which). Batches are a pure function of (seed, step):
 every rank can compute the global batch and keep its own rows, a run's data position is its step
 number, and a resumed run sees exactly the batches an uninterrupted one would have.
 """
@@ -24,20 +25,22 @@ VALIDATION_FRACTION = 0.01
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")
+BIN_DTYPES = ("uint16", "uint32")
 # Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
 _CHECK_CHUNK = 1 << 24
 
 
-def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None) -> "ByteCorpus | TokenCorpus":
-    """The corpus ``path`` names: pre-tokenised ids for ``.bin`` and ``.npy`` files; text tokenised
-    by the Hugging Face tokenizer in the directory ``tokenizer`` (see ``tokenized``); else text as
-    bytes."""
+def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
+                bin_dtype: str = "uint16") -> "ByteCorpus | TokenCorpus":
+    """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
+    files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
+    ``tokenized``); else text as bytes."""
     if tokenizer is not None:
         if path is None or path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
         return TokenCorpus.load(str(tokenized(path, tokenizer)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
-        return TokenCorpus.load(path, seq_len)
+        return TokenCorpus.load(path, seq_len, bin_dtype)
     return ByteCorpus.load(path, seq_len)
 
 
@@ -101,12 +104,16 @@ class TokenCorpus:
         self.splits = _splits(ids, name, "tokens", seq_len)
 
     @classmethod
-    def load(cls, path: str, seq_len: int) -> TokenCorpus:
+    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16") -> TokenCorpus:
         file = pathlib.Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"data path {path} does not exist: pass a .bin or .npy file of token ids")
         if file.suffix == ".bin":
-            ids = np.memmap(file, dtype=np.uint16, mode="r")
+            size, width = file.stat().st_size, np.dtype(bin_dtype).itemsize
+            if size % width:
+                raise ValueError(f"{path} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
+                                 f"another element type (--token-dtype)?")
+            ids = np.memmap(file, dtype=bin_dtype, mode="r")
         else:
             ids = np.load(file, mmap_mode="r")
             if ids.ndim != 1 or ids.dtype.kind != "u":
@@ -124,9 +131,11 @@ class TokenCorpus:
             chunk = np.asarray(self.ids[start:start + _CHECK_CHUNK])
             if chunk.max(initial=0) >= vocab_size:
                 at = start + int(np.argmax(chunk >= vocab_size))
+                hint = (f" (or, if the .bin's ids are not {self.ids.dtype}, give --token-dtype)"
+                        if self.name.endswith(".bin") else "")
                 raise ValueError(f"{self.name} holds token id {int(self.ids[at])} at position {at:,}, but the model's "
                                  f"vocabulary has {vocab_size:,} ids: tokenise for this model, or pick a model "
-                                 f"whose vocabulary covers it")
+                                 f"whose vocabulary covers it{hint}")
 
     def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
         """Rows of ``seq_len + 1`` tokens (inputs and shifted targets) for the whole global batch."""

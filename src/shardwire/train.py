@@ -22,7 +22,7 @@ import torch.distributed as dist
 import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
-from shardwire.data import load_corpus
+from shardwire.data import BIN_DTYPES, load_corpus
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
 from shardwire.engine.sharding import SHARDINGS, group_size
@@ -82,8 +82,10 @@ class TrainConfig:
                 "params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
     data: str | None = option(
-        None, "text file or directory, read as bytes, or pre-tokenised ids: a .bin (nanoGPT's flat uint16) or "
-              ".npy file (default: Python's stdlib sources)")
+        None, "text file or directory, read as bytes, or pre-tokenised ids: a flat .bin (nanoGPT's) or a .npy "
+              "file (default: Python's stdlib sources)")
+    token_dtype: str = option("uint16", "element type of a .bin --data file: nanoGPT's uint16, or uint32 for "
+                                        "vocabularies past 65,536 (a .npy says its own)", choices=BIN_DTYPES)
     tokenizer: str | None = option(
         None, "a local Hugging Face tokenizer: tokenise the text --data once, with a progress bar, into a .npy "
               "beside it, and train on its ids", metavar="DIR")
@@ -218,7 +220,8 @@ def _validate(config: TrainConfig) -> None:
     choice = _choice(config)
     if config.data is not None or config.tokenizer is not None:  # the default, the stdlib's sources, serves
         try:
-            load_corpus(config.data, choice.seq_len, config.tokenizer).check_vocab(choice.vocab_size)
+            corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
+            corpus.check_vocab(choice.vocab_size)
         except (OSError, ValueError) as err:  # a message not naming its option is about --data
             raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
 
@@ -259,7 +262,7 @@ def train(config: TrainConfig) -> None:
 def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     choice = _choice(config)
-    corpus = load_corpus(config.data, choice.seq_len, config.tokenizer)
+    corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
 
     torch.manual_seed(config.seed)
     model = choice.build().to(device)
