@@ -24,9 +24,10 @@ buffer leaves a node, again the least possible.
 
 Every message carries one slot of the flat buffer (the shard of one rank) and is tagged with that
 slot's owner (the all-reduce's pieces: see ``Exchange.all_reduce``), so each message is matched by
-tag alone, whatever the order the two ranks post them in. Before any data moves, every rank sends every other its *header*, the operation and tag of the
-collective it is running: messages are matched by number, so ranks that issue different collectives
-would otherwise silently exchange the wrong buffers. A header that differs raises
+tag alone, whatever the order the two ranks post them in. Before any data moves, every rank sends
+every other its *header*, the operation and tag of the collective it is running: messages are
+matched by number, so ranks that issue different collectives would otherwise silently exchange the
+wrong buffers. A header that differs raises
 ``ScheduleMismatchError`` on every rank, naming what each was running.
 """
 

@@ -67,7 +67,8 @@ class Profiler:
         self._warmup_steps = warmup_steps
         self._metadata = metadata or {}
         self._peak = self._peak_per_worker(peak_tflops, probe_peak)
-        self._engine.comm.all_gather_values([0], tag="profile origin")  # a barrier: a shared origin for every rank's timeline
+        # a barrier: a shared origin for every rank's timeline
+        self._engine.comm.all_gather_values([0], tag="profile origin")
         self._recorder = StepRecorder(self._engine.device)
         self._engine.add_listener(self._recorder.on_phase)
         self._hooks = []
@@ -156,7 +157,8 @@ class Profiler:
         }
         os.makedirs(run_dir, exist_ok=True)
         write_atomically(os.path.join(run_dir, "profile.json"), json.dumps(profile), durable=True)
-        write_atomically(os.path.join(run_dir, "trace.json"), json.dumps(chrome_trace(per_rank_timelines)), durable=True)
+        write_atomically(os.path.join(run_dir, "trace.json"), json.dumps(chrome_trace(per_rank_timelines)),
+                         durable=True)
         return summary
 
     def throughput(self, step_s: float) -> dict:

@@ -63,7 +63,8 @@ def load_profile(run_dir: str) -> dict:
     if not isinstance(profile, dict):
         raise ReportError(f"{path} holds a JSON {type(profile).__name__}, not a profile; profile the run again")
     if profile.get("version") != FORMAT_VERSION:
-        raise ReportError(f"{path} has format version {profile.get('version')!r}; this shardwire reads {FORMAT_VERSION}")
+        raise ReportError(f"{path} has format version {profile.get('version')!r}; "
+                          f"this shardwire reads {FORMAT_VERSION}")
     return profile
 
 
@@ -105,7 +106,8 @@ def _damage_reported(run_dirs: list[str]):
 def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
     """Runs in one scaling plot must be the same job at different world sizes."""
     def job(p):
-        return {"model": p["metadata"].get("model"), "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
+        return {"model": p["metadata"].get("model"),
+                "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
                 "precision": p["metadata"].get("precision"), "device": p["device"]}
 
     reference = job(profiles[0])
