@@ -66,7 +66,7 @@ class TrainConfig:
     grad_accum: int = option(1, "micro-batches per step (all but the last under no_sync)", at_least=1)
     lr: float = option(3e-3, "peak learning rate (warmup, then cosine)", above=0)
     warmup: int = option(40, "warmup steps", at_least=0)
-    weight_decay: float = option(0.1, "AdamW's, on matrices", at_least=0)
+    weight_decay: float = option(0.1, "AdamW's weight decay of matrices (biases and norms get none)", at_least=0)
     clip: float = option(1.0, "max global gradient norm (0: off)", at_least=0)
     precision: str = option("fp32", "compute dtype (master weights stay fp32)", choices=("fp32", "bf16", "fp16"))
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
