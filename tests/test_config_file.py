@@ -12,31 +12,18 @@ import pytest
 
 from shardwire import config_file
 from shardwire.bench.run import BenchConfig
-from shardwire.cli import main
+from shardwire.cli import command, main
 from shardwire.options import add_options, config_from
 from shardwire.train import TrainConfig
 
 yaml = pytest.importorskip("yaml", reason="the yaml extra is not installed")
 
 
-def command_parser(command: str, add_arguments) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"shardwire {command}")
-    add_arguments(parser)
-    config_file.add_help(parser)
-    return parser
-
-
-def parsed(command: str, argv: list[str]):
-    """The configuration ``shardwire <command> <argv>`` runs with, parsed as ``cli.main`` parses."""
-    import shardwire.bench.run as bench
-    import shardwire.train as train
-
-    module, config_class = {"train": (train, TrainConfig), "bench": (bench, BenchConfig)}[command]
-    parser = command_parser(command, module.add_arguments)
-    path, _, options = config_file.split(argv)
-    if path is not None:
-        config_file.apply(parser, path)
-    return config_from(parser.parse_args(options), config_class)
+def parsed(name: str, argv: list[str]):
+    """The configuration ``shardwire <name> <argv>`` runs with."""
+    config_class = {"train": TrainConfig, "bench": BenchConfig}[name]
+    args, _ = config_file.parse(command(name)[1], argv)
+    return config_from(args, config_class)
 
 
 def write(tmp_path, text: str, name: str = "job.yaml") -> str:
@@ -150,9 +137,7 @@ def test_required_options_of_simulate_and_plan_may_come_from_the_file(tmp_path, 
 
 
 def test_subcommands_take_the_options_they_have_and_what_follows_dashes_is_left_alone(tmp_path):
-    from shardwire.testbed import cli as testbed
-
-    parser = command_parser("testbed", testbed.add_arguments)
+    _, parser = command("testbed")
     path = write(tmp_path, "name: lab\nnodes: 2\nlink: 1gbit\nnproc_per_node: 2\n")
     config_file.apply(parser, path)
     up = parser.parse_args(["up"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 from shardwire import config_file
 from shardwire.config_file import ConfigError
@@ -25,6 +26,15 @@ COMMANDS = {
     "simulate": ("shardwire.sim.simulate_cli", "predict and explain a sharded job's step time on any cluster"),
     "plan": ("shardwire.sim.plan_cli", "find the fastest sharding settings that fit a cluster"),
 }
+
+
+def command(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The module of the subcommand ``name`` and its parser (``--config`` and ``--print-config`` too)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    config_file.add_help(parser)
+    return module, parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,15 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if under_launcher():
         die_with_launcher()
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
-    module.add_arguments(parser)
-    config_file.add_help(parser)
+    module, parser = command(name)
     try:
-        path, printing, options = config_file.split(rest)
-        if path is not None:
-            config_file.apply(parser, path)
-        args = parser.parse_args(options)
+        args, printing = config_file.parse(parser, rest)
         if printing:
             print(config_file.dump(parser, args), end="")
             return 0

@@ -53,6 +53,15 @@ class _WrittenInFull(argparse.Action):
         parser.error(f"write {self.option_strings[0]} in full")
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, bool]:
+    """``argv`` parsed by ``parser`` over the values of its ``--config`` file, if it names one; and
+    whether ``--print-config`` was given."""
+    path, printing, options = split(argv)
+    if path is not None:
+        apply(parser, path)
+    return parser.parse_args(options), printing
+
+
 def split(argv: list[str]) -> tuple[str | None, bool, list[str]]:
     """(the ``--config`` file, whether ``--print-config`` was given, the other arguments). What follows
     ``--`` belongs to another program (``shardwire testbed run -- ...``) and is left alone."""
