@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -46,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from systems import TrainingStep, wrap  # noqa: E402
 
+from shardwire import worker  # noqa: E402
 from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
 from shardwire.profile.flops import datasheet_peak_tflops, flops_per_token  # noqa: E402
-from shardwire.worker import ensure_initialized  # noqa: E402
 
 SYSTEMS = ("unsharded", "shardwire", "fsdp2")
 SIZES = ("gpt-125m", "gpt-350m", "gpt-1.3b")
@@ -66,20 +64,15 @@ def build(system: str, size: str, batch: int, device: torch.device, dtype: torch
     return TrainingStep(system, wrap(system, model, compute_dtype=dtype), config, batch, fused=fused)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(step: TrainingStep, warmup: int, steps: int, device: torch.device) -> list[float]:
     for _ in range(warmup):
         step()
-    synchronize(device)
+    worker.synchronize(device)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
-        synchronize(device)
+        worker.synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -164,12 +157,8 @@ def trace(size: str, args, device: torch.device, dtype: torch.dtype, peak: float
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as torch_profile:
         step()
-        synchronize(device)
-    path = os.path.join(args.trace, "torch_trace.json")
-    torch_profile.export_chrome_trace(path)
-    with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    os.remove(path)
+        worker.synchronize(device)
+    torch_profile.export_chrome_trace(os.path.join(args.trace, "torch_trace.json.gz"))  # torch gzips a .gz
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     print(torch_profile.key_averages().table(sort_by=sort, row_limit=20))
 
@@ -189,11 +178,9 @@ def main() -> None:
     parser.add_argument("--trace", help="profile the last size under shardwire into this directory")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    ensure_initialized(device)  # a world of one: NCCL on the GPU, gloo on the CPU
+    device = worker.worker_device("auto")
+    cuda = device.type == "cuda"
+    worker.ensure_initialized(device)  # a world of one: NCCL on the GPU, gloo on the CPU
     dtype = torch.bfloat16
     peak = args.peak_tflops or datasheet_peak_tflops(device, dtype)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"

@@ -35,7 +35,8 @@ def train(config: dict, report: Callable[[dict], None], device: torch.device) ->
     corpus = load_corpus(None, model_config.seq_len)
     rank, world, batch = dist.get_rank(), dist.get_world_size(), config["batch"]
     for step in range(config["steps"]):
-        tokens = corpus.batch(step, batch * world, model_config.seq_len)[rank * batch:(rank + 1) * batch].to(device)
+        rows = slice(rank * batch, (rank + 1) * batch)
+        tokens = corpus.batch(step, batch * world, model_config.seq_len, rows=rows).to(device)
         loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         shardwire.clip_grad_norm_(model, 1.0)

@@ -13,13 +13,15 @@ number, and a resumed run sees exactly the batches an uninterrupted one would ha
 from __future__ import annotations
 
 import hashlib
+import io
 import math
-import os
 import pathlib
 import sysconfig
 
 import numpy as np
 import torch
+
+from shardwire.files import write_atomically
 
 VALIDATION_FRACTION = 0.01
 
@@ -76,10 +78,10 @@ def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
     pieces = [np.asarray(tokenizer(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
               for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
     ids = np.concatenate(pieces).astype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
-    partial = cache.with_name(cache.name + ".partial")
-    with open(partial, "wb") as f:
-        np.save(f, ids)
-    os.replace(partial, cache)  # whole or absent: a run stopped while tokenising leaves no cache behind
+    array = io.BytesIO()
+    np.save(array, ids)
+    # whole or absent, and each rank's own temporary file: the ranks of a torchrun job tokenise at once
+    write_atomically(cache, array.getvalue())
     return cache
 
 
@@ -137,10 +139,12 @@ class TokenCorpus:
                                  f"vocabulary has {vocab_size:,} ids: tokenise for this model, or pick a model "
                                  f"whose vocabulary covers it{hint}")
 
-    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
-        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets) for the whole global batch."""
+    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train",
+              rows: slice = slice(None)) -> torch.Tensor:
+        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets): the global batch's ``rows``
+        (a rank's share; by default all), read without the others."""
         data = self.splits[split]
-        starts = _starts(len(data), global_batch, seq_len, seed, step, split)
+        starts = _starts(len(data), global_batch, seq_len, seed, step, split)[rows]
         return torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
@@ -188,8 +192,10 @@ class ByteCorpus:
             raise ValueError(f"a text corpus is read as bytes, ids 0 to 255, but the model's vocabulary has "
                              f"{vocab_size} ids")
 
-    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
-        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets) for the whole global batch."""
+    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train",
+              rows: slice = slice(None)) -> torch.Tensor:
+        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets): the global batch's ``rows``
+        (a rank's share; by default all), read without the others."""
         data = self.splits[split]
-        starts = _starts(data.numel(), global_batch, seq_len, seed, step, split)
+        starts = _starts(data.numel(), global_batch, seq_len, seed, step, split)[rows]
         return torch.stack([data[s : s + seq_len + 1] for s in starts]).long()

@@ -1,9 +1,10 @@
 """Writing files so that a reader never finds one half-written.
 
-Every file shardwire writes (profiles, traces, reports, plots, benchmark results, exported state
-dicts, the testbed's state and hosts files) goes through ``write_atomically``: the data goes to a
-temporary file beside the target, which then replaces the target in one rename. A crash, a full disk or an error while
-rendering leaves the target as it was and no temporary file behind. (Checkpoints are written a
+Every file shardwire writes (profiles, traces, reports, plots, benchmark results, token caches,
+exported state dicts, the testbed's state and hosts files) goes through ``write_atomically``: the
+data goes to a temporary file beside the target, which then replaces the target in one rename. A
+crash, a full disk or an error while rendering leaves the target as it was and no temporary file
+behind. (Checkpoints are written a
 directory at a time, with the same idea: ``shardwire.engine.checkpoint.save``.)
 """
 

@@ -38,13 +38,19 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+def rendezvous_options(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str) -> list[str]:
+    """torchrun's options for ``nnodes`` nodes of ``nproc_per_node`` workers that meet at the c10d
+    rendezvous at ``endpoint`` (host:port) under the name ``job_id``."""
+    return [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"]
+
+
 def torchrun_command(nnodes: int, nproc_per_node: int, argv: list[str], *, max_restarts: int = 0) -> str:
     """The command that runs ``python -m shardwire <argv>`` as ``nproc_per_node`` workers on each of
     ``nnodes`` nodes: the same on every node, the nodes meeting at a c10d rendezvous on the first
     one (``HEAD_ADDRESS``, for the launcher or the user to fill in), so no node needs a rank of its
     own and a restarted node rejoins."""
-    torchrun = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
-                "--rdzv-endpoint=HEAD_ADDRESS:29500", "--rdzv-id=shardwire"]
+    torchrun = ["torchrun", *rendezvous_options(nnodes, nproc_per_node, "HEAD_ADDRESS:29500", "shardwire")]
     if max_restarts:
         torchrun.append(f"--max-restarts={max_restarts}")
     return shlex.join([*torchrun, "-m", "shardwire", *argv])

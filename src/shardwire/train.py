@@ -146,7 +146,7 @@ def _launch_command(config: TrainConfig) -> str:
     changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
                if f.name not in _LAUNCH_OPTIONS and getattr(config, f.name) != getattr(defaults, f.name)}
     argv = ["train", *command_line(changed)]
-    per_node = config.nproc_per_node or config.nproc or _local_workers(config)
+    _, per_node = _world_and_node_size(config)
     return torchrun_command(config.nnodes, per_node, argv, max_restarts=config.max_restarts)
 
 
@@ -188,15 +188,16 @@ def _validate(config: TrainConfig) -> None:
     """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
     try:
         check_bounds(config)
-        if config.checkpoint_dir is not None and not config.print_launch:
-            check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
-        if config.profile and not config.print_launch:
-            check_writable_directory(config.run_dir or "runs", "--run-dir")
-        if config.tensorboard is not None and not config.print_launch:
-            require("tensorboard", "--tensorboard")
-            check_writable_directory(config.tensorboard, "--tensorboard")
-        if config.log_jsonl is not None and not config.print_launch:
-            check_output_file(config.log_jsonl, "--log-jsonl")
+        if not config.print_launch:  # what this job writes, on this machine
+            if config.checkpoint_dir is not None:
+                check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
+            if config.profile:
+                check_writable_directory(config.run_dir or "runs", "--run-dir")
+            if config.tensorboard is not None:
+                require("tensorboard", "--tensorboard")
+                check_writable_directory(config.tensorboard, "--tensorboard")
+            if config.log_jsonl is not None:
+                check_output_file(config.log_jsonl, "--log-jsonl")
     except OptionError as err:
         raise SystemExit(f"error: {err}") from None
     try:
@@ -313,7 +314,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
             for micro in range(config.grad_accum):
                 batch = _to_device(corpus.batch(step * config.grad_accum + micro, global_batch,
-                                                choice.seq_len, seed=config.seed)[rows], device)
+                                                choice.seq_len, seed=config.seed, rows=rows), device)
                 sync = micro == config.grad_accum - 1
                 with contextlib.nullcontext() if sync else shardwire.no_sync(model):
                     loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
@@ -338,18 +339,17 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
             last_loss = loss_sum.item() / (world * config.grad_accum * interval_steps)
             loss_sum.zero_()
             first_loss = last_loss if first_loss is None else first_loss
-            elapsed = time.perf_counter() - interval_start
+            step_time = (time.perf_counter() - interval_start) / interval_steps
             if progress is not None:
                 summary = CommSummary.of(records, engine.comm.clock)  # the last step's; complete after item()
                 fields = {
                     "loss": f"{last_loss:.3f}",
-                    "tok/s": format_rate(tokens_per_step * interval_steps / elapsed),
+                    "tok/s": format_rate(tokens_per_step / step_time),
                     "comm": f"{summary.busy_s * 1e3:.0f}ms (exposed {summary.exposed_s * 1e3:.0f}ms)",
                 }
                 if val_loss is not None:
                     fields["val"] = f"{val_loss:.4f}"
                 progress.update(step + 1, fields)
-                step_time = elapsed / interval_steps
                 values = {"loss": last_loss, "lr": scheduler.get_last_lr()[0],
                           "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                           "comm_s": summary.busy_s, "exposed_comm_s": summary.exposed_s}
@@ -466,7 +466,7 @@ def evaluate(model, choice: ModelChoice, corpus, config, rows, global_batch, dev
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(config.eval_batches):
-        batch = _to_device(corpus.batch(i, global_batch, choice.seq_len, seed=config.seed, split="val")[rows],
+        batch = _to_device(corpus.batch(i, global_batch, choice.seq_len, seed=config.seed, split="val", rows=rows),
                            device)
         total += loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
     dist.all_reduce(total)

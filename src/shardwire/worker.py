@@ -43,6 +43,12 @@ def worker_device(backend: str) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (on the CPU, work is done when it returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def backend_for(device: torch.device) -> str:
     """The backend torch.distributed uses for tensors on ``device``: NCCL for CUDA, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"

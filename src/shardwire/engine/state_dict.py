@@ -27,13 +27,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for flat in engine.flats:
             full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
             engine.sharding.shard.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
-            yield flat.layout, full.cpu()
+            yield flat.layout, full
 
     if engine.comm.rank != 0:
-        for _ in gathered():
+        for _ in gathered():  # every rank takes part in each gather; only rank 0 keeps the values
             pass
         return {}
-    return assemble(gathered(), engine.state_dict_keys, lambda key: model.get_buffer(key).detach().cpu().clone())
+    on_host = ((layout, full.cpu()) for layout, full in gathered())
+    return assemble(on_host, engine.state_dict_keys, lambda key: model.get_buffer(key).detach().cpu().clone())
 
 
 def assemble(flats: Iterable[tuple[FlatLayout, torch.Tensor]], keys: Sequence[str],

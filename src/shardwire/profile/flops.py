@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from shardwire.gpus import datasheet_tflops
+from shardwire.worker import synchronize
 from shardwire.sim.architecture import architecture
 from shardwire.sim.specs import ModelSpec
 
@@ -81,17 +82,13 @@ def probe_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32, 
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     torch.mm(a, b)  # warm up kernels and caches
-    _synchronize(device)
+    synchronize(device)
     iterations, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for _ in range(4):
             torch.mm(a, b)
         iterations += 4
-        _synchronize(device)
+        synchronize(device)
     elapsed = time.perf_counter() - start
     return 2 * size**3 * iterations / elapsed / 1e12
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

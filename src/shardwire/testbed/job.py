@@ -18,6 +18,7 @@ import threading
 import time
 from typing import IO
 
+from shardwire.launch import rendezvous_options
 from shardwire.testbed.network import in_namespace
 from shardwire.testbed.spec import NODE_INTERFACE, Testbed
 
@@ -29,8 +30,7 @@ POLL_S = 0.1
 def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list[str], job_id: str) -> list[str]:
     return in_namespace(testbed.namespace(node), [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={testbed.nodes}", f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={testbed.address(0)}:{RDZV_PORT}", f"--rdzv-id={job_id}",
+        *rendezvous_options(testbed.nodes, nproc_per_node, f"{testbed.address(0)}:{RDZV_PORT}", job_id),
         # Every node has this machine's hostname, which names none of them: say which node hosts
         # the rendezvous store, and give each node's address for the workers' MASTER_ADDR.
         f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={testbed.address(node)}",
