@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -154,9 +155,11 @@ def machine_cluster(runs: list[Run], settings: Settings) -> ClusterSpec:
                        memory_bandwidth_GBps=bandwidth / 1e9, quantize_gelems=quantize_rate() / 1e9)
 
 
+@functools.cache
 def quantize_rate() -> float:
     """Elements per second one thread (a lane's) quantizes here: the median of a few int8 encodes
-    of 8M elements, the wire's kernels as the engine runs them."""
+    of 8M elements, the wire's kernels as the engine runs them. Measured once: every layout runs on
+    the same machine."""
     torch.set_num_threads(1)
     codec, values = Codec(8, DEFAULT_BLOCK), torch.randn(1, 8_000_000)
     times = []

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from shardwire.bench import report
 from shardwire.bench.ops import OUT_OF_PLACE, AllGather, OpContext
+from shardwire.bench.sweep import exchange
 from shardwire.comm.clock import Clock
 
 TRIALS = 5
@@ -122,9 +123,8 @@ def _measure_group(ctx: OpContext, nbytes: int, run: Callable[[], None], clock: 
     share = _share(1.0 - alone / beside)
     slowed = _share(statistics.median(_bandwidth_share(lands, one_gather, seconds) for seconds, lands in trials)
                     if gather else 0.0)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (ctx.member, alone, beside, share, one_gather, slowed))
-    members = [values for member, *values in everyone if member]
+    mine = [alone, beside, share, one_gather, slowed] if ctx.member else [math.nan] * 5
+    members = [values for values in exchange(mine, ctx.device) if not math.isnan(values[0])]
     return {
         "ranks": ctx.size,
         "all_gather_bytes": numel * ctx.dtype.itemsize,

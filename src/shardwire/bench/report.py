@@ -60,8 +60,8 @@ import math
 from shardwire.bench.metrics import LatencyBandwidthFit
 from shardwire.bench.ops import OUT_OF_PLACE
 from shardwire.bench.schema import SCHEMA
-from shardwire.extras import require
 from shardwire.bench.sweep import PLACEMENTS, OpResult, Point, Row
+from shardwire.extras import require
 
 GB = 1e9
 

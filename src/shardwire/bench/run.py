@@ -45,8 +45,8 @@ from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
 from shardwire.files import write_atomically
-from shardwire.options import OptionError, add_options, check_bounds, check_output_file, config_from, option
 from shardwire.launch import launch_local, under_launcher
+from shardwire.options import OptionError, add_options, check_bounds, check_output_file, config_from, option
 from shardwire.placement import Placement
 
 GROUPS = ("world", "intra", "inter")

@@ -101,7 +101,7 @@ def sweep(operation: type[Operation], numels: list[int], ctx: OpContext, setting
                 mine += [seconds, math.nan if wrong is None else wrong]
             else:
                 mine += [math.nan, math.nan]
-        everyone = _exchange(mine, ctx.device)
+        everyone = exchange(mine, ctx.device)
         nbytes = numel * ctx.dtype.itemsize
         points = {}
         for i, placement in enumerate(PLACEMENTS):
@@ -188,7 +188,7 @@ def _seconds_per_op(op: Operation, iterations: int, blocking: bool) -> float:
     return (time.perf_counter() - began) / iterations
 
 
-def _exchange(values: list[float], device: torch.device) -> list[list[float]]:
+def exchange(values: list[float], device: torch.device) -> list[list[float]]:
     """Every world rank's ``values``, in rank order."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]

@@ -13,7 +13,6 @@ import argparse
 import json
 import sys
 
-
 from shardwire.extras import require
 from shardwire.sim import inputs, report
 from shardwire.sim.predict import predict, sweep
