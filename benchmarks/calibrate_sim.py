@@ -12,9 +12,9 @@ measured network and the measured compute, and compare.
         --bench 1gbit=bench-1gbit.json 2x1@1gbit=bench-2x1-1gbit.json
 
 On this machine every rank of every node shares the same two cores, so what a collective and a
-rank's compute take from each other depends on how many ranks share them: a bench run on the layout of a run
+rank's compute take from each other depends on how many ranks share them: a bench run on the cluster of a run
 (``2x1@1gbit``) measures its share as that run sees it; a link's bench (``1gbit``, on 2 x 2) serves
-its other layouts.
+its other clusters.
 
 The simulator is given what was measured on this machine, and predicts how the step's
 communication overlaps its computation and how much each slows the other:
@@ -102,14 +102,14 @@ class Run:
         return self.nodes * self.ranks_per_node
 
     @property
-    def layout(self) -> str:
+    def cluster(self) -> str:
         shape = f"{self.nodes}x{self.ranks_per_node}"
         return shape if self.link is None else f"{shape} @{self.link}"
 
 
 def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
     """The shardwire runs of ``benchmarks/scaling.py``'s scaling.json: ``{"args": {...},
-    "compute_times_s": {WORLD: [s]}, "rows": [{"system", "layout": "2x2 @1gbit", "step_times",
+    "compute_times_s": {WORLD: [s]}, "rows": [{"system", "cluster": "2x2 @1gbit", "step_times",
     "profile"}]}``."""
     args = doc["args"]
     settings = Settings(model=args["model"], batch=args["batch"], prefetch=args["prefetch"], reshard=args["reshard"])
@@ -118,11 +118,11 @@ def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
     for row in doc["rows"]:
         if row["system"] not in SHARDWIRE_SYSTEMS:
             continue
-        shape, _, link = row["layout"].partition(" @")
+        shape, _, link = row["cluster"].partition(" @")
         nodes, _, per_node = shape.partition("x")
         nodes, per_node = int(nodes), int(per_node)
         if not row.get("profile"):
-            raise ValueError(f"shardwire's run on {row['layout']} has no profile: measure it again with "
+            raise ValueError(f"shardwire's run on {row['cluster']} has no profile: measure it again with "
                              f"this version of benchmarks/scaling.py")
         runs.append(Run(row["system"], nodes, per_node, link or None, statistics.median(row["step_times"]),
                         compute_only[nodes * per_node], row["profile"]))
@@ -173,10 +173,10 @@ def quantize_rate() -> float:
 def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: str) -> Prediction:
     measured = cluster_from_bench(bench_path, machine)
     cluster = parse("cluster", {**as_dict(measured), "nodes": run.nodes, "gpus_per_node": run.ranks_per_node})
-    sharding, wire = SHARDWIRE_SYSTEMS[run.system]
-    hybrid = sharding in ("hybrid", "hybrid_secondary")
+    layout, wire = SHARDWIRE_SYSTEMS[run.system]
+    hybrid = layout in ("hybrid", "hybrid_secondary")
     training = TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch,
-                            sharding=sharding, shard_group_size=run.ranks_per_node if hybrid else None, wire=wire,
+                            layout=layout, shard_group_size=run.ranks_per_node if hybrid else None, wire=wire,
                             reshard_after_forward=settings.reshard, precision="fp32",
                             reduce_precision="fp32", compute_efficiency=1.0)  # fp32, as the benchmark
     return predict(model_spec(settings), cluster, training)
@@ -204,13 +204,13 @@ def table(settings: Settings, comparisons: list[Comparison]) -> str:
         f"GPT {settings.model!r}, {settings.batch} sequences per rank, fp32, prefetch "
         f"{settings.prefetch}, {'reshard' if settings.reshard else 'keep'} after forward",
         "",
-        "| layout | system | measured step | predicted step | error | within 15% | engine's compute "
+        "| cluster | system | measured step | predicted step | error | within 15% | engine's compute "
         "| compute-only step | predicted compute | predicted slowdown | predicted exposed comm |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in comparisons:
         lines.append(
-            f"| {c.run.layout} | {c.run.system} | {c.run.step_time_s * 1e3:.0f} ms | {c.predicted_s * 1e3:.0f} ms "
+            f"| {c.run.cluster} | {c.run.system} | {c.run.step_time_s * 1e3:.0f} ms | {c.predicted_s * 1e3:.0f} ms "
             f"| {100 * c.error:+.1f}% | {'yes' if c.agrees else 'no'} | {c.run.engine_compute_s * 1e3:.0f} ms "
             f"| {c.run.compute_only_s * 1e3:.0f} ms | {c.compute_s * 1e3:.0f} ms | {c.slowed_s * 1e3:.0f} ms "
             f"| {c.exposed_s * 1e3:.0f} ms |"
@@ -219,7 +219,7 @@ def table(settings: Settings, comparisons: list[Comparison]) -> str:
 
 
 def parse_bench(items: list[str]) -> dict[str, str]:
-    """``KEY=PATH`` arguments -> {key: path}; a key is a link rate (``1gbit``) or a layout on one
+    """``KEY=PATH`` arguments -> {key: path}; a key is a link rate (``1gbit``) or a cluster on one
     (``2x1@1gbit``)."""
     paths = {}
     for item in items:
@@ -234,7 +234,7 @@ def parse_bench(items: list[str]) -> dict[str, str]:
 
 
 def bench_for(run: Run, benches: dict[str, str]) -> str | None:
-    """The bench measured on ``run``'s layout, else on its link; on one node, any link's (the
+    """The bench measured on ``run``'s cluster, else on its link; on one node, any link's (the
     intra-node level is the same loopback on every testbed)."""
     if run.link is None:
         return next((path for key, path in benches.items() if "@" not in key), None)
@@ -246,7 +246,7 @@ def main() -> int:
     parser.add_argument("--measured", required=True, help="scaling.json of benchmarks/scaling.py")
     parser.add_argument("--bench", nargs="+", required=True, metavar="KEY=PATH",
                         help="`shardwire bench --json` on the testbed at each link rate of the runs (1gbit=PATH), "
-                             "and optionally on one layout (2x1@1gbit=PATH), which its runs then use")
+                             "and optionally on one cluster (2x1@1gbit=PATH), which its runs then use")
     parser.add_argument("--links", nargs="+", metavar="LINK",
                         help="compare only the measured runs on these link rates (default: every run)")
     parser.add_argument("--json", help="write the comparison here")
@@ -257,7 +257,7 @@ def main() -> int:
     if args.links:
         runs = [run for run in runs if run.link in args.links]
     benches = parse_bench(args.bench)
-    missing = sorted({r.layout for r in runs if bench_for(r, benches) is None})
+    missing = sorted({r.cluster for r in runs if bench_for(r, benches) is None})
     if missing:
         raise SystemExit(f"error: no --bench for {', '.join(missing)} of the measured runs: give one per link rate")
 

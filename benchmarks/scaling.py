@@ -3,10 +3,10 @@ and two nodes, and how close each comes to the fastest step the machine and the 
 
     python benchmarks/scaling.py --model 30m --links 1gbit 5gbit --out-dir benchmarks/results/scaling
 
-Two-node layouts run on a testbed of this machine (``shardwire testbed``, so: root) rebuilt for
-each ``--links`` rate, one-node layouts on plain local workers. Every measurement runs in fresh
+Two-node clusters run on a testbed of this machine (``shardwire testbed``, so: root) rebuilt for
+each ``--links`` rate, one-node clusters on plain local workers. Every measurement runs in fresh
 torchrun workers, and the systems take turns ``--repeats`` times so that drift on a shared machine
-falls on all of them alike. Per layout and system:
+falls on all of them alike. Per cluster and system:
 
 * step time: the median over the timed steps of every repeat; a step's time is its slowest rank's;
 * tokens/s: the global batch's tokens over the step time;
@@ -24,7 +24,7 @@ falls on all of them alike. Per layout and system:
   perfectly cannot beat; the report shows step time over it;
 * peak memory per rank: the largest resident set size (``ru_maxrss``) of any rank by the end of
   the timed steps: the whole process (interpreter, torch, buffers), alike for every system;
-* shardwire only (each layout), in a run of its own: the step profiled (``shardwire.profile``),
+* shardwire only (each cluster), in a run of its own: the step profiled (``shardwire.profile``),
   its profile kept in ``profiles/SYSTEM/LAYOUT``; its compute per phase, measured by the engine
   under the step's own contention for the cores, is what ``calibrate_sim.py`` feeds the simulator.
 
@@ -54,7 +54,7 @@ TESTBED = "shardwire-scaling"  # its own testbed, apart from any a user has up
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Cluster:
     nodes: int
     ranks_per_node: int
     link: str | None  # the link rate between nodes; None on one node
@@ -132,7 +132,7 @@ def worker(args) -> None:
 @dataclasses.dataclass
 class Row:
     system: str
-    layout: Layout
+    cluster: Cluster
     tokens_per_step: int
     step_times: list = dataclasses.field(default_factory=list)
     comm_times: list = dataclasses.field(default_factory=list)
@@ -150,7 +150,7 @@ class Row:
 
 
 class Runner:
-    """Runs workers for each layout, on local processes or on the testbed built for its link."""
+    """Runs workers for each cluster, on local processes or on the testbed built for its link."""
 
     def __init__(self, args):
         self.args = args
@@ -161,31 +161,31 @@ class Runner:
             "--reshard" if args.reshard else "--no-reshard",
         ]
 
-    def run(self, layout: Layout, measure: str, system: str | None = None) -> dict:
-        threads = max(1, (os.cpu_count() or 1) // layout.world)
+    def run(self, cluster: Cluster, measure: str, system: str | None = None) -> dict:
+        threads = max(1, (os.cpu_count() or 1) // cluster.world)
         worker_args = ["--measure", measure, *(["--system", system] if system else []), *self.passthrough]
         if measure == "profile":
-            profile_dir = os.path.join(self.args.out_dir, "profiles", system, str(layout).replace(" @", "-"))
+            profile_dir = os.path.join(self.args.out_dir, "profiles", system, str(cluster).replace(" @", "-"))
             worker_args += ["--profile-dir", os.path.abspath(profile_dir)]
         launcher = None
-        if layout.nodes > 1:
-            self._testbed(layout)
+        if cluster.nodes > 1:
+            self._testbed(cluster)
             launcher = [sys.executable, "-m", "shardwire", "testbed", "run", "--name", TESTBED,
-                        "--nproc-per-node", str(layout.ranks_per_node), "--"]
+                        "--nproc-per-node", str(cluster.ranks_per_node), "--"]
             worker_args += ["--link-interface", "eth0"]
         try:
-            return run_torchrun(layout.world, __file__, worker_args, threads=threads, launcher=launcher)
+            return run_torchrun(cluster.world, __file__, worker_args, threads=threads, launcher=launcher)
         except subprocess.CalledProcessError as err:
-            raise SystemExit(f"error: the {measure} pass of {system or 'the bare model'} on {layout} failed "
+            raise SystemExit(f"error: the {measure} pass of {system or 'the bare model'} on {cluster} failed "
                              f"(exit {err.returncode}); its output is above") from None
 
-    def _testbed(self, layout: Layout) -> None:
+    def _testbed(self, cluster: Cluster) -> None:
         from shardwire.testbed import network
         from shardwire.testbed.spec import Testbed, parse_rate
 
-        if self.testbed != (layout.nodes, layout.link):
-            network.up(Testbed(TESTBED, layout.nodes, parse_rate(layout.link)))
-            self.testbed = (layout.nodes, layout.link)
+        if self.testbed != (cluster.nodes, cluster.link):
+            network.up(Testbed(TESTBED, cluster.nodes, parse_rate(cluster.link)))
+            self.testbed = (cluster.nodes, cluster.link)
 
     def close(self) -> None:
         if self.testbed is not None:
@@ -194,17 +194,17 @@ class Runner:
             network.down(TESTBED)
 
 
-def parse_layouts(shapes: list[str], links: list[str]) -> list[Layout]:
-    """One-node layouts by size, then the others by size for each link in turn (one testbed each)."""
+def parse_clusters(shapes: list[str], links: list[str]) -> list[Cluster]:
+    """One-node clusters by size, then the others by size for each link in turn (one testbed each)."""
     parsed = []
     for shape in shapes:
         nodes, _, ranks = shape.partition("x")
         if not (nodes.isdigit() and ranks.isdigit() and int(nodes) >= 1 and int(ranks) >= 1):
-            raise SystemExit(f"error: layout {shape!r} is not NODESxRANKS_PER_NODE, e.g. 2x2")
+            raise SystemExit(f"error: cluster {shape!r} is not NODESxRANKS_PER_NODE, e.g. 2x2")
         parsed.append((int(nodes), int(ranks)))
     parsed = sorted(set(parsed), key=lambda shape: (shape[0] * shape[1], shape[0]))
-    single = [Layout(1, ranks, None) for nodes, ranks in parsed if nodes == 1]
-    return single + [Layout(nodes, ranks, link) for link in links for nodes, ranks in parsed if nodes > 1]
+    single = [Cluster(1, ranks, None) for nodes, ranks in parsed if nodes == 1]
+    return single + [Cluster(nodes, ranks, link) for link in links for nodes, ranks in parsed if nodes > 1]
 
 
 def main() -> None:
@@ -218,8 +218,8 @@ def main() -> None:
     parser.add_argument("--link-interface", default="", help=argparse.SUPPRESS)
     parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "1x4", "2x1", "2x2"],
-                        help="NODESxRANKS_PER_NODE; layouts of several nodes run once per --links rate")
+    parser.add_argument("--clusters", nargs="+", default=["1x1", "1x2", "1x4", "2x1", "2x2"],
+                        help="NODESxRANKS_PER_NODE; clusters of several nodes run once per --links rate")
     parser.add_argument("--links", nargs="+", default=["1gbit", "5gbit"], help="link rates between nodes")
     parser.add_argument("--model", default="30m", choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -236,8 +236,8 @@ def main() -> None:
         parser.error("--out-dir is required: the directory the table, plot and measurements go to")
     if args.warmup < 2:
         parser.error("--warmup must be at least 2: DDP rebuilds its buckets and shardwire records its order in step 1")
-    layouts = parse_layouts(args.layouts, args.links)
-    if any(layout.nodes > 1 for layout in layouts):
+    clusters = parse_clusters(args.clusters, args.links)
+    if any(cluster.nodes > 1 for cluster in clusters):
         from shardwire.testbed.network import require_privileges
         from shardwire.testbed.spec import TestbedError, parse_rate
 
@@ -246,9 +246,9 @@ def main() -> None:
             for link in args.links:
                 parse_rate(link)
         except TestbedError as err:
-            raise SystemExit(f"error: layouts of several nodes run on an emulated cluster: {err}") from None
+            raise SystemExit(f"error: clusters of several nodes run on an emulated cluster: {err}") from None
 
-    rows, compute = measure_all(args, layouts)
+    rows, compute = measure_all(args, clusters)
     os.makedirs(args.out_dir, exist_ok=True)
     table = report(rows, compute, args)
     print(table)
@@ -259,33 +259,33 @@ def main() -> None:
             "args": {k: v for k, v in vars(args).items()
                      if k not in ("worker", "out", "system", "measure", "link_interface", "profile_dir")},
             "compute_times_s": {str(world): times for world, times in compute.items()},
-            "rows": [dataclasses.asdict(row) | {"layout": str(row.layout)} for row in rows.values()],
+            "rows": [dataclasses.asdict(row) | {"cluster": str(row.cluster)} for row in rows.values()],
         }, f, indent=1)
     plot(rows, compute, os.path.join(args.out_dir, "scaling.png"))
 
 
-def measure_all(args, layouts: list[Layout]) -> tuple[dict[tuple[str, Layout], Row], dict[int, list[float]]]:
+def measure_all(args, clusters: list[Cluster]) -> tuple[dict[tuple[str, Cluster], Row], dict[int, list[float]]]:
     runner = Runner(args)
-    rows: dict[tuple[str, Layout], Row] = {}
+    rows: dict[tuple[str, Cluster], Row] = {}
     compute: dict[int, list[float]] = {}
     try:
-        for layout in layouts:
-            if layout.world not in compute:  # the same on one node as on several: no communication
-                local = Layout(1, layout.world, None)
-                compute[layout.world] = runner.run(local, "compute")["times_s"]
+        for cluster in clusters:
+            if cluster.world not in compute:  # the same on one node as on several: no communication
+                local = Cluster(1, cluster.world, None)
+                compute[cluster.world] = runner.run(local, "compute")["times_s"]
             for _ in range(args.repeats):
                 for system in args.systems:
-                    result = runner.run(layout, "time", system)
-                    row = rows.setdefault((system, layout), Row(system, layout, result["tokens_per_step"]))
+                    result = runner.run(cluster, "time", system)
+                    row = rows.setdefault((system, cluster), Row(system, cluster, result["tokens_per_step"]))
                     row.step_times += result["times_s"]
                     row.link_bytes_per_step = result["link_bytes_per_step"]  # the same every repeat
                     row.peak_rss_bytes = max(row.peak_rss_bytes, result["peak_rss_bytes"])
             for system in args.systems:
-                rows[(system, layout)].comm_times = runner.run(layout, "comm", system)["times_s"]
+                rows[(system, cluster)].comm_times = runner.run(cluster, "comm", system)["times_s"]
             for system in args.systems:
                 if system in SHARDWIRE_SYSTEMS:
-                    rows[(system, layout)].profile = runner.run(layout, "profile", system)["profile"]
-            print(f"measured {layout}", file=sys.stderr, flush=True)
+                    rows[(system, cluster)].profile = runner.run(cluster, "profile", system)["profile"]
+            print(f"measured {cluster}", file=sys.stderr, flush=True)
     finally:
         runner.close()
     return rows, compute
@@ -297,24 +297,24 @@ def report(rows: dict, compute: dict, args) -> str:
         f"forward, prefetch {args.prefetch}; {args.steps} timed steps x {args.repeats} repeats; "
         f"{os.cpu_count()} cores shared by all ranks",
         "",
-        "| layout | system | step time | tokens/s | scaling eff. | vs FSDP2 | inter-node MiB/step "
+        "| cluster | system | step time | tokens/s | scaling eff. | vs FSDP2 | inter-node MiB/step "
         "| peak RSS/rank | compute-only | comm-only | bound | step / bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (system, layout), row in rows.items():
-        single = rows.get((system, Layout(1, 1, None)))
-        fsdp2 = rows.get(("fsdp2", layout))
-        compute_s = median(compute[layout.world])
+    for (system, cluster), row in rows.items():
+        single = rows.get((system, Cluster(1, 1, None)))
+        fsdp2 = rows.get(("fsdp2", cluster))
+        compute_s = median(compute[cluster.world])
         bound = max(compute_s, row.comm_s)
         lines.append(
-            f"| {layout} | {system} | {row.step_s * 1e3:.0f} ms | {row.tokens_per_step / row.step_s:,.0f} "
+            f"| {cluster} | {system} | {row.step_s * 1e3:.0f} ms | {row.tokens_per_step / row.step_s:,.0f} "
             f"| {f'{single.step_s / row.step_s:.2f}' if single else '-'} "
             f"| {f'{row.step_s / fsdp2.step_s:.2f}' if fsdp2 else '-'} "
             f"| {row.link_bytes_per_step / 2**20:.1f} | {row.peak_rss_bytes / 2**20:.0f} MiB "
             f"| {compute_s * 1e3:.0f} ms | {row.comm_s * 1e3:.0f} ms "
             f"| {bound * 1e3:.0f} ms | {row.step_s / bound:.2f} |"
         )
-    target = Layout(2, 2, "1gbit")
+    target = Cluster(2, 2, "1gbit")
     ours = [rows[(system, target)] for system in SHARDWIRE_SYSTEMS if (system, target) in rows]
     if ours and ("fsdp2", target) in rows and ("ddp", target) in rows:
         best = min(ours, key=lambda row: row.step_s)
@@ -332,18 +332,18 @@ def plot(rows: dict, compute: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layouts = list(dict.fromkeys(layout for _, layout in rows))
+    clusters = list(dict.fromkeys(cluster for _, cluster in rows))
     systems = list(dict.fromkeys(system for system, _ in rows))
     width = 0.8 / len(systems)
-    fig, (times, efficiency, traffic) = plt.subplots(3, 1, figsize=(max(8, 1.6 * len(layouts)), 11), sharex=True)
+    fig, (times, efficiency, traffic) = plt.subplots(3, 1, figsize=(max(8, 1.6 * len(clusters)), 11), sharex=True)
     for i, system in enumerate(systems):
-        at = [k + (i - (len(systems) - 1) / 2) * width for k in range(len(layouts))]
-        got = [rows.get((system, layout)) for layout in layouts]
+        at = [k + (i - (len(systems) - 1) / 2) * width for k in range(len(clusters))]
+        got = [rows.get((system, cluster)) for cluster in clusters]
         times.bar(at, [r.step_s if r else 0 for r in got], width, label=system)
-        bounds = [max(median(compute[l.world]), r.comm_s) if r else float("nan") for l, r in zip(layouts, got)]
+        bounds = [max(median(compute[l.world]), r.comm_s) if r else float("nan") for l, r in zip(clusters, got)]
         times.scatter(at, bounds, marker="_", s=300, color="black", zorder=3,
                       label="bound: max(compute-only, comm-only)" if i == 0 else None)
-        single = rows.get((system, Layout(1, 1, None)))
+        single = rows.get((system, Cluster(1, 1, None)))
         efficiency.bar(at, [single.step_s / r.step_s if r and single else 0 for r in got], width, label=system)
         traffic.bar(at, [r.link_bytes_per_step / 2**20 if r else 0 for r in got], width, label=system)
     times.set_ylabel("step time (s)")
@@ -351,8 +351,8 @@ def plot(rows: dict, compute: dict, path: str) -> None:
     efficiency.set_ylabel("scaling efficiency\n(time/sample, 1 rank vs N)")
     efficiency.axhline(1.0, color="gray", linewidth=0.8)
     traffic.set_ylabel("inter-node MiB / step")
-    traffic.set_xticks(range(len(layouts)), [str(layout) for layout in layouts])
-    traffic.set_xlabel("layout: nodes x ranks per node @ link rate")
+    traffic.set_xticks(range(len(clusters)), [str(cluster) for cluster in clusters])
+    traffic.set_xlabel("cluster: nodes x ranks per node @ link rate")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

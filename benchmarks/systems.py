@@ -1,10 +1,10 @@
 """The training systems the benchmarks compare, each wrapping the same GPT the way its users would.
 
 shardwire and PyTorch FSDP2 (``fully_shard``) shard the same units (the transformer blocks, plus the
-root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each sharding
+root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each layout
 layout is a system of its own: shardwire's ``full``, ``hybrid`` and ``hybrid_secondary`` and FSDP2's
 full sharding and HSDP (a 2-D device mesh), the hybrid ones in groups of a node's ranks
-(torchrun's ``LOCAL_WORLD_SIZE``); so is each of shardwire's quantized wires (full sharding).
+(torchrun's ``LOCAL_WORLD_SIZE``); so is each of shardwire's quantized wires (the full layout).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
     """``model`` as ``system`` trains it. ``compute_dtype`` (the sharded systems): units compute in it
     and reduce gradients in fp32, the master weights staying in the model's own dtype."""
     if system in SHARDWIRE_SYSTEMS:
-        sharding, wire = SHARDWIRE_SYSTEMS[system]
+        layout, wire = SHARDWIRE_SYSTEMS[system]
         precision = shardwire.MixedPrecision(compute_dtype, torch.float32) if compute_dtype else None
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               sharding=sharding, wire=wire, mixed_precision=precision)
+                               layout=layout, wire=wire, mixed_precision=precision)
     if system in ("fsdp2", "fsdp2-hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -1,7 +1,9 @@
-"""Run a function on several gloo ranks in fresh processes, and collect each rank's result or error."""
+"""What several test modules share: a function run on several gloo ranks in fresh processes (each
+rank's result or error collected), and torch's matrix-multiply precision set for a block."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -68,3 +70,18 @@ def run_workers(world: int, fn, *args, timeout: float = 240.0, env: dict | None 
         first = min(failures)
         raise AssertionError(f"rank {first} failed:\n{failures[first]}")
     return [outcome[r][1] for r in range(world)]
+
+
+@contextlib.contextmanager
+def matmul_precision(matmul: str, everything: str = "none"):
+    """torch's fp32 precision of CUDA matrix multiplies (and its global default) set for the block,
+    then restored: set as users set it, through attributes pytest's monkeypatch cannot restore."""
+    import torch  # not at the top: a worker sets its environment before torch starts
+
+    saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision
+    torch.backends.fp32_precision = everything
+    torch.backends.cuda.matmul.fp32_precision = matmul
+    try:
+        yield
+    finally:
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved

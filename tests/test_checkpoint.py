@@ -58,14 +58,14 @@ def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     full = {}
     for flat in engine.flats:
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            laid_out = torch.zeros(flat.layout.shard_numel)  # a step count fills its parameter's part
+            laid_out = torch.zeros(flat.packing.shard_numel)  # a step count fills its parameter's part
             for slot, param, (start, end) in flat.held_parts():
                 if param in optimizer.state:
                     at = slot.offset + start - flat.shard_start
                     laid_out[at : at + end - start] = optimizer.state[param][key]
-            gathered = torch.empty(flat.layout.padded_numel)
-            engine.sharding.shard.all_gather(gathered, laid_out, tag="test").wait()
-            for slot in flat.layout.slots:
+            gathered = torch.empty(flat.packing.padded_numel)
+            engine.layout.shard.all_gather(gathered, laid_out, tag="test").wait()
+            for slot in flat.packing.slots:
                 value = gathered[slot.offset : slot.offset + slot.numel]
                 full[f"{slot.names[0]}/{key}"] = value[0] if key == "step" else value
     return full
@@ -167,10 +167,10 @@ def test_export_loads_into_the_unsharded_model_without_shardwire(saved, tmp_path
 def _load_resharded(rank, world, saved):
     model, optimizer = make_model(seed=7)
     info = shardwire.load_checkpoint(pathlib.Path(saved) / "step3", model, optimizer)
-    # The loaded state trains on: the padding of the new layout holds zeros, not stale values.
+    # The loaded state trains on: the padding of the new packing holds zeros, not stale values.
     for flat in engine_of(model).flats:
         start, _ = flat.shard_range
-        data = max(0, flat.layout.numel - start)
+        data = max(0, flat.packing.numel - start)
         assert not flat.shard[data:].any()
     return {
         "info": (info.step, info.world_size, info.rng_restored),

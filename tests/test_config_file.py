@@ -45,12 +45,12 @@ def test_the_command_line_is_the_configuration(config_class):
 
 
 def test_the_file_sets_defaults_and_the_command_line_wins_wherever_it_stands(tmp_path):
-    path = write(tmp_path, "model: 30m\nseq-len: 64\nlr: 3e-3\nreshard: false\nsteps: 50\nsharding: hybrid\n")
+    path = write(tmp_path, "model: 30m\nseq-len: 64\nlr: 3e-3\nreshard: false\nsteps: 50\nlayout: hybrid\n")
     config = parsed("train", ["--steps", "7", "--config", path, "--reshard"])
-    assert (config.model, config.seq_len, config.lr, config.sharding) == ("30m", 64, 0.003, "hybrid")
+    assert (config.model, config.seq_len, config.lr, config.layout) == ("30m", 64, 0.003, "hybrid")
     assert config.steps == 7 and config.reshard is True  # given on the command line, before and after
     assert parsed("train", ["--config", path]).reshard is False
-    assert parsed("train", [f"--config={path}", "--no-reshard", "--sharding", "full"]).sharding == "full"
+    assert parsed("train", [f"--config={path}", "--no-reshard", "--layout", "full"]).layout == "full"
 
 
 def test_bench_files_take_sizes_lists_and_json(tmp_path):
@@ -76,8 +76,8 @@ def test_print_config_writes_a_file_that_reads_back_as_the_same_job(command, arg
 
 
 @pytest.mark.parametrize("text, message", [
-    ("shardng: hybrid\n", "'shardng' is not an option of shardwire train; did you mean 'sharding'?"),
-    ("sharding: hybird\n", "sharding: 'hybird' is not one of full, hybrid, hybrid_secondary"),
+    ("layot: hybrid\n", "'layot' is not an option of shardwire train; did you mean 'layout'?"),
+    ("layout: hybird\n", "layout: 'hybird' is not one of full, hybrid, hybrid_secondary"),
     ("steps: 1.5\n", "steps: 1.5 is not an integer"),
     ("lr: fast\n", "lr: 'fast' is not a number"),
     ("profile: yes please\n", "profile: a switch is true or false, got 'yes please'"),

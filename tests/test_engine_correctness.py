@@ -110,9 +110,9 @@ def test_matches_single_process_reference(world, ranks_per_node):
 
 
 LAYOUTS = [
-    dict(sharding=sharding, shard_group_size=size, reshard_after_forward=reshard, prefetch=prefetch,
+    dict(layout=layout, shard_group_size=size, reshard_after_forward=reshard, prefetch=prefetch,
          activation_checkpointing=checkpointing, accumulate=accumulate)
-    for sharding in ("hybrid", "hybrid_secondary")
+    for layout in ("hybrid", "hybrid_secondary")
     for size in (2, 4)
     for reshard, prefetch, checkpointing, accumulate in [(True, 1, True, True), (True, 3, False, False),
                                                          (False, 0, False, True)]
@@ -120,9 +120,9 @@ LAYOUTS = [
 
 
 @pytest.mark.slow
-def test_every_sharding_layout_matches_single_process_reference():
+def test_every_layout_matches_single_process_reference():
     """World 4 placed as two nodes of two: hybrid layouts in groups of 2 (the nodes) and of 4 (where
-    they equal full sharding), with prefetch, no_sync, activation checkpointing and clipping."""
+    they equal the full layout), with prefetch, no_sync, activation checkpointing and clipping."""
     per_rank = run_workers(4, compare, LAYOUTS, timeout=900, env={"LOCAL_WORLD_SIZE": "2"})
     for rank, worst in enumerate(per_rank):
         for config, error in worst.items():

@@ -15,7 +15,7 @@ from safetensors import safe_open
 import shardwire
 from harness import run_workers
 from shardwire.engine.shard import engine_of
-from shardwire.engine.sharding import group_size
+from shardwire.engine.layout import group_size
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from test_checkpoint import assert_same, full_optimizer_state, group_settings, make_model, train
 
@@ -29,11 +29,11 @@ GROUP = 2  # world 4 placed as two nodes of two ranks
 @pytest.mark.parametrize("layout, size, world, message", [
     ("hybrid", 3, 4, "shard_group_size=3 does not divide the 4 ranks of the process group: choose one of 1, 2, 4"),
     ("hybrid_secondary", 8, 4, "shard_group_size=8 does not divide"),
-    ("hybrid", None, 1, "sharding='hybrid' shards within groups and replicates across them, which needs more "
+    ("hybrid", None, 1, "layout='hybrid' shards within groups and replicates across them, which needs more "
                         "than one rank"),
-    ("full", 2, 4, "sharding='full' splits every buffer over all 4 ranks of the process group, so "
+    ("full", 2, 4, "layout='full' splits every buffer over all 4 ranks of the process group, so "
                    "shard_group_size=2 contradicts it"),
-    ("zero3", None, 4, "sharding must be one of 'full', 'hybrid', 'hybrid_secondary', got 'zero3'"),
+    ("zero3", None, 4, "layout must be one of 'full', 'hybrid', 'hybrid_secondary', got 'zero3'"),
     ("hybrid", 0, 4, "shard_group_size must be a positive integer"),
     ("hybrid", 2.0, 4, "shard_group_size must be a positive integer"),
 ])
@@ -50,7 +50,7 @@ def test_group_size_defaults_to_the_ranks_of_a_node():
 
 def test_hybrid_on_one_rank_is_refused_before_any_collective():
     with pytest.raises(ValueError, match="needs more than one rank"):
-        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="hybrid")
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid")
 
 
 # --------------------------------------------------------------- what each layout holds and sends
@@ -68,7 +68,7 @@ def _held_and_sent(rank, world):
     for layout in LAYOUTS:
         torch.manual_seed(0)
         # prefetch 0: backward's first gathers, which consume secondary shards, wait for backward
-        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding=layout, prefetch=0)
+        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout=layout, prefetch=0)
         engine = engine_of(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _one_step(model)  # records the order
@@ -86,8 +86,8 @@ def _held_and_sent(rank, world):
         optimizer.step()
         held = sum(t.nbytes for p in model.parameters() for t in (p, p.grad, *optimizer.state[p].values())
                    if t is not None and t.dim() > 0) + secondary[0]
-        units = [sum(f.layout.numel for f in unit.flats) for unit in engine.units]
-        root = sum(f.layout.numel for f in engine.root.flats)
+        units = [sum(f.packing.numel for f in unit.flats) for unit in engine.units]
+        root = sum(f.packing.numel for f in engine.root.flats)
         over = GROUP if layout == "hybrid" else world
         bound = 16 * sum(math.ceil(n / over) for n in (root, *units))
         if layout == "hybrid_secondary":
@@ -116,7 +116,7 @@ def test_each_layout_holds_no_more_than_its_memory_formula(held_and_sent):
 
 @pytest.mark.slow
 def test_each_layout_issues_the_collectives_it_promises(held_and_sent):
-    """One step of 3 blocks and the root, each one buffer: bytes as ``shardwire.engine.sharding``
+    """One step of 3 blocks and the root, each one buffer: bytes as ``shardwire.engine.layout``
     says, over the ranks it says (a shard is the buffer over the ranks that split it)."""
     full, hybrid, secondary = (held_and_sent[layout] for layout in LAYOUTS)
     for result in (full, hybrid, secondary):
@@ -136,7 +136,7 @@ def test_each_layout_issues_the_collectives_it_promises(held_and_sent):
 
 
 def _save_hybrid(rank, world, root):
-    model, optimizer = make_model(seed=0, sharding="hybrid")
+    model, optimizer = make_model(seed=0, layout="hybrid")
     train(model, optimizer, range(3), rank, world)
     optimizer.param_groups[1]["lr"] = 5e-4
     shardwire.save_checkpoint(pathlib.Path(root) / "hybrid", model, optimizer, step=3)
@@ -144,8 +144,8 @@ def _save_hybrid(rank, world, root):
             "groups": group_settings(optimizer)}
 
 
-def _load_as(rank, world, path, sharding):
-    model, optimizer = make_model(seed=7, sharding=sharding)
+def _load_as(rank, world, path, layout):
+    model, optimizer = make_model(seed=7, layout=layout)
     info = shardwire.load_checkpoint(path, model, optimizer)
     return {"info": (info.step, info.world_size), "params": shardwire.full_state_dict(model),
             "optimizer": full_optimizer_state(model, optimizer), "groups": group_settings(optimizer)}
@@ -194,7 +194,7 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
 
     cluster = parse("cluster", {**as_dict(CLUSTERS["a100-100gbe"]), "nodes": 2, "gpus_per_node": 2})
     candidates = candidate_settings(4, cluster, TrainingSpec(limiter="block", reduce_precision="bf16"))
-    assert {t.sharding for t in candidates} == {"full", "grad_op", "hybrid", "hybrid_secondary"}
+    assert {t.layout for t in candidates} == {"full", "grad_op", "hybrid", "hybrid_secondary"}
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -213,7 +213,7 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
 
 def _different_layouts(rank, world):
     try:
-        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="hybrid" if rank == 0 else "full")
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid" if rank == 0 else "full")
     except ValueError as err:
         return str(err)
     return "no error"
@@ -222,5 +222,5 @@ def _different_layouts(rank, world):
 @pytest.mark.slow
 def test_ranks_asking_for_different_layouts_are_told_before_any_group_is_made():
     for message in run_workers(2, _different_layouts, timeout=60, env={"LOCAL_WORLD_SIZE": "1"}):
-        assert "ranks asked for different sharding layouts (rank 0: sharding='hybrid' in groups of 1; " \
-               "rank 1: sharding='full' in groups of 2)" in message
+        assert "ranks asked for different layouts (rank 0: layout='hybrid' in groups of 1; " \
+               "rank 1: layout='full' in groups of 2)" in message

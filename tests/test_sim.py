@@ -47,7 +47,7 @@ def test_specs_name_missing_and_unknown_keys():
     ("training", {"micro_batch": -1}, "micro_batch must be positive"),
     ("training", {"grad_accum": 257}, "grad_accum 257 is more micro-batches than the simulator steps through"),
     ("training", {"compute_efficiency": 1.5}, r"compute_efficiency .* \(0, 1\]"),
-    ("training", {"sharding": "grad_op", "reshard_after_forward": True}, "cannot be true"),
+    ("training", {"layout": "grad_op", "reshard_after_forward": True}, "cannot be true"),
     ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
     ("training", {"activation_checkpointing": "yes"}, "true or false"),
     ("cluster", {**dataclasses.asdict(cluster()), "inter_node": {"busbw_GBps": 0}}, "busbw_GBps must be positive"),
@@ -71,7 +71,7 @@ def test_specs_reject_impossible_values(kind, data, message):
 def test_specs_resolve_defaults_and_accept_whole_floats():
     model = parse("model", {"layers": 2.0, "hidden": 64, "heads": 4, "vocab": 10, "seq_len": 8})
     assert model.layers == 2 and model.ffn_hidden == 256 and model.kv_heads == 4
-    assert parse("training", {"sharding": "grad_op"}).reshards is False
+    assert parse("training", {"layout": "grad_op"}).reshards is False
     assert parse("training", {}).reshards is True
 
 
@@ -222,14 +222,14 @@ def test_on_demand_gathers_are_fully_exposed():
 def test_grad_op_gathers_once_per_unit_and_hybrid_gathers_inside_the_node():
     c = cluster(2, 4)
     ops = {}
-    for sharding in ("full", "grad_op", "hybrid"):
-        p = predict(GPT, c, TrainingSpec(sharding=sharding))
-        ops[sharding] = [r.op for r in p.timeline.comms]
+    for layout in ("full", "grad_op", "hybrid"):
+        p = predict(GPT, c, TrainingSpec(layout=layout))
+        ops[layout] = [r.op for r in p.timeline.comms]
     units = GPT.layers
     assert ops["full"].count("all_gather") == 2 * units + 1
     assert ops["grad_op"].count("all_gather") == units + 1
     assert ops["hybrid"].count("all_reduce") == units + 1 + 1  # each unit, the root, the norm
-    hybrid = predict(GPT, c, TrainingSpec(sharding="hybrid"))
+    hybrid = predict(GPT, c, TrainingSpec(layout="hybrid"))
     gather = next(r for r in hybrid.timeline.comms if r.op == "all_gather")
     assert gather.busy_s == pytest.approx(gather.nbytes * 3 / 4 / 100e9)  # intra-node only
 
@@ -240,7 +240,7 @@ def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     groups, several of them on every node at once; a group must fit the nodes."""
     c = cluster(2, 4)
     units = GPT.layers
-    hpz = predict(GPT, c, TrainingSpec(sharding="hybrid_secondary"))
+    hpz = predict(GPT, c, TrainingSpec(layout="hybrid_secondary"))
     gathers = [r for r in hpz.timeline.comms if r.op == "all_gather"]
     assert len(gathers) == 2 * units + 1
     assert [r.op for r in hpz.timeline.comms].count("all_reduce") == 1  # the norm only
@@ -250,13 +250,13 @@ def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     full = estimate_memory(arch, c, TrainingSpec())
     assert hpz.memory.parameter_shards == full.parameter_shards
     assert hpz.memory.secondary_shards == pytest.approx(2 * sum(u.params for u in arch.units) / 4)
-    pairs = predict(GPT, c, TrainingSpec(sharding="hybrid", shard_group_size=2))
+    pairs = predict(GPT, c, TrainingSpec(layout="hybrid", shard_group_size=2))
     assert pairs.memory.parameter_shards == pytest.approx(4 * arch.params / 2)
     assert [r.op for r in pairs.timeline.comms].count("all_reduce") == units + 1 + 1
     for bad in (3, 16):
         with pytest.raises(SpecError, match=f"shard_group_size {bad} must divide"):
-            predict(GPT, c, TrainingSpec(sharding="hybrid", shard_group_size=bad))
-    with pytest.raises(SpecError, match="shard_group_size applies to sharding 'hybrid' and 'hybrid_secondary'"):
+            predict(GPT, c, TrainingSpec(layout="hybrid", shard_group_size=bad))
+    with pytest.raises(SpecError, match="shard_group_size applies to layout 'hybrid' and 'hybrid_secondary'"):
         TrainingSpec(shard_group_size=2)
 
 

@@ -173,7 +173,7 @@ def test_plan_finds_the_fastest_configuration_that_fits_and_says_why():
     assert best.memory.fits
     assert result.runner_up.step_time_s >= best.step_time_s
     assert all(a.step_time_s is None or a.step_time_s >= best.step_time_s * 0.999 for a in result.alternatives)
-    assert {a.change.split()[0] for a in result.alternatives} >= {"micro-batch", "sharding", "prefetch"}
+    assert {a.change.split()[0] for a in result.alternatives} >= {"micro-batch", "layout", "prefetch"}
     assert best.training.micro_batch * best.training.grad_accum == 8
 
 
@@ -188,7 +188,7 @@ def test_plan_command_and_its_errors(capsys):
                          "--global-batch", "64")
     assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
     assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 2
-    assert out.count("or:    shardwire.shard(model, sharding=") == 2  # the best and the runner-up
+    assert out.count("or:    shardwire.shard(model, layout=") == 2  # the best and the runner-up
     assert out.count(" --wire ") == 2 and out.count(", wire='") == 2
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--json")
@@ -196,7 +196,7 @@ def test_plan_command_and_its_errors(capsys):
     assert doc["best"]["fits"] and doc["fitting"] <= doc["candidates"] and doc["alternatives"]
     run_best = doc["best"]["run"]
     assert run_best["command"].endswith(" ".join(run_best["train_options"]))
-    assert run_best["shard_arguments"]["sharding"] in ("full", "hybrid", "hybrid_secondary")
+    assert run_best["shard_arguments"]["layout"] in ("full", "hybrid", "hybrid_secondary")
     status, _, err = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "100")
     assert status == 2 and "does not divide over 16 GPUs; the nearest that do are 96, 112" in err
@@ -225,16 +225,16 @@ def test_calibration_reads_the_measured_runs(calibrate):
     """scaling.json as benchmarks/scaling.py writes it."""
     doc = {"args": {"model": "30m", "batch": 2, "prefetch": 2, "reshard": True},
            "compute_times_s": {"2": [0.4], "4": [0.5, 0.7, 0.6]},
-           "rows": [{"system": "fsdp2", "layout": "2x2 @1gbit", "step_times": [9.0], "profile": None},
-                    {"system": "shardwire", "layout": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0], "profile": PROFILE},
-                    {"system": "shardwire", "layout": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE},
-                    {"system": "shardwire-hybrid", "layout": "2x2 @1gbit", "step_times": [1.2], "profile": PROFILE}]}
+           "rows": [{"system": "fsdp2", "cluster": "2x2 @1gbit", "step_times": [9.0], "profile": None},
+                    {"system": "shardwire", "cluster": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0], "profile": PROFILE},
+                    {"system": "shardwire", "cluster": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE},
+                    {"system": "shardwire-hybrid", "cluster": "2x2 @1gbit", "step_times": [1.2], "profile": PROFILE}]}
     settings, runs = calibrate.read_measured(doc)
     assert settings == calibrate.Settings("30m", 2, 2, True)
     assert runs == [calibrate.Run("shardwire", 2, 2, "1gbit", 1.5, 0.6, PROFILE),
                     calibrate.Run("shardwire", 1, 2, None, 2.0, 0.4, PROFILE),
                     calibrate.Run("shardwire-hybrid", 2, 2, "1gbit", 1.2, 0.6, PROFILE)]
-    assert [r.layout for r in runs] == ["2x2 @1gbit", "1x2", "2x2 @1gbit"]
+    assert [r.cluster for r in runs] == ["2x2 @1gbit", "1x2", "2x2 @1gbit"]
     assert runs[0].engine_compute_s == pytest.approx(0.013)
     with pytest.raises(ValueError, match="no shardwire run"):
         calibrate.read_measured({**doc, "rows": doc["rows"][:1]})
@@ -270,11 +270,11 @@ def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_p
     assert "| 2x2 @1gbit | shardwire |" in calibrate.table(settings, [comparison])
     hybrid_run = dataclasses.replace(run, system="shardwire-hybrid")
     hybrid = calibrate.predict_run(hybrid_run, calibrate.machine_cluster([hybrid_run], settings), settings, str(path))
-    assert (hybrid.training.sharding, hybrid.training.shard_group_size) == ("hybrid", 2)
+    assert (hybrid.training.layout, hybrid.training.shard_group_size) == ("hybrid", 2)
     assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001)  # each rank steps half the model
 
 
-def test_calibration_takes_a_layouts_bench_before_its_links(calibrate):
+def test_calibration_takes_a_clusters_bench_before_its_links(calibrate):
     benches = {"1gbit": "links.json", "2x1@1gbit": "2x1.json", "5gbit": "fast.json"}
     run = calibrate.Run("shardwire", 2, 1, "1gbit", 1.0, 1.0, PROFILE)
     assert calibrate.bench_for(run, benches) == "2x1.json"

@@ -113,7 +113,7 @@ def test_the_planner_chooses_differently_when_communication_slows_compute():
     contended_cluster = parse("cluster", {**as_dict(CLUSTERS["a100-efa-400"]), "nodes": 4})
     free = plan(model, with_shares("a100-efa-400", 4, 0.0, 0.0), batch, TRAININGS["default"])
     contended = plan(model, contended_cluster, batch, TRAININGS["default"])
-    assert free.best.training.sharding == "full" and free.best.training.reshards
+    assert free.best.training.layout == "full" and free.best.training.reshards
     assert not contended.best.training.reshards
     # Run on the contended cluster, the choice made without contention is slower than the new one.
     assert predict(model, contended_cluster, free.best.training).step_time_s > contended.best.step_time_s

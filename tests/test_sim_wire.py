@@ -72,16 +72,16 @@ def test_quantization_rate_has_a_range():
 # ------------------------------------------------------------------------- bytes across nodes
 
 
-def inter_bytes_by_hand(sharding, reshard, params_bytes, grads_bytes, nodes=2):
+def inter_bytes_by_hand(layout, reshard, params_bytes, grads_bytes, nodes=2):
     """Bytes through one node's NICs per step, hierarchical collectives: a gather over the world
     moves (N-1)/N of the unit's bytes, quantized or not; a reduce-scatter over the world (N-1)/N of
     the gradient's; hybrid gathers and reduce-scatters within the node and all-reduces between the
     groups, 2 (N-1)/N."""
     P, root, units = sizes()
     f = (nodes - 1) / nodes
-    if sharding == "hybrid":
+    if layout == "hybrid":
         return 2 * f * P * grads_bytes
-    world_gathers = root + units * (2 if sharding == "full" and reshard else 1)  # hpZ: forward only
+    world_gathers = root + units * (2 if layout == "full" and reshard else 1)  # hpZ: forward only
     return f * (world_gathers * params_bytes + P * grads_bytes)
 
 
@@ -91,11 +91,11 @@ WIRE_BYTES = {"none": (BF16, FP32), "int8": (INT8, INT8), "params=int8,grads=int
 
 
 @pytest.mark.parametrize("wire", list(WIRE_BYTES))
-@pytest.mark.parametrize("sharding, reshard", LAYOUTS)
-def test_bytes_across_nodes_follow_the_wire(sharding, reshard, wire):
-    t = TrainingSpec(sharding=sharding, reshard_after_forward=reshard, wire=wire)
+@pytest.mark.parametrize("layout, reshard", LAYOUTS)
+def test_bytes_across_nodes_follow_the_wire(layout, reshard, wire):
+    t = TrainingSpec(layout=layout, reshard_after_forward=reshard, wire=wire)
     p = predict(MODEL, cluster(), t)
-    expected = inter_bytes_by_hand(sharding, reshard, *WIRE_BYTES[wire])
+    expected = inter_bytes_by_hand(layout, reshard, *WIRE_BYTES[wire])
     assert p.timeline.link_bytes[INTER] == pytest.approx(expected, rel=1e-12)
 
 
@@ -136,10 +136,10 @@ def test_kernels_sit_on_the_lane_before_and_after_the_transfer():
 def test_within_one_node_a_wire_changes_nothing():
     """The engine quantizes only collectives whose group spans nodes: on one node, none."""
     c = cluster(nodes=1, quantize=0.001)
-    for sharding in ("full", "grad_op"):
-        exact = predict(MODEL, c, TrainingSpec(sharding=sharding))
+    for layout in ("full", "grad_op"):
+        exact = predict(MODEL, c, TrainingSpec(layout=layout))
         for wire in WIRES[1:]:
-            quantized = predict(MODEL, c, TrainingSpec(sharding=sharding, wire=wire))
+            quantized = predict(MODEL, c, TrainingSpec(layout=layout, wire=wire))
             assert quantized.step_time_s == exact.step_time_s
             assert quantized.comm_s == exact.comm_s
             assert quantized.timeline.link_bytes == exact.timeline.link_bytes
@@ -174,7 +174,7 @@ def test_unpriced_kernels_are_free_and_the_report_says_so(capsys):
 # ------------------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("sharding, wire, elements", [
+@pytest.mark.parametrize("layout, wire, elements", [
     ("full", "int8", lambda P: (2 - 1) * P / 8),  # (N-1)/W of the parameters
     ("hybrid_secondary", "params=int8,grads=int4", lambda P: P / 8),
     # the all-reduce between groups, of a shard of P/4 over 2 GPUs: a slot for the other node's and
@@ -183,10 +183,10 @@ def test_unpriced_kernels_are_free_and_the_report_says_so(capsys):
     ("full", "params=int8", lambda P: 0),  # gradients exact
     ("full", "grads=int8,error_feedback=off", lambda P: 0),
 ])
-def test_error_feedback_keeps_a_residual_per_slot_sent_across_nodes(sharding, wire, elements):
+def test_error_feedback_keeps_a_residual_per_slot_sent_across_nodes(layout, wire, elements):
     P, _, _ = sizes()
-    m = predict(MODEL, cluster(), TrainingSpec(sharding=sharding, wire=wire)).memory
-    exact = predict(MODEL, cluster(), TrainingSpec(sharding=sharding)).memory
+    m = predict(MODEL, cluster(), TrainingSpec(layout=layout, wire=wire)).memory
+    exact = predict(MODEL, cluster(), TrainingSpec(layout=layout)).memory
     assert m.error_feedback == pytest.approx(4 * elements(P))
     assert m.total - exact.total == pytest.approx(m.error_feedback)
 
@@ -231,5 +231,5 @@ def test_the_planner_tries_wires_only_across_nodes():
     one, two = cluster(nodes=1), cluster(nodes=2)
     assert {t.wire for t in candidate_settings(4, one, TrainingSpec())} == {"none"}
     candidates = candidate_settings(4, two, TrainingSpec())
-    assert {t.wire for t in candidates if t.sharding != "hybrid"} == set(WIRES)
-    assert {t.wire for t in candidates if t.sharding == "hybrid"} == set(HYBRID_WIRES)  # its gathers stay in nodes
+    assert {t.wire for t in candidates if t.layout != "hybrid"} == set(WIRES)
+    assert {t.wire for t in candidates if t.layout == "hybrid"} == set(HYBRID_WIRES)  # its gathers stay in nodes

@@ -91,9 +91,9 @@ def test_gloo_job_runs_across_the_nodes(testbed, tmp_path):
 @pytest.mark.root
 @pytest.mark.slow
 @root_only
-def test_each_sharding_layout_sends_between_nodes_what_it_computes(testbed, tmp_path):
+def test_each_layout_sends_between_nodes_what_it_computes(testbed, tmp_path):
     """2 nodes x 2 ranks: the bytes the nodes' links receive per step, against what
-    ``shardwire.engine.sharding`` says crosses between two nodes in fp32 (each collective's buffer
+    ``shardwire.engine.layout`` says crosses between two nodes in fp32 (each collective's buffer
     ``S``): full 3 S per block (gather twice, reduce-scatter) and 2 S for the root (gathered once);
     hybrid 2 S per buffer (each rank's shard all-reduced with the other node's); hybrid_secondary
     2 S per buffer (the forward gather and the reduce-scatter). The links add the frames' headers,
@@ -117,7 +117,7 @@ def test_each_sharding_layout_sends_between_nodes_what_it_computes(testbed, tmp_
         dist.init_process_group("gloo")
         for layout in ("full", "hybrid", "hybrid_secondary"):
             torch.manual_seed(0)
-            model = shardwire.shard(GPT(PRESETS["small"]), units=[Block], sharding=layout)
+            model = shardwire.shard(GPT(PRESETS["small"]), units=[Block], layout=layout)
             engine = engine_of(model)
             tokens = torch.randint(0, 256, (1, PRESETS["small"].seq_len + 1))
             step = lambda: loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()

@@ -70,7 +70,7 @@ def test_print_launch_writes_one_command_for_every_node_that_parses_back_to_the_
 def test_print_launch_checks_the_layout_against_the_cluster_it_is_for():
     """16 ranks in groups of 3 do not divide, on the cluster the command is for (not this machine)."""
     with pytest.raises(SystemExit, match="--shard-group-size 3 does not divide"):
-        main(["train", "--print-launch", "--nnodes", "2", "--nproc-per-node", "8", "--sharding", "hybrid",
+        main(["train", "--print-launch", "--nnodes", "2", "--nproc-per-node", "8", "--layout", "hybrid",
               "--shard-group-size", "3"])
 
 

@@ -152,7 +152,7 @@ def test_nothing_is_quantized_within_one_node():
 # ---------------------------------------------------------------------------------- the engine
 
 
-def _train_with_wire(rank, world, sharding, wire, root):
+def _train_with_wire(rank, world, layout, wire, root):
     """Three steps of the checkpoint tests' job with ``wire``, on 2 nodes x 2 ranks: losses, every
     rank's view of its model, bytes per step as sent and uncompressed, and a checkpoint's
     residuals restored into a fresh model."""
@@ -161,7 +161,7 @@ def _train_with_wire(rank, world, sharding, wire, root):
     from shardwire.models.gpt import loss_fn
     from test_checkpoint import make_model, train
 
-    model, optimizer = make_model(seed=0, sharding=sharding, wire=wire)
+    model, optimizer = make_model(seed=0, layout=layout, wire=wire)
     engine = engine_of(model)
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(rank))
     loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -174,9 +174,9 @@ def _train_with_wire(rank, world, sharding, wire, root):
     with torch.no_grad():
         loss = float(loss_fn(model(held_out[:, :-1]), held_out[:, 1:]))
     residuals = {f"{flat.name}/{which}": r.clone() for flat in engine.flats for which, r in flat.residuals.items()}
-    path = pathlib.Path(root) / f"{sharding}-{wire}"
+    path = pathlib.Path(root) / f"{layout}-{wire}"
     shardwire.save_checkpoint(path, model, optimizer, step=3)
-    fresh, fresh_optimizer = make_model(seed=1, sharding=sharding, wire=wire)
+    fresh, fresh_optimizer = make_model(seed=1, layout=layout, wire=wire)
     shardwire.load_checkpoint(path, fresh, fresh_optimizer)
     restored = {f"{flat.name}/{which}": r for flat in engine_of(fresh).flats for which, r in flat.residuals.items()}
     ops = ("all_gather", "reduce_scatter", "all_reduce")
@@ -188,17 +188,17 @@ def _train_with_wire(rank, world, sharding, wire, root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["full", "hybrid", "hybrid_secondary"])
-def test_quantized_training_stays_close_and_every_rank_holds_the_same_model(sharding, tmp_path):
+@pytest.mark.parametrize("layout", ["full", "hybrid", "hybrid_secondary"])
+def test_quantized_training_stays_close_and_every_rank_holds_the_same_model(layout, tmp_path):
     """int8 parameters and int4 gradients on 2 nodes x 2 ranks, in each layout: a step's gradients
     within a quantization's error of full precision's, a held-out loss after three steps within
     0.2%, hybrid's replicas identical, fewer bytes sent, and the error-feedback residuals saved and
     restored. (Training quality over a whole run: ``benchmarks/wire_quality.py``.)"""
     wire = "params=int8,grads=int4"
     env = {"LOCAL_WORLD_SIZE": "2"}
-    exact = run_workers(4, _train_with_wire, sharding, None, str(tmp_path), env=env)
-    quantized = run_workers(4, _train_with_wire, sharding, wire, str(tmp_path), env=env)
-    if sharding == "hybrid":  # replicas: the same position in each group holds the same shards
+    exact = run_workers(4, _train_with_wire, layout, None, str(tmp_path), env=env)
+    quantized = run_workers(4, _train_with_wire, layout, wire, str(tmp_path), env=env)
+    if layout == "hybrid":  # replicas: the same position in each group holds the same shards
         for rank, replica in ((0, 2), (1, 3)):
             for name, shard in quantized[rank]["shards"].items():
                 assert torch.equal(shard, quantized[replica]["shards"][name]), (name, rank, replica)
@@ -213,7 +213,7 @@ def test_quantized_training_stays_close_and_every_rank_holds_the_same_model(shar
         assert not exact[0]["residuals"]
     sent, uncompressed = quantized[0]["sent"], quantized[0]["exact"]
     crossing = {"full": ("all_gather", "reduce_scatter"), "hybrid": ("all_reduce",),
-                "hybrid_secondary": ("all_gather", "reduce_scatter")}[sharding]
+                "hybrid_secondary": ("all_gather", "reduce_scatter")}[layout]
     for op, nbytes in sent.items():  # a reduce-scatter within a node stays exact: 0.71 of it here
         assert (nbytes < 0.75 * uncompressed[op]) if op in crossing else (nbytes == uncompressed[op]), op
 

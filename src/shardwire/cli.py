@@ -24,7 +24,7 @@ COMMANDS = {
     "report": ("shardwire.profile.report", "plot where the steps of profiled runs went"),
     "testbed": ("shardwire.testbed.cli", "emulate a cluster of nodes joined by a shaped Ethernet link on this machine"),
     "simulate": ("shardwire.sim.simulate_cli", "predict and explain a sharded job's step time on any cluster"),
-    "plan": ("shardwire.sim.plan_cli", "find the fastest sharding settings that fit a cluster"),
+    "plan": ("shardwire.sim.plan_cli", "find the fastest settings that fit a cluster"),
 }
 
 

@@ -6,7 +6,7 @@ extra) or JSON::
     # shardwire train --config job.yaml --steps 50
     model: 125m
     seq_len: 512          # or seq-len: --seq-len without its dashes
-    sharding: hybrid
+    layout: hybrid
     reshard: false        # a switch takes true or false
     lr: 3e-3
 

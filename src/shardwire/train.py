@@ -25,7 +25,7 @@ from shardwire.comm.wire import Wire
 from shardwire.data import BIN_DTYPES, load_corpus
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
-from shardwire.engine.sharding import SHARDINGS, group_size
+from shardwire.engine.layout import LAYOUTS, group_size
 from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
 from shardwire.models.choice import ModelChoice, choose
@@ -72,9 +72,9 @@ class TrainConfig:
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
     prefetch: int = option(2, "units gathered ahead of use", at_least=0)
     reshard: bool = option(True, "release each unit's parameters after forward and gather again for backward")
-    sharding: str = option(
+    layout: str = option(
         "full", "full: over every rank; hybrid: within groups, replicated across them; hybrid_secondary: full, "
-                "with backward gathering within groups (ZeRO++ hpZ)", choices=SHARDINGS)
+                "with backward gathering within groups (ZeRO++ hpZ)", choices=LAYOUTS)
     shard_group_size: int | None = option(
         None, "ranks per shard group for the hybrid layouts (default: the ranks of a node)", at_least=1)
     wire: str = option(
@@ -168,8 +168,8 @@ def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
     return local, local
 
 
-def _describe_sharding(engine) -> str:
-    layout = engine.sharding
+def _describe_layout(engine) -> str:
+    layout = engine.layout
     if layout.replicate is not None:
         return f"hybrid ({layout.replicate.world} groups of {layout.shard.world})"
     if layout.secondary is not None:
@@ -202,9 +202,9 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {err}") from None
     try:
         world, per_node = _world_and_node_size(config)
-        group_size(config.sharding, config.shard_group_size, world, per_node)
+        group_size(config.layout, config.shard_group_size, world, per_node)
     except ValueError as err:
-        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("sharding=", "--sharding ")
+        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
         raise SystemExit(f"error: {message}") from None
     try:
         Wire.parse(config.wire)
@@ -273,7 +273,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         units=list(choice.units),
         reshard_after_forward=config.reshard,
         prefetch=config.prefetch,
-        sharding=config.sharding,
+        layout=config.layout,
         shard_group_size=config.shard_group_size,
         wire=config.wire,
         mixed_precision=config.precision,
@@ -294,7 +294,7 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> None:
         print(
             f"shardwire train: {choice.name} ({params / 1e6:.2f}M parameters), "
             f"{world} ranks ({backend}, {device.type}), {len(engine.units)} block units + root, "
-            f"{_describe_sharding(engine)} sharding, {_describe_wire(engine, config.wire)}, "
+            f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
             f"prefetch {config.prefetch}, "
             f"{'reshard' if config.reshard else 'keep'} after forward, "
             f"{config.precision}; data: {corpus.name}, {corpus.num_tokens / 1e6:.1f}M tokens",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import shardwire
+from harness import matmul_precision
 from shardwire.comm import communicator
 from shardwire.comm.communicator import Communicator
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
@@ -113,15 +114,13 @@ def test_train_runs_end_to_end_on_nccl(tmp_path, extra):
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_matches_the_unsharded_model(device, monkeypatch, reshard, prefetch, checkpointing, grad_accum):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+def test_matches_the_unsharded_model(device, reshard, prefetch, checkpointing, grad_accum):
     data = batches(device, 4, grad_accum)
     torch.manual_seed(0)
     reference = GPT(CONFIG).to(device)
     model = shardwire.shard(copy.deepcopy(reference), units=[Block], reshard_after_forward=reshard,
                             prefetch=prefetch, activation_checkpointing=checkpointing)
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), matmul_precision("ieee"):  # exact fp32, no TF32
         run_steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3), data, sharded=False)
         run_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data, sharded=True)
     expected = {k: v.float().cpu() for k, v in reference.state_dict().items()}

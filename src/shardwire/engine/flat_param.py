@@ -10,7 +10,7 @@ is a single tensor kept for the unit's lifetime; its storage is allocated before
 released when the unit is resharded. While gathered, the module attributes point at views of it,
 shadowing the registered parameters, so tensors autograd saved during forward see the data gathered
 again for backward. Which ranks the slice is cut for, and which hold the same slice, is the
-layout's (``shardwire.engine.sharding``): under ``hybrid_secondary`` the buffer also keeps, from a
+layout's (``shardwire.engine.layout``): under ``hybrid_secondary`` the buffer also keeps, from a
 unit's forward to its backward, this rank's part of the gathered buffer within its group (the
 secondary shard), which backward gathers from; under ``hybrid`` each reduced share is all-reduced
 with the other groups' before it lands. With a quantized ``Wire``, gathers and reductions that
@@ -35,56 +35,56 @@ from torch import nn
 
 from shardwire.comm.communicator import Pending
 from shardwire.comm.wire import Wire
-from shardwire.engine.layout import FlatLayout, ParamSlot
+from shardwire.engine.packing import Packing, ParamSlot
 from shardwire.engine.released import ReleasedParameter
-from shardwire.engine.sharding import Sharding
+from shardwire.engine.layout import Layout
 
 
 class FlatParam:
     def __init__(
         self,
         name: str,
-        layout: FlatLayout,
+        packing: Packing,
         shard: torch.Tensor,
         owners: list[list[tuple[nn.Module, str]]],
         *,
         requires_grad: bool,
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
-        sharding: Sharding,
+        layout: Layout,
         wire: Wire,
     ):
         self.name = name
-        self.layout = layout
+        self.packing = packing
         self.shard = shard
         self.requires_grad = requires_grad
-        rank = sharding.shard.rank
-        start, _ = layout.shard_range(rank)
+        rank = layout.shard.rank
+        start, _ = packing.shard_range(rank)
         self.shard_start = start  # where this rank's slice begins in the buffer
-        self._parts = [(lo - start, hi - start) for lo, hi in (layout.held(slot, rank) for slot in layout.slots)]
-        self.params = [self._parameter(slot, lo, hi) for slot, (lo, hi) in zip(layout.slots, self._parts)]
+        self._parts = [(lo - start, hi - start) for lo, hi in (packing.held(slot, rank) for slot in packing.slots)]
+        self.params = [self._parameter(slot, lo, hi) for slot, (lo, hi) in zip(packing.slots, self._parts)]
         # The parameters with a part here and its place in the shard: where each step's gradient goes.
         self._held = [(param, lo, hi) for param, (lo, hi) in zip(self.params, self._parts) if hi > lo]
         # For each slot, the module attribute dicts (and names) that expose that parameter.
         self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
-        self._sharding = sharding
-        self._comm = sharding.shard
+        self._layout = layout
+        self._comm = layout.shard
         self._param_codec = wire.param_codec
         self._grad_codec = wire.grad_codec if requires_grad else None
         # Error feedback: what quantizing this buffer's gradients lost on their way across nodes,
         # kept for the next step, by the reduction it belongs to (none where nothing is quantized).
         self.residuals: dict[str, torch.Tensor] = {}
         if self._grad_codec is not None and wire.error_feedback:
-            pieces = {"reduce_scatter": self._comm.residual_for(layout.padded_numel)}
-            if sharding.replicate is not None:
-                pieces["all_reduce"] = sharding.replicate.residual_for(layout.shard_numel, all_reduce=True)
+            pieces = {"reduce_scatter": self._comm.residual_for(packing.padded_numel)}
+            if layout.replicate is not None:
+                pieces["all_reduce"] = layout.replicate.residual_for(packing.shard_numel, all_reduce=True)
             self.residuals = {which: residual for which, residual in pieces.items() if residual is not None}
-        self._full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=shard.device)
+        self._full = torch.empty(packing.padded_numel, dtype=compute_dtype, device=shard.device)
         self._secondary: torch.Tensor | None = None  # hybrid_secondary, from forward to backward
         self._placeholders = [
-            ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in layout.slots
+            ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in packing.slots
         ]
         self._views: list[torch.Tensor] = []
         self._accumulated: torch.Tensor | None = None  # unsharded gradient summed under no_sync
@@ -99,17 +99,17 @@ class FlatParam:
     @property
     def shard_range(self) -> tuple[int, int]:
         """The [start, end) of the buffer this rank's slice holds."""
-        return self.shard_start, self.shard_start + self.layout.shard_numel
+        return self.shard_start, self.shard_start + self.packing.shard_numel
 
     def held_parts(self) -> Iterator[tuple[ParamSlot, nn.Parameter, tuple[int, int]]]:
         """Each parameter's slot, its view, and the [start, end) of its flattened elements held here."""
-        for slot, param, (lo, hi) in zip(self.layout.slots, self.params, self._parts):
+        for slot, param, (lo, hi) in zip(self.packing.slots, self.params, self._parts):
             yield slot, param, (self.shard_start + lo - slot.offset, self.shard_start + hi - slot.offset)
 
     def check_requires_grad(self) -> None:
         """Refuse a ``requires_grad`` changed since ``shard``: trainable and frozen parameters live in
         different buffers, one reduced and one not, so the change cannot take effect."""
-        for slot, param in zip(self.layout.slots, self.params):
+        for slot, param in zip(self.packing.slots, self.params):
             if param.requires_grad != self.requires_grad:
                 raise RuntimeError(
                     f"requires_grad of {slot.names[0]!r} was set to {param.requires_grad} after shardwire.shard: "
@@ -119,13 +119,13 @@ class FlatParam:
 
     @property
     def gathered_nbytes(self) -> int:
-        return self.layout.padded_numel * self._full.element_size()
+        return self.packing.padded_numel * self._full.element_size()
 
     def gather(self, *, backward: bool = False) -> Pending:
         """Allocate the full buffer and start the all-gather that fills it: from the shards, or, for
         backward, from the secondary shards kept at forward, if any."""
         if backward and self._secondary is not None:
-            comm, source, self._secondary = self._sharding.secondary, self._secondary, None
+            comm, source, self._secondary = self._layout.secondary, self._secondary, None
         else:
             comm, source = self._comm, None
         with comm.gather_stream():
@@ -137,9 +137,9 @@ class FlatParam:
     def keep_secondary(self) -> None:
         """Keep this rank's part of the gathered buffer within its group, for backward to gather
         from (``hybrid_secondary``; a no-op in other layouts). Call it while the buffer is gathered."""
-        within = self._sharding.secondary
+        within = self._layout.secondary
         if within is not None:
-            size = self.layout.padded_numel // within.world
+            size = self.packing.padded_numel // within.world
             self._secondary = self._full[within.rank * size : (within.rank + 1) * size].clone()
 
     def drop_secondary(self) -> None:
@@ -163,7 +163,7 @@ class FlatParam:
         if on_grad is not None:
             leaf.requires_grad_(True)
             leaf.register_post_accumulate_grad_hook(on_grad)
-        self._views = self.layout.views(leaf)
+        self._views = self.packing.views(leaf)
         self._point_modules_at(self._views)
 
     def reveal(self) -> None:
@@ -195,11 +195,11 @@ class FlatParam:
             if self._accumulated is not None:
                 full = self._accumulated.add_(full)
                 self._accumulated = None
-            share = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+            share = torch.empty(self.packing.shard_numel, dtype=self.reduce_dtype, device=grad.device)
             scattered = self._comm.reduce_scatter(
                 share, full, tag=self.name, average=True, holding=(grad,), codec=self._grad_codec,
                 residual=self.residuals.get("reduce_scatter"))
-            across = self._sharding.replicate
+            across = self._layout.replicate
             if across is None:
                 return [scattered], share
             between = across.all_reduce(share, tag=self.name, op="avg", after=scattered, codec=self._grad_codec,

@@ -34,7 +34,7 @@ def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.
     # a rank holding no gradient (its slices all padding) still takes part in the all-reduce
     local = (torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True) if params
              else torch.zeros((), device=engine.device))
-    over = engine.sharding.shard
+    over = engine.layout.shard
     if math.isinf(norm_type):
         over.all_reduce(local, tag="grad norm", op="max").wait()
         total = local

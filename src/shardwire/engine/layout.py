@@ -1,89 +1,169 @@
-"""Where each parameter lives in a unit's flat buffer, and which slice of the buffer each rank owns.
+"""Layouts: which ranks split a unit's buffer, and which hold copies of the same split.
 
-A unit's parameters are laid end to end in one contiguous buffer and the buffer is padded with zeros
-so that it splits into ``world_size`` equal shards: one all-gather of equal shards rebuilds it, and one
-reduce-scatter of the flat gradient leaves each rank the gradient of exactly its shard. The layout is
-pure metadata, so checkpoints can store it and re-slice a buffer for another world size.
+The ``W`` ranks of the process group are cut into groups of ``G`` consecutive ranks
+(``shard_group_size``; by default the ranks of a node, as launchers place ranks node by node), so
+``R = W / G`` groups. Per step, for a model of ``P`` parameters:
+
+``full``              every buffer is split over all ``W`` ranks: each unit is gathered over the
+                      world for forward and again for backward, its gradient reduce-scattered over
+                      the world. Across nodes that is the parameters three times.
+``hybrid``            split over the ``G`` ranks of a group, replicated across the ``R`` groups
+                      (FSDP's HYBRID_SHARD, FSDP2's HSDP; MiCS for groups of any size): gathers and
+                      reduce-scatters stay within the group, and only each rank's reduced gradient
+                      shard is all-reduced with the ranks of its position in the other groups,
+                      asynchronously, while backward goes on. Each rank keeps ``1/G`` of the master
+                      weights, gradients and optimizer state instead of ``1/W``.
+``hybrid_secondary``  ZeRO++'s hpZ: master weights, gradients and optimizer state split over the
+                      world, and the forward gather over the world, as ``full``; after a unit's
+                      forward each rank keeps its ``1/G`` of the gathered compute-dtype parameters
+                      (the secondary shard), and backward gathers from those within the group.
+
+The collectives of a step, and the bytes that leave each node when the groups are the ``N`` nodes
+(``c`` and ``r`` the bytes of an element in the compute and the reduction dtype):
+
+====================  ===============================================  =========================
+layout                collectives per unit and step                    bytes leaving a node
+====================  ===============================================  =========================
+full                  gather over W (forward, backward),               P (N-1)/N (2c + r)
+                      reduce-scatter over W
+hybrid                gather over G (forward, backward),               2 r P (N-1)/N
+                      reduce-scatter over G, all-reduce of the shard
+                      over R
+hybrid_secondary      gather over W (forward), over G (backward),      P (N-1)/N (c + r)
+                      reduce-scatter over W
+====================  ===============================================  =========================
+
+With a quantized wire (``shardwire.comm.wire``), ``c`` and ``r`` become its bytes per element for
+the part that crosses nodes: the gathers, and the partial sums of reductions sent between nodes.
+
+Memory per rank (fp32 master weights and their gradients, Adam's two moments, so 16 bytes per
+element held; see ``shardwire.sim.memory`` for what a step adds on top): ``16 P / W`` for full,
+``16 P / G`` for hybrid, ``16 P / W + c P / G`` for hybrid_secondary (every unit's secondary
+shard is held from its forward to its backward).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import datetime
+import zlib
 
 import torch
+import torch.distributed as dist
+
+from shardwire.comm import groups
+from shardwire.comm.communicator import Communicator
+from shardwire.comm.wire import Wire
+
+LAYOUTS = ("full", "hybrid", "hybrid_secondary")
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """One parameter's place in the buffer. A tied parameter is stored once and has several names."""
+class Layout:
+    """The communicators of a layout. Where two roles fall on the same ranks they are one object."""
 
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
-    offset: int
+    name: str  # one of LAYOUTS
+    world: Communicator  # every rank: set-up, agreement checks, checkpoints
+    shard: Communicator  # splits each buffer: gathers and reduce-scatters
+    replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
+    secondary: Communicator | None = None  # hybrid_secondary: backward gathers from secondary shards
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def communicators(self) -> list[Communicator]:
+        found = [self.world, self.shard, self.replicate, self.secondary]
+        return list({id(c): c for c in found if c is not None}.values())
 
-
-@dataclasses.dataclass(frozen=True)
-class FlatLayout:
-    slots: tuple[ParamSlot, ...]
-    dtype: torch.dtype
-    world_size: int
+    @property
+    def writes_shards(self) -> bool:
+        """Whether this rank saves its shards in a checkpoint: each group holds the same ones, and
+        the first group's ranks write them."""
+        return self.replicate is None or self.replicate.rank == 0
 
     @classmethod
-    def pack(cls, named_shapes: list[tuple[tuple[str, ...], tuple[int, ...]]], dtype, world_size) -> "FlatLayout":
-        """Lay the parameters out in the given order."""
-        slots, offset = [], 0
-        for names, shape in named_shapes:
-            slots.append(ParamSlot(tuple(names), tuple(shape), offset))
-            offset += math.prod(shape)
-        return cls(tuple(slots), dtype, world_size)
+    def build(cls, layout: str, size: int, wire: Wire, group: dist.ProcessGroup, device: torch.device,
+              timeout: datetime.timedelta) -> Layout:
+        """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
+        carry ``wire``'s quantized reductions. Every rank creates them in the same order."""
+        world = Communicator(group, device, timeout=timeout)
+        _check_same_layout_on_all_ranks(world, layout, size, wire)
+        if wire.grads is not None and device.type == "cuda" and group is not dist.group.WORLD:
+            raise ValueError(
+                f"wire grads={wire.grads!r} over a process group other than the default one is not supported on "
+                f"NCCL (its reductions make subgroups of the nodes, which split the default communicator): shard "
+                f"over the default group, or leave gradients unquantized"
+            )
+        built = _communicators(layout, size, world, device, timeout)
+        if wire.grads is not None:
+            for comm in built.communicators:
+                comm.prepare_quantized_reductions()
+        return built
 
-    @property
-    def numel(self) -> int:
-        """Elements holding parameters (without padding)."""
-        return self.slots[-1].offset + self.slots[-1].numel if self.slots else 0
 
-    @property
-    def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size)
+def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_node: int) -> int:
+    """The ranks a shard spans in a process group of ``world`` ranks (``ranks_per_node`` on each
+    node: the default), or a ``ValueError`` saying what contradicts what. It needs no process group,
+    so launchers check their options with it before starting a worker."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
+        raise ValueError(
+            f"shard_group_size must be a positive integer (ranks per shard group), got {shard_group_size!r}"
+        )
+    if layout == "full":
+        if shard_group_size not in (None, world):
+            raise ValueError(
+                f"layout='full' splits every buffer over all {world} ranks of the process group, so "
+                f"shard_group_size={shard_group_size} contradicts it: leave it out, or use "
+                f"layout='hybrid' or 'hybrid_secondary' to shard within groups of {shard_group_size}"
+            )
+        return world
+    if world == 1:
+        raise ValueError(
+            f"layout={layout!r} shards within groups and replicates across them, which needs more "
+            f"than one rank; this process group has one: use layout='full' (or launch more ranks)"
+        )
+    size = ranks_per_node if shard_group_size is None else shard_group_size
+    if world % size:
+        divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ValueError(
+            f"shard_group_size={size} does not divide the {world} ranks of the process group: choose "
+            f"one of {divisors}"
+        )
+    return size
 
-    @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
 
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """The [start, end) of the padded buffer that ``rank`` owns."""
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+def _communicators(layout: str, size: int, world: Communicator, device: torch.device,
+                   timeout: datetime.timedelta) -> Layout:
+    group = world.group
+    if layout == "full" or size == world.world:
+        return Layout(layout, world, world)
+    if device.type == "cuda" and group is not dist.group.WORLD:
+        raise ValueError(
+            f"layout={layout!r} over a process group other than the default one is not supported on "
+            f"NCCL (its subgroups split the default communicator, which every rank must join): shard "
+            f"over the default group, or use layout='full'"
+        )
+    within = Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout)
+    if layout == "hybrid":
+        across = Communicator(groups.columns(group, size, device, timeout), device, timeout=timeout)
+        return Layout(layout, world, within, replicate=across)
+    return Layout(layout, world, world, secondary=within)
 
-    def held(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
-        """The [start, end) of the buffer that is both ``slot``'s and ``rank``'s; start == end when
-        ``rank``'s shard misses the parameter. Consecutive ranks hold consecutive parts, so a
-        parameter flattened is its parts concatenated in rank order."""
-        start, end = self.shard_range(rank)
-        lo = min(max(start, slot.offset), end)
-        return lo, max(min(end, slot.offset + slot.numel), lo)
 
-    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One padded flat buffer holding ``tensors`` (in slot order)."""
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=tensors[0].device)
-        for slot, tensor in zip(self.slots, tensors):
-            flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
-        return flat
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``flat`` shaped as the parameters, in slot order.
-
-        One ``split`` makes all of them, so when ``flat`` requires grad, autograd gathers the
-        gradients of every view into a single flat gradient (zeros where a view had none).
-        """
-        sizes = [slot.numel for slot in self.slots]
-        pieces = flat.split([*sizes, flat.numel() - self.numel])
-        return [piece.view(slot.shape) for piece, slot in zip(pieces, self.slots)]
-
-    def resharded(self, world_size: int) -> "FlatLayout":
-        """The same parameters laid out for another world size (only the padding changes)."""
-        return dataclasses.replace(self, world_size=world_size)
+def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire) -> None:
+    """Ranks asking for different layouts would wait for each other in different group creations
+    until the timeout, and ranks with different wires would exchange messages of different sizes:
+    compare first, and say which rank asked for what."""
+    if world.world == 1:
+        return
+    rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode())],
+                                   tag="layout check")
+    if any(row[:2] != rows[0][:2] for row in rows):
+        asked = "; ".join(f"rank {r}: layout={LAYOUTS[code]!r} in groups of {n}"
+                          for r, (code, n, _) in enumerate(rows))
+        raise ValueError(f"ranks asked for different layouts ({asked}): pass the same layout and "
+                         f"shard_group_size on every rank")
+    differing = [r for r, row in enumerate(rows) if row[2] != rows[0][2]]
+    if differing:
+        raise ValueError(f"ranks {differing} asked for a different wire than rank 0 (rank {world.rank} asked for "
+                         f"wire={str(wire)!r}): pass the same wire on every rank")

@@ -41,7 +41,7 @@ from shardwire.comm.records import CommRecord
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.engine.schedule import Pass
-from shardwire.engine.sharding import Sharding
+from shardwire.engine.layout import Layout
 from shardwire.engine.unit import INPUTS, Unit
 
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
@@ -81,7 +81,7 @@ class Engine:
         root: Unit,
         units: list[Unit],
         *,
-        sharding: Sharding,
+        layout: Layout,
         prefetch: int,
         reshard_after_forward: bool,
         input_dtype: torch.dtype | None,
@@ -89,7 +89,7 @@ class Engine:
     ):
         self.root = root
         self.units = units
-        self.sharding = sharding
+        self.layout = layout
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating-point forward inputs are cast to it
@@ -108,7 +108,7 @@ class Engine:
     @property
     def comm(self):
         """The communicator of every rank of the job (set-up, agreement checks, checkpoints)."""
-        return self.sharding.world
+        return self.layout.world
 
     @property
     def group(self):
@@ -158,7 +158,7 @@ class Engine:
                 on_issue(record)
 
         with contextlib.ExitStack() as stack:
-            for comm in self.sharding.communicators:
+            for comm in self.layout.communicators:
                 stack.enter_context(comm.record(issued))
             yield records
 
@@ -172,7 +172,7 @@ class Engine:
         recording = self._order["forward"] is None
         with record_function("shardwire::pre_forward(<root>)"):
             if not recording:
-                for comm in self.sharding.communicators:
+                for comm in self.layout.communicators:
                     comm.verify_order("the step before this forward")
             for flat in self.flats:
                 flat.check_requires_grad()
@@ -314,7 +314,7 @@ class Engine:
         with record_function("shardwire::finish_backward"):
             while self._reductions:
                 self._land_oldest()
-            for comm in self.sharding.communicators:
+            for comm in self.layout.communicators:
                 comm.join()
         self._release_all()
         self.emit("backward", None, "end")

@@ -17,10 +17,11 @@ from shardwire import worker
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
-from shardwire.engine import sharded_state_dict, sharding as layouts
+from shardwire.engine import sharded_state_dict
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.layout import FlatLayout
+from shardwire.engine.layout import Layout, group_size
 from shardwire.engine.mixed_precision import MixedPrecision
+from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
 from shardwire.engine.unit import Unit
@@ -38,7 +39,7 @@ def shard(
     prefetch: int = 2,
     mixed_precision: MixedPrecision | str | None = None,
     process_group: dist.ProcessGroup | None = None,
-    sharding: str = "full",
+    layout: str = "full",
     shard_group_size: int | None = None,
     wire: Wire | str | None = None,
     activation_checkpointing: bool = False,
@@ -66,10 +67,10 @@ def shard(
         process_group: defaults to the world, which is created if needed (torchrun's, or one process,
             with ``timeout``). The engine works on the device of the model's parameters, whatever the
             current CUDA device is.
-        sharding: "full" (every buffer split over all ranks), "hybrid" (split within groups of
+        layout: "full" (every buffer split over all ranks), "hybrid" (split within groups of
             ``shard_group_size`` ranks, replicated across groups, gradient shards all-reduced
             between them) or "hybrid_secondary" (ZeRO++'s hpZ: split over all ranks, backward
-            gathering from a copy split within the group). See ``shardwire.engine.sharding``.
+            gathering from a copy split within the group). See ``shardwire.engine.layout``.
         shard_group_size: the ranks of a group, a divisor of the process group's size; by default
             the ranks of a node (the launcher's ``LOCAL_WORLD_SIZE``).
         wire: what gathers and reductions send between nodes: ``None`` (the compute and reduce
@@ -95,12 +96,12 @@ def shard(
     worker.check_backend_serves(process_group, device)
     world = dist.get_world_size(process_group)
     per_node = groups.placement_of(process_group).ranks_per_node
-    group_size = layouts.group_size(sharding, shard_group_size, world, per_node)
-    if sharding != "full" and shard_group_size is None and group_size == world:
+    size = group_size(layout, shard_group_size, world, per_node)
+    if layout != "full" and shard_group_size is None and size == world:
         warnings.warn(
-            f"sharding={sharding!r} takes its groups from the ranks of a node, and here all {world} ranks "
-            f"form one (LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', 'not set')}): that is full "
-            f"sharding. Pass shard_group_size, or launch with torchrun --nnodes N --nproc-per-node M",
+            f"layout={layout!r} takes its groups from the ranks of a node, and here all {world} ranks "
+            f"form one (LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', 'not set')}): that is the full "
+            f"layout. Pass shard_group_size, or launch with torchrun --nnodes N --nproc-per-node M",
             stacklevel=2,
         )
 
@@ -108,11 +109,11 @@ def shard(
     selected = select_units(model, units)
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
-    mesh = layouts.build(sharding, group_size, wire, process_group, device, deadline)
-    comm = mesh.world
+    layout = Layout.build(layout, size, wire, process_group, device, deadline)
+    comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 
-    make_unit = functools.partial(_build_unit, sharding=mesh, policy=policy, wire=wire)
+    make_unit = functools.partial(_build_unit, layout=layout, policy=policy, wire=wire)
     for name, buffer in model.named_buffers():
         if comm.world > 1:
             comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
@@ -121,14 +122,14 @@ def shard(
     engine = Engine(
         root,
         block_units,
-        sharding=mesh,
+        layout=layout,
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
         input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, mesh.shard.rank, mesh.shard.world)
+    sharded_state_dict.install(model, engine.flats, layout.shard.rank, layout.shard.world)
     if activation_checkpointing:
         for unit in block_units:
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
@@ -201,27 +202,27 @@ def _check_wire_carries(wire: Wire, owned: dict[str, list[OwnedParam]]) -> None:
                 )
 
 
-def _build_unit(index, name, module, params, *, sharding, policy, wire) -> Unit:
+def _build_unit(index, name, module, params, *, layout, policy, wire) -> Unit:
     name = name or "<root>"
     grouped = _flat_groups(params)
-    comm = sharding.world
+    comm = layout.world
     flats = []
     for (dtype, requires_grad), entries in grouped.items():
-        layout = FlatLayout.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, sharding.shard.world)
-        full = layout.flatten([e.param.detach() for e in entries])
+        packing = Packing.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, layout.shard.world)
+        full = packing.flatten([e.param.detach() for e in entries])
         if comm.world > 1:
             comm.broadcast(full, tag=f"initial values of {name}").wait()
-        start, end = layout.shard_range(sharding.shard.rank)
+        start, end = packing.shard_range(layout.shard.rank)
         suffix = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")
         flat = FlatParam(
             f"{name}.{suffix}" if len(grouped) > 1 else name,
-            layout,
+            packing,
             full[start:end].clone(),
             [e.owners for e in entries],
             requires_grad=requires_grad,
             compute_dtype=policy.param_dtype or dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or dtype,
-            sharding=sharding,
+            layout=layout,
             wire=wire,
         )
         for entry, param in zip(entries, flat.params):

@@ -23,7 +23,7 @@ METADATA_KEY = "shardwire"
 
 
 def install(model: nn.Module, flats: list[FlatParam], rank: int, world_size: int) -> None:
-    shapes = {name: list(slot.shape) for flat in flats for slot in flat.layout.slots for name in slot.names}
+    shapes = {name: list(slot.shape) for flat in flats for slot in flat.packing.slots for name in slot.names}
 
     def record_full_shapes(module, state_dict, prefix, local_metadata) -> None:
         local_metadata[METADATA_KEY] = {

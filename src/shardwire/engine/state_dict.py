@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from shardwire.engine.layout import FlatLayout
+from shardwire.engine.packing import Packing
 from shardwire.engine.shard import engine_of
 
 
@@ -25,25 +25,25 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     def gathered():
         for flat in engine.flats:
-            full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
-            engine.sharding.shard.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
-            yield flat.layout, full
+            full = torch.empty(flat.packing.padded_numel, dtype=flat.shard.dtype, device=flat.shard.device)
+            engine.layout.shard.all_gather(full, flat.shard.detach(), tag=f"state dict {flat.name}").wait()
+            yield flat.packing, full
 
     if engine.comm.rank != 0:
         for _ in gathered():  # every rank takes part in each gather; only rank 0 keeps the values
             pass
         return {}
-    on_host = ((layout, full.cpu()) for layout, full in gathered())
+    on_host = ((packing, full.cpu()) for packing, full in gathered())
     return assemble(on_host, engine.state_dict_keys, lambda key: model.get_buffer(key).detach().cpu().clone())
 
 
-def assemble(flats: Iterable[tuple[FlatLayout, torch.Tensor]], keys: Sequence[str],
+def assemble(flats: Iterable[tuple[Packing, torch.Tensor]], keys: Sequence[str],
              buffer: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict with ``keys`` (the unsharded model's, in its order) from each flat buffer's full
-    values in its layout, taken one at a time, and ``buffer(key)`` for the keys no flat holds. A tied
+    values in its packing, taken one at a time, and ``buffer(key)`` for the keys no flat holds. A tied
     parameter is one tensor under each of its names, as PyTorch keeps it."""
     values: dict[str, torch.Tensor] = {}
-    for layout, full in flats:
-        for slot, view in zip(layout.slots, layout.views(full)):
+    for packing, full in flats:
+        for slot, view in zip(packing.slots, packing.views(full)):
             values.update(dict.fromkeys(slot.names, view.clone()))
     return {key: values[key] if key in values else buffer(key) for key in keys}

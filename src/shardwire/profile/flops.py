@@ -67,10 +67,23 @@ def datasheet_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | N
     if dtype in (torch.bfloat16, torch.float16):
         kind = "bf16"
     elif dtype == torch.float32:
-        kind = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        kind = "tf32" if matmul_uses_tf32() else "fp32"
     else:
         return None
     return datasheet_tflops(name, kind)
+
+
+def matmul_uses_tf32() -> bool:
+    """Whether torch runs fp32 matrix multiplies on CUDA as TF32: ``fp32_precision`` where torch has it
+    (2.9 on; "none" defers to the global setting), else the older ``allow_tf32``, which newer torch
+    deprecates and which reads wrong when a program set precision the new way."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return bool(matmul.allow_tf32)
+    precision = matmul.fp32_precision
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "ieee")
+    return precision == "tf32"
 
 
 def probe_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:

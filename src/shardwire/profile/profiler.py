@@ -85,7 +85,7 @@ class Profiler:
                 raise ValueError(f"peak_tflops must be positive, got {given}")
             return {"tflops": given, "source": "given"}
         device = self._engine.device
-        dtype = max(self._engine.flats, key=lambda flat: flat.layout.padded_numel).compute_dtype
+        dtype = max(self._engine.flats, key=lambda flat: flat.packing.padded_numel).compute_dtype
         known = datasheet_peak_tflops(device, dtype)
         if known is not None:
             return {"tflops": known, "source": f"data sheet of {torch.cuda.get_device_name(device)}, {dtype}"}

@@ -94,7 +94,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
 
     accumulated = r * P if training.grad_accum > 1 else 0.0
     secondary = 0.0
-    if training.sharding == "hybrid_secondary" and training.reshards:
+    if training.layout == "hybrid_secondary" and training.reshards:
         secondary = c * sum(u.params for u in arch.units) / group_size(cluster, training)
 
     # Checkpointing keeps each block's input and, under a selective policy, what it does not recompute.

@@ -1,4 +1,4 @@
-"""``shardwire plan``: the fastest sharding settings that fit, and why they win.
+"""``shardwire plan``: the fastest settings that fit, and why they win.
 
     shardwire plan --model llama2-7b --cluster a100-100gbe --nodes 4 --global-batch 256
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step, all GPUs together")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.epilog = ("--training gives what is not searched (precision, kernel efficiency); micro-batch, "
-                     "sharding, prefetch, activation checkpointing and, on several nodes, the wire are "
+                     "layout, prefetch, activation checkpointing and, on several nodes, the wire are "
                      "searched, and the rest is what the engine runs.")
 
 

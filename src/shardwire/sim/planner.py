@@ -2,11 +2,11 @@
 
 The global batch fixes the samples each GPU processes per step; the planner searches how to run
 them: the micro-batch (every divisor of the per-GPU batch, the rest made up by gradient
-accumulation), the sharding layout (full, grad_op, and on several nodes hybrid, hybrid without
+accumulation), the layout (full, grad_op, and on several nodes hybrid, hybrid without
 resharding after forward and hybrid_secondary, in groups of a node's GPUs), the prefetch depth (0
 to ``MAX_PREFETCH``), activation checkpointing and, on several nodes, the wire (``WIRES``: exact,
 int8, or int8 parameters with int4 gradients, in blocks of the default size with error feedback;
-``HYBRID_WIRES`` for hybrid sharding, whose parameters never cross nodes; on one node no
+``HYBRID_WIRES`` for the hybrid layout, whose parameters never cross nodes; on one node no
 collective crosses nodes, so the wire changes nothing and only "none" is tried). The
 precision and kernel efficiency come from the base training configuration; the rest is what the
 engine runs (its sliding window, reductions in fp32), so that every configuration the planner names
@@ -36,12 +36,12 @@ MAX_PREFETCH = 4
 # Step times this close count as equal, and the configuration needing less memory wins.
 TIE = 1e-3
 
-# (sharding, reshard_after_forward): full with no resharding is grad_op, so it is not listed twice;
+# (layout, reshard_after_forward): full with no resharding is grad_op, so it is not listed twice;
 # hybrid_secondary without resharding never gathers for backward, so it is grad_op too.
-_SHARDINGS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False), ("hybrid_secondary", True))
+_LAYOUTS = (("full", True), ("grad_op", False), ("hybrid", True), ("hybrid", False), ("hybrid_secondary", True))
 _HYBRID = ("hybrid", "hybrid_secondary")
 # Wire formats, as ``shardwire train --wire`` and ``shard(wire=...)`` take them: exact, the smallest
-# quantization of both, and the smallest wire (ZeRO++'s qwZ and qgZ); for hybrid sharding, whose
+# quantization of both, and the smallest wire (ZeRO++'s qwZ and qgZ); for the hybrid layout, whose
 # gathers stay within a node's group and never quantize, the same for gradients alone.
 WIRES = ("none", "int8", "params=int8,grads=int4")
 HYBRID_WIRES = ("none", "grads=int8", "grads=int4")
@@ -109,7 +109,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
 
 def describe_settings(t: TrainingSpec) -> str:
     """The searched settings of ``t``, as the plan and its errors name them."""
-    return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, {_sharding(t)} sharding, prefetch {t.prefetch}, "
+    return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, layout {_layout(t)}, prefetch {t.prefetch}, "
             f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, wire {t.wire}")
 
 
@@ -122,13 +122,13 @@ def _divisors(n: int) -> list[int]:
 
 def _settings(per_gpu: int, cluster: ClusterSpec):
     micro_batches = [m for m in _divisors(per_gpu) if per_gpu // m <= MAX_GRAD_ACCUM]
-    shardings = [s for s in _SHARDINGS if s[0] not in _HYBRID or cluster.nodes > 1]
-    for micro, (sharding, reshard), prefetch, checkpointing in itertools.product(
-        micro_batches, shardings, range(MAX_PREFETCH + 1), (False, True)
+    layouts = [s for s in _LAYOUTS if s[0] not in _HYBRID or cluster.nodes > 1]
+    for micro, (layout, reshard), prefetch, checkpointing in itertools.product(
+        micro_batches, layouts, range(MAX_PREFETCH + 1), (False, True)
     ):
-        wires = (HYBRID_WIRES if sharding == "hybrid" else WIRES) if cluster.nodes > 1 else ("none",)
+        wires = (HYBRID_WIRES if layout == "hybrid" else WIRES) if cluster.nodes > 1 else ("none",)
         for wire in wires:
-            yield dict(micro_batch=micro, grad_accum=per_gpu // micro, sharding=sharding,
+            yield dict(micro_batch=micro, grad_accum=per_gpu // micro, layout=layout,
                        reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing,
                        wire=wire)
 
@@ -146,13 +146,13 @@ def _training(base: TrainingSpec, **settings) -> TrainingSpec:
 def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     """The ``shardwire train`` options and the ``shard(...)`` arguments that run ``t`` on ``cluster``
     (what is not the engine's, the batch and the launch, only in the former)."""
-    sharding = "full" if t.sharding == "grad_op" else t.sharding
-    shard_args = {"sharding": sharding}
-    if sharding in _HYBRID:
+    layout = "full" if t.layout == "grad_op" else t.layout
+    shard_args = {"layout": layout}
+    if layout in _HYBRID:
         shard_args["shard_group_size"] = group_size(cluster, t)
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": t.precision,
                    "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
-    options = command_line({"batch": t.micro_batch, "grad_accum": t.grad_accum, "sharding": sharding,
+    options = command_line({"batch": t.micro_batch, "grad_accum": t.grad_accum, "layout": layout,
                             "shard_group_size": shard_args.get("shard_group_size"), "reshard": t.reshards,
                             "prefetch": t.prefetch, "precision": t.precision,
                             "activation_checkpointing": t.activation_checkpointing, "wire": t.wire})
@@ -172,7 +172,7 @@ def shard_call(t: TrainingSpec, cluster: ClusterSpec) -> str:
 
 
 def _dimensions(t: TrainingSpec) -> dict:
-    return {"micro_batch": t.micro_batch, "sharding": (t.sharding, t.reshards), "prefetch": t.prefetch,
+    return {"micro_batch": t.micro_batch, "layout": (t.layout, t.reshards), "prefetch": t.prefetch,
             "checkpointing": t.activation_checkpointing, "wire": t.wire}
 
 
@@ -199,8 +199,8 @@ def _one_changes(best: TrainingSpec, candidates: list[TrainingSpec]):
 
 
 def _change(best: TrainingSpec, other: TrainingSpec) -> str:
-    if other.sharding != best.sharding or other.reshards != best.reshards:
-        return f"sharding {_sharding(other)}"
+    if other.layout != best.layout or other.reshards != best.reshards:
+        return f"layout {_layout(other)}"
     if other.micro_batch != best.micro_batch:
         return f"micro-batch {other.micro_batch}, grad_accum {other.grad_accum}"
     if other.prefetch != best.prefetch:
@@ -210,7 +210,7 @@ def _change(best: TrainingSpec, other: TrainingSpec) -> str:
     return f"activation checkpointing {'on' if other.activation_checkpointing else 'off'}"
 
 
-def _sharding(t: TrainingSpec) -> str:
-    if t.sharding == "hybrid" and not t.reshards:
+def _layout(t: TrainingSpec) -> str:
+    if t.layout == "hybrid" and not t.reshards:
         return "hybrid (no reshard after forward)"
-    return t.sharding
+    return t.layout

@@ -128,7 +128,7 @@ MAX_SWEEP_VALUES = 64
 
 SWEEPABLE = {
     "cluster": ("nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb"),
-    "training": ("micro_batch", "grad_accum", "prefetch", "sharding", "shard_group_size", "limiter", "precision",
+    "training": ("micro_batch", "grad_accum", "prefetch", "layout", "shard_group_size", "limiter", "precision",
                  "reduce_precision", "activation_checkpointing", "compute_efficiency"),
 }
 

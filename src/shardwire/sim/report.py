@@ -96,9 +96,9 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
 
     limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
     groups = ""
-    if t.sharding in ("hybrid", "hybrid_secondary"):
+    if t.layout in ("hybrid", "hybrid_secondary"):
         groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {group_size(c, t)}"
-    sharding = f"{t.sharding} sharding{groups}, {'reshard' if t.reshards else 'keep'} after forward"
+    layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
@@ -110,7 +110,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{c.intra_node.latency_us:g} us; inter-node {c.inter_node.busbw_GBps:g} GB/s, "
         f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
-        f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('sharding', sharding)}, "
+        f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('layout', layout)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
         f"{setting('precision', t.precision)} (reduce {setting('reduce_precision', t.reduce_precision)}), "
         f"wire {t.wire}, {setting('activation_checkpointing', checkpointing)}, "

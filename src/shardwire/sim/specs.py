@@ -33,7 +33,7 @@ class SpecError(ValueError):
 
 MODEL_KINDS = ("decoder", "encoder-decoder")
 ATTENTION_KINDS = ("flash", "eager")
-SHARDINGS = ("full", "grad_op", "hybrid", "hybrid_secondary")
+LAYOUTS = ("full", "grad_op", "hybrid", "hybrid_secondary")
 LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
@@ -271,16 +271,16 @@ class ClusterSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingSpec:
-    """How the step runs: batch, sharding, the gather schedule, precision and recomputation.
+    """How the step runs: batch, layout, the gather schedule, precision and recomputation.
 
     ``micro_batch`` is sequences per GPU and micro-batch; ``grad_accum`` micro-batches make a step
     (all but the last without reduction, accumulating unsharded gradients, as ``no_sync`` does).
-    ``sharding``: ``full`` shards parameters, gradients and optimizer state over every GPU;
+    ``layout``: ``full`` shards parameters, gradients and optimizer state over every GPU;
     ``grad_op`` (FSDP's SHARD_GRAD_OP) keeps each unit gathered from its forward to the end of its
     backward; ``hybrid`` shards within groups of ``shard_group_size`` GPUs and replicates across
     them, all-reducing gradient shards between groups; ``hybrid_secondary`` (ZeRO++'s hpZ) shards
     as ``full`` and gathers for backward within the group, from a secondary shard kept since forward
-    (``shardwire.engine.sharding``). ``shard_group_size`` defaults to a node's GPUs; a group is a
+    (``shardwire.engine.layout``). ``shard_group_size`` defaults to a node's GPUs; a group is a
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.
@@ -296,7 +296,7 @@ class TrainingSpec:
 
     micro_batch: int = 1
     grad_accum: int = 1
-    sharding: str = "full"
+    layout: str = "full"
     shard_group_size: int | None = None
     prefetch: int = 2
     limiter: str = "sliding"
@@ -311,33 +311,33 @@ class TrainingSpec:
 
     def __post_init__(self):
         _check_limits(self, "micro_batch", "grad_accum", "prefetch", "compute_efficiency")
-        _choice(self, "sharding", SHARDINGS)
+        _choice(self, "layout", LAYOUTS)
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "reduce_precision", PRECISIONS)
         _check_value("block", self.wire_format.block)
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
-            if self.sharding not in ("hybrid", "hybrid_secondary"):
-                raise SpecError(f"shard_group_size applies to sharding 'hybrid' and 'hybrid_secondary', not "
-                                f"{self.sharding!r}")
+            if self.layout not in ("hybrid", "hybrid_secondary"):
+                raise SpecError(f"shard_group_size applies to layout 'hybrid' and 'hybrid_secondary', not "
+                                f"{self.layout!r}")
         if self.recompute_fraction is not None:
             _check_limits(self, "recompute_fraction")
             if not self.activation_checkpointing:
                 raise SpecError("recompute_fraction applies with activation_checkpointing true")
-        if self.sharding == "grad_op" and self.reshard_after_forward:
+        if self.layout == "grad_op" and self.reshard_after_forward:
             raise SpecError(
-                "sharding 'grad_op' keeps parameters gathered from forward to backward, so "
-                "reshard_after_forward cannot be true; use sharding 'full' to reshard"
+                "layout 'grad_op' keeps parameters gathered from forward to backward, so "
+                "reshard_after_forward cannot be true; use layout 'full' to reshard"
             )
 
     @property
     def reshards(self) -> bool:
         """Whether units are released after forward and gathered again for backward: as asked, or
-        by default for every sharding but ``grad_op``."""
+        by default for every layout but ``grad_op``."""
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
-        return self.sharding != "grad_op"
+        return self.layout != "grad_op"
 
     @property
     def recomputed(self) -> float:

@@ -127,14 +127,14 @@ def group_size(cluster: ClusterSpec, training: TrainingSpec) -> int:
 
 def shard_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
     """The GPUs a unit's buffer is split over: the world, or a group under hybrid sharding."""
-    if training.sharding == "hybrid":
+    if training.layout == "hybrid":
         return _block(group_size(cluster, training), cluster)
     return Group(cluster.nodes, cluster.gpus_per_node)
 
 
 def backward_gather_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
     """The GPUs backward gathers a unit from: the group's secondary shards under ``hybrid_secondary``."""
-    if training.sharding == "hybrid_secondary":
+    if training.layout == "hybrid_secondary":
         return _block(group_size(cluster, training), cluster)
     return shard_group(cluster, training)
 
@@ -169,7 +169,7 @@ def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> lis
     an all-reduce of each GPU's shard with its peers in the other groups."""
     group = shard_group(cluster, training)
     steps = [("reduce_scatter", params, group)]
-    if training.sharding == "hybrid" and group.size < cluster.world:
+    if training.layout == "hybrid" and group.size < cluster.world:
         steps.append(("all_reduce", params / group.size, _column(group.size, cluster)))
     return steps
 

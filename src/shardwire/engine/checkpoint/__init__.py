@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank writes its own shards, a checkpoint appears only when complete, and
 it loads at any world size.
 
-``format`` is the on-disk layout and the manifest; ``save`` and ``load`` the collective operations;
+``format`` is the on-disk format and the manifest; ``save`` and ``load`` the collective operations;
 ``reader`` verified reading and re-slicing; ``optim`` the optimizer's state; ``series`` a directory of
 checkpoints by step; ``portable`` plain state dict files for use without shardwire.
 """

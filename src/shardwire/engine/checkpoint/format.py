@@ -9,10 +9,10 @@ A checkpoint is a directory::
                                  element it holds, its RNG states and its gradients' error-feedback
                                  residuals (quantized wires); one file per rank. Under
                                  hybrid sharding every group holds the same shards, and only the
-                                 first group's ranks save them: a buffer's layout is then cut for
+                                 first group's ranks save them: a buffer's packing is then cut for
                                  fewer ranks than saved, and the other ranks' files hold RNG states
         replicated.safetensors   what every rank holds alike: the model's buffers
-        manifest.json            written last: each flat buffer's layout, the optimizer's class,
+        manifest.json            written last: each flat buffer's packing, the optimizer's class,
                                  param groups (hyperparameters, parameter names) and which state
                                  each parameter has, the step, the caller's ``extra``, the size and
                                  sha256 of every file above, and the sha256 of its own contents
@@ -24,7 +24,7 @@ read by slice, so a rank reads only the parts of old shards that overlap its new
 
 A manifest is untrusted input like any file: reading one checks its own sha256, then every field's
 type and range, then that the fields agree (one file per saving rank, each a plain name inside the
-checkpoint directory; layouts that pack as recorded); a manifest that fails is refused as a whole.
+checkpoint directory; buffers that pack as recorded); a manifest that fails is refused as a whole.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from itertools import zip_longest
 import torch
 
 from shardwire.engine.checkpoint import schema
-from shardwire.engine.layout import FlatLayout, ParamSlot
+from shardwire.engine.packing import Packing, ParamSlot
 
 FORMAT = "shardwire-checkpoint"
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
@@ -124,10 +124,10 @@ class FileRecord:
 
 @dataclasses.dataclass(frozen=True)
 class FlatRecord:
-    """A flat buffer as saved: its name and its layout at the saving world size."""
+    """A flat buffer as saved: its name and its packing at the saving world size."""
 
     name: str
-    layout: FlatLayout
+    packing: Packing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,7 @@ class Manifest:
                    for i, buffer in enumerate(schema.array(raw["buffers"], "buffers"))]
         state_dict_keys = [schema.string(key, f"state_dict_keys[{i}]")
                            for i, key in enumerate(schema.array(raw["state_dict_keys"], "state_dict_keys"))]
-        names = [name for flat in flats for slot in flat.layout.slots for name in slot.names]
+        names = [name for flat in flats for slot in flat.packing.slots for name in slot.names]
         names += [buffer.name for buffer in buffers]
         schema.unique(names, "the parameter and buffer names")
         if sorted(schema.unique(state_dict_keys, "state_dict_keys")) != sorted(names):
@@ -238,14 +238,14 @@ def _body_sha256(body: dict) -> str:
 
 
 def _flat_to_json(flat: FlatRecord) -> dict:
-    layout = flat.layout
+    packing = flat.packing
     return {
         "name": flat.name,
-        "dtype": dtype_name(layout.dtype),
-        "world_size": layout.world_size,
-        "numel": layout.numel,
-        "padded_numel": layout.padded_numel,
-        "slots": [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset} for s in layout.slots],
+        "dtype": dtype_name(packing.dtype),
+        "world_size": packing.world_size,
+        "numel": packing.numel,
+        "padded_numel": packing.padded_numel,
+        "slots": [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset} for s in packing.slots],
     }
 
 
@@ -281,13 +281,13 @@ def _flat_from_json(raw, what: str, world_size: int, version: int) -> FlatRecord
         for i, slot in enumerate(schema.array(raw["slots"], f"{what}.slots"))
     )
     dtype = _dtype_from_json(raw["dtype"], f"{what}.dtype")
-    layout = FlatLayout(slots, dtype, schema.integer(raw["world_size"], f"{what}.world_size", minimum=1))
-    packed = FlatLayout.pack([(s.names, s.shape) for s in slots], layout.dtype, layout.world_size)
-    if (packed != layout or world_size % layout.world_size or (version < 4 and layout.world_size != world_size)
-            or layout.numel != schema.integer(raw["numel"], f"{what}.numel")
-            or layout.padded_numel != schema.integer(raw["padded_numel"], f"{what}.padded_numel")):
-        raise ValueError(f"the layout of flat buffer {name!r} is inconsistent")
-    return FlatRecord(name, layout)
+    packing = Packing(slots, dtype, schema.integer(raw["world_size"], f"{what}.world_size", minimum=1))
+    packed = Packing.pack([(s.names, s.shape) for s in slots], packing.dtype, packing.world_size)
+    if (packed != packing or world_size % packing.world_size or (version < 4 and packing.world_size != world_size)
+            or packing.numel != schema.integer(raw["numel"], f"{what}.numel")
+            or packing.padded_numel != schema.integer(raw["padded_numel"], f"{what}.padded_numel")):
+        raise ValueError(f"the packing of flat buffer {name!r} is inconsistent")
+    return FlatRecord(name, packing)
 
 
 def _slot_from_json(raw, what: str) -> ParamSlot:
@@ -330,7 +330,7 @@ def _check_optimizer(raw, flats: list[FlatRecord]) -> None:
         return
     raw = schema.fields(raw, "optimizer", ("class", "param_groups", "state"))
     schema.string(raw["class"], "optimizer.class")
-    params = {slot.names[0] for flat in flats for slot in flat.layout.slots}
+    params = {slot.names[0] for flat in flats for slot in flat.packing.slots}
     held = []
     for i, group in enumerate(schema.array(raw["param_groups"], "optimizer.param_groups")):
         what = f"optimizer.param_groups[{i}]"
@@ -352,7 +352,7 @@ def _check_optimizer(raw, flats: list[FlatRecord]) -> None:
 
 def param_names(engine) -> set[str]:
     """The names of the sharded parameters, every name of a tied one included."""
-    return {name for flat in engine.flats for slot in flat.layout.slots for name in slot.names}
+    return {name for flat in engine.flats for slot in flat.packing.slots for name in slot.names}
 
 
 def buffer_records(engine, model: torch.nn.Module) -> list[BufferRecord]:
@@ -381,10 +381,10 @@ def _differences(saved: Manifest, flats: list[FlatRecord], buffers: list[BufferR
         if old.name != new.name:
             yield f"flat buffer {i} is {old.name!r} in the checkpoint and {new.name!r} in this model"
             return
-        if old.layout.dtype != new.layout.dtype:
-            yield (f"flat buffer {old.name!r} is {dtype_name(old.layout.dtype)} in the checkpoint and "
-                   f"{dtype_name(new.layout.dtype)} in this model")
-        for a, b in zip_longest(old.layout.slots, new.layout.slots):
+        if old.packing.dtype != new.packing.dtype:
+            yield (f"flat buffer {old.name!r} is {dtype_name(old.packing.dtype)} in the checkpoint and "
+                   f"{dtype_name(new.packing.dtype)} in this model")
+        for a, b in zip_longest(old.packing.slots, new.packing.slots):
             if a is None:
                 yield f"{b.names[0]!r} (in flat buffer {old.name!r}) is not in the checkpoint"
             elif b is None:

@@ -133,7 +133,7 @@ class _Staged:
                 raise CheckpointError(
                     f"{path}: its manifest records step {manifest.step}, its name step {named_step}"
                 )
-            here = [FlatRecord(flat.name, flat.layout) for flat in engine.flats]
+            here = [FlatRecord(flat.name, flat.packing) for flat in engine.flats]
             difference = first_difference(manifest, here, buffer_records(engine, model))
             if difference is not None:
                 raise CheckpointError(f"{path} was saved from a different model: {difference}")
@@ -141,7 +141,7 @@ class _Staged:
             shards = {}
             for saved, flat in zip(manifest.flats, engine.flats):
                 start, stop = flat.shard_range
-                shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.layout.dtype)
+                shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.packing.dtype)
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }

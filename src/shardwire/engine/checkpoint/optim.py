@@ -37,7 +37,7 @@ from shardwire.engine.checkpoint.format import (
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.layout import ParamSlot
+from shardwire.engine.packing import ParamSlot
 from shardwire.engine.runtime import Engine
 
 
@@ -120,7 +120,7 @@ def _capture_param(snapshot: OptimizerSnapshot, entry: _Held, state: dict, copy)
             continue
         file_key = optim_key(flat.name, key)
         if file_key not in snapshot.tensors:
-            snapshot.tensors[file_key] = torch.zeros(flat.layout.shard_numel, dtype=value.dtype)
+            snapshot.tensors[file_key] = torch.zeros(flat.packing.shard_numel, dtype=value.dtype)
         laid_out = snapshot.tensors[file_key]
         if laid_out.dtype != value.dtype:
             raise CheckpointError(
@@ -202,14 +202,14 @@ def _read_param_state(reader: CheckpointReader, record, entry: _Held, keys: dict
     start, end = entry.part
     if start == end:
         return {}
-    offset, layout = entry.slot.offset, record.layout
+    offset, packing = entry.slot.offset, record.packing
     values = {}
     for key, spec in keys.items():
         dtype = parse_dtype(spec["dtype"])
         if spec["kind"] == PER_ELEMENT:
             values[key] = reader.flat_range(record, optim_key(record.name, key), offset + start, offset + end, dtype)
         else:
-            first_holder = offset // layout.shard_numel  # at the saving world size
+            first_holder = offset // packing.shard_numel  # at the saving world size
             values[key] = reader.tensor(rank_file(first_holder), scalar_key(entry.name, key), (), dtype)
     return values
 

@@ -72,7 +72,7 @@ def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:
 
 def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     manifest = reader.manifest
-    flats = ((flat.layout, reader.flat_range(flat, param_key(flat.name), 0, flat.layout.numel, flat.layout.dtype))
+    flats = ((flat.packing, reader.flat_range(flat, param_key(flat.name), 0, flat.packing.numel, flat.packing.dtype))
              for flat in manifest.flats)
     buffers = {buffer.name: buffer for buffer in manifest.buffers}
 
@@ -99,8 +99,8 @@ def _read_shards(path: pathlib.Path, engine, model: nn.Module):
     shards = {}
     for flat in engine.flats:
         start, stop = flat.shard_range
-        shard = torch.zeros(stop - start, dtype=flat.layout.dtype)
-        for slot in flat.layout.slots:
+        shard = torch.zeros(stop - start, dtype=flat.packing.dtype)
+        for slot in flat.packing.slots:
             key = next((name for name in slot.names if name in source.keys()), None)
             if key is None:
                 raise CheckpointError(f"{path}: has no {slot.names[0]!r}")

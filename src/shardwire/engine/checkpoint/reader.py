@@ -74,20 +74,20 @@ class CheckpointReader:
         ``start`` and ``stop`` may lie anywhere in the buffer padded for another world size; the
         padding, beyond the parameters' elements, reads as zeros.
         """
-        layout = flat.layout
+        packing = flat.packing
         out = torch.zeros(stop - start, dtype=dtype)
-        data_stop = min(stop, layout.numel)
-        for old_rank in range(layout.world_size):
-            shard_start, shard_stop = layout.shard_range(old_rank)
+        data_stop = min(stop, packing.numel)
+        for old_rank in range(packing.world_size):
+            shard_start, shard_stop = packing.shard_range(old_rank)
             lo, hi = max(start, shard_start), min(data_stop, shard_stop)
             if lo >= hi:
                 continue
             file = rank_file(old_rank)
             piece = self._holding(file, key).get_slice(key)
-            if piece.get_shape() != [layout.shard_numel]:
+            if piece.get_shape() != [packing.shard_numel]:
                 raise CheckpointError(
                     f"{self.directory / file}: {key!r} has shape {piece.get_shape()} where the manifest "
-                    f"implies [{layout.shard_numel}]"
+                    f"implies [{packing.shard_numel}]"
                 )
             out[lo - start : hi - start] = piece[lo - shard_start : hi - shard_start]
         return out

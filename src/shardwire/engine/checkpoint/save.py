@@ -244,7 +244,7 @@ class _Snapshot:
                 f"extra must be JSON-serializable (dicts, lists, strings, numbers): {err}"
             ) from None
         rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
-        writes_shards = engine.sharding.writes_shards  # one group's under hybrid sharding: all hold the same
+        writes_shards = engine.layout.writes_shards  # one group's under hybrid sharding: all hold the same
         tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
         for flat in engine.flats:
@@ -261,7 +261,7 @@ class _Snapshot:
         manifest = Manifest(
             step=step,
             world_size=world,
-            flats=[FlatRecord(flat.name, flat.layout) for flat in engine.flats],
+            flats=[FlatRecord(flat.name, flat.packing) for flat in engine.flats],
             buffers=buffers,
             state_dict_keys=list(engine.state_dict_keys),
             optimizer=None if optimizer_state is None else optimizer_state.record,
