@@ -133,7 +133,7 @@ class StepCollectives:
         try:
             if self.system in SHARDWIRE_SYSTEMS:
                 with contextlib.ExitStack() as stack:
-                    comms = engine_of(self.model).sharding.communicators
+                    comms = engine_of(self.model).layout.communicators
                     recorded = [(comm, stack.enter_context(comm.record())) for comm in comms]
                     yield
                 self._replays = [self._shardwire_replay(comm, record) for comm, records in recorded

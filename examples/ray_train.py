@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 import shardwire
 from shardwire import worker
-from shardwire.data import load_corpus
 from shardwire.launch import under_launcher
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from shardwire.training.data import load_corpus
 
 
 def train(config: dict, report: Callable[[dict], None], device: torch.device) -> None:

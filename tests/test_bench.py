@@ -14,7 +14,8 @@ import torch
 from harness import run_workers
 from shardwire.bench import ops
 from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE
-from shardwire.bench.run import BenchConfig, BenchError, benchmark, measure_and_report, validate
+from shardwire.bench.benchmark import BenchConfig, BenchError, benchmark, validate
+from shardwire.cli.bench import measure_and_report
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from shardwire.bench.metrics import (
     saturation,
 )
 from shardwire.bench.ops import OPERATIONS
-from shardwire.bench.run import parse_size
+from shardwire.bench.benchmark import parse_size
 from shardwire.bench.sweep import aligned_sizes, sweep_sizes
 
 

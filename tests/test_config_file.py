@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from shardwire import config_file
-from shardwire.bench.run import BenchConfig
+from shardwire.cli import config_file
+from shardwire.bench.benchmark import BenchConfig
 from shardwire.cli import command, main
 from shardwire.options import add_options, config_from
-from shardwire.train import TrainConfig
+from shardwire.training.config import TrainConfig
 
 yaml = pytest.importorskip("yaml", reason="the yaml extra is not installed")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardwire.cli import main
-from shardwire.data import ByteCorpus, TokenCorpus, load_corpus
+from shardwire.training.data import ByteCorpus, TokenCorpus, load_corpus
 
 
 @pytest.mark.parametrize("suffix, dtype", [(".bin", np.uint16), (".bin", np.uint32), (".npy", np.uint32)])

@@ -20,7 +20,7 @@ def imported_modules(code: str) -> set[str]:
 
 
 def test_the_training_path_imports_no_plotting_or_yaml():
-    modules = imported_modules("import shardwire, shardwire.train; shardwire.shard")
+    modules = imported_modules("import shardwire, shardwire.training.loop; shardwire.shard")
     assert "torch" in modules
     assert not modules & {"matplotlib", "yaml"}
 

@@ -98,7 +98,7 @@ def _held_and_sent(rank, world):
                 ops.setdefault(record.op, []).append(record.nbytes)
         results[layout] = {"held": held, "bound": bound, "ops": ops,
                            "shards": [flat.shard.numel() for flat in engine.flats],
-                           "buffers": [flat.layout.padded_numel for flat in engine.flats]}
+                           "buffers": [flat.packing.padded_numel for flat in engine.flats]}
     return results
 
 
@@ -187,7 +187,8 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
     so, and as ``shardwire train`` options checked as its workers would be under torchrun."""
     import argparse
 
-    from shardwire import train as train_command
+    from shardwire.cli import train as train_command
+    from shardwire.training.config import TrainConfig
     from shardwire.sim.planner import candidate_settings, runnable
     from shardwire.sim.presets import CLUSTERS
     from shardwire.sim.specs import TrainingSpec, as_dict, parse
@@ -205,7 +206,7 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
         assert (t.limiter, t.reduce_precision) == ("sliding", "fp32")  # what the engine runs
         options, shard_args = runnable(t, cluster)
         args = vars(parser.parse_args(options))
-        train_command._validate(train_command.TrainConfig(**args))  # exits with the error otherwise
+        train_command._validate(TrainConfig(**args))  # exits with the error otherwise
         if shard_args not in calls:
             calls.append(shard_args)
     assert run_workers(4, _plans_run, calls, env={"LOCAL_WORLD_SIZE": "2"})[0] == len(calls)

@@ -52,7 +52,7 @@ def test_print_launch_writes_one_command_for_every_node_that_parses_back_to_the_
     import argparse
     import shlex
 
-    from shardwire.train import add_arguments
+    from shardwire.cli.train import add_arguments
 
     job = ["--model", "30m", "--no-reshard", "--wire", "int8", "--backend", "nccl", "--precision", "bf16"]
     assert main(["train", "--print-launch", "--nnodes", "4", "--nproc-per-node", "8", "--max-restarts", "2", *job]) == 0
@@ -88,7 +88,7 @@ def test_the_slurm_example_is_valid_bash_and_launches_as_print_launch_does():
 def test_progress_is_a_line_per_update_in_a_log_and_a_redrawn_bar_on_a_terminal():
     import io
 
-    from shardwire.progress import ProgressBar
+    from shardwire.training.progress import ProgressBar
 
     log = io.StringIO()
     progress = ProgressBar(400, stream=log)
@@ -122,7 +122,7 @@ def test_the_kubeflow_example_is_a_trainjob_that_runs_shardwire_train():
     assert trainer["command"] == ["torchrun", "-m", "shardwire", "train"] and trainer["numNodes"] >= 1
     import argparse
 
-    from shardwire.train import add_arguments
+    from shardwire.cli.train import add_arguments
 
     parser = argparse.ArgumentParser()  # the arguments are ones shardwire train takes
     add_arguments(parser)

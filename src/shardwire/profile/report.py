@@ -1,4 +1,4 @@
-"""``shardwire report RUN_DIR [RUN_DIR ...]``: plots of profiled runs.
+"""Plots of profiled runs (``shardwire report RUN_DIR [RUN_DIR ...]``).
 
 For each run: the timeline of one typical step (every rank's compute and communication lanes), the
 breakdown of every step, and the overlap ratio per step. Given several runs of the same job at
@@ -7,11 +7,9 @@ different world sizes: how step time and its parts scale with the number of work
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import sys
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
@@ -27,23 +25,6 @@ _PART_COLORS = [*_PHASE_COLORS.values(), "#BBBBBB", "#E24A33"]
 
 class ReportError(Exception):
     """A run directory that cannot be reported on; the message says why and what to do."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="directories written by `shardwire train --profile --run-dir RUN_DIR`")
-    parser.add_argument("--out", help="where to write the PNGs (default: the first RUN_DIR)")
-
-
-def run(args: argparse.Namespace, argv: list[str]) -> int:
-    try:
-        written = write_report(args.run_dirs, args.out or args.run_dirs[0])
-    except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for path in written:
-        print(path)
-    return 0
 
 
 def load_profile(run_dir: str) -> dict:

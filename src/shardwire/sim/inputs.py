@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.config_file import ConfigError, read_mapping
+from shardwire.mappings import MappingError, read_mapping
 from shardwire.sim.presets import PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
@@ -131,7 +131,7 @@ def _link_from_fits(fits: Mapping) -> LinkSpec | None:
 def _read_mapping(text: str, what: str) -> dict:
     try:
         return read_mapping(text, what)
-    except ConfigError as err:
+    except MappingError as err:
         raise SpecError(str(err)) from None
 
 

@@ -1,4 +1,5 @@
-"""What ``shardwire simulate`` prints and saves: a prediction explained, a sweep as a table, JSON, a plot.
+"""What ``shardwire simulate`` and ``shardwire plan`` print and save: a prediction explained, a sweep as
+a table, a plan and why it wins, JSON, a plot.
 
 JSON of one prediction (times in seconds, memory in GiB per GPU)::
 
@@ -26,6 +27,7 @@ from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
 from shardwire.sim.memory import GIB
+from shardwire.sim.planner import Plan, describe_settings, launch_command, runnable, shard_call
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
 from shardwire.sim.step import group_size
@@ -124,19 +126,20 @@ def prediction_text(p: Prediction) -> str:
     exposed = ", ".join(f"{reason} {s:.3g}" for reason, s in p.exposed_by_reason.items()) or "none"
     parts = sorted(p.memory.parts.items(), key=lambda item: -item[1])
     memory = ", ".join(f"{name.replace('_', ' ')} {b / GIB:.2f}" for name, b in parts if b > 0)
+    recomputing = " (with recomputation)" if p.training.activation_checkpointing else ""
     lines = describe_setup(p) + [
         "",
         f"step time      {p.step_time_s:10.4g} s",
         f"  compute      {p.compute_time_s:10.4g} s   forward {compute['forward']:.4g}, backward "
-        f"{compute['backward']:.4g} (with recomputation), optimizer {compute['optimizer']:.3g}",
+        f"{compute['backward']:.4g}{recomputing}, optimizer {compute['optimizer']:.3g}",
         f"  slowed       {p.compute_slowed_s:10.4g} s   {slowdown_text(p)}",
         f"  exposed comm {p.exposed_comm_s:10.4g} s   {exposed}",
         f"comm busy      all-gather {comm['all_gather']:.4g} s, reduce-scatter {comm['reduce_scatter']:.4g} s, "
         f"all-reduce {comm['all_reduce']:.4g} s",
         f"bytes moved    {p.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs, "
         f"{p.timeline.link_bytes['intra'] / 1e9:.4g} GB through each GPU's intra-node links",
-        f"throughput     {p.samples_per_step / p.step_time_s:.4g} samples/s; {p.tflops_per_gpu:.4g} TFLOP/s per GPU "
-        f"(with recomputation {p.hardware_tflops_per_gpu:.4g}), MFU {100 * p.mfu:.1f}%",
+        f"throughput     {p.samples_per_step / p.step_time_s:.4g} samples/s; {p.tflops_per_gpu:.4g} TFLOP/s per GPU"
+        + (f" (with recomputation {p.hardware_tflops_per_gpu:.4g})" if recomputing else "") + f", MFU {100 * p.mfu:.1f}%",
         f"memory         {p.memory.total / GIB:.2f} GiB per GPU of {p.memory.usable / GIB:.1f} usable: "
         f"{'fits' if p.memory.fits else 'DOES NOT FIT'} ({memory})",
         "",
@@ -210,3 +213,64 @@ def plot_sweep(s: Sweep, path: str) -> None:
 
 def _value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def plan_json(result: Plan, global_batch: int) -> dict:
+    best = result.best.step_time_s
+    return {
+        "global_batch": global_batch,
+        "best": _with_run(result.best),
+        "runner_up": None if result.runner_up is None else _with_run(result.runner_up),
+        "alternatives": [
+            {"change": a.change, "step_time_s": a.step_time_s, "fits": a.memory.fits,
+             "memory_gb_per_gpu": a.memory.total / GIB,
+             "slower_by": None if a.step_time_s is None else a.step_time_s / best - 1}
+            for a in result.alternatives
+        ],
+        "candidates": result.candidates,
+        "fitting": result.fitting,
+    }
+
+
+def _with_run(p) -> dict:
+    options, shard_args = runnable(p.training, p.cluster)
+    return {**prediction_json(p), "run": {"command": launch_command(p.training, p.cluster),
+                                                 "train_options": options, "shard_arguments": shard_args}}
+
+
+def _how_to_run(p) -> list[str]:
+    return [f"          run:   {launch_command(p.training, p.cluster)}",
+            f"          or:    {shard_call(p.training, p.cluster)}"]
+
+
+def plan_text(result: Plan, global_batch: int) -> str:
+    best = result.best
+    t = best.training
+    setup = describe_setup(best)
+    lines = [
+        *setup[:2],
+        f"search    global batch {global_batch} = {t.micro_batch * t.grad_accum} per GPU; {result.candidates} "
+        f"configurations, {result.fitting} fit in memory",
+        "",
+        f"best      {describe_settings(t)}",
+        f"          step {best.step_time_s:.4g} s, {best.samples_per_step / best.step_time_s:.4g} samples/s, "
+        f"{slowdown_text(best)}, {100 * best.exposed_comm_s / best.step_time_s:.1f}% exposed communication, "
+        f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
+        f"          {verdict(best)}",
+        *(f"          note: {n}" for n in notes(best)),
+        *_how_to_run(best),
+        "",
+        "why: each setting changed alone",
+    ]
+    for a in sorted(result.alternatives, key=lambda a: (a.step_time_s is None, a.step_time_s or 0)):
+        if a.step_time_s is None:
+            outcome = (f"does not fit: needs {a.memory.total / GIB:.1f} GiB, "
+                       f"{a.memory.shortfall / GIB:.1f} more than usable")
+        else:
+            outcome = f"{a.step_time_s:.4g} s ({100 * (a.step_time_s / best.step_time_s - 1):+.1f}%)"
+        lines.append(f"  {a.change:<44} {outcome}")
+    if result.runner_up is not None:
+        r = result.runner_up
+        lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
+                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r)]
+    return "\n".join(lines)

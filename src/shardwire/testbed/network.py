@@ -88,7 +88,7 @@ def existing_namespaces(name: str) -> list[str]:
 
 
 def is_up(testbed: Testbed) -> bool:
-    """Whether exactly this layout is built (the state file says so and every namespace exists)."""
+    """Whether exactly this testbed is built (the state file says so and every namespace exists)."""
     try:
         recorded = Testbed.load(testbed.name)
     except TestbedError:

@@ -1,5 +1,5 @@
 """What a testbed is: its name, node count and link rate, the names and addresses that follow from
-them, and the state file that tells later commands the layout ``up`` built.
+them, and the state file that tells later commands the testbed ``up`` built.
 
 Every object a testbed creates is named after it (``NAME-hub``, ``NAME-node0``, ...), and names must
 start with ``shardwire``, so ``down`` removes exactly what ``up`` made and nothing else. The state
@@ -105,7 +105,7 @@ class Testbed:
 
     @classmethod
     def load(cls, name: str) -> Testbed:
-        """The layout ``up`` recorded for ``name``; an error that says how to build one if none is up."""
+        """The testbed ``up`` recorded for ``name``; an error that says how to build one if none is up."""
         try:
             with open(state_path(name)) as f:
                 return cls(**json.load(f))

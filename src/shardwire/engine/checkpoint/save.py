@@ -84,7 +84,7 @@ def save_checkpoint(
 
     Args:
         step: the training step, returned by ``load_checkpoint``; it is also the data position of
-            loaders that are a function of the step (``shardwire.data.ByteCorpus.batch``).
+            loaders that are a function of the step (``shardwire.training.data.ByteCorpus.batch``).
         extra: anything else to restore (a scheduler's ``state_dict()``, a data loader's position),
             JSON-serializable; rank 0's is saved.
         keep: for a checkpoint of a series (``checkpoint_path(directory, step)``), delete the oldest

@@ -1,9 +1,10 @@
-"""The ``shardwire`` command line: one subcommand per job, each in its own module.
+"""The ``shardwire`` command line: one subcommand per job, each in the module of its name here
+(``shardwire.cli.train`` is ``shardwire train``).
 
 A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv) -> exit status``
 (``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers).
 Modules are imported only when their command runs, so ``shardwire --help`` stays instant. Every
-command also takes ``--config FILE`` and ``--print-config`` (``shardwire.config_file``).
+command also takes ``--config FILE`` and ``--print-config`` (``shardwire.cli.config_file``).
 """
 
 from __future__ import annotations
@@ -13,25 +14,25 @@ import importlib
 import sys
 from types import ModuleType
 
-from shardwire import config_file
-from shardwire.config_file import ConfigError
+from shardwire.cli import config_file
+from shardwire.cli.config_file import ConfigError
 from shardwire.extras import MissingExtra
 from shardwire.launch import die_with_launcher, under_launcher
 
 COMMANDS = {
-    "train": ("shardwire.train", "train a byte-level GPT with the sharded engine"),
-    "bench": ("shardwire.bench.run", "measure what the network delivers to collectives (nccl-tests' numbers)"),
-    "report": ("shardwire.profile.report", "plot where the steps of profiled runs went"),
-    "testbed": ("shardwire.testbed.cli", "emulate a cluster of nodes joined by a shaped Ethernet link on this machine"),
-    "simulate": ("shardwire.sim.simulate_cli", "predict and explain a sharded job's step time on any cluster"),
-    "plan": ("shardwire.sim.plan_cli", "find the fastest settings that fit a cluster"),
+    "train": "train a model with the sharded engine (a byte-level GPT by default)",
+    "bench": "measure what the network delivers to collectives (nccl-tests' numbers)",
+    "report": "plot where the steps of profiled runs went",
+    "testbed": "emulate a cluster of nodes joined by a shaped Ethernet link on this machine",
+    "simulate": "predict and explain a sharded job's step time on any cluster",
+    "plan": "find the fastest settings that fit a cluster",
 }
 
 
 def command(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
     """The module of the subcommand ``name`` and its parser (``--config`` and ``--print-config`` too)."""
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name][1])
+    module = importlib.import_module(f"shardwire.cli.{name}")
+    parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name])
     module.add_arguments(parser)
     config_file.add_help(parser)
     return module, parser
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             description="Fully sharded data-parallel training that hides its communication.",
         )
         commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-        for name, (_, help_text) in COMMANDS.items():
+        for name, help_text in COMMANDS.items():
             commands.add_parser(name, help=help_text, add_help=False)
         parser.parse_args(argv)  # prints usage or help and exits
         return 2

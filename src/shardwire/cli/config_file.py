@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
-from collections.abc import Mapping
 
 from shardwire.extras import require
+from shardwire.mappings import MappingError, read_mapping
 
 CONFIG, PRINT = "--config", "--print-config"
 
@@ -92,6 +91,8 @@ def apply(parser: argparse.ArgumentParser, path: str) -> None:
             values = read_mapping(f.read(), where)
     except OSError as err:
         raise ConfigError(f"{where}: {err.strerror}") from None
+    except MappingError as err:
+        raise ConfigError(str(err)) from None
     options = _options(parser)
     for key, value in values.items():
         dest = str(key).replace("-", "_")
@@ -109,28 +110,6 @@ def dump(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     values = {key: value for key, value in vars(args).items() if key in options}
     return (f"# {parser.prog} {CONFIG} FILE reads this; options given with it win over it\n"
             + yaml.safe_dump(values, sort_keys=False))
-
-
-def read_mapping(text: str, what: str) -> dict:
-    """A JSON mapping, or a YAML one (with the ``yaml`` extra): YAML is read only where JSON fails."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        yaml = require("yaml", f"{what}, which is not JSON,")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{what} is neither JSON nor YAML: {_one_line(err)}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
-    return dict(data)
-
-
-def _one_line(err) -> str:
-    """A YAML error, which spans several lines with a picture of where, as one line."""
-    problem, mark = getattr(err, "problem", None) or str(err), getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(problem.split()) + where
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, list[tuple[argparse.ArgumentParser, argparse.Action]]]:

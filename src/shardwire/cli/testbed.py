@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"the testbed's name, which prefixes everything it creates (default {DEFAULT_NAME})")
         return sub
 
-    up = action("up", "build the nodes and their shaped links (rebuilds if the layout differs)")
+    up = action("up", "build the nodes and their shaped links (rebuilds if the nodes or link rate differ)")
     up.add_argument("--nodes", type=int, required=True, help="emulated nodes (network namespaces)")
     up.add_argument("--link", required=True,
                     help="each node's link rate, per direction, in tc's units: 1gbit, 2.5gbit, 500mbit")

@@ -1,11 +1,9 @@
-"""``shardwire bench``: what the network delivers to collectives, in the numbers nccl-tests prints,
-measured from Python with whatever backend torch.distributed has (NCCL on GPUs, gloo on CPUs).
-
-Run as is, it starts ``--nproc`` local workers through torch's elastic launcher; under torchrun
-(``torchrun --nnodes 4 --nproc-per-node 8 ... -m shardwire bench --groups world intra inter``) it
-measures the launcher's world. For each measured group and operation it sweeps sizes and prints
+"""The collective benchmark behind ``shardwire bench``: what the network delivers to collectives, in
+the numbers nccl-tests prints, measured from Python with whatever backend torch.distributed has
+(NCCL on GPUs, gloo on CPUs). For each measured group and operation it sweeps sizes and reports
 nccl-tests' table (time, algbw, busbw, #wrong, out-of-place and in-place), then the operation's
-saturation summary and latency-bandwidth fit; ``--json``, ``--csv`` and ``--plot`` save the same.
+saturation summary and latency-bandwidth fit; ``BenchConfig`` holds the settings (each one an
+option of the command).
 
 Groups: ``world`` is every rank; ``intra`` is each node's ranks among themselves (all nodes at
 once); ``inter`` is one rank per node, so that what crosses between nodes is measured alone. Which
@@ -22,13 +20,11 @@ import argparse
 import collections
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import re
 import shlex
 import socket
-import sys
 from collections.abc import Callable
 from typing import TextIO
 
@@ -44,9 +40,7 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
-from shardwire.files import write_atomically
-from shardwire.launch import launch_local, under_launcher
-from shardwire.options import OptionError, add_options, check_bounds, check_output_file, config_from, option
+from shardwire.options import OptionError, check_bounds, check_output_file, option
 from shardwire.placement import Placement
 
 GROUPS = ("world", "intra", "inter")
@@ -125,25 +119,6 @@ class BenchConfig:
         return len(self.sizes())  # a factor of at least 2 reaches any size in a few dozen steps
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, BenchConfig)
-
-
-def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Entry point of ``shardwire bench``: check the arguments, then launch local workers or be one."""
-    config = config_from(args, BenchConfig, argv=argv)
-    try:
-        if not under_launcher():
-            validate(config, world=config.nproc)
-            return launch_local(config.nproc, ["bench", *argv])
-        validate(config, world=int(os.environ["WORLD_SIZE"]))
-        return _worker(config)
-    except BenchError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
 def validate(config: BenchConfig, world: int) -> None:
     """Refuse, with what to change, everything that can be known wrong before a process group exists."""
     try:
@@ -203,25 +178,6 @@ def _members(launched: Placement) -> dict[str, list[list[int]]]:
     """The ranks of each kind of group (intra: one group per node)."""
     return {"world": [list(range(launched.world))], "intra": launched.node_members(),
             "inter": [launched.cross_node_members()]}
-
-
-def _worker(config: BenchConfig) -> int:
-    device = worker.worker_device(config.backend)
-    with worker.process_group(device, datetime.timedelta(seconds=config.timeout)):
-        return measure_and_report(config, device)
-
-
-def measure_and_report(config: BenchConfig, device: torch.device) -> int:
-    """Run the benchmark in the default process group, print it, save what was asked (rank 0);
-    returns the exit status: 1 when an output element was wrong, else 0."""
-    results = benchmark(config, device, out=sys.stdout)
-    wrong = sum(result.wrong for result in results.ops)
-    if dist.get_rank() == 0:
-        _save(config, results)
-        if wrong:
-            print(f"error: {wrong} output elements differ from their expected values (the #wrong columns)",
-                  file=sys.stderr)
-    return 1 if wrong else 0
 
 
 @dataclasses.dataclass
@@ -386,16 +342,3 @@ def _nccl_version() -> str | None:
         return None
     version = torch.cuda.nccl.version()
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-def _save(config: BenchConfig, results: BenchResults) -> None:
-    outputs = [
-        (config.json, lambda: json.dumps(report.document(results.context, results.ops, results.contention),
-                                         indent=2) + "\n"),
-        (config.csv, lambda: report.csv_text(results.ops)),
-        (config.plot, lambda: report.plot_png(results.ops)),
-    ]
-    for path, render in outputs:
-        if path is not None:
-            write_atomically(path, render())
-            print(f"# saved {path}", flush=True)

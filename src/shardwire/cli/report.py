@@ -1,0 +1,26 @@
+"""``shardwire report RUN_DIR [RUN_DIR ...]``: plots of profiled runs (``shardwire.profile.report``),
+written beside the first run unless ``--out`` says where."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardwire.profile.report import ReportError, write_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="directories written by `shardwire train --profile --run-dir RUN_DIR`")
+    parser.add_argument("--out", help="where to write the PNGs (default: the first RUN_DIR)")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        written = write_report(args.run_dirs, args.out or args.run_dirs[0])
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0

@@ -1,0 +1,128 @@
+"""``shardwire train``: check the job's settings, then start its workers or print how to.
+
+Run as is, it starts ``--nproc`` local workers through torch's elastic launcher; under torchrun
+(``torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --backend nccl``) this process is a
+worker and runs the loop (``shardwire.training.loop``) in the launcher's world. Everything that can
+be known wrong is refused here first, in one line, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import torch
+
+from shardwire import worker
+from shardwire.comm.wire import Wire
+from shardwire.engine.layout import group_size
+from shardwire.extras import require
+from shardwire.launch import launch_local, torchrun_command, under_launcher
+from shardwire.models.choice import choose
+from shardwire.options import (
+    OptionError,
+    add_options,
+    check_bounds,
+    check_output_file,
+    check_writable_directory,
+    command_line,
+    config_from,
+)
+from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
+from shardwire.training.data import load_corpus
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, TrainConfig)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Launch local workers, print the launch command, or be a worker."""
+    config = config_from(args, TrainConfig)
+    _validate(config)
+    if config.print_launch:
+        print(f"# on each of the {config.nnodes} node(s); HEAD_ADDRESS: the first node's address, which every "
+              f"node must reach\n{_launch_command(config)}")
+        return 0
+    if not under_launcher():
+        nproc = config.nproc or _local_workers(config)
+        return launch_local(nproc, ["train", *argv], max_restarts=config.max_restarts)
+    from shardwire.training.loop import train
+
+    train(config)
+    return 0
+
+
+def _launch_command(config: TrainConfig) -> str:
+    """The torchrun command for ``--print-launch``: this job's options, written back from the config."""
+    defaults = TrainConfig()
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
+               if f.name not in LAUNCH_OPTIONS and getattr(config, f.name) != getattr(defaults, f.name)}
+    _, per_node = _world_and_node_size(config)
+    return torchrun_command(config.nnodes, per_node, ["train", *command_line(changed)],
+                            max_restarts=config.max_restarts)
+
+
+def _local_workers(config: TrainConfig) -> int:
+    """Workers on this machine by default: one per GPU with NCCL, else 2."""
+    return torch.cuda.device_count() if worker.uses_cuda(config.backend) else 2
+
+
+def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
+    """The ranks the job will have, and on each node: with --print-launch, the cluster's; under a
+    launcher, its; else the local workers'."""
+    if config.print_launch:
+        per_node = config.nproc_per_node or config.nproc or _local_workers(config)
+        return config.nnodes * per_node, per_node
+    if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = config.nproc or _local_workers(config)
+    return local, local
+
+
+def _validate(config: TrainConfig) -> None:
+    """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
+    try:
+        check_bounds(config)
+        if not config.print_launch:  # what this job writes, on this machine
+            if config.checkpoint_dir is not None:
+                check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
+            if config.profile:
+                check_writable_directory(config.run_dir or "runs", "--run-dir")
+            if config.tensorboard is not None:
+                require("tensorboard", "--tensorboard")
+                check_writable_directory(config.tensorboard, "--tensorboard")
+            if config.log_jsonl is not None:
+                check_output_file(config.log_jsonl, "--log-jsonl")
+    except OptionError as err:
+        raise SystemExit(f"error: {err}") from None
+    try:
+        world, per_node = _world_and_node_size(config)
+        group_size(config.layout, config.shard_group_size, world, per_node)
+    except ValueError as err:
+        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
+        raise SystemExit(f"error: {message}") from None
+    try:
+        Wire.parse(config.wire)
+    except ValueError as err:
+        raise SystemExit(f"error: --{err}") from None
+    if config.print_launch:
+        return  # the rest is about this machine, not the cluster the command is for
+    if (problem := worker.unavailable(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
+    gpus = torch.cuda.device_count()
+    if worker.uses_cuda(config.backend) and config.nproc is not None and config.nproc > gpus and not under_launcher():
+        raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
+                         f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
+    try:
+        choice = choose(config.model, units=config.units, seq_len=config.seq_len)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if config.data is not None or config.tokenizer is not None:  # the default, the stdlib's sources, serves
+        try:
+            corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
+            corpus.check_vocab(choice.vocab_size)
+        except (OSError, ValueError) as err:  # a message not naming its option is about --data
+            raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None

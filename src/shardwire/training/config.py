@@ -1,0 +1,89 @@
+"""The settings of a ``shardwire train`` job: one tree, declared once.
+
+Each field of ``TrainConfig`` is an option of the command (``seq_len`` is ``--seq-len``) and a key of
+its ``--config`` file (``shardwire.options`` makes both from the field), so the command line, the
+file, the printed launch command and the planner's commands all speak of the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardwire import worker
+from shardwire.engine.layout import LAYOUTS
+from shardwire.models.gpt import PRESETS
+from shardwire.options import option
+from shardwire.training.data import BIN_DTYPES
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The job's settings; each is a ``shardwire train`` option (``seq_len`` is ``--seq-len``) and a
+    key of its ``--config`` file."""
+
+    model: str = option(
+        "small", f"a GPT preset ({', '.join(sorted(PRESETS))}), or hf:PATH_OR_JSON: a Hugging Face causal LM "
+                 f"from a local directory (its weights, if it holds them), a config .json or an inline JSON config")
+    units: str | None = option(None, "hf: comma-separated module classes to shard into (default: the model's "
+                                     "_no_split_modules, its transformer block)")
+    seq_len: int | None = option(None, "tokens per sequence (default: the preset's; hf: the model's positions, "
+                                       "at most 1024)", at_least=2)
+    nproc: int | None = option(None, "local worker processes (default: one per visible GPU with NCCL, 2 on CPU; "
+                                     "ignored under torchrun)", at_least=1)
+    steps: int = option(400, "optimizer steps", at_least=1)
+    batch: int = option(16, "sequences per rank and micro-batch", at_least=1)
+    grad_accum: int = option(1, "micro-batches per step (all but the last under no_sync)", at_least=1)
+    lr: float = option(3e-3, "peak learning rate (warmup, then cosine)", above=0)
+    warmup: int = option(40, "warmup steps", at_least=0)
+    weight_decay: float = option(0.1, "AdamW's weight decay of matrices (biases and norms get none)", at_least=0)
+    clip: float = option(1.0, "max global gradient norm (0: off)", at_least=0)
+    precision: str = option("fp32", "compute dtype (master weights stay fp32)", choices=("fp32", "bf16", "fp16"))
+    backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
+    prefetch: int = option(2, "units gathered ahead of use", at_least=0)
+    reshard: bool = option(True, "release each unit's parameters after forward and gather again for backward")
+    layout: str = option(
+        "full", "full: over every rank; hybrid: within groups, replicated across them; hybrid_secondary: full, "
+                "with backward gathering within groups (ZeRO++ hpZ)", choices=LAYOUTS)
+    shard_group_size: int | None = option(
+        None, "ranks per shard group for the hybrid layouts (default: the ranks of a node)", at_least=1)
+    wire: str = option(
+        "none", "what crosses nodes: none, int8 (parameters and gradients), or key=value pairs such as "
+                "params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
+    activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
+    data: str | None = option(
+        None, "text file or directory, read as bytes, or pre-tokenised ids: a flat .bin (nanoGPT's) or a .npy "
+              "file (default: Python's stdlib sources)")
+    token_dtype: str = option("uint16", "element type of a .bin --data file: nanoGPT's uint16, or uint32 for "
+                                        "vocabularies past 65,536 (a .npy says its own)", choices=BIN_DTYPES)
+    tokenizer: str | None = option(
+        None, "a local Hugging Face tokenizer: tokenise the text --data once, with a progress bar, into a .npy "
+              "beside it, and train on its ids", metavar="DIR")
+    seed: int = option(0, "seed of the weights and the batches", at_least=0)
+    log_every: int = option(10, "steps between progress updates (reading the loss waits for the GPU)", at_least=1)
+    eval_batches: int = option(8, "validation batches per evaluation", at_least=1)
+    eval_every: int = option(0, "steps between validation losses, shown as val in the progress line "
+                                "(0: at the end only)", at_least=0)
+    checkpoint_dir: str | None = option(None, "save checkpoints here; running again resumes from the newest good one")
+    save_every: int = option(100, "steps between checkpoints (the last step is always saved)", at_least=1)
+    keep: int = option(3, "newest checkpoints to keep (0: all)", at_least=0)
+    max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "
+                                  "checkpoint", at_least=0)
+    timeout: float = option(600.0, "seconds a collective may take before the job stops with an error naming it",
+                            above=0, unit="seconds")
+    profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
+    run_dir: str | None = option(None, "profile output directory (default runs/<date-time>)")
+    peak_tflops: float | None = option(None, "peak TFLOP/s per worker for MFU (default: a GPU's data sheet, or a "
+                                             "matmul probe)", above=0, real=True)
+    tensorboard: str | None = option(
+        None, "write loss, learning rate, tokens/s, step time, communication and exposed communication (and MFU "
+              "with --profile) as TensorBoard scalars here, each log interval", metavar="DIR")
+    log_jsonl: str | None = option(None, "append the same scalars to this file as JSON lines", metavar="FILE")
+    print_launch: bool = option(False, "print the torchrun command that runs this job on each of --nnodes nodes, "
+                                       "and exit")
+    nnodes: int = option(1, "with --print-launch: nodes", at_least=1)
+    nproc_per_node: int | None = option(None, "with --print-launch: workers per node (default: as --nproc)",
+                                        at_least=1)
+
+
+# The options that say where and how to start the workers, not what they train.
+LAUNCH_OPTIONS = ("nproc", "max_restarts", "print_launch", "nnodes", "nproc_per_node")

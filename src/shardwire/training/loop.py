@@ -1,0 +1,295 @@
+"""The training loop behind ``shardwire train``: one worker's whole job, read top to bottom.
+
+Build the model and shard it, build the optimizer and its schedule, resume from the newest
+checkpoint, then step: micro-batches (all but the last under ``no_sync``), clipping, the optimizer,
+and at its intervals the progress line, a validation loss and a checkpoint. Batches are a function of
+the step (``shardwire.training.data``), so the step is the whole data position a checkpoint needs.
+The settings are ``TrainConfig``'s; ``shardwire.cli.train`` checks them before any worker starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardwire
+from shardwire import worker
+from shardwire.comm.wire import Wire
+from shardwire.engine.checkpoint.schema import fits
+from shardwire.engine.shard import engine_of
+from shardwire.models.choice import ModelChoice, choose
+from shardwire.models.gpt import loss_fn
+from shardwire.profile.comm import CommSummary
+from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
+from shardwire.profile.profiler import Profiler
+from shardwire.training.config import TrainConfig
+from shardwire.training.data import load_corpus
+from shardwire.training.progress import ProgressBar, format_duration, format_rate
+from shardwire.training.scalars import ScalarLog
+
+
+def train(config: TrainConfig) -> None:
+    """One worker's whole job; the process group ends with it, however it ends."""
+    device = worker.worker_device(config.backend)
+    with worker.process_group(device, datetime.timedelta(seconds=config.timeout)):
+        _train(config, device)
+
+
+def _train(config: TrainConfig, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    choice = choose(config.model, units=config.units, seq_len=config.seq_len)
+    corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
+
+    torch.manual_seed(config.seed)
+    model = choice.build().to(device)
+    params = sum(p.numel() for p in model.parameters())
+    shardwire.shard(
+        model,
+        units=list(choice.units),
+        reshard_after_forward=config.reshard,
+        prefetch=config.prefetch,
+        layout=config.layout,
+        shard_group_size=config.shard_group_size,
+        wire=config.wire,
+        mixed_precision=config.precision,
+        activation_checkpointing=config.activation_checkpointing,
+        timeout=config.timeout,
+    )
+    engine = engine_of(model)
+    scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
+    # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),
+                                  fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+
+    global_batch = config.batch * world
+    rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
+    tokens_per_step = global_batch * config.grad_accum * choice.seq_len
+    if rank == 0:
+        print(f"shardwire train: {choice.name} ({params / 1e6:.2f}M parameters), {world} ranks "
+              f"({worker.backend_for(device)}, {device.type}), {len(engine.units)} block units + root, "
+              f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
+              f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
+              f"{config.precision}; data: {corpus.name}, {corpus.num_tokens / 1e6:.1f}M tokens", flush=True)
+    start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
+    profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
+    log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
+    loss_sum = torch.zeros((), device=device)  # over the steps since the last log line
+    interval_start, interval_steps, losses = time.perf_counter(), 0, []
+    started = time.perf_counter()
+
+    for step in range(start, config.steps):
+        model.train()
+        with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
+            for micro in range(config.grad_accum):
+                batch = _to_device(corpus.batch(step * config.grad_accum + micro, global_batch, choice.seq_len,
+                                                seed=config.seed, rows=rows), device)
+                last = micro == config.grad_accum - 1
+                with contextlib.nullcontext() if last else shardwire.no_sync(model):
+                    loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
+                    scaler.scale(loss / config.grad_accum).backward()
+                loss_sum += loss.detach()
+            scaler.unscale_(optimizer)
+            if config.clip > 0:
+                shardwire.clip_grad_norm_(model, config.clip)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        interval_steps += 1
+
+        val_loss = None
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            paused = time.perf_counter()
+            val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
+            interval_start += time.perf_counter() - paused  # tokens/s counts training alone
+        if (step + 1) % config.log_every == 0 or step + 1 == config.steps or val_loss is not None:
+            dist.all_reduce(loss_sum)  # reading it waits for the device: once per interval
+            losses.append(loss_sum.item() / (world * config.grad_accum * interval_steps))
+            loss_sum.zero_()
+            step_time = (time.perf_counter() - interval_start) / interval_steps
+            if log is not None:
+                log.interval(step + 1, losses[-1], val_loss, step_time, scheduler.get_last_lr()[0],
+                             CommSummary.of(records, engine.comm.clock), profiler)
+            interval_start, interval_steps = time.perf_counter(), 0
+        if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
+            paused = time.perf_counter()
+            _save_checkpoint(config, model, optimizer, scheduler, step + 1)
+            interval_start += time.perf_counter() - paused
+
+    if log is not None:
+        log.close()
+    if profiler is not None and config.steps > start:
+        _save_profile(profiler, config, rank)
+    val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
+    if rank == 0:
+        trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
+        print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
+              f"{trend}validation loss {val_loss:.3f}", flush=True)
+
+
+@torch.no_grad()
+def evaluate(model, choice: ModelChoice, corpus, config: TrainConfig, rows: slice, global_batch: int,
+             device: torch.device) -> float:
+    """The mean loss over ``--eval-batches`` batches of the validation split, over every rank."""
+    model.eval()
+    total = torch.zeros((), device=device)
+    for i in range(config.eval_batches):
+        batch = _to_device(corpus.batch(i, global_batch, choice.seq_len, seed=config.seed, split="val", rows=rows),
+                           device)
+        total += loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
+    dist.all_reduce(total)
+    return total.item() / (config.eval_batches * dist.get_world_size())
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay for matrices (linear layers, embeddings), none for biases and norms, as nanoGPT
+    decides: by the number of dimensions a parameter has in the model (``full_shape``; a sharded
+    parameter itself is this rank's flat part)."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if len(p.full_shape) >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if len(p.full_shape) < 2], "weight_decay": 0.0},
+    ]
+
+
+def _lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a batch to the GPU from pinned memory, without making the host wait for the copy."""
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def _describe_layout(engine) -> str:
+    layout = engine.layout
+    if layout.replicate is not None:
+        return f"hybrid ({layout.replicate.world} groups of {layout.shard.world})"
+    if layout.secondary is not None:
+        return f"hybrid_secondary (backward within groups of {layout.secondary.world})"
+    return "full" if layout.name == "full" else f"{layout.name} in one group (as full)"
+
+
+def _describe_wire(engine, wire: str) -> str:
+    wire = Wire.parse(wire)
+    if wire.quantized and engine.comm.placement.nodes == 1:
+        return f"wire {wire} (unused: all ranks share a node, and only what crosses nodes is quantized)"
+    return f"wire {wire}"
+
+
+class _IntervalLog:
+    """Rank 0's record of each log interval: the progress line and the scalars (``--tensorboard``,
+    ``--log-jsonl``)."""
+
+    def __init__(self, config: TrainConfig, start: int, tokens_per_step: int):
+        self._progress = ProgressBar(config.steps, start=start)
+        self._scalars = ScalarLog(config.tensorboard, config.log_jsonl)
+        self._tokens_per_step = tokens_per_step
+
+    def interval(self, step: int, loss: float, val_loss: float | None, step_time: float, lr: float,
+                 comm: CommSummary, profiler: Profiler | None) -> None:
+        """Show and record the interval that ended at ``step`` (``comm``: its last step's collectives)."""
+        fields = {"loss": f"{loss:.3f}", "tok/s": format_rate(self._tokens_per_step / step_time),
+                  "comm": f"{comm.busy_s * 1e3:.0f}ms (exposed {comm.exposed_s * 1e3:.0f}ms)"}
+        values = {"loss": loss, "lr": lr, "tokens_per_s": self._tokens_per_step / step_time,
+                  "step_time_s": step_time, "comm_s": comm.busy_s, "exposed_comm_s": comm.exposed_s}
+        if val_loss is not None:
+            fields["val"] = f"{val_loss:.4f}"
+            values["val_loss"] = val_loss
+        if profiler is not None and "mfu" in (throughput := profiler.throughput(step_time)):
+            values["mfu"] = throughput["mfu"]
+        self._progress.update(step, fields)
+        self._scalars.write(step, values)
+
+    def close(self) -> None:
+        self._progress.close()
+        self._scalars.close()
+
+
+def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
+    """Restore the newest good checkpoint in --checkpoint-dir; returns the step to continue from."""
+    try:
+        info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
+    except shardwire.CheckpointError as err:
+        raise SystemExit(
+            f"error: {err}\nRun with the settings these checkpoints were saved with, or another --checkpoint-dir."
+        ) from None
+    if info is None:
+        return 0
+    if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
+        raise SystemExit(f"error: {info.path} was not saved by shardwire train (it holds no learning-rate "
+                         f"schedule); give --checkpoint-dir a directory of its own")
+    if info.step > config.steps:
+        raise SystemExit(f"error: {info.path} is at step {info.step}, past --steps {config.steps}: "
+                         f"raise --steps to train on, or give another --checkpoint-dir")
+    saved, current = info.extra["scheduler"], scheduler.state_dict()
+    if (not isinstance(saved, dict) or not saved.keys() <= current.keys()
+            or not all(fits(saved[key], current[key]) for key in saved) or saved.get("last_epoch") != info.step):
+        raise SystemExit(f"error: {info.path} holds a learning-rate schedule that does not fit this run's, "
+                         f"or is not at step {info.step}; give --checkpoint-dir a directory of its own")
+    scheduler.load_state_dict(saved)
+    if dist.get_rank() == 0:
+        print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks)", flush=True)
+    return info.step
+
+
+def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int) -> None:
+    """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself."""
+    shardwire.save_checkpoint(
+        shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
+        step=step, extra={"scheduler": scheduler.state_dict()}, keep=config.keep or None,
+    )
+
+
+def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:
+    flops = (flops_per_token(choice.spec, activation_checkpointing=config.activation_checkpointing)
+             if choice.spec is not None else None)  # MFU needs an architecture the FLOP count knows
+    counted = None
+    if choice.runs_on_meta:
+        with torch.device("meta"):  # torch's own count of the same model, as a cross-check
+            meta_model = choice.build()
+            tokens = torch.zeros(1, choice.seq_len + 1, dtype=torch.long)
+        counted = torch_counted_flops_per_token(
+            lambda: loss_fn(choice.logits(meta_model, tokens[:, :-1]), tokens[:, 1:]).backward(), choice.seq_len)
+    metadata = {
+        "model": config.model,
+        "precision": config.precision,
+        "config": dataclasses.asdict(config),
+        "torch_counted_flops_per_token": counted,
+    }
+    return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
+                    peak_tflops=config.peak_tflops, metadata=metadata)
+
+
+def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
+    run_dir = config.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    summary = profiler.save(run_dir)
+    if rank != 0:
+        return
+    f = {name: stats["max"] for name, stats in summary["figures"].items()}
+    mfu = f"MFU {summary['mfu']:.1%}" if "mfu" in summary else "MFU unknown (no peak)"
+    if summary.get("mfu", 0) > 1:
+        mfu += " (above 100%: the probed peak is too low for this device and dtype; pass --peak-tflops)"
+    print(
+        f"profile: step {f['step_s'] * 1e3:.0f} ms on the slowest rank: forward {f['forward_s'] * 1e3:.0f}, "
+        f"backward {f['backward_s'] * 1e3:.0f}, optimizer {f['optimizer_s'] * 1e3:.0f}, waiting for "
+        f"communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
+        f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
+        f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"
+        f"profile written to {run_dir} (shardwire report {run_dir} plots it)",
+        flush=True,
+    )
