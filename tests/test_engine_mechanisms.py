@@ -60,8 +60,9 @@ def flat_buffers(rank, world):
     root = reference.tok_emb.weight.numel() + reference.pos_emb.weight.numel() + 2 * SIX_LAYERS.hidden
     assert flats[0].shard.numel() == -(-root // world)
     for flat in flats:  # each parameter is this rank's part of it, a view of the unit's shard
-        start, _ = flat.layout.shard_range(rank)
-        assert sum(param.numel() for _, param, _ in flat.held_parts()) == min(flat.shard.numel(), flat.layout.numel - start)
+        start, _ = flat.packing.shard_range(rank)
+        held = sum(param.numel() for _, param, _ in flat.held_parts())
+        assert held == min(flat.shard.numel(), flat.packing.numel - start)
         assert {param.untyped_storage().data_ptr() for _, param, _ in flat.held_parts()} == {flat.shard.data_ptr()}
 
     seen = {}
