@@ -126,7 +126,7 @@ def test_each_layout_sends_between_nodes_what_it_computes(testbed, tmp_path):
             for _ in range(3):
                 step()
             per_step = (received() - before) / 3
-            sizes = [4 * flat.layout.padded_numel for flat in engine.flats]
+            sizes = [4 * flat.packing.padded_numel for flat in engine.flats]
             root, blocks = sizes[0], sizes[1:]
             expected = 3 * sum(blocks) + 2 * root if layout == "full" else 2 * sum(sizes)
             if dist.get_rank() == 0:

@@ -232,7 +232,7 @@ def test_memory_is_flat_from_step_to_step_and_bounded(device):
     engine = engine_of(model)
     state = allocated[-1]  # shards, their gradients' absence and the optimizer state between steps
     largest = max(flat.gathered_nbytes for flat in engine.flats)
-    grad_bytes = max(flat.layout.padded_numel * 4 for flat in engine.flats)
+    grad_bytes = max(flat.packing.padded_numel * 4 for flat in engine.flats)
     units = (engine.prefetch + 2) * largest + (REDUCTIONS_IN_FLIGHT + 1) * grad_bytes
     # activations: what the unsharded model in bf16 autocast holds at its peak, beyond its weights
     torch.manual_seed(0)
