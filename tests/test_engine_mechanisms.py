@@ -61,7 +61,8 @@ def flat_buffers(rank, world):
     assert flats[0].shard.numel() == -(-root // world)
     for flat in flats:  # each parameter is this rank's part of it, a view of the unit's shard
         start, _ = flat.packing.shard_range(rank)
-        assert sum(param.numel() for _, param, _ in flat.held_parts()) == min(flat.shard.numel(), flat.packing.numel - start)
+        held = sum(param.numel() for _, param, _ in flat.held_parts())
+        assert held == min(flat.shard.numel(), flat.packing.numel - start)
         assert {param.untyped_storage().data_ptr() for _, param, _ in flat.held_parts()} == {flat.shard.data_ptr()}
 
     seen = {}

@@ -4,15 +4,36 @@ One ``Engine`` lives on each sharded model and is driven entirely by module and 
 
 forward   root pre-forward gathers the root unit and opens a forward ``Pass``, which issues the first
           prefetches; each unit's pre-forward enters the pass (sliding the window), waits for its own
-          gather and exposes its parameters; its post-forward releases them (``reshard_after_forward``;
-          under ``hybrid_secondary`` keeping this rank's secondary shard for backward to gather from)
-          and hooks the unit's outputs so that backward can announce it.
+          gather and exposes its parameters; its post-forward hooks the unit's outputs so that backward
+          can announce it and, by the rule below, releases its parameters (``reshard_after_forward``;
+          under ``hybrid_secondary`` keeping this rank's secondary shard for backward to gather from).
 backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
           for its gather. Its flat gradient being complete means its backward is over: start the
           reduce-scatter asynchronously (under ``hybrid``, followed by the all-reduce between groups),
           release the parameters, land the reduction issued before it.
-          A callback queued on the autograd engine lands the last reductions when backward ends.
+          A callback queued on the autograd engine lands the last reductions when backward ends and
+          releases every unit still gathered.
+
+Units and models may return anything. Torch's pytree walks the outputs (tuples, lists, dicts,
+namedtuples, registered types such as Hugging Face's ``ModelOutput``, each of which says all it holds);
+any other object (a dataclass, whose attributes need not be its fields; a key/value cache) is a leaf
+the engine cannot look into, which may hide tensors that get gradients. Correctness never depends on
+finding them, because outputs only announce where a unit's backward starts. Where it ends is told by
+what autograd computes whichever output the gradient came through: the unit's flat gradients being
+complete (and, for a unit with frozen parameters, its inputs' gradients: ``_BackwardThroughInputs``);
+the callback at the end of backward releases whatever is left. So, after a unit's forward:
+
+- if no output can get a gradient (grad is disabled, or every leaf is seen and none needs one), no
+  backward will come: the unit is released at once;
+- if every output is seen, its tensors that need a gradient announce the backward, so under
+  ``reshard_after_forward`` the unit is released now and gathered again when announced;
+- if some output is hidden, the unit's backward may start before anything seen announces it, and would
+  meet released parameters: the unit stays gathered until its backward is over (or backward ends).
+  What is seen still announces it, for the prefetch order.
+
+The model's outputs follow the same rule: a hidden one keeps the step open for a backward that makes
+itself known at the first unit it reaches (or is discarded by the next forward).
 
 Everything the order of collectives depends on is the same on every rank as long as every rank runs
 the same units in the same order. The passes that record the order check that, with one tiny
@@ -28,6 +49,7 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,30 +71,32 @@ _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
 Listener = Callable[[str, "str | None", str], None]
 
 
-# What a module may return besides tensors: values that cannot hold one.
+# Leaves that cannot hold a tensor: outputs made of these and tensors hide nothing from backward.
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-def _tensors_needing_grad(output, producer: str) -> list[torch.Tensor]:
-    """The tensors in ``output`` that autograd will send gradients to, found with torch's pytree
-    (tuples, lists, dicts, namedtuples and registered types such as Hugging Face's ``ModelOutput``).
+class _Outputs(NamedTuple):
+    """What a forward's outputs tell about its backward (the rule in the module's docstring)."""
 
-    Backward is announced through these tensors, and a unit none of whose outputs needs a gradient
-    is released at once. An object pytree cannot look into might hide such a tensor, and then its
-    backward would meet released parameters, so it is refused here, naming ``producer``."""
-    tensors = []
-    for leaf in pytree.tree_leaves(output):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                tensors.append(leaf)
-        elif not isinstance(leaf, _PLAIN_VALUES):
-            raise TypeError(
-                f"{producer} returned a {type(leaf).__name__}, which shardwire cannot look into for "
-                f"tensors: return tensors in tuples, lists, dicts or namedtuples, or register the type "
-                f"with torch.utils._pytree.register_pytree_node (a Hugging Face model's key/value cache: "
-                f"train with use_cache=False)"
-            )
-    return tensors
+    needing_grad: list[torch.Tensor]  # the tensors torch's pytree finds that autograd will send gradients to
+    hidden: bool  # some leaf is an object pytree cannot look into, which may hold more of them
+
+    @classmethod
+    def of(cls, output) -> _Outputs:
+        if not torch.is_grad_enabled():
+            return cls([], False)  # autograd recorded nothing: no gradient can come
+        needing_grad, hidden = [], False
+        for leaf in pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.requires_grad:
+                    needing_grad.append(leaf)
+            elif not isinstance(leaf, _PLAIN_VALUES):
+                hidden = True
+        return cls(needing_grad, hidden)
+
+    @property
+    def may_get_grad(self) -> bool:
+        return bool(self.needing_grad) or self.hidden
 
 
 class Engine:
@@ -220,15 +244,17 @@ class Engine:
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
         self.emit("forward", unit.name, "end")
-        needs_grad = _tensors_needing_grad(output, f"unit {unit.name!r}") if torch.is_grad_enabled() else []
-        if needs_grad:
+        outputs = _Outputs.of(output)
+        if outputs.needing_grad:
             announce = _once(functools.partial(self._pre_backward, self._generation, unit))
-            for tensor in needs_grad:
+            for tensor in outputs.needing_grad:
                 tensor.register_hook(announce)
-        if self.reshard_after_forward and needs_grad:
+        if not outputs.may_get_grad:
+            unit.free()  # no backward will come
+        elif self.reshard_after_forward and not outputs.hidden:
             unit.keep_secondary()
-        if self.reshard_after_forward or not needs_grad:
-            unit.free()
+            unit.free()  # gathered again when its outputs announce its backward
+        # otherwise it stays gathered until its backward is over
         return output
 
     def _root_post_forward(self, module: nn.Module, args, output):
@@ -239,12 +265,12 @@ class Engine:
         for unit in self.units:
             if unit not in ran:
                 unit.free()  # prefetched for an order this pass did not follow
-        needs_grad = _tensors_needing_grad(output, "the model") if torch.is_grad_enabled() else []
-        if needs_grad:
+        outputs = _Outputs.of(output)
+        if outputs.may_get_grad:
             self._backward = Pass(self._order["backward"], self.prefetch, _gather_for_backward)
-            # backward starts when the outputs get gradients
+            # backward starts when the outputs get gradients (through hidden ones: at the first unit reached)
             announce = _once(functools.partial(self._enter_backward, self._generation))
-            for tensor in needs_grad:
+            for tensor in outputs.needing_grad:
                 tensor.register_hook(announce)
         else:
             self._release_all()
@@ -262,9 +288,9 @@ class Engine:
     def _enter_backward(self, generation: int) -> Pass:
         if generation != self._generation:
             raise RuntimeError(
-                "backward reached the outputs of a forward of this sharded model that a later forward "
-                "replaced: shardwire runs each backward before the next forward (call backward first, "
-                "or put the batches through one forward)"
+                "backward reached a forward of this sharded model that a later forward replaced: shardwire "
+                "runs each backward before the next forward (call backward first, or put the batches "
+                "through one forward)"
             )
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
@@ -307,6 +333,9 @@ class Engine:
             unit.free()
 
     def _finish_backward(self) -> None:
+        """The end of backward: land the reductions in flight and release every unit still gathered (one
+        that backward did not reach, or a frozen one kept gathered whose inputs need no gradient). No
+        gradient is left to reduce here: each was reduced when autograd completed it."""
         self._callback_queued = False
         backward, self._backward = self._backward, None
         if backward is not None and backward.changed_order():

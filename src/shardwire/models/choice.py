@@ -62,7 +62,6 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
     transformers = require("transformers", "--model hf:")
     config, weights = _hf_config(transformers, source)
-    config.use_cache = False  # training reads no key/value cache, and the engine refuses to return one
     auto = transformers.AutoModelForCausalLM
     if weights is not None:
         build = lambda: auto.from_pretrained(weights, config=config, local_files_only=True)  # noqa: E731
