@@ -73,10 +73,19 @@ def test_unit_selection_errors_reach_the_caller():
     (dict(prefetch=-1), "prefetch must be a non-negative integer"),
     (dict(mixed_precision="int4"), "mixed_precision='int4' is not understood"),
     (dict(timeout=0), "timeout must be a positive number of seconds"),
+    (dict(compile="max-autotune"), "compile='max-autotune' is not understood: pass True, or a dict"),
+    (dict(compile={"mod": "max-autotune"}), "torch.compile takes no 'mod'; its keyword arguments are"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         shardwire.shard(tiny_gpt(), **kwargs)
+
+
+def test_compile_options_torch_refuses_leave_the_model_as_it_was():
+    model = tiny_gpt()
+    with pytest.raises(RuntimeError, match="Unrecognized mode=fastest"):
+        shardwire.shard(model, compile={"mode": "fastest"})
+    shardwire.shard(model)
 
 
 def test_a_model_without_parameters():

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import os
 import warnings
 import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,7 @@ def shard(
     shard_group_size: int | None = None,
     wire: Wire | str | None = None,
     activation_checkpointing: bool = False,
+    compile: bool | Mapping[str, Any] = False,
     timeout: float = 600.0,
 ) -> nn.Module:
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
@@ -78,6 +82,11 @@ def shard(
             ``Wire(params="int8", grads="int4")``). Only collectives whose group spans nodes
             quantize; master weights and optimizer state never do. See ``shardwire.comm.wire``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
+        compile: compile each unit's computation with ``torch.compile``, as torchtitan compiles its
+            blocks: True, or a dict of torch.compile's keyword arguments (``{"mode": "max-autotune"}``;
+            ``fullgraph`` is True unless given). Only a unit's own ``forward`` (with its checkpoint) is
+            compiled, between the engine's hooks, so gathers, reductions and their checks run eagerly
+            around the compiled graph; the root unit runs eagerly.
         timeout: seconds a collective may take before it becomes an error naming the rank and unit.
             On NCCL the process group's own timeout applies: create it with the same one.
     """
@@ -89,6 +98,7 @@ def shard(
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     wire = Wire.parse(wire)
+    compile_options = _compile_options(compile)
     deadline = datetime.timedelta(seconds=timeout)
     if process_group is None:
         worker.ensure_initialized(device, deadline)
@@ -107,6 +117,8 @@ def shard(
 
     state_dict_keys = list(model.state_dict().keys())
     selected = select_units(model, units)
+    # Made before the model changes, so that options torch.compile refuses leave the model as it was.
+    forwards = [_unit_forward(module, activation_checkpointing, compile_options) for _, module in selected]
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
     layout = Layout.build(layout, size, wire, process_group, device, deadline)
@@ -130,9 +142,9 @@ def shard(
     )
     engine.install_hooks()
     sharded_state_dict.install(model, engine.flats, layout.shard.rank, layout.shard.world)
-    if activation_checkpointing:
-        for unit in block_units:
-            unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
+    for unit, forward in zip(block_units, forwards):
+        if forward is not None:
+            unit.module.forward = forward
     setattr(model, _ENGINE_ATTR, engine)
     for module in model.modules():
         setattr(module, _SHARDED_ATTR, True)
@@ -178,6 +190,56 @@ def _single_device(model: nn.Module) -> torch.device:
     if device.type == "meta":
         raise ValueError("parameters are on the meta device: materialize them (to_empty + init) before sharding")
     return device
+
+
+def _compile_options(spec: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``shard``'s ``compile`` as ``torch.compile``'s keyword arguments; None: run eagerly.
+
+    ``fullgraph`` defaults to True: with the engine's hooks outside the compiled region, a unit's
+    forward has nothing that must break its graph, and a break it does have (a ``print``, a
+    data-dependent branch) is better an error at the first step than a quiet slowdown.
+    """
+    if spec is False:
+        return None
+    options = {} if spec is True else spec
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"compile={spec!r} is not understood: pass True, or a dict of torch.compile's keyword "
+            f"arguments, e.g. {{'mode': 'max-autotune'}}"
+        )
+    accepted = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(
+            f"compile={dict(options)!r}: torch.compile takes no {', '.join(map(repr, unknown))}; "
+            f"its keyword arguments are {', '.join(sorted(accepted))}"
+        )
+    return {"fullgraph": True, **options}
+
+
+def _unit_forward(module: nn.Module, activation_checkpointing: bool,
+                  compile_options: dict[str, Any] | None) -> Callable | None:
+    """What a unit's module runs between the engine's hooks: its own ``forward``, checkpointed and
+    compiled as asked (None where neither is).
+
+    The wrappers replace ``module.forward`` rather than wrapping the module's call (as
+    ``module.compile()`` or ``torch.compile(module)`` do), because the call runs the engine's hooks,
+    whose gathers and agreement checks would break the graph on every unit. Inside them a unit's
+    parameters are views of its gathered buffer, new tensors at every step: dynamo inlines
+    ``nn.Module`` code (``inline_inbuilt_nn_modules``, the default since torch 2.5), so it takes them
+    as graph inputs guarded by shape, dtype and strides, not by identity, and one compilation serves
+    every step and every unit of the same class. Compiling outside the checkpoint, as torchtitan
+    compiles its checkpointed blocks, traces the checkpoint into the graph, so backward's
+    recomputation is compiled too.
+    """
+    if not activation_checkpointing and compile_options is None:
+        return None
+    forward = module.forward
+    if activation_checkpointing:
+        forward = functools.partial(checkpoint, forward, use_reentrant=False)
+    if compile_options is not None:
+        forward = torch.compile(forward, **compile_options)
+    return forward
 
 
 def _flat_groups(params: list[OwnedParam]) -> dict[tuple[torch.dtype, bool], list[OwnedParam]]:
