@@ -50,6 +50,7 @@ class TrainConfig:
         "none", "what crosses nodes: none, int8 (parameters and gradients), or key=value pairs such as "
                 "params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
+    compile: bool = option(False, "compile each unit's forward with torch.compile (the first step compiles)")
     data: str | None = option(
         None, "text file or directory, read as bytes, or pre-tokenised ids: a flat .bin (nanoGPT's) or a .npy "
               "file (default: Python's stdlib sources)")

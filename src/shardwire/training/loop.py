@@ -60,6 +60,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         wire=config.wire,
         mixed_precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
+        compile=config.compile,
         timeout=config.timeout,
     )
     engine = engine_of(model)
