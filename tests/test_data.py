@@ -115,5 +115,7 @@ def test_a_tokenizer_needs_a_directory_and_a_text_corpus(tmp_path):
     text.write_text("x" * 50_000)
     with pytest.raises(SystemExit, match="--tokenizer /no/such/tokenizer is not a directory"):
         main(["train", "--data", str(text), "--tokenizer", "/no/such/tokenizer"])
+    ids = tmp_path / "ids.bin"
+    ids.write_bytes(bytes(200_000))
     with pytest.raises(SystemExit, match="--tokenizer tokenises a text corpus: give --data a text file"):
-        main(["train", "--tokenizer", str(tmp_path)])
+        main(["train", "--data", str(ids), "--tokenizer", str(tmp_path)])

@@ -22,6 +22,7 @@ from shardwire.launch import die_with_launcher, under_launcher
 COMMANDS = {
     "train": "train a model with the sharded engine (a byte-level GPT by default)",
     "bench": "measure what the network delivers to collectives (nccl-tests' numbers)",
+    "export": "write a checkpoint as its model's ecosystem reads it (a Hugging Face save_pretrained directory)",
     "report": "plot where the steps of profiled runs went",
     "testbed": "emulate a cluster of nodes joined by a shaped Ethernet link on this machine",
     "simulate": "predict and explain a sharded job's step time on any cluster",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
 
 import torch
 
@@ -19,7 +20,8 @@ from shardwire.comm.wire import Wire
 from shardwire.engine.layout import group_size
 from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
-from shardwire.models.choice import choose
+from shardwire.models.choice import HF_PREFIX, choose
+from shardwire.models.export import check_new_directory
 from shardwire.options import (
     OptionError,
     add_options,
@@ -30,7 +32,7 @@ from shardwire.options import (
     config_from,
 )
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
-from shardwire.training.data import load_corpus
+from shardwire.training.loop import training_corpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +98,12 @@ def _validate(config: TrainConfig) -> None:
                 check_writable_directory(config.tensorboard, "--tensorboard")
             if config.log_jsonl is not None:
                 check_output_file(config.log_jsonl, "--log-jsonl")
-    except OptionError as err:
+            if config.export_hf is not None:
+                if not config.model.startswith(HF_PREFIX):
+                    raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
+                                      f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
+                check_new_directory(pathlib.Path(config.export_hf))
+    except ValueError as err:  # an OptionError, or an export directory that is not new
         raise SystemExit(f"error: {err}") from None
     try:
         world, per_node = _world_and_node_size(config)
@@ -120,9 +127,9 @@ def _validate(config: TrainConfig) -> None:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    if config.data is not None or config.tokenizer is not None:  # the default, the stdlib's sources, serves
-        try:
-            corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
-            corpus.check_vocab(choice.vocab_size)
-        except (OSError, ValueError) as err:  # a message not naming its option is about --data
-            raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
+    if config.data is None and config.tokenizer is None and not config.model.startswith(HF_PREFIX):
+        return  # the default, the standard library's sources as bytes, serves a GPT preset
+    try:
+        training_corpus(config, choice).check_vocab(choice.vocab_size)
+    except (OSError, ValueError) as err:  # a message not naming its option is about --data
+        raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None

@@ -24,6 +24,7 @@ from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.specs import ModelSpec
 
 HF_PREFIX = "hf:"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -44,6 +45,23 @@ class ModelChoice:
     runs_on_meta: bool = True
 
 
+def recorded_name(name: str) -> str:
+    """``name`` as a checkpoint records it, to build the same model from anywhere later: an ``hf:``
+    path made absolute (inline JSON and presets as they are)."""
+    if name.startswith(HF_PREFIX) and pathlib.Path(name[len(HF_PREFIX):]).exists():
+        return HF_PREFIX + str(pathlib.Path(name[len(HF_PREFIX):]).resolve())
+    return name
+
+
+def tokenizer_directory(name: str) -> pathlib.Path | None:
+    """The directory of an ``hf:`` model that holds its tokenizer too (as ``save_pretrained`` writes
+    both), or None."""
+    if not name.startswith(HF_PREFIX):
+        return None
+    path = pathlib.Path(name[len(HF_PREFIX):])
+    return path if path.is_dir() and any((path / file).exists() for file in _TOKENIZER_FILES) else None
+
+
 def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -> ModelChoice:
     """The model ``name`` names; ``units``: comma-separated class names to shard into instead of the
     model's own; ``seq_len``: tokens per sequence instead of the preset's (or, for ``hf:``, the
@@ -61,7 +79,7 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
 
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
     transformers = require("transformers", "--model hf:")
-    config, weights = _hf_config(transformers, source)
+    config, weights = hf_config(transformers, source)
     auto = transformers.AutoModelForCausalLM
     if weights is not None:
         build = lambda: auto.from_pretrained(weights, config=config, local_files_only=True)  # noqa: E731
@@ -104,7 +122,7 @@ def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
                      tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)))
 
 
-def _hf_config(transformers, source: str):
+def hf_config(transformers, source: str):
     """(config, directory of weights or None) of ``source``: a directory, a JSON file or inline JSON."""
     path = pathlib.Path(source)
     try:

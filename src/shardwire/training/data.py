@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import pathlib
 import sysconfig
 
@@ -38,7 +39,7 @@ def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
     ``tokenized``); else text as bytes."""
     if tokenizer is not None:
-        if path is None or path.endswith(TOKEN_SUFFIXES):
+        if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
         return TokenCorpus.load(str(tokenized(path, tokenizer)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
@@ -46,11 +47,12 @@ def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
     return ByteCorpus.load(path, seq_len)
 
 
-def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
+def tokenized(path: str | None, tokenizer_dir: str) -> pathlib.Path:
     """The ids of the text at ``path`` under the tokenizer in ``tokenizer_dir``, tokenised once, with a
-    progress bar, into a ``.npy`` beside the data, named for both (a digest of the tokenizer's files
-    and the texts' sizes and times), so a changed tokenizer or text is tokenised again. Documents are
-    joined with the tokenizer's end-of-text id where it has one."""
+    progress bar, into a ``.npy`` beside the data (the default corpus's in ``_cache_directory``), named
+    for both (a digest of the tokenizer's files and the texts' sizes and times), so a changed tokenizer
+    or text is tokenised again. Documents are joined with the tokenizer's end-of-text id where it has
+    one."""
     from tqdm import tqdm
 
     from shardwire.extras import require
@@ -66,7 +68,8 @@ def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
     for file in files:
         stat = file.stat()
         digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    cache = pathlib.Path(f"{pathlib.Path(path).resolve()}.tokens-{digest.hexdigest()[:12]}.npy")
+    beside = pathlib.Path(path).resolve() if path is not None else _cache_directory() / "stdlib"
+    cache = pathlib.Path(f"{beside}.tokens-{digest.hexdigest()[:12]}.npy")
     if cache.exists():
         return cache
     transformers = require("transformers", "--tokenizer")
@@ -83,6 +86,14 @@ def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
     # whole or absent, and each rank's own temporary file: the ranks of a torchrun job tokenise at once
     write_atomically(cache, array.getvalue())
     return cache
+
+
+def _cache_directory() -> pathlib.Path:
+    """Where ids of the default corpus go, which has no directory of the user's beside it:
+    ``$XDG_CACHE_HOME/shardwire`` (``~/.cache/shardwire``)."""
+    directory = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "shardwire"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def _splits(data, name: str, unit: str, seq_len: int) -> dict:

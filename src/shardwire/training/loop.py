@@ -24,13 +24,14 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
-from shardwire.models.choice import ModelChoice, choose
+from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
+from shardwire.models.export import save_pretrained
 from shardwire.models.gpt import loss_fn
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
 from shardwire.training.config import TrainConfig
-from shardwire.training.data import load_corpus
+from shardwire.training.data import TOKEN_SUFFIXES, ByteCorpus, TokenCorpus, load_corpus
 from shardwire.training.progress import ProgressBar, format_duration, format_rate
 from shardwire.training.scalars import ScalarLog
 
@@ -45,7 +46,7 @@ def train(config: TrainConfig) -> None:
 def _train(config: TrainConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     choice = choose(config.model, units=config.units, seq_len=config.seq_len)
-    corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
+    corpus = training_corpus(config, choice)
 
     torch.manual_seed(config.seed)
     model = choice.build().to(device)
@@ -134,6 +135,25 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
         print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
+    if config.export_hf:
+        state = shardwire.full_state_dict(model)  # every rank takes part; rank 0 holds it
+        if rank == 0:
+            print(f"exported to {save_pretrained(config.model, state, config.export_hf)} (from_pretrained loads it)",
+                  flush=True)
+
+
+def training_corpus(config: TrainConfig, choice: ModelChoice) -> ByteCorpus | TokenCorpus:
+    """The job's data: token ids as they are; text through ``--tokenizer``, else through the ``hf:``
+    model's own tokenizer where its directory holds one; text as bytes only into a model whose ids
+    mean bytes (a GPT preset, or a Hugging Face model with a vocabulary of 256)."""
+    tokenizer = config.tokenizer
+    if tokenizer is None and not (config.data or "").endswith(TOKEN_SUFFIXES):
+        tokenizer = tokenizer_directory(config.model)
+    corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer), config.token_dtype)
+    if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != 256:
+        raise ValueError(f"--data is text, read as bytes (ids 0 to 255), but {choice.name}'s {choice.vocab_size:,} "
+                         f"ids are its tokenizer's: give --tokenizer DIR (its tokenizer) or pre-tokenised --data")
+    return corpus
 
 
 @torch.no_grad()
@@ -252,7 +272,8 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
     """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself."""
     shardwire.save_checkpoint(
         shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
-        step=step, extra={"scheduler": scheduler.state_dict()}, keep=config.keep or None,
+        step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model)},
+        keep=config.keep or None,
     )
 
 

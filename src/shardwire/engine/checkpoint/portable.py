@@ -43,8 +43,7 @@ def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) 
     file. It runs in one process, with no process group, from a checkpoint of any world size; every
     file it reads is verified against the manifest, and ``output`` appears only once complete.
     """
-    with CheckpointReader(checkpoint) as reader:
-        state = _full_state_dict(reader)
+    state = read_state_dict(checkpoint)
     output = pathlib.Path(output)
     if output.suffix == ".safetensors":
         data = safetensors.torch.save(_each_tensor_once(state), metadata={"format": "pt"})
@@ -68,6 +67,13 @@ def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:
     path = pathlib.Path(path)
     shards, buffers = on_every_rank(engine, f"importing {path}", lambda: _read_shards(path, engine, model))
     copy_into_model(engine, model, shards, buffers)
+
+
+def read_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The unsharded model's ``state_dict()`` from a checkpoint of any world size, in this process
+    (every file read is verified against the manifest)."""
+    with CheckpointReader(checkpoint) as reader:
+        return _full_state_dict(reader)
 
 
 def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
