@@ -16,6 +16,7 @@ import torch
 import shardwire
 from harness import run_workers
 from shardwire.engine.checkpoint import list_checkpoints, save
+from shardwire.engine.checkpoint.claim import CLAIM
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, GPTConfig, loss_fn
 
@@ -248,7 +249,7 @@ def _crash_during_save(rank, world, directory):
         shardwire.CheckpointError, match="rank 0: OSError: .*Input/output error"
     ):
         shardwire.save_checkpoint(step_2, model, optimizer, step=2, keep=2)
-    after_crashes = sorted(p.name for p in directory.iterdir())
+    after_crashes = sorted(p.name for p in directory.iterdir() if p.name != CLAIM)
 
     info = shardwire.load_latest_checkpoint(directory, model, optimizer)
     restored = shardwire.full_state_dict(model)
@@ -260,7 +261,7 @@ def _crash_during_save(rank, world, directory):
         "resumed step": info.step,
         "saved at step 1": at_step_1,
         "restored": restored,
-        "finally": sorted(p.name for p in directory.iterdir()),
+        "finally": sorted(p.name for p in directory.iterdir() if p.name != CLAIM),
         "listed": [p.name for p in list_checkpoints(directory)],
     }
 

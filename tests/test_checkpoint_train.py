@@ -18,6 +18,7 @@ import torch
 
 import shardwire
 from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint.claim import CLAIM
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +122,7 @@ def test_running_again_resumes_past_a_corrupted_checkpoint(data, uninterrupted, 
     assert f"done: {SAVE_EVERY} steps" in output
     assert rank_file_checksums(checkpoints) == rank_file_checksums(uninterrupted)
     kept = [shardwire.checkpoint_path(checkpoints, step).name for step in (STEPS - SAVE_EVERY, STEPS)]
-    assert sorted(p.name for p in checkpoints.iterdir()) == kept  # --keep 2, and no temporaries
+    assert sorted(p.name for p in checkpoints.iterdir()) == [CLAIM, *kept]  # --keep 2, and no temporaries
 
 
 def test_a_checkpoint_past_the_last_step_is_a_clear_error(data, uninterrupted, tmp_path):

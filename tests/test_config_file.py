@@ -148,8 +148,9 @@ def test_subcommands_take_the_options_they_have_and_what_follows_dashes_is_left_
 
 
 @pytest.mark.slow
-def test_workers_started_by_the_command_read_the_file(tmp_path):
-    """``shardwire bench --config`` relaunches itself as two gloo workers; they measure what the file says."""
+def test_workers_started_by_the_command_get_the_files_values(tmp_path):
+    """``shardwire bench --config`` relaunches itself as two gloo workers; they measure what the file says,
+    handed to them as options (the file is read once, by the launcher)."""
     path = write(tmp_path, "ops: [all_reduce]\nmin_bytes: 1K\nmax_bytes: 4K\nwarmup: 1\niters: 2\njson: out.json\n")
     done = subprocess.run([sys.executable, "-m", "shardwire", "bench", "--config", path, "-n", "3"],
                           capture_output=True, text=True, timeout=180, cwd=tmp_path)
@@ -157,3 +158,4 @@ def test_workers_started_by_the_command_read_the_file(tmp_path):
     doc = json.loads((tmp_path / "out.json").read_text())
     settings = doc["context"]["settings"]
     assert (settings["ops"], settings["sizes"], settings["iters"]) == (["all_reduce"], [1024, 2048, 4096], 3)
+    assert "--config" not in doc["context"]["command"] and "--ops all_reduce" in doc["context"]["command"]

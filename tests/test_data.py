@@ -63,6 +63,15 @@ def test_ids_must_be_a_flat_unsigned_array(tmp_path):
         main(["train", "--data", str(path)])
 
 
+def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, 61_000, dtype=np.uint32).tofile(path)  # ids under 65,536: every high half is 0
+    with pytest.raises(SystemExit, match=r"looks like uint32 ids read as uint16 \(every second id of its first "
+                                         r"120,000 is 0\): give --token-dtype uint32"):
+        main(["train", "--model", "small", "--data", str(path)])
+    assert load_corpus(str(path), 32, bin_dtype="uint32").num_tokens == 60_000
+
+
 @pytest.mark.slow
 def test_training_on_token_ids_lowers_the_loss(tmp_path):
     path = tmp_path / "tokens.bin"
@@ -72,7 +81,7 @@ def test_training_on_token_ids_lowers_the_loss(tmp_path):
                            "--nproc", "1", "--eval-batches", "1", "--data", str(path)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "M tokens" in done.stdout
+    assert f"data: {path}, 0.1M uint16 token ids" in done.stdout  # the start line says how it read them
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     assert last < first
 

@@ -8,6 +8,7 @@ unchanged under a user's own ``torchrun --nnodes ... --nproc-per-node ... -m sha
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shlex
 import signal
@@ -57,7 +58,10 @@ def torchrun_command(nnodes: int, nproc_per_node: int, argv: list[str], *, max_r
 
 
 def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
-    """Run ``python -m shardwire <argv>`` as ``nproc`` local workers; returns the exit status."""
+    """Run ``python -m shardwire <argv>`` as ``nproc`` local workers; returns the exit status. Ctrl-C
+    (or SIGTERM) stops the workers and raises ``KeyboardInterrupt`` here, for the command to say what
+    its job leaves behind."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -76,8 +80,15 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # Set the workers' arguments after parsing: torchrun's parser would otherwise read them too
     # (and take `--nproc` for an abbreviation of its own `--nproc-per-node`).
     config.training_script_args = argv
+    # The agent's warnings narrate its shutdown (a signal received, each worker sent one); what failed
+    # is said below, once.
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(config)
+    except SignalException:
+        raise KeyboardInterrupt from None
     except ChildFailedError as err:
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
         print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)

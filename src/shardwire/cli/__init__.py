@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         if printing:
             print(config_file.dump(parser, args), end="")
             return 0
-        return module.run(args, rest)  # with --config: workers read the file again
+        return module.run(args, rest)
     except (ConfigError, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a worker leaves quietly, and its launcher says what was saved
+        if not under_launcher():
+            print("interrupted", file=sys.stderr)
+        return 130

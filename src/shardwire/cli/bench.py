@@ -9,6 +9,7 @@ prints the tables as they come and saves ``--json``, ``--csv`` and ``--plot``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -22,7 +23,7 @@ from shardwire.bench import report
 from shardwire.bench.benchmark import BenchConfig, BenchError, BenchResults, benchmark, validate
 from shardwire.files import write_atomically
 from shardwire.launch import launch_local, under_launcher
-from shardwire.options import add_options, config_from
+from shardwire.options import add_options, command_line, config_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,13 +36,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         if not under_launcher():
             validate(config, world=config.nproc)
-            return launch_local(config.nproc, ["bench", *argv])
+            return launch_local(config.nproc, ["bench", *_worker_arguments(config)])
         validate(config, world=int(os.environ["WORLD_SIZE"]))
         return _worker(config)
     except BenchError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _worker_arguments(config: BenchConfig) -> list[str]:
+    """The settings checked here, as the workers' command line: no config file to read again."""
+    defaults = BenchConfig()
+    return command_line({f.name: getattr(config, f.name) for f in dataclasses.fields(BenchConfig)
+                         if "option" in f.metadata and getattr(config, f.name) != getattr(defaults, f.name)})
 
 
 def _worker(config: BenchConfig) -> int:

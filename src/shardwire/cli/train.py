@@ -12,11 +12,13 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import sys
 
 import torch
 
 from shardwire import worker
 from shardwire.comm.wire import Wire
+from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.layout import group_size
 from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
@@ -40,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Launch local workers, print the launch command, or be a worker."""
+    """Launch local workers, print the launch command, or be a worker (``argv`` is not used: workers
+    get the checked settings, not the command line and its config file)."""
     config = config_from(args, TrainConfig)
     _validate(config)
     if config.print_launch:
@@ -49,21 +52,39 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if not under_launcher():
         nproc = config.nproc or _local_workers(config)
-        return launch_local(nproc, ["train", *argv], max_restarts=config.max_restarts)
+        try:
+            return launch_local(nproc, _worker_arguments(config), max_restarts=config.max_restarts)
+        except KeyboardInterrupt:
+            print(f"interrupted: {_what_was_saved(config)}", file=sys.stderr)
+            return 130
     from shardwire.training.loop import train
 
     train(config)
     return 0
 
 
+def _what_was_saved(config: TrainConfig) -> str:
+    if config.checkpoint_dir is None:
+        return "nothing was saved (no --checkpoint-dir)"
+    saved = list_checkpoints(config.checkpoint_dir)
+    if not saved:
+        return f"no checkpoint was saved in {config.checkpoint_dir} yet"
+    return f"{saved[-1]} is the newest checkpoint; running the same command again resumes from it"
+
+
 def _launch_command(config: TrainConfig) -> str:
-    """The torchrun command for ``--print-launch``: this job's options, written back from the config."""
+    """The torchrun command for ``--print-launch``."""
+    _, per_node = _world_and_node_size(config)
+    return torchrun_command(config.nnodes, per_node, _worker_arguments(config), max_restarts=config.max_restarts)
+
+
+def _worker_arguments(config: TrainConfig) -> list[str]:
+    """What the workers run: this job's options written back from the config, so that every worker
+    trains what was checked here, with no config file to read again (or edited in the meantime)."""
     defaults = TrainConfig()
     changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
                if f.name not in LAUNCH_OPTIONS and getattr(config, f.name) != getattr(defaults, f.name)}
-    _, per_node = _world_and_node_size(config)
-    return torchrun_command(config.nnodes, per_node, ["train", *command_line(changed)],
-                            max_restarts=config.max_restarts)
+    return ["train", *command_line(changed)]
 
 
 def _local_workers(config: TrainConfig) -> int:

@@ -127,6 +127,7 @@ class Engine:
         self._callback_queued = False
         self._generation = 0  # forwards so far: backward must come from the latest one
         self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
+        self.claimed_directories: set[str] = set()  # checkpoint directories this run owns (checkpoint.claim)
         self._listeners: list[Listener] = []
 
     @property

@@ -90,3 +90,13 @@ class TrainConfig:
 
 # The options that say where and how to start the workers, not what they train.
 LAUNCH_OPTIONS = ("nproc", "max_restarts", "print_launch", "nnodes", "nproc_per_node")
+# The options that say what the job reports and keeps, which change nothing it trains.
+_REPORTING_OPTIONS = ("log_every", "eval_batches", "eval_every", "checkpoint_dir", "save_every", "keep", "export_hf",
+                      "timeout", "profile", "run_dir", "peak_tflops", "tensorboard", "log_jsonl")
+
+
+def training_settings(config: TrainConfig) -> dict:
+    """The settings that decide what a run trains: a checkpoint records them, and a run resuming from
+    it says which of them it changes."""
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)
+            if field.name not in LAUNCH_OPTIONS + _REPORTING_OPTIONS}

@@ -127,6 +127,9 @@ class TokenCorpus:
                 raise ValueError(f"{path} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
                                  f"another element type (--token-dtype)?")
             ids = np.memmap(file, dtype=bin_dtype, mode="r")
+            if bin_dtype == "uint16" and _uint32_read_as_uint16(ids):
+                raise ValueError(f"{path} looks like uint32 ids read as uint16 (every second id of its first "
+                                 f"{min(len(ids), _CHECK_CHUNK):,} is 0): give --token-dtype uint32")
         else:
             ids = np.load(file, mmap_mode="r")
             if ids.ndim != 1 or ids.dtype.kind != "u":
@@ -137,6 +140,10 @@ class TokenCorpus:
     @property
     def num_tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def description(self) -> str:
+        return f"{self.name}, {self.num_tokens / 1e6:.1f}M {self.ids.dtype} token ids"
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a corpus with an id the model's vocabulary does not have, naming the first one."""
@@ -157,6 +164,13 @@ class TokenCorpus:
         data = self.splits[split]
         starts = _starts(len(data), global_batch, seq_len, seed, step, split)[rows]
         return torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+
+
+def _uint32_read_as_uint16(ids: np.ndarray) -> bool:
+    """Whether little-endian uint32 ids of a vocabulary under 65,536 are being read as uint16: every
+    second id, the high half, is then 0, which token data of any real text never is."""
+    head = np.asarray(ids[: min(len(ids), _CHECK_CHUNK) // 2 * 2])
+    return len(head) >= 16 and not head[1::2].any() and head[0::2].any()
 
 
 def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
@@ -197,6 +211,10 @@ class ByteCorpus:
     @property
     def num_tokens(self) -> int:
         return sum(split.numel() for split in self.splits.values())
+
+    @property
+    def description(self) -> str:
+        return f"{self.name}, {self.num_tokens / 1e6:.1f}M bytes as tokens"
 
     def check_vocab(self, vocab_size: int) -> None:
         if vocab_size < 256:

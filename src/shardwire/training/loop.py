@@ -22,6 +22,7 @@ import torch.distributed as dist
 import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
+from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
@@ -30,7 +31,8 @@ from shardwire.models.gpt import loss_fn
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
-from shardwire.training.config import TrainConfig
+from shardwire.options import flag
+from shardwire.training.config import TrainConfig, training_settings
 from shardwire.training.data import TOKEN_SUFFIXES, ByteCorpus, TokenCorpus, load_corpus
 from shardwire.training.progress import ProgressBar, format_duration, format_rate
 from shardwire.training.scalars import ScalarLog
@@ -79,11 +81,12 @@ def _train(config: TrainConfig, device: torch.device) -> None:
               f"({worker.backend_for(device)}, {device.type}), {len(engine.units)} block units + root, "
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
-              f"{config.precision}; data: {corpus.name}, {corpus.num_tokens / 1e6:.1f}M tokens", flush=True)
+              f"{config.precision}; data: {corpus.description}", flush=True)
     start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
     profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
     log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
     loss_sum = torch.zeros((), device=device)  # over the steps since the last log line
+    diverged = _Divergence(config, device)
     interval_start, interval_steps, losses = time.perf_counter(), 0, []
     started = time.perf_counter()
 
@@ -98,9 +101,12 @@ def _train(config: TrainConfig, device: torch.device) -> None:
                     loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
                     scaler.scale(loss / config.grad_accum).backward()
                 loss_sum += loss.detach()
+                diverged.note(step, loss.detach())
             scaler.unscale_(optimizer)
             if config.clip > 0:
-                shardwire.clip_grad_norm_(model, config.clip)
+                norm = shardwire.clip_grad_norm_(model, config.clip)
+                if not scaler.is_enabled():  # under fp16 an overflowing step is skipped, not divergence
+                    diverged.note(step, norm)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
@@ -113,6 +119,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
             interval_start += time.perf_counter() - paused  # tokens/s counts training alone
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps or val_loss is not None:
+            diverged.check()
             dist.all_reduce(loss_sum)  # reading it waits for the device: once per interval
             losses.append(loss_sum.item() / (world * config.grad_accum * interval_steps))
             loss_sum.zero_()
@@ -123,6 +130,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             interval_start, interval_steps = time.perf_counter(), 0
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             paused = time.perf_counter()
+            diverged.check()  # a diverged model is never saved, so it never prunes a finite one
             _save_checkpoint(config, model, optimizer, scheduler, step + 1)
             interval_start += time.perf_counter() - paused
 
@@ -212,6 +220,30 @@ def _describe_wire(engine, wire: str) -> str:
     return f"wire {wire}"
 
 
+class _Divergence:
+    """The first step whose loss or gradient norm was not finite, kept on the device (a host sync per
+    step would stall a GPU) and read where the loop waits for the device anyway: before a log line
+    and before a checkpoint. Ranks see different losses, so they agree on the earliest before any
+    decides to stop."""
+
+    def __init__(self, config: TrainConfig, device: torch.device):
+        self._config = config
+        self._never = config.steps
+        self._first = torch.full((), self._never, dtype=torch.long, device=device)
+
+    def note(self, step: int, value: torch.Tensor) -> None:
+        self._first = torch.where(torch.isfinite(value) | (self._first < self._never), self._first, step)
+
+    def check(self) -> None:
+        """Stop the run, with what to change, once a step has diverged."""
+        dist.all_reduce(self._first, op=dist.ReduceOp.MIN)
+        if (step := int(self._first.item())) < self._never:
+            saved = list_checkpoints(self._config.checkpoint_dir) if self._config.checkpoint_dir else []
+            kept = f"{saved[-1]} holds the last finite model, and nothing after it was saved" if saved else "nothing was saved"
+            raise SystemExit(f"error: training diverged: the loss or the gradient norm was not finite at step {step + 1} "
+                             f"({kept}): lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})")
+
+
 class _IntervalLog:
     """Rank 0's record of each log interval: the progress line and the scalars (``--tensorboard``,
     ``--log-jsonl``)."""
@@ -246,9 +278,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
     except shardwire.CheckpointError as err:
-        raise SystemExit(
-            f"error: {err}\nRun with the settings these checkpoints were saved with, or another --checkpoint-dir."
-        ) from None
+        raise SystemExit(f"error: {err}") from None
     if info is None:
         return 0
     if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
@@ -263,18 +293,42 @@ def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
         raise SystemExit(f"error: {info.path} holds a learning-rate schedule that does not fit this run's, "
                          f"or is not at step {info.step}; give --checkpoint-dir a directory of its own")
     scheduler.load_state_dict(saved)
+    _set_hyperparameters(config, optimizer, scheduler, info.step)
     if dist.get_rank() == 0:
-        print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks)", flush=True)
+        recorded = info.extra.get("settings")
+        if isinstance(recorded, dict):
+            current = training_settings(config)
+            changed = [f"{flag(name)} {value} -> {current[name]}" for name, value in recorded.items()
+                       if name in current and current[name] != value]
+            what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
+        else:
+            what = " (it records no settings to compare this run's with)"
+        print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks){what}", flush=True)
     return info.step
 
 
+def _set_hyperparameters(config: TrainConfig, optimizer, scheduler, step: int) -> None:
+    """This run's learning rate and weight decay over what the checkpoint's optimizer and schedule held:
+    a run that resumes with another --lr trains at it, from the schedule's point at ``step``."""
+    scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+    for group, weight_decay in zip(optimizer.param_groups, (config.weight_decay, 0.0)):  # as _param_groups makes them
+        group["initial_lr"] = config.lr
+        group["lr"] = config.lr * _lr_factor(step, config)
+        group["weight_decay"] = weight_decay
+
+
 def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int) -> None:
-    """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself."""
-    shardwire.save_checkpoint(
-        shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
-        step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model)},
-        keep=config.keep or None,
-    )
+    """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself. A save
+    that fails (a full disk) stops the run in one line: the checkpoints before it are intact."""
+    try:
+        shardwire.save_checkpoint(
+            shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
+            step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model),
+                              "settings": training_settings(config)},
+            keep=config.keep or None,
+        )
+    except shardwire.CheckpointError as err:
+        raise SystemExit(f"error: {err} (the checkpoints saved before it are intact)") from None
 
 
 def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:

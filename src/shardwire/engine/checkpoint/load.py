@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.checkpoint import optim, series
+from shardwire.engine.checkpoint.claim import claim
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     REPLICATED,
@@ -83,6 +84,7 @@ def load_latest_checkpoint(
     """
     engine = engine_of(model)
     finish_pending_save(engine)
+    on_every_rank(engine, f"claiming {directory}", lambda: _claim_on_rank_0(directory, engine))
     candidates = [path.name for path in series.list_checkpoints(directory)]
     if any(names != candidates for names in all_gather_json(candidates, engine, tag="checkpoint list")):
         raise CheckpointError(
@@ -100,6 +102,12 @@ def load_latest_checkpoint(
     if reasons:
         raise CheckpointError(f"no checkpoint in {directory} can be loaded: " + "; ".join(reasons))
     return None
+
+
+def _claim_on_rank_0(directory: str | os.PathLike, engine: Engine) -> None:
+    """The run that resumes from a directory saves there: it claims it first (``claim``), on rank 0."""
+    if dist.get_rank(engine.group) == 0:
+        claim(pathlib.Path(directory), engine.claimed_directories)
 
 
 def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None) -> CheckpointInfo:

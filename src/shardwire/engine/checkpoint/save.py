@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.checkpoint import optim, ownership, schema, series
+from shardwire.engine.checkpoint.claim import claim
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     MANIFEST,
@@ -88,7 +89,8 @@ def save_checkpoint(
         extra: anything else to restore (a scheduler's ``state_dict()``, a data loader's position),
             JSON-serializable; rank 0's is saved.
         keep: for a checkpoint of a series (``checkpoint_path(directory, step)``), delete the oldest
-            earlier checkpoints of the series once this one is visible, so that ``keep`` remain.
+            earlier checkpoints of the series once this one is visible, so that ``keep`` remain. A
+            checkpoint whose weights are not finite (a diverged run) deletes none.
         asynchronous: return once the state is copied to host memory and write it in the
             background; call ``wait()`` on the result (every rank) to make it visible. The next
             ``save_checkpoint`` or ``load_checkpoint`` waits for it, so one save is in flight at most.
@@ -105,6 +107,11 @@ def save_checkpoint(
     if optimizer is not None:
         per_rank = all_gather_json(snapshot.optimizer_state, engine, tag="checkpoint optimizer state")
         snapshot.manifest.optimizer["state"] = optim.merged_state(per_rank)
+    if keep is not None and not all(all_gather_json(snapshot.finite, engine, tag="checkpoint finiteness")):
+        keep = None  # a diverged model's checkpoint must not prune the finite ones before it
+        if dist.get_rank(engine.group) == 0:
+            warnings.warn(f"{target} holds weights that are not finite: it is saved, and every checkpoint before it "
+                          f"is kept", stacklevel=2)
     token = all_gather_json(new_token(), engine, tag="checkpoint name")[0]
     pending = PendingCheckpoint(target, engine, snapshot, token, keep)
     on_every_rank(engine, f"saving checkpoint {target}", pending._make_staging)
@@ -168,9 +175,10 @@ class PendingCheckpoint:
             self._tidy()
 
     def _make_staging(self) -> None:
-        """Rank 0 creates the directory that every rank writes into, marked as this save's; the others
-        wait for it in the agreement that follows."""
+        """Rank 0 claims the directory the save writes in for this run, and creates the one that every
+        rank writes into, marked as this save's; the others wait for it in the agreement that follows."""
         if dist.get_rank(self._engine.group) == 0:
+            claim(self.path.parent, self._engine.claimed_directories)
             ownership.create_marked(self._staging, self.path.name, self._token)
 
     def _write_in_background(self) -> None:
@@ -228,6 +236,7 @@ class _Snapshot:
     replicated: dict[str, torch.Tensor]  # written by rank 0
     manifest: Manifest  # the same on every rank; rank 0 completes it with the file records
     optimizer_state: dict | None  # which optimizer state this rank holds, per parameter
+    finite: bool  # this rank's shards hold no inf or nan (checked where ``keep`` would prune)
 
     @classmethod
     def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
@@ -268,8 +277,10 @@ class _Snapshot:
             extra=extra,
             files=[],
         )
+        finite = keep is None or all(bool(torch.isfinite(tensors[param_key(flat.name)]).all())
+                                     for flat in engine.flats if param_key(flat.name) in tensors)
         return cls(rank, tensors, replicated if rank == 0 else {}, manifest,
-                   None if optimizer_state is None else optimizer_state.state)
+                   None if optimizer_state is None else optimizer_state.state, finite)
 
     def write(self, directory: pathlib.Path) -> list[FileRecord]:
         if not directory.is_dir():

@@ -1,0 +1,66 @@
+"""One run owns a checkpoint directory at a time.
+
+Saves write temporary directories beside their target and tidy the directory afterwards (keep's
+pruning, the leftovers of crashed saves), so two runs given the same directory would delete each
+other's saves in progress. The first save or resume of a run therefore claims the directory: rank 0
+(the rank that creates, renames and deletes there) takes an exclusive POSIX lock on
+``.shardwire-claim`` in it and keeps it for the life of its process, and a second run is refused,
+naming the first. The operating system drops the lock when the process ends however it ends, so the
+claim of a dead run is taken over by the next one with no cleaning up; POSIX locks are the process's
+(a process may claim again what it holds, as a second model in one program does) and are honoured
+across the machines of an NFS mount, where BSD ``flock`` may not be. The descriptor stays open for
+the process's life: closing any descriptor of the file would drop its lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import socket
+import sys
+
+from shardwire.engine.checkpoint.format import CheckpointError
+
+CLAIM = ".shardwire-claim"
+
+
+def claim(directory: pathlib.Path, claimed: set[str]) -> None:
+    """Make this process the owner of ``directory``, or raise a ``CheckpointError`` naming the run that
+    owns it. ``claimed`` holds the directories this model's engine has claimed already (no new
+    descriptor for each save)."""
+    key = str(directory.resolve())
+    if key in claimed:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / CLAIM, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EAGAIN):
+            os.close(fd)
+            raise CheckpointError(f"cannot claim {directory} for this run: {err.strerror}") from None
+        owner = _owner(fd)
+        os.close(fd)
+        raise CheckpointError(f"{directory} belongs to another run that is still going ({owner}): give this run a "
+                              f"--checkpoint-dir of its own, or stop that one") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(_identity()).encode(), 0)
+    claimed.add(key)
+
+
+def _identity() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
+
+
+def _owner(fd: int) -> str:
+    """Who holds the claim, as it wrote itself in the file."""
+    try:
+        who = json.loads(os.pread(fd, 4096, 0))
+        return f"process {who['pid']} on {who['host']} since {who['since']}: {who['command'][:200]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it did not say which"

@@ -1,0 +1,117 @@
+"""A training run under faults a careless or hostile user makes: two runs given one checkpoint
+directory, a run that diverges, a resume that changes settings, Ctrl-C. Nothing saved is lost, and
+nothing is silent."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import shardwire
+from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint.portable import read_state_dict
+from shardwire.models.gpt import GPT, PRESETS, Block
+
+
+def train(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                           *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert not check or done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    import shardwire
+    from shardwire.models.gpt import GPT, PRESETS, Block
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.load_latest_checkpoint(sys.argv[1], model)
+    print("claimed", flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_checkpoint_directory_belongs_to_one_run_until_it_ends(tmp_path):
+    directory = tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "claimed\n"
+        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+        with pytest.raises(shardwire.CheckpointError, match=rf"belongs to another run that is still going \(process "
+                                                             rf"{holder.pid} on .*: give this run a --checkpoint-dir"):
+            shardwire.load_latest_checkpoint(directory, model)
+        with pytest.raises(shardwire.CheckpointError, match="belongs to another run"):
+            shardwire.save_checkpoint(shardwire.checkpoint_path(directory, 1), model, step=1)
+        assert list_checkpoints(directory) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert shardwire.load_latest_checkpoint(directory, model) is None  # a dead run's claim is taken over
+    shardwire.save_checkpoint(shardwire.checkpoint_path(directory, 1), model, step=1)
+    again = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])  # a second model of this process
+    assert shardwire.load_latest_checkpoint(directory, again).step == 1
+
+
+def test_a_diverged_model_never_prunes_a_finite_checkpoint(tmp_path):
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    for step in (1, 2):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, step), model, step=step, keep=2)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    with pytest.warns(UserWarning, match="holds weights that are not finite: it is saved, and every checkpoint "
+                                         "before it is kept"):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 3), model, step=3, keep=2)
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002", "step_00000003"]
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_naming_the_step_and_keeps_what_was_finite(tmp_path):
+    done = train("--lr", "200", "--warmup", "0", "--steps", "30", "--checkpoint-dir", "ckpt", "--save-every", "2",
+                 "--keep", "2", cwd=tmp_path, check=False)
+    assert done.returncode != 0
+    message = next(line for line in done.stderr.splitlines() if "diverged" in line)
+    step = int(message.split("not finite at step ")[1].split()[0])
+    saved = list_checkpoints(tmp_path / "ckpt")
+    assert saved and all(int(path.name.split("_")[1]) < step for path in saved)
+    assert (f"({saved[-1].relative_to(tmp_path)} holds the last finite model, and nothing after it was saved): "
+            f"lower --lr (now 200)") in message
+    for path in saved:
+        weights = read_state_dict(path)
+        assert all(torch.isfinite(value).all() for value in weights.values())
+
+
+@pytest.mark.slow
+def test_a_resumed_run_says_what_it_changes_and_trains_with_it(tmp_path):
+    train("--steps", "4", "--checkpoint-dir", "ckpt", "--save-every", "4", cwd=tmp_path)
+    done = train("--steps", "8", "--lr", "1e-3", "--checkpoint-dir", "ckpt", "--log-every", "1",
+                 "--log-jsonl", "log.jsonl", cwd=tmp_path)
+    assert ("resuming from ckpt/step_00000004 (step 4, saved by 2 ranks); this run changes --steps 4 -> 8, "
+            "--lr 0.003 -> 0.001") in done.stdout
+    record = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])  # the first step after resuming
+    assert record["step"] == 5 and record["lr"] == pytest.approx(1e-3 * 6 / 40)  # the new peak, 6 of 40 warmup steps
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_run_with_one_line_saying_what_was_saved(tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "small", "--steps", "400",
+                            "--checkpoint-dir", "ckpt", "--save-every", "2"], cwd=tmp_path, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(tmp_path / "ckpt") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the launcher and its workers
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130
+    newest = list_checkpoints(tmp_path / "ckpt")[-1].relative_to(tmp_path)
+    assert stderr.splitlines() == [f"interrupted: {newest} is the newest checkpoint; running the same command "
+                                   f"again resumes from it"]
+    assert pathlib.Path(tmp_path / newest / "manifest.json").is_file()
