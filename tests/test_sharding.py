@@ -98,7 +98,7 @@ def _held_and_sent(rank, world):
                 ops.setdefault(record.op, []).append(record.nbytes)
         results[layout] = {"held": held, "bound": bound, "ops": ops,
                            "shards": [flat.shard.numel() for flat in engine.flats],
-                           "buffers": [flat.layout.padded_numel for flat in engine.flats]}
+                           "buffers": [flat.packing.padded_numel for flat in engine.flats]}
     return results
 
 
