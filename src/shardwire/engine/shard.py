@@ -129,7 +129,7 @@ def shard(
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, layout.shard.rank, layout.shard.world)
+    sharded_state_dict.install(model, engine.flats, layout)
     if activation_checkpointing:
         for unit in block_units:
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
