@@ -17,6 +17,7 @@ _API = {
     "load_checkpoint": "shardwire.engine.checkpoint",
     "load_latest_checkpoint": "shardwire.engine.checkpoint",
     "no_sync": "shardwire.engine.grad",
+    "register_optimizer": "shardwire.engine.sharded_optim_state_dict",
     "save_checkpoint": "shardwire.engine.checkpoint",
     "shard": "shardwire.engine.shard",
 }

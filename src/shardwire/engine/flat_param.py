@@ -88,6 +88,9 @@ class FlatParam:
         ]
         self._views: list[torch.Tensor] = []
         self._accumulated: torch.Tensor | None = None  # unsharded gradient summed under no_sync
+        # Gradients landed so far: which buffers were reduced since an optimizer's last step, for
+        # shardwire.register_optimizer (sharded_optim_state_dict).
+        self.reductions = 0
         self.free()
 
     def _parameter(self, slot: ParamSlot, lo: int, hi: int) -> nn.Parameter:
@@ -216,6 +219,7 @@ class FlatParam:
         reductions run."""
         for pending in pendings:
             pending.wait()
+        self.reductions += 1
         with self._comm.reduce_stream():
             share = share.to(self.shard.dtype)
             for param, lo, hi in self._held:

@@ -141,7 +141,7 @@ def shard(
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, layout.shard.rank, layout.shard.world)
+    sharded_state_dict.install(model, engine.flats, layout)
     for unit, forward in zip(block_units, forwards):
         if forward is not None:
             unit.module.forward = forward
