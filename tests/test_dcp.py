@@ -20,7 +20,7 @@ from torch import nn
 from harness import run_workers
 from shardwire.engine.boxes import boxes
 from shardwire.engine.packing import Packing
-from shardwire.engine.part_layout import PartLayout
+from shardwire.engine.part_extent import PartExtent
 from shardwire.models.gpt import PRESETS
 
 # --------------------------------------------------------------------------- the geometry
@@ -50,7 +50,7 @@ def test_every_box_is_written_once_and_read_where_it_is_held():
     shapes = {"a": (5, 7), "scale": (), "empty": (0, 3), "b": (4,)}
     packing = Packing.pack([((name,), shape) for name, shape in shapes.items()], torch.float32, 3)
     for slot in packing.slots:
-        layouts = [PartLayout(packing, slot, rank, writes=True) for rank in range(3)]
+        layouts = [PartExtent(packing, slot, rank, writes=True) for rank in range(3)]
         for scalar in (False, True):
             written = [box for layout in layouts for box in layout.write_boxes(scalar)]
             if scalar or slot.numel == 0:  # one box, by the first holder
@@ -59,7 +59,7 @@ def test_every_box_is_written_once_and_read_where_it_is_held():
                 assert written == [box for layout in layouts for box in layout.read_boxes(scalar)]
                 assert sum(math.prod(box.sizes) for box in written) == slot.numel
         assert all(layout.read_boxes(True) for layout in layouts)  # every rank keeps the scalars
-        replica = PartLayout(packing, slot, 1, writes=False)  # hybrid: another group's copy
+        replica = PartExtent(packing, slot, 1, writes=False)  # hybrid: another group's copy
         assert replica.write_boxes(False) == replica.write_boxes(True) == []
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.part_layout import PartLayout
+from shardwire.engine.part_extent import PartExtent
 from shardwire.engine.shard import engine_of
 from shardwire.engine.sharded_part import ShardGroup, local_part
 
@@ -113,7 +113,7 @@ def _params_by_key(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -
     return dict(zip(saved, chain.from_iterable(group["params"] for group in optimizer.param_groups)))
 
 
-def _described(group: ShardGroup, part: PartLayout, param: nn.Parameter, name: str, value: Any) -> Any:
+def _described(group: ShardGroup, part: PartExtent, param: nn.Parameter, name: str, value: Any) -> Any:
     what = f"optimizer state {name!r} of {part.name!r}"
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return group.part(value, part, scalar=True, what=what)
@@ -129,7 +129,7 @@ def _described(group: ShardGroup, part: PartLayout, param: nn.Parameter, name: s
     )
 
 
-def _is_scalar(value: Any, part: PartLayout, current: torch.Tensor | None) -> bool:
+def _is_scalar(value: Any, part: PartExtent, current: torch.Tensor | None) -> bool:
     """Whether a 0-dim value is a per-parameter scalar rather than whole per-element state, which it
     is too for a 0-dim parameter: there the optimizer's current value (flat, for per-element state)
     tells them apart."""

@@ -11,7 +11,7 @@ holds. Torch's checkpointing knows two kinds of distributed values and nothing e
 replicated one, which DCP then saves from a single rank. So each part is a ``DTensor`` subclass
 whose shape is the whole parameter's and whose local tensor is the part itself (a view: DCP loads
 straight into the parameters and the optimizer's state), which describes its boxes
-(``PartLayout``), gathers over shardwire's communicator when asked for the whole tensor, and
+(``PartExtent``), gathers over shardwire's communicator when asked for the whole tensor, and
 refuses every DTensor operation that would treat the part as something it is not.
 
 Its placement is ``Replicate()`` on a mesh of the shard group: DTensor's placements cannot express
@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout
-from shardwire.engine.part_layout import PartLayout
+from shardwire.engine.part_extent import PartExtent
 
 # Operations that keep a part a part besides the elementwise ones: they copy, cast, move or alias
 # the part and keep its shape.
@@ -59,29 +59,29 @@ class ShardedPart(DTensor):
     model and the optimizer hold it), or of a per-parameter scalar (``scalar``: a 0-dim value that
     the parameter's holders keep alike), named ``what`` in errors."""
 
-    _layout: PartLayout
+    _extent: PartExtent
     _group: ShardGroup
     _scalar: bool
     _what: str
 
-    def __new__(cls, local: torch.Tensor, layout: PartLayout, group: ShardGroup, *, scalar: bool = False,
+    def __new__(cls, local: torch.Tensor, extent: PartExtent, group: ShardGroup, *, scalar: bool = False,
                 what: str | None = None) -> ShardedPart:
-        shape = torch.Size(()) if scalar else layout.shape
+        shape = torch.Size(()) if scalar else extent.shape
         strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         spec = _DTensorSpec(group.mesh, (Replicate(),), tensor_meta=_TensorMeta(shape, strides, local.dtype))
         part = super().__new__(cls, local, spec, requires_grad=False)
-        part._layout, part._group, part._scalar = layout, group, scalar
-        part._what = what or layout.name
+        part._extent, part._group, part._scalar = extent, group, scalar
+        part._what = what or extent.name
         return part
 
     def __repr__(self) -> str:
-        layout = self._layout
-        kind = "scalar" if self._scalar else f"elements {layout.held} of {tuple(layout.shape)}"
-        return (f"ShardedPart({self._what!r}, rank {layout.rank} of {layout.packing.world_size}: {kind}, "
+        extent = self._extent
+        kind = "scalar" if self._scalar else f"elements {extent.held} of {tuple(extent.shape)}"
+        return (f"ShardedPart({self._what!r}, rank {extent.rank} of {extent.packing.world_size}: {kind}, "
                 f"local={self._local_tensor})")
 
     def _like(self, local: torch.Tensor) -> ShardedPart:
-        return ShardedPart(local, self._layout, self._group, scalar=self._scalar, what=self._what)
+        return ShardedPart(local, self._extent, self._group, scalar=self._scalar, what=self._what)
 
     # ------------------------------------------------------------- DCP's _Checkpointable protocol
 
@@ -93,15 +93,15 @@ class ShardedPart(DTensor):
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(ChunkStorageMetadata(box.offsets, box.sizes), properties, self.size()),
             )
-            for box in self._layout.write_boxes(self._scalar)
+            for box in self._extent.write_boxes(self._scalar)
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(box.offsets, box.sizes) for box in self._layout.read_boxes(self._scalar)]
+        return [ChunkStorageMetadata(box.offsets, box.sizes) for box in self._extent.read_boxes(self._scalar)]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """The box at ``index.offset``, as a view of the part (DCP loads into it in place)."""
-        for box in (*self._layout.read_boxes(self._scalar), *self._layout.write_boxes(self._scalar)):
+        for box in (*self._extent.read_boxes(self._scalar), *self._extent.write_boxes(self._scalar)):
             if box.offsets == index.offset:
                 return self._local_tensor.view(-1)[box.start : box.end].view(box.sizes)
         raise ValueError(f"{self._what!r} has no box at {tuple(index.offset or ())} on this rank")
@@ -129,8 +129,8 @@ class ShardedPart(DTensor):
         """Every rank's part, padded to the longest, in one all-gather. Ranks whose state dicts differ
         would gather one value with another, of another size: a gather of the value's name and size
         first makes that an error."""
-        comm, layout = self._group.comm, self._layout
-        ranges = [layout.held_by(rank) for rank in range(layout.packing.world_size)]
+        comm, extent = self._group.comm, self._extent
+        ranges = [extent.held_by(rank) for rank in range(extent.packing.world_size)]
         width = 1 if self._scalar else max(end - start for start, end in ranges) or 1
         asked = [zlib.crc32(self._what.encode()), width]
         differing = [rank for rank, theirs in enumerate(comm.all_gather_values(asked, tag="state dict entry"))
@@ -146,9 +146,9 @@ class ShardedPart(DTensor):
         rows = local.new_empty(len(ranges), width)
         comm.all_gather(rows.view(-1), mine, tag=f"state dict {self._what}").wait()
         if self._scalar:
-            return rows[layout.first_holder, 0].clone()
+            return rows[extent.first_holder, 0].clone()
         held = [rows[rank, : end - start] for rank, (start, end) in enumerate(ranges)]
-        return torch.cat(held).view(layout.shape)
+        return torch.cat(held).view(extent.shape)
 
     # --------------------------------------------------------------- everything else: the part
 
@@ -165,7 +165,7 @@ class ShardedPart(DTensor):
         kwargs = kwargs or {}
         parts = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, ShardedPart)]
         first = parts[0]
-        alike = all(p._layout.same_cut(first._layout) and p._scalar == first._scalar for p in parts)
+        alike = all(p._extent.same_cut(first._extent) and p._scalar == first._scalar for p in parts)
         plain = [leaf for leaf in pytree.tree_leaves((args, kwargs))
                  if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedPart) and leaf.dim() > 0]
         if not (func in _PART_PRESERVING or torch.Tag.pointwise in func.tags) or not alike or plain:
@@ -183,16 +183,16 @@ class ShardedPart(DTensor):
 
 class ShardGroup:
     """A sharded model's shard group as torch's checkpointing sees it: each parameter's
-    ``PartLayout`` (by every name of it, and by the parameter), the communicator parts gather over,
+    ``PartExtent`` (by every name of it, and by the parameter), the communicator parts gather over,
     and a DTensor mesh of its ranks."""
 
     def __init__(self, flats: list[FlatParam], layout: Layout):
         self.comm = layout.shard
-        self.by_name: dict[str, PartLayout] = {}
-        self.by_param: dict[torch.Tensor, PartLayout] = {}
+        self.by_name: dict[str, PartExtent] = {}
+        self.by_param: dict[torch.Tensor, PartExtent] = {}
         for flat in flats:
             for slot, param, _ in flat.held_parts():
-                part = PartLayout(flat.packing, slot, self.comm.rank, layout.writes_shards)
+                part = PartExtent(flat.packing, slot, self.comm.rank, layout.writes_shards)
                 self.by_name.update(dict.fromkeys(slot.names, part))
                 self.by_param[param] = part
 
@@ -200,22 +200,22 @@ class ShardGroup:
     def mesh(self) -> DeviceMesh:
         return DeviceMesh.from_group(self.comm.group, self.comm.device.type)
 
-    def part(self, local: torch.Tensor, layout: PartLayout, *, scalar: bool = False,
+    def part(self, local: torch.Tensor, extent: PartExtent, *, scalar: bool = False,
              what: str | None = None) -> ShardedPart:
-        return ShardedPart(local, layout, self, scalar=scalar, what=what)
+        return ShardedPart(local, extent, self, scalar=scalar, what=what)
 
 
-def local_part(value: Any, layout: PartLayout, what: str, *, scalar: bool = False) -> Any:
-    """``value`` as this rank keeps it, for ``load_state_dict``: a part of ``layout`` as its local
+def local_part(value: Any, extent: PartExtent, what: str, *, scalar: bool = False) -> Any:
+    """``value`` as this rank keeps it, for ``load_state_dict``: a part of ``extent`` as its local
     tensor; a whole tensor (plain, or a replicated DTensor) cut to this rank's run (a copy, so the
     whole can be freed) unless it is a ``scalar`` (which only a 0-dim parameter's whole per-element
     state looks like); anything else as it is. A part cut another way, or a DTensor sharded
     otherwise, cannot be cut here without collectives and is refused."""
     if isinstance(value, ShardedPart):
-        if not value._layout.same_cut(layout):
+        if not value._extent.same_cut(extent):
             raise ValueError(
-                f"{what} is shardwire's part of another layout (rank {value._layout.rank} of "
-                f"{value._layout.packing.world_size}, elements {value._layout.held}): reshard it by loading "
+                f"{what} is shardwire's part of another layout (rank {value._extent.rank} of "
+                f"{value._extent.packing.world_size}, elements {value._extent.held}): reshard it by loading "
                 f"the checkpoint with torch.distributed.checkpoint.load into this model's state dict"
             )
         return value._local_tensor
@@ -226,7 +226,7 @@ def local_part(value: Any, layout: PartLayout, what: str, *, scalar: bool = Fals
                 f"torch.distributed.checkpoint.load into the sharded model's state dict, which reshards them"
             )
         value = value.to_local()
-    if scalar or not isinstance(value, torch.Tensor) or value.shape != layout.shape:
+    if scalar or not isinstance(value, torch.Tensor) or value.shape != extent.shape:
         return value
-    start, end = layout.held
+    start, end = extent.held
     return value.reshape(-1)[start:end].clone()

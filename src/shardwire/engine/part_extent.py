@@ -1,7 +1,7 @@
 """Where a sharded parameter's elements lie across the ranks of its shard group, and which boxes of it
 this rank reads and writes in a resharding checkpoint (DCP).
 
-Two kinds of value follow a parameter's layout. Per-element values (the parameter itself, Adam's
+Two kinds of value follow a parameter's extent. Per-element values (the parameter itself, Adam's
 moments) hold, on each rank, the run of the parameter's flattened elements that rank's slice of the
 flat buffer covers: their boxes are that run's (``shardwire.engine.boxes``). Per-parameter scalars
 (Adam's step count) are one 0-dim value that every rank holding part of the parameter keeps alike.
@@ -27,7 +27,7 @@ _SCALAR = Box(torch.Size(()), torch.Size(()), 0, 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PartLayout:
+class PartExtent:
     """``slot`` of ``packing`` as this ``rank`` of the shard group sees it; ``writes``: whether this
     rank's group writes its shards."""
 
@@ -59,7 +59,7 @@ class PartLayout:
         """The rank holding the parameter's first element (rank 0 for a parameter with no elements)."""
         return self.slot.offset // self.packing.shard_numel if self.slot.numel else 0
 
-    def same_cut(self, other: PartLayout) -> bool:
+    def same_cut(self, other: PartExtent) -> bool:
         """Whether ``other`` cuts the same parameter into the same runs, and this rank holds the same."""
         mine, theirs = self.packing, other.packing
         return (self.slot, self.rank, mine.world_size, mine.shard_numel) == (
