@@ -377,7 +377,7 @@ def _as_format_2(directory: pathlib.Path) -> None:
     from shardwire.engine.checkpoint.format import _body_sha256
 
     body = json.loads((directory / "manifest.json").read_text())
-    del body["sha256"]
+    del body["sha256"], body["groups"]
     body["version"] = 2
     for flat in body["flats"]:
         flat["optimizer_state"] = {"exp_avg": {"kind": "per_element", "dtype": "float32"}}

@@ -187,9 +187,9 @@ def test_plan_command_and_its_errors(capsys):
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64")
     assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
-    assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 2
-    assert out.count("or:    shardwire.shard(model, layout=") == 2  # the best and the runner-up
-    assert out.count(" --wire ") == 2 and out.count(", wire='") == 2
+    assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 3
+    assert out.count("or:    shardwire.shard(model, layout=") == 3  # the best, the runner-up, the one that syncs
+    assert out.count(" --wire ") == 3 and out.count(", wire='") == 3
     status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--json")
     doc = json.loads(out)

@@ -8,6 +8,7 @@ _API = {
     "CheckpointError": "shardwire.engine.checkpoint",
     "GradScaler": "shardwire.engine.grad_scaler",
     "MixedPrecision": "shardwire.engine.mixed_precision",
+    "Sync": "shardwire.engine.sync",
     "Wire": "shardwire.comm.wire",
     "checkpoint_path": "shardwire.engine.checkpoint",
     "clip_grad_norm_": "shardwire.engine.grad",
@@ -20,6 +21,7 @@ _API = {
     "register_optimizer": "shardwire.engine.sharded_optim_state_dict",
     "save_checkpoint": "shardwire.engine.checkpoint",
     "shard": "shardwire.engine.shard",
+    "sync_now": "shardwire.engine.grad",
 }
 __all__ = list(_API)
 __version__ = "0.1.0"

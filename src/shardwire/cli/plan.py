@@ -21,16 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inputs.add_arguments(parser)
     parser.add_argument("--global-batch", type=int, required=True,
                         help="sequences per optimizer step, all GPUs together")
+    parser.add_argument("--exact", action="store_true",
+                        help="only settings that train as synchronous full-precision training does: no quantized "
+                             "wire, no sync every H steps (both change the optimisation)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.epilog = ("--training gives what is not searched (precision, kernel efficiency); micro-batch, "
-                     "layout, prefetch, activation checkpointing and, on several nodes, the wire are "
-                     "searched, and the rest is what the engine runs.")
+                     "layout, prefetch, activation checkpointing and, on several nodes, the wire and sync every "
+                     "H steps are searched, and the rest is what the engine runs.")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         model, cluster, training = inputs.load_arguments(args)
-        result = plan(model, cluster, args.global_batch, training)
+        result = plan(model, cluster, args.global_batch, training, exact=args.exact)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

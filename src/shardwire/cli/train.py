@@ -19,7 +19,8 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.layout import group_size
+from shardwire.engine.layout import check_sync, group_size
+from shardwire.engine.sync import Sync
 from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
 from shardwire.models.choice import HF_PREFIX, choose
@@ -128,14 +129,20 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {err}") from None
     try:
         world, per_node = _world_and_node_size(config)
-        group_size(config.layout, config.shard_group_size, world, per_node)
+        size = group_size(config.layout, config.shard_group_size, world, per_node)
     except ValueError as err:
         message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
         raise SystemExit(f"error: {message}") from None
     try:
         Wire.parse(config.wire)
+        sync = Sync.parse(config.sync)
     except ValueError as err:
         raise SystemExit(f"error: --{err}") from None
+    try:
+        check_sync(sync, config.layout, size, world)
+    except ValueError as err:
+        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
+        raise SystemExit(f"error: {message.replace('sync=', '--sync ')}") from None
     if config.print_launch:
         return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:

@@ -13,9 +13,10 @@ again for backward. Which ranks the slice is cut for, and which hold the same sl
 layout's (``shardwire.engine.layout``): under ``hybrid_secondary`` the buffer also keeps, from a
 unit's forward to its backward, this rank's part of the gathered buffer within its group (the
 secondary shard), which backward gathers from; under ``hybrid`` each reduced share is all-reduced
-with the other groups' before it lands. With a quantized ``Wire``, gathers and reductions that
-cross nodes carry the buffer quantized, and the buffer keeps the error-feedback residuals of its
-gradients' quantization.
+with the other groups' before it lands, unless the groups sync every H steps instead: then the
+buffer keeps the outer optimizer's state of its shard (``outer``, ``shardwire.engine.outer``).
+With a quantized ``Wire``, gathers and reductions that cross nodes carry the buffer quantized, and
+the buffer keeps the error-feedback residuals of its gradients' quantization (and of its syncs').
 
 On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
 shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
@@ -35,9 +36,10 @@ from torch import nn
 
 from shardwire.comm.communicator import Pending
 from shardwire.comm.wire import Wire
+from shardwire.engine.layout import Layout
+from shardwire.engine.outer import OuterState
 from shardwire.engine.packing import Packing, ParamSlot
 from shardwire.engine.released import ReleasedParameter
-from shardwire.engine.layout import Layout
 
 
 class FlatParam:
@@ -78,9 +80,18 @@ class FlatParam:
         self.residuals: dict[str, torch.Tensor] = {}
         if self._grad_codec is not None and wire.error_feedback:
             pieces = {"reduce_scatter": self._comm.residual_for(packing.padded_numel)}
-            if layout.replicate is not None:
-                pieces["all_reduce"] = layout.replicate.residual_for(packing.shard_numel, all_reduce=True)
+            if layout.gradient_replicas is not None:
+                pieces["all_reduce"] = layout.gradient_replicas.residual_for(packing.shard_numel, all_reduce=True)
             self.residuals = {which: residual for which, residual in pieces.items() if residual is not None}
+        # Sync every H steps: the anchor, the outer momentum and the sync in flight of this shard.
+        self.outer: OuterState | None = None
+        if layout.sync is not None and requires_grad:
+            residual = None
+            if layout.sync.codec is not None:
+                residual = layout.replicate.residual_for(packing.shard_numel, all_reduce=True)
+                if residual is not None:
+                    self.residuals["sync"] = residual
+            self.outer = OuterState(name, shard, layout.replicate, layout.sync, residual)
         self._full = torch.empty(packing.padded_numel, dtype=compute_dtype, device=shard.device)
         self._secondary: torch.Tensor | None = None  # hybrid_secondary, from forward to backward
         self._placeholders = [
@@ -202,7 +213,7 @@ class FlatParam:
             scattered = self._comm.reduce_scatter(
                 share, full, tag=self.name, average=True, holding=(grad,), codec=self._grad_codec,
                 residual=self.residuals.get("reduce_scatter"))
-            across = self._layout.replicate
+            across = self._layout.gradient_replicas
             if across is None:
                 return [scattered], share
             between = across.all_reduce(share, tag=self.name, op="avg", after=scattered, codec=self._grad_codec,

@@ -1,4 +1,5 @@
-"""Gradient utilities for sharded models: global-norm clipping and accumulation without reduction."""
+"""What a training loop calls around a sharded model's step: global-norm clipping, accumulation
+without reduction, and, for groups that sync every H steps, syncing them now."""
 
 from __future__ import annotations
 
@@ -61,3 +62,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         engine.sync_gradients = previous
+
+
+def sync_now(model: nn.Module) -> None:
+    """Sync every group's model now, under ``shard(..., sync=...)``: apply the sync in flight, then
+    average every fragment's change since its last sync and take the outer step, waiting for each.
+    Afterwards every group holds the same model: call it after the last step, before evaluating,
+    exporting or saving the result of training. Every rank must call it; without sync it does
+    nothing (the groups hold the same model at every step)."""
+    engine = engine_of(model)
+    if engine.outer is not None:
+        engine.outer.sync_now()

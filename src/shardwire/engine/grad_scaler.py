@@ -5,8 +5,10 @@ scaled up before backward and the gradients scaled back down before the optimize
 steps whose gradients overflowed. ``torch.amp.GradScaler`` does all of that, but it looks only at the
 gradients this rank holds, which for a sharded model are its shards: one rank would find an
 overflow and skip the step while the others take it, and the ranks' copies of the model would part.
-This scaler decides on every rank together, with one all-reduce (max) of the overflow flag, on the
-device, so ranks skip or take each step as one. Use it exactly as torch's::
+This scaler decides on every rank that splits the buffers together (every rank, or a hybrid
+layout's group, whose gradients are the whole model's), with one all-reduce (max) of the overflow
+flag, on the device, so they skip or take each step as one; groups that sync every H steps decide
+for their own models, with nothing crossing between them. Use it exactly as torch's::
 
     scaler = shardwire.GradScaler(model)
     scaler.scale(loss).backward()
@@ -30,7 +32,7 @@ from shardwire.engine.shard import engine_of
 class GradScaler(torch.amp.GradScaler):
     def __init__(self, model: nn.Module, **kwargs):
         """``kwargs`` are ``torch.amp.GradScaler``'s (``init_scale``, ``growth_interval`` ...)."""
-        self._comm = engine_of(model).comm
+        self._comm = engine_of(model).layout.shard
         super().__init__(self._comm.device.type, **kwargs)
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):

@@ -36,6 +36,11 @@ hybrid_secondary      gather over W (forward), over G (backward),      P (N-1)/N
 With a quantized wire (``shardwire.comm.wire``), ``c`` and ``r`` become its bytes per element for
 the part that crosses nodes: the gathers, and the partial sums of reductions sent between nodes.
 
+``hybrid`` with ``sync`` (``shardwire.engine.sync``) trains each group apart: no gradient is
+all-reduced between groups, and every H steps the ``replicate`` communicator averages the change
+of the parameters instead: ``2 w P (N-1)/N / H`` bytes leaving a node per step for a sync wire of
+``w`` bytes per element.
+
 Memory per rank (fp32 master weights and their gradients, Adam's two moments, so 16 bytes per
 element held; see ``shardwire.sim.memory`` for what a step adds on top): ``16 P / W`` for full,
 ``16 P / G`` for hybrid, ``16 P / W + c P / G`` for hybrid_secondary (every unit's secondary
@@ -54,6 +59,7 @@ import torch.distributed as dist
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
+from shardwire.engine.sync import Sync
 
 LAYOUTS = ("full", "hybrid", "hybrid_secondary")
 
@@ -67,11 +73,33 @@ class Layout:
     shard: Communicator  # splits each buffer: gathers and reduce-scatters
     replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
     secondary: Communicator | None = None  # hybrid_secondary: backward gathers from secondary shards
+    sync: Sync | None = None  # hybrid: the groups train apart and sync every H steps over replicate
 
     @property
     def communicators(self) -> list[Communicator]:
         found = [self.world, self.shard, self.replicate, self.secondary]
         return list({id(c): c for c in found if c is not None}.values())
+
+    @property
+    def checked_every_step(self) -> list[Communicator]:
+        """The communicators whose collectives every step's forward compares across ranks: all of
+        them, except under sync those that span the groups (they carry a collective every H steps,
+        and are compared when a sync is issued), so that no step waits on the link between groups."""
+        if self.sync is None:
+            return self.communicators
+        return [comm for comm in self.communicators if comm is not self.world and comm is not self.replicate]
+
+    @property
+    def reducing(self) -> list[Communicator]:
+        """The communicators that carry gradient reductions (the end of backward waits for them; a
+        sync in flight on ``replicate`` runs on past it)."""
+        return [comm for comm in (self.shard, self.gradient_replicas) if comm is not None]
+
+    @property
+    def gradient_replicas(self) -> Communicator | None:
+        """Where each reduced gradient shard is all-reduced between the groups at every step:
+        ``replicate``, unless the groups sync every H steps instead."""
+        return self.replicate if self.sync is None else None
 
     @property
     def writes_shards(self) -> bool:
@@ -80,22 +108,25 @@ class Layout:
         return self.replicate is None or self.replicate.rank == 0
 
     @classmethod
-    def build(cls, layout: str, size: int, wire: Wire, group: dist.ProcessGroup, device: torch.device,
-              timeout: datetime.timedelta) -> Layout:
+    def build(cls, layout: str, size: int, wire: Wire, sync: Sync | None, group: dist.ProcessGroup,
+              device: torch.device, timeout: datetime.timedelta) -> Layout:
         """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
-        carry ``wire``'s quantized reductions. Every rank creates them in the same order."""
+        carry ``wire``'s quantized reductions and ``sync``'s (checked by ``check_sync``). Every rank
+        creates them in the same order."""
         world = Communicator(group, device, timeout=timeout)
-        _check_same_layout_on_all_ranks(world, layout, size, wire)
+        _check_same_layout_on_all_ranks(world, layout, size, wire, sync)
         if wire.grads is not None and device.type == "cuda" and group is not dist.group.WORLD:
             raise ValueError(
                 f"wire grads={wire.grads!r} over a process group other than the default one is not supported on "
                 f"NCCL (its reductions make subgroups of the nodes, which split the default communicator): shard "
                 f"over the default group, or leave gradients unquantized"
             )
-        built = _communicators(layout, size, world, device, timeout)
+        built = dataclasses.replace(_communicators(layout, size, world, device, timeout), sync=sync)
         if wire.grads is not None:
             for comm in built.communicators:
                 comm.prepare_quantized_reductions()
+        elif sync is not None and sync.codec is not None:
+            built.replicate.prepare_quantized_reductions()
         return built
 
 
@@ -132,6 +163,23 @@ def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_
     return size
 
 
+def check_sync(sync: Sync | None, layout: str, size: int, world: int) -> None:
+    """A ``ValueError`` where ``sync`` cannot run: it averages the groups of the ``hybrid`` layout,
+    of which there must be several. Launchers check their options with it before starting a worker."""
+    if sync is None:
+        return
+    if layout != "hybrid":
+        raise ValueError(
+            f"sync={str(sync)!r} lets the groups of the hybrid layout train apart and averages them every "
+            f"{sync.every} steps; layout={layout!r} has no groups holding a model of their own: use layout='hybrid'"
+        )
+    if size == world:
+        raise ValueError(
+            f"sync={str(sync)!r} averages several groups, and shard_group_size={size} makes one group of all "
+            f"{world} ranks: use a smaller shard_group_size (by default a node's ranks: launch on several nodes)"
+        )
+
+
 def _communicators(layout: str, size: int, world: Communicator, device: torch.device,
                    timeout: datetime.timedelta) -> Layout:
     group = world.group
@@ -150,20 +198,25 @@ def _communicators(layout: str, size: int, world: Communicator, device: torch.de
     return Layout(layout, world, world, secondary=within)
 
 
-def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire) -> None:
+def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire,
+                                    sync: Sync | None) -> None:
     """Ranks asking for different layouts would wait for each other in different group creations
-    until the timeout, and ranks with different wires would exchange messages of different sizes:
-    compare first, and say which rank asked for what."""
+    until the timeout, and ranks with different wires or syncs would exchange messages of different
+    sizes, or at different steps: compare first, and say which rank asked for what."""
     if world.world == 1:
         return
-    rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode())],
-                                   tag="layout check")
+    rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode()),
+                                    zlib.crc32(str(sync).encode())], tag="layout check")
     if any(row[:2] != rows[0][:2] for row in rows):
         asked = "; ".join(f"rank {r}: layout={LAYOUTS[code]!r} in groups of {n}"
-                          for r, (code, n, _) in enumerate(rows))
+                          for r, (code, n, *_) in enumerate(rows))
         raise ValueError(f"ranks asked for different layouts ({asked}): pass the same layout and "
                          f"shard_group_size on every rank")
     differing = [r for r, row in enumerate(rows) if row[2] != rows[0][2]]
     if differing:
         raise ValueError(f"ranks {differing} asked for a different wire than rank 0 (rank {world.rank} asked for "
                          f"wire={str(wire)!r}): pass the same wire on every rank")
+    differing = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
+    if differing:
+        raise ValueError(f"ranks {differing} asked for a different sync than rank 0 (rank {world.rank} asked for "
+                         f"sync={str(sync)!r}): pass the same sync on every rank")

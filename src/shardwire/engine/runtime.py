@@ -14,6 +14,9 @@ backward  root post-forward already opened the backward ``Pass`` and issued its 
           release the parameters, land the reduction issued before it.
           A callback queued on the autograd engine lands the last reductions when backward ends and
           releases every unit still gathered.
+sync      under ``hybrid`` with ``sync``, the end of a backward that reduced gradients is an inner
+          step, and the root pre-forward that follows, before its first gather, applies and issues
+          the syncs between groups that are due (``shardwire.engine.outer``).
 
 Units and models may return anything. Torch's pytree walks the outputs (tuples, lists, dicts,
 namedtuples, registered types such as Hugging Face's ``ModelOutput``, each of which says all it holds);
@@ -61,9 +64,10 @@ from shardwire.comm.communicator import OnIssue, Pending
 from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.comm.records import CommRecord
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
-from shardwire.engine.schedule import Pass
 from shardwire.engine.layout import Layout
+from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
+from shardwire.engine.outer import OuterLoop
+from shardwire.engine.schedule import Pass
 from shardwire.engine.unit import INPUTS, Unit
 
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
@@ -120,6 +124,9 @@ class Engine:
         self.state_dict_keys = state_dict_keys  # the unsharded model's, for full_state_dict
         self.sync_gradients = True
         self._all_units = [root, *units]
+        # sync every H steps across groups: the outer optimisation's schedule (None: synchronous)
+        self.outer = None if layout.sync is None else OuterLoop(
+            [unit.flats for unit in self._all_units], layout.sync, [layout.world, layout.replicate])
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None
@@ -197,8 +204,10 @@ class Engine:
         recording = self._order["forward"] is None
         with record_function("shardwire::pre_forward(<root>)"):
             if not recording:
-                for comm in self.layout.communicators:
+                for comm in self.layout.checked_every_step:
                     comm.verify_order("the step before this forward")
+            if self.outer is not None:
+                self.outer.before_forward()
             for flat in self.flats:
                 flat.check_requires_grad()
             self._gather(self.root, "forward", check=recording)
@@ -344,8 +353,10 @@ class Engine:
         with record_function("shardwire::finish_backward"):
             while self._reductions:
                 self._land_oldest()
-            for comm in self.layout.communicators:
+            for comm in self.layout.reducing:
                 comm.join()
+        if self.outer is not None and self.sync_gradients:
+            self.outer.step_done()
         self._release_all()
         self.emit("backward", None, "end")
 

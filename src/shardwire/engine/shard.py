@@ -22,11 +22,12 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
 from shardwire.engine import sharded_state_dict
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.layout import Layout, group_size
+from shardwire.engine.layout import Layout, check_sync, group_size
 from shardwire.engine.mixed_precision import MixedPrecision
 from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
+from shardwire.engine.sync import Sync
 from shardwire.engine.unit import Unit
 
 _ENGINE_ATTR = "_shardwire_engine"
@@ -45,6 +46,7 @@ def shard(
     layout: str = "full",
     shard_group_size: int | None = None,
     wire: Wire | str | None = None,
+    sync: Sync | str | None = None,
     activation_checkpointing: bool = False,
     compile: bool | Mapping[str, Any] = False,
     timeout: float = 600.0,
@@ -81,6 +83,10 @@ def shard(
             dtypes), "int8" (int8 parameters and gradients), or a ``shardwire.Wire`` (say,
             ``Wire(params="int8", grads="int4")``). Only collectives whose group spans nodes
             quantize; master weights and optimizer state never do. See ``shardwire.comm.wire``.
+        sync: under ``layout="hybrid"``, let the groups train apart and average their parameters'
+            change every H steps instead of their gradients at every step (DiLoCo; Streaming DiLoCo
+            with ``fragments``): a ``shardwire.Sync``, or its string form ("every=50,fragments=4,
+            wire=int4"). It changes the optimisation. See ``shardwire.engine.sync``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         compile: compile each unit's computation with ``torch.compile``, as torchtitan compiles its
             blocks: True, or a dict of torch.compile's keyword arguments (``{"mode": "max-autotune"}``;
@@ -98,6 +104,7 @@ def shard(
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     wire = Wire.parse(wire)
+    sync = Sync.parse(sync)
     compile_options = _compile_options(compile)
     deadline = datetime.timedelta(seconds=timeout)
     if process_group is None:
@@ -107,6 +114,7 @@ def shard(
     world = dist.get_world_size(process_group)
     per_node = groups.placement_of(process_group).ranks_per_node
     size = group_size(layout, shard_group_size, world, per_node)
+    check_sync(sync, layout, size, world)
     if layout != "full" and shard_group_size is None and size == world:
         warnings.warn(
             f"layout={layout!r} takes its groups from the ranks of a node, and here all {world} ranks "
@@ -121,7 +129,8 @@ def shard(
     forwards = [_unit_forward(module, activation_checkpointing, compile_options) for _, module in selected]
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
-    layout = Layout.build(layout, size, wire, process_group, device, deadline)
+    _check_sync_fragments(sync, owned)
+    layout = Layout.build(layout, size, wire, sync, process_group, device, deadline)
     comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 
@@ -262,6 +271,16 @@ def _check_wire_carries(wire: Wire, owned: dict[str, list[OwnedParam]]) -> None:
                     f"wire params={wire.params!r} cannot quantize: keep integer values as buffers "
                     f"(register_buffer), or leave params unquantized (wire='params=none,grads=...')"
                 )
+
+
+def _check_sync_fragments(sync: Sync | None, owned: dict[str, list[OwnedParam]]) -> None:
+    """Fragments are made of whole units with trainable parameters: refuse more fragments than those."""
+    if sync is None:
+        return
+    trainable = sum(any(entry.param.requires_grad for entry in entries) for entries in owned.values())
+    if sync.fragments > trainable:
+        raise ValueError(f"sync fragments={sync.fragments} is more than the {trainable} units with trainable "
+                         f"parameters (each fragment is whole units): use at most {trainable}, or more units")
 
 
 def _build_unit(index, name, module, params, *, layout, policy, wire) -> Unit:

@@ -23,6 +23,9 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            the partial sums a GPU sends across nodes lost, in fp32 (``(N-1) P / W``
                            for ``full`` over W GPUs on N nodes); an all-reduce between hybrid groups
                            keeps one more slot, for its result (``N_g P_g / n_g``)
+    outer state            8 P / s + (4 + 4) P / (s F)   sync every H steps: the anchor and the
+                           outer momentum of the shards, fp32, and while one of the F fragments
+                           syncs, its change (fp32) and, overlapped, the shards it was sent from
     activations            m (kept + the root's + one unit's full activations + logits), where
                            kept is every unit's boundary with activation checkpointing, every
                            unit's full activations without (under a selective policy, the
@@ -60,6 +63,7 @@ class MemoryEstimate:
     unit_gradients: float
     communication_buffers: float
     error_feedback: float
+    outer_state: float
     activations: float
     usable: float
 
@@ -93,6 +97,9 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         gathered_units = sum(u.params for u in arch.units)
 
     accumulated = r * P if training.grad_accum > 1 else 0.0
+    outer = 0.0
+    if (sync := training.sync_settings) is not None:
+        outer = 8 * P / shard_over + (8 if sync.lag else 4) * P / shard_over / sync.fragments
     secondary = 0.0
     if training.layout == "hybrid_secondary" and training.reshards:
         secondary = c * sum(u.params for u in arch.units) / group_size(cluster, training)
@@ -112,6 +119,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         unit_gradients=c * largest + accumulated,
         communication_buffers=(REDUCTIONS_IN_FLIGHT + 1) * r * largest,
         error_feedback=4 * sum(error_feedback_elements(u.params, cluster, training) for u in (arch.root, *arch.units)),
+        outer_state=outer,
         activations=activations,
         usable=USABLE_FRACTION * cluster.gpu_memory_gb * GIB,
     )

@@ -16,6 +16,12 @@ whose memory does not fit are not simulated; the rest are ranked by step time, t
 
 The explanation sets the winner against what changing each of its settings alone would give:
 slower, or not fitting, which is why it wins; and names the runner-up.
+
+Sync every H steps (hybrid groups that train apart, ``shardwire.engine.sync``) is searched apart, on
+several nodes: it changes the optimisation, not only the step, so it never wins in place of
+synchronous training; the plan offers its fastest configuration beside the winner (``synced``), with
+that caveat. Quantized wires change the optimisation too, if within a quantization's error:
+``exact`` leaves out both.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ _HYBRID = ("hybrid", "hybrid_secondary")
 # gathers stay within a node's group and never quantize, the same for gradients alone.
 WIRES = ("none", "int8", "params=int8,grads=int4")
 HYBRID_WIRES = ("none", "grads=int8", "grads=int4")
+# Sync every H steps, as ``shardwire train --sync`` takes it, for the hybrid layout (in and out of
+# resharding): the sync's defaults, whose cost in validation loss at equal tokens BENCHMARKS.md measures.
+SYNCS = ("every=20,fragments=4",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +72,14 @@ class Plan:
     alternatives: list[Alternative]
     candidates: int
     fitting: int
+    synced: Prediction | None = None  # the fastest that syncs every H steps instead, where offered
 
 
-def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec) -> Plan:
-    """Search the settings; raises ``SpecError`` when the batch is out of range or does not divide, or
-    nothing fits."""
+def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
+         exact: bool = False) -> Plan:
+    """Search the settings (with ``exact``, only those that train as synchronous training in full
+    precision does: no quantized wire, and no sync offered); raises ``SpecError`` when the batch is
+    out of range or does not divide, or nothing fits."""
     if global_batch < 1:
         raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
     if global_batch > MAX_BATCH:
@@ -81,7 +93,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"{', '.join(str(b) for b in (lower, upper) if b > 0)}"
         )
     per_gpu = global_batch // world
-    candidates = candidate_settings(per_gpu, cluster, base)
+    candidates = candidate_settings(per_gpu, cluster, base, exact=exact)
     arch = architecture(model, base.compute_bytes)
     memory = {t: estimate_memory(arch, cluster, t) for t in candidates}
     fitting = [t for t in candidates if memory[t].fits]
@@ -104,13 +116,18 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
     for change, t in _one_changes(best.training, candidates):
         p = by_training.get(t)
         alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
-    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting))
+    synced = None
+    if not exact and cluster.nodes > 1:
+        syncing = [t for t in sync_settings(per_gpu, cluster, base) if estimate_memory(arch, cluster, t).fits]
+        synced = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
+    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), synced)
 
 
 def describe_settings(t: TrainingSpec) -> str:
     """The searched settings of ``t``, as the plan and its errors name them."""
     return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, layout {_layout(t)}, prefetch {t.prefetch}, "
-            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, wire {t.wire}")
+            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, wire {t.wire}"
+            + ("" if t.sync == "none" else f", sync {t.sync}"))
 
 
 def _divisors(n: int) -> list[int]:
@@ -120,22 +137,30 @@ def _divisors(n: int) -> list[int]:
     return low + [n // d for d in reversed(low) if d * d != n]
 
 
-def _settings(per_gpu: int, cluster: ClusterSpec):
+def _settings(per_gpu: int, cluster: ClusterSpec, exact: bool):
     micro_batches = [m for m in _divisors(per_gpu) if per_gpu // m <= MAX_GRAD_ACCUM]
     layouts = [s for s in _LAYOUTS if s[0] not in _HYBRID or cluster.nodes > 1]
     for micro, (layout, reshard), prefetch, checkpointing in itertools.product(
         micro_batches, layouts, range(MAX_PREFETCH + 1), (False, True)
     ):
-        wires = (HYBRID_WIRES if layout == "hybrid" else WIRES) if cluster.nodes > 1 else ("none",)
+        wires = (HYBRID_WIRES if layout == "hybrid" else WIRES) if cluster.nodes > 1 and not exact else ("none",)
         for wire in wires:
             yield dict(micro_batch=micro, grad_accum=per_gpu // micro, layout=layout,
                        reshard_after_forward=reshard, prefetch=prefetch, activation_checkpointing=checkpointing,
                        wire=wire)
 
 
-def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
-    """Every configuration the planner considers for ``per_gpu`` samples per GPU and step."""
-    return [_training(base, **settings) for settings in _settings(per_gpu, cluster)]
+def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec, *,
+                       exact: bool = False) -> list[TrainingSpec]:
+    """Every synchronous configuration the planner considers for ``per_gpu`` samples per GPU and step
+    (with ``exact``, no quantized wire)."""
+    return [_training(base, **settings) for settings in _settings(per_gpu, cluster, exact)]
+
+
+def sync_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
+    """The configurations that sync every H steps (``SYNCS``): the hybrid ones, exact otherwise."""
+    return [_training(base, **settings, sync=sync) for settings in _settings(per_gpu, cluster, exact=True)
+            if settings["layout"] == "hybrid" for sync in SYNCS]
 
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
@@ -152,10 +177,13 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
         shard_args["shard_group_size"] = group_size(cluster, t)
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": t.precision,
                    "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
+    sync = None if t.sync == "none" else t.sync
+    if sync is not None:
+        shard_args["sync"] = sync
     options = command_line({"batch": t.micro_batch, "grad_accum": t.grad_accum, "layout": layout,
                             "shard_group_size": shard_args.get("shard_group_size"), "reshard": t.reshards,
                             "prefetch": t.prefetch, "precision": t.precision,
-                            "activation_checkpointing": t.activation_checkpointing, "wire": t.wire})
+                            "activation_checkpointing": t.activation_checkpointing, "wire": t.wire, "sync": sync})
     return options, shard_args
 
 

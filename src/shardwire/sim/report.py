@@ -39,8 +39,13 @@ def fit_problem(p: Prediction) -> str:
 
 
 def notes(p: Prediction) -> list[str]:
-    """What the prediction leaves out for want of a cluster figure."""
+    """What the prediction leaves out for want of a cluster figure, and what it cannot say: how a
+    setting that changes the optimisation trains."""
     missing = []
+    if (sync := p.training.sync_settings) is not None:
+        missing.append(f"sync every {sync.every} steps changes the optimisation, not only the step: groups train apart "
+                       f"between syncs (BENCHMARKS.md measures the validation loss against synchronous training at "
+                       f"equal tokens); shardwire plan --exact leaves it out")
     if p.cluster.memory_bandwidth_GBps is None:
         missing.append("optimizer step not priced: the cluster gives no memory_bandwidth_GBps")
     if p.training.wire_format.quantized and p.cluster.nodes > 1 and p.cluster.quantize_gelems is None:
@@ -115,7 +120,8 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('layout', layout)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
         f"{setting('precision', t.precision)} (reduce {setting('reduce_precision', t.reduce_precision)}), "
-        f"wire {t.wire}, {setting('activation_checkpointing', checkpointing)}, "
+        f"wire {t.wire}{'' if t.sync == 'none' else f', sync {t.sync}'}, "
+        f"{setting('activation_checkpointing', checkpointing)}, "
         f"{setting('compute_efficiency', f'kernels at {100 * t.compute_efficiency:g}% of peak')}",
     ]
 
@@ -229,6 +235,7 @@ def plan_json(result: Plan, global_batch: int) -> dict:
         ],
         "candidates": result.candidates,
         "fitting": result.fitting,
+        "synced": None if result.synced is None else _with_run(result.synced),
     }
 
 
@@ -273,4 +280,10 @@ def plan_text(result: Plan, global_batch: int) -> str:
         r = result.runner_up
         lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
                       f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r)]
+    if result.synced is not None:
+        s = result.synced
+        lines += ["", f"or sync   {describe_settings(s.training)}: {s.step_time_s:.4g} s "
+                      f"({100 * (s.step_time_s / best.step_time_s - 1):+.1f}%), "
+                      f"{s.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs",
+                  *(f"          note: {n}" for n in notes(s)), *_how_to_run(s)]
     return "\n".join(lines)

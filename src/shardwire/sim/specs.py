@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardwire.comm.wire import Wire
+from shardwire.engine.sync import Sync
 
 
 class SpecError(ValueError):
@@ -287,7 +288,9 @@ class TrainingSpec:
     ``reduce_precision`` defaults to fp32, as the engine reduces; ``wire`` is what collectives put
     on the wire between nodes, as ``shard(wire=...)`` and ``shardwire train --wire`` take it ("none",
     "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``);
-    ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
+    ``sync`` lets the groups of ``hybrid`` train apart and average their change every H steps, as
+    ``shard(sync=...)`` takes it ("none", or pairs such as "every=50,fragments=4,wire=int4":
+    ``shardwire.engine.sync.Sync.parse``); ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
     ``recompute_fraction`` is the share of a block's forward FLOPs that backward recomputes under
     ``activation_checkpointing``, and of its activations forward does not keep: 1 (the default)
     for full checkpointing, the engine's; less for a selective policy (torchtitan's keeps the
@@ -304,6 +307,7 @@ class TrainingSpec:
     precision: str = "bf16"
     reduce_precision: str = "fp32"
     wire: str = "none"
+    sync: str = "none"
     activation_checkpointing: bool = False
     recompute_fraction: float | None = None
     compute_efficiency: float = 0.6
@@ -316,6 +320,9 @@ class TrainingSpec:
         _choice(self, "precision", PRECISIONS)
         _choice(self, "reduce_precision", PRECISIONS)
         _check_value("block", self.wire_format.block)
+        if self.sync_settings is not None and self.layout != "hybrid":
+            raise SpecError(f"sync applies to layout 'hybrid', whose groups train apart between syncs, not "
+                            f"{self.layout!r}")
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
             if self.layout not in ("hybrid", "hybrid_secondary"):
@@ -351,6 +358,14 @@ class TrainingSpec:
         """``wire`` parsed, or the reason it cannot be."""
         try:
             return Wire.parse(self.wire)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
+
+    @property
+    def sync_settings(self) -> Sync | None:
+        """``sync`` parsed (None: synchronous training), or the reason it cannot be."""
+        try:
+            return Sync.parse(self.sync)
         except ValueError as err:
             raise SpecError(str(err)) from None
 

@@ -33,6 +33,15 @@ world for forward and within the group for backward. A quantized ``wire`` change
 collectives move and adds its kernels to them where their group spans nodes
 (``shardwire.sim.costs``); the schedule stays the same.
 
+With ``sync`` (hybrid groups that train apart, ``shardwire.engine.sync``) no gradient is
+all-reduced between the groups; the step is the average one of the sync's cycle, which carries
+``1/H`` of the model's sync: an all-reduce of ``P / (G H)`` elements of each GPU's change with its
+peers in the other groups, fp32 or packed by the sync's wire, on a lane of its own. Overlapped (the
+default), it is issued as the step starts and waited for as it ends, so it costs only what the link
+cannot carry beside the step; with ``overlap=0`` the step waits for it at once. (A fragment's sync
+is whole and spread over the steps it overlaps, not cut in H pieces: the average is the same, its
+collectives' latencies are counted H times.)
+
 Left out: host overheads, stragglers and jitter; the step is the idealized schedule of the engine
 on ideal links.
 """
@@ -166,10 +175,11 @@ def gather_phases(unit: UnitCost, group: Group, cluster: ClusterSpec, training: 
 def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> list[tuple[str, float, Group]]:
     """The collectives that reduce a gradient of ``params`` elements, in order, as (op, elements,
     group): a reduce-scatter over the shard group and, under hybrid sharding with several groups,
-    an all-reduce of each GPU's shard with its peers in the other groups."""
+    an all-reduce of each GPU's shard with its peers in the other groups (unless they sync every H
+    steps instead)."""
     group = shard_group(cluster, training)
     steps = [("reduce_scatter", params, group)]
-    if training.layout == "hybrid" and group.size < cluster.world:
+    if training.layout == "hybrid" and group.size < cluster.world and training.sync_settings is None:
         steps.append(("all_reduce", params / group.size, _column(group.size, cluster)))
     return steps
 
@@ -193,17 +203,49 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
     return steps
 
 
+def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
+    """The GPUs a sync averages over: each GPU's peers at its position in the other groups (the
+    engine's ``replicate`` communicator); None without sync. Syncing needs several groups."""
+    if training.sync_settings is None:
+        return None
+    size = group_size(cluster, training)
+    if size == cluster.world:
+        raise SpecError(f"sync averages several groups, and shard_group_size {size} makes one group of all "
+                        f"{cluster.world} GPUs: use a smaller one, or more nodes")
+    return _column(size, cluster)
+
+
+def sync_phases(params: float, cluster: ClusterSpec, training: TrainingSpec) -> tuple[float, list[Phase]] | None:
+    """The sync one step carries on average, as (bytes in fp32, phases): one GPU's change of its
+    shard of the model's ``params``, ``1/H`` of it, all-reduced with its peers in the other groups,
+    packed by the sync's wire where they are on other nodes; None without sync."""
+    group = sync_group(cluster, training)
+    if group is None:
+        return None
+    sync = training.sync_settings
+    numel = params / group_size(cluster, training) / sync.every
+    codec = costs.crossing_nodes(sync.codec, group)
+    if codec is None:
+        return 4 * numel, costs.all_reduce_phases(4 * numel, group, cluster)
+    return 4 * numel, costs.quantized_all_reduce_phases(numel, 4, group, cluster, codec)
+
+
 def error_feedback_elements(params: int, cluster: ClusterSpec, training: TrainingSpec) -> int:
     """The fp32 elements of error feedback one GPU keeps for a buffer of ``params``: for each of its
     reductions whose gradients the wire quantizes across nodes, a slot per other node of the group
     (the partial sums it sends), and for an all-reduce one more (its result, which it gathers
-    quantized), as ``Communicator.residual_for`` allocates them."""
+    quantized), as ``Communicator.residual_for`` allocates them; and the same for the all-reduce of
+    its sync, where the sync's wire quantizes it."""
     wire = training.wire_format
+    synced = sync_group(cluster, training)
+    kept = 0
+    if synced is not None and costs.crossing_nodes(training.sync_settings.codec, synced) is not None:
+        kept = synced.nodes * math.ceil(params / group_size(cluster, training) / synced.size)  # the sync's
     if not wire.error_feedback:
-        return 0
-    return sum((group.nodes - 1 + (op == "all_reduce")) * math.ceil(numel / group.size)
-               for op, numel, group in reductions(params, cluster, training)
-               if costs.crossing_nodes(wire.grad_codec, group) is not None)
+        return kept
+    return kept + sum((group.nodes - 1 + (op == "all_reduce")) * math.ceil(numel / group.size)
+                      for op, numel, group in reductions(params, cluster, training)
+                      if costs.crossing_nodes(wire.grad_codec, group) is not None)
 
 
 class _Lane:
@@ -291,8 +333,8 @@ class _Step:
         self.stalls: list[Stall] = []
         self.compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self.processor = Processor(self.sim)
-        self._gathers, self._reductions, self._scalars = (
-            _Lane(self.sim, self.links, self.processor, cluster, self.comms) for _ in range(3))
+        self._gathers, self._reductions, self._scalars, self._syncs = (
+            _Lane(self.sim, self.links, self.processor, cluster, self.comms) for _ in range(4))
         self._gathered: dict[str, Event] = {}
         self._shard_group = shard_group(cluster, training)
         self._backward_group = backward_gather_group(cluster, training)
@@ -323,11 +365,18 @@ class _Step:
     # ------------------------------------------------------------------------------- the program
 
     def _step(self) -> Process:
+        synced = sync_phases(self.arch.params, self.cluster, self.training)
+        if synced is not None:  # issued as the forward starts (the engine's root pre-forward)
+            sync = self._syncs.submit("all_reduce", "sync", *synced)
+            if self.training.sync_settings.lag == 0:
+                yield from self._wait(sync, "sync between groups (not overlapped)", "")
         for micro in range(self.training.grad_accum):
             yield from self._micro_batch(sync=micro == self.training.grad_accum - 1)
         norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,  # over the ranks that split buffers
                                     costs.scalar_all_reduce_phases(self._shard_group, self.cluster))
         yield from self._wait(norm, "gradient-norm all-reduce", "")
+        if synced is not None:
+            yield from self._wait(sync, "sync backlog", "")  # the link carries less than 1/H of the model a step
         yield from self._compute("optimizer", self._optimizer_s)
 
     def _micro_batch(self, *, sync: bool) -> Process:

@@ -61,6 +61,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         layout=config.layout,
         shard_group_size=config.shard_group_size,
         wire=config.wire,
+        sync=config.sync,
         mixed_precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
@@ -138,6 +139,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         log.close()
     if profiler is not None and config.steps > start:
         _save_profile(profiler, config, rank)
+    shardwire.sync_now(model)  # groups that sync every H steps end as one model
     val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
     if rank == 0:
         trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
@@ -207,7 +209,8 @@ def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _describe_layout(engine) -> str:
     layout = engine.layout
     if layout.replicate is not None:
-        return f"hybrid ({layout.replicate.world} groups of {layout.shard.world})"
+        synced = "" if layout.sync is None else f", sync {layout.sync}"
+        return f"hybrid ({layout.replicate.world} groups of {layout.shard.world}{synced})"
     if layout.secondary is not None:
         return f"hybrid_secondary (backward within groups of {layout.secondary.world})"
     return "full" if layout.name == "full" else f"{layout.name} in one group (as full)"

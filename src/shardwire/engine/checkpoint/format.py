@@ -10,7 +10,11 @@ A checkpoint is a directory::
                                  residuals (quantized wires); one file per rank. Under
                                  hybrid sharding every group holds the same shards, and only the
                                  first group's ranks save them: a buffer's packing is then cut for
-                                 fewer ranks than saved, and the other ranks' files hold RNG states
+                                 fewer ranks than saved, and the other ranks' files hold RNG states.
+                                 Groups that sync every H steps hold models of their own between
+                                 syncs, so each group saves its shards and optimizer state (``groups``
+                                 of them, group g in the files of ranks g*G onwards), and each rank
+                                 also the outer optimizer's state laid out like its shards
         replicated.safetensors   what every rank holds alike: the model's buffers
         manifest.json            written last: each flat buffer's packing, the optimizer's class,
                                  param groups (hyperparameters, parameter names) and which state
@@ -44,8 +48,8 @@ from shardwire.engine.packing import Packing, ParamSlot
 
 FORMAT = "shardwire-checkpoint"
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
-# sharded over fewer ranks than saved (hybrid sharding)
-VERSION = 4
+# sharded over fewer ranks than saved (hybrid sharding); 5: groups that saved shards of their own
+VERSION = 5
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
 
@@ -100,6 +104,16 @@ def residual_key(flat: str, reduction: str) -> str:
     return f"residual/{flat}/{reduction}"
 
 
+def outer_key(flat: str, state: str) -> str:
+    """The outer optimizer's state of a flat buffer (sync every H steps), laid out like its shard."""
+    return f"outer/{flat}/{state}"
+
+
+# The outer optimisation's schedule: inner steps done, the step whose sync was issued, the step the
+# sync in flight is applied after (``OuterLoop.state``).
+OUTER_SCHEDULE = "outer/schedule"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -149,6 +163,9 @@ class Manifest:
     optimizer: dict | None
     extra: object
     files: list[FileRecord]
+    # groups whose ranks saved shards of their own (group g: the files of ranks g * G onwards, for
+    # buffers packed for G ranks): 1 where every group holds the same (sync every H steps: each)
+    groups: int = 1
     version: int = VERSION  # of the format it was written in
 
     def to_json(self) -> str:
@@ -165,6 +182,7 @@ class Manifest:
             "optimizer": self.optimizer,
             "extra": self.extra,
             "files": [dataclasses.asdict(f) for f in self.files],
+            "groups": self.groups,
         }
         return json.dumps({**body, "sha256": _body_sha256(body)}, indent=1)
 
@@ -203,9 +221,11 @@ class Manifest:
             body = {key: value for key, value in raw.items() if key != "sha256"}
             if schema.sha256(raw.get("sha256"), "sha256") != _body_sha256(body):
                 raise ValueError("its contents differ from the sha256 it records: the manifest is corrupted")
-        raw = schema.fields(raw, "the manifest", _KEYS if version == 1 else (*_KEYS, "sha256"))
+        keys = (*_KEYS, "sha256") if version != 1 else _KEYS
+        raw = schema.fields(raw, "the manifest", (*keys, "groups") if version >= 5 else keys)
         step = None if raw["step"] is None else schema.integer(raw["step"], "step")
         world_size = schema.integer(raw["world_size"], "world_size", minimum=1)
+        groups = schema.integer(raw["groups"], "groups", minimum=1) if version >= 5 else 1
         files = _files_from_json(raw["files"], world_size)
         flats = [_flat_from_json(flat, f"flats[{i}]", world_size, version)
                  for i, flat in enumerate(schema.array(raw["flats"], "flats"))]
@@ -221,12 +241,15 @@ class Manifest:
             raise ValueError("state_dict_keys are not the names of the parameters and buffers it describes")
         if version >= 3:
             _check_optimizer(raw["optimizer"], flats)
-        return cls(step, world_size, flats, buffers, state_dict_keys, raw["optimizer"], raw["extra"], files, version)
+        if any(groups * flat.packing.world_size > world_size for flat in flats):
+            raise ValueError(f"groups is {groups}, more than the {world_size} saving ranks hold for its flat buffers")
+        return cls(step, world_size, flats, buffers, state_dict_keys, raw["optimizer"], raw["extra"], files,
+                   groups=groups, version=version)
 
 
 # Version 1 manifests (before a manifest recorded its own sha256) are read with every other check;
 # the optimizer state of versions 1 and 2 (kept per flat buffer) is not read.
-_READABLE_VERSIONS = (1, 2, 3, VERSION)
+_READABLE_VERSIONS = (1, 2, 3, 4, VERSION)
 _KEYS = ("format", "version", "step", "world_size", "flats", "buffers", "state_dict_keys", "optimizer", "extra",
          "files")
 

@@ -6,6 +6,11 @@ buffers; save hybrid in groups of 2, load full at 3: the first group's files hol
 Nothing is modified until every rank has read and verified all it needs: a load either completes
 on every rank or changes nothing anywhere.
 
+Groups that sync every H steps (``shard(..., sync=...)``) each saved their own shards, optimizer
+and outer state: a run with as many groups reads its own group's, re-sliced for its group size;
+one with another number of groups, or without sync, reads the first group's, and a run with sync
+that loads a checkpoint saved without it starts its outer optimisation from the loaded parameters.
+
 RNG states are per rank: at the world size the checkpoint was saved at, each rank gets its own back,
 so a resumed run draws the same random numbers (dropout masks) as an uninterrupted one. At another
 world size the ranks are different processes with different roles, and no old rank's stream is the
@@ -28,12 +33,14 @@ from shardwire.engine.checkpoint import optim, series
 from shardwire.engine.checkpoint.claim import claim
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
+    OUTER_SCHEDULE,
     REPLICATED,
     CheckpointError,
     FlatRecord,
     buffer_key,
     buffer_records,
     first_difference,
+    outer_key,
     param_key,
     rank_file,
     residual_key,
@@ -129,6 +136,8 @@ class _Staged:
     optimizer_state: dict | None
     rng: dict[str, torch.Tensor]
     residuals: dict[str, torch.Tensor]  # error feedback, by key; restored where saved alike
+    outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
+    schedule: list[int] | None  # and the outer optimisation's place (None: saved without sync)
 
     @classmethod
     def read(
@@ -146,14 +155,17 @@ class _Staged:
             if difference is not None:
                 raise CheckpointError(f"{path} was saved from a different model: {difference}")
             reader.check_complete()
+            saving_group = _saving_group(manifest.groups, engine)
             shards = {}
             for saved, flat in zip(manifest.flats, engine.flats):
                 start, stop = flat.shard_range
-                shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.packing.dtype)
+                shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.packing.dtype,
+                                                      saving_group)
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
-            state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer)
+            state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, saving_group)
+            outer, schedule = _outer_state(reader, engine, saving_group) if engine.outer is not None else ({}, None)
             rng, residuals = {}, {}
             if manifest.world_size == world:
                 rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())
@@ -161,7 +173,7 @@ class _Staged:
                     rng["cuda"] = _rng_state(reader, rank, "cuda", torch.cuda.get_rng_state(engine.device))
                 residuals = _residuals(reader, rank, engine)
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
-        return cls(info, shards, buffers, state, rng, residuals)
+        return cls(info, shards, buffers, state, rng, residuals, outer, schedule)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
         copy_into_model(engine, model, self.shards, self.buffers)
@@ -174,10 +186,44 @@ class _Staged:
                     residual.copy_(saved)
         if optimizer is not None:
             optimizer.load_state_dict(self.optimizer_state)
+        if engine.outer is not None:
+            for flat in engine.flats:
+                if flat.outer is not None:
+                    flat.outer.load_state(self.outer.get(flat.name, {}), flat.shard)
+            engine.outer.load_state(self.schedule)
         if "cpu" in self.rng:
             torch.set_rng_state(self.rng["cpu"])
         if "cuda" in self.rng:
             torch.cuda.set_rng_state(self.rng["cuda"], engine.device)
+
+
+def _saving_group(saved_groups: int, engine: Engine) -> int:
+    """The saving group whose shards this rank reads: its own group's where the checkpoint holds as
+    many groups' as this run trains apart (sync every H steps), else the first's."""
+    replicate = engine.layout.replicate
+    if engine.outer is not None and saved_groups == replicate.world:
+        return replicate.rank
+    return 0
+
+
+def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
+                 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[int] | None]:
+    """The outer state group ``saving_group`` saved, re-sliced for this rank's shards as the shards
+    are, and the schedule's place; none of it where the checkpoint was saved without sync."""
+    states = {}
+    for saved, flat in zip(reader.manifest.flats, engine.flats):
+        if flat.outer is None:
+            continue
+        held = set(reader.keys(reader.shard_file(saved, 0, saving_group)))
+        start, stop = flat.shard_range
+        states[flat.name] = {
+            key: reader.flat_range(saved, outer_key(flat.name, key), start, stop, dtype, saving_group)
+            for key, dtype in flat.outer.dtypes.items() if outer_key(flat.name, key) in held
+        }
+    first = reader.shard_file(reader.manifest.flats[0], 0, saving_group)
+    if OUTER_SCHEDULE not in reader.keys(first):
+        return states, None
+    return states, reader.tensor(first, OUTER_SCHEDULE, (3,), torch.int64).tolist()
 
 
 def _residuals(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str, torch.Tensor]:

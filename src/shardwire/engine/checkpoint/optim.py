@@ -32,7 +32,6 @@ from shardwire.engine.checkpoint.format import (
     dtype_name,
     optim_key,
     parse_dtype,
-    rank_file,
     scalar_key,
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
@@ -158,9 +157,10 @@ def merged_state(per_rank: list[dict[str, dict[str, dict]]]) -> dict[str, dict[s
 
 
 def read_state_dict(
-    reader: CheckpointReader, engine: Engine, optimizer: torch.optim.Optimizer
+    reader: CheckpointReader, engine: Engine, optimizer: torch.optim.Optimizer, saving_group: int = 0
 ) -> dict:
-    """This rank's optimizer state at the current world size, as ``optimizer.load_state_dict`` takes it."""
+    """This rank's optimizer state at the current world size, as ``optimizer.load_state_dict`` takes it,
+    from the state that group ``saving_group`` saved (``Manifest.groups``)."""
     manifest, where = reader.manifest, reader.directory
     saved = manifest.optimizer
     if saved is None:
@@ -185,7 +185,8 @@ def read_state_dict(
     for saved_group, group, entries in zip(saved["param_groups"], optimizer.param_groups, held):
         ids = []
         for entry in entries:
-            values = _read_param_state(reader, records[entry.flat.name], entry, saved["state"].get(entry.name, {}))
+            values = _read_param_state(reader, records[entry.flat.name], entry, saved["state"].get(entry.name, {}),
+                                       saving_group)
             if values:
                 state[index] = values
             ids.append(index)
@@ -198,7 +199,7 @@ def read_state_dict(
     return {"state": state, "param_groups": param_groups}
 
 
-def _read_param_state(reader: CheckpointReader, record, entry: _Held, keys: dict) -> dict:
+def _read_param_state(reader: CheckpointReader, record, entry: _Held, keys: dict, saving_group: int) -> dict:
     start, end = entry.part
     if start == end:
         return {}
@@ -207,10 +208,12 @@ def _read_param_state(reader: CheckpointReader, record, entry: _Held, keys: dict
     for key, spec in keys.items():
         dtype = parse_dtype(spec["dtype"])
         if spec["kind"] == PER_ELEMENT:
-            values[key] = reader.flat_range(record, optim_key(record.name, key), offset + start, offset + end, dtype)
+            values[key] = reader.flat_range(record, optim_key(record.name, key), offset + start, offset + end, dtype,
+                                            saving_group)
         else:
             first_holder = offset // packing.shard_numel  # at the saving world size
-            values[key] = reader.tensor(rank_file(first_holder), scalar_key(entry.name, key), (), dtype)
+            values[key] = reader.tensor(reader.shard_file(record, first_holder, saving_group),
+                                        scalar_key(entry.name, key), (), dtype)
     return values
 
 

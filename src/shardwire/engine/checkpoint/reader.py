@@ -68,8 +68,10 @@ class CheckpointReader:
             )
         return tensor
 
-    def flat_range(self, flat: FlatRecord, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements [start, stop) of a flat buffer, from the shards the old ranks saved under ``key``.
+    def flat_range(self, flat: FlatRecord, key: str, start: int, stop: int, dtype: torch.dtype,
+                   saving_group: int = 0) -> torch.Tensor:
+        """Elements [start, stop) of a flat buffer, from the shards the old ranks of group
+        ``saving_group`` saved under ``key`` (``shard_file``).
 
         ``start`` and ``stop`` may lie anywhere in the buffer padded for another world size; the
         padding, beyond the parameters' elements, reads as zeros.
@@ -82,7 +84,7 @@ class CheckpointReader:
             lo, hi = max(start, shard_start), min(data_stop, shard_stop)
             if lo >= hi:
                 continue
-            file = rank_file(old_rank)
+            file = self.shard_file(flat, old_rank, saving_group)
             piece = self._holding(file, key).get_slice(key)
             if piece.get_shape() != [packing.shard_numel]:
                 raise CheckpointError(
@@ -91,6 +93,12 @@ class CheckpointReader:
                 )
             out[lo - start : hi - start] = piece[lo - shard_start : hi - shard_start]
         return out
+
+    @staticmethod
+    def shard_file(flat: FlatRecord, old_rank: int, saving_group: int = 0) -> str:
+        """The file holding shard ``old_rank`` of ``flat`` as group ``saving_group`` saved it: a
+        buffer packed for G ranks is held by ranks g * G onwards (``Manifest.groups``)."""
+        return rank_file(saving_group * flat.packing.world_size + old_rank)
 
     def _holding(self, file: str, key: str):
         """The open (verified) ``file``, which must hold ``key``."""

@@ -51,10 +51,12 @@ from shardwire.engine.checkpoint.format import (
     CheckpointError,
     FileRecord,
     FlatRecord,
+    OUTER_SCHEDULE,
     Manifest,
     buffer_key,
     buffer_records,
     new_token,
+    outer_key,
     param_key,
     rank_file,
     residual_key,
@@ -253,12 +255,20 @@ class _Snapshot:
                 f"extra must be JSON-serializable (dicts, lists, strings, numbers): {err}"
             ) from None
         rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
-        writes_shards = engine.layout.writes_shards  # one group's under hybrid sharding: all hold the same
+        # Under hybrid sharding every group holds the same shards and the first group's are saved;
+        # groups that sync every H steps train models of their own, and each group's are.
+        writes_shards = engine.layout.writes_shards or engine.outer is not None
         tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
         for flat in engine.flats:
             for reduction, residual in flat.residuals.items():
                 tensors[residual_key(flat.name, reduction)] = _host_copy(residual)
+        if engine.outer is not None:
+            engine.outer.wait()  # the sync in flight is saved as arrived, to be applied when it was due
+            for flat in engine.flats:
+                for key, value in ({} if flat.outer is None else flat.outer.state()).items():
+                    tensors[outer_key(flat.name, key)] = _host_copy(value)
+            tensors[OUTER_SCHEDULE] = torch.tensor(engine.outer.state(), dtype=torch.int64)
         if engine.device.type == "cuda":
             tensors[rng_key("cuda")] = torch.cuda.get_rng_state(engine.device)
         buffers = buffer_records(engine, model)
@@ -276,6 +286,7 @@ class _Snapshot:
             optimizer=None if optimizer_state is None else optimizer_state.record,
             extra=extra,
             files=[],
+            groups=1 if engine.outer is None else engine.layout.replicate.world,
         )
         finite = keep is None or all(bool(torch.isfinite(tensors[param_key(flat.name)]).all())
                                      for flat in engine.flats if param_key(flat.name) in tensors)

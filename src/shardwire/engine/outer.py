@@ -1,0 +1,192 @@
+"""The outer optimisation of sync every H steps (``shardwire.engine.sync``): its state and its schedule.
+
+Each trainable flat buffer keeps an ``OuterState`` beside its shard: this rank's slice of the anchor
+(the parameters every group last agreed on, in fp32) and of the outer momentum, both shaped like
+the shard, so that a checkpoint saves and re-slices them as it does the shard itself. A sync of the
+buffer is one all-reduce, between the ranks at this rank's position in every group (the layout's
+``replicate`` communicator), of the change since the anchor, quantized as the sync's wire says; it
+runs on that communicator's own lane or stream while training goes on, and is applied later by
+the outer step.
+
+``OuterLoop`` decides when. The engine tells it when a step's gradients have been reduced (the end
+of a backward outside ``no_sync``: an inner step), and calls it when the next forward starts, before
+its first gather: by then the inner optimizer has stepped, so the shard holds the step's
+parameters, and nothing of the forward has read them yet. There it applies the sync whose time has
+come and issues the one that is due, so no optimizer hook and no host synchronization is needed
+(on CUDA the compute stream only waits for the all-reduce's event when it applies it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from shardwire.comm.communicator import Communicator, Pending
+from shardwire.engine.sync import Sync
+
+
+class OuterState:
+    """The outer optimizer's state of one flat buffer, and the sync in flight, if any: ``change``,
+    the change since the anchor being averaged in place, and, for an overlapped sync, ``sent``, the
+    shard its eager step gave (what the inner progress made meanwhile is measured from)."""
+
+    def __init__(self, name: str, shard: torch.Tensor, comm: Communicator, sync: Sync,
+                 residual: torch.Tensor | None):
+        self.anchor = shard.detach().float().clone()
+        self.momentum = torch.zeros_like(self.anchor)
+        # What a checkpoint keeps (``state``), each shaped like the shard, by its dtype.
+        self.dtypes = {"anchor": torch.float32, "momentum": torch.float32, "change": torch.float32,
+                       "sent": shard.dtype}
+        self.change: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None
+        self._tag = f"{name} (sync)"
+        self._comm = comm
+        self._sync = sync
+        self._residual = residual  # error feedback of the quantized all-reduce (FlatParam.residuals)
+        self._pending: Pending | None = None
+
+    @torch.no_grad()
+    def send(self, shard: torch.Tensor, *, eager: bool) -> None:
+        """Start averaging the change since the anchor across the groups (DiLoCo's outer gradient,
+        ``anchor - shard``). With ``eager``, for a sync that runs behind the inner steps, take the
+        outer step at once with this group's own change in place of the average (Kale et al.'s eager
+        updates, 2025) and remember the shard it gives, so that the inner steps go on from an
+        up-to-date model and ``apply`` replaces this group's change by the average under them."""
+        self.change = self.anchor - shard.detach().float()
+        self.sent = None
+        if eager:
+            step = self.momentum.mul(self._sync.momentum).add_(self.change)
+            step = self.change.add(step, alpha=self._sync.momentum)
+            shard.copy_(self.anchor.sub(step, alpha=self._sync.outer_lr))
+            self.sent = shard.detach().clone()
+        self._pending = self._comm.all_reduce(self.change, tag=self._tag, op="avg", codec=self._sync.codec,
+                                              residual=self._residual)
+
+    def wait(self) -> None:
+        """Let the average arrive (it is applied by ``apply``); a checkpoint saves it so."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    @torch.no_grad()
+    def apply(self, shard: torch.Tensor) -> None:
+        """The outer step: Nesterov SGD on the anchor with the averaged change as its gradient (as
+        ``torch.optim.SGD(nesterov=True)`` steps), then the shard becomes the new anchor, plus the
+        inner progress made since the eager step of an overlapped sync."""
+        self.wait()
+        momentum, lr = self._sync.momentum, self._sync.outer_lr
+        self.momentum.mul_(momentum).add_(self.change)
+        self.anchor.sub_(self.change.add(self.momentum, alpha=momentum), alpha=lr)
+        progress = None if self.sent is None else shard - self.sent
+        shard.copy_(self.anchor)
+        if progress is not None:
+            shard.add_(progress)
+        self.change = self.sent = None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The anchor and the momentum and, for a sync in flight (``wait`` for it first), its average
+        and the shard it was sent from: what a checkpoint keeps."""
+        found = {"anchor": self.anchor, "momentum": self.momentum, "change": self.change, "sent": self.sent}
+        return {key: value for key, value in found.items() if value is not None}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor], shard: torch.Tensor) -> None:
+        """Restore what ``state`` gave (host tensors); without an anchor (a checkpoint saved without
+        sync), start afresh from ``shard``: it is the anchor, with no momentum and nothing in flight."""
+        self.wait()
+        if "anchor" not in state:
+            self.anchor.copy_(shard)
+            self.momentum.zero_()
+            self.change = self.sent = None
+            return
+        self.anchor.copy_(state["anchor"])
+        self.momentum.copy_(state["momentum"])
+        self.change = state["change"].to(self.anchor.device) if "change" in state else None
+        self.sent = state["sent"].to(shard.device) if "sent" in state else None
+
+
+class OuterLoop:
+    """When each fragment of the model syncs (``Sync.due``), and the sync in flight.
+
+    ``steps`` counts inner steps: backward passes that reduced gradients. A fragment due after step
+    ``t`` is sent when the next forward starts and applied when the forward after step ``t + lag``
+    starts (at once with no overlap), before the next fragment is sent. Before each sync, the
+    communicators that span the groups (``spanning``) compare the collectives each rank issued on
+    them since the last: they carry nothing at the steps between, which therefore never wait on the
+    link between groups.
+    """
+
+    def __init__(self, flats_by_unit: list[list], sync: Sync, spanning: list[Communicator]):
+        synced = [[flat for flat in flats if flat.outer is not None] for flats in flats_by_unit]
+        synced = [flats for flats in synced if flats]
+        count = sync.fragments
+        self.sync = sync
+        self._spanning = spanning
+        self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
+        self.steps = 0
+        self.checked = 0  # the step whose due sync has been issued
+        self.in_flight: tuple[list, int] | None = None  # (the flats being synced, the step they are applied after)
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def before_forward(self) -> None:
+        """Apply the sync whose time has come and send the one due after this step, once per step."""
+        if self.checked == self.steps:
+            return
+        self.checked = self.steps
+        if self.in_flight is not None and self.steps >= self.in_flight[1]:
+            self._apply()
+        due = self.sync.due(self.steps)
+        if due is None:
+            return
+        if self.in_flight is not None:  # sent under another schedule (a resumed run that changed it)
+            self._apply()
+        lag = self.sync.lag
+        self._send(due, eager=lag > 0, applied_after=self.steps + lag)
+        if lag == 0:
+            self._apply()
+
+    def sync_now(self) -> None:
+        """Apply the sync in flight, then sync every fragment at once, waiting for each: afterwards
+        every group holds the same model (to evaluate or export the result of training)."""
+        if self.in_flight is not None:
+            self._apply()
+        for fragment in range(len(self.fragments)):
+            self._send(fragment, eager=False, applied_after=self.steps)
+            self._apply()
+
+    def state(self) -> list[int]:
+        """The schedule's place, for a checkpoint: the inner steps done, the step whose sync was
+        issued, and the step the sync in flight is applied after (-1: none). Call ``wait`` first:
+        the flats in flight are those whose ``OuterState`` holds a change."""
+        return [self.steps, self.checked, -1 if self.in_flight is None else self.in_flight[1]]
+
+    def load_state(self, state: list[int] | None) -> None:
+        """Restore ``state``, once the flats' ``OuterState`` are (None: a checkpoint saved without
+        sync; the schedule starts again)."""
+        self.steps, self.checked, applied_after = state or (0, 0, -1)
+        flats = [flat for fragment in self.fragments for flat in fragment if flat.outer.change is not None]
+        self.in_flight = (flats, applied_after) if applied_after >= 0 and flats else None
+
+    def wait(self) -> None:
+        """Let the sync in flight arrive, without applying it (before a checkpoint saves it)."""
+        if self.in_flight is not None:
+            for flat in self.in_flight[0]:
+                flat.outer.wait()
+
+    def _send(self, fragment: int, *, eager: bool, applied_after: int) -> None:
+        flats = self.fragments[fragment]
+        with record_function(f"shardwire::sync(fragment {fragment})"):
+            for comm in self._spanning:
+                comm.verify_order("the syncs before this one")
+            for flat in flats:
+                flat.outer.send(flat.shard, eager=eager)
+        self.in_flight = (flats, applied_after)
+
+    def _apply(self) -> None:
+        flats, _ = self.in_flight
+        with record_function("shardwire::outer_step"):
+            for flat in flats:
+                flat.outer.apply(flat.shard)
+        self.in_flight = None

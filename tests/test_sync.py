@@ -1,0 +1,373 @@
+"""Sync every H steps across groups (DiLoCo, Streaming DiLoCo): the settings and their checks, the
+outer step against a hand-computed reference, H=1 against synchronous training, a quantized sync,
+the fragments' schedule, checkpoints taken while a sync is in flight, and the training job's option.
+
+Quality over a whole run, against synchronous training at equal tokens: ``benchmarks/sync_quality.py``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+import shardwire
+from harness import run_workers
+from shardwire.cli import main
+from shardwire.engine.layout import check_sync
+from shardwire.engine.sync import Sync
+from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+
+# ------------------------------------------------------------------------------------ settings
+
+
+def test_sync_settings_parse_and_round_trip():
+    assert Sync.parse(None) is None and Sync.parse("none") is None
+    assert Sync.parse("every=50,fragments=4,wire=int8") == Sync(every=50, fragments=4, wire="int8")
+    assert Sync.parse("every=5, wire=none, overlap=0") == Sync(every=5, wire=None, overlap=0)
+    for sync in (Sync(), Sync(every=7, fragments=3, wire=None, outer_lr=0.5, momentum=0.0, overlap=1)):
+        assert Sync.parse(str(sync)) == sync
+    assert Sync() == Sync(every=20, fragments=4, wire="int4", outer_lr=0.7, momentum=0.9)  # DiLoCo's outer SGD
+
+
+def test_each_fragment_syncs_once_every_h_steps_at_staggered_steps():
+    sync = Sync(every=50, fragments=4)
+    due = {step: sync.due(step) for step in range(1, 201) if sync.due(step) is not None}
+    assert list(due.items())[:4] == [(12, 0), (25, 1), (37, 2), (50, 3)]  # as torchft places them
+    for fragment in range(4):
+        steps = [step for step, f in due.items() if f == fragment]
+        assert len(steps) == 4 and all(b - a == 50 for a, b in zip(steps, steps[1:]))
+    assert sync.lag == 12 and Sync(every=50, fragments=4, overlap=0).lag == 0
+    assert Sync(every=50, fragments=1).lag == 0 and Sync(every=50, fragments=1, overlap=10).lag == 10
+    assert [step for step in range(1, 61) if Sync(every=20, fragments=1).due(step) is not None] == [20, 40, 60]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("every=0", "sync every must be a positive integer"),
+    ("every=2.5", "sync every must be a positive integer, got '2.5'"),
+    ("every=4,fragments=5", "sync fragments=5 is more than every=4"),
+    ("wire=int2", "sync wire must be none, 'int8' or 'int4'"),
+    ("outer_lr=0", "sync outer_lr must be a positive number"),
+    ("outer_lr=nan", "sync outer_lr must be a positive number"),
+    ("momentum=1", "sync momentum must be at least 0 and below 1"),
+    ("every=8,fragments=2,overlap=5", "sync overlap must be an integer from 0 to every // fragments = 4"),
+    ("fast", "sync 'fast' is not understood"),
+    ("every=5,speed=2", "is not understood"),
+])
+def test_bad_sync_settings_are_refused_in_one_line(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        Sync.parse(text)
+
+
+@pytest.mark.parametrize("layout, size, world, message", [
+    ("full", 4, 4, "layout='full' has no groups holding a model of their own: use layout='hybrid'"),
+    ("hybrid_secondary", 2, 4, "layout='hybrid_secondary' has no groups"),
+    ("hybrid", 4, 4, "shard_group_size=4 makes one group of all 4 ranks"),
+])
+def test_sync_without_groups_of_their_own_is_refused(layout, size, world, message):
+    with pytest.raises(ValueError, match=message):
+        check_sync(Sync(), layout, size, world)
+    check_sync(None, layout, size, world)
+
+
+def test_the_train_command_refuses_a_bad_sync_before_any_worker_starts():
+    for args, message in [
+        (["--sync", "every=0"], "error: --sync every must be a positive integer"),
+        (["--layout", "full", "--sync", "every=5"], "error: --sync 'every=5,.*' lets the groups of the hybrid layout"),
+        (["--nproc", "2", "--layout", "hybrid", "--sync", "every=5"], "--shard-group-size 2 makes one group"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["train", *args])
+
+
+def test_sync_on_one_process_is_refused_by_shard():
+    with pytest.raises(ValueError, match="layout='full' has no groups"):
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sync="every=5")
+
+
+# ----------------------------------------------------------------------------- the outer step
+
+TOKENS = 33  # PRESETS["tiny"] has 32 positions
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, TOKENS), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _group_model(model) -> dict[str, torch.Tensor]:
+    """This rank's group's model, as each flat buffer's values (``full_state_dict`` gives rank 0's)."""
+    from shardwire.engine.shard import engine_of
+
+    engine, model_of_group = engine_of(model), {}
+    for flat in engine.flats:
+        full = torch.empty(flat.packing.padded_numel, dtype=flat.shard.dtype)
+        engine.layout.shard.all_gather(full, flat.shard.detach(), tag="test").wait()
+        model_of_group[flat.name] = full[: flat.packing.numel]
+    return model_of_group
+
+
+def _sgd_steps(model, optimizer, rank: int, steps: range, after_step=None) -> None:
+    for step in steps:
+        tokens = _batch(rank, step)
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step)
+
+
+def _outer_steps_by_hand(rank, world):
+    """Two groups of one rank, SGD inside, a sync every 2 steps without overlap: each rank's shards
+    before each sync, and after it (a forward applies it)."""
+    from shardwire.engine.shard import engine_of
+
+    torch.manual_seed(0)
+    sync = Sync(every=2, fragments=1, wire=None, overlap=0, outer_lr=0.7, momentum=0.9)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, sync=sync)
+    flats = engine_of(model).flats
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initial = [flat.shard.clone() for flat in flats]
+    before, after = [], []
+
+    def record(step):
+        if (step + 1) % 2 == 0:
+            before.append([flat.shard.clone() for flat in flats])
+            with torch.no_grad():
+                model(_batch(rank, 0)[:, :-1])  # the forward after a due step applies its sync
+            after.append([flat.shard.clone() for flat in flats])
+
+    _sgd_steps(model, optimizer, rank, range(4), record)
+    return initial, before, after
+
+
+@pytest.mark.slow
+def test_the_outer_step_is_nesterov_sgd_on_the_averaged_change():
+    (initial, before0, after0), (_, before1, after1) = run_workers(2, _outer_steps_by_hand)
+    anchor = [tensor.clone() for tensor in initial]
+    momentum = [torch.zeros_like(tensor) for tensor in initial]
+    for sync in range(2):
+        for i in range(len(anchor)):
+            change = ((anchor[i] - before0[sync][i]) + (anchor[i] - before1[sync][i])) / 2
+            momentum[i] = 0.9 * momentum[i] + change
+            anchor[i] = anchor[i] - 0.7 * (change + 0.9 * momentum[i])
+            assert not torch.equal(before0[sync][i], before1[sync][i])  # the groups trained apart
+            torch.testing.assert_close(after0[sync][i], anchor[i], rtol=1e-6, atol=1e-7)
+            assert torch.equal(after0[sync][i], after1[sync][i])  # and agree after the sync
+
+
+def _sgd_run(rank, world, sync):
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, sync=sync)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _sgd_steps(model, optimizer, rank, range(3))
+    shardwire.sync_now(model)
+    return shardwire.full_state_dict(model) if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_a_sync_every_step_with_outer_lr_1_and_no_momentum_is_synchronous_training():
+    """Averaging the parameters after each SGD step is SGD on the averaged gradient."""
+    synchronous = run_workers(2, _sgd_run, None)[0]
+    averaged = run_workers(2, _sgd_run, Sync(every=1, fragments=1, wire=None, outer_lr=1.0, momentum=0.0, overlap=0))[0]
+    for key, value in synchronous.items():
+        torch.testing.assert_close(averaged[key], value, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------- the quantized sync, fragments
+
+
+def _streaming_run(rank, world, sync, precision):
+    """Eight Adam steps of two groups (two nodes of one rank each, so the sync's wire quantizes) with
+    a micro-batch under no_sync and clipping: the syncs each buffer sent, by step; what crossed
+    the nodes; the model after sync_now, and its residuals."""
+    from shardwire.engine.shard import engine_of
+
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
+                            sync=sync, mixed_precision=precision)
+    engine = engine_of(model)
+    initial = _group_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    sent = {}
+    for step in range(8):
+        with engine.record() as records:
+            tokens = _batch(rank, step)
+            with shardwire.no_sync(model):
+                loss_fn(model(tokens[:1, :-1]), tokens[:1, 1:]).backward()
+            loss_fn(model(tokens[1:, :-1]), tokens[1:, 1:]).backward()
+            shardwire.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        sent[step] = [(r.tag.removesuffix(" (sync)"), r.nbytes, r.wire_nbytes) for r in records
+                      if r.tag.endswith("(sync)")]
+    shardwire.sync_now(model)
+    residuals = {flat.name: flat.residuals.get("sync") for flat in engine.flats}
+    return sent, initial, _group_model(model), residuals
+
+
+@pytest.mark.slow
+def test_streaming_fragments_sync_each_unit_once_per_h_steps_and_a_quantized_sync_stays_close():
+    env = {"LOCAL_WORLD_SIZE": "1"}  # two nodes: what crosses between the groups is quantized
+    exact = run_workers(2, _streaming_run, Sync(every=4, fragments=2, wire=None), "bf16", env=env)
+    quantized = run_workers(2, _streaming_run, Sync(every=4, fragments=2, wire="int4"), "bf16", env=env)
+    (sent, initial, trained, _), (sent_q, _, trained_q, residuals_q) = exact[0], quantized[0]
+    # The forwards after steps 2, 4 and 6 issue syncs (after step 8, sync_now syncs everything):
+    # fragment 0 (the root and blocks.1, units dealt in turn) after steps 2 and 6, fragment 1 after 4.
+    by_step = {step: sorted(tag for tag, _, _ in records) for step, records in sent.items() if records}
+    assert by_step == {2: ["<root>", "blocks.1"], 4: ["blocks.0", "blocks.2"], 6: ["<root>", "blocks.1"]}
+    assert all(nbytes == wire for records in sent.values() for _, nbytes, wire in records)  # fp32 as it is
+    assert all(wire < 0.14 * nbytes for records in sent_q.values() for _, nbytes, wire in records)  # int4
+    assert all(residual is not None and residual.abs().max() > 0 for residual in residuals_q.values())
+    for name, value in trained.items():  # int4 changes with error feedback, against exact ones
+        assert (trained_q[name] - value).norm() <= 0.1 * (value - initial[name]).norm(), name
+    for rank in (exact, quantized):  # one model after sync_now
+        assert all(torch.equal(rank[1][2][name], value) for name, value in rank[0][2].items())
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_mid_interval(rank, world, root, group_size):
+    """Two groups, a sync every 4 steps in 2 fragments with overlap: save after step 3 (fragment 0's
+    sync in flight), train on; then resume from the checkpoint into a fresh model and train on alike."""
+    from shardwire.engine.shard import engine_of
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=group_size,
+                                sync=Sync(every=4, fragments=2, wire=None))
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+
+    def train(model, optimizer, steps):
+        group = rank // group_size
+        for step in steps:
+            tokens = _batch(group, step)[rank % group_size :: group_size]  # the group's batch, split in it
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    path = pathlib.Path(root) / f"groups-of-{group_size}"
+    model, optimizer = build(0)
+    train(model, optimizer, range(3))
+    in_flight = engine_of(model).outer.in_flight is not None
+    shardwire.save_checkpoint(path, model, optimizer, step=3)
+    saved = _group_model(model)
+    train(model, optimizer, range(3, 7))
+    uninterrupted = _group_model(model)
+    model, optimizer = build(1)
+    shardwire.load_checkpoint(path, model, optimizer)
+    restored = _group_model(model)
+    train(model, optimizer, range(3, 7))
+    return in_flight, saved, uninterrupted, restored, _group_model(model), str(path)
+
+
+def _load_in_groups_of_one(rank, world, path):
+    torch.manual_seed(1)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
+                            sync=Sync(every=4, fragments=2, wire=None))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    shardwire.load_checkpoint(path, model, optimizer)
+    return _group_model(model)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_while_a_sync_is_in_flight_resumes_exactly_and_reshards_within_groups(tmp_path):
+    results = run_workers(4, _checkpoint_mid_interval, str(tmp_path), 2)
+    for in_flight, saved, uninterrupted, restored, resumed, path in results:
+        assert in_flight
+        for key, value in saved.items():
+            assert torch.equal(restored[key], value), key
+        for key, value in uninterrupted.items():
+            assert torch.equal(resumed[key], value), key
+    # rank 2 leads the second group, whose model differs from the first's between syncs
+    assert any(not torch.equal(results[2][1][key], value) for key, value in results[0][1].items())
+    # The same checkpoint in groups of one rank: each group gets its own model back.
+    reloaded = run_workers(2, _load_in_groups_of_one, path)
+    for group, (leader, mine) in enumerate(zip((results[0], results[2]), reloaded)):
+        for key, value in leader[1].items():
+            assert torch.equal(mine[key], value), (group, key)
+
+
+# ------------------------------------------------------------------------- simulator and planner
+
+
+def _sync_prediction(sync: str, *, inter_gbps: float = 10.0):
+    from shardwire.sim.predict import predict
+    from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, parse
+
+    model = ModelSpec(name="aligned", layers=2, hidden=1024, heads=8, vocab=1023, seq_len=128)
+    cluster = ClusterSpec(nodes=2, gpus_per_node=4, peak_tflops=100.0, gpu_memory_gb=80.0,
+                          intra_node=LinkSpec(100.0), inter_node=LinkSpec(inter_gbps), algorithm="hierarchical")
+    return predict(model, cluster, parse("training", {"layout": "hybrid", "micro_batch": 2, "sync": sync}))
+
+
+def test_the_simulator_sends_1_over_h_of_a_sync_per_step_and_exposes_it_only_without_overlap():
+    synchronous = _sync_prediction("none")
+    every = {h: _sync_prediction(f"every={h},fragments=1,wire=none") for h in (5, 20)}
+    params = synchronous.arch.params
+    # hybrid's all-reduce of fp32 gradient shards between 2 nodes: 2 x 4 P / 2 leave each node
+    assert synchronous.timeline.link_bytes["inter"] == pytest.approx(4 * params)
+    for h, p in every.items():  # the same all-reduce of the change, 1/H of it per step
+        assert p.timeline.link_bytes["inter"] == pytest.approx(4 * params / h)
+        assert p.memory.outer_state == pytest.approx(8 * params / 4 + 4 * params / 4)  # anchor, momentum, change
+    int4 = _sync_prediction("every=20,fragments=1,wire=int4")
+    assert int4.timeline.link_bytes["inter"] < 0.14 * every[20].timeline.link_bytes["inter"]
+    # a slow link: overlapped, the sync hides behind the step; blocking, the step waits for it
+    overlapped = _sync_prediction("every=5", inter_gbps=0.01)
+    blocking = _sync_prediction("every=5,overlap=0", inter_gbps=0.01)
+    assert overlapped.exposed_by_reason.get("sync between groups (not overlapped)", 0) == 0
+    assert blocking.exposed_by_reason["sync between groups (not overlapped)"] > 0
+    assert blocking.step_time_s > overlapped.step_time_s
+
+
+def test_a_sync_the_simulator_cannot_run_is_a_spec_error():
+    from shardwire.sim.specs import SpecError, parse
+
+    with pytest.raises(SpecError, match="sync applies to layout 'hybrid'"):
+        parse("training", {"layout": "full", "sync": "every=5"})
+    with pytest.raises(SpecError, match="sync every must be a positive integer"):
+        parse("training", {"layout": "hybrid", "sync": "every=0"})
+
+
+def test_the_planner_offers_sync_beside_its_choice_with_the_caveat_and_exact_leaves_out_what_is_lossy(capsys):
+    args = ["plan", "--model", "gpt2-1.5b", "--cluster", "h100-100gbe", "--nodes", "2", "--global-batch", "64"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["best"]["training"]["sync"] == "none"  # the choice trains as synchronous training does
+    synced = result["synced"]
+    assert synced["training"]["sync"] == "every=20,fragments=4" and synced["training"]["layout"] == "hybrid"
+    assert synced["step_time_s"] < result["best"]["step_time_s"]
+    assert synced["bytes_per_step"]["inter_node"] < result["best"]["bytes_per_step"]["inter_node"] / 3
+    assert "--sync every=20,fragments=4" in synced["run"]["command"]
+    assert any("changes the optimisation" in note for note in synced["notes"])
+    assert main(args) == 0
+    printed = capsys.readouterr().out.split("\nor sync ")[1]
+    assert "note: sync every 20 steps changes the optimisation" in printed and "sync='every=20,fragments=4'" in printed
+    assert main([*args, "--exact"]) == 0
+    exact = capsys.readouterr().out
+    assert "sync" not in exact and "int8" not in exact and "int4" not in exact
+
+
+# ---------------------------------------------------------------------------------- the train job
+
+
+@pytest.mark.slow
+def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tmp_path, capfd):
+    """Two groups of one rank, micro-batches under no_sync, bf16, clipping, the profiler and
+    checkpoints every 3 steps; then a resumed run to step 8."""
+    job = ["train", "--nproc", "2", "--model", "tiny", "--layout", "hybrid", "--shard-group-size", "1",
+           "--sync", "every=4,fragments=2", "--grad-accum", "2", "--precision", "bf16", "--log-every", "3",
+           "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
+    assert main([*job, "--steps", "6", "--profile", "--run-dir", str(tmp_path / "run")]) == 0
+    out = capfd.readouterr().out
+    assert "layout hybrid (2 groups of 1, sync every=4,fragments=2,wire=int4,outer_lr=0.7,momentum=0.9)" in out
+    assert "validation loss" in out
+    profile = json.loads((tmp_path / "run" / "profile.json").read_text())
+    synced = [step["step"] for step in profile["steps"]
+              if (step["ranks"][0] if isinstance(step["ranks"], list) else step["ranks"]["0"])["all_reduce_bytes"] > 8]
+    assert synced == [2, 4]  # the forwards after steps 2 and 4 sent a fragment each (0-based steps)
+    manifest = json.loads((tmp_path / "ckpt" / "step_00000006" / "manifest.json").read_text())
+    assert manifest["groups"] == 2 and manifest["version"] == 5
+    assert main([*job, "--steps", "8"]) == 0
+    assert "resuming from" in capfd.readouterr().out
