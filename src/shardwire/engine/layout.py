@@ -54,6 +54,7 @@ import torch.distributed as dist
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
+from shardwire.engine.mixed_precision import DTYPES, MixedPrecision
 
 LAYOUTS = ("full", "hybrid", "hybrid_secondary")
 
@@ -80,12 +81,13 @@ class Layout:
         return self.replicate is None or self.replicate.rank == 0
 
     @classmethod
-    def build(cls, layout: str, size: int, wire: Wire, group: dist.ProcessGroup, device: torch.device,
-              timeout: datetime.timedelta) -> Layout:
+    def build(cls, layout: str, size: int, wire: Wire, policy: MixedPrecision, group: dist.ProcessGroup,
+              device: torch.device, timeout: datetime.timedelta) -> Layout:
         """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
-        carry ``wire``'s quantized reductions. Every rank creates them in the same order."""
+        carry ``wire``'s quantized reductions. Every rank creates them in the same order, once all ranks
+        agree on what their collectives will carry: the layout, the wire and the mixed-precision ``policy``."""
         world = Communicator(group, device, timeout=timeout)
-        _check_same_layout_on_all_ranks(world, layout, size, wire)
+        _check_same_settings_on_all_ranks(world, layout, size, wire, policy)
         if wire.grads is not None and device.type == "cuda" and group is not dist.group.WORLD:
             raise ValueError(
                 f"wire grads={wire.grads!r} over a process group other than the default one is not supported on "
@@ -150,20 +152,28 @@ def _communicators(layout: str, size: int, world: Communicator, device: torch.de
     return Layout(layout, world, world, secondary=within)
 
 
-def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire) -> None:
+def _check_same_settings_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire,
+                                      policy: MixedPrecision) -> None:
     """Ranks asking for different layouts would wait for each other in different group creations
-    until the timeout, and ranks with different wires would exchange messages of different sizes:
-    compare first, and say which rank asked for what."""
+    until the timeout, and ranks with different wires or mixed precision would exchange messages of
+    different sizes or dtypes, which no backend reports clearly (gloo aborts): compare every setting
+    that shapes the collectives first, in one small all-gather, and say which rank asked for what."""
     if world.world == 1:
         return
-    rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode())],
-                                   tag="layout check")
+    precision = [DTYPES.index(policy.param_dtype), DTYPES.index(policy.reduce_dtype)]
+    rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode()), *precision],
+                                   tag="settings check")
     if any(row[:2] != rows[0][:2] for row in rows):
         asked = "; ".join(f"rank {r}: layout={LAYOUTS[code]!r} in groups of {n}"
-                          for r, (code, n, _) in enumerate(rows))
+                          for r, (code, n, *_) in enumerate(rows))
         raise ValueError(f"ranks asked for different layouts ({asked}): pass the same layout and "
                          f"shard_group_size on every rank")
     differing = [r for r, row in enumerate(rows) if row[2] != rows[0][2]]
     if differing:
         raise ValueError(f"ranks {differing} asked for a different wire than rank 0 (rank {world.rank} asked for "
                          f"wire={str(wire)!r}): pass the same wire on every rank")
+    if any(row[3:] != rows[0][3:] for row in rows):
+        asked = "; ".join(f"rank {r}: param_dtype={DTYPES[param]}, reduce_dtype={DTYPES[reduce]}"
+                          for r, (*_, param, reduce) in enumerate(rows))
+        raise ValueError(f"ranks asked for different mixed precision ({asked}): pass the same mixed_precision "
+                         f"on every rank")

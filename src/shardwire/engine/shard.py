@@ -121,7 +121,7 @@ def shard(
     forwards = [_unit_forward(module, activation_checkpointing, compile_options) for _, module in selected]
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
-    layout = Layout.build(layout, size, wire, process_group, device, deadline)
+    layout = Layout.build(layout, size, wire, policy, process_group, device, deadline)
     comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 
