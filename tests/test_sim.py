@@ -46,7 +46,9 @@ def test_specs_name_missing_and_unknown_keys():
     ("model", {**dataclasses.asdict(GPT), "decoder_seq_len": 10}, "'encoder-decoder' only"),
     ("training", {"micro_batch": -1}, "micro_batch must be positive"),
     ("training", {"grad_accum": 257}, "grad_accum 257 is more micro-batches than the simulator steps through"),
-    ("training", {"compute_efficiency": 1.5}, r"compute_efficiency .* \(0, 1\]"),
+    ("cluster", {**dataclasses.asdict(cluster()), "matmul_efficiency": 1.5}, r"matmul_efficiency .* \(0, 1\]"),
+    ("training", {"fp8_all_gather": True}, "fp8_all_gather .* needs precision fp8"),
+    ("training", {"reduce_precision": "fp8"}, "reduce_precision must be one of fp32, bf16, fp16"),
     ("training", {"layout": "grad_op", "reshard_after_forward": True}, "cannot be true"),
     ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
     ("training", {"activation_checkpointing": "yes"}, "true or false"),
@@ -177,13 +179,18 @@ def test_processes_wait_for_events_and_timeouts():
 
 
 def test_without_communication_the_step_is_its_compute():
+    """Without a memory bandwidth only FLOPs take time: matrix multiplies at the default 70% of
+    peak, three times over (four for the recomputed blocks), and flash attention at 50%, computing
+    half of each causal score matrix, its backward 2.5 times its forward."""
     fast = cluster(2, 4, intra=1e12, inter=1e12)
     p = predict(GPT, fast, TrainingSpec(micro_batch=4, activation_checkpointing=True))
     arch = architecture(GPT, 2)
     recomputed = sum(u.forward_flops for u in arch.units)  # checkpointing recomputes the blocks
     flops = 4 * (3 * arch.forward_flops + recomputed)
     assert p.hardware_flops_per_gpu == flops
-    assert p.compute_time_s == pytest.approx(flops / (100e12 * 0.6))
+    matmuls = 4 * (4 * sum(m.flops for u in arch.units for m in u.matmuls) + 3 * arch.root.matmuls[0].flops)
+    attention = 4 * (1 + 2.5 + 1) * sum(a.flops / 2 for u in arch.units for a in u.attention)
+    assert p.compute_time_s == pytest.approx(matmuls / (100e12 * 0.7) + attention / (100e12 * 0.5))
     assert p.step_time_s == pytest.approx(p.compute_time_s, rel=1e-3)
 
 
@@ -325,7 +332,7 @@ def test_t5_3b_preset_batch_takes_the_memory_t5_11b_takes_at_batch_50():
 
 def test_presets_are_consistent():
     for model in MODELS.values():
-        assert math.isclose(architecture(model, 2).params, model.params, rel_tol=0.05)
+        assert model.params is None or math.isclose(architecture(model, 2).params, model.params, rel_tol=0.05)
     for c in CLUSTERS.values():  # a node's NICs together at most match one GPU's NVLink (Grand Teton)
         assert c.inter_node.busbw_GBps <= c.intra_node.busbw_GBps
         assert c.inter_node.compute_share < c.intra_node.compute_share  # fewer channels: the NICs set them

@@ -14,6 +14,7 @@ from shardwire.cli import main
 from shardwire.sim import planner
 from shardwire.sim.inputs import cluster_from_bench, load_spec
 from shardwire.sim.planner import plan
+from shardwire.sim.predict import predict
 from shardwire.sim.presets import CLUSTERS, MODELS
 from shardwire.sim.specs import SpecError, TrainingSpec
 
@@ -63,7 +64,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt5", "--cluster", "a100-100gbe"], "unknown model preset 'gpt5'; known presets: gpt2-125m"),
+    (["--model", "gpt5", "--cluster", "a100-100gbe"], "unknown model preset 'gpt5'; known presets: tiny, small"),
     (["--model", "{layers: 2, hidden: 64}", "--cluster", "a100-100gbe"], "missing key(s) heads, vocab, seq_len"),
     (["--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, inter_node: {busbw_GBps: -1}}"],
      "busbw_GBps must be positive"),
@@ -75,7 +76,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"],
      "nodes must be a whole number, got '[1'"),
-    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: gpt2-125m"),
+    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: tiny, small"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
@@ -222,56 +223,60 @@ PROFILE = {"forward_s": 0.004, "backward_s": 0.008, "optimizer_s": 0.001, "wait_
 
 
 def test_calibration_reads_the_measured_runs(calibrate):
-    """scaling.json as benchmarks/scaling.py writes it."""
+    """scaling.json as benchmarks/scaling.py writes it; a rank's share of the machine is the
+    compute-only step on one rank over the step on as many as the run had."""
     doc = {"args": {"model": "30m", "batch": 2, "prefetch": 2, "reshard": True},
-           "compute_times_s": {"2": [0.4], "4": [0.5, 0.7, 0.6]},
+           "compute_times_s": {"1": [0.25], "2": [0.5], "4": [0.5, 1.5, 1.0]},
            "rows": [{"system": "fsdp2", "cluster": "2x2 @1gbit", "step_times": [9.0], "profile": None},
                     {"system": "shardwire", "cluster": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0], "profile": PROFILE},
                     {"system": "shardwire", "cluster": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE},
                     {"system": "shardwire-hybrid", "cluster": "2x2 @1gbit", "step_times": [1.2], "profile": PROFILE}]}
-    settings, runs = calibrate.read_measured(doc)
-    assert settings == calibrate.Settings("30m", 2, 2, True)
-    assert runs == [calibrate.Run("shardwire", 2, 2, "1gbit", 1.5, 0.6, PROFILE),
-                    calibrate.Run("shardwire", 1, 2, None, 2.0, 0.4, PROFILE),
-                    calibrate.Run("shardwire-hybrid", 2, 2, "1gbit", 1.2, 0.6, PROFILE)]
+    settings, runs, alone = calibrate.read_measured(doc)
+    assert settings == calibrate.Settings("30m", 2, 2, True) and alone == 0.25
+    assert runs == [calibrate.Run("shardwire", 2, 2, "1gbit", 1.5, 0.25, PROFILE),
+                    calibrate.Run("shardwire", 1, 2, None, 2.0, 0.5, PROFILE),
+                    calibrate.Run("shardwire-hybrid", 2, 2, "1gbit", 1.2, 0.25, PROFILE)]
     assert [r.cluster for r in runs] == ["2x2 @1gbit", "1x2", "2x2 @1gbit"]
     assert runs[0].engine_compute_s == pytest.approx(0.013)
+    without_one_rank = {**doc, "compute_times_s": {"2": [0.5], "4": [1.0]}}
+    with pytest.raises(ValueError, match="no compute-only step on one rank"):
+        calibrate.read_measured(without_one_rank)
+    assert calibrate.read_measured(without_one_rank, one_rank_s=0.25)[1][0].share == 0.25
     with pytest.raises(ValueError, match="no shardwire run"):
         calibrate.read_measured({**doc, "rows": doc["rows"][:1]})
     unprofiled = {**doc, "rows": [{**doc["rows"][1], "profile": None}]}
     with pytest.raises(ValueError, match="shardwire's run on 2x2 @1gbit has no profile"):
         calibrate.read_measured(unprofiled)
+    with pytest.raises(ValueError, match="no shardwire run on 1x1"):
+        calibrate.one_rank(runs)
 
 
-def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_path):
-    from shardwire.sim.architecture import architecture
-
+def test_calibration_predicts_from_one_ranks_profile_and_the_network(calibrate, tmp_path):
+    """The 1x1 run's profile fits the machine's compute model: its step on one rank is predicted as
+    measured, and a rank of a larger run gets its share of the machine."""
     settings = calibrate.Settings("small", 4, 2, True)
     model = calibrate.model_spec(settings)
     assert (model.layers, model.hidden, model.vocab) == (4, 128, 256)
-    run = calibrate.Run("shardwire", 2, 2, "1gbit", 0.2, 0.1, PROFILE)
-    machine = calibrate.machine_cluster([run], settings)
-    model_flops = 3 * architecture(model, 4).forward_flops * 4  # forward and backward of the batch
-    # the compute-only step less its optimizer, which updates the whole model where a rank of the
-    # sharded run (its profile: 1 ms) updates a quarter of it
-    assert machine.peak_tflops * 1e12 == pytest.approx(model_flops / (0.1 - 4 * 0.001))
-    slower = dataclasses.replace(run, profile={**PROFILE, "optimizer_s": 0.002})
-    pooled = calibrate.machine_cluster([run, slower, run], settings)  # the median of the three
-    assert pooled.memory_bandwidth_GBps == machine.memory_bandwidth_GBps
+    single = calibrate.Run("shardwire", 1, 1, None, 0.02, 1.0, PROFILE)
+    machine = calibrate.machine_cluster(single, settings)
+    alone = predict(model, machine, calibrate.training_spec(settings))
+    assert alone.timeline.compute["forward"] + alone.timeline.compute["backward"] == pytest.approx(0.012)
+    assert alone.timeline.compute["optimizer"] == pytest.approx(0.001)
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench_document()))
+    run = calibrate.Run("shardwire", 2, 2, "1gbit", 0.2, 0.25, PROFILE)
     p = calibrate.predict_run(run, machine, settings, str(path))
     assert p.cluster.world == 4 and p.cluster.algorithm == "hierarchical"
-    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.096)
-    assert p.timeline.compute["optimizer"] == pytest.approx(0.001)
+    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.012 / 0.25)
+    assert p.timeline.compute["optimizer"] == pytest.approx(0.001 / 4 / 0.25)  # a quarter of the model
     comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.compute_slowed_s, p.exposed_comm_s)
     assert comparison.error == pytest.approx(p.step_time_s / 0.2 - 1)
     assert "| 2x2 @1gbit | shardwire |" in calibrate.table(settings, [comparison])
     hybrid_run = dataclasses.replace(run, system="shardwire-hybrid")
-    hybrid = calibrate.predict_run(hybrid_run, calibrate.machine_cluster([hybrid_run], settings), settings, str(path))
+    hybrid = calibrate.predict_run(hybrid_run, machine, settings, str(path))
     assert (hybrid.training.layout, hybrid.training.shard_group_size) == ("hybrid", 2)
-    assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001)  # each rank steps half the model
+    assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001 / 2 / 0.25)  # each rank steps half
 
 
 def test_calibration_takes_a_clusters_bench_before_its_links(calibrate):

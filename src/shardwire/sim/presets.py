@@ -59,22 +59,27 @@ per GPU); the 128-GPU run, and both runs' memory, are then predictions.
 from __future__ import annotations
 
 from shardwire.gpus import DATASHEET_TFLOPS
+from shardwire.models.sizes import PRESETS as GPT_SIZES
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
 
 _GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)
-_GPT3 = dict(vocab=50257, seq_len=2048, learned_positions=True)
+_MPT = dict(vocab=50368, seq_len=2048, learned_positions=True)
 _T5 = dict(kind="encoder-decoder", vocab=32128, seq_len=512, decoder_seq_len=150, ffn_gated=True,
-           tied_embeddings=False, attention="eager")
-_LLAMA2 = dict(vocab=32000, seq_len=4096, ffn_gated=True, tied_embeddings=False)
-_LLAMA3 = dict(vocab=128256, seq_len=8192, ffn_gated=True, tied_embeddings=False)
+           tied_embeddings=False, attention="eager", norm="rmsnorm")
+_LLAMA2 = dict(vocab=32000, seq_len=4096, ffn_gated=True, tied_embeddings=False, norm="rmsnorm")
+_LLAMA3 = dict(vocab=128256, seq_len=8192, ffn_gated=True, tied_embeddings=False, norm="rmsnorm")
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    *(config.spec(name) for name, config in GPT_SIZES.items()),  # what `shardwire train --model` names
     ModelSpec(name="gpt2-125m", layers=12, hidden=768, heads=12, params=124_000_000, **_GPT2),
     ModelSpec(name="gpt2-350m", layers=24, hidden=1024, heads=16, params=355_000_000, **_GPT2),
     ModelSpec(name="gpt2-760m", layers=36, hidden=1280, heads=20, params=774_000_000, **_GPT2),
     ModelSpec(name="gpt2-1.5b", layers=48, hidden=1600, heads=25, params=1_558_000_000, **_GPT2),
-    ModelSpec(name="gpt-350m", layers=24, hidden=1024, heads=16, params=350_000_000, **_GPT3),
-    ModelSpec(name="gpt-1.3b", layers=24, hidden=2048, heads=16, params=1_300_000_000, **_GPT3),
+    ModelSpec(name="mpt-125m", layers=12, hidden=768, heads=12, params=125_000_000, **_MPT),
+    ModelSpec(name="mpt-1b", layers=24, hidden=2048, heads=16, params=1_316_000_000, **_MPT),
+    ModelSpec(name="mpt-7b", layers=32, hidden=4096, heads=32, params=6_659_000_000, **_MPT),
+    ModelSpec(name="mpt-13b", layers=40, hidden=5120, heads=40, params=12_854_000_000, **_MPT),
+    ModelSpec(name="mpt-30b", layers=48, hidden=7168, heads=56, params=29_975_000_000, **_MPT),
     ModelSpec(name="t5-3b", layers=24, hidden=2048, heads=32, ffn_hidden=5120, params=2_850_000_000, **_T5),
     ModelSpec(name="t5-11b", layers=24, hidden=4096, heads=64, ffn_hidden=10240, params=11_100_000_000, **_T5),
     ModelSpec(name="llama2-7b", layers=32, hidden=4096, heads=32, ffn_hidden=11008, params=6_740_000_000, **_LLAMA2),
@@ -83,26 +88,39 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               params=69_000_000_000, **_LLAMA2),
     ModelSpec(name="llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
               params=8_030_000_000, **_LLAMA3),
+    ModelSpec(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
+              params=70_550_000_000, **_LLAMA3),
 )}
 
 QUANTIZE_BYTES_PER_ELEMENT = 10
 
-A100_SMS, H100_SMS = 108, 132
-_NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4, compute_share=24 / A100_SMS)
-_NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4, compute_share=32 / H100_SMS)
 
-
-def _memory(memory_gb: float, hbm_GBps: float) -> dict:
-    """A GPU's memory: its size, its bandwidth, and the quantization kernels' rate that bandwidth allows."""
-    return dict(gpu_memory_gb=memory_gb, memory_bandwidth_GBps=hbm_GBps,
+def _gpu(name: str, sheet: str, memory_gb: float, hbm_GBps: float, *, matmul: float, attention: float,
+         memory: float) -> dict:
+    """A GPU preset: the data sheet's dense peaks, its memory and bandwidth, the fractions of them its
+    kernels reach, and the quantization kernels' rate its bandwidth allows."""
+    peaks = DATASHEET_TFLOPS[sheet]
+    return dict(gpu=name, peak_tflops=peaks["bf16"], fp8_tflops=peaks.get("fp8"), fp32_tflops=peaks["fp32"],
+                gpu_memory_gb=memory_gb, memory_bandwidth_GBps=hbm_GBps, matmul_efficiency=matmul,
+                attention_efficiency=attention, memory_efficiency=memory,
                 quantize_gelems=hbm_GBps / QUANTIZE_BYTES_PER_ELEMENT)
 
 
-_A100_80 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["A100"]["bf16"], intra_node=_NVLINK3,
-                **_memory(80.0, 2039.0))
-_A100_40 = dict(_A100_80, **_memory(40.0, 1555.0))
-_H100 = dict(gpus_per_node=8, peak_tflops=DATASHEET_TFLOPS["H100"]["bf16"], intra_node=_NVLINK4,
-             **_memory(80.0, 3350.0))
+GPUS: dict[str, dict] = {g["gpu"]: g for g in (
+    _gpu("a100-80gb", "A100", 80.0, 2039.0, matmul=0.75, attention=0.60, memory=0.85),
+    _gpu("a100-40gb", "A100", 40.0, 1555.0, matmul=0.75, attention=0.60, memory=0.85),
+    _gpu("h100-sxm", "H100", 80.0, 3350.0, matmul=0.58, attention=0.40, memory=0.85),
+    _gpu("h100-grand-teton", "H100", 96.0, 2400.0, matmul=0.50, attention=0.40, memory=0.85),
+    _gpu("h200", "H200", 141.0, 4800.0, matmul=0.58, attention=0.40, memory=0.85),
+)}
+
+A100_SMS, H100_SMS = 108, 132
+_NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4, compute_share=24 / A100_SMS)
+_NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4, compute_share=32 / H100_SMS)
+_A100_80 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-80gb"])
+_A100_40 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-40gb"])
+_H100 = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h100-sxm"])
+_GRAND_TETON = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h100-grand-teton"])
 
 
 def _channels(nics: int, sms: int) -> float:
@@ -122,14 +140,19 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     # The T5 document's IBM Cloud system: 2 x 100 GbE per node, 120 Gbps usable (stated).
     ClusterSpec(name="ibm-a100-ethernet", nodes=8, **_A100_80, inter_node=LinkSpec(
         busbw_GBps=15.0, latency_us=50.0, compute_share=_channels(2, A100_SMS))),
+    # The same system after its 2023 upgrade: RoCE with GPUDirect RDMA over the same links.
+    ClusterSpec(name="ibm-a100-roce", nodes=16, inter_node=_rdma(200, A100_SMS, nics=2), **_A100_80),
     ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
     ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
     ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200, A100_SMS), **_A100_80),
+    # MosaicML's A100 clusters: 1600 Gbps of RoCE per node (8 x 200 Gbps).
+    ClusterSpec(name="a100-80gb-roce-1600", nodes=1, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_80),
+    ClusterSpec(name="a100-40gb-roce-1600", nodes=16, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_40),
     ClusterSpec(name="h100-100gbe", nodes=8, inter_node=_tcp(100, H100_SMS), **_H100),
     ClusterSpec(name="h100-400gbe", nodes=8, inter_node=_tcp(400, H100_SMS), **_H100),
     ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400, H100_SMS), **_H100),
-    ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=_rdma(8 * 400, H100_SMS, nics=8),
-                **dict(_H100, **_memory(96.0, 2400.0))),
+    ClusterSpec(name="h100-ib-3200", nodes=1, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
+    ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_GRAND_TETON),
 )}
 
 # The T5 document's runs: BF16 with BF16 reductions (the FSDP example's policy), activation
@@ -138,6 +161,9 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
 # T5-11B's batches are the document's; T5-3B's is not stated, only that every batch was maximized:
 # 213 is the largest that needs no more memory on one node than T5-11B at 50 (a test keeps it so).
 _IBM_T5 = dict(precision="bf16", reduce_precision="bf16", activation_checkpointing=True, prefetch=2)
+# torchtitan's FSDP2 runs: one unit gathered ahead, fp32 reductions, its selective ("op") policy.
+_TORCHTITAN = dict(micro_batch=2, prefetch=1, precision="bf16", reduce_precision="fp32",
+                   activation_checkpointing=True, recompute_fraction=0.38)
 
 TRAININGS: dict[str, TrainingSpec] = {t.name: t for t in (
     TrainingSpec(name="default"),
@@ -145,8 +171,9 @@ TRAININGS: dict[str, TrainingSpec] = {t.name: t for t in (
     TrainingSpec(name="ibm-t5-11b-batch20-block", micro_batch=20, limiter="block", **_IBM_T5),
     TrainingSpec(name="ibm-t5-11b-batch50-block", micro_batch=50, limiter="block", **_IBM_T5),
     TrainingSpec(name="ibm-t5-11b-batch50-sliding", micro_batch=50, limiter="sliding", **_IBM_T5),
-    TrainingSpec(name="torchtitan-llama3.1-8b", micro_batch=2, prefetch=1, precision="bf16", reduce_precision="fp32",
-                 activation_checkpointing=True, recompute_fraction=0.38, compute_efficiency=0.39),
+    TrainingSpec(name="torchtitan-llama3.1-8b", **_TORCHTITAN),
+    TrainingSpec(name="torchtitan-llama3.1-8b-compile", compile=True, **_TORCHTITAN),
+    TrainingSpec(name="torchtitan-llama3.1-8b-float8", compile=True, fp8_all_gather=True, **dict(_TORCHTITAN, precision="fp8")),
 )}
 
 PRESETS = {"model": MODELS, "cluster": CLUSTERS, "training": TRAININGS}

@@ -42,7 +42,8 @@ def notes(p: Prediction) -> list[str]:
     """What the prediction leaves out for want of a cluster figure."""
     missing = []
     if p.cluster.memory_bandwidth_GBps is None:
-        missing.append("optimizer step not priced: the cluster gives no memory_bandwidth_GBps")
+        missing.append("memory-bound work (norms, activations, casts, the optimizer step) not priced: the cluster "
+                       "gives no memory_bandwidth_GBps")
     if p.training.wire_format.quantized and p.cluster.nodes > 1 and p.cluster.quantize_gelems is None:
         missing.append("quantization kernels not priced: the cluster gives no quantize_gelems")
     return missing
@@ -105,7 +106,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
         f"cluster   {c.name}: {setting('nodes', f'{c.nodes} nodes')} x "
-        f"{setting('gpus_per_node', f'{c.gpus_per_node} GPUs')}, "
+        f"{setting('gpus_per_node', f'{c.gpus_per_node} GPUs')} ({c.gpu}), "
         f"{setting('peak_tflops', f'{c.peak_tflops:g} TFLOP/s')} and "
         f"{setting('gpu_memory_gb', f'{c.gpu_memory_gb:g} GiB')} each; "
         f"intra-node {c.intra_node.busbw_GBps:g} GB/s, "
@@ -114,9 +115,9 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
         f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('layout', layout)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
-        f"{setting('precision', t.precision)} (reduce {setting('reduce_precision', t.reduce_precision)}), "
-        f"wire {t.wire}, {setting('activation_checkpointing', checkpointing)}, "
-        f"{setting('compute_efficiency', f'kernels at {100 * t.compute_efficiency:g}% of peak')}",
+        f"{setting('precision', t.precision)}{' (fp8 gathers)' if t.fp8_all_gather else ''} "
+        f"(reduce {setting('reduce_precision', t.reduce_precision)}), wire {t.wire}, "
+        f"{setting('activation_checkpointing', checkpointing)}{', compiled' if t.compile else ''}",
     ]
 
 
