@@ -18,8 +18,9 @@ how much each slows the other:
 * compute: the profile of the 1x1 run (one rank, the whole machine: ``shardwire.profile``, as
   ``benchmarks/scaling.py`` takes it of each shardwire step) calibrates the compute model
   (``shardwire simulate --calibrate``, ``shardwire.sim.calibrate``): its optimizer step gives the
-  memory bandwidth, its forward and backward the fraction of the machine's peak the matrix
-  multiplies reach. A CPU has no data sheet here: it is given a nominal peak, twice the FLOP rate
+  rate the optimizer streams its state at, its forward and backward the fraction of the machine's
+  peak the kernels reach (a CPU's memory bandwidth is not given: its memory-bound work is folded
+  into that fraction). A CPU has no data sheet here: it is given a nominal peak, twice the FLOP rate
   the 1x1 run's forward and backward reached (only the peak times the fitted fraction enters a
   prediction). The rate a lane thread quantizes at, for the quantized wires, is timed here;
 * the machine's share per rank: on the testbed every rank of every node runs on this machine's two
@@ -167,7 +168,7 @@ def machine_cluster(single: Run, settings: Settings) -> ClusterSpec:
 def rank_share(machine: ClusterSpec, share: float) -> ClusterSpec:
     """``machine`` as one of several ranks on it: ``share`` of its compute and memory bandwidth."""
     return dataclasses.replace(machine, peak_tflops=machine.peak_tflops * share,
-                               memory_bandwidth_GBps=machine.memory_bandwidth_GBps * share)
+                               optimizer_GBps=machine.optimizer_GBps * share)
 
 
 def training_spec(settings: Settings, layout: str = "full", wire: str = "none",

@@ -4,15 +4,14 @@ A GPU preset's efficiencies are estimates for a whole generation; the GPU a user
 own clocks, drivers and kernels. A profile of a few training steps on one GPU of that kind
 (``shardwire train --profile``, or ``benchmarks/gpu_single.py --trace``) measures what its kernels
 did: the step's forward, backward and optimizer times, for a model and batch the profile names.
-From those two numbers the compute model is fitted:
+From those the compute model is fitted:
 
 * the optimizer step streams ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of the rank's shard: its
-  time gives the memory bandwidth memory-bound kernels reach (``memory_bandwidth_GBps``, with
-  ``memory_efficiency`` 1);
+  time gives the rate it does so (``optimizer_GBps``);
 * forward and backward are FLOP-bound work (matrix multiplies and attention) plus memory-bound work
-  at that bandwidth: the FLOP-bound part is what the measured compute leaves once the memory-bound
-  part is taken out, and the matrix multiply and attention efficiencies are scaled by one factor so
-  that the model's compute of the profiled job equals the measured one.
+  at the GPU's memory bandwidth: the FLOP-bound part is what the measured compute leaves once the
+  memory-bound part is taken out, and the matrix multiply and attention efficiencies are scaled by
+  one factor so that the model's compute of the profiled job equals the measured one.
 
 The shapes' effect on efficiency (the additive roofline of ``shardwire.sim.compute``) stays the
 model's, so a profile of one model and batch predicts others on the same GPU; the closer the
@@ -49,21 +48,20 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
     """``cluster`` with its GPU's compute model fitted to ``measured``; raises ``SpecError`` when the
     measurement cannot come from that GPU (faster than its peak, or than its memory-bound work)."""
     arch = architecture(measured.model, measured.training.compute_bytes)
-    bandwidth = OPTIMIZER_BYTES_PER_PARAM * arch.params / measured.ranks / measured.optimizer_s
-    memory_fitted = dataclasses.replace(cluster, memory_bandwidth_GBps=bandwidth / 1e9, memory_efficiency=1.0)
-    flops_bound = _compute_s(arch, dataclasses.replace(memory_fitted, memory_bandwidth_GBps=None), measured.training)
-    memory_bound = _compute_s(arch, memory_fitted, measured.training) - flops_bound
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * arch.params / measured.ranks / measured.optimizer_s
+    flops_bound = _compute_s(arch, dataclasses.replace(cluster, memory_bandwidth_GBps=None), measured.training)
+    memory_bound = _compute_s(arch, cluster, measured.training) - flops_bound
     flops_measured = measured.forward_s + measured.backward_s - memory_bound
     if flops_measured <= 0:
         raise SpecError(f"{source}: its forward and backward ({measured.forward_s + measured.backward_s:.4g} s) "
-                        f"take less than their memory-bound work alone ({memory_bound:.4g} s) at the bandwidth its "
-                        f"optimizer step implies: was the profile taken of this model and batch?")
+                        f"take less than their memory-bound work alone at cluster {cluster.name!r}'s memory "
+                        f"bandwidth ({memory_bound:.4g} s): was the profile taken of this model and batch, on this GPU?")
     scale = flops_bound / flops_measured
     fitted = {key: getattr(cluster, key) * scale for key in ("matmul_efficiency", "attention_efficiency")}
     if max(fitted.values()) > 1:
         raise SpecError(f"{source}: its compute runs faster than cluster {cluster.name!r}'s peak allows "
                         f"({max(fitted.values()):.2f} of it): give the peak_tflops of the GPU it was measured on")
-    return parse("cluster", {**as_dict(memory_fitted), **fitted,
+    return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
                              "name": f"{cluster.name} calibrated by {os.path.basename(source)}"})
 
 

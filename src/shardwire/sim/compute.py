@@ -26,7 +26,8 @@ casts, the optimizer step). So each kind of kernel is timed on the resource that
   gathered in fp8), the output gradient in backward, which also transposes both fp8 operands of the
   weight's gradient (read and write one byte each);
 * the optimizer step (AdamW, fp32 states) streams ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of
-  the GPU's shard.
+  the GPU's shard, as other memory-bound work does, or at the rate measured of it
+  (``optimizer_GBps``).
 
 Without a memory bandwidth (a cluster that gives none) every byte term is left out. What the model
 does not see: host overheads and kernel launches, the GPU's clock under power limits (part of the
@@ -74,6 +75,8 @@ def backward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec) -> 
 
 def optimizer_s(params: float, cluster: ClusterSpec) -> float:
     """Seconds of an Adam step over ``params`` parameters (one GPU's shard)."""
+    if cluster.optimizer_GBps is not None:
+        return OPTIMIZER_BYTES_PER_PARAM * params / (cluster.optimizer_GBps * 1e9)
     return _memory_s(OPTIMIZER_BYTES_PER_PARAM * params, cluster)
 
 

@@ -111,7 +111,7 @@ GPUS: dict[str, dict] = {g["gpu"]: g for g in (
     _gpu("a100-40gb", "A100", 40.0, 1555.0, matmul=0.75, attention=0.60, memory=0.85),
     _gpu("h100-sxm", "H100", 80.0, 3350.0, matmul=0.58, attention=0.40, memory=0.85),
     _gpu("h100-grand-teton", "H100", 96.0, 2400.0, matmul=0.50, attention=0.40, memory=0.85),
-    _gpu("h200", "H200", 141.0, 4800.0, matmul=0.58, attention=0.40, memory=0.85),
+    _gpu("h200", "H200", 141.0, 4800.0, matmul=0.75, attention=0.52, memory=0.85),
 )}
 
 A100_SMS, H100_SMS = 108, 132
@@ -145,13 +145,13 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
     ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
     ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200, A100_SMS), **_A100_80),
-    # MosaicML's A100 clusters: 1600 Gbps of RoCE per node (8 x 200 Gbps).
-    ClusterSpec(name="a100-80gb-roce-1600", nodes=1, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_80),
-    ClusterSpec(name="a100-40gb-roce-1600", nodes=16, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_40),
+    # 8 x 200 Gb/s of RDMA per node: MosaicML's A100 clusters (RoCE, stated with their throughput table).
+    ClusterSpec(name="a100-80gb-rdma-1600", nodes=1, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_80),
+    ClusterSpec(name="a100-40gb-rdma-1600", nodes=16, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_40),
     ClusterSpec(name="h100-100gbe", nodes=8, inter_node=_tcp(100, H100_SMS), **_H100),
     ClusterSpec(name="h100-400gbe", nodes=8, inter_node=_tcp(400, H100_SMS), **_H100),
     ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400, H100_SMS), **_H100),
-    ClusterSpec(name="h100-ib-3200", nodes=1, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
+    ClusterSpec(name="h100-rdma-3200", nodes=1, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
     ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_GRAND_TETON),
 )}
 

@@ -42,8 +42,9 @@ def notes(p: Prediction) -> list[str]:
     """What the prediction leaves out for want of a cluster figure."""
     missing = []
     if p.cluster.memory_bandwidth_GBps is None:
-        missing.append("memory-bound work (norms, activations, casts, the optimizer step) not priced: the cluster "
-                       "gives no memory_bandwidth_GBps")
+        optimizer = "" if p.cluster.optimizer_GBps is not None else ", the optimizer step"
+        missing.append(f"memory-bound work (norms, activations, casts{optimizer}) not priced: the cluster gives no "
+                       f"memory_bandwidth_GBps")
     if p.training.wire_format.quantized and p.cluster.nodes > 1 and p.cluster.quantize_gelems is None:
         missing.append("quantization kernels not priced: the cluster gives no quantize_gelems")
     return missing

@@ -126,6 +126,7 @@ LIMITS = types.MappingProxyType({
     "gpu_memory_gb": Limit(2**16, "over 65,536 GiB, two hundred times any GPU's memory: give it in GiB"),
     "busbw_GBps": _BANDWIDTH,
     "memory_bandwidth_GBps": _BANDWIDTH,
+    "optimizer_GBps": _BANDWIDTH,
     # One second per step of a collective: several times an intercontinental round trip.
     "latency_us": Limit(1e6, "over 1,000,000 us (1 s) per step, several times an intercontinental round trip: "
                              "latencies are in microseconds", zero=True),
@@ -258,7 +259,9 @@ class ClusterSpec:
     for a fused attention kernel, ``memory_efficiency`` for memory-bound kernels. ``gpu`` names the
     preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
     memory-bound work (norms, activations, casts, the optimizer step) is left out of the prediction
-    (and the report says so).
+    (and the report says so). ``optimizer_GBps`` is the rate the optimizer step streams its bytes
+    at where it was measured (``shardwire.sim.calibrate``): a step is more than its bytes (per-tensor
+    launches, the casts of the updated shards), so it can be slower than other memory-bound work.
 
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
     ``shardwire.sim.costs``). ``quantize_gelems`` prices the kernels of a quantized wire
@@ -281,13 +284,14 @@ class ClusterSpec:
     memory_efficiency: float = 0.8
     algorithm: str = "ring"
     memory_bandwidth_GBps: float | None = None
+    optimizer_GBps: float | None = None
     quantize_gelems: float | None = None
 
     def __post_init__(self):
         _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb", "matmul_efficiency",
                       "attention_efficiency", "memory_efficiency")
         _choice(self, "algorithm", ALGORITHMS)
-        for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "quantize_gelems"):
+        for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "optimizer_GBps", "quantize_gelems"):
             if getattr(self, key) is not None:
                 _check_limits(self, key)
 
