@@ -5,6 +5,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shlex
+import socket
 import subprocess
 import sys
 
@@ -185,25 +187,66 @@ def test_plan_finds_the_micro_batches_without_counting_to_the_batch():
 
 
 def test_plan_command_and_its_errors(capsys):
-    status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64")
     assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
-    assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 2
+    rendezvous = ("run:   torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d "
+                  "--rdzv-endpoint=HEAD_ADDRESS:29500 --rdzv-id=shardwire -m shardwire train --model gpt-125m "
+                  "--seq-len 2048 --batch ")
+    assert out.count(rendezvous) == 2
     assert out.count("or:    shardwire.shard(model, layout=") == 2  # the best and the runner-up
     assert out.count(" --wire ") == 2 and out.count(", wire='") == 2
-    status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--json")
     doc = json.loads(out)
     assert doc["best"]["fits"] and doc["fitting"] <= doc["candidates"] and doc["alternatives"]
     run_best = doc["best"]["run"]
     assert run_best["command"].endswith(" ".join(run_best["train_options"]))
     assert run_best["shard_arguments"]["layout"] in ("full", "hybrid", "hybrid_secondary")
-    status, _, err = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+    status, _, err = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "100")
     assert status == 2 and "does not divide over 16 GPUs; the nearest that do are 96, 112" in err
     status, _, err = run(capsys, "plan", "--model", "llama2-70b", "--cluster", "a100-100gbe", "--nodes", "1",
                          "--global-batch", "8")
     assert status == 2 and "no configuration of llama2-70b" in err and "GiB more than the" in err
+
+
+def test_plan_marks_lossy_wires_and_searches_exact_ones_alone(capsys):
+    """On a slow network the fastest wire quantizes gradients: the plan says it is lossy, and
+    --exact leaves quantized wires out of the search."""
+    argv = ["plan", "--model", "gpt-1.3b", "--cluster", "{preset: a100-100gbe, gpus_per_node: 4}", "--nodes", "2",
+            "--global-batch", "64"]
+    status, out, _ = run(capsys, *argv, "--json")
+    best = json.loads(out)["best"]
+    assert status == 0 and best["training"]["wire"] != "none"
+    assert best["run"]["lossy"].startswith("lossy: the wire quantizes gradients between nodes")
+    status, out, _ = run(capsys, *argv)
+    assert "          lossy: the wire quantizes" in out and "plan --exact for exact collectives only" in out
+    status, out, _ = run(capsys, *argv, "--exact", "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["best"]["training"]["wire"] == "none" and doc["best"]["run"]["lossy"] is None
+    assert doc["candidates"] < json.loads(run(capsys, *argv, "--json")[1])["candidates"]
+
+
+def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_path):
+    """The GPT sizes and hf: configs (read without torch) get a command; a model train does not
+    name, and fp8 compute, get the shard(...) arguments and the reason there is no command."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8,
+                                  "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
+                                  "vocab_size": 32000, "max_position_embeddings": 4096}))
+    cluster = ["--cluster", "h100-ib-400", "--nodes", "1", "--global-batch", "16"]
+    status, out, _ = run(capsys, "plan", "--model", f"hf:{config}", "--seq-len", "2048", *cluster, "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["best"]["model"]["ffn_gated"] and doc["best"]["model"]["norm"] == "rmsnorm"
+    assert f"-m shardwire train --model hf:{config} --seq-len 2048 " in doc["best"]["run"]["command"]
+    status, out, _ = run(capsys, "plan", "--model", "llama2-7b", *cluster)
+    assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
+    status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training", "{precision: fp8}")
+    assert status == 0 and "the engine does not compute in fp8 yet" in out and "run:   torchrun" not in out
+    status, _, err = run(capsys, "plan", "--model", "gpt-350m", "--cluster", "a100-100gbe", "--nodes", "1",
+                         "--global-batch", "16", "--training", "{precision: fp8}")
+    assert status == 2 and "precision fp8 needs fp8 tensor cores" in err
 
 
 # ----------------------------------------------------------------------- calibration script
@@ -295,3 +338,35 @@ def test_simulating_does_not_import_torch():
             "main(['simulate', '--model', 'gpt2-125m', '--cluster', 'a100-100gbe', '--json']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_command_the_plan_prints_runs(tmp_path):
+    """The best and the runner-up of a plan for 2 nodes x 2 GPUs, their torchrun commands run as
+    printed: two agents on this machine stand for the two nodes, meeting at a rendezvous on
+    loopback where the command says the first node's address; a few steps each."""
+    cluster = "{preset: a100-100gbe, nodes: 2, gpus_per_node: 2}"
+    planned = subprocess.run([sys.executable, "-m", "shardwire", "plan", "--model", "tiny", "--cluster", cluster,
+                              "--global-batch", "16", "--json"], capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    doc = json.loads(planned.stdout)
+    for choice in (doc["best"], doc["runner_up"]):
+        command = shlex.split(choice["run"]["command"])
+        assert command[0] == "torchrun" and "--nnodes=2" in command and "--model" in command
+        endpoint = f"127.0.0.1:{_free_port()}"
+        argv = [sys.executable, "-m", "torch.distributed.run",
+                *(arg.replace("HEAD_ADDRESS:29500", endpoint) for arg in command[1:]),
+                "--steps", "2", "--log-every", "1", "--eval-batches", "1"]
+        nodes = [subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(2)]
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+        for node, output in zip(nodes, outputs, strict=True):
+            assert node.returncode == 0, output
+        assert any("done: 2 steps" in output for output in outputs)

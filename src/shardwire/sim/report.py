@@ -27,7 +27,7 @@ from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
 from shardwire.sim.memory import GIB
-from shardwire.sim.planner import Plan, describe_settings, launch_command, runnable, shard_call
+from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
 from shardwire.sim.step import group_size
@@ -217,12 +217,12 @@ def _value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def plan_json(result: Plan, global_batch: int) -> dict:
+def plan_json(result: Plan, global_batch: int, model_argument: str) -> dict:
     best = result.best.step_time_s
     return {
         "global_batch": global_batch,
-        "best": _with_run(result.best),
-        "runner_up": None if result.runner_up is None else _with_run(result.runner_up),
+        "best": _with_run(result.best, model_argument),
+        "runner_up": None if result.runner_up is None else _with_run(result.runner_up, model_argument),
         "alternatives": [
             {"change": a.change, "step_time_s": a.step_time_s, "fits": a.memory.fits,
              "memory_gb_per_gpu": a.memory.total / GIB,
@@ -234,18 +234,18 @@ def plan_json(result: Plan, global_batch: int) -> dict:
     }
 
 
-def _with_run(p) -> dict:
-    options, shard_args = runnable(p.training, p.cluster)
-    return {**prediction_json(p), "run": {"command": launch_command(p.training, p.cluster),
-                                                 "train_options": options, "shard_arguments": shard_args}}
+def _with_run(p: Prediction, model_argument: str) -> dict:
+    return {**prediction_json(p), "run": dataclasses.asdict(launch(p.training, p.cluster, p.model, model_argument))}
 
 
-def _how_to_run(p) -> list[str]:
-    return [f"          run:   {launch_command(p.training, p.cluster)}",
-            f"          or:    {shard_call(p.training, p.cluster)}"]
+def _how_to_run(p: Prediction, model_argument: str) -> list[str]:
+    how = launch(p.training, p.cluster, p.model, model_argument)
+    lines = [f"          run:   {how.command}" if how.command else f"          not run by shardwire train: {how.unrunnable}",
+             f"          or:    {shard_call(p.training, p.cluster)}"]
+    return lines + ([f"          {how.lossy}"] if how.lossy else [])
 
 
-def plan_text(result: Plan, global_batch: int) -> str:
+def plan_text(result: Plan, global_batch: int, model_argument: str) -> str:
     best = result.best
     t = best.training
     setup = describe_setup(best)
@@ -260,7 +260,7 @@ def plan_text(result: Plan, global_batch: int) -> str:
         f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
         f"          {verdict(best)}",
         *(f"          note: {n}" for n in notes(best)),
-        *_how_to_run(best),
+        *_how_to_run(best, model_argument),
         "",
         "why: each setting changed alone",
     ]
@@ -274,5 +274,5 @@ def plan_text(result: Plan, global_batch: int) -> str:
     if result.runner_up is not None:
         r = result.runner_up
         lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
-                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r)]
+                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r, model_argument)]
     return "\n".join(lines)
