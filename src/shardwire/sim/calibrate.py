@@ -62,7 +62,7 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
         raise SpecError(f"{source}: its compute runs faster than cluster {cluster.name!r}'s peak allows "
                         f"({max(fitted.values()):.2f} of it): give the peak_tflops of the GPU it was measured on")
     return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
-                             "name": f"{cluster.name} calibrated by {os.path.basename(source)}"})
+                             "name": f"{cluster.name} (calibrated by {os.path.basename(source)})"})
 
 
 def read_profile(path: str, load_model) -> Measured:

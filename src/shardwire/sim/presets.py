@@ -111,7 +111,7 @@ GPUS: dict[str, dict] = {g["gpu"]: g for g in (
     _gpu("a100-40gb", "A100", 40.0, 1555.0, matmul=0.75, attention=0.60, memory=0.85),
     _gpu("h100-sxm", "H100", 80.0, 3350.0, matmul=0.58, attention=0.40, memory=0.85),
     _gpu("h100-grand-teton", "H100", 96.0, 2400.0, matmul=0.50, attention=0.40, memory=0.85),
-    _gpu("h200", "H200", 141.0, 4800.0, matmul=0.75, attention=0.52, memory=0.85),
+    _gpu("h200", "H200", 140.0, 4800.0, matmul=0.75, attention=0.52, memory=0.85),
 )}
 
 A100_SMS, H100_SMS = 108, 132
