@@ -155,7 +155,8 @@ NOMINAL_PEAK = 2.0
 def machine_cluster(single: Run, settings: Settings) -> ClusterSpec:
     """This machine as one 'GPU', its compute model fitted to the profile of the run on one rank."""
     f = single.profile
-    reached = 3 * architecture(model_spec(settings), 4).forward_flops * settings.batch / (f["forward_s"] + f["backward_s"])
+    model_flops = 3 * architecture(model_spec(settings), 4).forward_flops * settings.batch
+    reached = model_flops / (f["forward_s"] + f["backward_s"])
     placeholder = LinkSpec(busbw_GBps=1.0)  # replaced by the bench's measurements
     machine = ClusterSpec(name="this machine", gpu="this machine's CPU", nodes=1, gpus_per_node=1,
                           peak_tflops=NOMINAL_PEAK * reached / 1e12, gpu_memory_gb=1024.0, intra_node=placeholder,

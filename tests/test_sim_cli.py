@@ -78,7 +78,8 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"],
      "nodes must be a whole number, got '[1'"),
-    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: tiny, small"),
+    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"],
+     "unknown model preset ['a']; known presets: tiny, small"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
@@ -332,10 +333,15 @@ def test_calibration_takes_a_clusters_bench_before_its_links(calibrate):
     assert calibrate.bench_for(dataclasses.replace(run, link="10gbit"), benches) is None
 
 
-def test_simulating_does_not_import_torch():
-    """``shardwire simulate`` is pure Python, so it starts at once on any laptop."""
+def test_simulating_and_planning_do_not_import_torch():
+    """``shardwire simulate`` and ``plan`` are pure Python, so they start at once on any laptop, a
+    Hugging Face config and the GPT sizes of ``shardwire train`` included."""
+    config = json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000})
     code = ("import sys; from shardwire.cli import main; "
             "main(['simulate', '--model', 'gpt2-125m', '--cluster', 'a100-100gbe', '--json']); "
+            f"main(['plan', '--model', 'hf:' + {config!r}, '--cluster', 'a100-100gbe', '--global-batch', '64']); "
+            "main(['plan', '--model', 'gpt-125m', '--cluster', 'a100-100gbe', '--global-batch', '64']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
@@ -370,3 +376,48 @@ def test_every_command_the_plan_prints_runs(tmp_path):
         for node, output in zip(nodes, outputs, strict=True):
             assert node.returncode == 0, output
         assert any("done: 2 steps" in output for output in outputs)
+
+
+def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, optimizer=0.011, ranks=1) -> dict:
+    """A profile.json as ``shardwire train --profile`` writes it (the parts calibration reads)."""
+    def figure(seconds):
+        return {"min": seconds, "median": seconds, "max": seconds}
+    return {"version": 1, "world_size": ranks,
+            "summary": {"figures": {"forward_s": figure(forward), "backward_s": figure(backward),
+                                    "optimizer_s": figure(optimizer), "step_s": figure(0.1)}},
+            "metadata": {"config": {"model": model, "seq_len": None, "batch": batch, "grad_accum": 1,
+                                    "precision": "bf16", "activation_checkpointing": False, "compile": False}}}
+
+
+def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
+    """The profiled job is predicted as measured; the optimizer step gives its rate; the matrix
+    multiplies and attention take what the memory-bound work leaves."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_document()))
+    one_gpu = ["--model", "gpt-1.3b", "--cluster", "{preset: h100-ib-400, gpus_per_node: 1}", "--nodes", "1",
+               "--training", "{micro_batch: 8}"]
+    status, out, _ = run(capsys, "simulate", *one_gpu, "--calibrate", str(path), "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["compute"]["forward"] + doc["compute"]["backward"] == pytest.approx(0.25)
+    assert doc["compute"]["optimizer"] == pytest.approx(0.011)
+    preset = CLUSTERS["h100-ib-400"]
+    scale = doc["cluster"]["matmul_efficiency"] / preset.matmul_efficiency
+    assert doc["cluster"]["attention_efficiency"] == pytest.approx(preset.attention_efficiency * scale)
+    assert doc["cluster"]["name"] == "h100-ib-400, changed (calibrated by profile.json)"
+    # a larger batch on the same GPU: more compute, at the fitted rates
+    status, out, _ = run(capsys, "simulate", *one_gpu[:-1], "{micro_batch: 16}", "--calibrate", str(path), "--json")
+    assert 0.25 * 1.9 < json.loads(out)["compute"]["forward"] + json.loads(out)["compute"]["backward"] < 0.25 * 2.1
+
+
+@pytest.mark.parametrize("profile, message", [
+    (profile_document(forward=0.02, backward=0.04), "take less than their memory-bound work alone"),
+    (profile_document(forward=0.03, backward=0.07), "faster than cluster 'h100-ib-400'"),
+    ({"summary": {}}, "lacks 'figures' where a profile of `shardwire train --profile` has it"),
+    (profile_document(model="nope"), "unknown model preset 'nope'"),
+])
+def test_calibration_refuses_a_profile_that_cannot_be_this_gpus(capsys, tmp_path, profile, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    status, out, err = run(capsys, "simulate", "--model", "gpt-1.3b", "--cluster", "h100-ib-400",
+                           "--calibrate", str(path))
+    assert status == 2 and out == "" and message in err

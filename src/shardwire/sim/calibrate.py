@@ -55,7 +55,8 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
     if flops_measured <= 0:
         raise SpecError(f"{source}: its forward and backward ({measured.forward_s + measured.backward_s:.4g} s) "
                         f"take less than their memory-bound work alone at cluster {cluster.name!r}'s memory "
-                        f"bandwidth ({memory_bound:.4g} s): was the profile taken of this model and batch, on this GPU?")
+                        f"bandwidth ({memory_bound:.4g} s): was the profile taken of this model and batch, on "
+                        f"this GPU?")
     scale = flops_bound / flops_measured
     fitted = {key: getattr(cluster, key) * scale for key in ("matmul_efficiency", "attention_efficiency")}
     if max(fitted.values()) > 1:
@@ -74,7 +75,8 @@ def read_profile(path: str, load_model) -> Measured:
     except OSError as err:
         raise SpecError(f"cannot read profile {path}: {err.strerror}") from None
     except json.JSONDecodeError as err:
-        raise SpecError(f"{path} is not JSON ({err}); give the profile.json `shardwire train --profile` wrote") from None
+        raise SpecError(f"{path} is not JSON ({err}); give the profile.json `shardwire train --profile` "
+                        f"wrote") from None
     try:
         figures = doc["summary"]["figures"]
         config = doc["metadata"]["config"]

@@ -1,59 +1,69 @@
-"""Named models, clusters and training configurations, with where each figure comes from.
+"""Named models, GPUs, clusters and training configurations, with where each figure comes from
+(docs/simulator.md, "Presets and their sources", has the same with the published runs they meet).
 
 Models: the published configurations (layers, hidden, heads, MLP width, vocabulary, context).
 Biases are left out of parameter counts (under 0.2% of any of these models).
 
+* The project's GPT sizes, as ``shardwire train --model`` names them (``shardwire.models.sizes``).
 * GPT-2 (Radford et al. 2019; Hugging Face ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``
   configs): 1024 learned positions, 50257-token vocabulary, head tied to the embedding.
-* GPT-350M and GPT-1.3B: GPT-3 Medium and XL (Brown et al. 2020, table 2.1), 2048-token context.
+* MPT (LLM Foundry's ``mpt-*.yaml``, as its throughput tables ran them): GPT-style blocks with
+  a 4 h MLP, 50368-token vocabulary, 2048 learned positions (the tables' parameter counts grow
+  with the sequence), one-kernel LayerNorm, flash attention.
 * T5-3B and T5-11B: T5 v1.1 XL and XXL (Hugging Face ``google/t5-v1_1-xl``, ``-xxl`` configs: gated
-  GELU MLP, untied head), the models whose FLOPs the T5 document's appendix counts (its "15 B s h^2"
-  feed-forward is v1.1's gated MLP with f = 2.5 h). Sequence lengths 512 in, 150 out, and eager
-  attention: the FSDP T5 example (pytorch/examples, distributed/FSDP/T5_training.py) that the
-  document says it started from trains Hugging Face's T5 on WikiHow with those lengths.
+  GELU MLP, untied head, RMSNorm), the models whose FLOPs the T5 document's appendix counts (its
+  "15 B s h^2" feed-forward is v1.1's gated MLP with f = 2.5 h). Sequence lengths 512 in, 150 out,
+  and eager attention: the FSDP T5 example (pytorch/examples, distributed/FSDP/T5_training.py)
+  that the document says it started from trains Hugging Face's T5 on WikiHow with those lengths.
 * Llama 2 7B, 13B, 70B (Touvron et al. 2023, table 1 and the released ``params.json``): SwiGLU MLP,
-  RoPE (no learned positions), untied head, 4096-token context, grouped-query attention for 70B.
-* Llama 3.1 8B (Meta's released ``params.json``: 32 layers, hidden 4096, 32 heads, 8 kv heads, MLP
-  14336, vocabulary 128256), at torchtitan's training context of 8192 tokens.
+  RMSNorm, rotary positions, untied head, 4096-token context, grouped-query attention for 70B.
+* Llama 3.1 8B and Llama 3 70B (Meta's released ``params.json``), at torchtitan's training context
+  of 8192 tokens.
 
-Clusters: 8-GPU nodes. GPU figures from NVIDIA's datasheets (A100 SXM: 312 TFLOP/s dense BF16,
-108 SMs, 2039 GB/s HBM2e for 80 GB, 1555 GB/s for 40 GB, NVLink 600 GB/s per GPU in both
-directions; H100 SXM: 989 TFLOP/s dense BF16, 132 SMs, 3350 GB/s HBM3, NVLink 900 GB/s).
+GPUs: dense peaks per dtype from NVIDIA's data sheets (``shardwire.gpus``), memory and its bandwidth
+likewise; the fractions of them kernels reach, the compute model's (``shardwire.sim.compute``):
+
+* matrix multiplies: one number per GPU, set against its published runs (the A100's eleven,
+  MosaicML's two H100 SXM runs, torchtitan's six on Grand Teton's 500 W H100s) and, for the H200,
+  calibrated from a profile measured on one (``benchmarks/results/gpu/h200-profiles``);
+* attention: FlashAttention-2 reaches 50 to 73% of an A100's peak (Dao 2023) and about 35% of an
+  H100's (Shah et al. 2024, FlashAttention-3);
+* memory-bound kernels at 0.85 of the bandwidth (a device-to-device copy moves 0.90 on H100 and
+  H200);
+* quantization kernels (a quantized wire's encode and decode): elementwise, at about
+  ``QUANTIZE_BYTES_PER_ELEMENT`` = 10 bytes of memory traffic per element (encoding with error
+  feedback reads the value and its fp32 residual and writes a byte and the residual; decoding reads
+  a byte and writes fp32): the bandwidth / 10 elements per second. A fused kernel's figure: the
+  torch operations of ``shardwire.comm.quantize`` make several passes and may reach less.
+
 ``h100-grand-teton`` is the machine of torchtitan's published runs (its docs/performance.md): H100s
-with 96 GB of HBM2e at 2.4 TB/s and a 500 W limit, whose peak lies between the SXM's and the
-NVL's; like torchtitan's MFU, it is given the SXM's 989 TFLOP/s. 400 Gb/s of RDMA per GPU.
-Assumed, not measured:
+with 96 GB of HBM2e at 2.4 TB/s and a 500 W limit, given the SXM's peaks as torchtitan's MFU is.
+
+Clusters: 8-GPU nodes, NVLink 600 GB/s per GPU in both directions on A100, 900 on H100. Assumed,
+not measured:
 
 * intra-node busbw: 80% of one direction of NVLink (240 GB/s on A100, 360 GB/s on H100), what
   nccl-tests typically reports for all-gather on such nodes;
 * inter-node busbw: TCP over Ethernet delivers 60% of the line rate (the T5 document's 120 of
-  2 x 100 Gbps usable); RDMA (EFA, InfiniBand) 90%;
+  2 x 100 Gbps usable); RDMA (EFA, InfiniBand, RoCE) 90%;
 * latency per collective step: NVLink 3.4 us and RDMA 14 us (NCCL's own tuning model,
   src/graph/tuning.cc, ring/simple); TCP 50 us (kernel TCP round trips of 20-30 us plus NCCL's
   socket proxy);
-* quantization kernels (a quantized wire's encode and decode): elementwise, so bound by memory
-  bandwidth, at about ``QUANTIZE_BYTES_PER_ELEMENT`` = 10 bytes of HBM traffic per element (encoding
-  with error feedback reads the value and its fp32 residual and writes a byte and the residual;
-  decoding reads a byte and writes fp32): HBM bandwidth / 10 elements per second, 204 billion on an
-  A100 80 GB, 156 on the 40 GB, 335 on an H100. A fused kernel's figure: the torch operations of
-  ``shardwire.comm.quantize`` make several passes and may reach less;
 * compute a collective takes while it runs (``compute_share``): the SMs its channels hold, one per
   channel, over the GPU's. Within a node, NCCL's ring runs 2 channels per NVLink (24 channels for
   the A100's 12 NVLinks, as NCCL's maintainers describe DGX A100 in NVIDIA/nccl#1225: 24 of 108
   SMs, 0.22); on the H100's 18 NVLinks that rule gives 36, capped at NCCL's 32 channels (32 of 132,
   0.24). Across nodes a ring's channels follow the NICs, 2 per NIC (NVIDIA/nccl#689: "2 is the
-  minimum" for a single NIC): 2 NICs of the IBM cluster 4 of 108 SMs; one NIC per node 2; AWS p4d's
-  4 EFA NICs 8; Grand Teton's 8 NICs 16 of 132. Memory bandwidth the kernels take is left out.
+  minimum" for a single NIC). Memory bandwidth the kernels take is left out.
 
 Training: the four T5 runs of the document (see docs/simulator.md for what it states and what is
-assumed), torchtitan's Llama 3.1 8B runs with FSDP (its docs/performance.md, tables 1 and 3: local
-batch 2, selective activation checkpointing, no torch.compile), and ``default``. torchtitan's
-selective policy ("op") keeps the outputs of attention and of every other matrix multiplication,
-so backward recomputes half of a block's matrix multiplications: for Llama 3.1 8B at 8192 tokens,
-218M of the 570M forward FLOPs per token and block, a ``recompute_fraction`` of 0.38. FSDP2
-gathers one unit ahead (``prefetch`` 1) and reduces in fp32 (torchtitan's default). Its kernels'
-``compute_efficiency`` on Grand Teton, 0.39, is set from the 8-GPU run (published 5,762 tokens/s
-per GPU); the 128-GPU run, and both runs' memory, are then predictions.
+assumed), torchtitan's Llama 3.1 8B runs with FSDP2 (its docs/performance.md, tables 1 and 3: local
+batch 2, selective activation checkpointing; eager, with torch.compile, and with both and float8,
+its weights gathered in fp8), and ``default``. torchtitan's selective policy ("op") keeps the
+outputs of attention and of every other matrix multiplication, so backward recomputes half of a
+block's matrix multiplications: for Llama 3.1 8B at 8192 tokens, 218M of the 570M forward FLOPs per
+token and block, a ``recompute_fraction`` of 0.38. FSDP2 gathers one unit ahead (``prefetch`` 1)
+and reduces in fp32 (torchtitan's default).
 """
 
 from __future__ import annotations
@@ -173,7 +183,8 @@ TRAININGS: dict[str, TrainingSpec] = {t.name: t for t in (
     TrainingSpec(name="ibm-t5-11b-batch50-sliding", micro_batch=50, limiter="sliding", **_IBM_T5),
     TrainingSpec(name="torchtitan-llama3.1-8b", **_TORCHTITAN),
     TrainingSpec(name="torchtitan-llama3.1-8b-compile", compile=True, **_TORCHTITAN),
-    TrainingSpec(name="torchtitan-llama3.1-8b-float8", compile=True, fp8_all_gather=True, **dict(_TORCHTITAN, precision="fp8")),
+    TrainingSpec(name="torchtitan-llama3.1-8b-float8", compile=True, fp8_all_gather=True,
+                 **dict(_TORCHTITAN, precision="fp8")),
 )}
 
 PRESETS = {"model": MODELS, "cluster": CLUSTERS, "training": TRAININGS}

@@ -104,6 +104,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {group_size(c, t)}"
     layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
+    reducing = " (each reduced)" if t.reduce_each_micro_batch else ""
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
         f"cluster   {c.name}: {setting('nodes', f'{c.nodes} nodes')} x "
@@ -114,7 +115,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{c.intra_node.latency_us:g} us; inter-node {c.inter_node.busbw_GBps:g} GB/s, "
         f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
-        f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('layout', layout)}, "
+        f"{setting('grad_accum', str(t.grad_accum))} per GPU{reducing}, {setting('layout', layout)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
         f"{setting('precision', t.precision)}{' (fp8 gathers)' if t.fp8_all_gather else ''} "
         f"(reduce {setting('reduce_precision', t.reduce_precision)}), wire {t.wire}, "
@@ -141,7 +142,8 @@ def prediction_text(p: Prediction) -> str:
         f"bytes moved    {p.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs, "
         f"{p.timeline.link_bytes['intra'] / 1e9:.4g} GB through each GPU's intra-node links",
         f"throughput     {p.samples_per_step / p.step_time_s:.4g} samples/s; {p.tflops_per_gpu:.4g} TFLOP/s per GPU"
-        + (f" (with recomputation {p.hardware_tflops_per_gpu:.4g})" if recomputing else "") + f", MFU {100 * p.mfu:.1f}%",
+        + (f" (with recomputation {p.hardware_tflops_per_gpu:.4g})" if recomputing else "")
+        + f", MFU {100 * p.mfu:.1f}%",
         f"memory         {p.memory.total / GIB:.2f} GiB per GPU of {p.memory.usable / GIB:.1f} usable: "
         f"{'fits' if p.memory.fits else 'DOES NOT FIT'} ({memory})",
         "",
@@ -240,8 +242,8 @@ def _with_run(p: Prediction, model_argument: str) -> dict:
 
 def _how_to_run(p: Prediction, model_argument: str) -> list[str]:
     how = launch(p.training, p.cluster, p.model, model_argument)
-    lines = [f"          run:   {how.command}" if how.command else f"          not run by shardwire train: {how.unrunnable}",
-             f"          or:    {shard_call(p.training, p.cluster)}"]
+    run = f"run:   {how.command}" if how.command else f"not run by shardwire train: {how.unrunnable}"
+    lines = [f"          {run}", f"          or:    {shard_call(p.training, p.cluster)}"]
     return lines + ([f"          {how.lossy}"] if how.lossy else [])
 
 
