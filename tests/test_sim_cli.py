@@ -81,6 +81,15 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"],
      "unknown model preset ['a']; known presets: tiny, small"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
+    (["--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, gpu: b200}"],
+     "unknown GPU preset 'b200'; known GPUs: a100-80gb"),
+    (["--model", "gpt-125m", "--seq-len", "0", "--cluster", "a100-100gbe"], "--seq-len must be at least 1, got 0"),
+    (["--model", "hf:missing", "--cluster", "a100-100gbe"], "hf:missing does not exist"),
+    (["--model", "hf:{\"model_type\": \"t5\"}", "--cluster", "a100-100gbe"], "its config gives no layers"),
+    (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--training", "{precision: fp8}"],
+     "precision fp8 needs fp8 tensor cores: cluster 'a100-100gbe' gives no fp8_tflops"),
+    (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--calibrate", "missing.json"],
+     "cannot read profile missing.json"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
     status, out, err = run(capsys, "simulate", *argv)
@@ -100,6 +109,9 @@ def test_inputs_from_files_and_preset_overrides(tmp_path):
     cluster = load_spec("cluster", str(path))
     assert cluster.name == "mycluster" and cluster.nodes == 16
     assert cluster.inter_node.latency_us == 20 and cluster.inter_node.busbw_GBps == 15.0
+    faster = load_spec("cluster", "{preset: a100-100gbe, gpu: h100-sxm, matmul_efficiency: 0.5}")
+    assert (faster.gpu, faster.peak_tflops, faster.fp8_tflops) == ("h100-sxm", 989.0, 1979.0)
+    assert faster.matmul_efficiency == 0.5 and faster.inter_node == CLUSTERS["a100-100gbe"].inter_node
     inline = load_spec("training", '{"preset": "ibm-t5-3b", "micro_batch": 8}')
     assert inline.micro_batch == 8 and inline.activation_checkpointing
     with pytest.raises(SpecError, match="unknown cluster preset 'nope'"):
