@@ -126,9 +126,9 @@ def test_yaml_without_its_extra_says_what_to_install(tmp_path, monkeypatch, caps
 
 
 def test_required_options_of_simulate_and_plan_may_come_from_the_file(tmp_path, capsys):
-    path = write(tmp_path, "model: gpt2-125m\ncluster: a100-100gbe\nnodes: 2\nglobal_batch: 64\n")
+    path = write(tmp_path, "model: gpt-125m\ncluster: a100-100gbe\nnodes: 2\nglobal_batch: 64\n")
     assert main(["plan", "--config", path]) == 0
-    assert "torchrun --nnodes 2" in capsys.readouterr().out
+    assert "torchrun --nnodes=2" in capsys.readouterr().out
     assert main(["simulate", "--config", path]) == 2  # global_batch is plan's, not simulate's
     assert "'global_batch' is not an option of shardwire simulate" in capsys.readouterr().err
     path = write(tmp_path, "model: gpt2-125m\ncluster: a100-100gbe\n")

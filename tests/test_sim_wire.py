@@ -216,7 +216,7 @@ def test_the_report_shows_the_wire_and_the_bytes_it_moves(capsys):
 
 
 def test_the_planner_quantizes_across_a_slow_network_and_prints_the_wire(capsys):
-    status, out, _ = run(capsys, "plan", "--model", "gpt2-350m", "--cluster",
+    status, out, _ = run(capsys, "plan", "--model", "gpt-350m", "--cluster",
                          "{preset: a100-100gbe, inter_node: {busbw_GBps: 1}}", "--nodes", "2", "--global-batch", "64")
     lines = out.split("runner-up")[0].splitlines()
     best, run_line, shard_line = (next(line for line in lines if line.lstrip().startswith(start))

@@ -21,9 +21,9 @@ from torch import nn
 
 from shardwire.extras import require
 from shardwire.models.gpt import GPT, PRESETS, Block
+from shardwire.sim.huggingface import HF_PREFIX, seq_len_of, spec_from_config
 from shardwire.sim.specs import ModelSpec
 
-HF_PREFIX = "hf:"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -96,30 +96,20 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     if missing:
         raise ValueError(f"{type(skeleton).__name__} has no module of class {', '.join(missing)}: --units takes "
                          f"class names of its modules, such as its decoder layer")
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1024
-    length = seq_len or min(positions, 1024)
-    if length > positions:
-        raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")
+    length = seq_len_of(config.to_dict(), seq_len)
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, tuple(classes[unit] for unit in wanted), length,
                        config.vocab_size, _hf_spec(config, skeleton, length),
                        lambda model, tokens: model(tokens).logits, runs_on_meta=False)
 
 
 def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
-    """The decoder the config describes, for the FLOP count (Llama's and GPT-2's names for its sizes;
-    a gated MLP where the model has ``gate_proj`` modules), or None where it names no such sizes."""
-    def first(*names):
-        return next((getattr(config, name) for name in names if getattr(config, name, None) is not None), None)
-
-    layers, hidden = first("num_hidden_layers", "n_layer"), first("hidden_size", "n_embd")
-    heads = first("num_attention_heads", "n_head")
-    if None in (layers, hidden, heads):
-        return None
+    """The decoder the config describes, for the FLOP count (a gated MLP where the model has
+    ``gate_proj`` modules), or None where it names no sizes the simulator's reader knows."""
     gated = any(name.endswith("gate_proj") for name, _ in skeleton.named_modules())
-    return ModelSpec(name=f"hf:{type(skeleton).__name__}", layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=first("num_key_value_heads") or heads, vocab=config.vocab_size, seq_len=seq_len,
-                     ffn_hidden=first("intermediate_size", "n_inner") or 4 * hidden, ffn_gated=gated,
-                     tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)))
+    try:
+        return spec_from_config(config.to_dict(), name=f"hf:{type(skeleton).__name__}", seq_len=seq_len, gated=gated)
+    except ValueError:
+        return None
 
 
 def hf_config(transformers, source: str):

@@ -33,11 +33,13 @@ class SpecError(ValueError):
 
 MODEL_KINDS = ("decoder", "encoder-decoder")
 ATTENTION_KINDS = ("flash", "eager")
+NORMS = ("layernorm", "rmsnorm")
 LAYOUTS = ("full", "grad_op", "hybrid", "hybrid_secondary")
 LIMITERS = ("sliding", "block")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+REDUCE_PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,15 @@ _LAYERS = Limit(MAX_LAYERS, f"more blocks than the simulator builds (at most {MA
 # Rates have upper bounds far above physics (HBM3e moves 8 TB/s, a GPU does petaFLOP/s) so that an
 # experiment can make communication or compute free, as tests do; only their lower bounds can make
 # times long, and those keep every time finite.
+# From 1 MFLOP/s, far below one CPU core (the calibration's "GPU"), to 1e9 TFLOP/s.
+_PEAK = Limit(
+    low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peaks are in TFLOP/s",
+    high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peaks are in TFLOP/s (1e12 FLOP/s)",
+)
+_EFFICIENCY = Limit(
+    low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] its kernels reach: lower the peak instead",
+    high=1.0, above="over 1: it is the fraction of the peak its kernels reach, in (0, 1]",
+)
 _BANDWIDTH = Limit(
     low=1e-4, below="under 0.0001 GB/s (100 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
     high=1e12, above="over 1e12 GB/s, a hundred million times any memory or link: bandwidths are in GB/s "
@@ -108,15 +119,14 @@ LIMITS = types.MappingProxyType({
                               f"GPU clusters)"),
     "gpus_per_node": Limit(MAX_GPUS_PER_NODE, f"more GPUs per node than the simulator takes (at most "
                                               f"{MAX_GPUS_PER_NODE:,}, beyond the largest NVLink domains)"),
-    # From 1 MFLOP/s, far below one CPU core (the calibration's "GPU"), to 1e9 TFLOP/s.
-    "peak_tflops": Limit(
-        low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peak_tflops is in TFLOP/s",
-        high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peak_tflops is in TFLOP/s (1e12 FLOP/s)",
-    ),
+    "peak_tflops": _PEAK,
+    "fp8_tflops": _PEAK,
+    "fp32_tflops": _PEAK,
     # 64 TiB: two hundred times the largest GPU memories (288 GB).
     "gpu_memory_gb": Limit(2**16, "over 65,536 GiB, two hundred times any GPU's memory: give it in GiB"),
     "busbw_GBps": _BANDWIDTH,
     "memory_bandwidth_GBps": _BANDWIDTH,
+    "optimizer_GBps": _BANDWIDTH,
     # One second per step of a collective: several times an intercontinental round trip.
     "latency_us": Limit(1e6, "over 1,000,000 us (1 s) per step, several times an intercontinental round trip: "
                              "latencies are in microseconds", zero=True),
@@ -150,10 +160,9 @@ LIMITS = types.MappingProxyType({
         high=1.0, above="over 1: it is the fraction of a block's forward FLOPs backward recomputes, in (0, 1]",
     ),
     # Kernels at under 0.01% of peak: the peak is wrong, not the kernels.
-    "compute_efficiency": Limit(
-        low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] the kernels reach: lower peak_tflops instead",
-        high=1.0, above="over 1: it is the fraction of peak the kernels reach, in (0, 1]",
-    ),
+    "matmul_efficiency": _EFFICIENCY,
+    "attention_efficiency": _EFFICIENCY,
+    "memory_efficiency": _EFFICIENCY,
 })
 
 
@@ -166,8 +175,10 @@ class ModelSpec:
     ``decoder_seq_len`` the target length of an encoder-decoder. ``ffn_gated`` marks a gated MLP
     (three matrices: SwiGLU, gated GELU); ``kv_heads`` < ``heads`` is grouped-query attention;
     ``attention`` is ``flash`` (scores never stored, as with SDPA/FlashAttention) or ``eager``
-    (the score matrix is materialized and kept for backward). ``params``, when given, is the
-    published parameter count, checked against the count the architecture implies.
+    (the score matrix is materialized and kept for backward). ``norm`` is ``layernorm`` (one fused
+    kernel even in eager PyTorch) or ``rmsnorm`` (Llama's and T5's, which eager PyTorch runs as a
+    chain of fp32 kernels). ``params``, when given, is the published parameter count, checked
+    against the count the architecture implies.
     """
 
     layers: int
@@ -185,12 +196,14 @@ class ModelSpec:
     tied_embeddings: bool = True
     learned_positions: bool = False
     attention: str = "flash"
+    norm: str = "layernorm"
     params: int | None = None
 
     def __post_init__(self):
         _check_limits(self, "layers", "hidden", "heads", "vocab", "seq_len")
         _choice(self, "kind", MODEL_KINDS)
         _choice(self, "attention", ATTENTION_KINDS)
+        _choice(self, "norm", NORMS)
         _resolve(self, ffn_hidden=_given(self.ffn_hidden, 4 * self.hidden), kv_heads=_given(self.kv_heads, self.heads))
         _check_limits(self, "ffn_hidden", "kv_heads")
         if self.hidden % self.heads:
@@ -238,12 +251,22 @@ class LinkSpec:
 class ClusterSpec:
     """Nodes of identical GPUs: their compute, memory and the two levels of network between them.
 
+    The GPU is what the compute model (``shardwire.sim.compute``) prices kernels with: its dense
+    tensor-core peaks per dtype (``peak_tflops`` for bf16 and fp16, ``fp8_tflops`` where it has fp8
+    tensor cores, ``fp32_tflops`` for fp32 matrix multiplies, by default ``peak_tflops``: one rate
+    for every dtype, as a CPU), its memory and ``memory_bandwidth_GBps``, and the fractions of those
+    peaks its kernels reach: ``matmul_efficiency`` for large matrix multiplies, ``attention_efficiency``
+    for a fused attention kernel, ``memory_efficiency`` for memory-bound kernels. ``gpu`` names the
+    preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
+    memory-bound work (norms, activations, casts, the optimizer step) is left out of the prediction
+    (and the report says so). ``optimizer_GBps`` is the rate the optimizer step streams its bytes
+    at where it was measured (``shardwire.sim.calibrate``): a step is more than its bytes (per-tensor
+    launches, the casts of the updated shards), so it can be slower than other memory-bound work.
+
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
-    ``shardwire.sim.costs``). ``memory_bandwidth_GBps`` prices the optimizer step, which only
-    streams memory; without it that step is left out of the prediction (and the report says so).
-    ``quantize_gelems`` prices the kernels of a quantized wire (``TrainingSpec.wire``): billions of
-    elements one GPU encodes or decodes per second; without it they are left out (and the report
-    says so).
+    ``shardwire.sim.costs``). ``quantize_gelems`` prices the kernels of a quantized wire
+    (``TrainingSpec.wire``): billions of elements one GPU encodes or decodes per second; without it
+    they are left out (and the report says so).
     """
 
     nodes: int
@@ -253,14 +276,22 @@ class ClusterSpec:
     intra_node: LinkSpec
     inter_node: LinkSpec
     name: str = "custom"
+    gpu: str = "custom"
+    fp8_tflops: float | None = None
+    fp32_tflops: float | None = None
+    matmul_efficiency: float = 0.7
+    attention_efficiency: float = 0.5
+    memory_efficiency: float = 0.8
     algorithm: str = "ring"
     memory_bandwidth_GBps: float | None = None
+    optimizer_GBps: float | None = None
     quantize_gelems: float | None = None
 
     def __post_init__(self):
-        _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb")
+        _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb", "matmul_efficiency",
+                      "attention_efficiency", "memory_efficiency")
         _choice(self, "algorithm", ALGORITHMS)
-        for key in ("memory_bandwidth_GBps", "quantize_gelems"):
+        for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "optimizer_GBps", "quantize_gelems"):
             if getattr(self, key) is not None:
                 _check_limits(self, key)
 
@@ -268,13 +299,27 @@ class ClusterSpec:
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    def matmul_tflops(self, precision: str) -> float:
+        """The dense peak a matrix multiply in ``precision`` runs at; raises ``SpecError`` for fp8 on
+        a GPU without fp8 tensor cores."""
+        if precision == "fp8":
+            if self.fp8_tflops is None:
+                raise SpecError(f"precision fp8 needs fp8 tensor cores: cluster {self.name!r} gives no fp8_tflops "
+                                f"(H100 and later have them; A100 does not)")
+            return self.fp8_tflops
+        if precision == "fp32":
+            return self.peak_tflops if self.fp32_tflops is None else self.fp32_tflops
+        return self.peak_tflops
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainingSpec:
     """How the step runs: batch, layout, the gather schedule, precision and recomputation.
 
-    ``micro_batch`` is sequences per GPU and micro-batch; ``grad_accum`` micro-batches make a step
-    (all but the last without reduction, accumulating unsharded gradients, as ``no_sync`` does).
+    ``micro_batch`` is sequences per GPU and micro-batch; ``grad_accum`` micro-batches make a step,
+    all but the last without reduction, accumulating unsharded gradients (as ``no_sync`` does), or,
+    with ``reduce_each_micro_batch``, each reduce-scattered as it ends (what FSDP does unless told
+    ``no_sync``, as Composer and FSDP2 run accumulation by default).
     ``layout``: ``full`` shards parameters, gradients and optimizer state over every GPU;
     ``grad_op`` (FSDP's SHARD_GRAD_OP) keeps each unit gathered from its forward to the end of its
     backward; ``hybrid`` shards within groups of ``shard_group_size`` GPUs and replicates across
@@ -284,10 +329,13 @@ class TrainingSpec:
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.
+    ``precision`` is the compute dtype; ``fp8`` runs the blocks' linear layers' matrix multiplies in
+    fp8 with dynamic scaling (torchao's float8 training: activations, attention and the head stay
+    bf16), and ``fp8_all_gather`` then gathers their weights in fp8, cast before the gather.
     ``reduce_precision`` defaults to fp32, as the engine reduces; ``wire`` is what collectives put
     on the wire between nodes, as ``shard(wire=...)`` and ``shardwire train --wire`` take it ("none",
-    "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``);
-    ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
+    "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``).
+    ``compile`` runs each unit's elementwise work fused (torch.compile), so it moves fewer bytes.
     ``recompute_fraction`` is the share of a block's forward FLOPs that backward recomputes under
     ``activation_checkpointing``, and of its activations forward does not keep: 1 (the default)
     for full checkpointing, the engine's; less for a selective policy (torchtitan's keeps the
@@ -296,6 +344,7 @@ class TrainingSpec:
 
     micro_batch: int = 1
     grad_accum: int = 1
+    reduce_each_micro_batch: bool = False
     layout: str = "full"
     shard_group_size: int | None = None
     prefetch: int = 2
@@ -303,18 +352,21 @@ class TrainingSpec:
     reshard_after_forward: bool | None = None
     precision: str = "bf16"
     reduce_precision: str = "fp32"
+    fp8_all_gather: bool = False
     wire: str = "none"
+    compile: bool = False
     activation_checkpointing: bool = False
     recompute_fraction: float | None = None
-    compute_efficiency: float = 0.6
     name: str = "custom"
 
     def __post_init__(self):
-        _check_limits(self, "micro_batch", "grad_accum", "prefetch", "compute_efficiency")
+        _check_limits(self, "micro_batch", "grad_accum", "prefetch")
         _choice(self, "layout", LAYOUTS)
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
-        _choice(self, "reduce_precision", PRECISIONS)
+        _choice(self, "reduce_precision", REDUCE_PRECISIONS)
+        if self.fp8_all_gather and self.precision != "fp8":
+            raise SpecError("fp8_all_gather gathers the weights fp8 matrix multiplies read: it needs precision fp8")
         _check_value("block", self.wire_format.block)
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
@@ -356,7 +408,13 @@ class TrainingSpec:
 
     @property
     def compute_bytes(self) -> int:
-        return BYTES_PER_ELEMENT[self.precision]
+        """Bytes of an activation element: fp8 training keeps its activations in bf16."""
+        return BYTES_PER_ELEMENT["bf16" if self.precision == "fp8" else self.precision]
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes of a gathered parameter element: in fp8 when weights are gathered in fp8."""
+        return BYTES_PER_ELEMENT["fp8"] if self.fp8_all_gather else self.compute_bytes
 
     @property
     def reduce_bytes(self) -> int:
