@@ -8,7 +8,8 @@ help, bounds and parsing live on the field, and ``add_options`` makes the comman
 a list). ``command_line`` writes a configuration back as options, for the commands shardwire prints
 (``--print-launch``, ``shardwire plan``). The numeric bounds are checked in one place
 (``check_bounds``); so are paths the job will write to, so a directory that cannot be created is
-found before training, not at the first checkpoint.
+found before training, not at the first checkpoint, and a device named as an output is refused
+rather than replaced (``shardwire.files`` holds the policy for every file the project writes).
 
 This is argparse underneath, and deliberately so: nccl-tests' short flags (``-b 1K -e 64M``), one-line
 errors and a ``--help`` that imports nothing heavy matter more here than what a generator library adds.
@@ -19,10 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
+
+from shardwire.files import directory_problem, output_problem
 
 
 class OptionError(ValueError):
@@ -148,27 +150,11 @@ def check_bounds(config) -> None:
 
 def check_writable_directory(path: str, option: str) -> None:
     """``path`` is a directory the job can write in, or one it can create."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise OptionError(f"{option} {path} is a file; give it a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise OptionError(f"{option} {path} is not writable; give a directory you can write in")
-        return
-    existing = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise OptionError(f"{option} {path} cannot be created: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise OptionError(f"{option} {path} cannot be created: {existing} is not writable")
+    if (problem := directory_problem(path)) is not None:
+        raise OptionError(f"{option} {path} {problem}")
 
 
 def check_output_file(path: str, option: str) -> None:
-    """``path`` names a file the job can write (not a directory) in a directory that exists."""
-    if os.path.isdir(path):
-        raise OptionError(f"{option} {path} is a directory; give a file name")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OptionError(f"{option} {path}: the directory {directory} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise OptionError(f"{option} {path}: the directory {directory} is not writable")
+    """``path`` names a regular file the job can write (``shardwire.files``' policy), or one it can create."""
+    if (problem := output_problem(path)) is not None:
+        raise OptionError(f"{option} {path} {problem}")
