@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardwire.comm.wire import Wire
+from shardwire.mappings import shown
 
 
 class SpecError(ValueError):
@@ -387,9 +388,9 @@ def _build(cls, label: str, mapping: Any):
     if not isinstance(mapping, Mapping):
         raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(mapping) - set(fields))
+    unknown = sorted(shown(key) for key in set(mapping) - set(fields))
     if unknown:
-        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(fields)}")
+        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown[:5])}; known keys: {', '.join(fields)}")
     missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]
     if missing:
         raise SpecError(f"{label}: missing key(s) {', '.join(missing)}")
@@ -423,7 +424,7 @@ def _coerce(where: str, hint, value):
     elif hint is str:
         if isinstance(value, str):
             return value
-    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {value!r}")
+    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {shown(value)}")
 
 
 _TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
@@ -453,7 +454,7 @@ def _check_value(key: str, value: float) -> None:
 def _choice(spec, key: str, choices: tuple[str, ...]) -> None:
     value = getattr(spec, key)
     if value not in choices:
-        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {shown(value)}")
 
 
 def _given(value, default):
