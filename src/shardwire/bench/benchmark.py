@@ -172,6 +172,14 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if (problem := worker.unavailable(config.backend)) is not None:
         raise BenchError(problem)
+    # every operation holds a buffer of the whole size on each rank; the ranks of a node share its memory
+    try:
+        memory = worker.memory_per_worker(config.backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    except ValueError as err:
+        raise BenchError(str(err)) from None
+    if config.max_bytes > memory:
+        raise BenchError(f"--max-bytes {config.max_bytes:,} is more than a worker here can hold "
+                         f"({memory / 2**30:.3g} GiB): each rank holds a buffer of the largest size; lower it")
 
 
 def _members(launched: Placement) -> dict[str, list[list[int]]]:

@@ -19,7 +19,7 @@ from shardwire.comm.wire import Wire
 from shardwire.engine.layout import group_size
 from shardwire.extras import require
 from shardwire.launch import launch_local, torchrun_command, under_launcher
-from shardwire.models.choice import choose
+from shardwire.models.choice import ModelChoice, choose
 from shardwire.options import (
     OptionError,
     add_options,
@@ -120,9 +120,26 @@ def _validate(config: TrainConfig) -> None:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    if config.data is not None or config.tokenizer is not None:  # the default, the stdlib's sources, serves
-        try:
-            corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
-            corpus.check_vocab(choice.vocab_size)
-        except (OSError, ValueError) as err:  # a message not naming its option is about --data
-            raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
+    _check_memory(config, choice)
+    try:  # the default corpus too: its validation split must hold a sequence
+        corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
+        corpus.check_vocab(choice.vocab_size)
+    except (OSError, ValueError) as err:  # a message not naming its option is about --data
+        raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
+
+
+def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
+    """Refuse a micro-batch that cannot fit a worker of this machine whatever the model: the loss
+    holds its logits in fp32 (``loss_fn``), a vocabulary's worth per token."""
+    logits = 4 * config.batch * choice.seq_len * choice.vocab_size
+    local = _world_and_node_size(config)[1]
+    try:
+        memory = worker.memory_per_worker(config.backend, local)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if logits > memory:
+        raise SystemExit(
+            f"error: --batch {config.batch} sequences of {choice.seq_len} tokens need {logits / 2**30:.3g} GiB per "
+            f"worker for their fp32 logits ({choice.vocab_size:,} per token) alone, more than each of the {local} "
+            f"workers here can hold ({memory / 2**30:.3g} GiB): lower --batch (raising --grad-accum keeps the "
+            f"batch), --seq-len{'' if worker.uses_cuda(config.backend) else ' or --nproc'}")

@@ -1,0 +1,87 @@
+"""Input is bounded: a config or spec is read up to a size, YAML's aliases cannot expand a few
+hundred bytes into billions of values, an error never prints an unbounded value, and sizes that no
+worker of this machine can hold are refused in one line before any worker starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shardwire.cli import main
+from shardwire.mappings import MAX_TEXT_BYTES
+
+pytestmark = pytest.mark.timeout(30)  # each case is refused at once; the unbounded ones ran for minutes
+
+
+def alias_bomb(key: str) -> str:
+    """A "billion laughs" as ``key``'s value: ten levels of nine aliases each, 9**10 values from
+    about 400 bytes, which an error message showing the value would print in full."""
+    levels = ['&a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    return f"{key}: [{', '.join(levels)}]"
+
+
+def refusal(argv: list[str], capsys) -> str:
+    """The one line ``shardwire`` ends ``argv`` with, failing."""
+    try:
+        status = main(argv)
+    except SystemExit as exit:
+        status, message = 1, str(exit)
+    else:
+        message = capsys.readouterr().err.strip()
+    assert status != 0 and "\n" not in message, message
+    return message
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path, capsys):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb("steps"))
+    assert os.path.getsize(bomb) < 1000
+    assert "expands through its YAML aliases (*name) to over 100,000 values" in refusal(
+        ["train", "--config", str(bomb)], capsys)
+    assert "expands through its YAML aliases" in refusal(
+        ["simulate", "--model", "{" + alias_bomb("hidden") + "}", "--cluster", "a100-100gbe"], capsys)
+    recursive = tmp_path / "recursive.yaml"
+    recursive.write_text("ops: &ops [all_gather, *ops]\n")
+    assert "refers to a collection from inside itself" in refusal(["bench", "--config", str(recursive)], capsys)
+
+
+def test_files_are_read_up_to_a_bound(tmp_path, capsys):
+    assert f"--config /dev/zero is larger than {MAX_TEXT_BYTES:,} bytes" in refusal(
+        ["train", "--config", "/dev/zero"], capsys)
+    huge = tmp_path / "cluster.yaml"
+    huge.write_text("nodes: 2\n" + "#" * MAX_TEXT_BYTES)
+    assert "is larger than" in refusal(["simulate", "--model", "gpt2-125m", "--cluster", str(huge)], capsys)
+
+
+def test_an_error_shows_a_value_cut_short(tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model: [{', '.join(['x' * 1000] * 1000)}]\n")
+    assert len(refusal(["train", "--config", str(config)], capsys)) < 300
+    config.write_text(f"layout: {'y' * 100_000}\n")
+    assert len(refusal(["train", "--config", str(config)], capsys)) < 400
+    assert len(refusal(["simulate", "--model", "{hidden: [" + "1, " * 100_000 + "1]}", "--cluster",
+                        "a100-100gbe"], capsys)) < 300
+
+
+def test_nesting_too_deep_to_read_is_one_line(tmp_path, capsys):
+    config = tmp_path / "deep.json"
+    config.write_text("[" * 100_000 + "]" * 100_000)
+    assert "nests deeper than it can be read" in refusal(["train", "--config", str(config)], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "-e", "1000T"], "--max-bytes 1,099,511,627,776,000 is more than a worker here can hold"),
+    (["bench", "--nproc", "100000"], "100,000 workers take over"),
+    (["train", "--batch", "1000000000000"], "--batch 1000000000000 sequences of 128 tokens need"),
+    (["train", "--seq-len", "10000000"], "--batch 16 sequences of 10000000 tokens need"),
+    (["train", "--nproc", "100000"], "100,000 workers take over"),
+])
+def test_sizes_no_worker_here_can_hold_are_refused(argv, message, capsys):
+    assert message in refusal(argv, capsys)
+
+
+def test_a_sequence_longer_than_the_default_corpus_is_refused_before_any_worker(capsys):
+    assert "its validation split (1%) must hold a sequence of 1000001 bytes" in refusal(
+        ["train", "--batch", "1", "--seq-len", "1000000"], capsys)
