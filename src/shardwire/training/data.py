@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from shardwire.files import write_atomically
+from shardwire.models.choice import custom_code
 
 VALIDATION_FRACTION = 0.01
 
@@ -61,19 +62,25 @@ def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
                                 f"tokenizer's directory (as save_pretrained writes it)")
     files, name = _text_files(path)
     digest = hashlib.sha256()
-    for file in sorted(directory.iterdir()):
+    for file in sorted(p for p in directory.iterdir() if p.is_file()):
         digest.update(file.name.encode() + file.read_bytes())
     for file in files:
         stat = file.stat()
         digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     cache = pathlib.Path(f"{pathlib.Path(path).resolve()}.tokens-{digest.hexdigest()[:12]}.npy")
     if cache.exists():
-        return cache
+        try:
+            _read_ids(cache)
+            return cache
+        except ValueError:  # damaged (a full disk, a copy cut short): it is ours to make again
+            pass
     transformers = require("transformers", "--tokenizer")
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:  # a tokenizer directory is data: the code its auto_map names never runs
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True,
+                                                               trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--tokenizer {tokenizer_dir}: {str(err).splitlines()[0]}") from None
+        problem = custom_code(directory / "tokenizer_config.json") or custom_code(directory / "config.json")
+        raise ValueError(f"--tokenizer {tokenizer_dir}: {problem or str(err).splitlines()[0]}") from None
     separator = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     pieces = [np.asarray(tokenizer(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
               for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
@@ -108,20 +115,9 @@ class TokenCorpus:
     @classmethod
     def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16") -> TokenCorpus:
         file = pathlib.Path(path)
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"data path {path} does not exist: pass a .bin or .npy file of token ids")
-        if file.suffix == ".bin":
-            size, width = file.stat().st_size, np.dtype(bin_dtype).itemsize
-            if size % width:
-                raise ValueError(f"{path} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
-                                 f"another element type (--token-dtype)?")
-            ids = np.memmap(file, dtype=bin_dtype, mode="r")
-        else:
-            ids = np.load(file, mmap_mode="r")
-            if ids.ndim != 1 or ids.dtype.kind != "u":
-                raise ValueError(f"{path} holds a {ids.ndim}-d {ids.dtype} array: token ids are a flat array of "
-                                 f"unsigned integers (uint16 or uint32)")
-        return cls(ids, str(file), seq_len)
+        return cls(_read_ids(file, bin_dtype), str(file), seq_len)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +144,28 @@ class TokenCorpus:
         return torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
+def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
+    """The token ids in ``file``, memory-mapped: a flat ``.bin`` of ``bin_dtype``, or a ``.npy``
+    whose header says its type. Raises ``ValueError`` naming the file where it holds no such ids."""
+    if not file.is_file():
+        raise ValueError(f"{file} is not a regular file: pass a .bin or .npy file of token ids")
+    if file.suffix == ".bin":
+        size, width = file.stat().st_size, np.dtype(bin_dtype).itemsize
+        if size % width:
+            raise ValueError(f"{file} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
+                             f"another element type (--token-dtype)?")
+        return np.memmap(file, dtype=bin_dtype, mode="r")
+    try:
+        ids = np.load(file, mmap_mode="r")  # never a pickle: allow_pickle stays False
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{file} is not a readable .npy file ({str(err).splitlines()[0][:200]}): write it "
+                         f"again with numpy.save") from None
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind != "u":
+        shape = f"a {ids.ndim}-d {ids.dtype} array" if isinstance(ids, np.ndarray) else "no array"
+        raise ValueError(f"{file} holds {shape}: token ids are a flat array of unsigned integers (uint16 or uint32)")
+    return ids
+
+
 def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
     return torch.randint(0, length - seq_len - 1, (global_batch,), generator=gen).tolist()
@@ -163,8 +181,13 @@ def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
     root = pathlib.Path(path)
     if not root.exists():
         raise FileNotFoundError(f"data path {path} does not exist: pass a text file or a directory of them")
+    if root.is_file():
+        return [root], str(root)
+    if not root.is_dir():  # a device or a FIFO would be read without end
+        raise ValueError(f"data path {path} is neither a regular file nor a directory: pass a text file or a "
+                         f"directory of them")
     suffixes = {".py", ".txt", ".md"}
-    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes), str(root)
+    return sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()), str(root)
 
 
 class ByteCorpus:
