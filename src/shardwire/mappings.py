@@ -3,8 +3,8 @@ specs (``--model``, ``--cluster``, ``--training``, inline or in a file) read it 
 
 Whatever the input, reading it is bounded and says what is wrong in one line:
 
-* a file is read up to a size limit (``--config /dev/zero`` would otherwise read forever) and must
-  be UTF-8 text;
+* a file is read up to a size limit (``--config /dev/zero`` would otherwise read forever), a FIFO
+  without a writer as empty (it would otherwise block), and it must be UTF-8 text;
 * YAML's aliases may not expand the document past ``MAX_VALUES`` values: a few hundred bytes of
   nested aliases (a "billion laughs") describe billions of them, and printing one in an error
   message alone would run for minutes;
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import reprlib
 from collections.abc import Mapping
 
@@ -39,7 +40,10 @@ def read_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of the file at ``path``, read no further than ``limit`` bytes. ``what`` names
     it in errors (``--config job.yaml``)."""
     try:
-        with open(path, "rb") as f:
+        # opened without waiting for a writer, so that a FIFO nobody writes to reads as empty instead of
+        # blocking for ever; then read as usual (process substitution's pipe has its writer)
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            os.set_blocking(f.fileno(), True)
             data = f.read(limit + 1)
     except OSError as err:
         raise MappingError(f"{what}: {err.strerror or err}") from None
@@ -67,6 +71,8 @@ def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict
         raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
     except ValueError:
         data = _read_yaml(text, what, numbers_as_text)
+    if data is None:
+        raise MappingError(f"{what} is empty: give a mapping of keys to values")
     if not isinstance(data, Mapping):
         raise MappingError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
     return dict(data)
@@ -99,23 +105,24 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool):
             f"{what}: {shown(node.value)}{_where(node.start_mark)} is a YAML 1.1 number that the command line "
             f"reads otherwise (YAML reads 1:30 as 90 and 0x10 as 16): write it in decimal, or quote it as text")
 
-    loader = yaml.SafeLoader(text)
-    # this loader's own constructors (the class's are shared by every SafeLoader)
-    loader.yaml_constructors = {**loader.yaml_constructors, **{tag: number for tag in _YAML_NUMBERS}}
-    if numbers_as_text:
-        loader.yaml_constructors["tag:yaml.org,2002:timestamp"] = lambda loader, node: node.value
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_expansion(node, what)
-        return loader.construct_document(node)
+        loader = yaml.SafeLoader(text)  # its reader refuses characters YAML does not allow
+        # this loader's own constructors (the class's are shared by every SafeLoader)
+        loader.yaml_constructors = {**loader.yaml_constructors, **{tag: number for tag in _YAML_NUMBERS}}
+        if numbers_as_text:
+            loader.yaml_constructors["tag:yaml.org,2002:timestamp"] = lambda loader, node: node.value
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(node, what)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise MappingError(f"{what} is neither JSON nor YAML: {_one_line(err)}") from None
     except RecursionError:
         raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
-    finally:
-        loader.dispose()
 
 
 def _check_expansion(root, what: str) -> None:

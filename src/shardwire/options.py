@@ -37,15 +37,20 @@ class Bounds:
     above: float | None = None
     real: bool = False  # a float: it must also be finite
     unit: str = ""
+    at_most: int | None = None  # where a larger value cannot be held (a 64-bit seed, a timedelta)
 
     def allows(self, value) -> bool:
         if value is None:  # an optional option left out
             return True
         if self.real and not math.isfinite(value):
             return False
-        return (self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+        return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                and (self.at_most is None or value <= self.at_most))
 
-    def describe(self) -> str:
+    def describe(self, value) -> str:
+        """What the option must be, where ``value`` is outside the bounds."""
+        if self.at_most is not None and value > self.at_most and (not self.real or math.isfinite(value)):
+            return f"at most {self.at_most:,}{f' {self.unit}' if self.unit else ''}"
         if self.above == 0:
             text = "a positive, finite number" if self.real else "positive"
         elif self.above is not None:
@@ -72,13 +77,13 @@ def option(default=dataclasses.MISSING, help: str = "", *, factory: Callable[[],
            flags: Sequence[str] = (), choices: Sequence[str] | None = None,
            parse: Callable[[str], typing.Any] | None = None, metavar: str | None = None,
            at_least: float | None = None, above: float | None = None, real: bool | None = None,
-           unit: str = "") -> dataclasses.Field:
+           unit: str = "", at_most: int | None = None) -> dataclasses.Field:
     """A configuration field that is a command-line option: ``default`` (or ``factory`` for a list),
     its ``help``, and the bounds its value must lie within (``real``: a float, also finite; by
     default, whether ``default`` is one)."""
     bounds = None
-    if at_least is not None or above is not None:
-        bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit)
+    if at_least is not None or above is not None or at_most is not None:
+        bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit, at_most)
     metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -145,7 +150,7 @@ def check_bounds(config) -> None:
         bounds = field.metadata["option"].bounds if "option" in field.metadata else None
         value = getattr(config, field.name)
         if bounds is not None and not bounds.allows(value):
-            raise OptionError(f"{flag(field.name)} must be {bounds.describe()}, got {value}")
+            raise OptionError(f"{flag(field.name)} must be {bounds.describe(value)}, got {value}")
 
 
 def check_writable_directory(path: str, option: str) -> None:

@@ -16,10 +16,12 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from shardwire.launch import host_memory_per_worker
+
 BACKENDS = ("auto", "gloo", "nccl")
-# What a worker process takes before it holds any data: Python with torch imported is about 220 MB
-# resident; no worker comes in under this.
-_WORKER_FOOTPRINT = 128 << 20
+# The longest --timeout a command takes: a collective that takes a year has hung (and a timedelta, which
+# the process group takes, holds no more than a billion days).
+MAX_TIMEOUT_S = 365 * 24 * 3600
 
 
 def uses_cuda(backend: str) -> bool:
@@ -38,18 +40,14 @@ def unavailable(backend: str) -> str | None:
 
 def memory_per_worker(backend: str, local_workers: int) -> int:
     """The most bytes of data one of ``local_workers`` workers on this machine can hold with
-    ``backend``: its GPU's memory (the smallest visible GPU's), or on the CPU an equal share of the
-    machine's, less what the process itself takes. A bound to refuse sizes that can never fit before
-    any worker starts, not a promise that less fits: the CUDA context, the allocator and a cgroup's
+    ``backend``: its GPU's memory (the smallest visible GPU's), or on the CPU its share of the
+    machine's (``host_memory_per_worker``). A bound to refuse sizes that can never fit before any
+    worker starts, not a promise that less fits: the CUDA context, the allocator and a cgroup's
     limit take their part. Raises ``ValueError`` where the workers alone would not fit."""
+    host = host_memory_per_worker(local_workers)
     if uses_cuda(backend):
         return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if local_workers * _WORKER_FOOTPRINT >= machine:
-        raise ValueError(f"{local_workers:,} workers take over {local_workers * _WORKER_FOOTPRINT / 2**30:.3g} GiB "
-                         f"before holding any data, more than this machine's {machine / 2**30:.3g} GiB: start fewer "
-                         f"(--nproc)")
-    return machine // local_workers - _WORKER_FOOTPRINT
+    return host
 
 
 def worker_device(backend: str) -> torch.device:

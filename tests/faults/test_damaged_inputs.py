@@ -20,13 +20,16 @@ from shardwire.training.scalars import ScalarLog
 GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 64}
 
 
-def test_text_that_is_not_utf8_is_one_line(tmp_path, capsys):
+def test_text_that_is_not_utf8_or_holds_what_yaml_refuses_is_one_line(tmp_path, capsys):
     latin1 = tmp_path / "job.yaml"
     latin1.write_bytes("model: café\n".encode("latin-1"))
     assert main(["train", "--config", str(latin1)]) == 2
     assert f"--config {latin1} is not UTF-8 text (byte 10 is 0xe9): save it as UTF-8" in capsys.readouterr().err
     assert main(["simulate", "--model", str(latin1), "--cluster", "a100-100gbe"]) == 2
     assert f"model file {latin1} is not UTF-8 text" in capsys.readouterr().err
+    latin1.write_bytes(b"steps: 7\x00\n")
+    assert main(["train", "--config", str(latin1)]) == 2
+    assert "is neither JSON nor YAML: unacceptable character #x0000" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -72,6 +75,15 @@ def test_an_index_naming_files_outside_the_model_is_refused(model_dir, tmp_path)
     index["weight_map"] = {"transformer.wte.weight": "missing.safetensors"}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     assert "missing.safetensors is missing" in refused(model_dir)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"n_embd": -1}, "Trying to create tensor with negative dimension -1"),
+    ({"n_layer": "two"}, "Validation error for field 'n_layer'"),
+])
+def test_a_config_transformers_cannot_build_is_one_line(fields, message, model_dir):
+    (model_dir / "config.json").write_text(json.dumps({**GPT2, **fields}))
+    assert message in refused(model_dir)
 
 
 @pytest.mark.parametrize("units, message", [

@@ -90,12 +90,13 @@ def test_a_written_file_has_the_umask_mode_or_keeps_its_own_and_parents_are_made
     ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--csv"],
     ["train", "--log-jsonl"],
     ["train", "--checkpoint-dir"],
+    ["train", "--profile", "--run-dir"],
     ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"],
 ])
 def test_commands_refuse_an_output_that_is_not_a_regular_file_before_any_work(command, tmp_path, capsys):
     made = special_files(tmp_path)
     for name, kind in made.items():
-        if command[-1] == "--checkpoint-dir" and name == "directory":
+        if command[-1] in ("--checkpoint-dir", "--run-dir") and name == "directory":
             continue
         try:
             status = main([*command, str(tmp_path / name)])
@@ -105,6 +106,12 @@ def test_commands_refuse_an_output_that_is_not_a_regular_file_before_any_work(co
             message = capsys.readouterr().err
         assert status != 0 and f"{tmp_path / name} is {kind}" in message, message
     assert unchanged(tmp_path, made)
+
+
+def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "profile.json")
+    with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json is a FIFO, not a regular file"):
+        main(["train", "--profile", "--run-dir", str(tmp_path)])
 
 
 def _save_a_checkpoint(rank, world, directory):

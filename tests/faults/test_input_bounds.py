@@ -10,6 +10,7 @@ import pytest
 
 from shardwire.cli import main
 from shardwire.mappings import MAX_TEXT_BYTES
+from shardwire.testbed import spec
 
 pytestmark = pytest.mark.timeout(30)  # each case is refused at once; the unbounded ones ran for minutes
 
@@ -47,12 +48,37 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path, capsys):
     assert "refers to a collection from inside itself" in refusal(["bench", "--config", str(recursive)], capsys)
 
 
-def test_files_are_read_up_to_a_bound(tmp_path, capsys):
+def test_files_are_read_up_to_a_bound_and_never_wait_for_a_writer(tmp_path, capsys):
     assert f"--config /dev/zero is larger than {MAX_TEXT_BYTES:,} bytes" in refusal(
         ["train", "--config", "/dev/zero"], capsys)
     huge = tmp_path / "cluster.yaml"
     huge.write_text("nodes: 2\n" + "#" * MAX_TEXT_BYTES)
     assert "is larger than" in refusal(["simulate", "--model", "gpt2-125m", "--cluster", str(huge)], capsys)
+    os.mkfifo(tmp_path / "fifo")
+    assert f"--config {tmp_path / 'fifo'} is empty" in refusal(["bench", "--config", str(tmp_path / "fifo")], capsys)
+    assert "is larger than" in refusal(["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe",
+                                        "--cluster-from", "/dev/zero"], capsys)
+    assert "--data: data path /dev/zero is neither a regular file nor a directory" in refusal(
+        ["train", "--data", "/dev/zero"], capsys)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "profile.json").symlink_to("/dev/zero")
+    assert f"{run}/profile.json is not a regular file" in refusal(["report", str(run)], capsys)
+
+
+def test_a_hugging_face_directory_is_read_within_bounds(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    assert f"hf:{model}: config.json is not a regular file" in refusal(["train", "--model", f"hf:{model}"], capsys)
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to("/dev/zero")
+    assert "config.json is not a regular file" in refusal(["train", "--model", f"hf:{model}"], capsys)
+    deep = '{"model_type": "gpt2", "n_layer": 100000, "n_embd": 64, "n_head": 4, "vocab_size": 256}'
+    assert "100,000 layers, more than 1,024" in refusal(["train", "--model", f"hf:{deep}"], capsys)
+    wide = '{"model_type": "gpt2", "n_layer": 4, "n_embd": 65536, "n_head": 4, "vocab_size": 256}'
+    assert "hf:GPT2LMHeadModel has 206,245,855,232 parameters, 768 GiB in fp32 on each worker that builds it" in \
+        refusal(["train", "--model", f"hf:{wide}"], capsys)
 
 
 def test_an_error_shows_a_value_cut_short(tmp_path, capsys):
@@ -77,6 +103,10 @@ def test_nesting_too_deep_to_read_is_one_line(tmp_path, capsys):
     (["train", "--batch", "1000000000000"], "--batch 1000000000000 sequences of 128 tokens need"),
     (["train", "--seq-len", "10000000"], "--batch 16 sequences of 10000000 tokens need"),
     (["train", "--nproc", "100000"], "100,000 workers take over"),
+    (["train", "--seed", str(2**64)], "--seed must be at most 18,446,744,073,709,551,615"),
+    (["train", "--timeout", "1e300"], "--timeout must be at most 31,536,000 seconds"),
+    (["bench", "--timeout", "1e300"], "--timeout must be at most 31,536,000 seconds"),
+    (["train", "--wire", f"grads=int8,block={10**30}"], "--wire block must be a positive integer of at most"),
 ])
 def test_sizes_no_worker_here_can_hold_are_refused(argv, message, capsys):
     assert message in refusal(argv, capsys)
@@ -85,3 +115,8 @@ def test_sizes_no_worker_here_can_hold_are_refused(argv, message, capsys):
 def test_a_sequence_longer_than_the_default_corpus_is_refused_before_any_worker(capsys):
     assert "its validation split (1%) must hold a sequence of 1000001 bytes" in refusal(
         ["train", "--batch", "1", "--seq-len", "1000000"], capsys)
+
+
+def test_a_link_rate_past_a_floats_range_is_one_line():
+    with pytest.raises(spec.TestbedError, match="is outside 10mbit to 100gbit"):
+        spec.parse_rate("9" * 400 + "gbit")

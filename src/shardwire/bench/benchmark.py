@@ -94,7 +94,7 @@ class BenchConfig:
                                "busbw stays on the uncompressed size, the bytes sent are reported beside it")
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
     timeout: float = option(300.0, "seconds before a collective that does not complete is an error", above=0,
-                            unit="seconds")
+                            unit="seconds", at_most=worker.MAX_TIMEOUT_S)
     contention: bool = option(False, "also time matrix multiplies alone and beside a running all_gather of "
                                      "--max-bytes on each group: the share of compute communication takes, which "
                                      "shardwire simulate --cluster-from reads")
@@ -176,7 +176,7 @@ def validate(config: BenchConfig, world: int) -> None:
     try:
         memory = worker.memory_per_worker(config.backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except ValueError as err:
-        raise BenchError(str(err)) from None
+        raise BenchError(f"{err}: start fewer (--nproc)") from None
     if config.max_bytes > memory:
         raise BenchError(f"--max-bytes {config.max_bytes:,} is more than a worker here can hold "
                          f"({memory / 2**30:.3g} GiB): each rank holds a buffer of the largest size; lower it")

@@ -29,6 +29,7 @@ from shardwire.options import (
     command_line,
     config_from,
 )
+from shardwire.profile.profiler import PROFILE_FILE, TRACE_FILE
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
 from shardwire.training.data import load_corpus
 
@@ -91,6 +92,9 @@ def _validate(config: TrainConfig) -> None:
                 check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
             if config.profile:
                 check_writable_directory(config.run_dir or "runs", "--run-dir")
+                if config.run_dir is not None:  # the default one is named for the time the run ends
+                    for name in (PROFILE_FILE, TRACE_FILE):
+                        check_output_file(os.path.join(config.run_dir, name), "--run-dir:")
             if config.tensorboard is not None:
                 require("tensorboard", "--tensorboard")
                 check_writable_directory(config.tensorboard, "--tensorboard")
@@ -129,17 +133,26 @@ def _validate(config: TrainConfig) -> None:
 
 
 def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
-    """Refuse a micro-batch that cannot fit a worker of this machine whatever the model: the loss
-    holds its logits in fp32 (``loss_fn``), a vocabulary's worth per token."""
-    logits = 4 * config.batch * choice.seq_len * choice.vocab_size
-    local = _world_and_node_size(config)[1]
+    """Refuse a job that cannot fit a worker of this machine, whatever else it holds: every worker
+    builds the model whole in fp32 before sharding it, then keeps its share of the fp32 weights,
+    gradients and Adam's two moments (16 bytes a parameter, over the world at most), and the loss
+    holds a micro-batch's logits in fp32 (``loss_fn``), a vocabulary's worth per token."""
+    world, local = _world_and_node_size(config)
     try:
         memory = worker.memory_per_worker(config.backend, local)
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    if logits > memory:
+        raise SystemExit(f"error: {err}: start fewer (--nproc)") from None
+    fewer = "" if worker.uses_cuda(config.backend) else ", or start fewer workers (--nproc)"
+    whole, state = 4 * choice.params, 16 * choice.params // world
+    logits = 4 * config.batch * choice.seq_len * choice.vocab_size
+    if whole > memory:
+        raise SystemExit(
+            f"error: {choice.name} has {choice.params:,} parameters, {whole / 2**30:.3g} GiB in fp32 on each worker "
+            f"that builds it, more than each of the {local} workers here can hold ({memory / 2**30:.3g} GiB): "
+            f"pick a smaller --model{fewer}")
+    if state + logits > memory:
         raise SystemExit(
             f"error: --batch {config.batch} sequences of {choice.seq_len} tokens need {logits / 2**30:.3g} GiB per "
-            f"worker for their fp32 logits ({choice.vocab_size:,} per token) alone, more than each of the {local} "
-            f"workers here can hold ({memory / 2**30:.3g} GiB): lower --batch (raising --grad-accum keeps the "
-            f"batch), --seq-len{'' if worker.uses_cuda(config.backend) else ' or --nproc'}")
+            f"worker for their fp32 logits ({choice.vocab_size:,} per token) beside {state / 2**30:.3g} GiB of "
+            f"the model's sharded state, more than each of the {local} workers here can hold "
+            f"({memory / 2**30:.3g} GiB): lower --batch (raising --grad-accum keeps the batch) or --seq-len{fewer}")

@@ -33,7 +33,7 @@ from shardwire.engine.selection import select_units
 from shardwire.extras import require
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.sim.specs import ModelSpec
+from shardwire.sim.specs import MAX_LAYERS, ModelSpec
 
 HF_PREFIX = "hf:"
 # The weights from_pretrained loads, the first of these a directory holds.
@@ -52,6 +52,7 @@ class ModelChoice:
     units: tuple[type[nn.Module], ...]
     seq_len: int
     vocab_size: int
+    params: int
     spec: ModelSpec | None
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
@@ -70,8 +71,11 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
     if units is not None:
         raise ValueError("--units is for hf: models; the GPT presets shard into their blocks")
     config = PRESETS[name] if seq_len is None else dataclasses.replace(PRESETS[name], seq_len=seq_len)
-    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size,
-                       config.spec(name), lambda model, tokens: model(tokens))
+    spec = config.spec(name)
+    with torch.device("meta"):
+        params = _parameters(GPT(config))
+    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size, params,
+                       spec, lambda model, tokens: model(tokens))
 
 
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
@@ -83,10 +87,14 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
                                              trust_remote_code=False)
     else:
         build = lambda: auto.from_config(config, trust_remote_code=False)  # noqa: E731
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_LAYERS:  # built one by one, even on the meta device
+        raise ValueError(f"hf:{source}: {layers:,} layers, more than {MAX_LAYERS:,}, ten times the deepest "
+                         f"published models: give the number of layers")
     try:
         with torch.device("meta"):
             skeleton = auto.from_config(config, trust_remote_code=False)
-    except ValueError as err:
+    except Exception as err:  # a config transformers cannot build, however it says so
         raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None
     classes = {type(module).__name__: type(module) for module in skeleton.modules()}
     if units is not None:
@@ -112,8 +120,13 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     if length > positions:
         raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, tuple(classes[unit] for unit in wanted), length,
-                       config.vocab_size, _hf_spec(config, skeleton, length),
+                       config.vocab_size, _parameters(skeleton), _hf_spec(config, skeleton, length),
                        lambda model, tokens: model(tokens).logits, runs_on_meta=False)
+
+
+def _parameters(model: nn.Module) -> int:
+    """The elements of ``model``'s parameters (a tied weight once)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
@@ -144,12 +157,16 @@ def _hf_config(transformers, source: str):
             return transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields), None
         if not path.exists():
             raise ValueError(f"{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
+        if path.is_dir():
+            check_files(path)
         config_file = _config_file(source)  # read within bounds first: transformers reads /dev/zero for ever
+        if config_file.exists() and not config_file.is_file():
+            raise ValueError(f"{config_file.name} is not a regular file: give a config .json or a model directory")
         read_file(config_file, f"hf:{source}: {config_file.name}")
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except MappingError as err:
         raise ValueError(str(err)) from None
-    except (ValueError, KeyError, TypeError, OSError, RecursionError) as err:
+    except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None
     weights = next((path / name for name in _WEIGHTS if path.is_dir() and (path / name).exists()), None)
     if weights is not None:
@@ -161,6 +178,16 @@ def _config_file(source: str) -> pathlib.Path:
     """The config file of ``hf:source``: the file itself, or a directory's config.json."""
     path = pathlib.Path(source)
     return path / "config.json" if path.is_dir() else path
+
+
+def check_files(directory: pathlib.Path) -> None:
+    """Refuse a Hugging Face directory holding what is neither a regular file nor a directory:
+    transformers opens the files it finds, and a FIFO would block it for ever, a device feed it
+    without end."""
+    special = next((entry for entry in directory.iterdir() if not (entry.is_file() or entry.is_dir())), None)
+    if special is not None:
+        raise ValueError(f"{special.name} is not a regular file (a FIFO, a device, a broken link): a model's or "
+                         f"tokenizer's directory holds files")
 
 
 def custom_code(config: pathlib.Path) -> str | None:

@@ -15,7 +15,7 @@ import os
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.options import OptionError, check_output_file, check_writable_directory
-from shardwire.profile.profiler import FORMAT_VERSION
+from shardwire.profile.profiler import FORMAT_VERSION, PROFILE_FILE
 
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "clip": "#8172B3", "optimizer": "#55A868"}
 _OP_COLORS = {"all_gather": "#64B5CD", "reduce_scatter": "#C44E52", "all_reduce": "#937860"}
@@ -29,7 +29,7 @@ class ReportError(Exception):
 
 
 def load_profile(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "profile.json")
+    path = os.path.join(run_dir, PROFILE_FILE)
     if not os.path.isdir(run_dir):
         raise ReportError(f"{run_dir} is not a directory")
     if not os.path.exists(path):
@@ -37,6 +37,8 @@ def load_profile(run_dir: str) -> dict:
             f"{run_dir} has no profile data ({path} is missing): profile a run with "
             f"`shardwire train --profile --run-dir {run_dir}` or Profiler.save({run_dir!r})"
         )
+    if not os.path.isfile(path):  # a FIFO would block the report for ever, a device feed it without end
+        raise ReportError(f"{path} is not a regular file: profile the run again")
     try:
         with open(path) as f:
             profile = json.load(f)
@@ -84,7 +86,7 @@ def _damage_reported(run_dirs: list[str]):
     try:
         yield
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
-        where = " or ".join(os.path.join(d, "profile.json") for d in run_dirs)
+        where = " or ".join(os.path.join(d, PROFILE_FILE) for d in run_dirs)
         raise ReportError(f"{where} is damaged ({type(err).__name__}: {err}); profile the run again") from None
 
 

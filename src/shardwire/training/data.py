@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from shardwire.files import write_atomically
-from shardwire.models.choice import custom_code
+from shardwire.models.choice import check_files, custom_code
 
 VALIDATION_FRACTION = 0.01
 
@@ -31,6 +31,8 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 BIN_DTYPES = ("uint16", "uint32")
 # Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
 _CHECK_CHUNK = 1 << 24
+# The largest seed of the weights and batches: torch's generators take 64-bit seeds.
+MAX_SEED = 2**64 - 1
 
 
 def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
@@ -60,10 +62,17 @@ def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
     if not directory.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a directory: give a local Hugging Face "
                                 f"tokenizer's directory (as save_pretrained writes it)")
+    try:
+        check_files(directory)
+    except ValueError as err:
+        raise ValueError(f"--tokenizer {tokenizer_dir}: {err}") from None
     files, name = _text_files(path)
     digest = hashlib.sha256()
     for file in sorted(p for p in directory.iterdir() if p.is_file()):
-        digest.update(file.name.encode() + file.read_bytes())
+        digest.update(file.name.encode())
+        with file.open("rb") as f:  # in pieces: a tokenizer's files can be large
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                digest.update(piece)
     for file in files:
         stat = file.stat()
         digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -167,7 +176,8 @@ def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
 
 
 def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
+    # a generator's seed is 64 bits: the largest --seed and step wrap around rather than overflow
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 2 + (split == "val")) % 2**64)
     return torch.randint(0, length - seq_len - 1, (global_batch,), generator=gen).tolist()
 
 
