@@ -41,10 +41,9 @@ def output_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being written as a regular file, or None: it names something that is not
     a regular file, or its directory cannot be created or written in. The words follow the path
     in a message (``--json out.json is a FIFO, not a regular file; give a file name``)."""
-    target = os.path.realpath(path)
-    if (kind := _kind(target)) is not None:
+    if (kind := _kind(path)) is not None:
         return _not_a_file(kind)
-    directory = os.path.dirname(target)
+    directory = os.path.dirname(os.path.realpath(path))
     problem = directory_problem(directory)
     return None if problem is None else f"cannot be written: its directory {directory} {problem}"
 
@@ -69,9 +68,9 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _kind(path: str) -> str | None:
-    """What ``path`` is when it is not a regular file (following links); None for a regular file or
-    nothing at all."""
+def _kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it is not a regular file (following links, /dev/stdout's to a pipe too);
+    None for a regular file or nothing at all."""
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -87,9 +86,9 @@ def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: boo
     """Make ``path`` hold exactly ``data``, or leave it as it was; raises ``OutputRefused`` for a path
     that is not a regular file. With ``durable`` the data and the rename are on disk, not only in the
     page cache, before it returns (for results that must survive a power loss)."""
-    target = os.path.realpath(path)
-    if (kind := _kind(target)) is not None:
+    if (kind := _kind(path)) is not None:
         raise OutputRefused(f"{os.fspath(path)} {_not_a_file(kind)}")
+    target = os.path.realpath(path)
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = _temporary(target)

@@ -60,13 +60,20 @@ def unchanged(directory, made) -> bool:
 def test_what_is_not_a_regular_file_is_refused_not_replaced(tmp_path):
     made = special_files(tmp_path)
     for name, kind in made.items():
-        with pytest.raises(OutputRefused, match=f"{tmp_path / name} is {kind}(, not a regular file)?; give a file name"):
+        with pytest.raises(OutputRefused, match=f"{tmp_path / name} is {kind}(, not a regular file)?; give a file"):
             write_atomically(tmp_path / name, b"data")
     (tmp_path / "link").symlink_to(tmp_path / "fifo")
     with pytest.raises(OutputRefused, match="is a FIFO"):
         write_atomically(tmp_path / "link", b"data")
     assert unchanged(tmp_path, made) and (tmp_path / "link").is_symlink()
     assert sorted(os.listdir(tmp_path)) == sorted([*made, "link"])  # no temporary left
+    read, write = os.pipe()  # /dev/stdout into a pipe: a link that names no path
+    try:
+        with pytest.raises(OutputRefused, match="is a FIFO"):
+            write_atomically(f"/proc/self/fd/{write}", b"data")
+    finally:
+        os.close(read)
+        os.close(write)
 
 
 def test_a_written_file_has_the_umask_mode_or_keeps_its_own_and_parents_are_made(tmp_path):

@@ -112,6 +112,13 @@ def test_sizes_no_worker_here_can_hold_are_refused(argv, message, capsys):
     assert message in refusal(argv, capsys)
 
 
+def test_text_larger_than_a_worker_holds_is_refused_before_it_is_read(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    with open(text, "wb") as f:  # sparse: as large as the machine's memory, and no disk
+        f.truncate(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    assert f"--data: corpus {text} holds" in refusal(["train", "--data", str(text)], capsys)
+
+
 def test_a_sequence_longer_than_the_default_corpus_is_refused_before_any_worker(capsys):
     assert "its validation split (1%) must hold a sequence of 1000001 bytes" in refusal(
         ["train", "--batch", "1", "--seq-len", "1000000"], capsys)

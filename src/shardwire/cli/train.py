@@ -18,7 +18,7 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.layout import group_size
 from shardwire.extras import require
-from shardwire.launch import launch_local, torchrun_command, under_launcher
+from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
 from shardwire.models.choice import ModelChoice, choose
 from shardwire.options import (
     OptionError,
@@ -125,8 +125,9 @@ def _validate(config: TrainConfig) -> None:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     _check_memory(config, choice)
+    memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
     try:  # the default corpus too: its validation split must hold a sequence
-        corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype)
+        corpus = load_corpus(config.data, choice.seq_len, config.tokenizer, config.token_dtype, memory)
         corpus.check_vocab(choice.vocab_size)
     except (OSError, ValueError) as err:  # a message not naming its option is about --data
         raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None

@@ -36,17 +36,17 @@ MAX_SEED = 2**64 - 1
 
 
 def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
-                bin_dtype: str = "uint16") -> "ByteCorpus | TokenCorpus":
+                bin_dtype: str = "uint16", memory: int | None = None) -> "ByteCorpus | TokenCorpus":
     """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
-    ``tokenized``); else text as bytes."""
+    ``tokenized``); else text as bytes, refused where it needs more than ``memory`` bytes."""
     if tokenizer is not None:
         if path is None or path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
         return TokenCorpus.load(str(tokenized(path, tokenizer)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len, bin_dtype)
-    return ByteCorpus.load(path, seq_len)
+    return ByteCorpus.load(path, seq_len, memory)
 
 
 def tokenized(path: str, tokenizer_dir: str) -> pathlib.Path:
@@ -206,10 +206,17 @@ class ByteCorpus:
         self.splits = _splits(data, name, "bytes", seq_len)
 
     @classmethod
-    def load(cls, path: str | None, seq_len: int) -> ByteCorpus:
+    def load(cls, path: str | None, seq_len: int, memory: int | None = None) -> ByteCorpus:
         """The bytes of ``path`` (a file, or every ``.py``/``.txt``/``.md`` file under a directory),
-        or of the standard library's ``.py`` files when ``path`` is None, for sequences of ``seq_len``."""
+        or of the standard library's ``.py`` files when ``path`` is None, for sequences of ``seq_len``;
+        refused before reading where they need more than ``memory`` bytes (text is read whole, then
+        copied into a tensor: twice its size)."""
         files, name = _text_files(path)
+        size = sum(p.stat().st_size for p in files)
+        if memory is not None and 2 * size > memory:
+            raise ValueError(f"corpus {name} holds {size:,} bytes of text, read whole twice over, more than a "
+                             f"worker here can hold ({memory / 2**30:.3g} GiB): write its ids to a .bin, which is "
+                             f"memory-mapped, or give less text")
         data = b"".join(p.read_bytes() for p in files)
         if not data:
             what = "is empty" if len(files) == 1 else "holds no .py, .txt or .md file with any text"
