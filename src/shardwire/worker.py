@@ -38,6 +38,16 @@ def unavailable(backend: str) -> str | None:
     return None
 
 
+def missing_gpus(backend: str, local_workers: int) -> str | None:
+    """Why ``local_workers`` workers on this machine cannot each have a GPU of their own with
+    ``backend``, or None: a worker past the last GPU fails to set its device."""
+    gpus = torch.cuda.device_count()
+    if uses_cuda(backend) and local_workers > gpus:
+        return (f"--nproc {local_workers} asks for one GPU per worker, but {gpus} {'is' if gpus == 1 else 'are'} "
+                f"visible; use --nproc {gpus} or fewer")
+    return None
+
+
 def memory_per_worker(backend: str, local_workers: int) -> int:
     """The most bytes of data one of ``local_workers`` workers on this machine can hold with
     ``backend``: its GPU's memory (the smallest visible GPU's), or on the CPU its share of the

@@ -5,8 +5,10 @@ worker of this machine can hold are refused in one line before any worker starts
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
+import torch
 
 from shardwire.cli import main
 from shardwire.mappings import MAX_TEXT_BYTES
@@ -110,6 +112,16 @@ def test_nesting_too_deep_to_read_is_one_line(tmp_path, capsys):
 ])
 def test_sizes_no_worker_here_can_hold_are_refused(argv, message, capsys):
     assert message in refusal(argv, capsys)
+
+
+def test_on_gpus_each_worker_needs_a_gpu_and_holds_its_memory(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=80 << 30))
+    assert "--nproc 2 asks for one GPU per worker, but 1 is visible; use --nproc 1 or fewer" in refusal(
+        ["bench", "--nproc", "2"], capsys)
+    assert "more than each of the 1 workers here can hold (80 GiB): lower --batch" in refusal(
+        ["train", "--nproc", "1", "--batch", "10000000"], capsys)
 
 
 def test_text_larger_than_a_worker_holds_is_refused_before_it_is_read(tmp_path, capsys):

@@ -172,9 +172,12 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if (problem := worker.unavailable(config.backend)) is not None:
         raise BenchError(problem)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this machine
+    if (problem := worker.missing_gpus(config.backend, local)) is not None:
+        raise BenchError(problem)
     # every operation holds a buffer of the whole size on each rank; the ranks of a node share its memory
     try:
-        memory = worker.memory_per_worker(config.backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        memory = worker.memory_per_worker(config.backend, local)
     except ValueError as err:
         raise BenchError(f"{err}: start fewer (--nproc)") from None
     if config.max_bytes > memory:

@@ -116,10 +116,9 @@ def _validate(config: TrainConfig) -> None:
         return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:
         raise SystemExit(f"error: {problem}")
-    gpus = torch.cuda.device_count()
-    if worker.uses_cuda(config.backend) and config.nproc is not None and config.nproc > gpus and not under_launcher():
-        raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
-                         f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
+    if config.nproc is not None and not under_launcher():
+        if (problem := worker.missing_gpus(config.backend, config.nproc)) is not None:
+            raise SystemExit(f"error: {problem}")
     try:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
