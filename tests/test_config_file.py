@@ -78,7 +78,7 @@ def test_print_config_writes_a_file_that_reads_back_as_the_same_job(command, arg
 @pytest.mark.parametrize("text, message", [
     ("layot: hybrid\n", "'layot' is not an option of shardwire train; did you mean 'layout'?"),
     ("layout: hybird\n", "layout: 'hybird' is not one of full, hybrid, hybrid_secondary"),
-    ("steps: 1.5\n", "steps: 1.5 is not an integer"),
+    ("steps: 1.5\n", "steps: '1.5' is not an integer"),
     ("lr: fast\n", "lr: 'fast' is not a number"),
     ("profile: yes please\n", "profile: a switch is true or false, got 'yes please'"),
     ("steps: null\n", "steps: give a value, not null"),

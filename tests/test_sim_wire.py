@@ -56,7 +56,8 @@ def test_a_bad_wire_is_a_spec_error_with_the_engines_message(wire):
 
 
 def test_a_block_larger_than_any_shard_is_refused():
-    with pytest.raises(SpecError, match=re.escape("block 2000000000 is over 1,073,741,824 elements per scale")):
+    with pytest.raises(SpecError, match=re.escape("block must be a positive integer (elements per scale) of at most "
+                                                  "1,073,741,824, got 2000000000")):
         parse("training", {"wire": "grads=int8,block=2000000000"})
 
 

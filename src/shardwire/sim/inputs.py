@@ -24,19 +24,22 @@ level's ``compute_share`` and ``bandwidth_share`` are those measured of its grou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.mappings import MappingError, read_mapping
+from shardwire.mappings import MappingError, read_file, read_mapping, shown
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.presets import GPUS, PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
+# Bench results: a thousand sizes of every operation on every group, in both forms, are a few MB.
+MAX_BENCH_BYTES = 64 << 20
 
 
 def load_spec(kind: str, text: str):
@@ -47,26 +50,24 @@ def load_spec(kind: str, text: str):
     if kind == "model" and text.startswith(huggingface.HF_PREFIX):
         return load_model(text)
     if os.path.isfile(text):
-        try:
-            with open(text) as f:
-                data = _read_mapping(f.read(), f"{kind} file {text}")
-        except OSError as err:
-            raise SpecError(f"cannot read {kind} file {text}: {err.strerror}") from None
+        with _spec_errors():
+            data = read_mapping(read_file(text, f"{kind} file {text}"), f"{kind} file {text}")
         name = os.path.splitext(os.path.basename(text))[0]
     elif text.lstrip().startswith("{") or ":" in text:
-        data, name = _read_mapping(text, f"inline {kind}"), None
+        with _spec_errors():
+            data, name = read_mapping(text, f"inline {kind}"), None
     elif text.endswith((".json", ".yaml", ".yml")):
         raise SpecError(f"{kind} file {text} does not exist")
     else:
         raise SpecError(
-            f"unknown {kind} preset {text!r}; known presets: {', '.join(presets)} "
+            f"unknown {kind} preset {shown(text)}; known presets: {', '.join(presets)} "
             f"(or give a JSON/YAML mapping inline, or the path of a file holding one)"
         )
     given = dict(data)
     if "preset" in data:
         base = data.pop("preset")
         if not isinstance(base, str) or base not in presets:
-            raise SpecError(f"unknown {kind} preset {base!r}; known presets: {', '.join(presets)}")
+            raise SpecError(f"unknown {kind} preset {shown(base)}; known presets: {', '.join(presets)}")
         changed = f"{base}, changed" if data else base
         data = {**_merged(as_dict(presets[base]), data), "name": data.get("name") or name or changed}
     if kind == "cluster" and "gpu" in given:
@@ -100,12 +101,11 @@ def _gpu(name) -> dict:
 
 def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
     """``cluster`` with the nodes, GPUs per node and network levels that a bench JSON measured."""
+    with _spec_errors():
+        text = read_file(path, f"bench results {path}", limit=MAX_BENCH_BYTES)
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as err:
-        raise SpecError(f"cannot read bench results {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as err:
         raise SpecError(f"{path} is not JSON ({err}); give the file `shardwire bench --json` wrote") from None
     if not isinstance(doc, Mapping) or doc.get("schema") != BENCH_SCHEMA:
         raise SpecError(f"{path} is not `shardwire bench --json` output (schema {BENCH_SCHEMA!r})")
@@ -164,9 +164,11 @@ def _link_from_fits(fits: Mapping) -> LinkSpec | None:
                     latency_us=sum(a for _, a in links) / len(links))
 
 
-def _read_mapping(text: str, what: str) -> dict:
+@contextlib.contextmanager
+def _spec_errors():
+    """Input that cannot be read as a mapping is input that cannot be simulated."""
     try:
-        return read_mapping(text, what)
+        yield
     except MappingError as err:
         raise SpecError(str(err)) from None
 

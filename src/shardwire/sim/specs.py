@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardwire.comm.wire import Wire
+from shardwire.mappings import shown
 
 
 class SpecError(ValueError):
@@ -75,9 +76,6 @@ MAX_GPUS_PER_NODE = 1024
 MAX_BATCH = 2**20
 # Each micro-batch of a step is simulated in full, so their number bounds the simulation's cost.
 MAX_GRAD_ACCUM = 256
-# Elements per scale of a quantized wire: more than any unit's shard holds (Llama 2 70B's blocks hold
-# 0.86B parameters), and every shard is padded to whole blocks, so a larger block only adds bytes.
-MAX_WIRE_BLOCK = 2**30
 
 _WIDTH = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, ten times the widest published layers: give the width in elements")
 _HEADS = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, more than hidden can be: heads must divide hidden")
@@ -147,8 +145,6 @@ LIMITS = types.MappingProxyType({
         high=1e9, above="over 1e9, a million times what any GPU's memory allows: quantize_gelems is in billions "
                         "of elements per second",
     ),
-    "block": Limit(MAX_WIRE_BLOCK, f"over {MAX_WIRE_BLOCK:,} elements per scale, more than any unit's shard holds "
-                                   f"(shards are padded to whole blocks): the wire's block counts elements"),
     # A collective taking all of the compute would stop it; over 99% the share is in percent, not a fraction.
     "compute_share": Limit(0.99, "over 0.99: it is the fraction of compute a running collective takes, in [0, 1)",
                            zero=True),
@@ -445,9 +441,9 @@ def _build(cls, label: str, mapping: Any):
     if not isinstance(mapping, Mapping):
         raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(mapping) - set(fields))
+    unknown = sorted(shown(key) for key in set(mapping) - set(fields))
     if unknown:
-        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(fields)}")
+        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown[:5])}; known keys: {', '.join(fields)}")
     missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]
     if missing:
         raise SpecError(f"{label}: missing key(s) {', '.join(missing)}")
@@ -481,7 +477,7 @@ def _coerce(where: str, hint, value):
     elif hint is str:
         if isinstance(value, str):
             return value
-    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {value!r}")
+    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {shown(value)}")
 
 
 _TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
@@ -496,22 +492,21 @@ def _check_limits(spec, *keys: str) -> None:
 
 
 def _check_value(key: str, value: float) -> None:
-    """Refuse ``value`` of ``key`` outside its ``LIMITS``: a number that is no spec's own key too (a
-    wire's block, inside its string)."""
+    """Refuse ``value`` of ``key`` outside its ``LIMITS``."""
     limit = LIMITS[key]
-    shown = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
+    written = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
     if not (0 <= value if limit.zero else 0 < value) or not value < math.inf:
-        raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {shown}")
+        raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {written}")
     if value < limit.low:
-        raise SpecError(f"{key} {shown} is {limit.below}")
+        raise SpecError(f"{key} {written} is {limit.below}")
     if value > limit.high:
-        raise SpecError(f"{key} {shown} is {limit.above}")
+        raise SpecError(f"{key} {written} is {limit.above}")
 
 
 def _choice(spec, key: str, choices: tuple[str, ...]) -> None:
     value = getattr(spec, key)
     if value not in choices:
-        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {shown(value)}")
 
 
 def _given(value, default):
