@@ -35,7 +35,8 @@ from shardwire.options import (
 )
 from shardwire.profile.profiler import PROFILE_FILE, TRACE_FILE
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
-from shardwire.training.loop import training_corpus
+from shardwire.training.data import check_default_corpus
+from shardwire.training.loop import train, training_corpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +59,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         except KeyboardInterrupt:
             print(f"interrupted: {_what_was_saved(config)}", file=sys.stderr)
             return 130
-    from shardwire.training.loop import train
-
     train(config)
     return 0
 
@@ -153,8 +152,11 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {err}") from None
     _check_memory(config, choice)
     memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
-    try:  # the default corpus too: its validation split must hold a sequence
-        training_corpus(config, choice, memory).check_vocab(choice.vocab_size)
+    try:
+        if config.data is None and config.tokenizer is None and not config.model.startswith(HF_PREFIX):
+            check_default_corpus(choice.seq_len)  # bytes, which any GPT preset reads
+        else:
+            training_corpus(config, choice, memory).check_vocab(choice.vocab_size)
     except (OSError, ValueError) as err:  # a message not naming its option is about --data
         raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
 

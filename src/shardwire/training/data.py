@@ -12,6 +12,7 @@ number, and a resumed run sees exactly the batches an uninterrupted one would ha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
@@ -114,14 +115,25 @@ def _cache_directory() -> pathlib.Path:
 
 def _splits(data, name: str, unit: str, seq_len: int) -> dict:
     """The train and validation splits of ``data``, the last ``VALIDATION_FRACTION`` validating."""
+    check_length(len(data), name, unit, seq_len)
     split = int(len(data) * (1 - VALIDATION_FRACTION))
-    if len(data) - split <= seq_len + 1:
+    return {"train": data[:split], "val": data[split:]}
+
+
+def check_length(length: int, name: str, unit: str, seq_len: int) -> None:
+    """Refuse a corpus of ``length`` ``unit`` whose validation split holds no sequence of ``seq_len``."""
+    if length - int(length * (1 - VALIDATION_FRACTION)) <= seq_len + 1:
         needed = math.ceil((seq_len + 2) / VALIDATION_FRACTION)
         raise ValueError(
-            f"corpus {name} has only {len(data):,} {unit}: its validation split ({VALIDATION_FRACTION:.0%}) "
+            f"corpus {name} has only {length:,} {unit}: its validation split ({VALIDATION_FRACTION:.0%}) "
             f"must hold a sequence of {seq_len + 1} {unit}, so give it at least {needed:,} {unit}"
         )
-    return {"train": data[:split], "val": data[split:]}
+
+
+def check_default_corpus(seq_len: int) -> None:
+    """``check_length`` of the default corpus, from its files' sizes: reading them takes a while."""
+    files, name = _text_files(None)
+    check_length(sum(file.stat().st_size for file in files), name, "bytes", seq_len)
 
 
 class TokenCorpus:
@@ -207,13 +219,20 @@ def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, 
     return torch.randint(0, length - seq_len - 1, (global_batch,), generator=gen).tolist()
 
 
+@functools.cache
+def _standard_library_files() -> tuple[list[pathlib.Path], str]:
+    """The default corpus's files: listed once per process (a walk of the standard library takes a
+    second or more, and does not change while a process runs)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return files, f"the standard library's .py files ({root})"
+
+
 def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
     """The text files ``path`` names (a file, or every ``.py``/``.txt``/``.md`` file under a
     directory; None: the standard library's ``.py`` files), and a name for them."""
     if path is None:
-        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-        return files, f"the standard library's .py files ({root})"
+        return _standard_library_files()
     root = pathlib.Path(path)
     if not root.exists():
         raise FileNotFoundError(f"data path {path} does not exist: pass a text file or a directory of them")
