@@ -11,36 +11,37 @@ measured network and the measured compute, and compare.
     python benchmarks/calibrate_sim.py --measured benchmarks/results/scaling/scaling.json \
         --bench 1gbit=bench-1gbit.json 2x1@1gbit=bench-2x1-1gbit.json
 
-On this machine every rank of every node shares the same two cores, so what a collective and a
-rank's compute take from each other depends on how many ranks share them: a bench run on the cluster of a run
-(``2x1@1gbit``) measures its share as that run sees it; a link's bench (``1gbit``, on 2 x 2) serves
-its other clusters.
+The simulator is given what was measured on this machine, as a user would give it what one GPU
+and the network measured, and predicts how the step's communication overlaps its computation and
+how much each slows the other:
 
-The simulator is given what was measured on this machine, and predicts how the step's
-communication overlaps its computation and how much each slows the other:
-
+* compute: the profile of the 1x1 run (one rank, the whole machine: ``shardwire.profile``, as
+  ``benchmarks/scaling.py`` takes it of each shardwire step) calibrates the compute model
+  (``shardwire simulate --calibrate``, ``shardwire.sim.calibrate``): its optimizer step gives the
+  rate the optimizer streams its state at, its forward and backward the fraction of the machine's
+  peak the kernels reach (a CPU's memory bandwidth is not given: its memory-bound work is folded
+  into that fraction). A CPU has no data sheet here: it is given a nominal peak, twice the FLOP rate
+  the 1x1 run's forward and backward reached (only the peak times the fitted fraction enters a
+  prediction). The rate a lane thread quantizes at, for the quantized wires, is timed here;
+* the machine's share per rank: on the testbed every rank of every node runs on this machine's two
+  cores, so a rank of a run on W ranks gets the part of the machine the benchmark's compute-only
+  step shows (the same model as an unsharded replica on W ranks, no communication: its step at 1
+  rank over its step at W); a GPU cluster, a GPU per rank, has no such term;
 * the network, from ``shardwire bench --contention --json`` run on the emulated cluster with the
   engine's own collectives (``--impl shardwire``): busbw and per-step latency of each level, the
   hierarchical algorithm the engine uses on gloo, and each level's compute share and bandwidth
   share, the part of a rank's compute a running all-gather of that level takes and the part of the
-  all-gather's bandwidth the compute takes (``shardwire simulate --cluster-from``);
-  runs on one node use the intra-node level only, which is the same loopback on and off the
-  testbed;
-* compute, undisturbed: the benchmark's compute-only step (the same model as an unsharded replica
-  on as many ranks, no communication) as a FLOP rate (the simulator's peak, kernels at 100% of it),
-  once the optimizer's share of it is taken out; the optimizer step as a memory bandwidth, from the
-  profile ``benchmarks/scaling.py`` takes of each shardwire step (``shardwire.profile``). What the
-  step's own communication costs the cores (copies, sums, the TCP stack: on a CPU it is not free as
-  a GPU's copy engines are) is then the simulator's to predict from the measured shares. The rate a
-  lane thread quantizes at, for the quantized wires, is timed here. One machine is one set of
-  numbers: the bandwidth is the median over the profiles of every sharding layout measured on the
-  same nodes and link.
+  all-gather's bandwidth the compute takes (``shardwire simulate --cluster-from``); runs on one
+  node use the intra-node level only, which is the same loopback on and off the testbed. A bench
+  run on the cluster of a run (``2x1@1gbit``) measures its shares as that run sees them (how many
+  ranks share the cores sets them); a link's bench (``1gbit``, on 2 x 2) serves its other clusters.
 
 Each shardwire run of ``benchmarks/scaling.py``'s JSON (every sharding layout it measured, hybrid
 ones in groups of a node's ranks) is then predicted and set against its measured median step time;
-the target is agreement within ``TOLERANCE``. The benchmark's compute-only step (the same model on
-an unsharded replica, no communication) is shown beside the engine's compute as its profile measured
-it inside the step, and the predicted compute, slowdown and exposed communication beside them.
+the target is agreement within ``TOLERANCE``. A measured JSON without a 1x1 run takes the profile
+of another's (``--one-rank``, measured on this machine). The engine's compute as its profile
+measured it inside each step is shown beside the predicted compute, slowdown and exposed
+communication.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ from shardwire.comm.quantize import encode  # noqa: E402
 from shardwire.comm.wire import DEFAULT_BLOCK, Codec  # noqa: E402
 from shardwire.models.gpt import PRESETS  # noqa: E402
 from shardwire.sim.architecture import architecture  # noqa: E402
+from shardwire.sim.calibrate import Measured, calibrated  # noqa: E402
 from shardwire.sim.inputs import cluster_from_bench  # noqa: E402
 from shardwire.sim.predict import Prediction, predict  # noqa: E402
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec, as_dict, parse  # noqa: E402
-from shardwire.sim.step import OPTIMIZER_BYTES_PER_PARAM  # noqa: E402
 
 TOLERANCE = 0.15
 
@@ -89,7 +90,7 @@ class Run:
     ranks_per_node: int
     link: str | None  # the emulated link's rate, None on one node
     step_time_s: float  # measured median
-    compute_only_s: float  # the benchmark's compute-only step at this many ranks
+    share: float  # the machine's compute each rank gets: the compute-only step at 1 rank over at this many
     profile: dict  # the engine's profile of the step: each figure's median over ranks and steps
 
     @property
@@ -107,13 +108,16 @@ class Run:
         return shape if self.link is None else f"{shape} @{self.link}"
 
 
-def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
+def read_measured(doc: dict, one_rank_s: float | None = None) -> tuple[Settings, list[Run], float]:
     """The shardwire runs of ``benchmarks/scaling.py``'s scaling.json: ``{"args": {...},
     "compute_times_s": {WORLD: [s]}, "rows": [{"system", "cluster": "2x2 @1gbit", "step_times",
-    "profile"}]}``."""
+    "profile"}]}``, and its compute-only step on one rank (``one_rank_s`` where ``doc`` has none)."""
     args = doc["args"]
     settings = Settings(model=args["model"], batch=args["batch"], prefetch=args["prefetch"], reshard=args["reshard"])
     compute_only = {int(world): statistics.median(times) for world, times in doc["compute_times_s"].items()}
+    alone = compute_only.get(1, one_rank_s)
+    if alone is None:
+        raise ValueError("the measured JSON has no compute-only step on one rank: give --one-rank")
     runs = []
     for row in doc["rows"]:
         if row["system"] not in SHARDWIRE_SYSTEMS:
@@ -125,10 +129,10 @@ def read_measured(doc: dict) -> tuple[Settings, list[Run]]:
             raise ValueError(f"shardwire's run on {row['cluster']} has no profile: measure it again with "
                              f"this version of benchmarks/scaling.py")
         runs.append(Run(row["system"], nodes, per_node, link or None, statistics.median(row["step_times"]),
-                        compute_only[nodes * per_node], row["profile"]))
+                        alone / compute_only[nodes * per_node], row["profile"]))
     if not runs:
         raise ValueError("the measured JSON has no shardwire run: run benchmarks/scaling.py with shardwire")
-    return settings, runs
+    return settings, runs, alone
 
 
 def model_spec(settings: Settings) -> ModelSpec:
@@ -136,23 +140,44 @@ def model_spec(settings: Settings) -> ModelSpec:
     return PRESETS[settings.model].spec(f"gpt {settings.model}")
 
 
-def machine_cluster(runs: list[Run], settings: Settings) -> ClusterSpec:
-    """This machine as a 'GPU', from ``runs`` (on the same nodes and link): the optimizer step over
-    a rank's shard as its memory bandwidth (the median over the runs' profiles), and the compute-only
-    step, less its optimizer over the whole model at that bandwidth, as its FLOP rate."""
-    arch = architecture(model_spec(settings), 4)
-    bandwidths = []
-    for run in runs:
-        holders = run.ranks_per_node if SHARDWIRE_SYSTEMS[run.system][0] == "hybrid" else run.ranks
-        bandwidths.append(OPTIMIZER_BYTES_PER_PARAM * arch.params / holders / run.profile["optimizer_s"])
-    bandwidth = statistics.median(bandwidths)
-    compute_only = runs[0].compute_only_s  # the same for every run of this shape
-    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * arch.params / bandwidth  # the replica updates every parameter
-    rate = 3 * arch.forward_flops * settings.batch / (compute_only - optimizer_s)
+def one_rank(runs: list[Run]) -> Run:
+    """The run on one rank, whose profile calibrates the machine."""
+    single = [run for run in runs if run.ranks == 1]
+    if not single:
+        raise ValueError("the measured JSON has no shardwire run on 1x1 to calibrate with: give --one-rank")
+    return single[0]
+
+
+# The machine's nominal peak, over the FLOP rate its one-rank forward and backward reached.
+NOMINAL_PEAK = 2.0
+
+
+def machine_cluster(single: Run, settings: Settings) -> ClusterSpec:
+    """This machine as one 'GPU', its compute model fitted to the profile of the run on one rank."""
+    f = single.profile
+    model_flops = 3 * architecture(model_spec(settings), 4).forward_flops * settings.batch
+    reached = model_flops / (f["forward_s"] + f["backward_s"])
     placeholder = LinkSpec(busbw_GBps=1.0)  # replaced by the bench's measurements
-    return ClusterSpec(name="this machine", nodes=1, gpus_per_node=1, peak_tflops=rate / 1e12,
-                       gpu_memory_gb=1024.0, intra_node=placeholder, inter_node=placeholder,
-                       memory_bandwidth_GBps=bandwidth / 1e9, quantize_gelems=quantize_rate() / 1e9)
+    machine = ClusterSpec(name="this machine", gpu="this machine's CPU", nodes=1, gpus_per_node=1,
+                          peak_tflops=NOMINAL_PEAK * reached / 1e12, gpu_memory_gb=1024.0, intra_node=placeholder,
+                          inter_node=placeholder, quantize_gelems=quantize_rate() / 1e9)
+    measured = Measured(f["forward_s"], f["backward_s"], f["optimizer_s"], ranks=1, model=model_spec(settings),
+                        training=training_spec(settings))
+    return calibrated(machine, measured, "the 1x1 run's profile")
+
+
+def rank_share(machine: ClusterSpec, share: float) -> ClusterSpec:
+    """``machine`` as one of several ranks on it: ``share`` of its compute and memory bandwidth."""
+    return dataclasses.replace(machine, peak_tflops=machine.peak_tflops * share,
+                               optimizer_GBps=machine.optimizer_GBps * share)
+
+
+def training_spec(settings: Settings, layout: str = "full", wire: str = "none",
+                  shard_group_size: int | None = None) -> TrainingSpec:
+    """The benchmark's step: fp32, as it runs on the CPU."""
+    return TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch, layout=layout,
+                        shard_group_size=shard_group_size, wire=wire, reshard_after_forward=settings.reshard,
+                        precision="fp32", reduce_precision="fp32")
 
 
 @functools.cache
@@ -171,14 +196,11 @@ def quantize_rate() -> float:
 
 
 def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: str) -> Prediction:
-    measured = cluster_from_bench(bench_path, machine)
+    measured = cluster_from_bench(bench_path, rank_share(machine, run.share))
     cluster = parse("cluster", {**as_dict(measured), "nodes": run.nodes, "gpus_per_node": run.ranks_per_node})
     layout, wire = SHARDWIRE_SYSTEMS[run.system]
     hybrid = layout in ("hybrid", "hybrid_secondary")
-    training = TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch,
-                            layout=layout, shard_group_size=run.ranks_per_node if hybrid else None, wire=wire,
-                            reshard_after_forward=settings.reshard, precision="fp32",
-                            reduce_precision="fp32", compute_efficiency=1.0)  # fp32, as the benchmark
+    training = training_spec(settings, layout, wire, run.ranks_per_node if hybrid else None)
     return predict(model_spec(settings), cluster, training)
 
 
@@ -205,14 +227,14 @@ def table(settings: Settings, comparisons: list[Comparison]) -> str:
         f"{settings.prefetch}, {'reshard' if settings.reshard else 'keep'} after forward",
         "",
         "| cluster | system | measured step | predicted step | error | within 15% | engine's compute "
-        "| compute-only step | predicted compute | predicted slowdown | predicted exposed comm |",
+        "| machine per rank | predicted compute | predicted slowdown | predicted exposed comm |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in comparisons:
         lines.append(
             f"| {c.run.cluster} | {c.run.system} | {c.run.step_time_s * 1e3:.0f} ms | {c.predicted_s * 1e3:.0f} ms "
             f"| {100 * c.error:+.1f}% | {'yes' if c.agrees else 'no'} | {c.run.engine_compute_s * 1e3:.0f} ms "
-            f"| {c.run.compute_only_s * 1e3:.0f} ms | {c.compute_s * 1e3:.0f} ms | {c.slowed_s * 1e3:.0f} ms "
+            f"| {c.run.share:.2f} | {c.compute_s * 1e3:.0f} ms | {c.slowed_s * 1e3:.0f} ms "
             f"| {c.exposed_s * 1e3:.0f} ms |"
         )
     return "\n".join(lines)
@@ -249,11 +271,19 @@ def main() -> int:
                              "and optionally on one cluster (2x1@1gbit=PATH), which its runs then use")
     parser.add_argument("--links", nargs="+", metavar="LINK",
                         help="compare only the measured runs on these link rates (default: every run)")
+    parser.add_argument("--one-rank", metavar="SCALING_JSON",
+                        help="a measured JSON of this machine with a 1x1 run, for one without (default: --measured)")
     parser.add_argument("--json", help="write the comparison here")
     args = parser.parse_args()
 
+    with open(args.one_rank or args.measured) as f:
+        reference_settings, reference, alone = read_measured(json.load(f))
+    single = one_rank(reference)
     with open(args.measured) as f:
-        settings, runs = read_measured(json.load(f))
+        settings, runs, _ = read_measured(json.load(f), one_rank_s=alone)
+    if settings != reference_settings:
+        raise SystemExit(f"error: --one-rank measured {reference_settings}, not the runs' {settings}")
+    machine = machine_cluster(single, settings)
     if args.links:
         runs = [run for run in runs if run.link in args.links]
     benches = parse_bench(args.bench)
@@ -263,8 +293,6 @@ def main() -> int:
 
     comparisons = []
     for run in runs:
-        peers = [r for r in runs if (r.nodes, r.ranks_per_node, r.link) == (run.nodes, run.ranks_per_node, run.link)]
-        machine = machine_cluster(peers, settings)
         p = predict_run(run, machine, settings, bench_for(run, benches))
         comparisons.append(Comparison(run, p.step_time_s, p.compute_time_s, p.compute_slowed_s, p.exposed_comm_s))
     print(table(settings, comparisons))

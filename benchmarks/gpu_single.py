@@ -23,7 +23,8 @@ token, ``shardwire.profile.flops``, over the data sheet's dense bf16 peak: 989 T
 SXM and the H200) and the peak memory allocated while it ran.
 
 ``--trace DIR`` then profiles the last size under shardwire: the engine's own breakdown over a few
-steps (``DIR/profile.json``) and one step under ``torch.profiler``, the engine's collectives labelled
+steps (``DIR/profile.json``, naming its job as ``shardwire train --profile`` does, so that
+``shardwire simulate --calibrate`` reads it) and one step under ``torch.profiler``, the engine's collectives labelled
 ``shardwire::op(tag)`` (``DIR/torch_trace.json.gz``, for chrome://tracing or Perfetto).
 """
 
@@ -141,8 +142,11 @@ def trace(size: str, args, device: torch.device, dtype: torch.dtype, peak: float
     config = PRESETS[size]
     step = build("shardwire", size, batch, device, dtype, args.optimizer == "fused")
     timed(step, args.warmup, 0, device)
+    job = {"model": size, "seq_len": config.seq_len, "batch": batch, "grad_accum": 1, "precision": "bf16",
+           "activation_checkpointing": False, "compile": False}  # as `shardwire train --profile` names its job
     profiler = Profiler(step.model, step.optimizer, tokens_per_step=batch * config.seq_len,
-                        flops=flops_per_token(config.spec(size)), peak_tflops=peak, probe_peak=False)
+                        flops=flops_per_token(config.spec(size)), peak_tflops=peak, probe_peak=False,
+                        metadata={"config": job})
     for _ in range(6):
         with profiler.step():
             step()

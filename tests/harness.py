@@ -1,5 +1,6 @@
 """What several test modules share: a function run on several gloo ranks in fresh processes (each
-rank's result or error collected), and torch's matrix-multiply precision set for a block."""
+rank's result or error collected), torch's matrix-multiply precision set for a block, and a small
+Hugging Face tokenizer."""
 
 from __future__ import annotations
 
@@ -85,3 +86,16 @@ def matmul_precision(matmul: str, everything: str = "none"):
         yield
     finally:
         torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+
+
+def save_tokenizer(directory) -> None:
+    """A byte-level BPE tokenizer of 300 ids ("<eos>" among them), trained on one sentence and saved
+    into ``directory`` as ``save_pretrained`` writes it (needs the hf extra)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)

@@ -138,7 +138,7 @@ def test_sizes_parse_like_nccl_tests():
     (["--nproc", "4", "--ranks-per-node", "2", "--groups", "intra", "--root", "2"], "--root must be"),
     (["--nproc", "200", "--check", "--dtype", "int8", "--ops", "all_reduce"], "cannot verify a sum over 200"),
     (["--impl", "shardwire", "--redop", "max"], "reduces by sum only"),
-    (["--json", "/nonexistent/dir/out.json"], "does not exist"),
+    (["--json", "/dev/null/out.json"], "its directory /dev/null is a character device"),
     (["-b", "1", "-e", "1G", "-i", "1"], "makes 1073741824 sizes, more than 1000: raise --step-bytes"),
     (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
     (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),

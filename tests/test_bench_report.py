@@ -150,7 +150,9 @@ def test_the_command_runs_checks_and_saves_json_csv_and_plot(tmp_path):
     assert [row["bytes"] for row in doc["results"]["world"]["all_gather"]] == [1008, 4016, 16064, 64256]
     assert all(row[IN_PLACE]["wrong"] == 0 for rows in doc["results"]["world"].values() for row in rows)
     assert doc["context"]["backend"] == "gloo" and doc["context"]["world"] == 2
-    assert doc["context"]["command"].startswith("shardwire bench --nproc 2 --ops all_reduce all_gather -b 1004")
+    # the settings the launcher checked, as its workers ran them: a command that runs the same again
+    assert doc["context"]["command"].startswith("shardwire bench --ops all_reduce all_gather --min-bytes 1004 "
+                                                "--max-bytes 65536 --step-factor 4 --warmup 1 --iters 2 --check")
     assert len(out["csv"].read_text().splitlines()) == 1 + 4 + 4 * 2
     assert out["png"].read_bytes().startswith(b"\x89PNG")
     assert not math.isnan(doc["summary"]["world"]["all_reduce"]["peak_busbw_GBps"])

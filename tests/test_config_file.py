@@ -78,7 +78,7 @@ def test_print_config_writes_a_file_that_reads_back_as_the_same_job(command, arg
 @pytest.mark.parametrize("text, message", [
     ("layot: hybrid\n", "'layot' is not an option of shardwire train; did you mean 'layout'?"),
     ("layout: hybird\n", "layout: 'hybird' is not one of full, hybrid, hybrid_secondary"),
-    ("steps: 1.5\n", "steps: 1.5 is not an integer"),
+    ("steps: 1.5\n", "steps: '1.5' is not an integer"),
     ("lr: fast\n", "lr: 'fast' is not a number"),
     ("profile: yes please\n", "profile: a switch is true or false, got 'yes please'"),
     ("steps: null\n", "steps: give a value, not null"),
@@ -126,9 +126,9 @@ def test_yaml_without_its_extra_says_what_to_install(tmp_path, monkeypatch, caps
 
 
 def test_required_options_of_simulate_and_plan_may_come_from_the_file(tmp_path, capsys):
-    path = write(tmp_path, "model: gpt2-125m\ncluster: a100-100gbe\nnodes: 2\nglobal_batch: 64\n")
+    path = write(tmp_path, "model: gpt-125m\ncluster: a100-100gbe\nnodes: 2\nglobal_batch: 64\n")
     assert main(["plan", "--config", path]) == 0
-    assert "torchrun --nnodes 2" in capsys.readouterr().out
+    assert "torchrun --nnodes=2" in capsys.readouterr().out
     assert main(["simulate", "--config", path]) == 2  # global_batch is plan's, not simulate's
     assert "'global_batch' is not an option of shardwire simulate" in capsys.readouterr().err
     path = write(tmp_path, "model: gpt2-125m\ncluster: a100-100gbe\n")

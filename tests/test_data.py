@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness import save_tokenizer
 from shardwire.cli import main
 from shardwire.training.data import ByteCorpus, TokenCorpus, load_corpus
 
@@ -88,16 +89,9 @@ def test_training_on_token_ids_lowers_the_loss(tmp_path):
 
 @pytest.fixture
 def tokenizer_dir(tmp_path):
-    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
-                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
-    directory = tmp_path / "tokenizer"
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)
-    return directory
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    save_tokenizer(tmp_path / "tokenizer")
+    return tmp_path / "tokenizer"
 
 
 def test_text_is_tokenised_once_into_ids_beside_it(tmp_path, tokenizer_dir):

@@ -79,9 +79,16 @@ def read_blocks(page: pathlib.Path) -> list[Block]:
 BLOCKS = [block for page in PAGES for block in read_blocks(page)]
 
 
-def _param(block: Block):
-    marks = [pytest.mark.slow] if _HEAVY.search(block.text) else []
-    return pytest.param(block, id=block.name, marks=marks)
+def _params() -> list:
+    """Each block as a test: a slow one where it, or a block before it on its page (whose files it may
+    use), starts processes or trains."""
+    params, heavy_pages = [], set()
+    for block in BLOCKS:
+        if _HEAVY.search(block.text):
+            heavy_pages.add(block.page)
+        marks = [pytest.mark.slow] if block.page in heavy_pages else []
+        params.append(pytest.param(block, id=block.name, marks=marks))
+    return params
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +107,7 @@ def workdirs(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("block", [_param(block) for block in BLOCKS])
+@pytest.mark.parametrize("block", _params())
 def test_documented_block_runs_as_shown(block: Block, workdirs):
     _skip_unless_runnable(block.marks)
     cwd = workdirs(block.page)

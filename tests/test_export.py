@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from harness import save_tokenizer
 from shardwire.cli import main
 from shardwire.engine.checkpoint.portable import read_state_dict
 
@@ -22,14 +23,8 @@ GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positi
 @pytest.fixture
 def model_dir(tmp_path):
     """A Hugging Face model directory as save_pretrained leaves it, weights aside: config and tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
-                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
     directory = tmp_path / "gpt2-mini"
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)
+    save_tokenizer(directory)
     (directory / "config.json").write_text(json.dumps(GPT2))
     return directory
 

@@ -5,6 +5,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shlex
+import socket
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ from shardwire.cli import main
 from shardwire.sim import planner
 from shardwire.sim.inputs import cluster_from_bench, load_spec
 from shardwire.sim.planner import plan
+from shardwire.sim.predict import predict
 from shardwire.sim.presets import CLUSTERS, MODELS
 from shardwire.sim.specs import SpecError, TrainingSpec
 
@@ -63,7 +66,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt5", "--cluster", "a100-100gbe"], "unknown model preset 'gpt5'; known presets: gpt2-125m"),
+    (["--model", "gpt5", "--cluster", "a100-100gbe"], "unknown model preset 'gpt5'; known presets: tiny, small"),
     (["--model", "{layers: 2, hidden: 64}", "--cluster", "a100-100gbe"], "missing key(s) heads, vocab, seq_len"),
     (["--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, inter_node: {busbw_GBps: -1}}"],
      "busbw_GBps must be positive"),
@@ -75,8 +78,18 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"],
      "nodes must be a whole number, got '[1'"),
-    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"], "unknown model preset ['a']; known presets: gpt2-125m"),
+    (["--model", "{preset: [a]}", "--cluster", "a100-100gbe"],
+     "unknown model preset ['a']; known presets: tiny, small"),
     (["--model", "gpt2-125m", "--cluster", "missing.yaml"], "missing.yaml does not exist"),
+    (["--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, gpu: b200}"],
+     "unknown GPU preset 'b200'; known GPUs: a100-80gb"),
+    (["--model", "gpt-125m", "--seq-len", "0", "--cluster", "a100-100gbe"], "--seq-len must be at least 1, got 0"),
+    (["--model", "hf:missing", "--cluster", "a100-100gbe"], "hf:missing does not exist"),
+    (["--model", "hf:{\"model_type\": \"t5\"}", "--cluster", "a100-100gbe"], "its config gives no layers"),
+    (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--training", "{precision: fp8}"],
+     "precision fp8 needs fp8 tensor cores: cluster 'a100-100gbe' gives no fp8_tflops"),
+    (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--calibrate", "missing.json"],
+     "cannot read profile missing.json"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
     status, out, err = run(capsys, "simulate", *argv)
@@ -96,6 +109,9 @@ def test_inputs_from_files_and_preset_overrides(tmp_path):
     cluster = load_spec("cluster", str(path))
     assert cluster.name == "mycluster" and cluster.nodes == 16
     assert cluster.inter_node.latency_us == 20 and cluster.inter_node.busbw_GBps == 15.0
+    faster = load_spec("cluster", "{preset: a100-100gbe, gpu: h100-sxm, matmul_efficiency: 0.5}")
+    assert (faster.gpu, faster.peak_tflops, faster.fp8_tflops) == ("h100-sxm", 989.0, 1979.0)
+    assert faster.matmul_efficiency == 0.5 and faster.inter_node == CLUSTERS["a100-100gbe"].inter_node
     inline = load_spec("training", '{"preset": "ibm-t5-3b", "micro_batch": 8}')
     assert inline.micro_batch == 8 and inline.activation_checkpointing
     with pytest.raises(SpecError, match="unknown cluster preset 'nope'"):
@@ -184,25 +200,66 @@ def test_plan_finds_the_micro_batches_without_counting_to_the_batch():
 
 
 def test_plan_command_and_its_errors(capsys):
-    status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64")
     assert status == 0 and "best" in out and "why: each setting changed alone" in out and "runner-up" in out
-    assert out.count("run:   torchrun --nnodes 2 --nproc-per-node 8 -m shardwire train --batch ") == 3
+    rendezvous = ("run:   torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d "
+                  "--rdzv-endpoint=HEAD_ADDRESS:29500 --rdzv-id=shardwire -m shardwire train --model gpt-125m "
+                  "--seq-len 2048 --batch ")
+    assert out.count(rendezvous) == 3
     assert out.count("or:    shardwire.shard(model, layout=") == 3  # the best, the runner-up, the one that syncs
     assert out.count(" --wire ") == 3 and out.count(", wire='") == 3
-    status, out, _ = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--json")
     doc = json.loads(out)
     assert doc["best"]["fits"] and doc["fitting"] <= doc["candidates"] and doc["alternatives"]
     run_best = doc["best"]["run"]
     assert run_best["command"].endswith(" ".join(run_best["train_options"]))
     assert run_best["shard_arguments"]["layout"] in ("full", "hybrid", "hybrid_secondary")
-    status, _, err = run(capsys, "plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+    status, _, err = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "100")
     assert status == 2 and "does not divide over 16 GPUs; the nearest that do are 96, 112" in err
     status, _, err = run(capsys, "plan", "--model", "llama2-70b", "--cluster", "a100-100gbe", "--nodes", "1",
                          "--global-batch", "8")
     assert status == 2 and "no configuration of llama2-70b" in err and "GiB more than the" in err
+
+
+def test_plan_marks_lossy_wires_and_searches_exact_ones_alone(capsys):
+    """On a slow network the fastest wire quantizes gradients: the plan says it is lossy, and
+    --exact leaves quantized wires out of the search."""
+    argv = ["plan", "--model", "gpt-1.3b", "--cluster", "{preset: a100-100gbe, gpus_per_node: 4}", "--nodes", "2",
+            "--global-batch", "64"]
+    status, out, _ = run(capsys, *argv, "--json")
+    best = json.loads(out)["best"]
+    assert status == 0 and best["training"]["wire"] != "none"
+    assert best["run"]["lossy"].startswith("lossy: the wire quantizes gradients between nodes")
+    status, out, _ = run(capsys, *argv)
+    assert "          lossy: the wire quantizes" in out and "plan --exact for exact collectives only" in out
+    status, out, _ = run(capsys, *argv, "--exact", "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["best"]["training"]["wire"] == "none" and doc["best"]["run"]["lossy"] is None
+    assert doc["candidates"] < json.loads(run(capsys, *argv, "--json")[1])["candidates"]
+
+
+def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_path):
+    """The GPT sizes and hf: configs (read without torch) get a command; a model train does not
+    name, and fp8 compute, get the shard(...) arguments and the reason there is no command."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8,
+                                  "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
+                                  "vocab_size": 32000, "max_position_embeddings": 4096}))
+    cluster = ["--cluster", "h100-ib-400", "--nodes", "1", "--global-batch", "16"]
+    status, out, _ = run(capsys, "plan", "--model", f"hf:{config}", "--seq-len", "2048", *cluster, "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["best"]["model"]["ffn_gated"] and doc["best"]["model"]["norm"] == "rmsnorm"
+    assert f"-m shardwire train --model hf:{config} --seq-len 2048 " in doc["best"]["run"]["command"]
+    status, out, _ = run(capsys, "plan", "--model", "llama2-7b", *cluster)
+    assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
+    status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training", "{precision: fp8}")
+    assert status == 0 and "the engine does not compute in fp8 yet" in out and "run:   torchrun" not in out
+    status, _, err = run(capsys, "plan", "--model", "gpt-350m", "--cluster", "a100-100gbe", "--nodes", "1",
+                         "--global-batch", "16", "--training", "{precision: fp8}")
+    assert status == 2 and "precision fp8 needs fp8 tensor cores" in err
 
 
 # ----------------------------------------------------------------------- calibration script
@@ -222,56 +279,60 @@ PROFILE = {"forward_s": 0.004, "backward_s": 0.008, "optimizer_s": 0.001, "wait_
 
 
 def test_calibration_reads_the_measured_runs(calibrate):
-    """scaling.json as benchmarks/scaling.py writes it."""
+    """scaling.json as benchmarks/scaling.py writes it; a rank's share of the machine is the
+    compute-only step on one rank over the step on as many as the run had."""
     doc = {"args": {"model": "30m", "batch": 2, "prefetch": 2, "reshard": True},
-           "compute_times_s": {"2": [0.4], "4": [0.5, 0.7, 0.6]},
+           "compute_times_s": {"1": [0.25], "2": [0.5], "4": [0.5, 1.5, 1.0]},
            "rows": [{"system": "fsdp2", "cluster": "2x2 @1gbit", "step_times": [9.0], "profile": None},
                     {"system": "shardwire", "cluster": "2x2 @1gbit", "step_times": [1.5, 1.4, 9.0], "profile": PROFILE},
                     {"system": "shardwire", "cluster": "1x2", "step_times": [1.0, 3.0, 2.0], "profile": PROFILE},
                     {"system": "shardwire-hybrid", "cluster": "2x2 @1gbit", "step_times": [1.2], "profile": PROFILE}]}
-    settings, runs = calibrate.read_measured(doc)
-    assert settings == calibrate.Settings("30m", 2, 2, True)
-    assert runs == [calibrate.Run("shardwire", 2, 2, "1gbit", 1.5, 0.6, PROFILE),
-                    calibrate.Run("shardwire", 1, 2, None, 2.0, 0.4, PROFILE),
-                    calibrate.Run("shardwire-hybrid", 2, 2, "1gbit", 1.2, 0.6, PROFILE)]
+    settings, runs, alone = calibrate.read_measured(doc)
+    assert settings == calibrate.Settings("30m", 2, 2, True) and alone == 0.25
+    assert runs == [calibrate.Run("shardwire", 2, 2, "1gbit", 1.5, 0.25, PROFILE),
+                    calibrate.Run("shardwire", 1, 2, None, 2.0, 0.5, PROFILE),
+                    calibrate.Run("shardwire-hybrid", 2, 2, "1gbit", 1.2, 0.25, PROFILE)]
     assert [r.cluster for r in runs] == ["2x2 @1gbit", "1x2", "2x2 @1gbit"]
     assert runs[0].engine_compute_s == pytest.approx(0.013)
+    without_one_rank = {**doc, "compute_times_s": {"2": [0.5], "4": [1.0]}}
+    with pytest.raises(ValueError, match="no compute-only step on one rank"):
+        calibrate.read_measured(without_one_rank)
+    assert calibrate.read_measured(without_one_rank, one_rank_s=0.25)[1][0].share == 0.25
     with pytest.raises(ValueError, match="no shardwire run"):
         calibrate.read_measured({**doc, "rows": doc["rows"][:1]})
     unprofiled = {**doc, "rows": [{**doc["rows"][1], "profile": None}]}
     with pytest.raises(ValueError, match="shardwire's run on 2x2 @1gbit has no profile"):
         calibrate.read_measured(unprofiled)
+    with pytest.raises(ValueError, match="no shardwire run on 1x1"):
+        calibrate.one_rank(runs)
 
 
-def test_calibration_predicts_from_measured_compute_and_network(calibrate, tmp_path):
-    from shardwire.sim.architecture import architecture
-
+def test_calibration_predicts_from_one_ranks_profile_and_the_network(calibrate, tmp_path):
+    """The 1x1 run's profile fits the machine's compute model: its step on one rank is predicted as
+    measured, and a rank of a larger run gets its share of the machine."""
     settings = calibrate.Settings("small", 4, 2, True)
     model = calibrate.model_spec(settings)
     assert (model.layers, model.hidden, model.vocab) == (4, 128, 256)
-    run = calibrate.Run("shardwire", 2, 2, "1gbit", 0.2, 0.1, PROFILE)
-    machine = calibrate.machine_cluster([run], settings)
-    model_flops = 3 * architecture(model, 4).forward_flops * 4  # forward and backward of the batch
-    # the compute-only step less its optimizer, which updates the whole model where a rank of the
-    # sharded run (its profile: 1 ms) updates a quarter of it
-    assert machine.peak_tflops * 1e12 == pytest.approx(model_flops / (0.1 - 4 * 0.001))
-    slower = dataclasses.replace(run, profile={**PROFILE, "optimizer_s": 0.002})
-    pooled = calibrate.machine_cluster([run, slower, run], settings)  # the median of the three
-    assert pooled.memory_bandwidth_GBps == machine.memory_bandwidth_GBps
+    single = calibrate.Run("shardwire", 1, 1, None, 0.02, 1.0, PROFILE)
+    machine = calibrate.machine_cluster(single, settings)
+    alone = predict(model, machine, calibrate.training_spec(settings))
+    assert alone.timeline.compute["forward"] + alone.timeline.compute["backward"] == pytest.approx(0.012)
+    assert alone.timeline.compute["optimizer"] == pytest.approx(0.001)
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench_document()))
+    run = calibrate.Run("shardwire", 2, 2, "1gbit", 0.2, 0.25, PROFILE)
     p = calibrate.predict_run(run, machine, settings, str(path))
     assert p.cluster.world == 4 and p.cluster.algorithm == "hierarchical"
-    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.096)
-    assert p.timeline.compute["optimizer"] == pytest.approx(0.001)
+    assert p.timeline.compute["forward"] + p.timeline.compute["backward"] == pytest.approx(0.012 / 0.25)
+    assert p.timeline.compute["optimizer"] == pytest.approx(0.001 / 4 / 0.25)  # a quarter of the model
     comparison = calibrate.Comparison(run, p.step_time_s, p.compute_time_s, p.compute_slowed_s, p.exposed_comm_s)
     assert comparison.error == pytest.approx(p.step_time_s / 0.2 - 1)
     assert "| 2x2 @1gbit | shardwire |" in calibrate.table(settings, [comparison])
     hybrid_run = dataclasses.replace(run, system="shardwire-hybrid")
-    hybrid = calibrate.predict_run(hybrid_run, calibrate.machine_cluster([hybrid_run], settings), settings, str(path))
+    hybrid = calibrate.predict_run(hybrid_run, machine, settings, str(path))
     assert (hybrid.training.layout, hybrid.training.shard_group_size) == ("hybrid", 2)
-    assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001)  # each rank steps half the model
+    assert hybrid.timeline.compute["optimizer"] == pytest.approx(0.001 / 2 / 0.25)  # each rank steps half
 
 
 def test_calibration_takes_a_clusters_bench_before_its_links(calibrate):
@@ -284,9 +345,91 @@ def test_calibration_takes_a_clusters_bench_before_its_links(calibrate):
     assert calibrate.bench_for(dataclasses.replace(run, link="10gbit"), benches) is None
 
 
-def test_simulating_does_not_import_torch():
-    """``shardwire simulate`` is pure Python, so it starts at once on any laptop."""
+def test_simulating_and_planning_do_not_import_torch():
+    """``shardwire simulate`` and ``plan`` are pure Python, so they start at once on any laptop, a
+    Hugging Face config and the GPT sizes of ``shardwire train`` included."""
+    config = json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000})
     code = ("import sys; from shardwire.cli import main; "
             "main(['simulate', '--model', 'gpt2-125m', '--cluster', 'a100-100gbe', '--json']); "
+            f"main(['plan', '--model', 'hf:' + {config!r}, '--cluster', 'a100-100gbe', '--global-batch', '64']); "
+            "main(['plan', '--model', 'gpt-125m', '--cluster', 'a100-100gbe', '--global-batch', '64']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_command_the_plan_prints_runs(tmp_path):
+    """The best and the runner-up of a plan for 2 nodes x 2 GPUs, their torchrun commands run as
+    printed: two agents on this machine stand for the two nodes, meeting at a rendezvous on
+    loopback where the command says the first node's address; a few steps each."""
+    cluster = "{preset: a100-100gbe, nodes: 2, gpus_per_node: 2}"
+    planned = subprocess.run([sys.executable, "-m", "shardwire", "plan", "--model", "tiny", "--cluster", cluster,
+                              "--global-batch", "16", "--json"], capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    doc = json.loads(planned.stdout)
+    for choice in (doc["best"], doc["runner_up"]):
+        command = shlex.split(choice["run"]["command"])
+        assert command[0] == "torchrun" and "--nnodes=2" in command and "--model" in command
+        endpoint = f"127.0.0.1:{_free_port()}"
+        argv = [sys.executable, "-m", "torch.distributed.run",
+                *(arg.replace("HEAD_ADDRESS:29500", endpoint) for arg in command[1:]),
+                "--steps", "2", "--log-every", "1", "--eval-batches", "1"]
+        nodes = [subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(2)]
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+        for node, output in zip(nodes, outputs, strict=True):
+            assert node.returncode == 0, output
+        assert any("done: 2 steps" in output for output in outputs)
+
+
+def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, optimizer=0.011, ranks=1) -> dict:
+    """A profile.json as ``shardwire train --profile`` writes it (the parts calibration reads)."""
+    def figure(seconds):
+        return {"min": seconds, "median": seconds, "max": seconds}
+    return {"version": 1, "world_size": ranks,
+            "summary": {"figures": {"forward_s": figure(forward), "backward_s": figure(backward),
+                                    "optimizer_s": figure(optimizer), "step_s": figure(0.1)}},
+            "metadata": {"config": {"model": model, "seq_len": None, "batch": batch, "grad_accum": 1,
+                                    "precision": "bf16", "activation_checkpointing": False, "compile": False}}}
+
+
+def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
+    """The profiled job is predicted as measured; the optimizer step gives its rate; the matrix
+    multiplies and attention take what the memory-bound work leaves."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_document()))
+    one_gpu = ["--model", "gpt-1.3b", "--cluster", "{preset: h100-ib-400, gpus_per_node: 1}", "--nodes", "1",
+               "--training", "{micro_batch: 8}"]
+    status, out, _ = run(capsys, "simulate", *one_gpu, "--calibrate", str(path), "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["compute"]["forward"] + doc["compute"]["backward"] == pytest.approx(0.25)
+    assert doc["compute"]["optimizer"] == pytest.approx(0.011)
+    preset = CLUSTERS["h100-ib-400"]
+    scale = doc["cluster"]["matmul_efficiency"] / preset.matmul_efficiency
+    assert doc["cluster"]["attention_efficiency"] == pytest.approx(preset.attention_efficiency * scale)
+    assert doc["cluster"]["name"] == "h100-ib-400, changed (calibrated by profile.json)"
+    # a larger batch on the same GPU: more compute, at the fitted rates
+    status, out, _ = run(capsys, "simulate", *one_gpu[:-1], "{micro_batch: 16}", "--calibrate", str(path), "--json")
+    assert 0.25 * 1.9 < json.loads(out)["compute"]["forward"] + json.loads(out)["compute"]["backward"] < 0.25 * 2.1
+
+
+@pytest.mark.parametrize("profile, message", [
+    (profile_document(forward=0.02, backward=0.04), "take less than their memory-bound work alone"),
+    (profile_document(forward=0.03, backward=0.07), "faster than cluster 'h100-ib-400'"),
+    ({"summary": {}}, "lacks 'figures' where a profile of `shardwire train --profile` has it"),
+    (profile_document(model="nope"), "unknown model preset 'nope'"),
+])
+def test_calibration_refuses_a_profile_that_cannot_be_this_gpus(capsys, tmp_path, profile, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    status, out, err = run(capsys, "simulate", "--model", "gpt-1.3b", "--cluster", "h100-ib-400",
+                           "--calibrate", str(path))
+    assert status == 2 and out == "" and message in err

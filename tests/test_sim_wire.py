@@ -56,7 +56,8 @@ def test_a_bad_wire_is_a_spec_error_with_the_engines_message(wire):
 
 
 def test_a_block_larger_than_any_shard_is_refused():
-    with pytest.raises(SpecError, match=re.escape("block 2000000000 is over 1,073,741,824 elements per scale")):
+    with pytest.raises(SpecError, match=re.escape("block must be a positive integer (elements per scale) of at most "
+                                                  "1,073,741,824, got 2000000000")):
         parse("training", {"wire": "grads=int8,block=2000000000"})
 
 
@@ -216,7 +217,7 @@ def test_the_report_shows_the_wire_and_the_bytes_it_moves(capsys):
 
 
 def test_the_planner_quantizes_across_a_slow_network_and_prints_the_wire(capsys):
-    status, out, _ = run(capsys, "plan", "--model", "gpt2-350m", "--cluster",
+    status, out, _ = run(capsys, "plan", "--model", "gpt-350m", "--cluster",
                          "{preset: a100-100gbe, inter_node: {busbw_GBps: 1}}", "--nodes", "2", "--global-batch", "64")
     lines = out.split("runner-up")[0].splitlines()
     best, run_line, shard_line = (next(line for line in lines if line.lstrip().startswith(start))

@@ -119,7 +119,7 @@ def _sgd_steps(model, optimizer, rank: int, steps: range, after_step=None) -> No
 
 def _outer_steps_by_hand(rank, world):
     """Two groups of one rank, SGD inside, a sync every 2 steps without overlap: each rank's shards
-    before each sync, and after it (a forward applies it)."""
+    before each sync, and after it."""
     from shardwire.engine.shard import engine_of
 
     torch.manual_seed(0)
@@ -133,8 +133,7 @@ def _outer_steps_by_hand(rank, world):
     def record(step):
         if (step + 1) % 2 == 0:
             before.append([flat.shard.clone() for flat in flats])
-            with torch.no_grad():
-                model(_batch(rank, 0)[:, :-1])  # the forward after a due step applies its sync
+            engine_of(model).outer.before_forward()  # as the training forward after a due step does
             after.append([flat.shard.clone() for flat in flats])
 
     _sgd_steps(model, optimizer, rank, range(4), record)
@@ -331,7 +330,7 @@ def test_a_sync_the_simulator_cannot_run_is_a_spec_error():
 
 
 def test_the_planner_offers_sync_beside_its_choice_with_the_caveat_and_exact_leaves_out_what_is_lossy(capsys):
-    args = ["plan", "--model", "gpt2-1.5b", "--cluster", "h100-100gbe", "--nodes", "2", "--global-batch", "64"]
+    args = ["plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "2", "--global-batch", "64"]
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["best"]["training"]["sync"] == "none"  # the choice trains as synchronous training does

@@ -3,6 +3,8 @@
 ``shardwire train --nproc 4`` re-runs itself as ``torchrun --standalone --nproc-per-node 4 -m
 shardwire train ...``: the workers are ordinary torchrun workers, so the same command also runs
 unchanged under a user's own ``torchrun --nnodes ... --nproc-per-node ... -m shardwire train``.
+``host_memory_per_worker`` says how much of this machine each local worker can have, so that a
+command refuses more workers than it holds before starting any.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# What a worker process takes before it holds any data: Python with torch imported is about 220 MB
+# resident; no worker comes in under this.
+_WORKER_FOOTPRINT = 128 << 20
 
 
 def under_launcher() -> bool:
@@ -94,3 +99,14 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
         return 1
     return 0
+
+
+def host_memory_per_worker(local_workers: int) -> int:
+    """An equal share of this machine's memory for each of ``local_workers`` worker processes, less
+    what each process itself takes; raises ``ValueError`` where that leaves nothing (``--nproc
+    100000`` would start a hundred thousand processes)."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if local_workers * _WORKER_FOOTPRINT >= machine:
+        raise ValueError(f"{local_workers:,} workers take over {local_workers * _WORKER_FOOTPRINT / 2**30:.3g} GiB "
+                         f"before holding any data, more than this machine's {machine / 2**30:.3g} GiB")
+    return machine // local_workers - _WORKER_FOOTPRINT

@@ -1,36 +1,166 @@
 """Reading a mapping a user wrote, as JSON or YAML: config files (``--config``) and the simulator's
-specs (``--model``, ``--cluster``, ``--training``, inline or in a file) read it the same way."""
+specs (``--model``, ``--cluster``, ``--training``, inline or in a file) read it the same way.
+
+Whatever the input, reading it is bounded and says what is wrong in one line:
+
+* a file is read up to a size limit (``--config /dev/zero`` would otherwise read forever), a FIFO
+  without a writer as empty (it would otherwise block), and it must be UTF-8 text;
+* YAML's aliases may not expand the document past ``MAX_VALUES`` values: a few hundred bytes of
+  nested aliases (a "billion laughs") describe billions of them, and printing one in an error
+  message alone would run for minutes;
+* numbers read as the command line reads them: YAML 1.1 reads ``010`` as 8 (octal) and ``1:30`` as
+  90 (sexagesimal) where ``--steps 010`` is 10, so a number is Python's ``int`` or ``float`` of the
+  text as written, and text that those read otherwise (``1:30``, ``0x10``) is refused;
+* a value shown in an error message is cut short (``shown``).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import reprlib
 from collections.abc import Mapping
 
 from shardwire.extras import require
+
+# A thousand times the longest config file or spec: a bound on the time and memory a typo can take.
+MAX_TEXT_BYTES = 1 << 20
+# Values in a document once its YAML aliases are expanded, likewise far beyond any config or spec.
+MAX_VALUES = 100_000
+_YAML_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_YAML_SPECIAL_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
 
 
 class MappingError(ValueError):
     """Text that is not a JSON or YAML mapping; the message names where it came from and why."""
 
 
-def read_mapping(text: str, what: str) -> dict:
+def read_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of the file at ``path``, read no further than ``limit`` bytes. ``what`` names
+    it in errors (``--config job.yaml``)."""
+    try:
+        # opened without waiting for a writer, so that a FIFO nobody writes to reads as empty instead of
+        # blocking for ever; then read as usual (process substitution's pipe has its writer)
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            os.set_blocking(f.fileno(), True)
+            data = f.read(limit + 1)
+    except OSError as err:
+        raise MappingError(f"{what}: {err.strerror or err}") from None
+    if len(data) > limit:
+        raise MappingError(f"{what} is larger than {limit:,} bytes, far more than any config or spec: "
+                           f"give the file that holds the mapping")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise MappingError(f"{what} is not UTF-8 text (byte {err.start:,} is {data[err.start]:#04x}): "
+                           f"save it as UTF-8") from None
+
+
+def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict:
     """A JSON mapping, or a YAML one (with the ``yaml`` extra): YAML is read only where JSON fails.
-    ``what`` names the text in errors (``--config job.yaml``, ``inline cluster``)."""
+    ``what`` names the text in errors (``--config job.yaml``, ``inline cluster``). With
+    ``numbers_as_text`` a YAML number stays the text it was written as, for a reader that parses
+    text itself (a config file's values go to the command line's own parsers)."""
+    if len(text) > MAX_TEXT_BYTES:
+        raise MappingError(f"{what} is longer than {MAX_TEXT_BYTES:,} characters, far more than any config or "
+                           f"spec: give the mapping itself")
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
     except ValueError:
-        yaml = require("yaml", f"{what}, which is not JSON,")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise MappingError(f"{what} is neither JSON nor YAML: {_one_line(err)}") from None
+        data = _read_yaml(text, what, numbers_as_text)
+    if data is None:
+        raise MappingError(f"{what} is empty: give a mapping of keys to values")
     if not isinstance(data, Mapping):
         raise MappingError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
     return dict(data)
 
 
+def shown(value, limit: int = 80) -> str:
+    """``repr(value)`` within about ``limit`` characters, for error messages: a value from a file
+    can be as large as the file, or, through YAML's aliases, far larger."""
+    bounded = reprlib.Repr()  # its limits as attributes: keyword arguments came only in Python 3.12
+    bounded.maxlevel = 2
+    bounded.maxstring = bounded.maxlong = bounded.maxother = limit
+    short = bounded.repr(value)
+    return short if len(short) <= limit else short[:limit - 3] + "..."
+
+
+def _read_yaml(text: str, what: str, numbers_as_text: bool):
+    yaml = require("yaml", f"{what}, which is not JSON,")
+
+    def number(loader, node):
+        if numbers_as_text:
+            return node.value
+        for kind in (int, float):
+            try:
+                return kind(node.value)
+            except ValueError:
+                pass
+        if node.value.lower() in _YAML_SPECIAL_FLOATS:
+            return _YAML_SPECIAL_FLOATS[node.value.lower()]
+        raise MappingError(
+            f"{what}: {shown(node.value)}{_where(node.start_mark)} is a YAML 1.1 number that the command line "
+            f"reads otherwise (YAML reads 1:30 as 90 and 0x10 as 16): write it in decimal, or quote it as text")
+
+    try:
+        loader = yaml.SafeLoader(text)  # its reader refuses characters YAML does not allow
+        # this loader's own constructors (the class's are shared by every SafeLoader)
+        loader.yaml_constructors = {**loader.yaml_constructors, **{tag: number for tag in _YAML_NUMBERS}}
+        if numbers_as_text:
+            loader.yaml_constructors["tag:yaml.org,2002:timestamp"] = lambda loader, node: node.value
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(node, what)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as err:
+        raise MappingError(f"{what} is neither JSON nor YAML: {_one_line(err)}") from None
+    except RecursionError:
+        raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
+
+
+def _check_expansion(root, what: str) -> None:
+    """Refuse a YAML document whose aliases expand it past ``MAX_VALUES`` values, or refer to a
+    collection from inside itself. Each node's expanded size is counted once (an alias is the same
+    node object as its anchor), so the count costs the size of the text, not of the expansion."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # the collections being counted: the path from the root
+    stack = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        children = _children(node)
+        if counted:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = min(1 + sum(sizes[id(child)] for child in children), MAX_VALUES + 1)
+        elif id(node) in open_nodes:
+            raise MappingError(f"{what}: an alias{_where(node.start_mark)} refers to a collection from inside "
+                               f"itself: write the values out")
+        elif id(node) not in sizes:
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack += [(child, False) for child in children if id(child) not in sizes]
+    if sizes[id(root)] > MAX_VALUES:
+        raise MappingError(f"{what} expands through its YAML aliases (*name) to over {MAX_VALUES:,} values: "
+                           f"write the values out instead")
+
+
+def _children(node) -> list:
+    if isinstance(node.value, list):  # a sequence's items, or a mapping's (key, value) pairs
+        return [part for item in node.value for part in (item if isinstance(item, tuple) else (item,))]
+    return []
+
+
+def _where(mark) -> str:
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
 def _one_line(err) -> str:
     """A YAML error, which spans several lines with a picture of where, as one line."""
-    problem, mark = getattr(err, "problem", None) or str(err), getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(problem.split()) + where
+    problem = " ".join((getattr(err, "problem", None) or str(err)).split())
+    return problem[:200] + _where(getattr(err, "problem_mark", None))

@@ -8,7 +8,8 @@ help, bounds and parsing live on the field, and ``add_options`` makes the comman
 a list). ``command_line`` writes a configuration back as options, for the commands shardwire prints
 (``--print-launch``, ``shardwire plan``). The numeric bounds are checked in one place
 (``check_bounds``); so are paths the job will write to, so a directory that cannot be created is
-found before training, not at the first checkpoint.
+found before training, not at the first checkpoint, and a device named as an output is refused
+rather than replaced (``shardwire.files`` holds the policy for every file the project writes).
 
 This is argparse underneath, and deliberately so: nccl-tests' short flags (``-b 1K -e 64M``), one-line
 errors and a ``--help`` that imports nothing heavy matter more here than what a generator library adds.
@@ -19,10 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
+
+from shardwire.files import directory_problem, output_problem
 
 
 class OptionError(ValueError):
@@ -35,15 +37,20 @@ class Bounds:
     above: float | None = None
     real: bool = False  # a float: it must also be finite
     unit: str = ""
+    at_most: int | None = None  # where a larger value cannot be held (a 64-bit seed, a timedelta)
 
     def allows(self, value) -> bool:
         if value is None:  # an optional option left out
             return True
         if self.real and not math.isfinite(value):
             return False
-        return (self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+        return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                and (self.at_most is None or value <= self.at_most))
 
-    def describe(self) -> str:
+    def describe(self, value) -> str:
+        """What the option must be, where ``value`` is outside the bounds."""
+        if self.at_most is not None and value > self.at_most and (not self.real or math.isfinite(value)):
+            return f"at most {self.at_most:,}{f' {self.unit}' if self.unit else ''}"
         if self.above == 0:
             text = "a positive, finite number" if self.real else "positive"
         elif self.above is not None:
@@ -70,13 +77,13 @@ def option(default=dataclasses.MISSING, help: str = "", *, factory: Callable[[],
            flags: Sequence[str] = (), choices: Sequence[str] | None = None,
            parse: Callable[[str], typing.Any] | None = None, metavar: str | None = None,
            at_least: float | None = None, above: float | None = None, real: bool | None = None,
-           unit: str = "") -> dataclasses.Field:
+           unit: str = "", at_most: int | None = None) -> dataclasses.Field:
     """A configuration field that is a command-line option: ``default`` (or ``factory`` for a list),
     its ``help``, and the bounds its value must lie within (``real``: a float, also finite; by
     default, whether ``default`` is one)."""
     bounds = None
-    if at_least is not None or above is not None:
-        bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit)
+    if at_least is not None or above is not None or at_most is not None:
+        bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit, at_most)
     metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -143,32 +150,16 @@ def check_bounds(config) -> None:
         bounds = field.metadata["option"].bounds if "option" in field.metadata else None
         value = getattr(config, field.name)
         if bounds is not None and not bounds.allows(value):
-            raise OptionError(f"{flag(field.name)} must be {bounds.describe()}, got {value}")
+            raise OptionError(f"{flag(field.name)} must be {bounds.describe(value)}, got {value}")
 
 
 def check_writable_directory(path: str, option: str) -> None:
     """``path`` is a directory the job can write in, or one it can create."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise OptionError(f"{option} {path} is a file; give it a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise OptionError(f"{option} {path} is not writable; give a directory you can write in")
-        return
-    existing = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise OptionError(f"{option} {path} cannot be created: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise OptionError(f"{option} {path} cannot be created: {existing} is not writable")
+    if (problem := directory_problem(path)) is not None:
+        raise OptionError(f"{option} {path} {problem}")
 
 
 def check_output_file(path: str, option: str) -> None:
-    """``path`` names a file the job can write (not a directory) in a directory that exists."""
-    if os.path.isdir(path):
-        raise OptionError(f"{option} {path} is a directory; give a file name")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OptionError(f"{option} {path}: the directory {directory} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise OptionError(f"{option} {path}: the directory {directory} is not writable")
+    """``path`` names a regular file the job can write (``shardwire.files``' policy), or one it can create."""
+    if (problem := output_problem(path)) is not None:
+        raise OptionError(f"{option} {path} {problem}")

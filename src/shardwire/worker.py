@@ -16,7 +16,12 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from shardwire.launch import host_memory_per_worker
+
 BACKENDS = ("auto", "gloo", "nccl")
+# The longest --timeout a command takes: a collective that takes a year has hung (and a timedelta, which
+# the process group takes, holds no more than a billion days).
+MAX_TIMEOUT_S = 365 * 24 * 3600
 
 
 def uses_cuda(backend: str) -> bool:
@@ -31,6 +36,28 @@ def unavailable(backend: str) -> str | None:
     if backend == "nccl" and not torch.cuda.is_available():
         return "--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo"
     return None
+
+
+def missing_gpus(backend: str, local_workers: int) -> str | None:
+    """Why ``local_workers`` workers on this machine cannot each have a GPU of their own with
+    ``backend``, or None: a worker past the last GPU fails to set its device."""
+    gpus = torch.cuda.device_count()
+    if uses_cuda(backend) and local_workers > gpus:
+        return (f"--nproc {local_workers} asks for one GPU per worker, but {gpus} {'is' if gpus == 1 else 'are'} "
+                f"visible; use --nproc {gpus} or fewer")
+    return None
+
+
+def memory_per_worker(backend: str, local_workers: int) -> int:
+    """The most bytes of data one of ``local_workers`` workers on this machine can hold with
+    ``backend``: its GPU's memory (the smallest visible GPU's), or on the CPU its share of the
+    machine's (``host_memory_per_worker``). A bound to refuse sizes that can never fit before any
+    worker starts, not a promise that less fits: the CUDA context, the allocator and a cgroup's
+    limit take their part. Raises ``ValueError`` where the workers alone would not fit."""
+    host = host_memory_per_worker(local_workers)
+    if uses_cuda(backend):
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return host
 
 
 def worker_device(backend: str) -> torch.device:

@@ -1,12 +1,20 @@
-"""Every file shardwire writes is whole or untouched: ``shardwire.files.write_atomically``."""
+"""Every file shardwire writes follows one policy (``shardwire.files``): whole or untouched, regular
+files only (a device, FIFO, socket or directory named as an output is refused, never replaced, and
+on the command line before any work), the mode a plain write would give, parent directories made."""
 
 from __future__ import annotations
 
 import os
+import socket
+import stat
 
 import pytest
+import torch
 
-from shardwire.files import write_atomically
+import shardwire
+from harness import run_workers
+from shardwire.cli import main
+from shardwire.files import OutputRefused, write_atomically
 
 
 def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary(tmp_path):
@@ -26,6 +34,106 @@ def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary(tmp_path
     assert os.listdir(tmp_path) == ["results.json"]
 
 
-def test_a_directory_in_the_way_is_a_clear_error(tmp_path):
-    with pytest.raises(IsADirectoryError, match="is a directory: give a file name"):
-        write_atomically(tmp_path, b"data")
+def special_files(directory) -> dict[str, str]:
+    """What is not a regular file, one of each kind this machine lets us make -> how it is named."""
+    made = {}
+    os.mkdir(directory / "directory")
+    made["directory"] = "a directory"
+    os.mkfifo(directory / "fifo")
+    made["fifo"] = "a FIFO"
+    with socket.socket(socket.AF_UNIX) as unix:
+        unix.bind(str(directory / "socket"))
+    made["socket"] = "a socket"
+    try:
+        os.mknod(directory / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        made["null"] = "a character device"
+    except PermissionError:  # mknod needs root
+        pass
+    return made
+
+
+def unchanged(directory, made) -> bool:
+    kinds = {"directory": stat.S_ISDIR, "fifo": stat.S_ISFIFO, "socket": stat.S_ISSOCK, "null": stat.S_ISCHR}
+    return all(kinds[name](os.lstat(directory / name).st_mode) for name in made)
+
+
+def test_what_is_not_a_regular_file_is_refused_not_replaced(tmp_path):
+    made = special_files(tmp_path)
+    for name, kind in made.items():
+        with pytest.raises(OutputRefused, match=f"{tmp_path / name} is {kind}(, not a regular file)?; give a file"):
+            write_atomically(tmp_path / name, b"data")
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    with pytest.raises(OutputRefused, match="is a FIFO"):
+        write_atomically(tmp_path / "link", b"data")
+    assert unchanged(tmp_path, made) and (tmp_path / "link").is_symlink()
+    assert sorted(os.listdir(tmp_path)) == sorted([*made, "link"])  # no temporary left
+    read, write = os.pipe()  # /dev/stdout into a pipe: a link that names no path
+    try:
+        with pytest.raises(OutputRefused, match="is a FIFO"):
+            write_atomically(f"/proc/self/fd/{write}", b"data")
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_written_file_has_the_umask_mode_or_keeps_its_own_and_parents_are_made(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        write_atomically(tmp_path / "new" / "deeper" / "file", "data")
+        assert stat.S_IMODE(os.stat(tmp_path / "new" / "deeper" / "file").st_mode) == 0o640
+        os.chmod(tmp_path / "new" / "deeper" / "file", 0o604)
+        write_atomically(tmp_path / "new" / "deeper" / "file", "again", durable=True)
+        assert stat.S_IMODE(os.stat(tmp_path / "new" / "deeper" / "file").st_mode) == 0o604
+    finally:
+        os.umask(previous)
+    (tmp_path / "target").write_text("old")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    write_atomically(tmp_path / "link", "new")  # the file is written, the link stays
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target").read_text() == "new"
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--json"],
+    ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--csv"],
+    ["train", "--log-jsonl"],
+    ["train", "--checkpoint-dir"],
+    ["train", "--profile", "--run-dir"],
+    ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"],
+])
+def test_commands_refuse_an_output_that_is_not_a_regular_file_before_any_work(command, tmp_path, capsys):
+    made = special_files(tmp_path)
+    for name, kind in made.items():
+        if command[-1] in ("--checkpoint-dir", "--run-dir") and name == "directory":
+            continue
+        try:
+            status = main([*command, str(tmp_path / name)])
+        except SystemExit as exit:
+            status, message = 1, str(exit)
+        else:
+            message = capsys.readouterr().err
+        assert status != 0 and f"{tmp_path / name} is {kind}" in message, message
+    assert unchanged(tmp_path, made)
+
+
+def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "profile.json")
+    with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json is a FIFO, not a regular file"):
+        main(["train", "--profile", "--run-dir", str(tmp_path)])
+
+
+def _save_a_checkpoint(rank, world, directory):
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    shardwire.save_checkpoint(shardwire.checkpoint_path(directory, 1), model, step=1)
+
+
+@pytest.mark.slow
+def test_export_writes_into_new_directories_and_never_over_a_device(tmp_path):
+    run_workers(1, _save_a_checkpoint, str(tmp_path / "ckpt"))
+    checkpoint = shardwire.checkpoint_path(tmp_path / "ckpt", 1)
+    exported = shardwire.export_state_dict(checkpoint, tmp_path / "out" / "plain" / "model.pt")
+    assert sorted(torch.load(exported)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    made = special_files(tmp_path)
+    for name in made:
+        with pytest.raises(OutputRefused):
+            shardwire.export_state_dict(checkpoint, tmp_path / name)
+    assert unchanged(tmp_path, made)

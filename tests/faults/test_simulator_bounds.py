@@ -91,7 +91,7 @@ def cluster(nodes: int, latency_us: float) -> ClusterSpec:
     (["--model", "{preset: gpt2-125m, seq_len: 1000000000, params: null}"], "seq_len 1000000000 is over 16,777,216"),
     (["--model", "{preset: gpt2-125m, params: " + BIG + "}"], f"params {BIG} is over 1e+15 parameters"),
     (["--training", "{micro_batch: " + BIG + "}"], f"micro_batch {BIG} is over 1,048,576 sequences"),
-    (["--training", "{compute_efficiency: 1.0e-300}"], "compute_efficiency 1e-300 is under 0.0001 of peak"),
+    (["--cluster", "{preset: a100-100gbe, matmul_efficiency: 1.0e-300}"], "matmul_efficiency 1e-300 is under 0.0001"),
     (["--training", "{prefetch: 1000000}"], "prefetch 1000000 is more units than any model has (at most 2,048)"),
     (["--sweep", "nodes=" + ",".join(str(n) for n in range(1, 66))], "a sweep of 65 values is more than the 64"),
 ])

@@ -94,7 +94,7 @@ class BenchConfig:
                                "busbw stays on the uncompressed size, the bytes sent are reported beside it")
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
     timeout: float = option(300.0, "seconds before a collective that does not complete is an error", above=0,
-                            unit="seconds")
+                            unit="seconds", at_most=worker.MAX_TIMEOUT_S)
     contention: bool = option(False, "also time matrix multiplies alone and beside a running all_gather of "
                                      "--max-bytes on each group: the share of compute communication takes, which "
                                      "shardwire simulate --cluster-from reads")
@@ -172,6 +172,17 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if (problem := worker.unavailable(config.backend)) is not None:
         raise BenchError(problem)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this machine
+    if (problem := worker.missing_gpus(config.backend, local)) is not None:
+        raise BenchError(problem)
+    # every operation holds a buffer of the whole size on each rank; the ranks of a node share its memory
+    try:
+        memory = worker.memory_per_worker(config.backend, local)
+    except ValueError as err:
+        raise BenchError(f"{err}: start fewer (--nproc)") from None
+    if config.max_bytes > memory:
+        raise BenchError(f"--max-bytes {config.max_bytes:,} is more than a worker here can hold "
+                         f"({memory / 2**30:.3g} GiB): each rank holds a buffer of the largest size; lower it")
 
 
 def _members(launched: Placement) -> dict[str, list[list[int]]]:

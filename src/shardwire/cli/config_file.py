@@ -11,8 +11,9 @@ extra) or JSON::
     lr: 3e-3
 
 Its values become the parser's defaults, so an option given on the command line wins over the file
-wherever it stands. They are checked as the command line's are: a choice must be one of the choices,
-a number must read as one (``3e-3`` too, which YAML 1.1 reads as text), a size may be ``64M``, a
+wherever it stands. They are read and checked as the command line's are: a choice must be one of the
+choices, a number must read as one (``3e-3`` too, which YAML 1.1 reads as text; ``010`` is ten, not
+YAML 1.1's octal eight, and ``1:30`` is no number, not its sexagesimal 90), a size may be ``64M``, a
 switch is true or false, and a key that is no option of the command is an error naming the nearest
 one. ``--print-config`` prints the options the command would run with, in this form: a file to
 start from, or a record of a run.
@@ -28,7 +29,7 @@ import argparse
 import difflib
 
 from shardwire.extras import require
-from shardwire.mappings import MappingError, read_mapping
+from shardwire.mappings import MappingError, read_file, read_mapping, shown
 
 CONFIG, PRINT = "--config", "--print-config"
 
@@ -86,18 +87,15 @@ def apply(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the values of the config file at ``path`` the defaults of ``parser`` (and of those of its
     subcommands that have the option)."""
     where = f"{CONFIG} {path}"
-    try:
-        with open(path) as f:
-            values = read_mapping(f.read(), where)
-    except OSError as err:
-        raise ConfigError(f"{where}: {err.strerror}") from None
+    try:  # numbers as written: the options' own parsers read them, as they read the command line
+        values = read_mapping(read_file(path, where), where, numbers_as_text=True)
     except MappingError as err:
         raise ConfigError(str(err)) from None
     options = _options(parser)
     for key, value in values.items():
         dest = str(key).replace("-", "_")
         if dest not in options:
-            raise ConfigError(f"{where}: {key!r} is not an option of {parser.prog}{_nearest(dest, options)}")
+            raise ConfigError(f"{where}: {shown(key)} is not an option of {parser.prog}{_nearest(dest, options)}")
         for sub, action in options[dest]:
             sub.set_defaults(**{dest: _converted(action, value, f"{where}: {key}")})
             action.required = False
@@ -139,7 +137,7 @@ def _converted(action: argparse.Action, value, where: str):
         raise ConfigError(f"{where}: give a value, not null")
     if action.nargs == 0:  # a switch
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: a switch is true or false, got {value!r}")
+            raise ConfigError(f"{where}: a switch is true or false, got {shown(value)}")
         return value
     if action.nargs in ("+", "*"):
         items = value if isinstance(value, list) else [value]
@@ -150,8 +148,8 @@ def _converted(action: argparse.Action, value, where: str):
 
 
 def _converted_item(action: argparse.Action, value, where: str):
-    if isinstance(value, (bool, list, dict)):
-        raise ConfigError(f"{where}: give a value as the command line takes it, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: give a value as the command line takes it, got {shown(value)}")
     if action.type is None:
         converted = str(value)
     else:
@@ -161,7 +159,7 @@ def _converted_item(action: argparse.Action, value, where: str):
             raise ConfigError(f"{where}: {err}") from None
         except ValueError:
             kind = {int: "an integer", float: "a number"}.get(action.type, "a valid value")
-            raise ConfigError(f"{where}: {value!r} is not {kind}") from None
+            raise ConfigError(f"{where}: {shown(value)} is not {kind}") from None
     if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        raise ConfigError(f"{where}: {shown(value)} is not one of {', '.join(map(str, action.choices))}")
     return converted

@@ -1,6 +1,6 @@
 """``shardwire plan``: the fastest settings that fit, and why they win.
 
-    shardwire plan --model llama2-7b --cluster a100-100gbe --nodes 4 --global-batch 256
+    shardwire plan --model gpt-1.3b --cluster a100-100gbe --nodes 4 --global-batch 256 --exact
 
 Exit status: 0, or 2 when the input cannot be planned for (including when nothing fits).
 """
@@ -22,12 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, required=True,
                         help="sequences per optimizer step, all GPUs together")
     parser.add_argument("--exact", action="store_true",
-                        help="only settings that train as synchronous full-precision training does: no quantized "
-                             "wire, no sync every H steps (both change the optimisation)")
+                        help="exact collectives only: no quantized wire, which is lossy, and no sync every H steps "
+                             "offered (it changes the optimisation)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    parser.epilog = ("--training gives what is not searched (precision, kernel efficiency); micro-batch, "
-                     "layout, prefetch, activation checkpointing and, on several nodes, the wire and sync every "
-                     "H steps are searched, and the rest is what the engine runs.")
+    parser.epilog = ("--training gives what is not searched (precision, compilation); micro-batch, layout, "
+                     "prefetch, activation checkpointing and, on several nodes, the wire are searched, and the "
+                     "rest is what the engine runs; on several nodes the fastest hybrid configuration that syncs "
+                     "every H steps is offered beside the choice. Each choice comes with the torchrun command that "
+                     "runs it on every node.")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(result, args.global_batch), indent=1))
+        print(json.dumps(plan_json(result, args.global_batch, args.model), indent=1))
     else:
-        print(plan_text(result, args.global_batch))
+        print(plan_text(result, args.global_batch, args.model))
     return 0

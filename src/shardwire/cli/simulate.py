@@ -14,6 +14,7 @@ import json
 import sys
 
 from shardwire.extras import require
+from shardwire.options import OptionError, check_output_file
 from shardwire.sim import inputs, report
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.specs import SpecError
@@ -34,6 +35,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise SpecError("--plot draws a sweep: add --sweep KEY=V1,V2,...")
         if args.plot:
             require("matplotlib", "--plot")
+            try:
+                check_output_file(args.plot, "--plot")
+            except OptionError as err:
+                raise SpecError(str(err)) from None
         model, cluster, training = inputs.load_arguments(args)
         if args.sweep:
             key, values = parse_sweep(args.sweep)

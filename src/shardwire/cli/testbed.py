@@ -15,6 +15,7 @@ import argparse
 import signal
 import sys
 
+from shardwire.launch import host_memory_per_worker
 from shardwire.testbed import check, job, network
 from shardwire.testbed.spec import (
     DEFAULT_NAME,
@@ -76,6 +77,10 @@ def _run(args) -> int:
     if args.nproc_per_node < 1:
         raise TestbedError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     testbed = Testbed.load(args.name)
+    try:  # every node's workers run on this machine
+        host_memory_per_worker(testbed.nodes * args.nproc_per_node)
+    except ValueError as err:
+        raise TestbedError(f"{err}: lower --nproc-per-node") from None
     if not network.is_up(testbed):
         raise TestbedError(f"{testbed.describe()} is only partly there; rebuild it with `shardwire testbed up`")
 
@@ -88,8 +93,8 @@ def _run(args) -> int:
 
 def _check(args) -> int:
     testbed = Testbed.load(args.name)
-    if args.seconds <= 0:
-        raise TestbedError(f"--seconds must be positive, got {args.seconds}")
+    if not 0 < args.seconds <= check.MAX_SECONDS:
+        raise TestbedError(f"--seconds must be positive and at most {check.MAX_SECONDS:g}, got {args.seconds}")
     print(testbed.describe())
     findings = check.check(testbed, args.seconds)
     for finding in findings:

@@ -22,8 +22,8 @@ from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.layout import check_sync, group_size
 from shardwire.engine.sync import Sync
 from shardwire.extras import require
-from shardwire.launch import launch_local, torchrun_command, under_launcher
-from shardwire.models.choice import HF_PREFIX, choose
+from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
+from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
 from shardwire.models.export import check_new_directory
 from shardwire.options import (
     OptionError,
@@ -34,8 +34,10 @@ from shardwire.options import (
     command_line,
     config_from,
 )
+from shardwire.profile.profiler import PROFILE_FILE, TRACE_FILE
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
-from shardwire.training.loop import training_corpus
+from shardwire.training.data import check_default_corpus
+from shardwire.training.loop import train, training_corpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +60,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         except KeyboardInterrupt:
             print(f"interrupted: {_what_was_saved(config)}", file=sys.stderr)
             return 130
-    from shardwire.training.loop import train
-
     train(config)
     return 0
 
@@ -115,6 +115,9 @@ def _validate(config: TrainConfig) -> None:
                 check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
             if config.profile:
                 check_writable_directory(config.run_dir or "runs", "--run-dir")
+                if config.run_dir is not None:  # the default one is named for the time the run ends
+                    for name in (PROFILE_FILE, TRACE_FILE):
+                        check_output_file(os.path.join(config.run_dir, name), "--run-dir:")
             if config.tensorboard is not None:
                 require("tensorboard", "--tensorboard")
                 check_writable_directory(config.tensorboard, "--tensorboard")
@@ -147,17 +150,45 @@ def _validate(config: TrainConfig) -> None:
         return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:
         raise SystemExit(f"error: {problem}")
-    gpus = torch.cuda.device_count()
-    if worker.uses_cuda(config.backend) and config.nproc is not None and config.nproc > gpus and not under_launcher():
-        raise SystemExit(f"error: --nproc {config.nproc} asks for one GPU per worker, but {gpus} "
-                         f"{'is' if gpus == 1 else 'are'} visible; use --nproc {gpus} or fewer")
+    if config.nproc is not None and not under_launcher():
+        if (problem := worker.missing_gpus(config.backend, config.nproc)) is not None:
+            raise SystemExit(f"error: {problem}")
     try:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    if config.data is None and config.tokenizer is None and not config.model.startswith(HF_PREFIX):
-        return  # the default, the standard library's sources as bytes, serves a GPT preset
+    _check_memory(config, choice)
+    memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
     try:
-        training_corpus(config, choice).check_vocab(choice.vocab_size)
+        if config.data is None and config.tokenizer is None and not config.model.startswith(HF_PREFIX):
+            check_default_corpus(choice.seq_len)  # bytes, which any GPT preset reads
+        else:
+            training_corpus(config, choice, memory).check_vocab(choice.vocab_size)
     except (OSError, ValueError) as err:  # a message not naming its option is about --data
         raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
+
+
+def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
+    """Refuse a job that cannot fit a worker of this machine, whatever else it holds: every worker
+    builds the model whole in fp32 before sharding it, then keeps its share of the fp32 weights,
+    gradients and Adam's two moments (16 bytes a parameter, over the world at most), and the loss
+    holds a micro-batch's logits in fp32 (``loss_fn``), a vocabulary's worth per token."""
+    world, local = _world_and_node_size(config)
+    try:
+        memory = worker.memory_per_worker(config.backend, local)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}: start fewer (--nproc)") from None
+    fewer = "" if worker.uses_cuda(config.backend) else ", or start fewer workers (--nproc)"
+    whole, state = 4 * choice.params, 16 * choice.params // world
+    logits = 4 * config.batch * choice.seq_len * choice.vocab_size
+    if whole > memory:
+        raise SystemExit(
+            f"error: {choice.name} has {choice.params:,} parameters, {whole / 2**30:.3g} GiB in fp32 on each worker "
+            f"that builds it, more than each of the {local} workers here can hold ({memory / 2**30:.3g} GiB): "
+            f"pick a smaller --model{fewer}")
+    if state + logits > memory:
+        raise SystemExit(
+            f"error: --batch {config.batch} sequences of {choice.seq_len} tokens need {logits / 2**30:.3g} GiB per "
+            f"worker for their fp32 logits ({choice.vocab_size:,} per token) beside {state / 2**30:.3g} GiB of "
+            f"the model's sharded state, more than each of the {local} workers here can hold "
+            f"({memory / 2**30:.3g} GiB): lower --batch (raising --grad-accum keeps the batch) or --seq-len{fewer}")

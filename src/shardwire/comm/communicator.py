@@ -30,6 +30,17 @@ two process groups in one process can issue collectives in any interleaving:
   divergence in what the collectives carry (NCCL does not check it) a step or two later; ranks
   that diverge in the number or sizes of NCCL collectives meet the process group's timeout;
 * records of what crossed the wire (``record``), stamped by a ``Clock`` without synchronizing.
+
+One rank of a large world runs in one process on torch's fake process group (backend ``fake``,
+``torch.testing._internal.distributed.fake_pg``), whose collectives complete at once, in that process:
+the tests and ``benchmarks/large_world.py`` run the engine so as a rank of 64. It gets no case of its
+own, so that it runs what a real group runs, and needs none: it is not gloo, so it takes torch's
+collectives, NCCL's path, on either device (the side streams on CUDA, ``Levels`` for quantized
+reductions), while the point-to-point path, whose messages a fake group would leave unwritten, is
+gloo's alone; and every check of agreement between ranks compares all-gathered values, which a fake
+all-gather writes as this rank's input in every rank's slot (torch's NOTE [FakeProcessGroup
+collective semantics]), so the checks see ranks that agree with this one, as a correct job's do,
+and never read memory nobody wrote.
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ class Levels:
         else:
             partial = torch.empty(placement.nodes, size, dtype=full.dtype, device=full.device)
             _torch_reduce_scatter(partial.view(-1), by_position.contiguous().view(-1), group=self.within)
-        others = [n for n in range(placement.nodes) if n != node]
-        outgoing = encode(codec, partial[others], residual)
+        # the other nodes' rows, by slicing: a list index would copy the list to the GPU and wait for it
+        outgoing = encode(codec, torch.cat((partial[:node], partial[node + 1:])), residual)
         incoming = torch.empty_like(outgoing)
         row = outgoing.shape[1]
         splits = [0 if n == node else row for n in range(placement.nodes)]

@@ -25,7 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from shardwire.mappings import shown
+
 DEFAULT_BLOCK = 256
+# Elements per scale: more than any unit's shard holds (Llama 2 70B's blocks hold 0.86B parameters),
+# and every shard is padded to whole blocks, so a larger block only adds bytes.
+MAX_BLOCK = 2**30
 PARAM_FORMATS = ("int8",)
 GRAD_FORMATS = ("int8", "int4")
 _BITS = {"int8": 8, "int4": 4}
@@ -81,8 +86,9 @@ class Wire:
             raise ValueError(f"wire params must be None or 'int8', got {self.params!r}")
         if self.grads not in (None, *GRAD_FORMATS):
             raise ValueError(f"wire grads must be None, 'int8' or 'int4', got {self.grads!r}")
-        if type(self.block) is not int or self.block < 1:
-            raise ValueError(f"wire block must be a positive integer (elements per scale), got {self.block!r}")
+        if type(self.block) is not int or not 1 <= self.block <= MAX_BLOCK:
+            raise ValueError(f"wire block must be a positive integer (elements per scale) of at most {MAX_BLOCK:,}, "
+                             f"got {shown(self.block)}")
 
     @classmethod
     def parse(cls, wire: "Wire | str | None") -> "Wire":
@@ -103,16 +109,17 @@ class Wire:
             key, value = key.strip(), value.strip()
             if not sep or key not in ("params", "grads", "block", "error_feedback"):
                 raise ValueError(
-                    f"wire {wire!r} is not understood: use 'none', 'int8', or key=value pairs of params, "
+                    f"wire {shown(wire)} is not understood: use 'none', 'int8', or key=value pairs of params, "
                     f"grads, block and error_feedback, e.g. 'params=int8,grads=int4'"
                 )
             if key == "block":
-                if not value.isdigit():
-                    raise ValueError(f"wire block must be a positive integer, got {value!r}")
+                if not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_BLOCK)):
+                    raise ValueError(f"wire block must be a positive integer of at most {MAX_BLOCK:,}, "
+                                     f"got {shown(value)}")
                 fields[key] = int(value)
             elif key == "error_feedback":
                 if value not in ("on", "off"):
-                    raise ValueError(f"wire error_feedback must be 'on' or 'off', got {value!r}")
+                    raise ValueError(f"wire error_feedback must be 'on' or 'off', got {shown(value)}")
                 fields[key] = value == "on"
             else:
                 fields[key] = None if value == "none" else value

@@ -5,18 +5,20 @@ The user sees it through the model's own parameters: each original parameter sta
 its name as an ``nn.Parameter`` viewing the part of the slice that falls inside it (flattened; empty
 where this rank's slice misses it), so ``model.named_parameters()`` keeps the model's names, an
 optimizer's in-place update lands in the buffer the next all-gather sends, and after backward each
-parameter's ``.grad`` is a view of this rank's share of the reduced flat gradient. The gathered buffer
-is a single tensor kept for the unit's lifetime; its storage is allocated before each all-gather and
-released when the unit is resharded. While gathered, the module attributes point at views of it,
-shadowing the registered parameters, so tensors autograd saved during forward see the data gathered
-again for backward. Which ranks the slice is cut for, and which hold the same slice, is the
-layout's (``shardwire.engine.layout``): under ``hybrid_secondary`` the buffer also keeps, from a
-unit's forward to its backward, this rank's part of the gathered buffer within its group (the
-secondary shard), which backward gathers from; under ``hybrid`` each reduced share is all-reduced
-with the other groups' before it lands, unless the groups sync every H steps instead: then the
-buffer keeps the outer optimizer's state of its shard (``outer``, ``shardwire.engine.outer``).
-With a quantized ``Wire``, gathers and reductions that cross nodes carry the buffer quantized, and
-the buffer keeps the error-feedback residuals of its gradients' quantization (and of its syncs').
+parameter's ``.grad`` is a view of this rank's share of the reduced flat gradient; a parameter
+replaced after ``shard`` would be cut off from all of that, which ``check_parameters`` refuses before
+each forward. The gathered buffer is a single tensor kept for the unit's lifetime; its storage is
+allocated before each all-gather and released when the unit is resharded. While gathered, the module
+attributes point at views of it, shadowing the registered parameters, so tensors autograd saved
+during forward see the data gathered again for backward. Which ranks the slice is cut for, and which
+hold the same slice, is the layout's (``shardwire.engine.layout``): under ``hybrid_secondary`` the
+buffer also keeps, from a unit's forward to its backward, this rank's part of the gathered buffer
+within its group (the secondary shard), which backward gathers from; under ``hybrid`` each reduced
+share is all-reduced with the other groups' before it lands, unless the groups sync every H steps
+instead: then the buffer keeps the outer optimizer's state of its shard (``outer``,
+``shardwire.engine.outer``). With a quantized ``Wire``, gathers and reductions that cross nodes
+carry the buffer quantized, and the buffer keeps the error-feedback residuals of its gradients'
+quantization (and of its syncs').
 
 On CUDA each buffer belongs to the stream that fills it: the gathered storage and the cast of the
 shard are allocated where all-gathers run, a gradient's cast, its accumulation under ``no_sync`` and
@@ -69,6 +71,14 @@ class FlatParam:
         self._held = [(param, lo, hi) for param, (lo, hi) in zip(self.params, self._parts) if hi > lo]
         # For each slot, the module attribute dicts (and names) that expose that parameter.
         self._owners = [[(module.__dict__, attr) for module, attr in slot] for slot in owners]
+        # What check_parameters compares, one row per place a parameter is registered (a tied one has
+        # several): its name there, the parameter, the address its part starts at (0 for an empty
+        # part), and the registry (the module's _parameters) and key it must still be found under.
+        self._registered = [
+            (name, param, param.data_ptr(), module._parameters, attr)
+            for slot, param, places in zip(packing.slots, self.params, owners)
+            for name, (module, attr) in zip(slot.names, places)
+        ]
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self._layout = layout
@@ -120,16 +130,49 @@ class FlatParam:
         for slot, param, (lo, hi) in zip(self.packing.slots, self.params, self._parts):
             yield slot, param, (self.shard_start + lo - slot.offset, self.shard_start + hi - slot.offset)
 
-    def check_requires_grad(self) -> None:
-        """Refuse a ``requires_grad`` changed since ``shard``: trainable and frozen parameters live in
-        different buffers, one reduced and one not, so the change cannot take effect."""
-        for slot, param in zip(self.packing.slots, self.params):
-            if param.requires_grad != self.requires_grad:
-                raise RuntimeError(
-                    f"requires_grad of {slot.names[0]!r} was set to {param.requires_grad} after shardwire.shard: "
-                    f"sharding puts trainable and frozen parameters in separate buffers (only the trainable "
-                    f"one is reduced), so set requires_grad before sharding the model"
-                )
+    def check_parameters(self) -> None:
+        """Refuse a change to the parameters since ``shard`` that the engine cannot honour and would
+        otherwise silently ignore. The engine computes with the gathered buffer, fills it from the shard
+        and gives gradients to the parameters it made, so each parameter must still be the one registered
+        under its name (not a new ``nn.Parameter``), still view its part of the shard (not a copy put in
+        through ``.data``, a ``.double()`` or a ``.to(device)``), and keep its ``requires_grad``
+        (trainable and frozen parameters live in separate buffers, only the trainable one reduced).
+
+        It runs before every forward, over every parameter, so the common case is three cheap tests per
+        place a parameter is registered: its registration, its flag, and the address its part starts
+        at, which a part in another dtype or on another device cannot share (it is another tensor), so
+        one comparison covers ``.data``, dtype and device. Only a failing test looks closer, to say what
+        changed. An empty part starts at no address, so only its registration and flag are tested: it
+        holds nothing an optimizer could update.
+        """
+        trainable = self.requires_grad
+        for name, param, address, registry, attr in self._registered:
+            if registry.get(attr) is not param or param.data_ptr() != address or param.requires_grad is not trainable:
+                raise RuntimeError(self._describe_change(name, param, registry.get(attr)))
+
+    def _describe_change(self, name: str, param: nn.Parameter, registered: object) -> str:
+        """What happened to parameter ``name`` since ``shard``, and what to do instead, in one line."""
+        since = "after shardwire.shard"
+        now = registered if isinstance(registered, torch.Tensor) else param
+        if now.device != self.shard.device or now.dtype != self.shard.dtype:
+            moved = f"moved to {now.device}" if now.device != self.shard.device else f"converted to {now.dtype}"
+            return (f"parameter {name!r} was {moved} {since} (model.to, .double(), .half() or .data = ...): its "
+                    f"unit keeps its shard as a {self.shard.dtype} tensor on {self.shard.device}, so the change "
+                    f"would never take effect. Move or convert the model before sharding it, and choose the "
+                    f"dtype units compute in with shard(mixed_precision=...)")
+        if registered is not param:
+            what = "deleted" if registered is None else f"replaced by a new {type(registered).__name__}"
+            return (f"parameter {name!r} was {what} {since}: its sharded unit keeps computing with the flat "
+                    f"buffer it was sharded into, so the change would never take effect or train. Change "
+                    f"parameters before sharding the model; to set their values afterwards, load them with "
+                    f"model.load_state_dict (in place, without assign=True)")
+        if param.requires_grad != self.requires_grad:
+            return (f"requires_grad of {name!r} was set to {param.requires_grad} {since}: sharding puts trainable "
+                    f"and frozen parameters in separate buffers (only the trainable one is reduced), so set "
+                    f"requires_grad before sharding the model")
+        return (f"parameter {name!r} no longer views its unit's shard: its .data was replaced {since}, so an "
+                f"optimizer would update a detached copy while the model never changes. Update parameters in "
+                f"place (param.copy_(...) under torch.no_grad()), or load values with model.load_state_dict")
 
     @property
     def gathered_nbytes(self) -> int:

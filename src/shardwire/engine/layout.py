@@ -59,6 +59,7 @@ import torch.distributed as dist
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
+from shardwire.engine.mixed_precision import DTYPES, MixedPrecision
 from shardwire.engine.sync import Sync
 
 LAYOUTS = ("full", "hybrid", "hybrid_secondary")
@@ -108,13 +109,14 @@ class Layout:
         return self.replicate is None or self.replicate.rank == 0
 
     @classmethod
-    def build(cls, layout: str, size: int, wire: Wire, sync: Sync | None, group: dist.ProcessGroup,
-              device: torch.device, timeout: datetime.timedelta) -> Layout:
+    def build(cls, layout: str, size: int, wire: Wire, sync: Sync | None, policy: MixedPrecision,
+              group: dist.ProcessGroup, device: torch.device, timeout: datetime.timedelta) -> Layout:
         """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
         carry ``wire``'s quantized reductions and ``sync``'s (checked by ``check_sync``). Every rank
-        creates them in the same order."""
+        creates them in the same order, once all ranks agree on what their collectives will carry: the
+        layout, the wire, the sync and the mixed-precision ``policy``."""
         world = Communicator(group, device, timeout=timeout)
-        _check_same_layout_on_all_ranks(world, layout, size, wire, sync)
+        _check_same_settings_on_all_ranks(world, layout, size, wire, sync, policy)
         if wire.grads is not None and device.type == "cuda" and group is not dist.group.WORLD:
             raise ValueError(
                 f"wire grads={wire.grads!r} over a process group other than the default one is not supported on "
@@ -198,15 +200,18 @@ def _communicators(layout: str, size: int, world: Communicator, device: torch.de
     return Layout(layout, world, world, secondary=within)
 
 
-def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire,
-                                    sync: Sync | None) -> None:
+def _check_same_settings_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire,
+                                      sync: Sync | None, policy: MixedPrecision) -> None:
     """Ranks asking for different layouts would wait for each other in different group creations
-    until the timeout, and ranks with different wires or syncs would exchange messages of different
-    sizes, or at different steps: compare first, and say which rank asked for what."""
+    until the timeout, and ranks with different wires, syncs or mixed precision would exchange
+    messages of different sizes or dtypes, or at different steps, which no backend reports clearly
+    (gloo aborts): compare every setting that shapes the collectives first, in one small all-gather,
+    and say which rank asked for what."""
     if world.world == 1:
         return
+    precision = [DTYPES.index(policy.param_dtype), DTYPES.index(policy.reduce_dtype)]
     rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode()),
-                                    zlib.crc32(str(sync).encode())], tag="layout check")
+                                    zlib.crc32(str(sync).encode()), *precision], tag="settings check")
     if any(row[:2] != rows[0][:2] for row in rows):
         asked = "; ".join(f"rank {r}: layout={LAYOUTS[code]!r} in groups of {n}"
                           for r, (code, n, *_) in enumerate(rows))
@@ -220,3 +225,8 @@ def _check_same_layout_on_all_ranks(world: Communicator, layout: str, size: int,
     if differing:
         raise ValueError(f"ranks {differing} asked for a different sync than rank 0 (rank {world.rank} asked for "
                          f"sync={str(sync)!r}): pass the same sync on every rank")
+    if any(row[4:] != rows[0][4:] for row in rows):
+        asked = "; ".join(f"rank {r}: param_dtype={DTYPES[param]}, reduce_dtype={DTYPES[reduce]}"
+                          for r, (*_, param, reduce) in enumerate(rows))
+        raise ValueError(f"ranks asked for different mixed precision ({asked}): pass the same mixed_precision "
+                         f"on every rank")

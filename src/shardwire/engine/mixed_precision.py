@@ -14,6 +14,9 @@ _DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+# What a policy's dtypes may be (None: the parameters' own), in an order every rank knows, so that
+# ranks can compare their policies as positions in it and name each other's (shardwire.engine.layout).
+DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,15 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for field, use in (("param_dtype", "compute"), ("reduce_dtype", "reduce gradients")):
+            dtype = getattr(self, field)
+            if dtype not in DTYPES:
+                raise ValueError(
+                    f"MixedPrecision({field}={dtype}) is not a dtype units can {use} in: use one of "
+                    f"{', '.join(map(str, DTYPES[1:]))}, or None for the parameters' own dtype"
+                )
 
     @classmethod
     def parse(cls, spec: "MixedPrecision | str | None") -> "MixedPrecision":

@@ -9,9 +9,11 @@ runs on that communicator's own lane or stream while training goes on, and is ap
 the outer step.
 
 ``OuterLoop`` decides when. The engine tells it when a step's gradients have been reduced (the end
-of a backward outside ``no_sync``: an inner step), and calls it when the next forward starts, before
-its first gather: by then the inner optimizer has stepped, so the shard holds the step's
-parameters, and nothing of the forward has read them yet. There it applies the sync whose time has
+of a backward outside ``no_sync``: an inner step), and calls it when the next forward that records
+gradients starts, before its first gather (an evaluation under ``torch.no_grad`` between steps
+leaves the syncs to the training forward after it, so every sync is issued inside a step): by then
+the inner optimizer has stepped, so the shard holds the step's parameters, and nothing of the
+forward has read them yet. There it applies the sync whose time has
 come and issues the one that is due, so no optimizer hook and no host synchronization is needed
 (on CUDA the compute stream only waits for the all-reduce's event when it applies it).
 """

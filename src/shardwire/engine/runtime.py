@@ -2,20 +2,25 @@
 
 One ``Engine`` lives on each sharded model and is driven entirely by module and autograd hooks:
 
-forward   root pre-forward gathers the root unit and opens a forward ``Pass``, which issues the first
-          prefetches; each unit's pre-forward enters the pass (sliding the window), waits for its own
-          gather and exposes its parameters; its post-forward hooks the unit's outputs so that backward
-          can announce it and, by the rule below, releases its parameters (``reshard_after_forward``;
-          under ``hybrid_secondary`` keeping this rank's secondary shard for backward to gather from).
+forward   root pre-forward checks that every parameter is still the engine's
+          (``FlatParam.check_parameters``), gathers the root unit and opens a forward ``Pass``, which
+          issues the first prefetches; each unit's pre-forward enters the pass (sliding the window),
+          waits for its own gather and exposes its parameters; its post-forward hooks the unit's
+          outputs so that backward can announce it and, by the rule below, releases its parameters
+          (``reshard_after_forward``; under ``hybrid_secondary`` keeping this rank's secondary shard
+          for backward to gather from).
 backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
           for its gather. Its flat gradient being complete means its backward is over: start the
           reduce-scatter asynchronously (under ``hybrid``, followed by the all-reduce between groups),
           release the parameters, land the reduction issued before it.
           A callback queued on the autograd engine lands the last reductions when backward ends and
-          releases every unit still gathered.
+          releases every unit still gathered. Outputs announce each backward that reaches them, so a
+          second backward through a retained graph runs the same way, once what nothing announces
+          is gathered again (``_open_backward_again``).
 sync      under ``hybrid`` with ``sync``, the end of a backward that reduced gradients is an inner
-          step, and the root pre-forward that follows, before its first gather, applies and issues
+          step, and the root pre-forward of the next training forward (one that records gradients;
+          an evaluation between steps leaves them be), before its first gather, applies and issues
           the syncs between groups that are due (``shardwire.engine.outer``).
 
 Units and models may return anything. Torch's pytree walks the outputs (tuples, lists, dicts,
@@ -130,6 +135,7 @@ class Engine:
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None
+        self._unannounced: list[Unit] = []  # this forward's units with hidden outputs, gathered until backward
         self._reductions: deque[tuple[FlatParam, list[Pending], torch.Tensor]] = deque()
         self._callback_queued = False
         self._generation = 0  # forwards so far: backward must come from the latest one
@@ -200,16 +206,17 @@ class Engine:
         if self._forward is not None or self._backward is not None or self._callback_queued:
             self._discard_unfinished_step()
         self._generation += 1
+        self._unannounced = []
         self.emit("forward", None, "start")
         recording = self._order["forward"] is None
         with record_function("shardwire::pre_forward(<root>)"):
             if not recording:
                 for comm in self.layout.checked_every_step:
                     comm.verify_order("the step before this forward")
-            if self.outer is not None:
+            if self.outer is not None and torch.is_grad_enabled():  # a training forward (not an evaluation)
                 self.outer.before_forward()
             for flat in self.flats:
-                flat.check_requires_grad()
+                flat.check_parameters()
             self._gather(self.root, "forward", check=recording)
             self._forward = Pass(self._order["forward"], self.prefetch, Unit.gather)
             self.root.wait()
@@ -255,16 +262,15 @@ class Engine:
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
         self.emit("forward", unit.name, "end")
         outputs = _Outputs.of(output)
-        if outputs.needing_grad:
-            announce = _once(functools.partial(self._pre_backward, self._generation, unit))
-            for tensor in outputs.needing_grad:
-                tensor.register_hook(announce)
+        _on_each_backward(outputs.needing_grad, functools.partial(self._pre_backward, self._generation, unit))
         if not outputs.may_get_grad:
             unit.free()  # no backward will come
         elif self.reshard_after_forward and not outputs.hidden:
             unit.keep_secondary()
             unit.free()  # gathered again when its outputs announce its backward
         # otherwise it stays gathered until its backward is over
+        if outputs.hidden:
+            self._unannounced.append(unit)
         return output
 
     def _root_post_forward(self, module: nn.Module, args, output):
@@ -277,11 +283,9 @@ class Engine:
                 unit.free()  # prefetched for an order this pass did not follow
         outputs = _Outputs.of(output)
         if outputs.may_get_grad:
-            self._backward = Pass(self._order["backward"], self.prefetch, _gather_for_backward)
+            self._open_backward()
             # backward starts when the outputs get gradients (through hidden ones: at the first unit reached)
-            announce = _once(functools.partial(self._enter_backward, self._generation))
-            for tensor in outputs.needing_grad:
-                tensor.register_hook(announce)
+            _on_each_backward(outputs.needing_grad, functools.partial(self._enter_backward, self._generation))
         else:
             self._release_all()
         self.emit("forward", None, "end")
@@ -306,9 +310,30 @@ class Engine:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
             self.emit("backward", None, "start")
-        if self._backward is None:  # e.g. a second backward through a retained graph
-            self._backward = Pass(self._order["backward"], self.prefetch, _gather_for_backward)
+        if self._backward is None:
+            self._open_backward_again()
         return self._backward
+
+    def _open_backward(self) -> None:
+        """Start a backward pass along the recorded order, each unit awaiting all its gradients."""
+        self._backward = Pass(self._order["backward"], self.prefetch, _gather_for_backward)
+        for unit in self._all_units:
+            unit.expect_backward()
+
+    def _open_backward_again(self) -> None:
+        """Open a backward that the forward did not open: above all another one through a graph an
+        earlier backward kept (``loss.backward(retain_graph=True)``). It trains as autograd does for an
+        unsharded model, its gradients added to the earlier one's, because nothing of a unit's backward
+        depends on being the first: its outputs announce it again, its parameters are gathered again
+        from the shard, and its complete gradients are reduced and added to ``.grad``. What the earlier
+        backward found gathered must be gathered again before autograd reaches it, since nothing
+        announces it: the root unit, whose computation (a model's head) backward reaches first, and the
+        units whose outputs are hidden."""
+        self._open_backward()
+        for unit in (self.root, *self._unannounced):
+            self._gather(unit, "backward", check=self._backward.recording)
+            unit.wait()
+            unit.reveal()
 
     def _pre_backward(self, generation: int, unit: Unit) -> None:
         backward = self._enter_backward(generation)
@@ -433,14 +458,9 @@ def _cast_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _once(fn):
-    """Call ``fn()`` the first time the returned hook fires and ignore later calls."""
-    fired = False
-
-    def hook(grad):
-        nonlocal fired
-        if not fired:
-            fired = True
-            fn()
-
-    return hook
+def _on_each_backward(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn()`` in each backward that reaches any of ``tensors``, once however many it reaches:
+    once per backward rather than once per forward, so that a second backward through a retained
+    graph is announced too."""
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: fn(), mode="any")

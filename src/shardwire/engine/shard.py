@@ -130,7 +130,7 @@ def shard(
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
     _check_sync_fragments(sync, owned)
-    layout = Layout.build(layout, size, wire, sync, process_group, device, deadline)
+    layout = Layout.build(layout, size, wire, sync, policy, process_group, device, deadline)
     comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 

@@ -34,7 +34,8 @@ class Unit:
         self.has_frozen = any(not flat.requires_grad for flat in flats)
         self._in_flight: list[Pending] = []
         self._allocated = False
-        self._awaiting: set[FlatParam | str] = set()
+        self._signals: set[FlatParam | str] = set()  # what the backward of the last forward sends
+        self._awaiting: set[FlatParam | str] = set()  # of those, what the backward running has not sent yet
 
     @property
     def is_gathered(self) -> bool:
@@ -74,10 +75,10 @@ class Unit:
     def show(self, on_grad: Callable[["Unit", FlatParam, torch.Tensor], None] | None) -> None:
         """Expose the gathered parameters to the modules; with ``on_grad``, as autograd leaves whose
         completed flat gradients are reported as ``on_grad(unit, flat, leaf)``."""
-        self._awaiting = set()
+        self._signals = set()
         for flat in self.flats:
             if on_grad is not None and flat.requires_grad:
-                self._awaiting.add(flat)
+                self._signals.add(flat)
                 flat.show(lambda leaf, flat=flat: on_grad(self, flat, leaf))
             else:
                 flat.show(None)
@@ -90,7 +91,12 @@ class Unit:
     def await_inputs(self) -> None:
         """Make the end of backward through the unit's forward inputs (``INPUTS``) a condition of
         its release too."""
-        self._awaiting.add(INPUTS)
+        self._signals.add(INPUTS)
+
+    def expect_backward(self) -> None:
+        """A backward starts: await every signal of the last forward (each backward through its graph,
+        a second one through a retained graph too, sends them all again)."""
+        self._awaiting = set(self._signals)
 
     def arrived(self, signal: FlatParam | str) -> bool:
         """Note that ``signal`` (a buffer whose gradient is complete, or ``INPUTS``) arrived; True

@@ -7,6 +7,13 @@ alone, in a directory or a file or inline (``{"model_type": "llama", "hidden_siz
 builds the architecture with random weights (``from_config``). Its sharding units are the classes
 the model names in ``_no_split_modules``, the convention accelerate follows for FSDP's auto-wrap
 (the transformer block: ``LlamaDecoderLayer``, ``GPT2Block``), unless ``--units`` names others.
+
+A model directory is data, never code: every transformers call passes ``trust_remote_code=False``
+(left unset, transformers asks on the terminal whether to run the Python files a config's
+``auto_map`` names, and a ``y`` piped in runs them), and a model that needs such code is refused.
+Its weights are checked before any worker starts (``_check_weights``): an index may name files of
+the directory only, a file must be whole, and a pickle is read as ``weights_only`` reads it, which
+runs no code.
 """
 
 from __future__ import annotations
@@ -14,18 +21,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import pickle
+import zipfile
 from collections.abc import Callable
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from shardwire.engine.selection import select_units
 from shardwire.extras import require
+from shardwire.mappings import MappingError, read_file, read_mapping, shown
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.sim.specs import ModelSpec
+from shardwire.sim.huggingface import HF_PREFIX, seq_len_of, spec_from_config
+from shardwire.sim.specs import MAX_LAYERS, ModelSpec
 
-HF_PREFIX = "hf:"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# The weights from_pretrained loads, the first of these a directory holds.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# An index of a model's weight files: a few hundred kB for the largest published models.
+_MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +53,7 @@ class ModelChoice:
     units: tuple[type[nn.Module], ...]
     seq_len: int
     vocab_size: int
+    params: int
     spec: ModelSpec | None
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
@@ -73,8 +89,11 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
     if units is not None:
         raise ValueError("--units is for hf: models; the GPT presets shard into their blocks")
     config = PRESETS[name] if seq_len is None else dataclasses.replace(PRESETS[name], seq_len=seq_len)
-    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size,
-                       config.spec(name), lambda model, tokens: model(tokens))
+    spec = config.spec(name)
+    with torch.device("meta"):
+        params = _parameters(GPT(config))
+    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size, params,
+                       spec, lambda model, tokens: model(tokens))
 
 
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
@@ -82,44 +101,57 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     config, weights = hf_config(transformers, source)
     auto = transformers.AutoModelForCausalLM
     if weights is not None:
-        build = lambda: auto.from_pretrained(weights, config=config, local_files_only=True)  # noqa: E731
+        build = lambda: auto.from_pretrained(weights, config=config, local_files_only=True,  # noqa: E731
+                                             trust_remote_code=False)
     else:
-        build = lambda: auto.from_config(config)  # noqa: E731
-    with torch.device("meta"):
-        skeleton = auto.from_config(config)
+        build = lambda: auto.from_config(config, trust_remote_code=False)  # noqa: E731
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_LAYERS:  # built one by one, even on the meta device
+        raise ValueError(f"hf:{source}: {layers:,} layers, more than {MAX_LAYERS:,}, ten times the deepest "
+                         f"published models: give the number of layers")
+    try:
+        with torch.device("meta"):
+            skeleton = auto.from_config(config, trust_remote_code=False)
+    except Exception as err:  # a config transformers cannot build, however it says so
+        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None
     classes = {type(module).__name__: type(module) for module in skeleton.modules()}
-    wanted = units.split(",") if units else list(getattr(skeleton, "_no_split_modules", None) or ())
-    if not wanted:
-        raise ValueError(f"{type(skeleton).__name__} names no _no_split_modules to shard into: give --units "
-                         f"with its block's class name")
+    if units is not None:
+        wanted = [unit.strip() for unit in units.split(",") if unit.strip()]
+        if not wanted:
+            raise ValueError(f"--units {units!r} names no class: give class names of the model's modules, "
+                             f"such as its decoder layer, separated by commas")
+    else:
+        wanted = list(getattr(skeleton, "_no_split_modules", None) or ())
+        if not wanted:
+            raise ValueError(f"{type(skeleton).__name__} names no _no_split_modules to shard into: give --units "
+                             f"with its block's class name")
     missing = [unit for unit in wanted if unit not in classes]
     if missing:
         raise ValueError(f"{type(skeleton).__name__} has no module of class {', '.join(missing)}: --units takes "
                          f"class names of its modules, such as its decoder layer")
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1024
-    length = seq_len or min(positions, 1024)
-    if length > positions:
-        raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")
+    try:  # what shard() would refuse inside every worker: the model itself, or units inside units
+        select_units(skeleton, [classes[unit] for unit in wanted])
+    except ValueError as err:
+        raise ValueError(f"--units {','.join(wanted)}: {err}") from None
+    length = seq_len_of(config.to_dict(), seq_len)
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, tuple(classes[unit] for unit in wanted), length,
-                       config.vocab_size, _hf_spec(config, skeleton, length),
+                       config.vocab_size, _parameters(skeleton), _hf_spec(config, skeleton, length),
                        lambda model, tokens: model(tokens).logits, runs_on_meta=False)
 
 
-def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
-    """The decoder the config describes, for the FLOP count (Llama's and GPT-2's names for its sizes;
-    a gated MLP where the model has ``gate_proj`` modules), or None where it names no such sizes."""
-    def first(*names):
-        return next((getattr(config, name) for name in names if getattr(config, name, None) is not None), None)
+def _parameters(model: nn.Module) -> int:
+    """The elements of ``model``'s parameters (a tied weight once)."""
+    return sum(p.numel() for p in model.parameters())
 
-    layers, hidden = first("num_hidden_layers", "n_layer"), first("hidden_size", "n_embd")
-    heads = first("num_attention_heads", "n_head")
-    if None in (layers, hidden, heads):
-        return None
+
+def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
+    """The decoder the config describes, for the FLOP count (a gated MLP where the model has
+    ``gate_proj`` modules), or None where it names no sizes the simulator's reader knows."""
     gated = any(name.endswith("gate_proj") for name, _ in skeleton.named_modules())
-    return ModelSpec(name=f"hf:{type(skeleton).__name__}", layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=first("num_key_value_heads") or heads, vocab=config.vocab_size, seq_len=seq_len,
-                     ffn_hidden=first("intermediate_size", "n_inner") or 4 * hidden, ffn_gated=gated,
-                     tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)))
+    try:
+        return spec_from_config(config.to_dict(), name=f"hf:{type(skeleton).__name__}", seq_len=seq_len, gated=gated)
+    except ValueError:
+        return None
 
 
 def hf_config(transformers, source: str):
@@ -128,11 +160,101 @@ def hf_config(transformers, source: str):
     try:
         if source.lstrip().startswith("{"):
             fields = json.loads(source)
+            if not isinstance(fields, dict):
+                raise ValueError("an inline config is a JSON mapping")
             return transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields), None
         if not path.exists():
             raise ValueError(f"{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as err:
-        raise ValueError(f"hf:{source}: {str(err).splitlines()[0]}") from None
-    has_weights = path.is_dir() and any((path / name).exists() for name in _WEIGHTS)
-    return config, (path if has_weights else None)
+        if path.is_dir():
+            check_files(path)
+        config_file = _config_file(source)  # read within bounds first: transformers reads /dev/zero for ever
+        if config_file.exists() and not config_file.is_file():
+            raise ValueError(f"{config_file.name} is not a regular file: give a config .json or a model directory")
+        read_file(config_file, f"hf:{source}: {config_file.name}")
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except MappingError as err:
+        raise ValueError(str(err)) from None
+    except Exception as err:  # transformers' errors for a config it cannot read vary
+        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None
+    weights = next((path / name for name in _WEIGHTS if path.is_dir() and (path / name).exists()), None)
+    if weights is not None:
+        _check_weights(weights, f"hf:{source}")
+    return config, (path if weights is not None else None)
+
+
+def _config_file(source: str) -> pathlib.Path:
+    """The config file of ``hf:source``: the file itself, or a directory's config.json."""
+    path = pathlib.Path(source)
+    return path / "config.json" if path.is_dir() else path
+
+
+def check_files(directory: pathlib.Path) -> None:
+    """Refuse a Hugging Face directory holding what is neither a regular file nor a directory:
+    transformers opens the files it finds, and a FIFO would block it for ever, a device feed it
+    without end."""
+    special = next((entry for entry in directory.iterdir() if not (entry.is_file() or entry.is_dir())), None)
+    if special is not None:
+        raise ValueError(f"{special.name} is not a regular file (a FIFO, a device, a broken link): a model's or "
+                         f"tokenizer's directory holds files")
+
+
+def custom_code(config: pathlib.Path) -> str | None:
+    """Why transformers refused a Hugging Face directory whose ``config`` (its ``config.json`` or
+    ``tokenizer_config.json``) has an ``auto_map``: the Python files it names would have to run,
+    which shardwire never lets them. None where the file names no code."""
+    try:
+        fields = read_mapping(read_file(config, config.name), config.name)
+    except MappingError:
+        return None
+    if not fields.get("auto_map"):
+        return None
+    return (f"it needs custom code (the auto_map of {config.name} names {shown(fields['auto_map'], 60)}), which "
+            f"shardwire never runs: use a model whose architecture transformers itself implements")
+
+
+def _first_line(err: Exception) -> str:
+    """An exception's message as one line of at most 300 characters (transformers' span several)."""
+    return (str(err).splitlines() or [type(err).__name__])[0][:300]
+
+
+def _check_weights(weights: pathlib.Path, what: str) -> None:
+    """Refuse the weights ``from_pretrained`` would load (``weights``: a file, or an index of files)
+    where loading them would fail inside every worker or read outside the model's directory."""
+    if weights.name.endswith(".index.json"):
+        try:
+            index = read_mapping(read_file(weights, f"{what}: {weights.name}", _MAX_INDEX_BYTES),
+                                 f"{what}: {weights.name}")
+        except MappingError as err:
+            raise ValueError(str(err)) from None
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{what}: {weights.name} has no weight_map of tensor names to file names: is it damaged?")
+        files = sorted(set(weight_map.values()))
+        outside = [f for f in files if f in ("", ".", "..") or pathlib.PurePath(f).name != f]
+        if outside:
+            raise ValueError(f"{what}: {weights.name} names {shown(outside[0])}, not a file of the model's directory: "
+                             f"an index names the directory's own files")
+        for name in files:
+            _check_weights_file(weights.parent / name, what)
+    else:
+        _check_weights_file(weights, what)
+
+
+def _check_weights_file(file: pathlib.Path, what: str) -> None:
+    """Read what ``from_pretrained`` will read of ``file`` before it does: a safetensors header, or
+    the pickle of a ``torch.save`` file, as ``weights_only`` reads it (no code runs), without its data."""
+    if not file.is_file():
+        problem = "is missing" if not file.exists() else "is not a regular file"
+        raise ValueError(f"{what}: {file.name} {problem}: the model's weights are incomplete")
+    try:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt"):
+                pass
+        else:
+            torch.load(file, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{what}: {file.name} holds more than tensors ({_first_line(err)[:120]}...), "
+                         f"and shardwire runs no code from a model: save its weights as safetensors") from None
+    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{what}: {file.name} is damaged ({_first_line(err)[:120]}): "
+                         f"download or save the model again") from None

@@ -39,6 +39,8 @@ from shardwire.profile.recorder import StepRecorder
 from shardwire.profile.trace import chrome_trace
 
 FORMAT_VERSION = 1
+# What ``Profiler.save`` writes into its run directory.
+PROFILE_FILE, TRACE_FILE = "profile.json", "trace.json"
 
 
 class Profiler:
@@ -156,8 +158,8 @@ class Profiler:
                          "ranks": [dataclasses.asdict(ranks[typical]) for ranks in per_rank_timelines]},
         }
         os.makedirs(run_dir, exist_ok=True)
-        write_atomically(os.path.join(run_dir, "profile.json"), json.dumps(profile), durable=True)
-        write_atomically(os.path.join(run_dir, "trace.json"), json.dumps(chrome_trace(per_rank_timelines)),
+        write_atomically(os.path.join(run_dir, PROFILE_FILE), json.dumps(profile), durable=True)
+        write_atomically(os.path.join(run_dir, TRACE_FILE), json.dumps(chrome_trace(per_rank_timelines)),
                          durable=True)
         return summary
 

@@ -8,13 +8,14 @@ different world sizes: how step time and its parts scale with the number of work
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
-from shardwire.options import OptionError, check_writable_directory
-from shardwire.profile.profiler import FORMAT_VERSION
+from shardwire.options import OptionError, check_output_file, check_writable_directory
+from shardwire.profile.profiler import FORMAT_VERSION, PROFILE_FILE
 
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "clip": "#8172B3", "optimizer": "#55A868"}
 _OP_COLORS = {"all_gather": "#64B5CD", "reduce_scatter": "#C44E52", "all_reduce": "#937860"}
@@ -28,7 +29,7 @@ class ReportError(Exception):
 
 
 def load_profile(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "profile.json")
+    path = os.path.join(run_dir, PROFILE_FILE)
     if not os.path.isdir(run_dir):
         raise ReportError(f"{run_dir} is not a directory")
     if not os.path.exists(path):
@@ -36,6 +37,8 @@ def load_profile(run_dir: str) -> dict:
             f"{run_dir} has no profile data ({path} is missing): profile a run with "
             f"`shardwire train --profile --run-dir {run_dir}` or Profiler.save({run_dir!r})"
         )
+    if not os.path.isfile(path):  # a FIFO would block the report for ever, a device feed it without end
+        raise ReportError(f"{path} is not a regular file: profile the run again")
     try:
         with open(path) as f:
             profile = json.load(f)
@@ -51,25 +54,28 @@ def load_profile(run_dir: str) -> dict:
 
 def write_report(run_dirs: list[str], out: str) -> list[str]:
     profiles = [load_profile(d) for d in run_dirs]
-    try:
+    plots = []  # (the runs it draws, its path, how to draw it)
+    for run_dir, profile in zip(run_dirs, profiles):
+        prefix = "" if len(profiles) == 1 else f"{os.path.basename(os.path.normpath(run_dir))}-"
+        plots += [([run_dir], os.path.join(out, f"{prefix}{name}.png"), functools.partial(draw, profile))
+                  for name, draw in (("timeline", _plot_timeline), ("breakdown", _plot_breakdown),
+                                     ("overlap", _plot_overlap))]
+    if len(profiles) > 1:
+        plots.append((run_dirs, os.path.join(out, "scaling.png"), functools.partial(_plot_scaling, profiles)))
+    try:  # every output checked before any is drawn
         check_writable_directory(out, "--out")
+        for _, path, _ in plots:
+            check_output_file(path, "--out:")
     except OptionError as err:
         raise ReportError(str(err)) from None
     with _damage_reported(run_dirs):
         if len(profiles) > 1:
             _check_comparable(run_dirs, profiles)
     require("matplotlib", "shardwire report").use("Agg")
-    os.makedirs(out, exist_ok=True)
     written = []
-    for run_dir, profile in zip(run_dirs, profiles):
-        prefix = "" if len(profiles) == 1 else f"{os.path.basename(os.path.normpath(run_dir))}-"
-        with _damage_reported([run_dir]):
-            written.append(_plot_timeline(profile, os.path.join(out, f"{prefix}timeline.png")))
-            written.append(_plot_breakdown(profile, os.path.join(out, f"{prefix}breakdown.png")))
-            written.append(_plot_overlap(profile, os.path.join(out, f"{prefix}overlap.png")))
-    if len(profiles) > 1:
-        with _damage_reported(run_dirs):
-            written.append(_plot_scaling(profiles, os.path.join(out, "scaling.png")))
+    for runs, path, draw in plots:
+        with _damage_reported(runs):
+            written.append(draw(path))
     return written
 
 
@@ -80,7 +86,7 @@ def _damage_reported(run_dirs: list[str]):
     try:
         yield
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
-        where = " or ".join(os.path.join(d, "profile.json") for d in run_dirs)
+        where = " or ".join(os.path.join(d, PROFILE_FILE) for d in run_dirs)
         raise ReportError(f"{where} is damaged ({type(err).__name__}: {err}); profile the run again") from None
 
 

@@ -8,7 +8,9 @@
     p.step_time_s, p.exposed_comm_s, p.memory.fits
 
 specs, presets, inputs   what is simulated, the named ones, and reading them from the command line
-architecture             a model's units: parameters, FLOPs, activation bytes
+huggingface              a Hugging Face config.json as a model, read without torch
+architecture             a model's units: parameters, FLOPs, activation bytes, kernels
+compute, calibrate       how long a unit's kernels take on a GPU; fitting that to a profile of one GPU
 costs                    what a collective costs on a cluster's two network levels
 events, step             the discrete-event core, and one step of the engine on it
 memory                   peak memory per GPU, and whether it fits

@@ -34,6 +34,25 @@ For a GPT with f = 4 h and 16-bit activations that is 32 h bytes per token and l
 34 h less the dropout masks. A unit's ``boundary`` is its input, all that activation checkpointing
 keeps. The root keeps the head's input (and an encoder-decoder's encoder output, which every
 cross-attention reads); the loss keeps fp32 log-probabilities, whose gradient doubles them.
+
+Kernels, for the compute model (``shardwire.sim.compute``) to time: each unit's forward as its
+matrix multiplies (rows per sequence, inner and output sizes: the shapes set how near peak they
+run), its attention (queries, keys, heads, head size, causal or not) and the bytes per sequence its
+memory-bound kernels move, as eager PyTorch runs them and as torch.compile fuses them. Per token of
+a block, in elements of ``c`` bytes:
+
+    eager      norms 2 x 2 h (LayerNorm: one kernel reads and writes) or 2 x 18 h (RMSNorm as eager
+               PyTorch runs it: cast to fp32, square, mean, scale, cast back, weight, each pass
+               reading and writing fp32 or c); residual adds 2 x 3 h; the MLP's activation 2 f
+               (GELU: read, write) or 5 f when gated (SiLU, then its product with the up
+               projection); rotary embeddings 10 (h + h_kv) (q and k cast to fp32, rotated as
+               complex numbers, cast back) where positions are not learned; attention's output
+               made contiguous 2 h
+    fused      each residual add with the next norm 4 h (read both, write the sum and the normed);
+               the activation 2 f or 3 f; rotary embeddings 2 (h + h_kv); the output copy 2 h
+
+The root moves the loss's fp32 log-probabilities: 14 V bytes per token in forward (the logits cast
+to fp32, log-softmax's two reads and a write), eager or not.
 """
 
 from __future__ import annotations
@@ -44,17 +63,62 @@ from shardwire.sim.specs import ModelSpec, SpecError
 
 # How far a model's stated parameter count may be from its architecture's (biases and rounding).
 PARAMS_TOLERANCE = 0.05
+ROOT = "root"
+# Bytes per token and vocabulary entry the loss moves in forward (see above).
+LOSS_BYTES_PER_LOGIT = 14
+# Elements of c bytes an eager norm and eager rotary embeddings move per element (see above).
+EAGER_NORM = {"layernorm": 2, "rmsnorm": 18}
+EAGER_ROTARY = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """``count`` matrix multiplies of a (rows x k) input by a (k x n) weight, per sequence; ``linear``:
+    a layer's weight (fp8 training runs these in fp8), not attention's scores or the head."""
+
+    rows: int
+    k: int
+    n: int
+    count: int = 1
+    linear: bool = True
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.rows * self.k * self.n * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """Scores and weighted values of ``heads`` heads of ``head_dim``, ``queries`` x ``keys`` per
+    sequence; ``causal``: each query attends to the keys before it (a fused kernel skips the rest);
+    ``eager``: the scores are materialized, as two batched matrix multiplies and a softmax."""
+
+    queries: int
+    keys: int
+    heads: int
+    head_dim: int
+    causal: bool
+    eager: bool
+
+    @property
+    def flops(self) -> float:
+        """Model FLOPs (the causal mask not discounted, as MFU counts them)."""
+        return 4 * self.queries * self.keys * self.heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitCost:
-    """One unit: its parameters, and per sequence its forward FLOPs and activation bytes."""
+    """One unit: its parameters, and per sequence its forward FLOPs, activation bytes and kernels."""
 
     name: str
     params: int
     forward_flops: float
     activation_bytes: float  # saved by forward for backward, without checkpointing
     boundary_bytes: float  # the unit's input: what checkpointing keeps
+    matmuls: tuple[Matmul, ...] = ()
+    attention: tuple[Attention, ...] = ()
+    elementwise_bytes: float = 0.0  # moved by forward's memory-bound kernels, eager
+    fused_bytes: float = 0.0  # the same, fused by torch.compile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,43 +153,62 @@ def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
     c = compute_bytes
     h, f, V = model.hidden, model.ffn_hidden, model.vocab
     h_kv = h * model.kv_heads // model.heads
+    head_dim = h // model.heads
     attention_params = 2 * h * h + 2 * h * h_kv
     mlp_params = h * f * (3 if model.ffn_gated else 2)
     mlp_acts = c * h + c * f * (3 if model.ffn_gated else 2)
+    eager = model.attention == "eager"
+    rotary = 0 if model.learned_positions or model.kind != "decoder" else h + h_kv
 
     def attention_acts(keys: int) -> float:  # per query token, attending to ``keys`` tokens
-        eager = c * model.heads * keys if model.attention == "eager" else 0
-        return c * h + c * (h + 2 * h_kv) + c * h + eager
+        return c * h + c * (h + 2 * h_kv) + c * h + (c * model.heads * keys if eager else 0)
 
-    def block(name: str, s: int, keys: int) -> UnitCost:
+    def block_kernels(s: int, keys: int, causal: bool) -> dict:
+        matmuls = (Matmul(s, h, h + 2 * h_kv), Matmul(s, h, h),
+                   Matmul(s, h, f, count=2 if model.ffn_gated else 1), Matmul(s, f, h))
+        attention = (Attention(s, keys, model.heads, head_dim, causal, eager),)
+        activation = (5, 3) if model.ffn_gated else (2, 2)
+        per_token = (2 * EAGER_NORM[model.norm] * h + 6 * h + activation[0] * f + EAGER_ROTARY * rotary + 2 * h,
+                     2 * 4 * h + activation[1] * f + 2 * rotary + 2 * h)
+        return dict(matmuls=matmuls, attention=attention, elementwise_bytes=s * c * per_token[0],
+                    fused_bytes=s * c * per_token[1])
+
+    def block(name: str, s: int, keys: int, causal: bool) -> UnitCost:
         params = attention_params + mlp_params + 2 * h
         flops = s * (2 * (attention_params + mlp_params) + 4 * keys * h)
         acts = s * (2 * c * h + attention_acts(keys) + mlp_acts)
-        return UnitCost(name, params, flops, acts, s * c * h)
+        return UnitCost(name, params, flops, acts, s * c * h, **block_kernels(s, keys, causal))
 
     def cross_block(name: str, s: int, s_enc: int) -> UnitCost:
-        base = block(name, s, s)
+        base = block(name, s, s, causal=True)
         cross_params = 2 * h * h + 2 * h * h_kv
         cross_flops = s * (4 * h * h + 4 * s_enc * h) + s_enc * 4 * h * h_kv
-        eager = c * model.heads * s_enc if model.attention == "eager" else 0
-        cross_acts = s * (4 * c * h + eager) + s_enc * 2 * c * h_kv
-        return UnitCost(name, base.params + cross_params + h, base.forward_flops + cross_flops,
-                        base.activation_bytes + cross_acts, base.boundary_bytes)
+        cross_acts = s * (4 * c * h + (c * model.heads * s_enc if eager else 0)) + s_enc * 2 * c * h_kv
+        cross = (Matmul(s, h, h, count=2), Matmul(s_enc, h, 2 * h_kv))
+        # one more norm and residual add per decoder token, eager and fused
+        norm = EAGER_NORM[model.norm] * h + 3 * h
+        return dataclasses.replace(
+            base, params=base.params + cross_params + h, forward_flops=base.forward_flops + cross_flops,
+            activation_bytes=base.activation_bytes + cross_acts, matmuls=base.matmuls + cross,
+            attention=base.attention + (Attention(s, s_enc, model.heads, head_dim, False, eager),),
+            elementwise_bytes=base.elementwise_bytes + s * c * norm, fused_bytes=base.fused_bytes + s * c * 4 * h)
 
     embeddings = V * h + (0 if model.tied_embeddings else V * h)
     if model.kind == "decoder":
         s = model.seq_len
-        units = tuple(block(f"block.{i}", s, s) for i in range(model.layers))
+        units = tuple(block(f"block.{i}", s, s, causal=True) for i in range(model.layers))
         positions, norms, head_tokens = s * h if model.learned_positions else 0, h, s
     else:
         s_enc, s_dec = model.seq_len, model.decoder_seq_len
-        units = tuple(block(f"encoder.{i}", s_enc, s_enc) for i in range(model.layers)) + tuple(
+        units = tuple(block(f"encoder.{i}", s_enc, s_enc, causal=False) for i in range(model.layers)) + tuple(
             cross_block(f"decoder.{i}", s_dec, s_enc) for i in range(model.decoder_layers)
         )
         positions = (s_enc + s_dec) * h if model.learned_positions else 0
         norms, head_tokens = 2 * h, s_dec
     kept = (head_tokens if model.kind == "decoder" else head_tokens + model.seq_len) * c * h
-    root = UnitCost("root", embeddings + positions + norms, 2 * head_tokens * h * V, kept, 0.0)
+    loss = head_tokens * V * LOSS_BYTES_PER_LOGIT
+    root = UnitCost(ROOT, embeddings + positions + norms, 2 * head_tokens * h * V, kept, 0.0,
+                    matmuls=(Matmul(head_tokens, h, V, linear=False),), elementwise_bytes=loss, fused_bytes=loss)
     arch = Architecture(root, units, logits_bytes=head_tokens * V * 4 * 2)
     if model.params is not None and abs(arch.params / model.params - 1) > PARAMS_TOLERANCE:
         raise SpecError(

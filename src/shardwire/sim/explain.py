@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.sim import costs
+from shardwire.sim.compute import backward_s, forward_s
 from shardwire.sim.predict import Prediction
-from shardwire.sim.step import (backward_gather_group, backward_s, forward_s, gather_phases, reduction_phases,
-                                shard_group)
+from shardwire.sim.step import backward_gather_group, gather_phases, reduction_phases, shard_group
 
 # Below this share of the step, exposed communication is noise and the step is compute-bound.
 HIDDEN_SHARE = 0.05

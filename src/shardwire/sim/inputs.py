@@ -2,7 +2,12 @@
 
 ``--model``, ``--cluster`` and ``--training`` each take a preset name, a JSON or YAML mapping
 written inline, or the path of a JSON or YAML file. A mapping with a ``preset`` key starts from
-that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``).
+that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``). A cluster's
+``gpu`` key names a GPU preset whose figures it takes, except those the mapping gives itself
+(``{preset: a100-100gbe, gpu: h100-sxm}``). ``--model`` also takes what ``shardwire train --model``
+takes: the project's GPT sizes and ``hf:`` with a Hugging Face config (``shardwire.sim.huggingface``);
+``--seq-len`` changes the model's sequence length. ``--calibrate profile.json`` fits the cluster's
+GPU to a profile of one GPU (``shardwire.sim.calibrate``).
 
 ``--cluster-from bench.json`` replaces the cluster's nodes, GPUs per node and both network levels
 with what ``shardwire bench --json`` measured (schema ``shardwire.bench/1``, in
@@ -19,17 +24,22 @@ level's ``compute_share`` and ``bandwidth_share`` are those measured of its grou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.mappings import MappingError, read_mapping
-from shardwire.sim.presets import PRESETS
+from shardwire.mappings import MappingError, read_file, read_mapping, shown
+from shardwire.sim import huggingface
+from shardwire.sim.calibrate import calibrated, read_profile
+from shardwire.sim.presets import GPUS, PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
+# Bench results: a thousand sizes of every operation on every group, in both forms, are a few MB.
+MAX_BENCH_BYTES = 64 << 20
 
 
 def load_spec(kind: str, text: str):
@@ -37,39 +47,65 @@ def load_spec(kind: str, text: str):
     presets = PRESETS[kind]
     if text in presets:
         return presets[text]
+    if kind == "model" and text.startswith(huggingface.HF_PREFIX):
+        return load_model(text)
     if os.path.isfile(text):
-        try:
-            with open(text) as f:
-                data = _read_mapping(f.read(), f"{kind} file {text}")
-        except OSError as err:
-            raise SpecError(f"cannot read {kind} file {text}: {err.strerror}") from None
+        with _spec_errors():
+            data = read_mapping(read_file(text, f"{kind} file {text}"), f"{kind} file {text}")
         name = os.path.splitext(os.path.basename(text))[0]
     elif text.lstrip().startswith("{") or ":" in text:
-        data, name = _read_mapping(text, f"inline {kind}"), None
+        with _spec_errors():
+            data, name = read_mapping(text, f"inline {kind}"), None
     elif text.endswith((".json", ".yaml", ".yml")):
         raise SpecError(f"{kind} file {text} does not exist")
     else:
         raise SpecError(
-            f"unknown {kind} preset {text!r}; known presets: {', '.join(presets)} "
+            f"unknown {kind} preset {shown(text)}; known presets: {', '.join(presets)} "
             f"(or give a JSON/YAML mapping inline, or the path of a file holding one)"
         )
+    given = dict(data)
     if "preset" in data:
         base = data.pop("preset")
         if not isinstance(base, str) or base not in presets:
-            raise SpecError(f"unknown {kind} preset {base!r}; known presets: {', '.join(presets)}")
+            raise SpecError(f"unknown {kind} preset {shown(base)}; known presets: {', '.join(presets)}")
         changed = f"{base}, changed" if data else base
         data = {**_merged(as_dict(presets[base]), data), "name": data.get("name") or name or changed}
+    if kind == "cluster" and "gpu" in given:
+        data = {**data, **{key: value for key, value in _gpu(given["gpu"]).items() if key not in given}}
     return parse(kind, data, name=name)
+
+
+def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
+    """The model ``text`` names (a preset, ``hf:`` and a Hugging Face config, a mapping or a file), at
+    ``seq_len`` tokens per sequence when given."""
+    if text.startswith(huggingface.HF_PREFIX):
+        source = text[len(huggingface.HF_PREFIX):]
+        try:
+            fields = huggingface.read_config(source)
+            family = fields.get("model_type") or os.path.basename(os.path.normpath(source))
+            return huggingface.spec_from_config(fields, name=f"hf:{family}",
+                                                seq_len=huggingface.seq_len_of(fields, seq_len))
+        except ValueError as err:
+            raise SpecError(str(err)) from None
+    model = load_spec("model", text)
+    if seq_len is None:
+        return model
+    return parse("model", {**as_dict(model), "seq_len": seq_len})
+
+
+def _gpu(name) -> dict:
+    if not isinstance(name, str) or name not in GPUS:
+        raise SpecError(f"unknown GPU preset {name!r}; known GPUs: {', '.join(GPUS)}")
+    return GPUS[name]
 
 
 def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
     """``cluster`` with the nodes, GPUs per node and network levels that a bench JSON measured."""
+    with _spec_errors():
+        text = read_file(path, f"bench results {path}", limit=MAX_BENCH_BYTES)
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as err:
-        raise SpecError(f"cannot read bench results {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as err:
         raise SpecError(f"{path} is not JSON ({err}); give the file `shardwire bench --json` wrote") from None
     if not isinstance(doc, Mapping) or doc.get("schema") != BENCH_SCHEMA:
         raise SpecError(f"{path} is not `shardwire bench --json` output (schema {BENCH_SCHEMA!r})")
@@ -128,9 +164,11 @@ def _link_from_fits(fits: Mapping) -> LinkSpec | None:
                     latency_us=sum(a for _, a in links) / len(links))
 
 
-def _read_mapping(text: str, what: str) -> dict:
+@contextlib.contextmanager
+def _spec_errors():
+    """Input that cannot be read as a mapping is input that cannot be simulated."""
     try:
-        return read_mapping(text, what)
+        yield
     except MappingError as err:
         raise SpecError(str(err)) from None
 
@@ -148,7 +186,10 @@ def _merged(base: dict, changes: Mapping) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The input options ``shardwire simulate`` and ``shardwire plan`` share."""
-    parser.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS['model'])}), JSON/YAML, or a file")
+    parser.add_argument("--model", required=True,
+                        help=f"preset ({', '.join(PRESETS['model'])}), hf:CONFIG (a Hugging Face config.json, its "
+                             f"directory, or inline JSON), JSON/YAML, or a file")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (overrides the model's)")
     parser.add_argument("--cluster", required=True,
                         help=f"preset ({', '.join(PRESETS['cluster'])}), JSON/YAML, or a file")
     parser.add_argument("--training", default="default",
@@ -156,13 +197,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, help="number of nodes (overrides the cluster's)")
     parser.add_argument("--cluster-from", metavar="BENCH_JSON",
                         help="take nodes, GPUs per node and both network levels from `shardwire bench --json` output")
+    parser.add_argument("--calibrate", metavar="PROFILE_JSON",
+                        help="fit the GPU's compute model to a profile of one GPU of that kind (the profile.json of "
+                             "`shardwire train --profile` or benchmarks/gpu_single.py --trace)")
 
 
 def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
     """(model, cluster, training) from the options of ``add_arguments``; raises ``SpecError``."""
-    model = load_spec("model", args.model)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise SpecError(f"--seq-len must be at least 1, got {args.seq_len}")
+    model = load_model(args.model, args.seq_len)
     cluster = load_spec("cluster", args.cluster)
     training = load_spec("training", args.training)
+    if args.calibrate:
+        cluster = calibrated(cluster, read_profile(args.calibrate, load_model), args.calibrate)
     if args.cluster_from:
         cluster = cluster_from_bench(args.cluster_from, cluster)
     if args.nodes is not None:

@@ -9,13 +9,15 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
     secondary shards       c P_units / G    ``hybrid_secondary`` with resharding: every unit's
                                             share of its group of ``G``, kept from its forward to
                                             its backward (``P_units``: the units' parameters)
-    gathered parameters    c (P_root + k P_unit)   the root stays gathered; k units are gathered at
+    gathered parameters    c P_root + g k P_unit   the root stays gathered; k units are gathered at
                            once: prefetch + 1 with a sliding window, prefetch (at least 1) with a
                            block limiter, and never more than the model's units (the engine
                            gathers ahead no further than the last); without resharding after
-                           forward, every unit by the end of forward
+                           forward, every unit by the end of forward; g = c, or 1 byte when fp8
+                           training gathers its weights in fp8
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
-                           when micro-batches accumulate unsharded gradients (``no_sync``)
+                           when micro-batches accumulate unsharded gradients (``no_sync``), not
+                           when each micro-batch reduces its own
     communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
     error feedback         4 (N_g - 1) P_g / n_g   with a wire that quantizes gradients and keeps
                            error feedback on: for every unit's buffer and each of its reductions of
@@ -96,7 +98,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
     else:
         gathered_units = sum(u.params for u in arch.units)
 
-    accumulated = r * P if training.grad_accum > 1 else 0.0
+    accumulated = r * P if training.grad_accum > 1 and not training.reduce_each_micro_batch else 0.0
     outer = 0.0
     if (sync := training.sync_settings) is not None:
         outer = 8 * P / shard_over + (8 if sync.lag else 4) * P / shard_over / sync.fragments
@@ -115,7 +117,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         gradient_shards=4 * P / shard_over,
         optimizer_state=8 * P / shard_over,
         secondary_shards=secondary,
-        gathered_parameters=c * (arch.root.params + gathered_units),
+        gathered_parameters=c * arch.root.params + training.gather_bytes * gathered_units,
         unit_gradients=c * largest + accumulated,
         communication_buffers=(REDUCTIONS_IN_FLIGHT + 1) * r * largest,
         error_feedback=4 * sum(error_feedback_elements(u.params, cluster, training) for u in (arch.root, *arch.units)),

@@ -7,10 +7,13 @@ resharding after forward and hybrid_secondary, in groups of a node's GPUs), the 
 to ``MAX_PREFETCH``), activation checkpointing and, on several nodes, the wire (``WIRES``: exact,
 int8, or int8 parameters with int4 gradients, in blocks of the default size with error feedback;
 ``HYBRID_WIRES`` for the hybrid layout, whose parameters never cross nodes; on one node no
-collective crosses nodes, so the wire changes nothing and only "none" is tried). The
-precision and kernel efficiency come from the base training configuration; the rest is what the
-engine runs (its sliding window, reductions in fp32), so that every configuration the planner names
-is one ``shard()`` and ``shardwire train`` run: ``runnable`` gives the options for both. Candidates
+collective crosses nodes, so the wire changes nothing and only "none" is tried). A quantized wire
+is lossy (the step computes with quantized weights or reduces quantized gradients): ``exact``
+searches exact collectives only. The precision and compilation come from the base training
+configuration; the rest is what the engine runs (its sliding window, reductions in fp32, gradient
+accumulation under ``no_sync``), so that every configuration the planner names is one ``shard()``
+and ``shardwire train`` run: ``launch`` gives the command and the arguments for both, and says why
+where the engine cannot run it (fp8 compute, a model ``shardwire train`` does not name). Candidates
 whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
 ``TIE``) going to the one that needs less memory (an exact wire keeps no error feedback).
 
@@ -30,12 +33,15 @@ import dataclasses
 import itertools
 import math
 
+from shardwire.launch import torchrun_command
+from shardwire.models.sizes import PRESETS as GPT_SIZES
 from shardwire.options import command_line
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
                                  parse)
+from shardwire.sim.huggingface import HF_PREFIX
 from shardwire.sim.step import group_size
 
 MAX_PREFETCH = 4
@@ -75,11 +81,23 @@ class Plan:
     synced: Prediction | None = None  # the fastest that syncs every H steps instead, where offered
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How to run a planned configuration: the ``torchrun`` command each node runs (None where
+    ``shardwire train`` cannot run it, and ``unrunnable`` says why), the ``shardwire train``
+    options it holds, the ``shard(...)`` arguments, and why the configuration is lossy, if it is."""
+
+    command: str | None
+    train_options: list[str]
+    shard_arguments: dict
+    unrunnable: str | None
+    lossy: str | None
+
+
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
          exact: bool = False) -> Plan:
-    """Search the settings (with ``exact``, only those that train as synchronous training in full
-    precision does: no quantized wire, and no sync offered); raises ``SpecError`` when the batch is
-    out of range or does not divide, or nothing fits."""
+    """Search the settings (``exact``: exact collectives only, and no sync offered); raises
+    ``SpecError`` when the batch is out of range or does not divide, or nothing fits."""
     if global_batch < 1:
         raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
     if global_batch > MAX_BATCH:
@@ -164,7 +182,8 @@ def sync_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> lis
 
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
-    engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None, "recompute_fraction": None}
+    engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None, "recompute_fraction": None,
+              "reduce_each_micro_batch": False}
     return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
 
 
@@ -183,15 +202,41 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     options = command_line({"batch": t.micro_batch, "grad_accum": t.grad_accum, "layout": layout,
                             "shard_group_size": shard_args.get("shard_group_size"), "reshard": t.reshards,
                             "prefetch": t.prefetch, "precision": t.precision,
-                            "activation_checkpointing": t.activation_checkpointing, "wire": t.wire, "sync": sync})
+                            "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
+                            "wire": t.wire, "sync": sync})
     return options, shard_args
 
 
-def launch_command(t: TrainingSpec, cluster: ClusterSpec) -> str:
-    """The command each node runs: ``torchrun`` with the node's GPUs, ``shardwire train`` and its options."""
-    options, _ = runnable(t, cluster)
-    return (f"torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.gpus_per_node} -m shardwire train "
-            + " ".join(options))
+def launch(t: TrainingSpec, cluster: ClusterSpec, model: ModelSpec, model_argument: str) -> Launch:
+    """How to run ``t`` of ``model`` (named ``model_argument`` on the command line) on ``cluster``:
+    each node runs the same ``torchrun`` command, meeting the others at the first node's address."""
+    options, shard_args = runnable(t, cluster)
+    unrunnable = _unrunnable(t, model_argument)
+    command = None
+    if unrunnable is None:
+        job = ["train", "--model", model_argument, "--seq-len", str(model.seq_len), *options]
+        command = torchrun_command(cluster.nodes, cluster.gpus_per_node, job)
+    return Launch(command, options, shard_args, unrunnable, _lossy(t))
+
+
+def _unrunnable(t: TrainingSpec, model_argument: str) -> str | None:
+    """Why ``shardwire train`` cannot run ``t`` of the model ``model_argument`` names, or None."""
+    if not (model_argument in GPT_SIZES or model_argument.startswith(HF_PREFIX)):
+        return (f"shardwire train names no model {model_argument!r}: plan --model with one of its GPT sizes "
+                f"({', '.join(GPT_SIZES)}) or hf:CONFIG (a Hugging Face config.json of the architecture)")
+    if t.precision == "fp8":
+        return "the engine does not compute in fp8 yet: this configuration is simulated, not run"
+    return None
+
+
+def _lossy(t: TrainingSpec) -> str | None:
+    """What a quantized wire changes in the step, or None for exact collectives."""
+    wire = t.wire_format
+    quantized = [what for what, codec in (("parameters", wire.param_codec), ("gradients", wire.grad_codec)) if codec]
+    if not quantized:
+        return None
+    return (f"lossy: the wire quantizes {' and '.join(quantized)} between nodes ({t.wire}); "
+            f"plan --exact for exact collectives only")
 
 
 def shard_call(t: TrainingSpec, cluster: ClusterSpec) -> str:

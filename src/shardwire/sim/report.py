@@ -27,7 +27,7 @@ from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
 from shardwire.sim.memory import GIB
-from shardwire.sim.planner import Plan, describe_settings, launch_command, runnable, shard_call
+from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
 from shardwire.sim.step import group_size
@@ -47,7 +47,9 @@ def notes(p: Prediction) -> list[str]:
                        f"between syncs (BENCHMARKS.md measures the validation loss against synchronous training at "
                        f"equal tokens); shardwire plan --exact leaves it out")
     if p.cluster.memory_bandwidth_GBps is None:
-        missing.append("optimizer step not priced: the cluster gives no memory_bandwidth_GBps")
+        optimizer = "" if p.cluster.optimizer_GBps is not None else ", the optimizer step"
+        missing.append(f"memory-bound work (norms, activations, casts{optimizer}) not priced: the cluster gives no "
+                       f"memory_bandwidth_GBps")
     if p.training.wire_format.quantized and p.cluster.nodes > 1 and p.cluster.quantize_gelems is None:
         missing.append("quantization kernels not priced: the cluster gives no quantize_gelems")
     return missing
@@ -107,6 +109,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {group_size(c, t)}"
     layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
+    reducing = " (each reduced)" if t.reduce_each_micro_batch else ""
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
         f"cluster   {c.name}: {setting('nodes', f'{c.nodes} nodes')} x "
@@ -117,12 +120,12 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{c.intra_node.latency_us:g} us; inter-node {c.inter_node.busbw_GBps:g} GB/s, "
         f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
-        f"{setting('grad_accum', str(t.grad_accum))} per GPU, {setting('layout', layout)}, "
+        f"{setting('grad_accum', str(t.grad_accum))} per GPU{reducing}, {setting('layout', layout)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
-        f"{setting('precision', t.precision)} (reduce {setting('reduce_precision', t.reduce_precision)}), "
-        f"wire {t.wire}{'' if t.sync == 'none' else f', sync {t.sync}'}, "
-        f"{setting('activation_checkpointing', checkpointing)}, "
-        f"{setting('compute_efficiency', f'kernels at {100 * t.compute_efficiency:g}% of peak')}",
+        f"{setting('precision', t.precision)}{' (fp8 gathers)' if t.fp8_all_gather else ''} "
+        f"(reduce {setting('reduce_precision', t.reduce_precision)}), wire {t.wire}"
+        f"{'' if t.sync == 'none' else f', sync {t.sync}'}, "
+        f"{setting('activation_checkpointing', checkpointing)}{', compiled' if t.compile else ''}",
     ]
 
 
@@ -145,7 +148,8 @@ def prediction_text(p: Prediction) -> str:
         f"bytes moved    {p.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs, "
         f"{p.timeline.link_bytes['intra'] / 1e9:.4g} GB through each GPU's intra-node links",
         f"throughput     {p.samples_per_step / p.step_time_s:.4g} samples/s; {p.tflops_per_gpu:.4g} TFLOP/s per GPU"
-        + (f" (with recomputation {p.hardware_tflops_per_gpu:.4g})" if recomputing else "") + f", MFU {100 * p.mfu:.1f}%",
+        + (f" (with recomputation {p.hardware_tflops_per_gpu:.4g})" if recomputing else "")
+        + f", MFU {100 * p.mfu:.1f}%",
         f"memory         {p.memory.total / GIB:.2f} GiB per GPU of {p.memory.usable / GIB:.1f} usable: "
         f"{'fits' if p.memory.fits else 'DOES NOT FIT'} ({memory})",
         "",
@@ -221,12 +225,12 @@ def _value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def plan_json(result: Plan, global_batch: int) -> dict:
+def plan_json(result: Plan, global_batch: int, model_argument: str) -> dict:
     best = result.best.step_time_s
     return {
         "global_batch": global_batch,
-        "best": _with_run(result.best),
-        "runner_up": None if result.runner_up is None else _with_run(result.runner_up),
+        "best": _with_run(result.best, model_argument),
+        "runner_up": None if result.runner_up is None else _with_run(result.runner_up, model_argument),
         "alternatives": [
             {"change": a.change, "step_time_s": a.step_time_s, "fits": a.memory.fits,
              "memory_gb_per_gpu": a.memory.total / GIB,
@@ -235,22 +239,22 @@ def plan_json(result: Plan, global_batch: int) -> dict:
         ],
         "candidates": result.candidates,
         "fitting": result.fitting,
-        "synced": None if result.synced is None else _with_run(result.synced),
+        "synced": None if result.synced is None else _with_run(result.synced, model_argument),
     }
 
 
-def _with_run(p) -> dict:
-    options, shard_args = runnable(p.training, p.cluster)
-    return {**prediction_json(p), "run": {"command": launch_command(p.training, p.cluster),
-                                                 "train_options": options, "shard_arguments": shard_args}}
+def _with_run(p: Prediction, model_argument: str) -> dict:
+    return {**prediction_json(p), "run": dataclasses.asdict(launch(p.training, p.cluster, p.model, model_argument))}
 
 
-def _how_to_run(p) -> list[str]:
-    return [f"          run:   {launch_command(p.training, p.cluster)}",
-            f"          or:    {shard_call(p.training, p.cluster)}"]
+def _how_to_run(p: Prediction, model_argument: str) -> list[str]:
+    how = launch(p.training, p.cluster, p.model, model_argument)
+    run = f"run:   {how.command}" if how.command else f"not run by shardwire train: {how.unrunnable}"
+    lines = [f"          {run}", f"          or:    {shard_call(p.training, p.cluster)}"]
+    return lines + ([f"          {how.lossy}"] if how.lossy else [])
 
 
-def plan_text(result: Plan, global_batch: int) -> str:
+def plan_text(result: Plan, global_batch: int, model_argument: str) -> str:
     best = result.best
     t = best.training
     setup = describe_setup(best)
@@ -265,7 +269,7 @@ def plan_text(result: Plan, global_batch: int) -> str:
         f"MFU {100 * best.mfu:.1f}%, {best.memory.total / GIB:.1f} of {best.memory.usable / GIB:.1f} GiB usable",
         f"          {verdict(best)}",
         *(f"          note: {n}" for n in notes(best)),
-        *_how_to_run(best),
+        *_how_to_run(best, model_argument),
         "",
         "why: each setting changed alone",
     ]
@@ -279,11 +283,11 @@ def plan_text(result: Plan, global_batch: int) -> str:
     if result.runner_up is not None:
         r = result.runner_up
         lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
-                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r)]
+                      f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r, model_argument)]
     if result.synced is not None:
         s = result.synced
         lines += ["", f"or sync   {describe_settings(s.training)}: {s.step_time_s:.4g} s "
                       f"({100 * (s.step_time_s / best.step_time_s - 1):+.1f}%), "
                       f"{s.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs",
-                  *(f"          note: {n}" for n in notes(s)), *_how_to_run(s)]
+                  *(f"          note: {n}" for n in notes(s)), *_how_to_run(s, model_argument)]
     return "\n".join(lines)

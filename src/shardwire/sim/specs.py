@@ -26,6 +26,7 @@ from typing import Any
 
 from shardwire.comm.wire import Wire
 from shardwire.engine.sync import Sync
+from shardwire.mappings import shown
 
 
 class SpecError(ValueError):
@@ -34,11 +35,13 @@ class SpecError(ValueError):
 
 MODEL_KINDS = ("decoder", "encoder-decoder")
 ATTENTION_KINDS = ("flash", "eager")
+NORMS = ("layernorm", "rmsnorm")
 LAYOUTS = ("full", "grad_op", "hybrid", "hybrid_secondary")
 LIMITERS = ("sliding", "block")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+REDUCE_PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +77,6 @@ MAX_GPUS_PER_NODE = 1024
 MAX_BATCH = 2**20
 # Each micro-batch of a step is simulated in full, so their number bounds the simulation's cost.
 MAX_GRAD_ACCUM = 256
-# Elements per scale of a quantized wire: more than any unit's shard holds (Llama 2 70B's blocks hold
-# 0.86B parameters), and every shard is padded to whole blocks, so a larger block only adds bytes.
-MAX_WIRE_BLOCK = 2**30
 
 _WIDTH = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, ten times the widest published layers: give the width in elements")
 _HEADS = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, more than hidden can be: heads must divide hidden")
@@ -87,6 +87,15 @@ _LAYERS = Limit(MAX_LAYERS, f"more blocks than the simulator builds (at most {MA
 # Rates have upper bounds far above physics (HBM3e moves 8 TB/s, a GPU does petaFLOP/s) so that an
 # experiment can make communication or compute free, as tests do; only their lower bounds can make
 # times long, and those keep every time finite.
+# From 1 MFLOP/s, far below one CPU core (the calibration's "GPU"), to 1e9 TFLOP/s.
+_PEAK = Limit(
+    low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peaks are in TFLOP/s",
+    high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peaks are in TFLOP/s (1e12 FLOP/s)",
+)
+_EFFICIENCY = Limit(
+    low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] its kernels reach: lower the peak instead",
+    high=1.0, above="over 1: it is the fraction of the peak its kernels reach, in (0, 1]",
+)
 _BANDWIDTH = Limit(
     low=1e-4, below="under 0.0001 GB/s (100 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
     high=1e12, above="over 1e12 GB/s, a hundred million times any memory or link: bandwidths are in GB/s "
@@ -109,15 +118,14 @@ LIMITS = types.MappingProxyType({
                               f"GPU clusters)"),
     "gpus_per_node": Limit(MAX_GPUS_PER_NODE, f"more GPUs per node than the simulator takes (at most "
                                               f"{MAX_GPUS_PER_NODE:,}, beyond the largest NVLink domains)"),
-    # From 1 MFLOP/s, far below one CPU core (the calibration's "GPU"), to 1e9 TFLOP/s.
-    "peak_tflops": Limit(
-        low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peak_tflops is in TFLOP/s",
-        high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peak_tflops is in TFLOP/s (1e12 FLOP/s)",
-    ),
+    "peak_tflops": _PEAK,
+    "fp8_tflops": _PEAK,
+    "fp32_tflops": _PEAK,
     # 64 TiB: two hundred times the largest GPU memories (288 GB).
     "gpu_memory_gb": Limit(2**16, "over 65,536 GiB, two hundred times any GPU's memory: give it in GiB"),
     "busbw_GBps": _BANDWIDTH,
     "memory_bandwidth_GBps": _BANDWIDTH,
+    "optimizer_GBps": _BANDWIDTH,
     # One second per step of a collective: several times an intercontinental round trip.
     "latency_us": Limit(1e6, "over 1,000,000 us (1 s) per step, several times an intercontinental round trip: "
                              "latencies are in microseconds", zero=True),
@@ -138,8 +146,6 @@ LIMITS = types.MappingProxyType({
         high=1e9, above="over 1e9, a million times what any GPU's memory allows: quantize_gelems is in billions "
                         "of elements per second",
     ),
-    "block": Limit(MAX_WIRE_BLOCK, f"over {MAX_WIRE_BLOCK:,} elements per scale, more than any unit's shard holds "
-                                   f"(shards are padded to whole blocks): the wire's block counts elements"),
     # A collective taking all of the compute would stop it; over 99% the share is in percent, not a fraction.
     "compute_share": Limit(0.99, "over 0.99: it is the fraction of compute a running collective takes, in [0, 1)",
                            zero=True),
@@ -151,10 +157,9 @@ LIMITS = types.MappingProxyType({
         high=1.0, above="over 1: it is the fraction of a block's forward FLOPs backward recomputes, in (0, 1]",
     ),
     # Kernels at under 0.01% of peak: the peak is wrong, not the kernels.
-    "compute_efficiency": Limit(
-        low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] the kernels reach: lower peak_tflops instead",
-        high=1.0, above="over 1: it is the fraction of peak the kernels reach, in (0, 1]",
-    ),
+    "matmul_efficiency": _EFFICIENCY,
+    "attention_efficiency": _EFFICIENCY,
+    "memory_efficiency": _EFFICIENCY,
 })
 
 
@@ -167,8 +172,10 @@ class ModelSpec:
     ``decoder_seq_len`` the target length of an encoder-decoder. ``ffn_gated`` marks a gated MLP
     (three matrices: SwiGLU, gated GELU); ``kv_heads`` < ``heads`` is grouped-query attention;
     ``attention`` is ``flash`` (scores never stored, as with SDPA/FlashAttention) or ``eager``
-    (the score matrix is materialized and kept for backward). ``params``, when given, is the
-    published parameter count, checked against the count the architecture implies.
+    (the score matrix is materialized and kept for backward). ``norm`` is ``layernorm`` (one fused
+    kernel even in eager PyTorch) or ``rmsnorm`` (Llama's and T5's, which eager PyTorch runs as a
+    chain of fp32 kernels). ``params``, when given, is the published parameter count, checked
+    against the count the architecture implies.
     """
 
     layers: int
@@ -186,12 +193,14 @@ class ModelSpec:
     tied_embeddings: bool = True
     learned_positions: bool = False
     attention: str = "flash"
+    norm: str = "layernorm"
     params: int | None = None
 
     def __post_init__(self):
         _check_limits(self, "layers", "hidden", "heads", "vocab", "seq_len")
         _choice(self, "kind", MODEL_KINDS)
         _choice(self, "attention", ATTENTION_KINDS)
+        _choice(self, "norm", NORMS)
         _resolve(self, ffn_hidden=_given(self.ffn_hidden, 4 * self.hidden), kv_heads=_given(self.kv_heads, self.heads))
         _check_limits(self, "ffn_hidden", "kv_heads")
         if self.hidden % self.heads:
@@ -239,12 +248,22 @@ class LinkSpec:
 class ClusterSpec:
     """Nodes of identical GPUs: their compute, memory and the two levels of network between them.
 
+    The GPU is what the compute model (``shardwire.sim.compute``) prices kernels with: its dense
+    tensor-core peaks per dtype (``peak_tflops`` for bf16 and fp16, ``fp8_tflops`` where it has fp8
+    tensor cores, ``fp32_tflops`` for fp32 matrix multiplies, by default ``peak_tflops``: one rate
+    for every dtype, as a CPU), its memory and ``memory_bandwidth_GBps``, and the fractions of those
+    peaks its kernels reach: ``matmul_efficiency`` for large matrix multiplies, ``attention_efficiency``
+    for a fused attention kernel, ``memory_efficiency`` for memory-bound kernels. ``gpu`` names the
+    preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
+    memory-bound work (norms, activations, casts, the optimizer step) is left out of the prediction
+    (and the report says so). ``optimizer_GBps`` is the rate the optimizer step streams its bytes
+    at where it was measured (``shardwire.sim.calibrate``): a step is more than its bytes (per-tensor
+    launches, the casts of the updated shards), so it can be slower than other memory-bound work.
+
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
-    ``shardwire.sim.costs``). ``memory_bandwidth_GBps`` prices the optimizer step, which only
-    streams memory; without it that step is left out of the prediction (and the report says so).
-    ``quantize_gelems`` prices the kernels of a quantized wire (``TrainingSpec.wire``): billions of
-    elements one GPU encodes or decodes per second; without it they are left out (and the report
-    says so).
+    ``shardwire.sim.costs``). ``quantize_gelems`` prices the kernels of a quantized wire
+    (``TrainingSpec.wire``): billions of elements one GPU encodes or decodes per second; without it
+    they are left out (and the report says so).
     """
 
     nodes: int
@@ -254,14 +273,22 @@ class ClusterSpec:
     intra_node: LinkSpec
     inter_node: LinkSpec
     name: str = "custom"
+    gpu: str = "custom"
+    fp8_tflops: float | None = None
+    fp32_tflops: float | None = None
+    matmul_efficiency: float = 0.7
+    attention_efficiency: float = 0.5
+    memory_efficiency: float = 0.8
     algorithm: str = "ring"
     memory_bandwidth_GBps: float | None = None
+    optimizer_GBps: float | None = None
     quantize_gelems: float | None = None
 
     def __post_init__(self):
-        _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb")
+        _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb", "matmul_efficiency",
+                      "attention_efficiency", "memory_efficiency")
         _choice(self, "algorithm", ALGORITHMS)
-        for key in ("memory_bandwidth_GBps", "quantize_gelems"):
+        for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "optimizer_GBps", "quantize_gelems"):
             if getattr(self, key) is not None:
                 _check_limits(self, key)
 
@@ -269,13 +296,27 @@ class ClusterSpec:
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    def matmul_tflops(self, precision: str) -> float:
+        """The dense peak a matrix multiply in ``precision`` runs at; raises ``SpecError`` for fp8 on
+        a GPU without fp8 tensor cores."""
+        if precision == "fp8":
+            if self.fp8_tflops is None:
+                raise SpecError(f"precision fp8 needs fp8 tensor cores: cluster {self.name!r} gives no fp8_tflops "
+                                f"(H100 and later have them; A100 does not)")
+            return self.fp8_tflops
+        if precision == "fp32":
+            return self.peak_tflops if self.fp32_tflops is None else self.fp32_tflops
+        return self.peak_tflops
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainingSpec:
     """How the step runs: batch, layout, the gather schedule, precision and recomputation.
 
-    ``micro_batch`` is sequences per GPU and micro-batch; ``grad_accum`` micro-batches make a step
-    (all but the last without reduction, accumulating unsharded gradients, as ``no_sync`` does).
+    ``micro_batch`` is sequences per GPU and micro-batch; ``grad_accum`` micro-batches make a step,
+    all but the last without reduction, accumulating unsharded gradients (as ``no_sync`` does), or,
+    with ``reduce_each_micro_batch``, each reduce-scattered as it ends (what FSDP does unless told
+    ``no_sync``, as Composer and FSDP2 run accumulation by default).
     ``layout``: ``full`` shards parameters, gradients and optimizer state over every GPU;
     ``grad_op`` (FSDP's SHARD_GRAD_OP) keeps each unit gathered from its forward to the end of its
     backward; ``hybrid`` shards within groups of ``shard_group_size`` GPUs and replicates across
@@ -285,12 +326,16 @@ class TrainingSpec:
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.
+    ``precision`` is the compute dtype; ``fp8`` runs the blocks' linear layers' matrix multiplies in
+    fp8 with dynamic scaling (torchao's float8 training: activations, attention and the head stay
+    bf16), and ``fp8_all_gather`` then gathers their weights in fp8, cast before the gather.
     ``reduce_precision`` defaults to fp32, as the engine reduces; ``wire`` is what collectives put
     on the wire between nodes, as ``shard(wire=...)`` and ``shardwire train --wire`` take it ("none",
-    "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``);
+    "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``).
     ``sync`` lets the groups of ``hybrid`` train apart and average their change every H steps, as
     ``shard(sync=...)`` takes it ("none", or pairs such as "every=50,fragments=4,wire=int4":
-    ``shardwire.engine.sync.Sync.parse``); ``compute_efficiency`` is the fraction of peak FLOP/s the kernels reach.
+    ``shardwire.engine.sync.Sync.parse``).
+    ``compile`` runs each unit's elementwise work fused (torch.compile), so it moves fewer bytes.
     ``recompute_fraction`` is the share of a block's forward FLOPs that backward recomputes under
     ``activation_checkpointing``, and of its activations forward does not keep: 1 (the default)
     for full checkpointing, the engine's; less for a selective policy (torchtitan's keeps the
@@ -299,6 +344,7 @@ class TrainingSpec:
 
     micro_batch: int = 1
     grad_accum: int = 1
+    reduce_each_micro_batch: bool = False
     layout: str = "full"
     shard_group_size: int | None = None
     prefetch: int = 2
@@ -306,20 +352,23 @@ class TrainingSpec:
     reshard_after_forward: bool | None = None
     precision: str = "bf16"
     reduce_precision: str = "fp32"
+    fp8_all_gather: bool = False
     wire: str = "none"
     sync: str = "none"
+    compile: bool = False
     activation_checkpointing: bool = False
     recompute_fraction: float | None = None
-    compute_efficiency: float = 0.6
     name: str = "custom"
 
     def __post_init__(self):
-        _check_limits(self, "micro_batch", "grad_accum", "prefetch", "compute_efficiency")
+        _check_limits(self, "micro_batch", "grad_accum", "prefetch")
         _choice(self, "layout", LAYOUTS)
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)
-        _choice(self, "reduce_precision", PRECISIONS)
-        _check_value("block", self.wire_format.block)
+        _choice(self, "reduce_precision", REDUCE_PRECISIONS)
+        if self.fp8_all_gather and self.precision != "fp8":
+            raise SpecError("fp8_all_gather gathers the weights fp8 matrix multiplies read: it needs precision fp8")
+        _ = self.wire_format  # a wire the engine refuses (a block too large, too) is this spec's error, now
         if self.sync_settings is not None and self.layout != "hybrid":
             raise SpecError(f"sync applies to layout 'hybrid', whose groups train apart between syncs, not "
                             f"{self.layout!r}")
@@ -371,7 +420,13 @@ class TrainingSpec:
 
     @property
     def compute_bytes(self) -> int:
-        return BYTES_PER_ELEMENT[self.precision]
+        """Bytes of an activation element: fp8 training keeps its activations in bf16."""
+        return BYTES_PER_ELEMENT["bf16" if self.precision == "fp8" else self.precision]
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes of a gathered parameter element: in fp8 when weights are gathered in fp8."""
+        return BYTES_PER_ELEMENT["fp8"] if self.fp8_all_gather else self.compute_bytes
 
     @property
     def reduce_bytes(self) -> int:
@@ -402,9 +457,9 @@ def _build(cls, label: str, mapping: Any):
     if not isinstance(mapping, Mapping):
         raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(mapping) - set(fields))
+    unknown = sorted(shown(key) for key in set(mapping) - set(fields))
     if unknown:
-        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(fields)}")
+        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown[:5])}; known keys: {', '.join(fields)}")
     missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]
     if missing:
         raise SpecError(f"{label}: missing key(s) {', '.join(missing)}")
@@ -438,7 +493,7 @@ def _coerce(where: str, hint, value):
     elif hint is str:
         if isinstance(value, str):
             return value
-    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {value!r}")
+    raise SpecError(f"{where} must be {_TYPE_NAMES[hint]}, got {shown(value)}")
 
 
 _TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
@@ -453,22 +508,21 @@ def _check_limits(spec, *keys: str) -> None:
 
 
 def _check_value(key: str, value: float) -> None:
-    """Refuse ``value`` of ``key`` outside its ``LIMITS``: a number that is no spec's own key too (a
-    wire's block, inside its string)."""
+    """Refuse ``value`` of ``key`` outside its ``LIMITS``."""
     limit = LIMITS[key]
-    shown = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
+    written = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
     if not (0 <= value if limit.zero else 0 < value) or not value < math.inf:
-        raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {shown}")
+        raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {written}")
     if value < limit.low:
-        raise SpecError(f"{key} {shown} is {limit.below}")
+        raise SpecError(f"{key} {written} is {limit.below}")
     if value > limit.high:
-        raise SpecError(f"{key} {shown} is {limit.above}")
+        raise SpecError(f"{key} {written} is {limit.above}")
 
 
 def _choice(spec, key: str, choices: tuple[str, ...]) -> None:
     value = getattr(spec, key)
     if value not in choices:
-        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        raise SpecError(f"{key} must be one of {', '.join(choices)}; got {shown(value)}")
 
 
 def _given(value, default):

@@ -21,8 +21,9 @@ backward   the head's backward; per unit in reverse: enter the pass, wait for th
            the unit was never released), recompute (activation checkpointing) and backward, start
            its reduce-scatter and, with more than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the
            oldest; release the unit. Then the root's reduce-scatter, and wait for every reduction.
-step end   with gradient accumulation, micro-batches before the last skip reductions (``no_sync``);
-           then the gradient norm's scalar all-reduce (clipping) and the optimizer step.
+step end   with gradient accumulation, micro-batches before the last skip reductions (``no_sync``),
+           unless every micro-batch reduces (``reduce_each_micro_batch``); then the gradient norm's
+           scalar all-reduce (clipping) and the optimizer step.
 
 A ``block`` limiter replaces the sliding window: it issues gathers in groups of ``prefetch`` and
 issues the next group only when the whole previous one has been consumed, so the first unit of
@@ -42,8 +43,8 @@ cannot carry beside the step; with ``overlap=0`` the step waits for it at once. 
 is whole and spread over the steps it overlaps, not cut in H pieces: the average is the same, its
 collectives' latencies are counted H times.)
 
-Left out: host overheads, stragglers and jitter; the step is the idealized schedule of the engine
-on ideal links.
+How long each unit computes is the compute model's (``shardwire.sim.compute``). Left out: host
+overheads, stragglers and jitter; the step is the idealized schedule of the engine on ideal links.
 """
 
 from __future__ import annotations
@@ -54,14 +55,11 @@ import math
 
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.sim import costs
-from shardwire.sim.architecture import Architecture, UnitCost
+from shardwire.sim.architecture import ROOT, Architecture, UnitCost
+from shardwire.sim.compute import backward_s, forward_s, optimizer_s
 from shardwire.sim.costs import Group, Phase
 from shardwire.sim.events import Event, Link, Process, Processor, Simulation
 from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec
-
-# Bytes an Adam step streams per parameter: reads master weight, gradient and both moments (fp32),
-# writes weight and moments.
-OPTIMIZER_BYTES_PER_PARAM = 28
 
 
 @dataclasses.dataclass
@@ -109,17 +107,10 @@ def simulate_step(arch: Architecture, cluster: ClusterSpec, training: TrainingSp
     return _Step(arch, cluster, training).run()
 
 
-def forward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec) -> float:
-    """Seconds of a unit's forward over one micro-batch."""
-    return unit.forward_flops * training.micro_batch / (cluster.peak_tflops * 1e12 * training.compute_efficiency)
-
-
-def backward_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec, *, block: bool = True) -> float:
-    """Seconds of a unit's backward (twice its forward), with the recomputation of its forward (or
-    the part a selective policy recomputes) when activation checkpointing is on and it is a block
-    (the root is not checkpointed)."""
-    recompute = training.recomputed if block else 0.0
-    return (2 + recompute) * forward_s(unit, cluster, training)
+def gathered_bytes(unit: UnitCost, training: TrainingSpec) -> int:
+    """Bytes of ``unit`` gathered: its blocks' weights in fp8 when fp8 training gathers them so (the
+    root, whose head is not an fp8 layer, in the compute dtype)."""
+    return unit.params * (training.compute_bytes if unit.name == ROOT else training.gather_bytes)
 
 
 def group_size(cluster: ClusterSpec, training: TrainingSpec) -> int:
@@ -168,7 +159,7 @@ def gather_phases(unit: UnitCost, group: Group, cluster: ClusterSpec, training: 
     parameter codec where the group spans nodes."""
     codec = costs.crossing_nodes(training.wire_format.param_codec, group)
     if codec is None:
-        return costs.all_gather_phases(unit.params * training.compute_bytes, group, cluster)
+        return costs.all_gather_phases(gathered_bytes(unit, training), group, cluster)
     return costs.quantized_all_gather_phases(unit.params, group, cluster, codec)
 
 
@@ -340,13 +331,8 @@ class _Step:
         self._backward_group = backward_gather_group(cluster, training)
 
         self._forward_s = {u.name: forward_s(u, cluster, training) for u in (arch.root, *arch.units)}
-        self._backward_s = {u.name: backward_s(u, cluster, training) for u in arch.units}
-        self._backward_s[arch.root.name] = backward_s(arch.root, cluster, training, block=False)
-        if cluster.memory_bandwidth_GBps is None:
-            self._optimizer_s = 0.0
-        else:
-            shard_params = arch.params / self._shard_group.size
-            self._optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard_params / (cluster.memory_bandwidth_GBps * 1e9)
+        self._backward_s = {u.name: backward_s(u, cluster, training) for u in (arch.root, *arch.units)}
+        self._optimizer_s = optimizer_s(arch.params / self._shard_group.size, cluster)
 
     def run(self) -> Timeline:
         done = self.sim.start(self._step())
@@ -370,8 +356,9 @@ class _Step:
             sync = self._syncs.submit("all_reduce", "sync", *synced)
             if self.training.sync_settings.lag == 0:
                 yield from self._wait(sync, "sync between groups (not overlapped)", "")
+        last = self.training.grad_accum - 1
         for micro in range(self.training.grad_accum):
-            yield from self._micro_batch(sync=micro == self.training.grad_accum - 1)
+            yield from self._micro_batch(sync=micro == last or self.training.reduce_each_micro_batch)
         norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,  # over the ranks that split buffers
                                     costs.scalar_all_reduce_phases(self._shard_group, self.cluster))
         yield from self._wait(norm, "gradient-norm all-reduce", "")
@@ -421,7 +408,7 @@ class _Step:
         """Start gathering ``unit`` (over ``group``; default: the shard group) unless it is gathered
         or being gathered (``Unit.gather``)."""
         if unit.name not in self._gathered:
-            nbytes = unit.params * self.training.compute_bytes
+            nbytes = gathered_bytes(unit, self.training)
             phases = gather_phases(unit, group or self._shard_group, self.cluster, self.training)
             self._gathered[unit.name] = self._gathers.submit("all_gather", unit.name, nbytes, phases)
         return self._gathered[unit.name]

@@ -23,6 +23,8 @@ RATE_TOLERANCE = 1.02
 MIN_FRACTION_OF_RATE = 0.5
 MIN_INTRA_NODE_SPEEDUP = 2.0
 MIN_TRANSFER_BYTES = 4 * probe.CHUNK  # several reads, whatever the rate and seconds asked
+# The longest transfer a check makes: ten minutes measure nothing one second does not, and hold the link.
+MAX_SECONDS = 600.0
 
 
 @dataclasses.dataclass(frozen=True)

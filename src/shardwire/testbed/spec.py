@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from shardwire.files import write_atomically
+from shardwire.mappings import shown
 
 STATE_DIR = Path("/run/shardwire/testbed")
 DEFAULT_NAME = "shardwire"
@@ -48,11 +49,11 @@ def parse_rate(text: str) -> int:
     """Bits per second from a tc-style rate such as ``1gbit``, ``2.5gbit`` or ``500mbit``."""
     match = _RATE.fullmatch(text.strip().lower())
     if not match:
-        raise TestbedError(f"link rate {text!r} is not a rate like 1gbit, 2.5gbit or 500mbit")
-    bits = round(float(match[1]) * _RATE_UNITS[match[2]])
+        raise TestbedError(f"link rate {shown(text)} is not a rate like 1gbit, 2.5gbit or 500mbit")
+    bits = float(match[1]) * _RATE_UNITS[match[2]]  # infinite for a number past a float's range
     if not MIN_RATE <= bits <= MAX_RATE:
-        raise TestbedError(f"link rate {text!r} is outside {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}")
-    return bits
+        raise TestbedError(f"link rate {shown(text)} is outside {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}")
+    return round(bits)
 
 
 def format_rate(bits: int) -> str:

@@ -13,7 +13,7 @@ from shardwire import worker
 from shardwire.engine.layout import LAYOUTS
 from shardwire.models.gpt import PRESETS
 from shardwire.options import option
-from shardwire.training.data import BIN_DTYPES
+from shardwire.training.data import BIN_DTYPES, MAX_SEED
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class TrainConfig:
     tokenizer: str | None = option(
         None, "a local Hugging Face tokenizer: tokenise the text --data once, with a progress bar, into a .npy "
               "beside it, and train on its ids", metavar="DIR")
-    seed: int = option(0, "seed of the weights and the batches", at_least=0)
+    seed: int = option(0, "seed of the weights and the batches", at_least=0, at_most=MAX_SEED)
     log_every: int = option(10, "steps between progress updates (reading the loss waits for the GPU)", at_least=1)
     eval_batches: int = option(8, "validation batches per evaluation", at_least=1)
     eval_every: int = option(0, "steps between validation losses, shown as val in the progress line "
@@ -76,7 +76,7 @@ class TrainConfig:
     max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "
                                   "checkpoint", at_least=0)
     timeout: float = option(600.0, "seconds a collective may take before the job stops with an error naming it",
-                            above=0, unit="seconds")
+                            above=0, unit="seconds", at_most=worker.MAX_TIMEOUT_S)
     profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
     run_dir: str | None = option(None, "profile output directory (default runs/<date-time>)")
     peak_tflops: float | None = option(None, "peak TFLOP/s per worker for MFU (default: a GPU's data sheet, or a "

@@ -12,6 +12,7 @@ number, and a resumed run sees exactly the batches an uninterrupted one would ha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from shardwire.files import write_atomically
+from shardwire.models.choice import check_files, custom_code
 
 VALIDATION_FRACTION = 0.01
 
@@ -31,20 +33,22 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 BIN_DTYPES = ("uint16", "uint32")
 # Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
 _CHECK_CHUNK = 1 << 24
+# The largest seed of the weights and batches: torch's generators take 64-bit seeds.
+MAX_SEED = 2**64 - 1
 
 
 def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
-                bin_dtype: str = "uint16") -> "ByteCorpus | TokenCorpus":
+                bin_dtype: str = "uint16", memory: int | None = None) -> "ByteCorpus | TokenCorpus":
     """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
-    ``tokenized``); else text as bytes."""
+    ``tokenized``); else text as bytes, refused where it needs more than ``memory`` bytes."""
     if tokenizer is not None:
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
         return TokenCorpus.load(str(tokenized(path, tokenizer)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len, bin_dtype)
-    return ByteCorpus.load(path, seq_len)
+    return ByteCorpus.load(path, seq_len, memory)
 
 
 def tokenized(path: str | None, tokenizer_dir: str) -> pathlib.Path:
@@ -61,22 +65,35 @@ def tokenized(path: str | None, tokenizer_dir: str) -> pathlib.Path:
     if not directory.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a directory: give a local Hugging Face "
                                 f"tokenizer's directory (as save_pretrained writes it)")
+    try:
+        check_files(directory)
+    except ValueError as err:
+        raise ValueError(f"--tokenizer {tokenizer_dir}: {err}") from None
     files, name = _text_files(path)
     digest = hashlib.sha256()
-    for file in sorted(directory.iterdir()):
-        digest.update(file.name.encode() + file.read_bytes())
+    for file in sorted(p for p in directory.iterdir() if p.is_file()):
+        digest.update(file.name.encode())
+        with file.open("rb") as f:  # in pieces: a tokenizer's files can be large
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                digest.update(piece)
     for file in files:
         stat = file.stat()
         digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     beside = pathlib.Path(path).resolve() if path is not None else _cache_directory() / "stdlib"
     cache = pathlib.Path(f"{beside}.tokens-{digest.hexdigest()[:12]}.npy")
     if cache.exists():
-        return cache
+        try:
+            _read_ids(cache)
+            return cache
+        except ValueError:  # damaged (a full disk, a copy cut short): it is ours to make again
+            pass
     transformers = require("transformers", "--tokenizer")
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:  # a tokenizer directory is data: the code its auto_map names never runs
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True,
+                                                               trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--tokenizer {tokenizer_dir}: {str(err).splitlines()[0]}") from None
+        problem = custom_code(directory / "tokenizer_config.json") or custom_code(directory / "config.json")
+        raise ValueError(f"--tokenizer {tokenizer_dir}: {problem or str(err).splitlines()[0]}") from None
     separator = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     pieces = [np.asarray(tokenizer(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
               for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
@@ -98,14 +115,25 @@ def _cache_directory() -> pathlib.Path:
 
 def _splits(data, name: str, unit: str, seq_len: int) -> dict:
     """The train and validation splits of ``data``, the last ``VALIDATION_FRACTION`` validating."""
+    check_length(len(data), name, unit, seq_len)
     split = int(len(data) * (1 - VALIDATION_FRACTION))
-    if len(data) - split <= seq_len + 1:
+    return {"train": data[:split], "val": data[split:]}
+
+
+def check_length(length: int, name: str, unit: str, seq_len: int) -> None:
+    """Refuse a corpus of ``length`` ``unit`` whose validation split holds no sequence of ``seq_len``."""
+    if length - int(length * (1 - VALIDATION_FRACTION)) <= seq_len + 1:
         needed = math.ceil((seq_len + 2) / VALIDATION_FRACTION)
         raise ValueError(
-            f"corpus {name} has only {len(data):,} {unit}: its validation split ({VALIDATION_FRACTION:.0%}) "
+            f"corpus {name} has only {length:,} {unit}: its validation split ({VALIDATION_FRACTION:.0%}) "
             f"must hold a sequence of {seq_len + 1} {unit}, so give it at least {needed:,} {unit}"
         )
-    return {"train": data[:split], "val": data[split:]}
+
+
+def check_default_corpus(seq_len: int) -> None:
+    """``check_length`` of the default corpus, from its files' sizes: reading them takes a while."""
+    files, name = _text_files(None)
+    check_length(sum(file.stat().st_size for file in files), name, "bytes", seq_len)
 
 
 class TokenCorpus:
@@ -119,23 +147,9 @@ class TokenCorpus:
     @classmethod
     def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16") -> TokenCorpus:
         file = pathlib.Path(path)
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"data path {path} does not exist: pass a .bin or .npy file of token ids")
-        if file.suffix == ".bin":
-            size, width = file.stat().st_size, np.dtype(bin_dtype).itemsize
-            if size % width:
-                raise ValueError(f"{path} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
-                                 f"another element type (--token-dtype)?")
-            ids = np.memmap(file, dtype=bin_dtype, mode="r")
-            if bin_dtype == "uint16" and _uint32_read_as_uint16(ids):
-                raise ValueError(f"{path} looks like uint32 ids read as uint16 (every second id of its first "
-                                 f"{min(len(ids), _CHECK_CHUNK):,} is 0): give --token-dtype uint32")
-        else:
-            ids = np.load(file, mmap_mode="r")
-            if ids.ndim != 1 or ids.dtype.kind != "u":
-                raise ValueError(f"{path} holds a {ids.ndim}-d {ids.dtype} array: token ids are a flat array of "
-                                 f"unsigned integers (uint16 or uint32)")
-        return cls(ids, str(file), seq_len)
+        return cls(_read_ids(file, bin_dtype), str(file), seq_len)
 
     @property
     def num_tokens(self) -> int:
@@ -173,23 +187,62 @@ def _uint32_read_as_uint16(ids: np.ndarray) -> bool:
     return len(head) >= 16 and not head[1::2].any() and head[0::2].any()
 
 
+def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
+    """The token ids in ``file``, memory-mapped: a flat ``.bin`` of ``bin_dtype``, or a ``.npy``
+    whose header says its type. Raises ``ValueError`` naming the file where it holds no such ids."""
+    if not file.is_file():
+        raise ValueError(f"{file} is not a regular file: pass a .bin or .npy file of token ids")
+    if file.suffix == ".bin":
+        size, width = file.stat().st_size, np.dtype(bin_dtype).itemsize
+        if size % width:
+            raise ValueError(f"{file} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
+                             f"another element type (--token-dtype)?")
+        ids = np.memmap(file, dtype=bin_dtype, mode="r")
+        if bin_dtype == "uint16" and _uint32_read_as_uint16(ids):
+            raise ValueError(f"{file} looks like uint32 ids read as uint16 (every second id of its first "
+                             f"{min(len(ids), _CHECK_CHUNK):,} is 0): give --token-dtype uint32")
+        return ids
+    try:
+        ids = np.load(file, mmap_mode="r")  # never a pickle: allow_pickle stays False
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{file} is not a readable .npy file ({str(err).splitlines()[0][:200]}): write it "
+                         f"again with numpy.save") from None
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind != "u":
+        shape = f"a {ids.ndim}-d {ids.dtype} array" if isinstance(ids, np.ndarray) else "no array"
+        raise ValueError(f"{file} holds {shape}: token ids are a flat array of unsigned integers (uint16 or uint32)")
+    return ids
+
+
 def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
+    # a generator's seed is 64 bits: the largest --seed and step wrap around rather than overflow
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 2 + (split == "val")) % 2**64)
     return torch.randint(0, length - seq_len - 1, (global_batch,), generator=gen).tolist()
+
+
+@functools.cache
+def _standard_library_files() -> tuple[list[pathlib.Path], str]:
+    """The default corpus's files: listed once per process (a walk of the standard library takes a
+    second or more, and does not change while a process runs)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return files, f"the standard library's .py files ({root})"
 
 
 def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
     """The text files ``path`` names (a file, or every ``.py``/``.txt``/``.md`` file under a
     directory; None: the standard library's ``.py`` files), and a name for them."""
     if path is None:
-        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-        return files, f"the standard library's .py files ({root})"
+        return _standard_library_files()
     root = pathlib.Path(path)
     if not root.exists():
         raise FileNotFoundError(f"data path {path} does not exist: pass a text file or a directory of them")
+    if root.is_file():
+        return [root], str(root)
+    if not root.is_dir():  # a device or a FIFO would be read without end
+        raise ValueError(f"data path {path} is neither a regular file nor a directory: pass a text file or a "
+                         f"directory of them")
     suffixes = {".py", ".txt", ".md"}
-    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes), str(root)
+    return sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()), str(root)
 
 
 class ByteCorpus:
@@ -198,10 +251,17 @@ class ByteCorpus:
         self.splits = _splits(data, name, "bytes", seq_len)
 
     @classmethod
-    def load(cls, path: str | None, seq_len: int) -> ByteCorpus:
+    def load(cls, path: str | None, seq_len: int, memory: int | None = None) -> ByteCorpus:
         """The bytes of ``path`` (a file, or every ``.py``/``.txt``/``.md`` file under a directory),
-        or of the standard library's ``.py`` files when ``path`` is None, for sequences of ``seq_len``."""
+        or of the standard library's ``.py`` files when ``path`` is None, for sequences of ``seq_len``;
+        refused before reading where they need more than ``memory`` bytes (text is read whole, then
+        copied into a tensor: twice its size)."""
         files, name = _text_files(path)
+        size = sum(p.stat().st_size for p in files)
+        if memory is not None and 2 * size > memory:
+            raise ValueError(f"corpus {name} holds {size:,} bytes of text, read whole twice over, more than a "
+                             f"worker here can hold ({memory / 2**30:.3g} GiB): write its ids to a .bin, which is "
+                             f"memory-mapped, or give less text")
         data = b"".join(p.read_bytes() for p in files)
         if not data:
             what = "is empty" if len(files) == 1 else "holds no .py, .txt or .md file with any text"

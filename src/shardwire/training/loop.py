@@ -152,14 +152,15 @@ def _train(config: TrainConfig, device: torch.device) -> None:
                   flush=True)
 
 
-def training_corpus(config: TrainConfig, choice: ModelChoice) -> ByteCorpus | TokenCorpus:
+def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None = None) -> ByteCorpus | TokenCorpus:
     """The job's data: token ids as they are; text through ``--tokenizer``, else through the ``hf:``
     model's own tokenizer where its directory holds one; text as bytes only into a model whose ids
-    mean bytes (a GPT preset, or a Hugging Face model with a vocabulary of 256)."""
+    mean bytes (a GPT preset, or a Hugging Face model with a vocabulary of 256), and refused where it
+    needs more than ``memory`` bytes."""
     tokenizer = config.tokenizer
     if tokenizer is None and not (config.data or "").endswith(TOKEN_SUFFIXES):
         tokenizer = tokenizer_directory(config.model)
-    corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer), config.token_dtype)
+    corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer), config.token_dtype, memory)
     if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != 256:
         raise ValueError(f"--data is text, read as bytes (ids 0 to 255), but {choice.name}'s {choice.vocab_size:,} "
                          f"ids are its tokenizer's: give --tokenizer DIR (its tokenizer) or pre-tokenised --data")

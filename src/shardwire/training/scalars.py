@@ -1,10 +1,15 @@
 """Training's scalars beyond the progress line, one record per log interval: TensorBoard event
 files (``--tensorboard DIR``, the ``tensorboard`` extra) and JSON lines (``--log-jsonl FILE``,
-appended to, so a resumed run goes on where it stopped). Rank 0 writes them."""
+appended to, so a resumed run goes on where it stopped). Rank 0 writes them.
+
+A log that cannot be written (a full disk, a file system gone read-only) is one line on stderr and
+the end of that log, not of the run: the model being trained, and its checkpoints, matter more."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 
 from shardwire.extras import require
 
@@ -29,6 +34,7 @@ class ScalarLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(tensorboard)
+        self._jsonl_path = jsonl
         self._jsonl = open(jsonl, "a") if jsonl is not None else None
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
@@ -37,11 +43,22 @@ class ScalarLog:
             for name, value in scalars.items():
                 self._writer.add_scalar(TAGS[name], value, step)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
-            self._jsonl.flush()
+            try:
+                self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+                self._jsonl.flush()
+            except OSError as err:
+                print(f"warning: --log-jsonl {self._jsonl_path}: {err.strerror or err}; training goes on without "
+                      f"this log from step {step}", file=sys.stderr, flush=True)
+                self._close_jsonl()
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self._close_jsonl()
+
+    def _close_jsonl(self) -> None:
+        """Close the JSON lines, whatever is left unwritten (its error was reported where it arose)."""
         if self._jsonl is not None:
-            self._jsonl.close()
+            jsonl, self._jsonl = self._jsonl, None
+            with contextlib.suppress(OSError):
+                jsonl.close()

@@ -1,0 +1,101 @@
+"""The compute model fitted to what one GPU did, so that only the network remains to predict.
+
+A GPU preset's efficiencies are estimates for a whole generation; the GPU a user will rent runs its
+own clocks, drivers and kernels. A profile of a few training steps on one GPU of that kind
+(``shardwire train --profile``, or ``benchmarks/gpu_single.py --trace``) measures what its kernels
+did: the step's forward, backward and optimizer times, for a model and batch the profile names.
+From those the compute model is fitted:
+
+* the optimizer step streams ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of the rank's shard: its
+  time gives the rate it does so (``optimizer_GBps``);
+* forward and backward are FLOP-bound work (matrix multiplies and attention) plus memory-bound work
+  at the GPU's memory bandwidth: the FLOP-bound part is what the measured compute leaves once the
+  memory-bound part is taken out, and the matrix multiply and attention efficiencies are scaled by
+  one factor so that the model's compute of the profiled job equals the measured one.
+
+The shapes' effect on efficiency (the additive roofline of ``shardwire.sim.compute``) stays the
+model's, so a profile of one model and batch predicts others on the same GPU; the closer the
+profiled job is to the predicted one, the less rests on the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from shardwire.sim.architecture import Architecture, architecture
+from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
+from shardwire.sim.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+
+# The keys of a profile's ``metadata.config`` (``shardwire train``'s settings) the job is read from.
+_JOB_KEYS = ("model", "seq_len", "batch", "grad_accum", "precision", "activation_checkpointing", "compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a profile measured of one rank's step (medians over its steps), and the job it ran."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    ranks: int  # the profiled job's, whose shards the optimizer stepped
+    model: ModelSpec
+    training: TrainingSpec
+
+
+def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profile") -> ClusterSpec:
+    """``cluster`` with its GPU's compute model fitted to ``measured``; raises ``SpecError`` when the
+    measurement cannot come from that GPU (faster than its peak, or than its memory-bound work)."""
+    arch = architecture(measured.model, measured.training.compute_bytes)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * arch.params / measured.ranks / measured.optimizer_s
+    flops_bound = _compute_s(arch, dataclasses.replace(cluster, memory_bandwidth_GBps=None), measured.training)
+    memory_bound = _compute_s(arch, cluster, measured.training) - flops_bound
+    flops_measured = measured.forward_s + measured.backward_s - memory_bound
+    if flops_measured <= 0:
+        raise SpecError(f"{source}: its forward and backward ({measured.forward_s + measured.backward_s:.4g} s) "
+                        f"take less than their memory-bound work alone at cluster {cluster.name!r}'s memory "
+                        f"bandwidth ({memory_bound:.4g} s): was the profile taken of this model and batch, on "
+                        f"this GPU?")
+    scale = flops_bound / flops_measured
+    fitted = {key: getattr(cluster, key) * scale for key in ("matmul_efficiency", "attention_efficiency")}
+    if max(fitted.values()) > 1:
+        raise SpecError(f"{source}: its compute runs faster than cluster {cluster.name!r}'s peak allows "
+                        f"({max(fitted.values()):.2f} of it): give the peak_tflops of the GPU it was measured on")
+    return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
+                             "name": f"{cluster.name} (calibrated by {os.path.basename(source)})"})
+
+
+def read_profile(path: str, load_model) -> Measured:
+    """The ``Measured`` of a ``profile.json``; ``load_model(name, seq_len)`` describes the model its
+    job named (as ``shardwire train --model`` takes it)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as err:
+        raise SpecError(f"cannot read profile {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path} is not JSON ({err}); give the profile.json `shardwire train --profile` "
+                        f"wrote") from None
+    try:
+        figures = doc["summary"]["figures"]
+        config = doc["metadata"]["config"]
+        job = {key: config[key] for key in _JOB_KEYS}
+        seconds = [figures[f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")]
+        ranks = doc["world_size"]
+    except (KeyError, TypeError) as err:
+        raise SpecError(f"{path} lacks {err} where a profile of `shardwire train --profile` has it") from None
+    if not all(isinstance(s, (int, float)) and s > 0 for s in seconds):
+        raise SpecError(f"{path}: its forward, backward and optimizer times must be positive, got {seconds}")
+    training = parse("training", {"micro_batch": job["batch"], "grad_accum": job["grad_accum"],
+                                  "precision": job["precision"], "compile": job["compile"],
+                                  "activation_checkpointing": job["activation_checkpointing"]})
+    return Measured(*seconds, ranks=ranks, model=load_model(job["model"], job["seq_len"]), training=training)
+
+
+def _compute_s(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Forward and backward of a step on one GPU, as the compute model times them."""
+    units = (arch.root, *arch.units)
+    return training.grad_accum * sum(forward_s(u, cluster, training) + backward_s(u, cluster, training)
+                                     for u in units)
+

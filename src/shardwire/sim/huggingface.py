@@ -1,0 +1,74 @@
+"""A Hugging Face causal LM's ``config.json`` as the simulator describes a model, read without torch or
+transformers: ``shardwire simulate --model hf:...`` and ``shardwire plan`` take what ``shardwire
+train --model hf:...`` takes, and start at once.
+
+The sizes go by the names Llama's and GPT-2's configs give them (``num_hidden_layers`` or
+``n_layer``, ...). Which families have a gated MLP and RMSNorm is a fact of their modelling code,
+not of the config: ``GATED_RMSNORM_FAMILIES`` lists the ``model_type``s built so (Llama and its
+descendants); others are taken as GPT-2's (4 h GELU MLP, LayerNorm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from shardwire.sim.specs import ModelSpec
+
+HF_PREFIX = "hf:"
+GATED_RMSNORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite", "phi3")
+# Tokens per sequence when none is asked for: the model's positions, at most this many.
+DEFAULT_SEQ_LEN = 1024
+
+
+def read_config(source: str) -> dict:
+    """The fields of ``source``: a directory holding ``config.json``, a JSON file, or inline JSON.
+    Raises ``ValueError`` saying what is wrong."""
+    if source.lstrip().startswith("{"):
+        try:
+            fields = json.loads(source)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"hf:{source}: not JSON ({err})") from None
+    else:
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        if not os.path.isfile(path):
+            raise ValueError(f"hf:{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"hf:{source}: cannot read {path}: {err}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"hf:{source}: a config is a JSON mapping, got {type(fields).__name__}")
+    return fields
+
+
+def seq_len_of(fields: Mapping, seq_len: int | None) -> int:
+    """Tokens per sequence: as asked, else the model's positions up to ``DEFAULT_SEQ_LEN``; raises
+    ``ValueError`` when asked for more than the model has."""
+    positions = fields.get("max_position_embeddings") or fields.get("n_positions") or DEFAULT_SEQ_LEN
+    length = seq_len or min(positions, DEFAULT_SEQ_LEN)
+    if length > positions:
+        raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")
+    return length
+
+
+def spec_from_config(fields: Mapping, *, name: str, seq_len: int, gated: bool | None = None) -> ModelSpec:
+    """The decoder ``fields`` describe at ``seq_len`` tokens; ``gated``: whether its MLP is (default:
+    by its family). Raises ``ValueError`` when the config names no sizes this reader knows."""
+    def first(*keys):
+        return next((fields[key] for key in keys if fields.get(key) is not None), None)
+
+    layers, hidden = first("num_hidden_layers", "n_layer"), first("hidden_size", "n_embd")
+    heads, vocab = first("num_attention_heads", "n_head"), first("vocab_size")
+    if None in (layers, hidden, heads, vocab):
+        raise ValueError(f"{name}: its config gives no layers, hidden size, heads or vocabulary under the names "
+                         f"Llama's or GPT-2's configs use (num_hidden_layers/n_layer, hidden_size/n_embd, "
+                         f"num_attention_heads/n_head, vocab_size)")
+    llama_like = fields.get("model_type") in GATED_RMSNORM_FAMILIES
+    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=first("num_key_value_heads"),
+                     vocab=vocab, seq_len=seq_len, ffn_hidden=first("intermediate_size", "n_inner"),
+                     ffn_gated=llama_like if gated is None else gated, norm="rmsnorm" if llama_like else "layernorm",
+                     tied_embeddings=bool(fields.get("tie_word_embeddings", True)),
+                     learned_positions=not llama_like)

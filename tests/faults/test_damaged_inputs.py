@@ -1,0 +1,118 @@
+"""Damaged or hostile input is one line, found before any worker starts, instead of a traceback
+from every worker: a config or spec that is not UTF-8, weights that are damaged, a pickle that
+would run code, an index naming files outside the model, units that cannot shard; at run time, a
+log that cannot be written; and a damaged token cache is tokenised again."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from harness import save_tokenizer
+from shardwire.cli import main
+from shardwire.training.data import load_corpus
+from shardwire.training.scalars import ScalarLog
+
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 64}
+
+
+def test_text_that_is_not_utf8_or_holds_what_yaml_refuses_is_one_line(tmp_path, capsys):
+    latin1 = tmp_path / "job.yaml"
+    latin1.write_bytes("model: café\n".encode("latin-1"))
+    assert main(["train", "--config", str(latin1)]) == 2
+    assert f"--config {latin1} is not UTF-8 text (byte 10 is 0xe9): save it as UTF-8" in capsys.readouterr().err
+    assert main(["simulate", "--model", str(latin1), "--cluster", "a100-100gbe"]) == 2
+    assert f"model file {latin1} is not UTF-8 text" in capsys.readouterr().err
+    latin1.write_bytes(b"steps: 7\x00\n")
+    assert main(["train", "--config", str(latin1)]) == 2
+    assert "is neither JSON nor YAML: unacceptable character #x0000" in capsys.readouterr().err
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A GPT-2 directory as save_pretrained writes it: config.json and model.safetensors."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    directory = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**GPT2)).save_pretrained(directory)
+    return directory
+
+
+def refused(model_dir, *extra: str) -> str:
+    with pytest.raises(SystemExit) as refusal:
+        main(["train", "--model", f"hf:{model_dir}", *extra])
+    assert "\n" not in str(refusal.value)
+    return str(refusal.value)
+
+
+def test_damaged_weights_are_refused_before_any_worker(model_dir):
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert refused(model_dir).startswith(f"error: hf:{model_dir}: model.safetensors is damaged (")
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_runs(model_dir, tmp_path):
+    marker = tmp_path / "marker"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (model_dir / "model.safetensors").unlink()
+    torch.save({"transformer.wte.weight": Payload()}, model_dir / "pytorch_model.bin")
+    assert "pytorch_model.bin holds more than tensors" in refused(model_dir)
+    assert not marker.exists()
+
+
+def test_an_index_naming_files_outside_the_model_is_refused(model_dir, tmp_path):
+    (model_dir / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    index = {"metadata": {}, "weight_map": {"transformer.wte.weight": "../elsewhere.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "names '../elsewhere.safetensors', not a file of the model's directory" in refused(model_dir)
+    index["weight_map"] = {"transformer.wte.weight": "missing.safetensors"}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "missing.safetensors is missing" in refused(model_dir)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"n_embd": -1}, "Trying to create tensor with negative dimension -1"),
+    ({"n_layer": "two"}, "Validation error for field 'n_layer'"),
+])
+def test_a_config_transformers_cannot_build_is_one_line(fields, message, model_dir):
+    (model_dir / "config.json").write_text(json.dumps({**GPT2, **fields}))
+    assert message in refused(model_dir)
+
+
+@pytest.mark.parametrize("units, message", [
+    ("GPT2LMHeadModel", "--units GPT2LMHeadModel: units selects the model itself"),
+    ("GPT2Block,GPT2Attention", "--units GPT2Block,GPT2Attention: units nest"),
+    (",", "--units ',' names no class"),
+])
+def test_units_that_cannot_shard_are_refused_before_any_worker(units, message, model_dir):
+    assert message in refused(model_dir, "--units", units)
+
+
+def test_a_log_that_cannot_be_written_is_one_line_and_training_goes_on(capsys):
+    log = ScalarLog(jsonl="/dev/full")
+    log.write(10, {"loss": 1.0})
+    log.write(20, {"loss": 0.5})
+    log.close()
+    assert capsys.readouterr().err == ("warning: --log-jsonl /dev/full: No space left on device; training goes on "
+                                       "without this log from step 10\n")
+
+
+def test_a_damaged_token_cache_is_tokenised_again(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    save_tokenizer(tmp_path / "tokenizer")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 500)
+    first = load_corpus(str(text), seq_len=16, tokenizer=str(tmp_path / "tokenizer"))
+    ids, cache = np.array(first.ids), first.name
+    for damage in (b"", b"\x93NUMPY damaged", open(cache, "rb").read()[:-10]):
+        with open(cache, "wb") as f:
+            f.write(damage)
+        again = load_corpus(str(text), seq_len=16, tokenizer=str(tmp_path / "tokenizer"))
+        assert again.name == cache and np.array_equal(again.ids, ids)
