@@ -123,6 +123,12 @@ class Layout:
                 f"NCCL (its reductions make subgroups of the nodes, which split the default communicator): shard "
                 f"over the default group, or leave gradients unquantized"
             )
+        if sync is not None and sync.codec is not None and device.type == "cuda" and group is not dist.group.WORLD:
+            raise ValueError(
+                f"sync wire={sync.wire!r} over a process group other than the default one is not supported on NCCL "
+                f"(its all-reduce makes subgroups of the nodes, as quantized gradients do): shard over the default "
+                f"group, or sync with wire=none"
+            )
         built = dataclasses.replace(_communicators(layout, size, world, device, timeout), sync=sync)
         if wire.grads is not None:
             for comm in built.communicators:
