@@ -16,14 +16,15 @@ Streaming (Streaming DiLoCo): with ``fragments`` F, the units are dealt to F fra
 (strided, so each fragment is a slice through the whole depth, which Streaming DiLoCo found better
 than contiguous layers), and fragment ``f`` syncs after the steps that are ``(f + 1) H // F``
 modulo ``H``: every fragment once per ``H`` steps, one about every ``H / F`` steps. Each sync is
-issued when the forward after its step starts and runs behind the next ``overlap`` inner steps (by
-default ``H // F``, until the next fragment's sync is due), so the link carries ``1/H`` of the
-model per step, all the time, instead of the whole model at once. Without fragments the default is
-no overlap, as in DiLoCo: a whole model that runs a period behind leaves the groups apart for two. Meanwhile the group goes on from
-an outer step taken at once with its own change in place of the average (Kale et al.'s eager
-updates, 2025); when the average arrives, the true outer step replaces it under the inner progress
-made since, which is part of the next sync's change (so every step's progress is averaged exactly
-once). ``overlap=0`` is DiLoCo itself: the step waits for its sync.
+issued when the training forward after its step starts and runs behind the next ``overlap`` inner
+steps (by default ``H // F``, until the next fragment's sync is due), so the link carries ``1/H``
+of the model per step, all the time, instead of the whole model at once. Without fragments the
+default is no overlap, as in DiLoCo: a whole model that runs a period behind leaves the groups
+apart for two. Meanwhile the group goes on from an outer step taken at once with its own change in
+place of the average (Kale et al.'s eager updates, 2025); when the average arrives, the true outer
+step replaces it under the inner progress made since, which is part of the next sync's change (so
+every step's progress is averaged exactly once). ``overlap=0`` is DiLoCo itself: the step waits
+for its sync.
 
 It changes the optimisation: the groups' models differ between syncs, and the outer step is not
 the average of the steps synchronous training takes. BENCHMARKS.md measures the validation loss
@@ -79,7 +80,7 @@ class Sync:
                              f"got {self.overlap!r}")
 
     @classmethod
-    def parse(cls, sync: "Sync | str | None") -> "Sync | None":
+    def parse(cls, sync: Sync | str | None) -> Sync | None:
         """None or "none": no sync (synchronous training); a ``Sync``; or the command line's form,
         comma-separated ``key=value`` pairs of its fields, e.g. "every=50,fragments=4,wire=int4"
         (the fields left out take their defaults)."""
@@ -110,9 +111,8 @@ class Sync:
     @property
     def lag(self) -> int:
         """Inner steps a sync runs behind: ``overlap``; by default, in fragments, until the next
-        fragment's is due (the spacing), and for the whole model at once none. A sync that runs
-        behind all of ``every`` leaves each group on its own for two periods, which costs more than
-        the overlap saves (BENCHMARKS.md)."""
+        fragment's is due (the spacing), and for the whole model at once none: a sync that runs
+        behind all of ``every`` would leave each group on its own for two periods."""
         if self.overlap is not None:
             return self.overlap
         return self.spacing if self.fragments > 1 else 0

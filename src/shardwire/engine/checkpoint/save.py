@@ -47,11 +47,11 @@ from shardwire.engine.checkpoint.claim import claim
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     MANIFEST,
+    OUTER_SCHEDULE,
     REPLICATED,
     CheckpointError,
     FileRecord,
     FlatRecord,
-    OUTER_SCHEDULE,
     Manifest,
     buffer_key,
     buffer_records,
