@@ -15,8 +15,13 @@ clipping (``benchmarks/systems.py``):
 * fsdp2: ``fully_shard`` on each Block and on the root with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
 
-All three use SDPA attention (flash kernels on Hopper) and no activation checkpointing. For each size,
-``--rounds`` rounds build every system in turn (the order reversed every other round, so that drift
+All three use SDPA attention (flash kernels on Hopper) and no activation checkpointing.
+``--variants`` says how their blocks run, each variant a run of every system: ``eager``; ``compiled``,
+each block compiled as torchtitan compiles them (``shard(compile=True)``; ``torch.compile`` of each
+block before ``fully_shard``, and of each block of the unsharded model); ``fp8``, compiled with the
+blocks' linear layers converted to torchao's float8 training (dynamic tensorwise scales, torchao's
+default and torchtitan's), FSDP2 gathering their weights in fp8 as torchtitan runs it. For each size,
+``--rounds`` rounds build every run in turn (the order reversed every other round, so that drift
 falls on all alike), run ``--warmup`` steps, time ``--steps`` steps (each between two device
 synchronizations) and free it. Reported per system: the median step, tokens/s, MFU (6N + 12LHS per
 token, ``shardwire.profile.flops``, over the data sheet's dense bf16 peak: 989 TFLOP/s for the H100
@@ -43,26 +48,35 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from systems import TrainingStep, wrap  # noqa: E402
+from systems import TrainingStep, compile_blocks, wrap  # noqa: E402
 
 from shardwire import worker  # noqa: E402
-from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
+from shardwire.models import fp8 as float8  # noqa: E402
+from shardwire.models.gpt import GPT, PRESETS, Block  # noqa: E402
 from shardwire.profile.flops import datasheet_peak_tflops, flops_per_token  # noqa: E402
 
 SYSTEMS = ("unsharded", "shardwire", "fsdp2")
+# eager; compiled: each block compiled; fp8: compiled, the blocks' linear layers multiplying in fp8
+VARIANTS = ("eager", "compiled", "fp8")
 SIZES = ("gpt-125m", "gpt-350m", "gpt-1.3b")
 BATCH = {"gpt-125m": 16, "gpt-350m": 16, "gpt-1.3b": 8}  # sequences per step; fit an 80 GB H100
 
 
-def build(system: str, size: str, batch: int, device: torch.device, dtype: torch.dtype,
+def build(system: str, variant: str, size: str, batch: int, device: torch.device, dtype: torch.dtype,
           fused: bool) -> TrainingStep:
     config = PRESETS[size]
     torch.manual_seed(0)
     with device:
         model = GPT(config)
+    compiled, fp8 = variant != "eager", variant == "fp8"
     if system == "unsharded":
+        if fp8:
+            float8.convert(model, [Block])
+        if compiled:
+            compile_blocks(model)
         return TrainingStep(None, model, config, batch, autocast=dtype, fused=fused)
-    return TrainingStep(system, wrap(system, model, compute_dtype=dtype), config, batch, fused=fused)
+    model = wrap(system, model, compute_dtype=dtype, compile=compiled, fp8=fp8)
+    return TrainingStep(system, model, config, batch, fused=fused)
 
 
 def timed(step: TrainingStep, warmup: int, steps: int, device: torch.device) -> list[float]:
@@ -83,48 +97,59 @@ def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: flo
     config = PRESETS[size]
     tokens = batch * config.seq_len
     flops = flops_per_token(config.spec(size)).model
-    times: dict[str, list[float]] = {system: [] for system in args.systems}
-    memory: dict[str, int] = {}
+    runs = [(system, variant) for variant in args.variants for system in args.systems]
+    times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    memory: dict[tuple[str, str], int] = {}
     for round_ in range(args.rounds):
-        for system in args.systems if round_ % 2 == 0 else reversed(args.systems):
+        for system, variant in runs if round_ % 2 == 0 else reversed(runs):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            step = build(system, size, batch, device, dtype, args.optimizer == "fused")
-            times[system] += timed(step, args.warmup, args.steps, device)
+            step = build(system, variant, size, batch, device, dtype, args.optimizer == "fused")
+            times[system, variant] += timed(step, args.warmup, args.steps, device)
             if device.type == "cuda":
-                memory[system] = max(memory.get(system, 0), torch.cuda.max_memory_allocated(device))
+                memory[system, variant] = max(memory.get((system, variant), 0), torch.cuda.max_memory_allocated(device))
             del step
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     systems = {}
-    for system, seconds in times.items():
+    for (system, variant), seconds in times.items():
         step_s = statistics.median(seconds)
         tflops = flops * tokens / step_s / 1e12
-        systems[system] = {
+        systems[_name(system, variant)] = {
+            "system": system,
+            "variant": variant,
             "step_times_s": seconds,
             "median_step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "model_tflops": tflops,
             "mfu": tflops / peak if peak else None,
-            "peak_memory_bytes": memory.get(system),
+            "peak_memory_bytes": memory.get((system, variant)),
         }
     return {"batch": batch, "seq_len": config.seq_len, "params": config.num_params(),
             "flops_per_token": flops, "systems": systems}
 
 
+def _name(system: str, variant: str) -> str:
+    """A run's name: the system, and how its blocks ran where not eagerly ("fsdp2 compiled")."""
+    return system if variant == "eager" else f"{system} {variant}"
+
+
 def table(results: dict) -> str:
-    lines = [f"{'size':<9} {'system':<10} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
+    """Each run's figures, and its step over the unsharded model's and FSDP2's of the same variant."""
+    lines = [f"{'size':<9} {'system':<19} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
              f"{'peak GiB':>8} {'/unsharded':>10} {'/fsdp2':>7}"]
     for size, result in results.items():
         systems = result["systems"]
-        for system, row in systems.items():
-            ratio = {other: row["median_step_s"] / systems[other]["median_step_s"] if other in systems else None
-                     for other in ("unsharded", "fsdp2")}
+        for name, row in systems.items():
+            ratio = {}
+            for other in ("unsharded", "fsdp2"):
+                same = systems.get(_name(other, row["variant"]))
+                ratio[other] = row["median_step_s"] / same["median_step_s"] if same else None
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
             peak = f"{row['peak_memory_bytes'] / 2**30:.1f}" if row["peak_memory_bytes"] else "-"
             lines.append(
-                f"{size:<9} {system:<10} {row['median_step_s'] * 1e3:>8.1f} {row['tokens_per_s']:>9.0f} "
+                f"{size:<9} {name:<19} {row['median_step_s'] * 1e3:>8.1f} {row['tokens_per_s']:>9.0f} "
                 f"{row['model_tflops']:>8.1f} {mfu:>6} {peak:>8} "
                 + " ".join(f"{value:>{width}.3f}x" if value else f"{'-':>{width + 1}}"
                            for value, width in ((ratio["unsharded"], 9), (ratio["fsdp2"], 6))))
@@ -171,6 +196,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=sorted(PRESETS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--variants", nargs="+", default=["eager"], choices=VARIANTS,
+                        help="how the blocks run: eager, compiled (torch.compile per block), fp8 (compiled, "
+                             "their linear layers multiplying in fp8 through torchao)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: per size, %s)" % BATCH)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)

@@ -23,6 +23,7 @@ from shardwire.comm.communicator import Pending
 from shardwire.comm.records import CommRecord
 from shardwire.comm.wire import Wire
 from shardwire.engine.shard import engine_of
+from shardwire.models import fp8 as float8
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
 # Each shardwire system: (sharding layout, wire).
@@ -37,15 +38,24 @@ SYSTEMS = (*SHARDWIRE_SYSTEMS, "fsdp2", "fsdp2-hsdp", "ddp")
 
 
 def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int = 2,
-         compute_dtype: torch.dtype | None = None) -> nn.Module:
+         compute_dtype: torch.dtype | None = None, compile: bool = False, fp8: bool = False) -> nn.Module:
     """``model`` as ``system`` trains it. ``compute_dtype`` (the sharded systems): units compute in it
-    and reduce gradients in fp32, the master weights staying in the model's own dtype."""
+    and reduce gradients in fp32, the master weights staying in the model's own dtype. ``compile``:
+    each block compiled, as torchtitan compiles them (shardwire: ``shard(compile=True)``; otherwise
+    each block replaced by its ``torch.compile``'d module before it is sharded). ``fp8``: the blocks'
+    linear layers converted to torchao's float8 training before sharding (FSDP2 gathering them in
+    fp8, as torchtitan runs it; shardwire gathers the compute dtype)."""
+    fsdp = system in ("fsdp2", "fsdp2-hsdp")
+    if fp8:
+        float8.convert(model, [Block], enable_fsdp_float8_all_gather=fsdp)
     if system in SHARDWIRE_SYSTEMS:
         layout, wire = SHARDWIRE_SYSTEMS[system]
         precision = shardwire.MixedPrecision(compute_dtype, torch.float32) if compute_dtype else None
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               layout=layout, wire=wire, mixed_precision=precision)
-    if system in ("fsdp2", "fsdp2-hsdp"):
+                               layout=layout, wire=wire, mixed_precision=precision, compile=compile)
+    if compile:
+        compile_blocks(model)
+    if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -65,6 +75,13 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
     if system == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Replace each block of ``model`` by its compiled module (torchtitan's per-block compile): a
+    wrapper applied after it sees its hooks outside the compiled graph."""
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block, fullgraph=True)
 
 
 def clip(system: str | None, model: nn.Module, max_norm: float) -> torch.Tensor:

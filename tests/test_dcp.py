@@ -385,3 +385,17 @@ def test_a_checkpoint_loads_into_an_unsharded_model(at_three_ranks, tmp_path):
     unsharded = GPT(TWO_BLOCKS)
     unsharded.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True)["model"])
     assert same(unsharded.state_dict(), three[0]["trained"][0])
+
+
+def _round_trip(rank, world, root):
+    model, optimizer = built("gpt", seed=0)
+    train(model, optimizer, rank, world, steps=2)
+    save(model, optimizer, f"{root}/checkpoint")
+    other, other_optimizer = built("gpt", seed=1)
+    train(other, other_optimizer, rank, world, steps=1)  # state of its own, which loading replaces
+    load(other, other_optimizer, f"{root}/checkpoint")
+    return same(whole(model, optimizer), whole(other, other_optimizer))
+
+
+def test_a_model_and_its_optimizer_come_back_from_dcp_as_saved(tmp_path):
+    assert run_workers(2, _round_trip, str(tmp_path)) == [True, True]

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 import shardwire
 from harness import run_workers
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
-
-pytestmark = pytest.mark.slow
 
 TINY = dataclasses.replace(PRESETS["tiny"], layers=2)
 

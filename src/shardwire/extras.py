@@ -12,7 +12,8 @@ import importlib
 from types import ModuleType
 
 # top-level package -> the extra of pyproject.toml that installs it
-EXTRAS = {"matplotlib": "plots", "yaml": "yaml", "transformers": "hf", "tensorboard": "tensorboard"}
+EXTRAS = {"matplotlib": "plots", "yaml": "yaml", "transformers": "hf", "tensorboard": "tensorboard",
+          "torchao": "fp8"}
 
 
 class MissingExtra(ImportError):

@@ -23,6 +23,7 @@ from shardwire.engine.layout import check_sync, group_size
 from shardwire.engine.sync import Sync
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
+from shardwire.models import fp8
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
 from shardwire.models.export import check_new_directory
 from shardwire.options import (
@@ -149,6 +150,8 @@ def _validate(config: TrainConfig) -> None:
     if config.print_launch:
         return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
+    if config.precision == "fp8" and (problem := fp8.unavailable(config.backend)) is not None:
         raise SystemExit(f"error: {problem}")
     if config.nproc is not None and not under_launcher():
         if (problem := worker.missing_gpus(config.backend, config.nproc)) is not None:

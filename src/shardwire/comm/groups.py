@@ -56,6 +56,9 @@ def _own_group(ranks: list[int], device: torch.device, timeout: datetime.timedel
     (``use_local_synchronization``). On gloo no rank waits for groups it is not in; on NCCL with a
     default group bound to a device, torch splits the default communicator, which every rank of the
     job joins: all ranks must create their groups together (``shard`` refuses hybrid layouts over
-    a subgroup there)."""
+    a subgroup there). torch orders a new group's ranks ascending unless told not to (``sort_ranks``,
+    which torch 2.11 lacks), so it is told only where ``ranks`` are in another order."""
     options = {"device_id": device} if device.type == "cuda" else {}
-    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True, sort_ranks=False, **options)
+    if ranks != sorted(ranks):
+        options["sort_ranks"] = False
+    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True, **options)

@@ -37,7 +37,9 @@ class TrainConfig:
     warmup: int = option(40, "warmup steps", at_least=0)
     weight_decay: float = option(0.1, "AdamW's weight decay of matrices (biases and norms get none)", at_least=0)
     clip: float = option(1.0, "max global gradient norm (0: off)", at_least=0)
-    precision: str = option("fp32", "compute dtype (master weights stay fp32)", choices=("fp32", "bf16", "fp16"))
+    precision: str = option("fp32", "compute dtype (master weights stay fp32); fp8: bf16, with the units' linear layers "
+                                    "multiplying in fp8 (torchao's float8 training)",
+                            choices=("fp32", "bf16", "fp16", "fp8"))
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
     prefetch: int = option(2, "units gathered ahead of use", at_least=0)
     reshard: bool = option(True, "release each unit's parameters after forward and gather again for backward")

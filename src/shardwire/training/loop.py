@@ -26,6 +26,7 @@ from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
+from shardwire.models import fp8
 from shardwire.models.export import save_pretrained
 from shardwire.models.gpt import loss_fn
 from shardwire.profile.comm import CommSummary
@@ -53,6 +54,11 @@ def _train(config: TrainConfig, device: torch.device) -> None:
     torch.manual_seed(config.seed)
     model = choice.build().to(device)
     params = sum(p.numel() for p in model.parameters())
+    if config.precision == "fp8":
+        try:
+            fp8.convert(model, choice.units)
+        except ValueError as err:
+            raise SystemExit(f"error: --precision fp8: {err}") from None
     shardwire.shard(
         model,
         units=list(choice.units),
@@ -62,7 +68,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         shard_group_size=config.shard_group_size,
         wire=config.wire,
         sync=config.sync,
-        mixed_precision=config.precision,
+        mixed_precision="bf16" if config.precision == "fp8" else config.precision,
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
         timeout=config.timeout,
