@@ -12,9 +12,9 @@ groups travels, quantized or not, as it would between nodes. Per cluster the ref
 training (hybrid: each gradient shard all-reduced between the groups at every step, which between
 nodes of one rank is DDP), with another seed beside it to show how far the loss moves for reasons
 that have nothing to do with syncing; then sync every H steps for each ``--every`` and
-``--fragments`` with the sync's other settings at their defaults (int4 with error feedback, outer
-SGD at 0.7 with Nesterov momentum 0.9, each sync overlapped with the inner steps until the next
-fragment's), and the ``--also`` settings. Every run of a cluster trains on the same tokens: the
+``--fragments`` with the sync's other settings at their defaults (int4 with error feedback, plain
+averaging, each sync overlapped with the inner steps until the next fragment's) or as ``--base``
+sets them, and the ``--also`` settings. Every run of a cluster trains on the same tokens: the
 same steps, batch and ranks. ``--parallel`` runs that many at once (each worker takes one thread):
 on a machine with as many cores as their workers, what each computes is the same.
 
@@ -101,7 +101,7 @@ def runs_of(args) -> list[tuple[str, str, str, list[str]]]:
     runs = []
     for cluster in args.clusters:
         runs += [(cluster, "synchronous", "none", []), (cluster, "synchronous, seed 1", "none", ["--seed", "1"])]
-        runs += [(cluster, sync, sync, []) for sync in [*syncs, *args.also]]
+        runs += [(cluster, sync, f"{args.base},{sync}" if args.base else sync, []) for sync in [*syncs, *args.also]]
     return runs
 
 
@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--also", nargs="*", help="more --sync settings to run on each cluster",
                         default=["every=20,fragments=4,overlap=0", "every=20,fragments=4,wire=none",
                                  "every=20,fragments=4,outer_lr=1,momentum=0"])
+    parser.add_argument("--base", default="", help="key=value settings of every sync run, before its own "
+                                                   "(which win), e.g. outer_lr=0.7,momentum=0.9")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("train_args", nargs="*", help="more `shardwire train` options, after --")

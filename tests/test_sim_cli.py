@@ -243,7 +243,7 @@ def test_plan_marks_lossy_wires_and_searches_exact_ones_alone(capsys):
 
 def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_path):
     """The GPT sizes and hf: configs (read without torch) get a command; a model train does not
-    name, and fp8 compute, get the shard(...) arguments and the reason there is no command."""
+    name, and fp8 gathers, get the shard(...) arguments and the reason there is no command."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8,
                                   "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
@@ -256,7 +256,10 @@ def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_
     status, out, _ = run(capsys, "plan", "--model", "llama2-7b", *cluster)
     assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
     status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training", "{precision: fp8}")
-    assert status == 0 and "the engine does not compute in fp8 yet" in out and "run:   torchrun" not in out
+    assert status == 0 and "--precision fp8" in out and "run:   torchrun" in out
+    status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training",
+                         "{precision: fp8, fp8_all_gather: true}")
+    assert status == 0 and "(fp8 gathers) is simulated, not run" in out and "run:   torchrun" not in out
     status, _, err = run(capsys, "plan", "--model", "gpt-350m", "--cluster", "a100-100gbe", "--nodes", "1",
                          "--global-batch", "16", "--training", "{precision: fp8}")
     assert status == 2 and "precision fp8 needs fp8 tensor cores" in err

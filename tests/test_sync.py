@@ -28,7 +28,7 @@ def test_sync_settings_parse_and_round_trip():
     assert Sync.parse("every=5, wire=none, overlap=0") == Sync(every=5, wire=None, overlap=0)
     for sync in (Sync(), Sync(every=7, fragments=3, wire=None, outer_lr=0.5, momentum=0.0, overlap=1)):
         assert Sync.parse(str(sync)) == sync
-    assert Sync() == Sync(every=20, fragments=4, wire="int4", outer_lr=0.7, momentum=0.9)  # DiLoCo's outer SGD
+    assert Sync() == Sync(every=20, fragments=4, wire="int4", outer_lr=1.0, momentum=0.0)  # plain averaging
 
 
 def test_each_fragment_syncs_once_every_h_steps_at_staggered_steps():
@@ -360,7 +360,7 @@ def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tm
            "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
     assert main([*job, "--steps", "6", "--profile", "--run-dir", str(tmp_path / "run")]) == 0
     out = capfd.readouterr().out
-    assert "layout hybrid (2 groups of 1, sync every=4,fragments=2,wire=int4,outer_lr=0.7,momentum=0.9)" in out
+    assert "layout hybrid (2 groups of 1, sync every=4,fragments=2,wire=int4,outer_lr=1,momentum=0)" in out
     assert "validation loss" in out
     profile = json.loads((tmp_path / "run" / "profile.json").read_text())
     synced = [step["step"] for step in profile["steps"]

@@ -7,7 +7,9 @@ a group the engine shards as ever and its optimizer steps every step (the *inner
 gradient crosses between groups. Every ``every`` steps (``H``), the change of each group's
 parameters since the last sync (DiLoCo's outer gradient, ``anchor - parameters``) is averaged
 across the groups and applied to the anchor, the parameters all groups last agreed on, by an
-*outer* optimizer: SGD with Nesterov momentum (DiLoCo's defaults: learning rate 0.7, momentum 0.9).
+*outer* optimizer: SGD with Nesterov momentum. Its defaults, learning rate 1 and no momentum (the
+anchor becomes the groups' mean), are what BENCHMARKS.md measured best at equal tokens; DiLoCo's
+0.7 and 0.9, tuned on runs of many more outer steps, ended further from synchronous training there.
 Each group then continues from the new anchor. What crosses nodes is one all-reduce of the model
 per ``H`` steps instead of one per step, quantized by ``wire`` (int8 or int4 blocks with error
 feedback, as ``shard(wire=...)`` quantizes gradients: ``shardwire.comm.wire``).
@@ -56,8 +58,8 @@ class Sync:
     every: int = 20
     fragments: int = 4
     wire: str | None = "int4"
-    outer_lr: float = 0.7
-    momentum: float = 0.9
+    outer_lr: float = 1.0
+    momentum: float = 0.0
     overlap: int | None = None
 
     def __post_init__(self):

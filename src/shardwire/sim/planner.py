@@ -13,7 +13,7 @@ searches exact collectives only. The precision and compilation come from the bas
 configuration; the rest is what the engine runs (its sliding window, reductions in fp32, gradient
 accumulation under ``no_sync``), so that every configuration the planner names is one ``shard()``
 and ``shardwire train`` run: ``launch`` gives the command and the arguments for both, and says why
-where the engine cannot run it (fp8 compute, a model ``shardwire train`` does not name). Candidates
+where the engine cannot run it (fp8 gathers, a model ``shardwire train`` does not name). Candidates
 whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
 ``TIE``) going to the one that needs less memory (an exact wire keeps no error feedback).
 
@@ -194,7 +194,9 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     shard_args = {"layout": layout}
     if layout in _HYBRID:
         shard_args["shard_group_size"] = group_size(cluster, t)
-    shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": t.precision,
+    # fp8: the model's linear layers converted first (shardwire.models.fp8), computing in bf16 around them
+    precision = "bf16" if t.precision == "fp8" else t.precision
+    shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": precision,
                    "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
     sync = None if t.sync == "none" else t.sync
     if sync is not None:
@@ -224,8 +226,9 @@ def _unrunnable(t: TrainingSpec, model_argument: str) -> str | None:
     if not (model_argument in GPT_SIZES or model_argument.startswith(HF_PREFIX)):
         return (f"shardwire train names no model {model_argument!r}: plan --model with one of its GPT sizes "
                 f"({', '.join(GPT_SIZES)}) or hf:CONFIG (a Hugging Face config.json of the architecture)")
-    if t.precision == "fp8":
-        return "the engine does not compute in fp8 yet: this configuration is simulated, not run"
+    if t.precision == "fp8" and t.fp8_all_gather:
+        return ("the engine gathers fp8 layers' weights in bf16, not in fp8: this configuration (fp8 gathers) is "
+                "simulated, not run")
     return None
 
 
