@@ -1,12 +1,15 @@
 """Measurements shared by the benchmarks: peak resident memory, bytes on a network interface, a
-step's time on the slowest rank, and worker launching. All of them observe the processes from outside
-the systems being compared, so every system is measured the same way."""
+step's time on the slowest rank, worker launching, and ``shardwire train`` jobs whose losses the
+quality benchmarks compare. All of them observe the processes from outside the systems being
+compared, so every system is measured the same way."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -104,3 +107,55 @@ def run_torchrun(nproc: int, script: str, args: list[str], *, threads: int, env:
         subprocess.run([*cmd, script, "--worker", "--out", out, *args], check=True, env=env)
         with open(out) as f:
             return json.load(f)
+
+
+_STEP = re.compile(r"^step\s+(\d+)/\d+ .*?loss ([\d.]+)(?:.*?val ([\d.]+))?")
+_DONE = re.compile(r"^done: .*validation loss ([\d.]+)")
+
+
+def train_on_nodes(nodes: int, ranks: int, train_args: list[str], *, what: str) -> str:
+    """Run ``shardwire train TRAIN_ARGS`` as ``nodes`` torchrun launchers of ``ranks`` ranks each, on
+    this machine (each launcher a node to torchrun, meeting on a free local port; one intra-op thread
+    a rank), and return the first node's output. ``what`` names the run in the error if any fails."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
+             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "-m", "shardwire", "train", *train_args],
+            stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL, text=True, env=env)
+        for node in range(nodes)
+    ]
+    output, _ = launchers[0].communicate()
+    if any(launcher.wait() != 0 for launcher in launchers):
+        raise RuntimeError(f"the run {what} failed:\n{output[-2000:]}")
+    return output
+
+
+def losses(output: str) -> tuple[dict[int, float], dict[int, float], float | None]:
+    """From ``shardwire train``'s output: the training loss and the validation loss of each progress
+    line, by step, and the final validation loss of its ``done`` line (None without one)."""
+    train_loss, val_loss, final = {}, {}, None
+    for line in output.splitlines():
+        if match := _STEP.match(line):
+            train_loss[int(match.group(1))] = float(match.group(2))
+            if match.group(3):
+                val_loss[int(match.group(1))] = float(match.group(3))
+        elif match := _DONE.match(line):
+            final = float(match.group(1))
+    return train_loss, val_loss, final
+
+
+def write_report(out_dir: str, stem: str, record: dict, text: str, plot) -> None:
+    """``record`` as ``stem.json``, the table ``text`` as ``stem.md`` and ``plot(path)``'s figure as
+    ``stem.png`` in ``out_dir``; then print the table."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text + "\n")
+    plot(os.path.join(out_dir, f"{stem}.png"))
+    print(text)

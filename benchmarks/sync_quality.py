@@ -38,52 +38,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measure import losses, train_on_nodes, write_report  # noqa: E402
+
 LOSS_TOLERANCE, BYTES_FACTOR = 0.02, 100
-_STEP = re.compile(r"^step\s+(\d+)/\d+ .*?loss ([\d.]+)(?:.*?val ([\d.]+))?")
-_DONE = re.compile(r"^done: .*validation loss ([\d.]+)")
 
 
 def run_job(cluster: str, sync: str, train_args: list[str]) -> dict:
     """One run on ``cluster`` (NODESxRANKS) with ``--sync sync``: rank 0's losses and the bytes its
     all-reduces sent per step, from its profile."""
     nodes, ranks = (int(n) for n in cluster.split("x"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    what = f"on {cluster} with --sync {sync}"
     with tempfile.TemporaryDirectory() as run_dir:
-        launchers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
-                 "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                 "-m", "shardwire", "train", "--backend", "gloo", "--layout", "hybrid", "--shard-group-size",
-                 str(ranks), "--sync", sync, "--profile", "--run-dir", run_dir, *train_args],
-                stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL, text=True, env=env)
-            for node in range(nodes)
-        ]
-        output, _ = launchers[0].communicate()
-        if any(launcher.wait() != 0 for launcher in launchers):
-            raise RuntimeError(f"the run on {cluster} with --sync {sync} failed:\n{output[-2000:]}")
+        output = train_on_nodes(nodes, ranks, ["--backend", "gloo", "--layout", "hybrid", "--shard-group-size",
+                                               str(ranks), "--sync", sync, "--profile", "--run-dir", run_dir,
+                                               *train_args], what=what)
         with open(os.path.join(run_dir, "profile.json")) as f:
             profile = json.load(f)
-    train_loss, val_loss, final = {}, {}, None
-    for line in output.splitlines():
-        if match := _STEP.match(line):
-            train_loss[int(match.group(1))] = float(match.group(2))
-            if match.group(3):
-                val_loss[int(match.group(1))] = float(match.group(3))
-        elif match := _DONE.match(line):
-            final = float(match.group(1))
+    train_loss, val_loss, final = losses(output)
     if final is None:
-        raise RuntimeError(f"no final validation loss in the output of the run on {cluster} with --sync {sync}:\n"
-                           f"{output[-2000:]}")
+        raise RuntimeError(f"no final validation loss in the output of the run {what}:\n{output[-2000:]}")
     sent = [_rank_0(step)["all_reduce_wire_bytes"] for step in profile["steps"]]
     return {"train_loss": train_loss, "val_loss": val_loss, "final_val_loss": final,
             "all_reduce_wire_bytes_per_step": sum(sent) / len(sent),
@@ -187,16 +166,10 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {}
     for (cluster, label, _, _), result in zip(runs, done):
         results.setdefault(cluster, {})[label] = result
-    os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python", "benchmarks/sync_quality.py", *sys.argv[1:]])
     rows = rows_of(results)
-    with open(os.path.join(args.out_dir, "sync.json"), "w") as f:
-        json.dump({"command": command, "train_args": train_args, "runs": results, "rows": rows}, f, indent=1)
-    text = table(rows, command)
-    with open(os.path.join(args.out_dir, "sync.md"), "w") as f:
-        f.write(text + "\n")
-    plot(results, os.path.join(args.out_dir, "sync.png"))
-    print(text)
+    write_report(args.out_dir, "sync", {"command": command, "train_args": train_args, "runs": results, "rows": rows},
+                 table(rows, command), lambda path: plot(results, path))
 
 
 if __name__ == "__main__":

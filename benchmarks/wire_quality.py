@@ -23,12 +23,12 @@ It writes quality.json (every loss), quality.md (the table) and quality.png (the
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import socket
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measure import losses, train_on_nodes, write_report  # noqa: E402
 
 # Each run: its label, its --wire, the other options it adds, and its target (None: none).
 RUNS = {
@@ -39,34 +39,12 @@ RUNS = {
     "params=int8,grads=int4,error_feedback=off": ("params=int8,grads=int4,error_feedback=off", [], None),
 }
 SPIKE_AFTER, SPIKE_RATIO = 50, 1.10
-_STEP = re.compile(r"^step\s+(\d+)/\d+ .*?loss ([\d.]+)(?:.*?val ([\d.]+))?")
 
 
 def run_job(wire: str, train_args: list[str]) -> dict:
     """Two launchers of one rank each, as two nodes; rank 0's losses, parsed from its progress lines."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launchers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "-m", "shardwire", "train", "--backend", "gloo", "--wire", wire, *train_args],
-            stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL, text=True, env=env)
-        for node in (0, 1)
-    ]
-    output, _ = launchers[0].communicate()
-    if any(launcher.wait() != 0 for launcher in launchers):
-        raise RuntimeError(f"the run with --wire {wire} failed:\n{output[-2000:]}")
-    train_loss, val_loss = {}, {}
-    for line in output.splitlines():
-        match = _STEP.match(line)
-        if match:
-            step = int(match.group(1))
-            train_loss[step] = float(match.group(2))
-            if match.group(3):
-                val_loss[step] = float(match.group(3))
+    output = train_on_nodes(2, 1, ["--backend", "gloo", "--wire", wire, *train_args], what=f"with --wire {wire}")
+    train_loss, val_loss, _ = losses(output)
     if not train_loss or max(train_loss) not in val_loss:
         raise RuntimeError(f"no validation loss at the last step in the output of the run with --wire {wire} "
                            f"(give --eval-every a divisor of the steps):\n{output[-2000:]}")
@@ -145,16 +123,10 @@ def main() -> None:
         wire, extra, _ = RUNS[label]
         runs[label] = run_job(wire, [*train_args, *extra])
         print(f"{label}: final validation loss {runs[label]['final_val_loss']:.4f}", file=sys.stderr, flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python", "benchmarks/wire_quality.py", *sys.argv[1:]])
     rows = verdicts(runs)
-    with open(os.path.join(args.out_dir, "quality.json"), "w") as f:
-        json.dump({"command": command, "train_args": train_args, "runs": runs, "rows": rows}, f, indent=1)
-    text = table(rows, command)
-    with open(os.path.join(args.out_dir, "quality.md"), "w") as f:
-        f.write(text + "\n")
-    plot(runs, os.path.join(args.out_dir, "quality.png"))
-    print(text)
+    write_report(args.out_dir, "quality", {"command": command, "train_args": train_args, "runs": runs, "rows": rows},
+                 table(rows, command), lambda path: plot(runs, path))
 
 
 if __name__ == "__main__":
