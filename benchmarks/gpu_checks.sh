@@ -27,5 +27,5 @@ for precision in bf16 fp8; do
       --batch 8 --steps 300 --warmup 30 --lr 1e-3 --log-every 100 --eval-batches 8 2>&1 \
       | tee "$out/train-$precision.log" | grep -E "^shardwire|^step|^done|error"
 done
-timeout 50 python3 benchmarks/large_world.py --devices cuda --worlds 8 64 --steps 10 --rounds 1 \
+timeout 50 python3 benchmarks/large_world.py --devices cuda --worlds 8 64 --steps 10 --rounds 2 \
     --json "$out/large_world.json" 2>&1 | tee "$out/large_world.txt" | tail -8

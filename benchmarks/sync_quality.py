@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--fragments", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--also", nargs="*", help="more --sync settings to run on each cluster",
                         default=["every=20,fragments=4,overlap=0", "every=20,fragments=4,wire=none",
-                                 "every=20,fragments=4,outer_lr=1,momentum=0"])
+                                 "every=20,fragments=4,outer_lr=0.7,momentum=0.9"])
     parser.add_argument("--base", default="", help="key=value settings of every sync run, before its own "
                                                    "(which win), e.g. outer_lr=0.7,momentum=0.9")
     parser.add_argument("--eval-every", type=int, default=50)

@@ -33,10 +33,33 @@ def test_only_the_linear_layers_inside_units_with_dimensions_of_sixteen_convert(
     assert type(model.head) is nn.Linear  # the root's head stays in the compute dtype
 
 
+class Mixed(nn.Module):
+    """A unit with a linear layer fp8 can multiply, one it cannot (20 is no multiple of 16), and a
+    layer that is not an nn.Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fits, self.odd, self.conv = nn.Linear(32, 32), nn.Linear(32, 20), nn.Conv1d(4, 4, 1)
+
+    def forward(self, x):
+        return self.odd(self.fits(x))
+
+
+def test_layers_whose_dimensions_fp8_cannot_multiply_stay_as_they_are():
+    model = nn.Sequential(Mixed(), nn.Linear(20, 16))
+    assert fp8.convert(model, [Mixed]) == 1
+    assert isinstance(model[0].fits, Float8Linear)
+    assert type(model[0].odd) is nn.Linear and type(model[0].conv) is nn.Conv1d and type(model[1]) is nn.Linear
+    tokens = torch.randn(3, 7, 32)  # 21 tokens: the weight gradient's multiply is padded to 32
+    model(tokens).sum().backward()
+    assert model[0].fits.weight.grad is not None
+
+
 def test_a_model_with_nothing_to_convert_is_refused():
-    model = nn.Sequential(nn.Sequential(nn.Linear(10, 10)))
     with pytest.raises(ValueError, match="multiples of 16"):
-        fp8.convert(model, [nn.Sequential])
+        fp8.convert(nn.Sequential(nn.Sequential(nn.Linear(10, 10))), [nn.Sequential])
+    with pytest.raises(ValueError, match="hold no nn.Linear layer"):
+        fp8.convert(nn.Sequential(nn.Sequential(nn.Conv1d(16, 16, 1))), [nn.Sequential])
 
 
 def train(model, batches, world: int, rank: int | None) -> list[float]:
@@ -86,7 +109,7 @@ def run_train(*args: str) -> subprocess.CompletedProcess:
 def test_train_with_fp8_trains_and_says_so():
     run = run_train("--precision", "fp8", "--steps", "4", "--batch", "2", "--log-every", "2", "--eval-batches", "1")
     assert run.returncode == 0, run.stderr
-    assert "fp8;" in run.stdout and "done: 4 steps" in run.stdout
+    assert "fp8 (12 linear layers);" in run.stdout and "done: 4 steps" in run.stdout
     assert "Failed to load" not in run.stderr  # torchao's import is quiet
 
 

@@ -257,6 +257,7 @@ def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_
     assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
     status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training", "{precision: fp8}")
     assert status == 0 and "--precision fp8" in out and "run:   torchrun" in out
+    assert "or:    shardwire.models.fp8.convert(model, units); shardwire.shard(model, " in out
     status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training",
                          "{precision: fp8, fp8_all_gather: true}")
     assert status == 0 and "(fp8 gathers) is simulated, not run" in out and "run:   torchrun" not in out

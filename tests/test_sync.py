@@ -360,7 +360,7 @@ def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tm
            "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
     assert main([*job, "--steps", "6", "--profile", "--run-dir", str(tmp_path / "run")]) == 0
     out = capfd.readouterr().out
-    assert "layout hybrid (2 groups of 1, sync every=4,fragments=2,wire=int4,outer_lr=1,momentum=0)" in out
+    assert "layout hybrid (2 groups of 1, sync every=4,fragments=2,wire=int4,outer_lr=1.0,momentum=0.0)" in out
     assert "validation loss" in out
     profile = json.loads((tmp_path / "run" / "profile.json").read_text())
     synced = [step["step"] for step in profile["steps"]
@@ -370,3 +370,47 @@ def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tm
     assert manifest["groups"] == 2 and manifest["version"] == 5
     assert main([*job, "--steps", "8"]) == 0
     assert "resuming from" in capfd.readouterr().out
+
+
+def _loaded_weights_then_sync_now(rank, world):
+    """Weights loaded after ``shard`` are the anchor (a sync of groups that did not move moves
+    nothing, whatever the outer step); and after ``sync_now`` the next forward sends nothing."""
+    from shardwire.engine.shard import engine_of
+
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
+                            sync=Sync(every=2, fragments=1, wire=None, outer_lr=0.7, momentum=0.9))
+    torch.manual_seed(1)
+    model.load_state_dict(GPT(PRESETS["tiny"]).state_dict())
+    loaded = _group_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the groups' models do not move
+    outer = engine_of(model).outer
+    sends = []
+    send = outer._send
+    outer._send = lambda *args, **kwargs: (sends.append(outer.steps), send(*args, **kwargs))
+    for step in range(3):  # the third forward sends the sync due after step 2
+        tokens = _batch(rank, step)
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = _group_model(model)
+    unmoved = all(torch.equal(after[name], value) for name, value in loaded.items())
+    for step in range(3, 4):  # step 4 is due: sync_now after it leaves the next forward nothing to send
+        tokens = _batch(rank, step)
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    shardwire.sync_now(model)
+    sent_by_sync_now = len(sends)
+    tokens = _batch(rank, 4)
+    model(tokens[:, :-1])
+    return unmoved, sends[:1], len(sends) - sent_by_sync_now
+
+
+@pytest.mark.slow
+def test_weights_loaded_after_shard_are_the_anchor_and_sync_now_leaves_nothing_due():
+    for unmoved, first_sync, sent_after_sync_now in run_workers(2, _loaded_weights_then_sync_now,
+                                                                 env={"LOCAL_WORLD_SIZE": "1"}):
+        assert unmoved, "a sync of groups that did not move changed the loaded weights"
+        assert first_sync == [2]
+        assert sent_after_sync_now == 0

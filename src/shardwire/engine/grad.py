@@ -18,8 +18,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     The norm is over the whole model, not this rank's shards: each rank reduces its shards to one
     scalar (``sum |g|^p``, or the max for the inf-norm) and one all-reduce of that scalar over the
-    ranks that split the buffers combines them (under hybrid sharding every group holds the same
-    gradients, so one group's shards are the whole model). The scaling factor stays on the device,
+    ranks that split the buffers combines them: one group's shards are the whole model (under
+    hybrid sharding every group holds the same gradients; when groups sync every H steps, each
+    clips its own). The scaling factor stays on the device,
     so there is no host sync. Padding in the flat buffers carries zero gradient and does not change
     the norm. Returns the total norm.
     """

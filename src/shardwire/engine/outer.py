@@ -133,21 +133,22 @@ class OuterLoop:
         self.steps += 1
 
     def before_forward(self) -> None:
-        """Apply the sync whose time has come and send the one due after this step, once per step."""
+        """Apply the sync whose time has come and send those due after the steps since the last
+        forward (one, unless a backward outside ``no_sync`` took more than one step), once per step:
+        all but the last at once, the last behind the next inner steps as the sync says."""
         if self.checked == self.steps:
             return
-        self.checked = self.steps
+        first, self.checked = self.checked + 1, self.steps
         if self.in_flight is not None and self.steps >= self.in_flight[1]:
             self._apply()
-        due = self.sync.due(self.steps)
-        if due is None:
-            return
-        if self.in_flight is not None:  # sent under another schedule (a resumed run that changed it)
-            self._apply()
-        lag = self.sync.lag
-        self._send(due, eager=lag > 0, applied_after=self.steps + lag)
-        if lag == 0:
-            self._apply()
+        due = [fragment for step in range(first, self.steps + 1) if (fragment := self.sync.due(step)) is not None]
+        for position, fragment in enumerate(due):
+            if self.in_flight is not None:  # sent under another schedule (a resumed run that changed it)
+                self._apply()
+            lag = self.sync.lag if position == len(due) - 1 else 0
+            self._send(fragment, eager=lag > 0, applied_after=self.steps + lag)
+            if lag == 0:
+                self._apply()
 
     def sync_now(self) -> None:
         """Apply the sync in flight, then sync every fragment at once, waiting for each: afterwards
@@ -157,6 +158,16 @@ class OuterLoop:
         for fragment in range(len(self.fragments)):
             self._send(fragment, eager=False, applied_after=self.steps)
             self._apply()
+        self.checked = self.steps  # what was due after this step is synced: the next forward sends nothing
+
+    def restart(self) -> None:
+        """Start the outer optimisation afresh from the parameters as they are: after weights were
+        loaded into the model (``load_state_dict``, DCP), the change since the old anchor is not
+        training's. The sync in flight is dropped, the momentum zeroed, and the schedule starts again."""
+        for fragment in self.fragments:
+            for flat in fragment:
+                flat.outer.load_state({}, flat.shard)
+        self.load_state(None)
 
     def state(self) -> list[int]:
         """The schedule's place, for a checkpoint: the inner steps done, the step whose sync was

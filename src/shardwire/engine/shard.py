@@ -151,6 +151,8 @@ def shard(
     )
     engine.install_hooks()
     sharded_state_dict.install(model, engine.flats, layout)
+    if engine.outer is not None:  # weights loaded after shard are where the outer optimisation starts
+        model.register_load_state_dict_post_hook(lambda module, incompatible: engine.outer.restart())
     for unit, forward in zip(block_units, forwards):
         if forward is not None:
             unit.module.forward = forward

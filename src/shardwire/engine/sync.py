@@ -137,7 +137,7 @@ class Sync:
 
     def __str__(self) -> str:
         text = f"every={self.every},fragments={self.fragments},wire={self.wire or 'none'}"
-        text += f",outer_lr={self.outer_lr:g},momentum={self.momentum:g}"
+        text += f",outer_lr={self.outer_lr!r},momentum={self.momentum!r}"
         return text if self.overlap is None else f"{text},overlap={self.overlap}"
 
 

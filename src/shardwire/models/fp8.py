@@ -49,19 +49,26 @@ def unavailable(backend: str) -> str | None:
 def convert(model: nn.Module, units: Sequence[type[nn.Module]], **float8_options: Any) -> int:
     """Make the linear layers inside ``model``'s modules of the classes ``units`` multiply in fp8;
     ``float8_options`` are torchao's ``Float8LinearConfig`` fields (FSDP2 runs take
-    ``enable_fsdp_float8_all_gather``). Returns how many layers converted; raises ``ValueError`` where
-    none can, since an fp8 run that multiplies nothing in fp8 would only be slower."""
+    ``enable_fsdp_float8_all_gather``). By default the third dimension of a multiply, the tokens of a
+    weight's gradient, is padded where it is not a multiple of 16 (``pad_inner_dim``), so any batch
+    and sequence length run. Returns how many layers converted; raises ``ValueError`` where none can,
+    since an fp8 run that multiplies nothing in fp8 would only be slower."""
     float8 = _float8()
     inside_units = {f"{name}.{child}" for name, module in model.named_modules() if isinstance(module, tuple(units))
                     for child, _ in module.named_modules() if child}
-    chosen = {name for name, module in model.named_modules()
-              if name in inside_units and type(module) is nn.Linear
-              and module.in_features % MULTIPLE == 0 and module.out_features % MULTIPLE == 0}
+    linear = {name: module for name, module in model.named_modules()
+              if name in inside_units and type(module) is nn.Linear}
+    chosen = {name for name, module in linear.items()
+              if module.in_features % MULTIPLE == 0 and module.out_features % MULTIPLE == 0}
+    names = ", ".join(unit.__name__ for unit in units)
+    if not linear:
+        raise ValueError(f"the units ({names}) hold no nn.Linear layer, the only kind torchao's fp8 training "
+                         f"converts: train in bf16")
     if not chosen:
-        raise ValueError(f"no linear layer inside the units ({', '.join(u.__name__ for u in units)}) has both "
-                         f"dimensions multiples of {MULTIPLE}, which fp8 multiplies need: train in bf16")
-    float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(**float8_options),
-                                      module_filter_fn=lambda _, name: name in chosen)
+        raise ValueError(f"no linear layer inside the units ({names}) has both dimensions multiples of "
+                         f"{MULTIPLE}, which fp8 multiplies need: train in bf16")
+    config = float8.Float8LinearConfig(**{"pad_inner_dim": True, **float8_options})
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _, name: name in chosen)
     return len(chosen)
 
 

@@ -183,7 +183,7 @@ def sync_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> lis
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
     engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None, "recompute_fraction": None,
-              "reduce_each_micro_batch": False}
+              "reduce_each_micro_batch": False, "sync": "none"}
     return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
 
 
@@ -243,8 +243,11 @@ def _lossy(t: TrainingSpec) -> str | None:
 
 
 def shard_call(t: TrainingSpec, cluster: ClusterSpec) -> str:
+    """The library's calls that run ``t``: ``shard(...)``, after converting the units' linear layers
+    where it computes in fp8."""
     _, kwargs = runnable(t, cluster)
-    return "shardwire.shard(model, " + ", ".join(f"{key}={value!r}" for key, value in kwargs.items()) + ")"
+    call = "shardwire.shard(model, " + ", ".join(f"{key}={value!r}" for key, value in kwargs.items()) + ")"
+    return f"shardwire.models.fp8.convert(model, units); {call}" if t.precision == "fp8" else call
 
 
 def _dimensions(t: TrainingSpec) -> dict:

@@ -54,25 +54,16 @@ def _train(config: TrainConfig, device: torch.device) -> None:
     torch.manual_seed(config.seed)
     model = choice.build().to(device)
     params = sum(p.numel() for p in model.parameters())
+    precision = config.precision
     if config.precision == "fp8":
         try:
-            fp8.convert(model, choice.units)
+            precision = f"fp8 ({fp8.convert(model, choice.units)} linear layers)"
         except ValueError as err:
             raise SystemExit(f"error: --precision fp8: {err}") from None
-    shardwire.shard(
-        model,
-        units=list(choice.units),
-        reshard_after_forward=config.reshard,
-        prefetch=config.prefetch,
-        layout=config.layout,
-        shard_group_size=config.shard_group_size,
-        wire=config.wire,
-        sync=config.sync,
-        mixed_precision="bf16" if config.precision == "fp8" else config.precision,
-        activation_checkpointing=config.activation_checkpointing,
-        compile=config.compile,
-        timeout=config.timeout,
-    )
+    try:
+        _shard(model, choice, config)
+    except ValueError as err:  # what only the built model shows (more sync fragments than units)
+        raise SystemExit(f"error: {err}") from None
     engine = engine_of(model)
     scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
     # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
@@ -88,7 +79,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
               f"({worker.backend_for(device)}, {device.type}), {len(engine.units)} block units + root, "
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
-              f"{config.precision}; data: {corpus.description}", flush=True)
+              f"{precision}; data: {corpus.description}", flush=True)
     start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
     profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
     log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
@@ -156,6 +147,23 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         if rank == 0:
             print(f"exported to {save_pretrained(config.model, state, config.export_hf)} (from_pretrained loads it)",
                   flush=True)
+
+
+def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig) -> None:
+    shardwire.shard(
+        model,
+        units=list(choice.units),
+        reshard_after_forward=config.reshard,
+        prefetch=config.prefetch,
+        layout=config.layout,
+        shard_group_size=config.shard_group_size,
+        wire=config.wire,
+        sync=config.sync,
+        mixed_precision="bf16" if config.precision == "fp8" else config.precision,
+        activation_checkpointing=config.activation_checkpointing,
+        compile=config.compile,
+        timeout=config.timeout,
+    )
 
 
 def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None = None) -> ByteCorpus | TokenCorpus:

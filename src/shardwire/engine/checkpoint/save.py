@@ -260,11 +260,14 @@ class _Snapshot:
         writes_shards = engine.layout.writes_shards or engine.outer is not None
         tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
+        if engine.outer is not None:
+            # the sync in flight is saved as arrived, to be applied when it was due; its all-reduce
+            # updates its error feedback's residual in place, so it must arrive before that is copied
+            engine.outer.wait()
         for flat in engine.flats:
             for reduction, residual in flat.residuals.items():
                 tensors[residual_key(flat.name, reduction)] = _host_copy(residual)
         if engine.outer is not None:
-            engine.outer.wait()  # the sync in flight is saved as arrived, to be applied when it was due
             for flat in engine.flats:
                 for key, value in ({} if flat.outer is None else flat.outer.state()).items():
                     tensors[outer_key(flat.name, key)] = _host_copy(value)
