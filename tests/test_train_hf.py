@@ -28,6 +28,7 @@ def trained(model: str, *extra: str) -> tuple[float, float, str]:
                            "--log-every", "5", "--nproc", "2", "--batch", "8", "--eval-batches", "1", *extra],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "torchao" not in done.stderr  # transformers imports it where installed, quietly
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     return first, last, done.stdout
 

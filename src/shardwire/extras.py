@@ -1,5 +1,5 @@
 """Optional dependencies: the core install is what training needs (torch, numpy, safetensors, tqdm);
-plotting and YAML input are extras, imported only by the features that use them.
+plotting, YAML input and fp8 training are extras, imported only by the features that use them.
 
 ``require`` is how such a feature imports one: a missing package becomes a ``MissingExtra`` whose
 message names the feature and the extra that installs it, which every command prints as a one-line
@@ -8,7 +8,11 @@ error instead of a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+import warnings
+from collections.abc import Iterator
 from types import ModuleType
 
 # top-level package -> the extra of pyproject.toml that installs it
@@ -30,3 +34,22 @@ def require(module: str, feature: str) -> ModuleType:
         raise MissingExtra(
             f"{feature} needs {package}, which is not installed: pip install 'shardwire[{extra}]'"
         ) from None
+
+
+@contextlib.contextmanager
+def quietly_importing() -> Iterator[None]:
+    """Run the block without the warnings torchao gives as it loads: its logs about optional kernel
+    libraries built for other GPUs or torch versions and about enums torch's pytree now takes, and
+    Python's about its source. fp8 training imports torchao, and so does transformers building any
+    model wherever torchao is installed; none of them concerns what shardwire runs."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

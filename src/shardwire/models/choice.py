@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shardwire.engine.selection import select_units
-from shardwire.extras import require
+from shardwire.extras import quietly_importing, require
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
 from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.huggingface import HF_PREFIX, seq_len_of, spec_from_config
@@ -100,17 +100,19 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     transformers = require("transformers", "--model hf:")
     config, weights = hf_config(transformers, source)
     auto = transformers.AutoModelForCausalLM
-    if weights is not None:
-        build = lambda: auto.from_pretrained(weights, config=config, local_files_only=True,  # noqa: E731
-                                             trust_remote_code=False)
-    else:
-        build = lambda: auto.from_config(config, trust_remote_code=False)  # noqa: E731
+
+    def build() -> nn.Module:
+        with quietly_importing():  # transformers imports torchao where it is installed
+            if weights is not None:
+                return auto.from_pretrained(weights, config=config, local_files_only=True, trust_remote_code=False)
+            return auto.from_config(config, trust_remote_code=False)
+
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > MAX_LAYERS:  # built one by one, even on the meta device
         raise ValueError(f"hf:{source}: {layers:,} layers, more than {MAX_LAYERS:,}, ten times the deepest "
                          f"published models: give the number of layers")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), quietly_importing():
             skeleton = auto.from_config(config, trust_remote_code=False)
     except Exception as err:  # a config transformers cannot build, however it says so
         raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None

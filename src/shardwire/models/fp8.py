@@ -14,8 +14,6 @@ layer, since the logits' precision matters most and the head is one layer of man
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +21,7 @@ import torch
 from torch import nn
 
 from shardwire import worker
-from shardwire.extras import MissingExtra, require
+from shardwire.extras import MissingExtra, quietly_importing, require
 
 # fp8 tensor cores multiply matrices whose dimensions are multiples of 16.
 MULTIPLE = 16
@@ -74,17 +72,6 @@ def convert(model: nn.Module, units: Sequence[type[nn.Module]], **float8_options
 
 
 def _float8():
-    """torchao's float8 training, imported without the warnings its import logs about optional kernel
-    libraries built for other GPUs or torch versions, none of which fp8 training uses, or those its
-    source gives Python when first compiled."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SyntaxWarning)
-            return require("torchao.float8", "--precision fp8")
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    """torchao's float8 training, imported quietly."""
+    with quietly_importing():
+        return require("torchao.float8", "--precision fp8")
