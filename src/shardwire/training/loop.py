@@ -25,8 +25,8 @@ from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
-from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
 from shardwire.models import fp8
+from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
 from shardwire.models.export import save_pretrained
 from shardwire.models.gpt import loss_fn
 from shardwire.profile.comm import CommSummary
