@@ -5,6 +5,7 @@ run says so in one line. On the CPU torch multiplies fp8 in software, so every p
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -111,6 +112,17 @@ def test_train_with_fp8_trains_and_says_so():
     assert run.returncode == 0, run.stderr
     assert "fp8 (12 linear layers);" in run.stdout and "done: 4 steps" in run.stdout
     assert "Failed to load" not in run.stderr  # torchao's import is quiet
+
+
+def test_a_model_fp8_cannot_convert_is_refused_before_any_worker_starts():
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+            "bos_token_id": 0, "eos_token_id": 0}  # its layers are transformers' Conv1D, not nn.Linear
+    run = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "hf:" + json.dumps(gpt2),
+                          "--precision", "fp8", "--steps", "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "error: --precision fp8: the units (GPT2Block) hold no nn.Linear layer, the only kind torchao's fp8 "
+        "training converts: train in bf16"]
 
 
 def test_fp8_without_torchao_is_one_line():

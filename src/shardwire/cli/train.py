@@ -160,6 +160,8 @@ def _validate(config: TrainConfig) -> None:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    if config.precision == "fp8" and choice.fp8_refusal is not None:
+        raise SystemExit(f"error: --precision fp8: {choice.fp8_refusal}")
     _check_memory(config, choice)
     memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
     try:

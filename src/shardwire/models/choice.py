@@ -32,6 +32,7 @@ from torch import nn
 from shardwire.engine.selection import select_units
 from shardwire.extras import quietly_importing, require
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
+from shardwire.models import fp8
 from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.huggingface import HF_PREFIX, seq_len_of, spec_from_config
 from shardwire.sim.specs import MAX_LAYERS, ModelSpec
@@ -56,6 +57,8 @@ class ModelChoice:
     params: int
     spec: ModelSpec | None
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    # why its units have no linear layer to multiply in fp8 (shardwire.models.fp8), or None
+    fp8_refusal: str | None = None
     # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
     # at no cost (Hugging Face models read tensor values to build their attention masks)
     runs_on_meta: bool = True
@@ -91,9 +94,10 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
     config = PRESETS[name] if seq_len is None else dataclasses.replace(PRESETS[name], seq_len=seq_len)
     spec = config.spec(name)
     with torch.device("meta"):
-        params = _parameters(GPT(config))
-    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size, params,
-                       spec, lambda model, tokens: model(tokens))
+        skeleton = GPT(config)
+    return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size,
+                       _parameters(skeleton), spec, lambda model, tokens: model(tokens),
+                       fp8_refusal=fp8.convertible(skeleton, (Block,))[1])
 
 
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
@@ -136,9 +140,11 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     except ValueError as err:
         raise ValueError(f"--units {','.join(wanted)}: {err}") from None
     length = seq_len_of(config.to_dict(), seq_len)
-    return ModelChoice(f"hf:{type(skeleton).__name__}", build, tuple(classes[unit] for unit in wanted), length,
-                       config.vocab_size, _parameters(skeleton), _hf_spec(config, skeleton, length),
-                       lambda model, tokens: model(tokens).logits, runs_on_meta=False)
+    chosen = tuple(classes[unit] for unit in wanted)
+    return ModelChoice(f"hf:{type(skeleton).__name__}", build, chosen, length, config.vocab_size,
+                       _parameters(skeleton), _hf_spec(config, skeleton, length),
+                       lambda model, tokens: model(tokens).logits, fp8_refusal=fp8.convertible(skeleton, chosen)[1],
+                       runs_on_meta=False)
 
 
 def _parameters(model: nn.Module) -> int:

@@ -53,6 +53,17 @@ def convert(model: nn.Module, units: Sequence[type[nn.Module]], **float8_options
     and sequence length run. Returns how many layers converted; raises ``ValueError`` where none can,
     since an fp8 run that multiplies nothing in fp8 would only be slower."""
     float8 = _float8()
+    chosen, refusal = convertible(model, units)
+    if refusal is not None:
+        raise ValueError(refusal)
+    config = float8.Float8LinearConfig(**{"pad_inner_dim": True, **float8_options})
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _, name: name in chosen)
+    return len(chosen)
+
+
+def convertible(model: nn.Module, units: Sequence[type[nn.Module]]) -> tuple[set[str], str | None]:
+    """The names of the linear layers inside ``model``'s units that fp8 can multiply, and, where
+    there are none, why (``model`` may be on the meta device: only its structure is read)."""
     inside_units = {f"{name}.{child}" for name, module in model.named_modules() if isinstance(module, tuple(units))
                     for child, _ in module.named_modules() if child}
     linear = {name: module for name, module in model.named_modules()
@@ -61,14 +72,12 @@ def convert(model: nn.Module, units: Sequence[type[nn.Module]], **float8_options
               if module.in_features % MULTIPLE == 0 and module.out_features % MULTIPLE == 0}
     names = ", ".join(unit.__name__ for unit in units)
     if not linear:
-        raise ValueError(f"the units ({names}) hold no nn.Linear layer, the only kind torchao's fp8 training "
-                         f"converts: train in bf16")
+        return chosen, (f"the units ({names}) hold no nn.Linear layer, the only kind torchao's fp8 training "
+                        f"converts: train in bf16")
     if not chosen:
-        raise ValueError(f"no linear layer inside the units ({names}) has both dimensions multiples of "
-                         f"{MULTIPLE}, which fp8 multiplies need: train in bf16")
-    config = float8.Float8LinearConfig(**{"pad_inner_dim": True, **float8_options})
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _, name: name in chosen)
-    return len(chosen)
+        return chosen, (f"no linear layer inside the units ({names}) has both dimensions multiples of "
+                        f"{MULTIPLE}, which fp8 multiplies need: train in bf16")
+    return chosen, None
 
 
 def _float8():
