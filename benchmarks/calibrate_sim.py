@@ -198,9 +198,9 @@ def quantize_rate() -> float:
 def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: str) -> Prediction:
     measured = cluster_from_bench(bench_path, rank_share(machine, run.share))
     cluster = parse("cluster", {**as_dict(measured), "nodes": run.nodes, "gpus_per_node": run.ranks_per_node})
-    layout, wire = SHARDWIRE_SYSTEMS[run.system]
-    hybrid = layout in ("hybrid", "hybrid_secondary")
-    training = training_spec(settings, layout, wire, run.ranks_per_node if hybrid else None)
+    setup = SHARDWIRE_SYSTEMS[run.system]
+    hybrid = setup.layout in ("hybrid", "hybrid_secondary")
+    training = training_spec(settings, setup.layout, setup.wire, run.ranks_per_node if hybrid else None)
     return predict(model_spec(settings), cluster, training)
 
 

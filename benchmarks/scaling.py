@@ -2,6 +2,7 @@
 and two nodes, and how close each comes to the fastest step the machine and the link allow.
 
     python benchmarks/scaling.py --model 30m --links 1gbit 5gbit --out-dir benchmarks/results/scaling
+    python benchmarks/scaling.py --model small --clusters 2x1 --like h100-100gbe --out-dir ...
 
 Two-node clusters run on a testbed of this machine (``shardwire testbed``, so: root) rebuilt for
 each ``--links`` rate, one-node clusters on plain local workers. Every measurement runs in fresh
@@ -22,6 +23,9 @@ falls on all of them alike. Per cluster and system:
   on their own, all issued at once (``StepCollectives`` in systems.py);
 * the bound: max(compute-only, communication-only), which even a step that overlaps the two
   perfectly cannot beat; the report shows step time over it;
+* the link bound (clusters of several nodes): max(compute-only, the bytes each node sent over its
+  link per step / the link's rate), what a step could take if its collectives cost no CPU and kept
+  the link busy all the time; the report shows step time over it;
 * peak memory per rank: the largest resident set size (``ru_maxrss``) of any rank by the end of
   the timed steps: the whole process (interpreter, torch, buffers), alike for every system;
 * shardwire only (each cluster), in a run of its own: the step profiled (``shardwire.profile``),
@@ -49,6 +53,7 @@ from measure import median, net_bytes, run_torchrun  # noqa: E402
 from systems import SHARDWIRE_SYSTEMS, SYSTEMS, StepCollectives, TrainingStep, wrap  # noqa: E402
 
 from shardwire.models.gpt import GPT, PRESETS  # noqa: E402
+from shardwire.testbed.spec import TestbedError  # noqa: E402
 
 TESTBED = "shardwire-scaling"  # its own testbed, apart from any a user has up
 
@@ -126,7 +131,12 @@ def worker(args) -> None:
                 "tokens_per_step": args.batch * world * config.seq_len,
                 "profile": summary and {name: stats["median"] for name, stats in summary["figures"].items()},
             }, f)
-    dist.destroy_process_group()
+    # Every rank is done; leave without gloo's teardown, which at times aborts the process ("terminate
+    # called without an active exception") once the results are written, and would fail the run.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclasses.dataclass
@@ -194,8 +204,9 @@ class Runner:
             network.down(TESTBED)
 
 
-def parse_clusters(shapes: list[str], links: list[str]) -> list[Cluster]:
-    """One-node clusters by size, then the others by size for each link in turn (one testbed each)."""
+def parse_clusters(shapes: list[str], links: list[str], like: str | None = None) -> list[Cluster]:
+    """One-node clusters by size, then the others by size for each link in turn (one testbed each);
+    with ``like``, each at the rate of that cluster preset's regime for its ranks per node."""
     parsed = []
     for shape in shapes:
         nodes, _, ranks = shape.partition("x")
@@ -204,7 +215,18 @@ def parse_clusters(shapes: list[str], links: list[str]) -> list[Cluster]:
         parsed.append((int(nodes), int(ranks)))
     parsed = sorted(set(parsed), key=lambda shape: (shape[0] * shape[1], shape[0]))
     single = [Cluster(1, ranks, None) for nodes, ranks in parsed if nodes == 1]
-    return single + [Cluster(nodes, ranks, link) for link in links for nodes, ranks in parsed if nodes > 1]
+    several = [(nodes, ranks) for nodes, ranks in parsed if nodes > 1]
+    if like is None:
+        return single + [Cluster(nodes, ranks, link) for link in links for nodes, ranks in several]
+    from shardwire.testbed import regime
+    from shardwire.testbed.spec import format_rate
+
+    clusters = []
+    for nodes, ranks in several:
+        matched = regime.like(like, nodes, ranks)
+        print("; ".join(matched.describe()), file=sys.stderr)
+        clusters.append(Cluster(nodes, ranks, format_rate(matched.rate_bits)))
+    return single + clusters
 
 
 def main() -> None:
@@ -221,6 +243,9 @@ def main() -> None:
     parser.add_argument("--clusters", nargs="+", default=["1x1", "1x2", "1x4", "2x1", "2x2"],
                         help="NODESxRANKS_PER_NODE; clusters of several nodes run once per --links rate")
     parser.add_argument("--links", nargs="+", default=["1gbit", "5gbit"], help="link rates between nodes")
+    parser.add_argument("--like", metavar="PRESET",
+                        help="instead of --links: the rate of a GPU cluster preset's regime (`shardwire testbed "
+                             "up --like`), measured here for each cluster's ranks per node")
     parser.add_argument("--model", default="30m", choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
@@ -236,17 +261,18 @@ def main() -> None:
         parser.error("--out-dir is required: the directory the table, plot and measurements go to")
     if args.warmup < 2:
         parser.error("--warmup must be at least 2: DDP rebuilds its buckets and shardwire records its order in step 1")
-    clusters = parse_clusters(args.clusters, args.links)
-    if any(cluster.nodes > 1 for cluster in clusters):
-        from shardwire.testbed.network import require_privileges
-        from shardwire.testbed.spec import TestbedError, parse_rate
+    try:
+        clusters = parse_clusters(args.clusters, args.links, args.like)
+        if any(cluster.nodes > 1 for cluster in clusters):
+            from shardwire.testbed.network import require_privileges
+            from shardwire.testbed.spec import parse_rate
 
-        try:
             require_privileges("up")
-            for link in args.links:
-                parse_rate(link)
-        except TestbedError as err:
-            raise SystemExit(f"error: clusters of several nodes run on an emulated cluster: {err}") from None
+            for cluster in clusters:
+                if cluster.link is not None:
+                    parse_rate(cluster.link)
+    except TestbedError as err:
+        raise SystemExit(f"error: clusters of several nodes run on an emulated cluster: {err}") from None
 
     rows, compute = measure_all(args, clusters)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -295,24 +321,26 @@ def report(rows: dict, compute: dict, args) -> str:
     lines = [
         f"GPT {args.model!r}, {args.batch} sequences per rank, {'reshard' if args.reshard else 'keep'} after "
         f"forward, prefetch {args.prefetch}; {args.steps} timed steps x {args.repeats} repeats; "
-        f"{os.cpu_count()} cores shared by all ranks",
+        f"{os.cpu_count()} cores shared by all ranks" + (f"; links in {args.like}'s regime" if args.like else ""),
         "",
         "| cluster | system | step time | tokens/s | scaling eff. | vs FSDP2 | inter-node MiB/step "
-        "| peak RSS/rank | compute-only | comm-only | bound | step / bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS/rank | compute-only | comm-only | bound | step / bound | link bound | step / link bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (system, cluster), row in rows.items():
         single = rows.get((system, Cluster(1, 1, None)))
         fsdp2 = rows.get(("fsdp2", cluster))
         compute_s = median(compute[cluster.world])
         bound = max(compute_s, row.comm_s)
+        link_bound = link_bound_s(row, compute_s)
         lines.append(
             f"| {cluster} | {system} | {row.step_s * 1e3:.0f} ms | {row.tokens_per_step / row.step_s:,.0f} "
             f"| {f'{single.step_s / row.step_s:.2f}' if single else '-'} "
             f"| {f'{row.step_s / fsdp2.step_s:.2f}' if fsdp2 else '-'} "
             f"| {row.link_bytes_per_step / 2**20:.1f} | {row.peak_rss_bytes / 2**20:.0f} MiB "
             f"| {compute_s * 1e3:.0f} ms | {row.comm_s * 1e3:.0f} ms "
-            f"| {bound * 1e3:.0f} ms | {row.step_s / bound:.2f} |"
+            f"| {bound * 1e3:.0f} ms | {row.step_s / bound:.2f} "
+            + (f"| {link_bound * 1e3:.0f} ms | {row.step_s / link_bound:.2f} |" if link_bound else "| - | - |")
         )
     target = Cluster(2, 2, "1gbit")
     ours = [rows[(system, target)] for system in SHARDWIRE_SYSTEMS if (system, target) in rows]
@@ -324,6 +352,17 @@ def report(rows: dict, compute: dict, args) -> str:
                       f"{best.step_s / ddp.step_s:.2f} x DDP's (target <= 0.9), peak memory per rank "
                       f"{best.peak_rss_bytes / ddp.peak_rss_bytes:.2f} x DDP's (target < 1)."]
     return "\n".join(lines)
+
+
+def link_bound_s(row: Row, compute_s: float) -> float | None:
+    """max(compute-only, the bytes one node sent per step over the link's rate); None on one node.
+    Every byte that crosses is received by one node, and the layouts send alike from every node."""
+    if row.cluster.link is None:
+        return None
+    from shardwire.testbed.spec import parse_rate
+
+    from_each_node = row.link_bytes_per_step / row.cluster.nodes * 8 / parse_rate(row.cluster.link)
+    return max(compute_s, from_each_node)
 
 
 def plot(rows: dict, compute: dict, path: str) -> None:

@@ -1,10 +1,11 @@
 """The training systems the benchmarks compare, each wrapping the same GPT the way its users would.
 
 shardwire and PyTorch FSDP2 (``fully_shard``) shard the same units (the transformer blocks, plus the
-root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each layout
+root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each
 layout is a system of its own: shardwire's ``full``, ``hybrid`` and ``hybrid_secondary`` and FSDP2's
 full sharding and HSDP (a 2-D device mesh), the hybrid ones in groups of a node's ranks
-(torchrun's ``LOCAL_WORLD_SIZE``); so is each of shardwire's quantized wires (the full layout).
+(torchrun's ``LOCAL_WORLD_SIZE``); so is each of shardwire's quantized wires (``full``, and
+``hybrid`` with int8/int4), and ``hybrid`` syncing every H steps at the sync's defaults.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,16 +25,27 @@ from shardwire.comm.communicator import Pending
 from shardwire.comm.records import CommRecord
 from shardwire.comm.wire import Wire
 from shardwire.engine.shard import engine_of
+from shardwire.engine.sync import Sync
 from shardwire.models import fp8 as float8
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
-# Each shardwire system: (sharding layout, wire).
+
+class Setup(NamedTuple):
+    """A shardwire system: its layout, its wire, and its sync every H steps (None: synchronous)."""
+
+    layout: str
+    wire: str
+    sync: str | None = None
+
+
 SHARDWIRE_SYSTEMS = {
-    "shardwire": ("full", "none"),
-    "shardwire-hybrid": ("hybrid", "none"),
-    "shardwire-hybrid_secondary": ("hybrid_secondary", "none"),
-    "shardwire-int8": ("full", "int8"),
-    "shardwire-int8-int4": ("full", "params=int8,grads=int4"),
+    "shardwire": Setup("full", "none"),
+    "shardwire-hybrid": Setup("hybrid", "none"),
+    "shardwire-hybrid_secondary": Setup("hybrid_secondary", "none"),
+    "shardwire-int8": Setup("full", "int8"),
+    "shardwire-int8-int4": Setup("full", "params=int8,grads=int4"),
+    "shardwire-hybrid-int8-int4": Setup("hybrid", "params=int8,grads=int4"),
+    "shardwire-sync": Setup("hybrid", "none", "every=20,fragments=4"),  # the sync's defaults
 }
 SYSTEMS = (*SHARDWIRE_SYSTEMS, "fsdp2", "fsdp2-hsdp", "ddp")
 
@@ -49,10 +62,11 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
     if fp8:
         float8.convert(model, [Block], enable_fsdp_float8_all_gather=fsdp)
     if system in SHARDWIRE_SYSTEMS:
-        layout, wire = SHARDWIRE_SYSTEMS[system]
+        setup = SHARDWIRE_SYSTEMS[system]
         precision = shardwire.MixedPrecision(compute_dtype, torch.float32) if compute_dtype else None
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               layout=layout, wire=wire, mixed_precision=precision, compile=compile)
+                               layout=setup.layout, wire=setup.wire, sync=setup.sync, mixed_precision=precision,
+                               compile=compile)
     if compile:
         compile_blocks(model)
     if fsdp:
@@ -173,12 +187,18 @@ class StepCollectives:
         # system's wire (a quantized record is one whose bytes as sent differ from its size).
         share = -(-record.nbytes // (4 * comm.world))
         full, shard = torch.zeros(share * comm.world), torch.zeros(share)
-        wire = Wire.parse(SHARDWIRE_SYSTEMS[self.system][1]) if record.wire_nbytes != record.nbytes else Wire()
+        setup = SHARDWIRE_SYSTEMS[self.system]
+        wire = Wire.parse(setup.wire) if record.wire_nbytes != record.nbytes else Wire()
         if record.op == "all_gather":
             return lambda: comm.all_gather(full, shard, tag=record.tag, codec=wire.param_codec)
         if record.op == "reduce_scatter":
             return lambda: comm.reduce_scatter(shard, full, tag=record.tag, average=True, codec=wire.grad_codec)
-        return lambda: comm.all_reduce(full, tag=record.tag)
+        # an all-reduce between groups: of a gradient shard (hybrid), or of a sync's change
+        codec = None
+        if record.wire_nbytes != record.nbytes:
+            codec = Sync.parse(setup.sync).codec if record.tag.endswith("(sync)") else wire.grad_codec
+        full = torch.zeros(-(-record.nbytes // 4))
+        return lambda: comm.all_reduce(full, tag=record.tag, op="avg", codec=codec)
 
     @contextlib.contextmanager
     def _torch_collectives_recorded(self) -> Iterator[None]:
@@ -201,7 +221,9 @@ class StepCollectives:
         return function(*args, **kwargs)
 
     def _ddp_hook(self, state, bucket):  # unannotated: DDP rejects annotations as strings
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         if self._recording:
             buffer = torch.zeros_like(bucket.buffer())

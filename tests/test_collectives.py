@@ -77,6 +77,49 @@ def test_low_precision_buffers():
     run_workers(4, exact_collectives, "bfloat16", env={"LOCAL_WORLD_SIZE": "2"})
 
 
+def posting_order(rank, world):
+    """Each point-to-point step's messages, in the order they were posted: a step ends at a wait."""
+    import torch.distributed as dist
+
+    from shardwire.comm import exchange
+    from shardwire.comm.communicator import Communicator
+
+    posted = []
+    for kind in ("send", "recv"):
+        original = getattr(exchange.Exchange, kind)
+
+        def post(self, tensor, peer, slot, kind=kind, original=original):
+            posted.append(kind)
+            return original(self, tensor, peer, slot)
+
+        setattr(exchange.Exchange, kind, post)
+    wait = exchange.Exchange.wait
+
+    def step_ends(self, works):
+        posted.append("wait")
+        wait(self, works)
+
+    exchange.Exchange.wait = step_ends
+    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
+    size = 6
+    comm.all_gather(torch.empty(size * world), torch.ones(size), tag="ag").wait()
+    comm.reduce_scatter(torch.empty(size), torch.ones(size * world), tag="rs").wait()
+    comm.all_reduce(torch.ones(size * world), tag="ar").wait()
+    comm.close()
+    return " ".join(posted).split("wait")
+
+
+@pytest.mark.slow
+def test_every_step_posts_its_receives_before_its_sends():
+    """A pair of ranks that each sent before receiving took turns on their link instead of using both
+    directions at once (exchange.py): every step, within and across nodes, posts receives first."""
+    for steps in run_workers(4, posting_order, env={"LOCAL_WORLD_SIZE": "2"}):
+        assert len(steps) > 6
+        for step in steps:
+            kinds = step.split()
+            assert "send" not in kinds or "recv" not in kinds[kinds.index("send"):], step
+
+
 # ------------------------------------------------------------------ one transport per group
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import threading
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 import shardwire
 from harness import run_workers
+from shardwire.comm.communicator import Pending
 from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
@@ -282,6 +285,50 @@ def test_each_reduce_scatter_starts_when_its_unit_ends_and_overlaps_the_next_bac
         assert issued < previous_backward, f"blocks.{k}'s reduce-scatter must start before blocks.{k - 1}'s backward"
         landed = events[previous_backward][2]
         assert landed is False, f"blocks.{k}'s gradient must still be in flight while blocks.{k - 1} computes"
+
+
+class Gate:
+    """A collective's work that completes only once ``inner`` has and ``opened`` is set, noting in
+    ``shut`` whether it gave up waiting for ``opened``."""
+
+    def __init__(self, inner, opened: threading.Event, shut: list):
+        self.inner, self.opened, self.shut = inner, opened, shut
+
+    def wait(self, timeout=None):
+        self.inner.wait(timeout=timeout)
+        self.shut.append(not self.opened.wait(timeout=20))
+
+
+def replication_held_to_the_end(rank, world):
+    """Hybrid groups of one rank, whose all-reduces between the groups cannot start until backward
+    has passed blocks.1: a backward that waited for one of them would find the gate shut."""
+    model, opt = sharded_gpt(layout="hybrid", shard_group_size=1)
+    train_step(model, opt, rank, 0)
+    across = engine_of(model).layout.replicate
+    opened, shut = threading.Event(), []
+    all_reduce = across.all_reduce
+
+    def gated(tensor, *, after=None, **kwargs):
+        if after is not None:
+            after = Pending(across, None, "reduce_scatter", "gate", work=Gate(after._work, opened, shut))
+        return all_reduce(tensor, after=after, **kwargs)
+
+    def open_when_backward_reaches(module, args, output):
+        output.register_hook(lambda grad: opened.set())
+
+    model.blocks[0].register_forward_hook(open_when_backward_reaches)
+    across.all_reduce = gated
+    loss = train_step(model, opt, rank, 1)
+    return shut, loss.item()
+
+
+def test_hybrids_all_reduce_between_groups_stays_in_flight_through_backward():
+    """Only reduce-scatters, which hold a unit's whole gradient, are bounded in flight: the all-reduce
+    of a shard between groups that follows holds only the shard, so backward never waits for one, on
+    a link between groups however slow."""
+    for shut, loss in run_workers(2, replication_held_to_the_end):
+        assert shut and not any(shut), "backward waited for an all-reduce between groups"
+        assert math.isfinite(loss)
 
 
 # ---------------------------------------------------------------------- 6. mixed precision

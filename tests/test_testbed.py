@@ -23,9 +23,44 @@ def test_rates_parse_in_tc_units():
     assert parse_rate("1gbit") == 10**9
     assert parse_rate("2.5gbit") == 2_500_000_000
     assert parse_rate("500mbit") == 500_000_000
-    for bad in ("1gb", "fast", "1 gbit", "1mbit"):  # bytes, a word, a space, under 10mbit
+    assert parse_rate("940kbit") == 940_000  # a GPU cluster's regime for a CPU rank (--like)
+    for bad in ("1gb", "fast", "1 gbit", "50kbit"):  # bytes, a word, a space, under 100kbit
         with pytest.raises(spec.TestbedError, match="link rate"):
             parse_rate(bad)
+
+
+def test_the_bucket_holds_a_segment_at_speed_and_a_few_packets_when_slow():
+    assert network.burst_bytes(parse_rate("1gbit")) == 128 * 1024  # a whole 64 KiB GSO segment
+    assert network.burst_bytes(parse_rate("10gbit")) == 10**10 // 8 // 1000  # rate / HZ at HZ 1000
+    assert network.burst_bytes(parse_rate("10mbit")) == 12_500  # 10 ms of the rate
+    # at a GPU cluster's regime an idle link must not pass seconds of traffic at once
+    assert network.burst_bytes(parse_rate("940kbit")) == 4096
+
+
+def test_like_matches_a_presets_flop_per_byte():
+    """A node here over its link has the preset's node over its network: h100-100gbe's 8 GPUs at 58%
+    of 989 TFLOP/s over 7.5 GB/s is about 612,000 FLOP per byte, so two ranks of 72 GFLOP/s need
+    about 1.9 Mbit/s, rounded to two significant digits so that measuring again keeps the testbed."""
+    from shardwire.sim.presets import CLUSTERS
+    from shardwire.testbed.regime import Regime
+
+    h100 = CLUSTERS["h100-100gbe"]
+    matched = Regime("h100-100gbe", node_flops=h100.gpus_per_node * h100.peak_tflops * 1e12 * h100.matmul_efficiency,
+                     node_bytes_per_s=h100.inter_node.busbw_GBps * 1e9, rank_flops=72e9, ranks_per_node=2, threads=1)
+    assert matched.flop_per_byte == pytest.approx(612_000, rel=0.001)
+    assert matched.rate_bits == 1_900_000
+    assert "611,861 FLOP per byte" in matched.describe()[0] and "links of 1.9mbit" in matched.describe()[1]
+
+
+def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
+    monkeypatch.setattr(network, "require_privileges", lambda action: None)
+    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-nvlink"]) == 1
+    assert "--like 'h100-nvlink' is not a cluster preset; choose one of" in capsys.readouterr().err
+    assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"]) == 1
+    assert "--nproc-per-node sets the node's compute for --like" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--like", "h100-100gbe"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_names_must_carry_the_prefix():

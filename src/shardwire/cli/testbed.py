@@ -1,6 +1,7 @@
 """``shardwire testbed up|run|check|down``: an emulated Ethernet cluster on this machine.
 
     shardwire testbed up --nodes 2 --link 1gbit
+    shardwire testbed up --nodes 2 --like h100-100gbe    # as much network per FLOP as that cluster
     shardwire testbed check
     shardwire testbed run --nproc-per-node 2 -- -m shardwire train --model 30m
     shardwire testbed down
@@ -16,9 +17,10 @@ import signal
 import sys
 
 from shardwire.launch import host_memory_per_worker
-from shardwire.testbed import check, job, network
+from shardwire.testbed import check, job, network, regime
 from shardwire.testbed.spec import (
     DEFAULT_NAME,
+    MIN_RATE,
     Testbed,
     TestbedError,
     check_name,
@@ -38,8 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     up = action("up", "build the nodes and their shaped links (rebuilds if the nodes or link rate differ)")
     up.add_argument("--nodes", type=int, required=True, help="emulated nodes (network namespaces)")
-    up.add_argument("--link", required=True,
-                    help="each node's link rate, per direction, in tc's units: 1gbit, 2.5gbit, 500mbit")
+    rate = up.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--link", help="each node's link rate, per direction, in tc's units: 1gbit, 2.5gbit, 500mbit")
+    rate.add_argument("--like", metavar="PRESET",
+                      help="the link rate that gives a node here the FLOP per network byte of a GPU cluster "
+                           "preset's node (one of `shardwire simulate --cluster`'s), measuring this machine's compute")
+    up.add_argument("--nproc-per-node", type=int,
+                    help="with --like: the ranks per node the jobs will run, whose compute together is the node's "
+                         "(default 1)")
     run = action("run", "run a torchrun job across the nodes: shardwire testbed run [--nproc-per-node R] -- CMD...")
     run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="after --: torchrun's script and its arguments")
@@ -62,7 +70,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _up(args) -> int:
-    testbed = Testbed(args.name, args.nodes, parse_rate(args.link))
+    if args.like is None:
+        if args.nproc_per_node is not None:
+            raise TestbedError("--nproc-per-node sets the node's compute for --like; a rate given with --link "
+                               "needs none (give the ranks to `testbed run`)")
+        rate = parse_rate(args.link)
+    else:
+        Testbed(args.name, args.nodes, MIN_RATE)  # the node count, checked before a second of measuring
+        matched = regime.like(args.like, args.nodes, args.nproc_per_node or 1)
+        print("\n".join(matched.describe()))
+        rate = matched.rate_bits
+    testbed = Testbed(args.name, args.nodes, rate)
     built = network.up(testbed)
     print(f"{testbed.describe()}: {'built' if built else 'already up, unchanged'}")
     for k in range(testbed.nodes):

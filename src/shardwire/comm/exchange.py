@@ -29,6 +29,10 @@ every other its *header*, the operation and tag of the collective it is running:
 matched by number, so ranks that issue different collectives would otherwise silently exchange the
 wrong buffers. A header that differs raises
 ``ScheduleMismatchError`` on every rank, naming what each was running.
+
+Each step posts all its receives before any of its sends. Two ranks that each sent first and
+received second took turns on their link instead of using both directions at once: on a 100 Mbit/s
+link, 0.9 MB each way took 140 ms on one rank of the pair instead of 75 ms on both.
 """
 
 from __future__ import annotations
@@ -102,10 +106,9 @@ class Exchange:
             return
         headers = torch.empty(world, HEADER_BYTES, dtype=torch.uint8)
         headers[self.me] = self.header
-        works = []
-        for peer in range(world):
-            if peer != self.me:
-                works += [self.send(self.header, peer, world), self.recv(headers[peer], peer, world)]
+        peers = [peer for peer in range(world) if peer != self.me]
+        works = [self.recv(headers[peer], peer, world) for peer in peers]
+        works += [self.send(self.header, peer, world) for peer in peers]
         self.wait(works)
         if not bool((headers == headers[0]).all()):
             plan = "; ".join(f"rank {r} is running {_decode_header(h)}" for r, h in enumerate(headers))
@@ -122,15 +125,15 @@ class Exchange:
         size, at = shard.numel(), self.placement.rank
         slot = lambda r: output.narrow(0, r * size, size)  # noqa: E731
         slot(self.me).copy_(shard)
-        across = []
-        for node in self.other_nodes():
-            peer = at(node, self.local)
-            across += [self.send(shard, peer, self.me), self.recv(slot(peer), peer, peer)]
+        remote = [at(node, self.local) for node in self.other_nodes()]
+        across = [self.recv(slot(peer), peer, peer) for peer in remote]
         within = []
         for local in self.local_peers():
             peer = at(self.node, local)
             within += [self.recv(slot(at(n, local)), peer, at(n, local)) for n in range(self.placement.nodes)]
-            within.append(self.send(shard, peer, self.me))
+        across += [self.send(shard, peer, self.me) for peer in remote]
+        for local in self.local_peers():
+            within.append(self.send(shard, at(self.node, local), self.me))
         self.wait(across)
         for local in self.local_peers():
             peer = at(self.node, local)
@@ -157,9 +160,9 @@ class Exchange:
         received = torch.empty(len(peers), nodes, size, dtype=full.dtype, device=full.device)
         within = []
         for i, local in enumerate(peers):
-            peer = at(self.node, local)
-            within += [self.recv(received[i, n], peer, at(n, self.local)) for n in range(nodes)]
-            within += [self.send(piece(at(n, local)), peer, at(n, local)) for n in range(nodes)]
+            within += [self.recv(received[i, n], at(self.node, local), at(n, self.local)) for n in range(nodes)]
+        for local in peers:
+            within += [self.send(piece(at(n, local)), at(self.node, local), at(n, local)) for n in range(nodes)]
         self.wait(within)
         # Sums accumulate in place in the receive buffers: on CPU these passes over memory cost
         # about as much as the messages.
@@ -171,10 +174,9 @@ class Exchange:
         else:
             outgoing = encode(codec, partial[others], residual)
             incoming = torch.empty_like(outgoing)
-        across = []
-        for i, node in enumerate(others):
-            peer = at(node, self.local)
-            across += [self.send(outgoing[i], peer, peer), self.recv(incoming[i], peer, self.me)]
+        remote = [at(node, self.local) for node in others]
+        across = [self.recv(incoming[i], peer, self.me) for i, peer in enumerate(remote)]
+        across += [self.send(outgoing[i], peer, peer) for i, peer in enumerate(remote)]
         self.wait(across)
         if codec is None:
             output.copy_(_accumulate([*incoming, partial[self.node]]))
@@ -201,11 +203,10 @@ class Exchange:
         pieces = tensor.view(-1).tensor_split(self.placement.ranks_per_node)
         mine = pieces[self.local]
         peers = self.local_peers()
+        neighbours = [at(self.node, local) for local in peers]
         received = [torch.empty_like(mine) for _ in peers]
-        within = []
-        for buffer, local in zip(received, peers):
-            peer = at(self.node, local)
-            within += [self.recv(buffer, peer, self.me), self.send(pieces[local], peer, peer)]
+        within = [self.recv(buffer, peer, self.me) for buffer, peer in zip(received, neighbours)]
+        within += [self.send(pieces[local], peer, peer) for local, peer in zip(peers, neighbours)]
         self.wait(within)
         for term in received:
             combine(mine, term, out=mine)
@@ -213,24 +214,19 @@ class Exchange:
         part = parts[self.node]
         others = self.other_nodes()
         incoming = [torch.empty_like(part) for _ in others]
-        across = []
-        for buffer, node in zip(incoming, others):
-            peer = at(node, self.local)
-            across += [self.recv(buffer, peer, self.me), self.send(parts[node], peer, peer)]
+        remote = [at(node, self.local) for node in others]
+        across = [self.recv(buffer, peer, self.me) for buffer, peer in zip(incoming, remote)]
+        across += [self.send(parts[node], peer, peer) for node, peer in zip(others, remote)]
         self.wait(across)
         for term in incoming:
             combine(part, term, out=part)
         if op == "avg":
             part.div_(self.placement.world)
-        across = []
-        for node in others:
-            peer = at(node, self.local)
-            across += [self.send(part, peer, self.me), self.recv(parts[node], peer, peer)]
+        across = [self.recv(parts[node], peer, peer) for node, peer in zip(others, remote)]
+        across += [self.send(part, peer, self.me) for peer in remote]
         self.wait(across)
-        within = []
-        for local in peers:
-            peer = at(self.node, local)
-            within += [self.send(mine, peer, self.me), self.recv(pieces[local], peer, peer)]
+        within = [self.recv(pieces[local], peer, peer) for local, peer in zip(peers, neighbours)]
+        within += [self.send(mine, peer, self.me) for peer in neighbours]
         self.wait(within)
 
 

@@ -78,6 +78,8 @@ from shardwire.engine.unit import INPUTS, Unit
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
 
 Listener = Callable[[str, "str | None", str], None]
+# A reduction in flight: the flat buffer, its collectives (FlatParam.reduce) and the share they fill.
+Reduction = tuple[FlatParam, list[Pending], torch.Tensor]
 
 
 # Leaves that cannot hold a tensor: outputs made of these and tensors hide nothing from backward.
@@ -136,7 +138,10 @@ class Engine:
         self._forward: Pass | None = None
         self._backward: Pass | None = None
         self._unannounced: list[Unit] = []  # this forward's units with hidden outputs, gathered until backward
-        self._reductions: deque[tuple[FlatParam, list[Pending], torch.Tensor]] = deque()
+        # reductions in flight, oldest first: those whose reduce-scatter may still hold a unit's whole
+        # gradient, and (hybrid) those past it whose all-reduce between groups holds only a share
+        self._reductions: deque[Reduction] = deque()
+        self._replicating: deque[Reduction] = deque()
         self._callback_queued = False
         self._generation = 0  # forwards so far: backward must come from the latest one
         self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
@@ -353,7 +358,7 @@ class Engine:
                     self._check_agreement("reduce", unit)
                 self._reductions.append((flat, *flat.reduce(grad)))
                 while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
-                    self._land_oldest()
+                    self._scatter_oldest()
             else:
                 flat.accumulate(grad)
         self._arrived(unit, flat)
@@ -376,8 +381,10 @@ class Engine:
         if backward is not None and backward.changed_order():
             self._order["backward"] = backward.seen
         with record_function("shardwire::finish_backward"):
-            while self._reductions:
-                self._land_oldest()
+            for reductions in (self._replicating, self._reductions):
+                while reductions:
+                    flat, pendings, share = reductions.popleft()
+                    flat.land(pendings, share)
             for comm in self.layout.reducing:
                 comm.join()
         if self.outer is not None and self.sync_gradients:
@@ -393,9 +400,18 @@ class Engine:
                 self._check_agreement(phase, unit)
             unit.gather(backward=phase == "backward")
 
-    def _land_oldest(self) -> None:
-        flat, pendings, share = self._reductions.popleft()
-        flat.land(pendings, share)
+    def _scatter_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter, which bounds the unit gradients held in flight. A
+        reduction that goes on to an all-reduce between groups (``hybrid``) holds only this rank's
+        share from there, so it stays in flight, however slow the link between groups, and lands
+        at the end of backward."""
+        reduction = self._reductions.popleft()
+        flat, pendings, share = reduction
+        if len(pendings) == 1:
+            flat.land(pendings, share)
+        else:
+            pendings[0].wait()
+            self._replicating.append(reduction)
 
     def _discard_unfinished_step(self) -> None:
         """Forget a step that did not finish: a forward or backward that raised, or a forward whose
@@ -404,11 +420,13 @@ class Engine:
         self._forward = self._backward = None
         self._callback_queued = False
         try:
-            while self._reductions:
-                _, pendings, _ = self._reductions.popleft()
-                for pending in pendings:
-                    pending.wait()
+            for reductions in (self._replicating, self._reductions):
+                while reductions:
+                    _, pendings, _ = reductions.popleft()
+                    for pending in pendings:
+                        pending.wait()
         finally:
+            self._replicating.clear()
             self._reductions.clear()
             self._release_all()
 

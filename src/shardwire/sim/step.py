@@ -20,7 +20,8 @@ forward    gather the root unit; open the forward pass, which issues the first `
 backward   the head's backward; per unit in reverse: enter the pass, wait for the gather (none when
            the unit was never released), recompute (activation checkpointing) and backward, start
            its reduce-scatter and, with more than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the
-           oldest; release the unit. Then the root's reduce-scatter, and wait for every reduction.
+           oldest (its reduce-scatter: hybrid's all-reduce between groups stays in flight);
+           release the unit. Then the root's reduce-scatter, and wait for every reduction.
 step end   with gradient accumulation, micro-batches before the last skip reductions (``no_sync``),
            unless every micro-batch reduces (``reduce_each_micro_batch``); then the gradient norm's
            scalar all-reduce (clipping) and the optimizer step.
@@ -385,7 +386,8 @@ class _Step:
 
         backward = _Window(units[::-1], depth, block, self._gather_for_backward)
         yield from self._compute("backward", self._backward_s[root.name])
-        pending: collections.deque[Event] = collections.deque()
+        pending: collections.deque[list[Event]] = collections.deque()  # each reduction's collectives
+        landing: list[list[Event]] = []
         for unit in reversed(units):
             backward.enter()
             yield from self._wait(self._gather_for_backward(unit), "backward all-gathers", unit.name)
@@ -393,13 +395,15 @@ class _Step:
             if sync:
                 pending.append(self._reduce(unit))
                 while len(pending) > REDUCTIONS_IN_FLIGHT:
-                    yield from self._wait(pending.popleft(), "reduction backlog", unit.name)
+                    oldest = pending.popleft()
+                    yield from self._wait(oldest[0], "reduction backlog", unit.name)
+                    landing.append(oldest)
             self._release(unit)
             backward.consumed()
         if sync:
             pending.append(self._reduce(root))
-        while pending:
-            yield from self._wait(pending.popleft(), "final reductions", root.name)
+        for reduction in (*landing, *pending):
+            yield from self._wait(reduction[-1], "final reductions", root.name)
         self._release(root)
 
     # -------------------------------------------------------------------------------- its pieces
@@ -419,11 +423,12 @@ class _Step:
     def _release(self, unit: UnitCost) -> None:
         self._gathered.pop(unit.name, None)
 
-    def _reduce(self, unit: UnitCost) -> Event:
-        """Start reducing ``unit``'s gradient; the event happens when the last collective lands."""
-        for op, nbytes, phases in reduction_phases(unit, self.cluster, self.training):
-            done = self._reductions.submit(op, unit.name, nbytes, phases)
-        return done
+    def _reduce(self, unit: UnitCost) -> list[Event]:
+        """Start reducing ``unit``'s gradient: an event for each of its collectives, in order. The
+        backlog bound waits for the first (the reduce-scatter that holds the unit's gradient), the
+        end of backward for the last."""
+        return [self._reductions.submit(op, unit.name, nbytes, phases)
+                for op, nbytes, phases in reduction_phases(unit, self.cluster, self.training)]
 
     def _compute(self, kind: str, seconds: float) -> Process:
         """``seconds`` of compute, at the rate collectives in flight leave it, taking each level's

@@ -7,5 +7,5 @@ up/run/check/down`` builds it, runs torchrun jobs across it, measures its link a
 
 Modules: ``spec`` (``Testbed``: names, addresses, rate, the state file), ``network`` (namespaces,
 bridge and shaping through ``ip`` and ``tc``), ``job`` (one torchrun per node), ``probe`` and
-``check`` (link measurements), ``cli`` (the subcommands).
+``check`` (link measurements), ``regime`` (the rate of a GPU cluster's regime: ``--like``).
 """

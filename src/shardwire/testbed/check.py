@@ -22,7 +22,9 @@ from shardwire.testbed.spec import Testbed, TestbedError, format_rate
 RATE_TOLERANCE = 1.02
 MIN_FRACTION_OF_RATE = 0.5
 MIN_INTRA_NODE_SPEEDUP = 2.0
-MIN_TRANSFER_BYTES = 4 * probe.CHUNK  # several reads, whatever the rate and seconds asked
+# The receiver does not count its first read (up to a chunk, or about a bucket on a slow link), so a
+# transfer is several chunks, or on a link too slow for that in seconds, many buckets.
+MIN_TRANSFER_CHUNKS, MIN_TRANSFER_BUCKETS = 4, 32
 # The longest transfer a check makes: ten minutes measure nothing one second does not, and hold the link.
 MAX_SECONDS = 600.0
 
@@ -87,7 +89,8 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
 def check(testbed: Testbed, seconds: float = 1.0) -> list[Finding]:
     """Measure the links and judge each measurement; see the module docstring."""
     rate = testbed.rate_bits
-    nbytes = max(int(rate / 8 * seconds), MIN_TRANSFER_BYTES)
+    least = min(MIN_TRANSFER_CHUNKS * probe.CHUNK, MIN_TRANSFER_BUCKETS * burst_bytes(rate))
+    nbytes = max(int(rate / 8 * seconds), least)
     timeout_s = 30 + 20 * seconds
     findings = []
     pairs = [(k, (k + 1) % testbed.nodes) for k in range(testbed.nodes)] if testbed.nodes > 1 else []

@@ -37,10 +37,13 @@ from shardwire.testbed.spec import (
 )
 
 BRIDGE = "br0"
-# The bucket must hold a whole GSO segment (up to 64 KiB), or tbf splits each one into packets, and
-# at least rate / HZ (tc-tbf(8)): a millisecond at the rate covers any HZ up to 1000.
-MIN_BURST_BYTES = 128 * 1024
-BURST_SECONDS = 0.001
+# The bucket holds about BURST_SECONDS of the rate, within bounds. At least a whole GSO segment
+# (up to 64 KiB) at rates where that is under 10 ms, or tbf splits each segment into packets; at low
+# rates a few packets, so that a link idle for a while cannot pass a second's traffic at once; and
+# always at least rate / HZ (tc-tbf(8)): a millisecond at the rate covers any HZ up to 1000.
+BURST_SECONDS = 0.01
+MAX_BURST_BYTES = 128 * 1024
+MIN_BURST_BYTES = 4 * 1024
 # How long a packet may wait in the queue before it is dropped: TCP senders that share the link
 # back off on drops, so the queue must absorb their bursts without growing latency unrealistically.
 QUEUE_LATENCY = "50ms"
@@ -49,7 +52,8 @@ NETNS_ETC = Path("/etc/netns")
 
 
 def burst_bytes(rate_bits: int) -> int:
-    return max(MIN_BURST_BYTES, int(rate_bits / 8 * BURST_SECONDS))
+    bucket = min(MAX_BURST_BYTES, max(MIN_BURST_BYTES, int(rate_bits / 8 * BURST_SECONDS)))
+    return max(bucket, int(rate_bits / 8 * 0.001))
 
 
 def require_privileges(action: str) -> None:

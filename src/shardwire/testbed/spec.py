@@ -23,7 +23,7 @@ NODE_INTERFACE = "eth0"  # each node's link, as on a server
 # The nodes' private subnet. It never meets the host's networks: the namespaces have no route out.
 SUBNET = ipaddress.ip_network("10.77.0.0/24")
 MAX_NODES = 64
-MIN_RATE, MAX_RATE = 10**7, 10**11  # 10 Mbit/s to 100 Gbit/s
+MIN_RATE, MAX_RATE = 10**5, 10**11  # 100 kbit/s (a GPU cluster's regime for a CPU rank: --like) to 100 Gbit/s
 
 _NAME = re.compile(r"shardwire(-[a-z0-9]+)*")
 # tc's units (tc(8)): decimal multiples of bits per second.

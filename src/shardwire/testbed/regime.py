@@ -1,0 +1,87 @@
+"""The link rate that puts this machine in a GPU cluster's regime (``shardwire testbed up --like``).
+
+Whether the network sets a training step depends on how much a node computes per byte its link
+carries. Eight H100s share one 100 GbE NIC at about 600,000 FLOP per byte; a CPU rank here computes
+about 10^11 FLOP/s, so even a 100 Mbit/s link gives it far more network per FLOP than that cluster
+has. ``--like PRESET`` shapes the links so that a node here (its ranks' measured matrix-multiply
+rate, together) over its link has PRESET's FLOP per byte: its GPUs' rate (the data sheet's peak in
+the dtype they train in, at the matrix-multiply efficiency the simulator gives them) over the
+bandwidth between its nodes. A job with as many tokens per node as on PRESET then waits on its link
+for the same share of its step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from shardwire.testbed.spec import MAX_RATE, MIN_RATE, TestbedError, format_rate
+
+PROBE_SECONDS = 1.0
+SIGNIFICANT_DIGITS = 2  # a rate measured twice rounds the same, so a second `up` keeps the testbed
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """A preset's FLOP per network byte and this machine's node: its ranks and what each computes."""
+
+    preset: str
+    node_flops: float  # the preset's node: its GPUs' FLOP/s together
+    node_bytes_per_s: float  # the preset's bandwidth between nodes, per node
+    rank_flops: float  # a rank here, measured
+    ranks_per_node: int
+    threads: int  # each rank's compute threads here
+
+    @property
+    def flop_per_byte(self) -> float:
+        return self.node_flops / self.node_bytes_per_s
+
+    @property
+    def rate_bits(self) -> int:
+        exact = 8 * self.ranks_per_node * self.rank_flops / self.flop_per_byte
+        return int(float(f"{exact:.{SIGNIFICANT_DIGITS}g}"))
+
+    def describe(self) -> list[str]:
+        return [
+            f"{self.preset}: a node computes {self.node_flops / 1e15:.3g} PFLOP/s over "
+            f"{self.node_bytes_per_s / 1e9:.3g} GB/s between nodes, {self.flop_per_byte:,.0f} FLOP per byte",
+            f"here: a rank computes {self.rank_flops / 1e9:.3g} GFLOP/s (fp32 matrix multiply, {self.threads} "
+            f"thread(s)), {self.ranks_per_node} per node: links of {format_rate(self.rate_bits)}",
+        ]
+
+
+def like(preset: str, nodes: int, ranks_per_node: int) -> Regime:
+    """The regime of cluster ``preset`` (``shardwire.sim.presets.CLUSTERS``) for a job of
+    ``ranks_per_node`` ranks on each of ``nodes`` nodes here, measuring a rank's compute with the
+    threads each will have (``shardwire testbed run`` gives each rank cores / all ranks)."""
+    import torch
+
+    from shardwire.profile.flops import probe_peak_tflops
+    from shardwire.sim.presets import CLUSTERS
+
+    if preset not in CLUSTERS:
+        raise TestbedError(f"--like {preset!r} is not a cluster preset; choose one of {', '.join(sorted(CLUSTERS))}")
+    if ranks_per_node < 1:
+        raise TestbedError(f"--nproc-per-node must be at least 1, got {ranks_per_node}")
+    cluster = CLUSTERS[preset]
+    threads = max(1, (os.cpu_count() or 1) // (nodes * ranks_per_node))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rank_flops = probe_peak_tflops(torch.device("cpu"), torch.float32, PROBE_SECONDS) * 1e12
+    finally:
+        torch.set_num_threads(before)
+    regime = Regime(
+        preset=preset,
+        node_flops=cluster.gpus_per_node * cluster.peak_tflops * 1e12 * cluster.matmul_efficiency,
+        node_bytes_per_s=cluster.inter_node.busbw_GBps * 1e9,
+        rank_flops=rank_flops,
+        ranks_per_node=ranks_per_node,
+        threads=threads,
+    )
+    if not MIN_RATE <= regime.rate_bits <= MAX_RATE:
+        raise TestbedError(
+            f"{preset}'s regime needs links of {format_rate(regime.rate_bits)} here, outside the "
+            f"{format_rate(MIN_RATE)} to {format_rate(MAX_RATE)} a testbed shapes: change --nproc-per-node"
+        )
+    return regime
