@@ -173,11 +173,11 @@ def rank_share(machine: ClusterSpec, share: float) -> ClusterSpec:
 
 
 def training_spec(settings: Settings, layout: str = "full", wire: str = "none",
-                  shard_group_size: int | None = None) -> TrainingSpec:
+                  shard_group_size: int | None = None, sync: str | None = None) -> TrainingSpec:
     """The benchmark's step: fp32, as it runs on the CPU."""
     return TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch, layout=layout,
                         shard_group_size=shard_group_size, wire=wire, reshard_after_forward=settings.reshard,
-                        precision="fp32", reduce_precision="fp32")
+                        precision="fp32", reduce_precision="fp32", sync=sync or "none")
 
 
 @functools.cache
@@ -200,7 +200,8 @@ def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: 
     cluster = parse("cluster", {**as_dict(measured), "nodes": run.nodes, "gpus_per_node": run.ranks_per_node})
     setup = SHARDWIRE_SYSTEMS[run.system]
     hybrid = setup.layout in ("hybrid", "hybrid_secondary")
-    training = training_spec(settings, setup.layout, setup.wire, run.ranks_per_node if hybrid else None)
+    training = training_spec(settings, setup.layout, setup.wire, run.ranks_per_node if hybrid else None,
+                             setup.sync)
     return predict(model_spec(settings), cluster, training)
 
 

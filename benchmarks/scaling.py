@@ -242,8 +242,9 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--clusters", nargs="+", default=["1x1", "1x2", "1x4", "2x1", "2x2"],
                         help="NODESxRANKS_PER_NODE; clusters of several nodes run once per --links rate")
-    parser.add_argument("--links", nargs="+", default=["1gbit", "5gbit"], help="link rates between nodes")
-    parser.add_argument("--like", metavar="PRESET",
+    rates = parser.add_mutually_exclusive_group()
+    rates.add_argument("--links", nargs="+", default=["1gbit", "5gbit"], help="link rates between nodes")
+    rates.add_argument("--like", metavar="PRESET",
                         help="instead of --links: the rate of a GPU cluster preset's regime (`shardwire testbed "
                              "up --like`), measured here for each cluster's ranks per node")
     parser.add_argument("--model", default="30m", choices=sorted(PRESETS))
@@ -262,11 +263,13 @@ def main() -> None:
     if args.warmup < 2:
         parser.error("--warmup must be at least 2: DDP rebuilds its buckets and shardwire records its order in step 1")
     try:
+        from shardwire.testbed.network import require_privileges
+        from shardwire.testbed.spec import parse_rate
+
+        if args.like:  # before a second of measuring for each cluster
+            require_privileges("up")
         clusters = parse_clusters(args.clusters, args.links, args.like)
         if any(cluster.nodes > 1 for cluster in clusters):
-            from shardwire.testbed.network import require_privileges
-            from shardwire.testbed.spec import parse_rate
-
             require_privileges("up")
             for cluster in clusters:
                 if cluster.link is not None:

@@ -52,8 +52,30 @@ def test_like_matches_a_presets_flop_per_byte():
     assert "611,861 FLOP per byte" in matched.describe()[0] and "links of 1.9mbit" in matched.describe()[1]
 
 
+def test_like_gives_each_rank_its_share_where_ranks_outnumber_the_cores(monkeypatch):
+    """Four ranks on two cores compute half a thread's rate each: the node's compute is not counted
+    twice over."""
+    import torch
+
+    from shardwire.profile import flops
+    from shardwire.testbed import regime
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(flops, "probe_peak_tflops", lambda device, dtype, seconds: 0.1)  # 100 GFLOP/s
+    threads = torch.get_num_threads()
+    alone, crowded = regime.like("h100-100gbe", 2, 1), regime.like("h100-100gbe", 2, 2)
+    assert (alone.threads, alone.share, crowded.threads, crowded.share) == (1, 1.0, 1, 0.5)
+    assert crowded.rate_bits == alone.rate_bits  # twice the ranks per node, each with half the time
+    assert "0.5 of their time" in crowded.describe()[1]
+    assert torch.get_num_threads() == threads
+
+
 def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
     monkeypatch.setattr(network, "require_privileges", lambda action: None)
+    assert main(["testbed", "up", "--nodes", "2"]) == 1
+    assert "give the link rate: --link RATE (e.g. 1gbit) or --like PRESET" in capsys.readouterr().err
+    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "0"]) == 1
+    assert "--nproc-per-node must be at least 1, got 0" in capsys.readouterr().err
     assert main(["testbed", "up", "--nodes", "2", "--like", "h100-nvlink"]) == 1
     assert "--like 'h100-nvlink' is not a cluster preset; choose one of" in capsys.readouterr().err
     assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"]) == 1

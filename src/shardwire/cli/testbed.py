@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     up = action("up", "build the nodes and their shaped links (rebuilds if the nodes or link rate differ)")
     up.add_argument("--nodes", type=int, required=True, help="emulated nodes (network namespaces)")
-    rate = up.add_mutually_exclusive_group(required=True)
+    rate = up.add_mutually_exclusive_group()  # one of them, from the command line or a config file
     rate.add_argument("--link", help="each node's link rate, per direction, in tc's units: 1gbit, 2.5gbit, 500mbit")
     rate.add_argument("--like", metavar="PRESET",
                       help="the link rate that gives a node here the FLOP per network byte of a GPU cluster "
@@ -70,6 +70,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _up(args) -> int:
+    if args.link is None and args.like is None:
+        raise TestbedError("give the link rate: --link RATE (e.g. 1gbit) or --like PRESET (e.g. h100-100gbe)")
     if args.like is None:
         if args.nproc_per_node is not None:
             raise TestbedError("--nproc-per-node sets the node's compute for --like; a rate given with --link "
@@ -77,7 +79,7 @@ def _up(args) -> int:
         rate = parse_rate(args.link)
     else:
         Testbed(args.name, args.nodes, MIN_RATE)  # the node count, checked before a second of measuring
-        matched = regime.like(args.like, args.nodes, args.nproc_per_node or 1)
+        matched = regime.like(args.like, args.nodes, 1 if args.nproc_per_node is None else args.nproc_per_node)
         print("\n".join(matched.describe()))
         rate = matched.rate_bits
     testbed = Testbed(args.name, args.nodes, rate)

@@ -13,7 +13,8 @@ backward  root post-forward already opened the backward ``Pass`` and issued its 
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
           for its gather. Its flat gradient being complete means its backward is over: start the
           reduce-scatter asynchronously (under ``hybrid``, followed by the all-reduce between groups),
-          release the parameters, land the reduction issued before it.
+          release the parameters, and with more than ``REDUCTIONS_IN_FLIGHT`` in flight wait for the
+          oldest reduce-scatter (``_scatter_oldest``).
           A callback queued on the autograd engine lands the last reductions when backward ends and
           releases every unit still gathered. Outputs announce each backward that reaches them, so a
           second backward through a retained graph runs the same way, once what nothing announces

@@ -255,11 +255,12 @@ class _Lane:
         self._wake: Event | None = None
         sim.start(self._run())
 
-    def submit(self, op: str, unit: str, nbytes: float, phases: list[Phase]) -> Event:
+    def submit(self, op: str, unit: str, nbytes: float, phases: list[Phase], after: Event | None = None) -> Event:
+        """Queue a collective; with ``after``, it starts no sooner than that event."""
         done = self._sim.event()
         record = SimulatedCollective(op, unit, nbytes, issued=self._sim.now)
         self._records.append(record)
-        self._queue.append((record, phases, done))
+        self._queue.append((record, phases, done, after))
         if self._wake is not None:
             wake, self._wake = self._wake, None
             wake.succeed()
@@ -271,7 +272,9 @@ class _Lane:
                 self._wake = self._sim.event()
                 yield self._wake
                 continue
-            record, phases, done = self._queue.popleft()
+            record, phases, done, after = self._queue.popleft()
+            if after is not None and not after.happened:
+                yield after
             record.started = self._sim.now
             for phase in phases:
                 share = costs.level_spec(self._cluster, phase.level).compute_share
@@ -325,8 +328,10 @@ class _Step:
         self.stalls: list[Stall] = []
         self.compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self.processor = Processor(self.sim)
-        self._gathers, self._reductions, self._scalars, self._syncs = (
-            _Lane(self.sim, self.links, self.processor, cluster, self.comms) for _ in range(4))
+        # reduce-scatters, and hybrid's all-reduces between groups that follow them, have lanes of
+        # their own, as in the engine (its shard and replicate communicators)
+        self._gathers, self._reductions, self._replicas, self._scalars, self._syncs = (
+            _Lane(self.sim, self.links, self.processor, cluster, self.comms) for _ in range(5))
         self._gathered: dict[str, Event] = {}
         self._shard_group = shard_group(cluster, training)
         self._backward_group = backward_gather_group(cluster, training)
@@ -427,8 +432,11 @@ class _Step:
         """Start reducing ``unit``'s gradient: an event for each of its collectives, in order. The
         backlog bound waits for the first (the reduce-scatter that holds the unit's gradient), the
         end of backward for the last."""
-        return [self._reductions.submit(op, unit.name, nbytes, phases)
-                for op, nbytes, phases in reduction_phases(unit, self.cluster, self.training)]
+        events: list[Event] = []
+        for op, nbytes, phases in reduction_phases(unit, self.cluster, self.training):
+            lane = self._replicas if op == "all_reduce" else self._reductions
+            events.append(lane.submit(op, unit.name, nbytes, phases, after=events[-1] if events else None))
+        return events
 
     def _compute(self, kind: str, seconds: float) -> Process:
         """``seconds`` of compute, at the rate collectives in flight leave it, taking each level's

@@ -28,9 +28,10 @@ class Regime:
     preset: str
     node_flops: float  # the preset's node: its GPUs' FLOP/s together
     node_bytes_per_s: float  # the preset's bandwidth between nodes, per node
-    rank_flops: float  # a rank here, measured
+    rank_flops: float  # a rank here: its threads' measured rate, times its share of their time
     ranks_per_node: int
     threads: int  # each rank's compute threads here
+    share: float = 1.0  # of its threads' time a rank gets where ranks outnumber the cores
 
     @property
     def flop_per_byte(self) -> float:
@@ -46,14 +47,16 @@ class Regime:
             f"{self.preset}: a node computes {self.node_flops / 1e15:.3g} PFLOP/s over "
             f"{self.node_bytes_per_s / 1e9:.3g} GB/s between nodes, {self.flop_per_byte:,.0f} FLOP per byte",
             f"here: a rank computes {self.rank_flops / 1e9:.3g} GFLOP/s (fp32 matrix multiply, {self.threads} "
-            f"thread(s)), {self.ranks_per_node} per node: links of {format_rate(self.rate_bits)}",
+            f"thread(s){'' if self.share == 1 else f', {self.share:.2g} of their time'}), "
+            f"{self.ranks_per_node} per node: links of {format_rate(self.rate_bits)}",
         ]
 
 
 def like(preset: str, nodes: int, ranks_per_node: int) -> Regime:
     """The regime of cluster ``preset`` (``shardwire.sim.presets.CLUSTERS``) for a job of
     ``ranks_per_node`` ranks on each of ``nodes`` nodes here, measuring a rank's compute with the
-    threads each will have (``shardwire testbed run`` gives each rank cores / all ranks)."""
+    threads each will have (``shardwire testbed run`` gives each rank cores / all ranks, at least
+    one) and, where ranks outnumber the cores, counting the share of the cores' time each gets."""
     import torch
 
     from shardwire.profile.flops import probe_peak_tflops
@@ -64,24 +67,27 @@ def like(preset: str, nodes: int, ranks_per_node: int) -> Regime:
     if ranks_per_node < 1:
         raise TestbedError(f"--nproc-per-node must be at least 1, got {ranks_per_node}")
     cluster = CLUSTERS[preset]
-    threads = max(1, (os.cpu_count() or 1) // (nodes * ranks_per_node))
+    cores, ranks = os.cpu_count() or 1, nodes * ranks_per_node
+    threads = max(1, cores // ranks)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        rank_flops = probe_peak_tflops(torch.device("cpu"), torch.float32, PROBE_SECONDS) * 1e12
+        threads_flops = probe_peak_tflops(torch.device("cpu"), torch.float32, PROBE_SECONDS) * 1e12
     finally:
         torch.set_num_threads(before)
+    share = min(1.0, cores / (ranks * threads))  # all ranks compute at once on this machine's cores
     regime = Regime(
         preset=preset,
         node_flops=cluster.gpus_per_node * cluster.peak_tflops * 1e12 * cluster.matmul_efficiency,
         node_bytes_per_s=cluster.inter_node.busbw_GBps * 1e9,
-        rank_flops=rank_flops,
+        rank_flops=threads_flops * share,
         ranks_per_node=ranks_per_node,
         threads=threads,
+        share=share,
     )
     if not MIN_RATE <= regime.rate_bits <= MAX_RATE:
         raise TestbedError(
             f"{preset}'s regime needs links of {format_rate(regime.rate_bits)} here, outside the "
-            f"{format_rate(MIN_RATE)} to {format_rate(MAX_RATE)} a testbed shapes: change --nproc-per-node"
+            f"{format_rate(MIN_RATE)} to {format_rate(MAX_RATE)} a testbed shapes: choose another preset"
         )
     return regime
