@@ -137,5 +137,5 @@ def test_a_sequence_longer_than_the_default_corpus_is_refused_before_any_worker(
 
 
 def test_a_link_rate_past_a_floats_range_is_one_line():
-    with pytest.raises(spec.TestbedError, match="is outside 10mbit to 100gbit"):
+    with pytest.raises(spec.TestbedError, match="is outside 100kbit to 100gbit"):
         spec.parse_rate("9" * 400 + "gbit")

@@ -76,7 +76,7 @@ def cluster(nodes: int, latency_us: float) -> ClusterSpec:
     (["--nodes", "1000000"], "nodes 1000000 is more nodes than the simulator takes (at most 65,536"),
     (["--cluster", "{preset: a100-100gbe, gpus_per_node: 100000}"], "gpus_per_node 100000 is more GPUs per node"),
     (["--cluster", "{preset: a100-100gbe, inter_node: {busbw_GBps: 1.0e-12}}"],
-     "busbw_GBps 1e-12 is under 0.0001 GB/s (100 kB/s), slower than any network: bandwidths are in GB/s"),
+     "busbw_GBps 1e-12 is under 1e-05 GB/s (10 kB/s), slower than any network: bandwidths are in GB/s"),
     (["--cluster", "{preset: a100-100gbe, intra_node: {busbw_GBps: 1.0e+15}}"], "busbw_GBps 1e+15 is over 1e12 GB/s"),
     (["--cluster", "{preset: a100-100gbe, memory_bandwidth_GBps: 1.0e-9}"], "memory_bandwidth_GBps 1e-09 is under"),
     (["--cluster", "{preset: a100-100gbe, inter_node: {latency_us: 1.0e+300}}"],

@@ -83,7 +83,7 @@ _HEADS = Limit(MAX_WIDTH, f"over {MAX_WIDTH:,}, more than hidden can be: heads m
 _SEQUENCE = Limit(MAX_SEQ_LEN, f"over {MAX_SEQ_LEN:,} tokens, beyond any published context: give tokens per sequence")
 _LAYERS = Limit(MAX_LAYERS, f"more blocks than the simulator builds (at most {MAX_LAYERS:,} per stack, ten times "
                             f"the deepest published models)")
-# Bandwidths: from 100 kB/s, under a tenth of the testbed's slowest link (10 Mbit/s), to 1e12 GB/s.
+# Bandwidths: from 10 kB/s, under the testbed's slowest link (100 kbit/s), to 1e12 GB/s.
 # Rates have upper bounds far above physics (HBM3e moves 8 TB/s, a GPU does petaFLOP/s) so that an
 # experiment can make communication or compute free, as tests do; only their lower bounds can make
 # times long, and those keep every time finite.
@@ -97,7 +97,7 @@ _EFFICIENCY = Limit(
     high=1.0, above="over 1: it is the fraction of the peak its kernels reach, in (0, 1]",
 )
 _BANDWIDTH = Limit(
-    low=1e-4, below="under 0.0001 GB/s (100 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
+    low=1e-5, below="under 1e-05 GB/s (10 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
     high=1e12, above="over 1e12 GB/s, a hundred million times any memory or link: bandwidths are in GB/s "
                      "(1e9 bytes/s)",
 )
