@@ -42,6 +42,7 @@ BRIDGE = "br0"
 # rates a few packets, so that a link idle for a while cannot pass a second's traffic at once; and
 # always at least rate / HZ (tc-tbf(8)): a millisecond at the rate covers any HZ up to 1000.
 BURST_SECONDS = 0.01
+TICK_SECONDS = 0.001  # 1 / HZ at HZ 1000, the highest
 MAX_BURST_BYTES = 128 * 1024
 MIN_BURST_BYTES = 4 * 1024
 # How long a packet may wait in the queue before it is dropped: TCP senders that share the link
@@ -53,7 +54,7 @@ NETNS_ETC = Path("/etc/netns")
 
 def burst_bytes(rate_bits: int) -> int:
     bucket = min(MAX_BURST_BYTES, max(MIN_BURST_BYTES, int(rate_bits / 8 * BURST_SECONDS)))
-    return max(bucket, int(rate_bits / 8 * 0.001))
+    return max(bucket, int(rate_bits / 8 * TICK_SECONDS))
 
 
 def require_privileges(action: str) -> None:
