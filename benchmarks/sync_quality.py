@@ -22,6 +22,12 @@ Loss: the final validation loss is the one the job prints at its end, after ``sy
 groups one model; the curves are the validation losses every ``--eval-every`` steps (under sync, the
 mean over the groups' own models, which differ between syncs).
 
+Synchronous first (``--after-synchronous N``, post-local SGD): each sync setting also runs resumed
+from the synchronous run's checkpoint of step N, so that the groups train together for N steps and
+apart after (``shardwire train`` resumes a checkpoint saved without ``--sync`` into a sync: its
+parameters become the anchor). Its bytes per token count the N synchronous steps at the synchronous
+run's rate.
+
 Bytes: every step is profiled (``--profile``). The all-reduces between the groups are what crosses
 nodes (the gradient norm's scalar all-reduce within a group adds 8 bytes a step), counted as the
 engine's ``CommRecord`` counts them (wire bytes, in nccl-tests' size of an all-reduce). Bytes per
@@ -37,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +58,8 @@ LOSS_TOLERANCE, BYTES_FACTOR = 0.02, 100
 
 
 def run_job(cluster: str, sync: str, train_args: list[str]) -> dict:
-    """One run on ``cluster`` (NODESxRANKS) with ``--sync sync``: rank 0's losses and the bytes its
-    all-reduces sent per step, from its profile."""
+    """One run on ``cluster`` (NODESxRANKS) with ``--sync sync``: rank 0's losses, the bytes its
+    all-reduces sent per step, from its profile, and the steps it ran."""
     nodes, ranks = (int(n) for n in cluster.split("x"))
     what = f"on {cluster} with --sync {sync}"
     with tempfile.TemporaryDirectory() as run_dir:
@@ -64,7 +72,7 @@ def run_job(cluster: str, sync: str, train_args: list[str]) -> dict:
     if final is None:
         raise RuntimeError(f"no final validation loss in the output of the run {what}:\n{output[-2000:]}")
     sent = [_rank_0(step)["all_reduce_wire_bytes"] for step in profile["steps"]]
-    return {"train_loss": train_loss, "val_loss": val_loss, "final_val_loss": final,
+    return {"train_loss": train_loss, "val_loss": val_loss, "final_val_loss": final, "steps": len(sent),
             "all_reduce_wire_bytes_per_step": sum(sent) / len(sent),
             "tokens_per_step": profile["tokens_per_step"] / (nodes * ranks)}  # rank 0's
 
@@ -74,14 +82,47 @@ def _rank_0(step: dict) -> dict:
     return ranks[0] if isinstance(ranks, list) else ranks["0"]
 
 
-def runs_of(args) -> list[tuple[str, str, str, list[str]]]:
-    """(cluster, label, --sync, more options) of every run, each cluster's reference first."""
+def runs_of(args, checkpoints: str) -> tuple[list[tuple], list[tuple]]:
+    """(cluster, label, --sync, more options, resumed from step) of every run: those that start
+    afresh, each cluster's reference first (saving its checkpoints in ``checkpoints/CLUSTER`` for
+    ``--after-synchronous``), then those resumed from them."""
     syncs = [f"every={every},fragments={fragments}" for every in args.every for fragments in args.fragments]
-    runs = []
+    syncs = [(sync, f"{args.base},{sync}" if args.base else sync) for sync in [*syncs, *args.also]]
+    saving = []
+    if args.after_synchronous:
+        saving = ["--save-every", str(math.gcd(*args.after_synchronous)), "--keep", "0"]
+    fresh, resumed = [], []
     for cluster in args.clusters:
-        runs += [(cluster, "synchronous", "none", []), (cluster, "synchronous, seed 1", "none", ["--seed", "1"])]
-        runs += [(cluster, sync, f"{args.base},{sync}" if args.base else sync, []) for sync in [*syncs, *args.also]]
-    return runs
+        fresh += [(cluster, "synchronous", "none", ["--checkpoint-dir", os.path.join(checkpoints, cluster), *saving]
+                   if saving else [], None),
+                  (cluster, "synchronous, seed 1", "none", ["--seed", "1"], None)]
+        fresh += [(cluster, label, sync, [], None) for label, sync in syncs]
+        resumed += [(cluster, f"{label} after {step} synchronous steps", sync, [], step)
+                    for step in args.after_synchronous for label, sync in syncs]
+    return fresh, resumed
+
+
+def resume(checkpoints: str, cluster: str, step: int, label: str) -> list[str]:
+    """Options that resume a run from the synchronous run's checkpoint of ``step`` alone: a directory
+    of its own holding a copy of that checkpoint (the run then saves only at its end)."""
+    saved = os.path.join(checkpoints, cluster, f"step_{step:08d}")
+    if not os.path.isdir(saved):
+        raise SystemExit(f"the synchronous run on {cluster} saved no checkpoint at step {step}: "
+                         f"--after-synchronous takes steps before the job's last")
+    directory = os.path.join(checkpoints, f"{cluster} {label}")
+    shutil.copytree(saved, os.path.join(directory, os.path.basename(saved)))
+    return ["--checkpoint-dir", directory, "--save-every", "1000000000"]
+
+
+def with_synchronous_start(run: dict, reference: dict, step: int) -> dict:
+    """A run resumed at ``step`` as the whole job: the reference's first ``step`` steps, their losses
+    and bytes, before its own."""
+    steps = step + run["steps"]
+    sent = step * reference["all_reduce_wire_bytes_per_step"] + run["steps"] * run["all_reduce_wire_bytes_per_step"]
+    before = {key: {s: loss for s, loss in reference[key].items() if s <= step} for key in ("train_loss", "val_loss")}
+    return {**run, "steps": steps, "all_reduce_wire_bytes_per_step": sent / steps, "synchronous_steps": step,
+            "train_loss": {**before["train_loss"], **run["train_loss"]},
+            "val_loss": {**before["val_loss"], **run["val_loss"]}}
 
 
 def rows_of(results: dict[str, dict[str, dict]]) -> list[dict]:
@@ -146,26 +187,35 @@ def main() -> None:
                                  "every=20,fragments=4,outer_lr=0.7,momentum=0.9"])
     parser.add_argument("--base", default="", help="key=value settings of every sync run, before its own "
                                                    "(which win), e.g. outer_lr=0.7,momentum=0.9")
+    parser.add_argument("--after-synchronous", nargs="*", type=int, default=[], metavar="N",
+                        help="also run each sync setting resumed from the synchronous run's step N")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("train_args", nargs="*", help="more `shardwire train` options, after --")
     args = parser.parse_args()
+    if any(step < 1 for step in args.after_synchronous):
+        parser.error(f"--after-synchronous takes steps from 1, got {args.after_synchronous}")
     train_args = ["--eval-every", str(args.eval_every), "--log-every", str(args.eval_every), *args.train_args]
-    runs = runs_of(args)
+    results: dict[str, dict[str, dict]] = {}
 
-    def run(spec: tuple[str, str, str, list[str]]) -> dict:
-        cluster, label, sync, extra = spec
+    def run(spec: tuple) -> None:
+        cluster, label, sync, extra, step = spec
+        if step is not None:
+            extra = resume(checkpoints, cluster, step, label)
         result = run_job(cluster, sync, [*train_args, *extra])
+        if step is not None:
+            result = with_synchronous_start(result, results[cluster]["synchronous"], step)
         print(f"{cluster} {label}: final validation loss {result['final_val_loss']:.4f}, "
               f"{result['all_reduce_wire_bytes_per_step'] / result['tokens_per_step']:.1f} bytes across nodes "
               f"per token", file=sys.stderr, flush=True)
-        return result
-
-    with ThreadPoolExecutor(args.parallel) as pool:
-        done = list(pool.map(run, runs))
-    results: dict[str, dict[str, dict]] = {}
-    for (cluster, label, _, _), result in zip(runs, done):
         results.setdefault(cluster, {})[label] = result
+
+    with tempfile.TemporaryDirectory() as checkpoints, ThreadPoolExecutor(args.parallel) as pool:
+        fresh, resumed = runs_of(args, checkpoints)
+        for phase in (fresh, resumed):  # the resumed runs start from the references' checkpoints
+            list(pool.map(run, phase))
+    results = {cluster: {label: results[cluster][label] for c, label, *_ in fresh + resumed if c == cluster}
+               for cluster in args.clusters}  # in the order of the runs, not of their ends
     command = " ".join(["python", "benchmarks/sync_quality.py", *sys.argv[1:]])
     rows = rows_of(results)
     write_report(args.out_dir, "sync", {"command": command, "train_args": train_args, "runs": results, "rows": rows},
