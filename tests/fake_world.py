@@ -204,7 +204,8 @@ def expected_calls(layout: str, wire: Wire, groups: Groups, units: int) -> colle
         return torch.uint8 if wire.params is not None and group != node else compute
 
     calls["all_gather", shard, gathered(shard)] += units  # forward: every unit
-    calls["all_gather", backward, gathered(backward)] += units - 1  # backward: the root stays gathered
+    # backward: the root stays gathered, and so does the last block, which backward starts with
+    calls["all_gather", backward, gathered(backward)] += units - 2
     if layout == "hybrid":
         calls["reduce_scatter", node, reduce] += units
         if wire.grads is None:

@@ -15,8 +15,9 @@ The compute lane follows the engine (``shardwire.engine.runtime`` and ``schedule
 
 forward    gather the root unit; open the forward pass, which issues the first ``prefetch`` gathers;
            per unit: enter the pass (sliding window: issue the gather ``prefetch`` units ahead),
-           wait for the unit's gather, compute, release it (``reshard_after_forward``). Then the
-           root's head, and the backward pass opens, issuing its first gathers.
+           wait for the unit's gather, compute, release it (``reshard_after_forward``), except the
+           last, which backward starts with. Then the root's head, and the backward pass opens,
+           issuing its first gathers.
 backward   the head's backward; per unit in reverse: enter the pass, wait for the gather (none when
            the unit was never released), recompute (activation checkpointing) and backward, start
            its reduce-scatter and, with more than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the
@@ -384,7 +385,7 @@ class _Step:
             forward.enter()
             yield from self._wait(self._gather(unit), "forward all-gathers", unit.name)
             yield from self._compute("forward", self._forward_s[unit.name])
-            if reshard:
+            if reshard and unit is not units[-1]:
                 self._release(unit)
             forward.consumed()
         yield from self._compute("forward", self._forward_s[root.name])
