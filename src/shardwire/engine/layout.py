@@ -35,6 +35,8 @@ hybrid_secondary      gather over W (forward), over G (backward),      P (N-1)/N
 
 With a quantized wire (``shardwire.comm.wire``), ``c`` and ``r`` become its bytes per element for
 the part that crosses nodes: the gathers, and the partial sums of reductions sent between nodes.
+Two units are gathered once a step, not twice: the root, which stays gathered, and the unit
+backward starts with (``shardwire.engine.runtime``).
 
 ``hybrid`` with ``sync`` (``shardwire.engine.sync``) trains each group apart: no gradient is
 all-reduced between groups, and every H steps the ``replicate`` communicator averages the change
