@@ -434,7 +434,8 @@ class Engine:
             self._release_all()
 
     def _backward_starts_with(self, unit: Unit) -> bool:
-        """``unit`` is the first the recorded backward reaches (None recorded yet: the first step)."""
+        """``unit`` is the first the recorded backward reaches (False until a backward has recorded
+        the order)."""
         order = self._order["backward"]
         return bool(order) and order[0] is unit
 
