@@ -204,8 +204,8 @@ def expected_calls(layout: str, wire: Wire, groups: Groups, units: int) -> colle
         return torch.uint8 if wire.params is not None and group != node else compute
 
     calls["all_gather", shard, gathered(shard)] += units  # forward: every unit
-    # backward: the root stays gathered, and so does the last block, which backward starts with
-    calls["all_gather", backward, gathered(backward)] += units - 2
+    # backward: the root stays gathered, and so do the last two blocks, which backward opens with
+    calls["all_gather", backward, gathered(backward)] += units - 3
     if layout == "hybrid":
         calls["reduce_scatter", node, reduce] += units
         if wire.grads is None:

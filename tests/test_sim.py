@@ -201,10 +201,10 @@ def test_without_compute_the_step_is_the_bytes_over_the_link():
     training = TrainingSpec(micro_batch=1, precision="fp32")
     p = predict(GPT, slow, training)
     arch = architecture(GPT, 4)
-    units, last = arch.params - arch.root.params, arch.units[-1].params
-    # forward and backward gathers of every unit but the last (backward starts with it, still
-    # gathered), the root's gather, every reduction: 4 bytes each
-    wire = (2 * units - last + arch.root.params + arch.params) * 4 * 3 / 4
+    units, opening = arch.params - arch.root.params, sum(u.params for u in arch.units[-training.prefetch:])
+    # forward and backward gathers of every unit but the last `prefetch` (backward opens with them,
+    # still gathered), the root's gather, every reduction: 4 bytes each
+    wire = (2 * units - opening + arch.root.params + arch.params) * 4 * 3 / 4
     assert p.step_time_s == pytest.approx(wire / 1e9, rel=0.01)
     assert p.timeline.link_busy_s["inter"] == pytest.approx(p.step_time_s, rel=0.01)
 
@@ -234,7 +234,8 @@ def test_grad_op_gathers_once_per_unit_and_hybrid_gathers_inside_the_node():
         p = predict(GPT, c, TrainingSpec(layout=layout))
         ops[layout] = [r.op for r in p.timeline.comms]
     units = GPT.layers
-    assert ops["full"].count("all_gather") == 2 * units  # the root once, the last unit once, the others twice
+    # the root and the last two units (prefetch 2: backward opens with them) once, the others twice
+    assert ops["full"].count("all_gather") == 2 * units - 1
     assert ops["grad_op"].count("all_gather") == units + 1
     assert ops["hybrid"].count("all_reduce") == units + 1 + 1  # each unit, the root, the norm
     hybrid = predict(GPT, c, TrainingSpec(layout="hybrid"))
@@ -250,7 +251,7 @@ def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     units = GPT.layers
     hpz = predict(GPT, c, TrainingSpec(layout="hybrid_secondary"))
     gathers = [r for r in hpz.timeline.comms if r.op == "all_gather"]
-    assert len(gathers) == 2 * units
+    assert len(gathers) == 2 * units - 1
     assert [r.op for r in hpz.timeline.comms].count("all_reduce") == 1  # the norm only
     for backward in gathers[units + 1:]:  # within the node: at its links' rate, sharing them with reductions
         assert backward.nbytes * 3 / 4 / 100e9 <= backward.busy_s < backward.nbytes * 3 / 4 / 10e9
@@ -272,7 +273,8 @@ def test_gradient_accumulation_reduces_once():
     p = predict(GPT, cluster(), TrainingSpec(grad_accum=3))
     ops = [r.op for r in p.timeline.comms]
     assert ops.count("reduce_scatter") == GPT.layers + 1
-    assert ops.count("all_gather") == 3 * 2 * GPT.layers  # per micro-batch: the root and the last unit once
+    # per micro-batch: the root and the last two units (backward opens with them) once
+    assert ops.count("all_gather") == 3 * (2 * GPT.layers - 1)
 
 
 def test_sweep_scaling_efficiency_is_per_gpu_throughput_against_one_node():

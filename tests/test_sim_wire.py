@@ -36,9 +36,10 @@ def sizes():
     return arch.params, arch.root.params, arch.params - arch.root.params
 
 
-def last_unit():
-    """The parameters of the unit backward starts with: gathered once a step, resharding or not."""
-    return architecture(MODEL, 2).units[-1].params
+def opening_units():
+    """The parameters of the units backward opens with (the last ``prefetch``, 2): gathered once a
+    step, resharding or not."""
+    return sum(u.params for u in architecture(MODEL, 2).units[-TrainingSpec().prefetch:])
 
 
 # ------------------------------------------------------------------------------------ the spec
@@ -89,7 +90,7 @@ def inter_bytes_by_hand(layout, reshard, params_bytes, grads_bytes, nodes=2):
         return 2 * f * P * grads_bytes
     world_gathers = root + units  # hpZ: forward only
     if layout == "full" and reshard:
-        world_gathers += units - last_unit()  # backward starts with the last unit, still gathered
+        world_gathers += units - opening_units()  # backward opens with the last units, still gathered
     return f * (world_gathers * params_bytes + P * grads_bytes)
 
 
@@ -109,10 +110,10 @@ def test_bytes_across_nodes_follow_the_wire(layout, reshard, wire):
 
 def test_full_sharding_on_two_nodes_int8_params_int4_grads():
     """The formula per node: P (N-1)/N (2 (1 + 4/B) + 1/2 + 4/B), the root gathered once (it stays
-    gathered), the units twice (forward and, resharded, backward) but the last, which backward starts
-    with, once."""
+    gathered), the units twice (forward and, resharded, backward) but the last two, which backward
+    opens with, once."""
     P, root, units = sizes()
-    gathered = 2 * units - last_unit() + root
+    gathered = 2 * units - opening_units() + root
     p = predict(MODEL, cluster(), TrainingSpec(wire="params=int8,grads=int4"))
     assert p.timeline.link_bytes[INTER] == pytest.approx(gathered / 2 * INT8 + P / 2 * INT4)
     # Within the node, gathers move the packed bytes too; the reduce-scatter's first step is exact.
@@ -124,7 +125,7 @@ def test_quantized_reduce_scatter_is_hierarchical_and_the_gather_follows_the_alg
     its all-gather of packed bytes is the transport's own (a ring under NCCL)."""
     P, root, units = sizes()
     ring = predict(MODEL, cluster(algorithm="ring"), TrainingSpec(wire="params=int8,grads=int4"))
-    gathers = (2 * units - last_unit() + root) * INT8 * 7 / 8  # (n-1)/n of the packed buffer
+    gathers = (2 * units - opening_units() + root) * INT8 * 7 / 8  # (n-1)/n of the packed buffer
     assert ring.timeline.link_bytes[INTER] == pytest.approx(gathers + P * INT4 / 2)
 
 
@@ -166,7 +167,7 @@ def test_on_a_fast_network_the_kernels_make_a_quantized_wire_slower():
     exact = predict(MODEL, c, TrainingSpec())
     quantized = predict(MODEL, c, TrainingSpec(wire="int8"))
     assert quantized.step_time_s > exact.step_time_s
-    gathered = 2 * units - last_unit() + root
+    gathered = 2 * units - opening_units() + root
     assert quantized.comm_s["all_gather"] == pytest.approx(gathered * (1 + 1 / 8) / (rate * 1e9), rel=1e-3)
     assert quantized.comm_s["reduce_scatter"] == pytest.approx(P * 2 * (2 - 1) / 8 / (rate * 1e9), rel=1e-3)
     best = plan(MODEL, c, 8, TrainingSpec()).best

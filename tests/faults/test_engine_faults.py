@@ -159,11 +159,11 @@ def structured_parity(rank, world):
 def test_units_returning_any_object_train_like_a_single_process():
     """A unit's output the engine cannot look into is a leaf: its unit stays gathered from forward to
     backward (released after forward where the engine sees every tensor, except, once the first
-    backward recorded the order, the last unit, which backward starts with), and training matches."""
+    backward recorded the order, the last two units, which backward opens with), and training matches."""
     for kind, options, kept, loss_error, weight_error in run_workers(2, structured_parity)[0]:
         case = f"{kind} {options}"
         hidden = kind in HIDDEN
-        expected = [hidden] * 3 + [hidden, hidden, True] * 2  # three steps of three units
+        expected = [hidden] * 3 + [hidden, True, True] * 2  # three steps of three units
         assert kept == expected, f"{case}: each unit after its forward, still gathered: {kept}"
         assert loss_error < 1e-5 and weight_error < 1e-5, f"{case}: loss {loss_error:.1e}, weights {weight_error:.1e}"
 

@@ -35,8 +35,9 @@ hybrid_secondary      gather over W (forward), over G (backward),      P (N-1)/N
 
 With a quantized wire (``shardwire.comm.wire``), ``c`` and ``r`` become its bytes per element for
 the part that crosses nodes: the gathers, and the partial sums of reductions sent between nodes.
-Two units are gathered once a step, not twice: the root, which stays gathered, and the unit
-backward starts with (``shardwire.engine.runtime``).
+The root is gathered once a step, not twice, since it stays gathered, and so are the units the
+backward pass gathers as it opens: the first ``max(1, prefetch)`` of backward's order, the last
+blocks (``shardwire.engine.runtime``).
 
 ``hybrid`` with ``sync`` (``shardwire.engine.sync``) trains each group apart: no gradient is
 all-reduced between groups, and every H steps the ``replicate`` communicator averages the change

@@ -8,9 +8,11 @@ forward   root pre-forward checks that every parameter is still the engine's
           waits for its own gather and exposes its parameters; its post-forward hooks the unit's
           outputs so that backward can announce it and, by the rule below, releases its parameters
           (``reshard_after_forward``; under ``hybrid_secondary`` keeping this rank's secondary shard
-          for backward to gather from), except the unit the recorded backward starts with: backward
-          would gather it again at once, so it stays gathered and the step saves that gather (as
-          torchtitan keeps the last block, and FSDP2 the root).
+          for backward to gather from), except the units the backward pass gathers as it opens (the
+          first of the recorded backward order and those prefetched with it): they stay gathered and
+          the step saves their gathers, at no cost in peak memory, since the backward's opening,
+          with every activation still alive, holds them anyway (torchtitan keeps the last block
+          gathered, and FSDP2 the root).
 backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
           for its gather. Its flat gradient being complete means its backward is over: start the
@@ -273,7 +275,7 @@ class Engine:
         _on_each_backward(outputs.needing_grad, functools.partial(self._pre_backward, self._generation, unit))
         if not outputs.may_get_grad:
             unit.free()  # no backward will come
-        elif self.reshard_after_forward and not outputs.hidden and not self._backward_starts_with(unit):
+        elif self.reshard_after_forward and not outputs.hidden and not self._backward_opens_with(unit):
             unit.keep_secondary()
             unit.free()  # gathered again when its outputs announce its backward
         # otherwise it stays gathered until its backward is over
@@ -433,11 +435,12 @@ class Engine:
             self._reductions.clear()
             self._release_all()
 
-    def _backward_starts_with(self, unit: Unit) -> bool:
-        """``unit`` is the first the recorded backward reaches (False until a backward has recorded
-        the order)."""
-        order = self._order["backward"]
-        return bool(order) and order[0] is unit
+    def _backward_opens_with(self, unit: Unit) -> bool:
+        """``unit`` is one the backward pass gathers as it opens: the first of the recorded backward
+        order, or one of the ``prefetch`` gathered with it (False until a backward has recorded the
+        order)."""
+        opening = (self._order["backward"] or [])[: max(1, self.prefetch)]
+        return any(unit is first for first in opening)
 
     def _release_all(self) -> None:
         for unit in self._all_units:

@@ -68,7 +68,8 @@ def shard(
     Args:
         reshard_after_forward: release each unit's gathered parameters after its forward and gather
             them again for its backward (less memory, one more all-gather per unit and step), except
-            the unit whose backward comes first, which backward would gather again at once.
+            the units backward gathers as it opens (the first ``max(1, prefetch)`` of its order),
+            which its opening holds at the same time as every activation anyway.
         prefetch: the most units gathered ahead of the one running (0: gather only on demand).
         mixed_precision: ``None``/"fp32", "bf16", "fp16" or a ``MixedPrecision``.
         process_group: defaults to the world, which is created if needed (torchrun's, or one process,

@@ -16,8 +16,8 @@ The compute lane follows the engine (``shardwire.engine.runtime`` and ``schedule
 forward    gather the root unit; open the forward pass, which issues the first ``prefetch`` gathers;
            per unit: enter the pass (sliding window: issue the gather ``prefetch`` units ahead),
            wait for the unit's gather, compute, release it (``reshard_after_forward``), except the
-           last, which backward starts with. Then the root's head, and the backward pass opens,
-           issuing its first gathers.
+           last ``max(1, prefetch)``, which the backward pass gathers as it opens. Then the root's
+           head, and the backward pass opens, issuing its first gathers.
 backward   the head's backward; per unit in reverse: enter the pass, wait for the gather (none when
            the unit was never released), recompute (activation checkpointing) and backward, start
            its reduce-scatter and, with more than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the
@@ -377,15 +377,16 @@ class _Step:
         root, units = self.arch.root, list(self.arch.units)
         depth, block = self.training.prefetch, self.training.limiter == "block"
         reshard = self.training.reshards
+        released = len(units) - max(1, depth)  # the backward pass gathers the others as it opens
 
         ready = self._gather(root)
         forward = _Window(units, depth, block, self._gather)
         yield from self._wait(ready, "root all-gather", root.name)
-        for unit in units:
+        for i, unit in enumerate(units):
             forward.enter()
             yield from self._wait(self._gather(unit), "forward all-gathers", unit.name)
             yield from self._compute("forward", self._forward_s[unit.name])
-            if reshard and unit is not units[-1]:
+            if reshard and i < released:
                 self._release(unit)
             forward.consumed()
         yield from self._compute("forward", self._forward_s[root.name])
