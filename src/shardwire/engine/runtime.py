@@ -9,9 +9,9 @@ forward   root pre-forward checks that every parameter is still the engine's
           outputs so that backward can announce it and, by the rule below, releases its parameters
           (``reshard_after_forward``; under ``hybrid_secondary`` keeping this rank's secondary shard
           for backward to gather from), except the units the backward pass gathers as it opens (the
-          first of the recorded backward order and those prefetched with it): they stay gathered and
-          the step saves their gathers, at no cost in peak memory, since the backward's opening,
-          with every activation still alive, holds them anyway (torchtitan keeps the last block
+          first ``max(1, prefetch)`` of the recorded backward order): they stay gathered and the
+          step saves their gathers, at no cost in peak memory, since the backward's opening, with
+          every activation still alive, holds them anyway (torchtitan keeps the last block
           gathered, and FSDP2 the root).
 backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
@@ -436,9 +436,8 @@ class Engine:
             self._release_all()
 
     def _backward_opens_with(self, unit: Unit) -> bool:
-        """``unit`` is one the backward pass gathers as it opens: the first of the recorded backward
-        order, or one of the ``prefetch`` gathered with it (False until a backward has recorded the
-        order)."""
+        """``unit`` is one the backward pass gathers as it opens: one of the first ``max(1,
+        prefetch)`` of the recorded backward order (False until a backward has recorded it)."""
         opening = (self._order["backward"] or [])[: max(1, self.prefetch)]
         return any(unit is first for first in opening)
 
