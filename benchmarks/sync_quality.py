@@ -34,8 +34,9 @@ engine's ``CommRecord`` counts them (wire bytes, in nccl-tests' size of an all-r
 token: their mean per step over the tokens of a step, the syncs' steady rate; the final
 ``sync_now``, one more all-reduce of the whole model, is not in it.
 
-Targets (from the issue): final validation loss within 2% of synchronous training's; at least 100x
-fewer bytes across nodes per token than synchronous training (DDP between nodes of one rank).
+Targets (from the issue): final validation loss at most 2% above synchronous training's (a lower
+one meets it too); at least 100x fewer bytes across nodes per token than synchronous training (DDP
+between nodes of one rank).
 It writes sync.json (every loss and byte count), sync.md (the table) and sync.png (the curves).
 """
 
@@ -138,7 +139,7 @@ def rows_of(results: dict[str, dict[str, dict]]) -> list[dict]:
                 "cluster": cluster, "run": label, "final_val_loss": run["final_val_loss"],
                 "relative_to_synchronous": relative, "bytes_per_token": per_token,
                 "fewer_bytes_than_synchronous": reference_bytes / per_token,
-                "met": None if not synced else abs(relative) <= LOSS_TOLERANCE and reference_bytes / per_token
+                "met": None if not synced else relative <= LOSS_TOLERANCE and reference_bytes / per_token
                 >= BYTES_FACTOR,
             })
     return rows
@@ -147,7 +148,7 @@ def rows_of(results: dict[str, dict[str, dict]]) -> list[dict]:
 def table(rows: list[dict], command: str) -> str:
     lines = [f"`{command}`", "",
              "| cluster | run | final validation loss | vs synchronous | bytes across nodes per token | "
-             "fewer than synchronous | within 2%, 100x fewer |",
+             "fewer than synchronous | at most 2% above, 100x fewer |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         met = "" if row["met"] is None else ("yes" if row["met"] else "no")
