@@ -93,8 +93,8 @@ def test_units_are_flat_padded_shards_and_parameters_are_views_of_one_buffer():
 # --------------------------------------------------------- 2, 4. collectives per unit and step
 
 
-def collective_counts(rank, world, reshard):
-    model, opt = sharded_gpt(reshard_after_forward=reshard)
+def collective_counts(rank, world, reshard, prefetch):
+    model, opt = sharded_gpt(reshard_after_forward=reshard, prefetch=prefetch)
     train_step(model, opt, rank, 0)  # the recording step
     counts = {}
     with engine_of(model).comm.record() as records:
@@ -108,16 +108,17 @@ def collective_counts(rank, world, reshard):
     return counts
 
 
-@pytest.mark.parametrize("reshard, gathers_per_step", [(True, 2), (False, 1)])
-def test_one_collective_per_unit_per_use(reshard, gathers_per_step):
-    counts = run_workers(2, collective_counts, reshard)[0]
+@pytest.mark.parametrize("reshard, prefetch", [(True, 2), (True, 0), (True, 3), (False, 2)])
+def test_one_collective_per_unit_per_use(reshard, prefetch):
+    counts = run_workers(2, collective_counts, reshard, prefetch)[0]
     # two synchronised steps plus one no_sync step (whose forward and backward gather, never reduce)
     # and each forward after the first compares the collectives of the step before across ranks
     expected = {("<root>", "all_gather"): 3, ("<root>", "reduce_scatter"): 2, ("order check", "all_gather"): 3}
     for block in BLOCKS:
-        expected[(block, "all_gather")] = 3 * gathers_per_step
+        expected[(block, "all_gather")] = 3 * (2 if reshard else 1)
         expected[(block, "reduce_scatter")] = 2
-    for block in BLOCKS[-2:]:  # backward opens with the last two blocks (prefetch 2): they stay gathered
+    # backward opens with the last max(1, prefetch) blocks: they stay gathered from their forward
+    for block in BLOCKS[len(BLOCKS) - max(1, prefetch):]:
         expected[(block, "all_gather")] = 3
     assert counts == expected
 
