@@ -39,7 +39,7 @@ def train(config: dict, report: Callable[[dict], None], device: torch.device) ->
         tokens = corpus.batch(step, batch * world, model_config.seq_len, rows=rows).to(device)
         loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
-        shardwire.clip_grad_norm_(model, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean = loss.detach().clone()

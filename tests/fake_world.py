@@ -22,6 +22,8 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -60,7 +62,9 @@ def fake_world(world: int, per_node: int, rank: int) -> Iterator[None]:
 
     A default group made before (a world of one that a test's ``shard`` call joined) is ended
     first. One intra-op thread: a step of these models is many small kernels, and on a shared
-    machine threads that wait for each other take longer than the kernels."""
+    machine threads that wait for each other take longer than the kernels. DTensor caches how it
+    runs an operation by mesh, and a mesh is told by its ranks, not its groups: the next fake world
+    would find this one's groups, ended, in the cache, so it is cleared at the end."""
     if dist.is_initialized():
         dist.destroy_process_group()
     saved_env, saved_threads = os.environ.get("LOCAL_WORLD_SIZE"), torch.get_num_threads()
@@ -71,6 +75,7 @@ def fake_world(world: int, per_node: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _clear_sharding_prop_cache()
         torch.set_num_threads(saved_threads)
         if saved_env is None:
             del os.environ["LOCAL_WORLD_SIZE"]
@@ -112,11 +117,11 @@ class Training:
 
     def state_nbytes(self) -> int:
         """What the engine keeps between steps: the shards (the fp32 masters), the optimizer's
-        state and the error-feedback residuals."""
+        state (this rank's part of each DTensor) and the error-feedback residuals."""
         flats = self.engine.flats
         kept = [*(flat.shard for flat in flats), *(r for flat in flats for r in flat.residuals.values()),
                 *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
-        return sum(t.nbytes for t in kept)
+        return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in kept)
 
 
 # ------------------------------------------------------------------ the collectives torch ran
@@ -218,7 +223,7 @@ def expected_calls(layout: str, wire: Wire, groups: Groups, units: int) -> colle
     else:  # the node's exact sums, then each sent quantized to the node of the rank that owns it
         calls["reduce_scatter", node, reduce] += units
         calls["all_to_all", position, torch.uint8] += units
-    calls["all_reduce", shard, torch.float64] += 1  # the gradients' norm
+    # (the gradients' norm is DTensor's, a functional collective over the shard group, not one of these)
     for group in communicators:
         calls["all_gather", group, torch.int64] += 1  # the order check
     return calls
@@ -249,9 +254,10 @@ def check_rank_dependent_paths(device: torch.device, world: int, per_node: int, 
         packing = flat.packing
         assert flat.shard.numel() * shard.world == packing.padded_numel
         assert flat.shard_range[0] == shard.rank * flat.shard.numel()
-        start, end = flat.shard_range
-        # the parameters' parts tile the slice but for the buffer's padding (the last ranks')
-        assert sum(part.numel() for part in flat.params) == max(0, min(end, packing.numel) - start)
+        # each parameter a DTensor of its whole shape over this rank's rows, as DTensor computes them
+        for slot, param, held in flat.held_parts():
+            assert param.shape == slot.shape and param.to_local().numel() == held.numel
+            assert param.to_local().shape == packing.local_shape(slot, shard.rank)
 
     units = len(engine.flats)
     assert units == len(engine.units) + 1

@@ -4,6 +4,7 @@ uninterrupted training, asynchronous saves, crashes during a save, and refusing 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import pathlib
 import shutil
@@ -12,6 +13,7 @@ from unittest import mock
 import pytest
 import safetensors.torch
 import torch
+from torch.distributed.tensor import DTensor
 
 import shardwire
 from harness import run_workers
@@ -32,8 +34,8 @@ def make_model(seed: int, config=PRESETS["tiny"], **shard_args):
     model = shardwire.shard(GPT(config), units=[Block], **shard_args)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([
-        {"params": [p for p in params if len(p.full_shape) >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if len(p.full_shape) < 2], "weight_decay": 0.0, "lr": 1e-3},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3},
     ], lr=3e-3, betas=(0.9, 0.95), eps=1e-6)
     return model, optimizer
 
@@ -54,22 +56,9 @@ def train(model, optimizer, steps: range, rank: int, world: int) -> None:
 
 
 def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter's AdamW state, unsharded: its moments whole and its step count once."""
-    engine = engine_of(model)
-    full = {}
-    for flat in engine.flats:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            laid_out = torch.zeros(flat.packing.shard_numel)  # a step count fills its parameter's part
-            for slot, param, (start, end) in flat.held_parts():
-                if param in optimizer.state:
-                    at = slot.offset + start - flat.shard_start
-                    laid_out[at : at + end - start] = optimizer.state[param][key]
-            gathered = torch.empty(flat.packing.padded_numel)
-            engine.layout.shard.all_gather(gathered, laid_out, tag="test").wait()
-            for slot in flat.packing.slots:
-                value = gathered[slot.offset : slot.offset + slot.numel]
-                full[f"{slot.names[0]}/{key}"] = value[0] if key == "step" else value
-    return full
+    """Every parameter's AdamW state, unsharded: its moments whole (DTensors gathered) and its step count."""
+    return {f"{name}/{key}": value.full_tensor() if isinstance(value, DTensor) else value.clone()
+            for name, param in model.named_parameters() for key, value in optimizer.state[param].items()}
 
 
 def assert_same(actual: dict, expected: dict) -> None:
@@ -165,14 +154,13 @@ def test_export_loads_into_the_unsharded_model_without_shardwire(saved, tmp_path
 # ``at_two_ranks`` fixture); each test below asserts on its part of the results.
 
 
-def _load_resharded(rank, world, saved):
+def _load_resharded(rank, world, saved, name="step3"):
     model, optimizer = make_model(seed=7)
-    info = shardwire.load_checkpoint(pathlib.Path(saved) / "step3", model, optimizer)
+    info = shardwire.load_checkpoint(pathlib.Path(saved) / name, model, optimizer)
     # The loaded state trains on: the padding of the new packing holds zeros, not stale values.
     for flat in engine_of(model).flats:
-        start, _ = flat.shard_range
-        data = max(0, flat.packing.numel - start)
-        assert not flat.shard[data:].any()
+        for slot, _, held in flat.held_parts():
+            assert not flat.shard[held.at + held.numel : slot.offset + flat.packing.part_numel(slot)].any()
     return {
         "info": (info.step, info.world_size, info.rng_restored),
         "groups": group_settings(optimizer),
@@ -398,6 +386,53 @@ def test_a_format_2_checkpoint_loads_its_model_and_refuses_its_optimizer_state(t
     assert_same(shardwire.full_state_dict(model), expected)
 
 
+def _as_format_5(directory: pathlib.Path) -> None:
+    """Rewrite a checkpoint as format 5 wrote it: each rank's shard an equal run of its buffer's
+    parameters laid end to end, a step count in the file of the rank holding its parameter's first
+    element."""
+    from shardwire.engine.checkpoint.format import _body_sha256, rank_file
+    from shardwire.engine.checkpoint.reader import CheckpointReader
+    from shardwire.engine.packing import Packing
+
+    body = json.loads((directory / "manifest.json").read_text())
+    with CheckpointReader(directory) as reader:
+        world = reader.manifest.world_size
+        files = [dict(safetensors.torch.load_file(directory / rank_file(rank))) for rank in range(world)]
+        for flat, record in zip(reader.manifest.flats, body["flats"]):
+            slots = flat.packing.slots
+            old = Packing.end_to_end([(slot.names, slot.shape) for slot in slots], flat.packing.dtype, world)
+            for key in [key for key in files[0] if key == f"param/{flat.name}" or key.startswith(f"optim/{flat.name}/")]:
+                laid = torch.zeros(old.padded_numel, dtype=files[0][key].dtype)
+                laid[: old.numel] = torch.cat([reader.param_run(flat, key, slot, 0, slot.numel, laid.dtype)
+                                               for slot in slots])
+                for rank in range(world):
+                    start, end = old.shard_range(rank)
+                    files[rank][key] = laid[start:end].clone()
+            for slot, saved in zip(slots, old.slots):
+                scalars = [key for key in files[0] if key.startswith(f"optim-scalar/{slot.names[0]}/")]
+                for key in scalars:
+                    files[old.first_holder(saved)][key] = files[0].pop(key)
+            record.update(numel=old.numel, padded_numel=old.padded_numel,
+                          slots=[{"names": list(s.names), "shape": list(s.shape), "offset": s.offset} for s in old.slots])
+    for rank, tensors in enumerate(files):
+        safetensors.torch.save_file(tensors, directory / rank_file(rank))
+    for record in body["files"]:
+        data = (directory / record["name"]).read_bytes()
+        record.update(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    del body["sha256"]
+    body["version"] = 5
+    (directory / "manifest.json").write_text(json.dumps({**body, "sha256": _body_sha256(body)}))
+
+
+def test_a_format_5_checkpoint_loads_its_model_and_optimizer_at_another_world_size(saved, tmp_path):
+    """Before format 6 a shard was an equal run of its buffer's parameters laid end to end: saved so
+    at 4 ranks, it loads at 3 as exactly as the same checkpoint in the current format does."""
+    shutil.copytree(saved / "step3", tmp_path / "format5")
+    _as_format_5(tmp_path / "format5")
+    assert json.loads((tmp_path / "format5" / "manifest.json").read_text())["version"] == 5
+    check_resharded(run_workers(3, _load_resharded, str(tmp_path), "format5")[0], saved)
+
+
 def test_an_optimizer_with_other_param_groups_is_refused_naming_the_difference(tmp_path):
     model, optimizer = make_model(seed=0)
     train(model, optimizer, range(1), rank=0, world=1)
@@ -407,8 +442,8 @@ def test_an_optimizer_with_other_param_groups_is_refused_naming_the_difference(t
         shardwire.load_checkpoint(tmp_path / "groups", model, ungrouped)
     params = dict(model.named_parameters())
     moved = torch.optim.AdamW([  # norm.bias moved to the decayed group
-        {"params": [p for name, p in params.items() if len(p.full_shape) >= 2 or name == "norm.bias"]},
-        {"params": [p for name, p in params.items() if len(p.full_shape) < 2 and name != "norm.bias"]},
+        {"params": [p for name, p in params.items() if p.dim() >= 2 or name == "norm.bias"]},
+        {"params": [p for name, p in params.items() if p.dim() < 2 and name != "norm.bias"]},
     ])
     with pytest.raises(shardwire.CheckpointError, match="param group 0 holds other parameters than when saved: "
                                                         "'norm.bias' is in it only now"):

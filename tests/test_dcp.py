@@ -9,59 +9,16 @@ save again, which loads into an unsharded model; the tests below assert on their
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-import random
 
 import pytest
 import torch
 from torch import nn
 
 from harness import run_workers
-from shardwire.engine.boxes import boxes
-from shardwire.engine.packing import Packing
-from shardwire.engine.part_extent import PartExtent
 from shardwire.models.gpt import PRESETS
-
-# --------------------------------------------------------------------------- the geometry
-
-
-def test_a_run_of_elements_is_the_union_of_its_boxes():
-    rng = random.Random(0)
-    for _ in range(500):
-        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 4)))
-        numel = math.prod(shape)
-        start = rng.randint(0, numel)
-        end = rng.randint(start, numel)
-        whole = torch.arange(numel).view(shape)
-        run = whole.reshape(-1)[start:end]
-        found = boxes(shape, start, end)
-        assert len(found) <= max(1, 2 * len(shape) - 1)
-        for box in found:
-            inside = whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
-            assert torch.equal(inside.reshape(-1), run[box.start : box.end]), (shape, start, end, box)
-        assert sum(box.end - box.start for box in found) == end - start
-    # a matrix: a partial first row, whole rows, a partial last row
-    cut = [(box.offsets, box.sizes) for box in boxes((4, 5), 3, 17)]
-    assert cut == [((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]
-
-
-def test_every_box_is_written_once_and_read_where_it_is_held():
-    shapes = {"a": (5, 7), "scale": (), "empty": (0, 3), "b": (4,)}
-    packing = Packing.pack([((name,), shape) for name, shape in shapes.items()], torch.float32, 3)
-    for slot in packing.slots:
-        layouts = [PartExtent(packing, slot, rank, writes=True) for rank in range(3)]
-        for scalar in (False, True):
-            written = [box for layout in layouts for box in layout.write_boxes(scalar)]
-            if scalar or slot.numel == 0:  # one box, by the first holder
-                assert len(written) == 1 and layouts[layouts[0].first_holder].write_boxes(scalar) == written
-            else:  # each rank its own boxes, which cover the parameter
-                assert written == [box for layout in layouts for box in layout.read_boxes(scalar)]
-                assert sum(math.prod(box.sizes) for box in written) == slot.numel
-        assert all(layout.read_boxes(True) for layout in layouts)  # every rank keeps the scalars
-        replica = PartExtent(packing, slot, 1, writes=False)  # hybrid: another group's copy
-        assert replica.write_boxes(False) == replica.write_boxes(True) == []
-
 
 # ---------------------------------------------------------------- models and their steps
 
@@ -97,16 +54,14 @@ class Odd(nn.Module):
 
 
 def built(kind: str, seed: int, **options):
-    """A sharded model of ``kind`` ("gpt" or "odd") and its registered AdamW."""
+    """A sharded model of ``kind`` ("gpt" or "odd") and an AdamW, registered nowhere."""
     import shardwire
     from shardwire.models.gpt import GPT, Block
 
     torch.manual_seed(seed)
     module, unit = (GPT(TWO_BLOCKS), Block) if kind == "gpt" else (Odd(), OddBlock)
     model = shardwire.shard(module, units=[unit], **options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    shardwire.register_optimizer(model, optimizer)
-    return model, optimizer
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def train(model, optimizer, rank: int, world: int, steps: int) -> None:
@@ -126,10 +81,11 @@ def train(model, optimizer, rank: int, world: int, steps: int) -> None:
 
 
 def whole(model, optimizer) -> tuple[dict, dict]:
-    """The model's and the optimizer's full state dicts, gathered by torch."""
+    """The model's and the optimizer's full state dicts, gathered by torch, as they are now (torch
+    gathers DTensors into new tensors and gives plain ones, such as Adam's step, as they are)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return copy.deepcopy(get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)))
 
 
 def save(model, optimizer, path) -> None:
@@ -188,11 +144,13 @@ def fsdp2(world: int, seed: int):
 
 
 def _in_hybrid_groups(rank, world, root):
+    import warnings
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.tensor import DTensor
 
     import shardwire
-    from shardwire.engine.sharded_part import ShardedPart
     from shardwire.models.gpt import GPT, MLP
 
     hybrid = {"layout": "hybrid", "shard_group_size": 2}
@@ -203,14 +161,17 @@ def _in_hybrid_groups(rank, world, root):
     out["gpt"] = whole(model, optimizer)
     gathered = shardwire.full_state_dict(model)  # on rank 0
     out["gathered by shardwire"] = rank != 0 or same(out["gpt"][0], gathered)
-    part = model.state_dict()["blocks.0.attn.qkv.weight"]
-    out["part"] = (type(part) is ShardedPart, tuple(part.shape), tuple(part.to_local().shape),
-                   tuple(dict(model.named_parameters())["blocks.0.attn.qkv.weight"].shape))
+    value = model.state_dict()["blocks.0.attn.qkv.weight"]
+    param = dict(model.named_parameters())["blocks.0.attn.qkv.weight"]
+    moment = optimizer.state[param]["exp_avg"]
+    out["value"] = [(type(t) is DTensor, tuple(t.shape), tuple(t.to_local().shape), tuple(map(str, t.placements)))
+                    for t in (value, param, moment)]
 
     # whole state dicts back in (set_state_dict with full_state_dict=True) after another step, and the
     # checkpoint into a new model of the same layout
     train(model, optimizer, rank, world, 1)
-    set_state_dict(model, optimizer, model_state_dict=out["gpt"][0], optim_state_dict=out["gpt"][1],
+    whole_model, whole_optimizer = copy.deepcopy(out["gpt"])  # torch distributes the values in place
+    set_state_dict(model, optimizer, model_state_dict=whole_model, optim_state_dict=whole_optimizer,
                    options=StateDictOptions(full_state_dict=True))
     out["whole back in"] = same(whole(model, optimizer), out["gpt"])
     again, again_optimizer = built("gpt", 1, **hybrid)
@@ -230,19 +191,13 @@ def _in_hybrid_groups(rank, world, root):
     save(theirs, their_optimizer, f"{root}/fsdp2")
     out["fsdp2"] = whole(theirs, their_optimizer)
 
-    fresh = torch.optim.AdamW(model.parameters())
-    fresh.state[dict(model.named_parameters())["norm.bias"]]["step"] = torch.tensor(1.0)
-    unexpressible = torch.optim.AdamW(odd.parameters())
-    shardwire.register_optimizer(odd, unexpressible)
-    unexpressible.state[dict(odd.named_parameters())["blocks.0.cube"]]["factored"] = torch.zeros(2, 2)
     torch.manual_seed(7)
     other = shardwire.shard(GPT(TWO_BLOCKS), units=[MLP])  # its MLPs are its units, over all ranks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardwire.register_optimizer(model, optimizer)
+    out["registration"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     out["refusals"] = {
-        "twice": refusal(lambda: shardwire.register_optimizer(model, optimizer)),
-        "stepped": refusal(lambda: shardwire.register_optimizer(model, fresh)),
-        "foreign": refusal(lambda: shardwire.register_optimizer(model, torch.optim.SGD([nn.Parameter(torch.ones(3))]))),
-        "unexpressible": refusal(unexpressible.state_dict),
-        "reduction": refusal(lambda: model.state_dict()["tok_emb.weight"].sum()),
         "other layout": refusal(lambda: other.load_state_dict(model.state_dict())),
         "fsdp2 values": refusal(lambda: model.load_state_dict(theirs.state_dict())),
     }
@@ -258,10 +213,11 @@ def in_hybrid_groups(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_part_is_a_dtensor_of_the_whole_shape_over_the_flat_part(in_hybrid_groups):
-    parts = [out["part"] for out in in_hybrid_groups[1]]
-    assert parts[0] == parts[2] == (True, (96, 32), (3072,), (3072,))  # rank 2 holds rank 0's shard
-    assert parts[1] == parts[3] == (True, (96, 32), (0,), (0,))  # and these nothing of it
+def test_parameters_gradients_and_optimizer_state_are_dtensors_as_fsdp2_places_them(in_hybrid_groups):
+    """In hybrid groups of two: whole shape, half the rows on every rank, replicated across groups (the
+    gradients' placement is the engine tests')."""
+    for out in in_hybrid_groups[1]:
+        assert out["value"] == [(True, (96, 32), (48, 32), ("R", "S(0)"))] * 3
 
 
 @pytest.mark.slow
@@ -299,15 +255,16 @@ def test_a_checkpoint_holds_every_element_once(in_hybrid_groups):
 
 
 @pytest.mark.slow
-def test_what_cannot_be_expressed_or_resharded_here_is_refused(in_hybrid_groups):
+def test_what_load_state_dict_cannot_reshard_is_refused_naming_dcp(in_hybrid_groups):
     refusals = in_hybrid_groups[1][0]["refusals"]
-    assert "already registered" in refusals["twice"]
-    assert "before its first step" in refusals["stepped"]
-    assert "not a parameter of this sharded model" in refusals["foreign"]
-    assert "'factored' of 'blocks.0.cube' is a tensor of shape (2, 2)" in refusals["unexpressible"]
-    assert "aten.sum" in refusals["reduction"] and ".full_tensor()" in refusals["reduction"]
-    assert "part of another layout" in refusals["other layout"]
+    assert "torch.distributed.checkpoint.load" in refusals["other layout"]
     assert "DTensor placed (Shard(dim=0),)" in refusals["fsdp2 values"]
+
+
+@pytest.mark.slow
+def test_register_optimizer_is_no_longer_needed_and_says_so(in_hybrid_groups):
+    (warning,) = in_hybrid_groups[1][0]["registration"]
+    assert warning.startswith("FutureWarning: shardwire.register_optimizer is no longer needed")
 
 
 # ------------------------------------------------------------------ three ranks, all sharded

@@ -181,10 +181,12 @@ def first_missing(shown: list[str], printed: list[str], *, alike: bool) -> str |
 
 
 def _alike(line: str) -> str:
-    """``line`` with what differs from run to run made alike: progress bars, durations, sizes, numbers."""
+    """``line`` with what differs from run to run made alike: progress bars, durations, sizes, link
+    rates (which ``testbed up --like`` sets from this machine's speed), numbers."""
     line = re.sub(r"\[[#.]+\]", "[bar]", line)
     line = re.sub(r"\b(\d+h)?(\d+m)?\d+(\.\d+)?(ms|s)\b", "<time>", line)
     line = re.sub(r"\b\d+(\.\d+)? ?[KMGT]?i?B\b", "<size>", line)
+    line = re.sub(r"\b\d+(\.\d+)?[kmg]?bit\b", "<rate>", line)
     line = re.sub(r"[-+]?\d[\d,]*(\.\d+)?([eE][-+]?\d+)?", "<n>", line)
     return " ".join(line.split())
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import shardwire
 from harness import run_workers
@@ -55,18 +56,20 @@ def flat_buffers(rank, world):
     owned = dict(model.named_parameters())
     expected = dict(reference.named_parameters())  # the tied head once, as torch lists it
     assert list(owned) == list(expected)
-    assert all(owned[name].full_shape == param.shape for name, param in expected.items())
+    assert all(owned[name].shape == param.shape for name, param in expected.items())
     flats = engine_of(model).flats
-    per_block = sum(p.numel() for p in reference.blocks[0].parameters())
-    assert flats[1].shard.numel() == -(-per_block // world)
+
+    def rows(params):  # each parameter's rows of a rank, padded as DTensor's Shard(0) splits them
+        return sum(-(-p.shape[0] // world) * p[0].numel() for p in params)
+
+    assert flats[1].shard.numel() == rows(reference.blocks[0].parameters())
     # the tied head is stored once: the root holds the two embeddings and the final norm
-    root = reference.tok_emb.weight.numel() + reference.pos_emb.weight.numel() + 2 * SIX_LAYERS.hidden
-    assert flats[0].shard.numel() == -(-root // world)
-    for flat in flats:  # each parameter is this rank's part of it, a view of the unit's shard
-        start, _ = flat.packing.shard_range(rank)
-        held = sum(param.numel() for _, param, _ in flat.held_parts())
-        assert held == min(flat.shard.numel(), flat.packing.numel - start)
-        assert {param.untyped_storage().data_ptr() for _, param, _ in flat.held_parts()} == {flat.shard.data_ptr()}
+    root = [reference.tok_emb.weight, reference.pos_emb.weight, reference.norm.weight, reference.norm.bias]
+    assert flats[0].shard.numel() == rows(root)
+    for flat in flats:  # each parameter a DTensor over this rank's rows, a view of the unit's shard
+        for _, param, held in flat.held_parts():
+            assert param.to_local().numel() == held.numel and param.placements == (Shard(0),)
+            assert param.to_local().data_ptr() == flat.shard[held.at:].data_ptr()
 
     seen = {}
 
@@ -86,7 +89,7 @@ def flat_buffers(rank, world):
     return True
 
 
-def test_units_are_flat_padded_shards_and_parameters_are_views_of_one_buffer():
+def test_units_are_shards_of_padded_rows_and_parameters_are_dtensors_over_one_buffer():
     run_workers(3, flat_buffers)
 
 
@@ -133,8 +136,10 @@ def window_trace(rank, world, prefetch):
     events, peak = [], [0]
 
     def sample(_record=None):
-        # a unit is gathered while its full buffer has storage (``FlatParam.free`` resizes it to 0)
-        blocks = [u for u in engine.units if any(f._full.untyped_storage().nbytes() for f in u.flats)]
+        # a unit is gathered while its gathered buffer, or its copy in parameter order, has storage
+        # (``FlatParam.free`` resizes both to 0)
+        blocks = [u for u in engine.units if any(t.untyped_storage().nbytes() for f in u.flats
+                                                 for t in (f._gathered, f._by_param))]
         peak[0] = max(peak[0], len(blocks))
 
     def on_issue(record):

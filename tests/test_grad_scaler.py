@@ -20,17 +20,17 @@ def scaled_steps(rank, world):
     scaler = shardwire.GradScaler(model, init_scale=1024.0)
     outcomes = []
     for step in range(3):
-        before = [p.detach().clone() for p in model.parameters()]
+        before = [p.to_local().clone() for p in model.parameters()]
         tokens = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(step))
         scaler.scale(loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).float()).backward()
         if step == 1 and rank == 1:
-            next(model.parameters()).grad[0] = float("inf")  # an overflow in one rank's shard only
+            next(model.parameters()).grad.to_local()[0] = float("inf")  # an overflow in one rank's rows only
         scaler.unscale_(optimizer)
         shardwire.clip_grad_norm_(model, 1.0)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        moved = any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
         outcomes.append((moved, scaler.get_scale()))
     return outcomes
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import shardwire
 from harness import run_workers
@@ -43,7 +44,7 @@ def token_batches(world: int, vocab: int, seq_len: int):
 
 def by_dimensions(name: str, param: nn.Parameter) -> bool:
     """nanoGPT's rule: decay matrices, not biases and norms (by the parameter's shape in the model)."""
-    return len(getattr(param, "full_shape", param.shape)) >= 2
+    return param.dim() >= 2
 
 
 def by_name(name: str, param: nn.Parameter) -> bool:
@@ -65,10 +66,7 @@ def train(model, batches, rows, forward, sharded: bool, decayed=by_dimensions) -
         local = batch[rows]
         loss = loss_fn(forward(model, local[:, :-1]), local[:, 1:])
         loss.backward()
-        if sharded:
-            shardwire.clip_grad_norm_(model, 0.5)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # sharded: DTensor norms, the whole model's
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
@@ -200,11 +198,11 @@ def _state_dicts(rank, world):
     model = shardwire.shard(copy.deepcopy(reference), units=[Block])
     initial = shardwire.full_state_dict(model)
 
-    # this rank's parts under the model's names, with the full shapes to reassemble them
+    # DTensors of the whole shapes under the model's names, over this rank's rows; torch.save keeps them
     parts = model.state_dict()
     assert list(parts) == list(reference.state_dict())
-    shapes = parts._metadata[""]["shardwire"]["full_shapes"]
-    assert all(torch.Size(shapes[name]) == p.shape for name, p in reference.named_parameters())
+    assert all(isinstance(parts[name], DTensor) and parts[name].shape == p.shape
+               for name, p in reference.named_parameters())
     buffer = io.BytesIO()
     torch.save(parts, buffer)
     saved_parts = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
@@ -222,11 +220,8 @@ def _state_dicts(rank, world):
     model.load_state_dict(whole[0])
     reloaded = shardwire.full_state_dict(model)
 
-    reassembled = {}
-    for name, shape in shapes.items():  # the ranks' parts concatenated in rank order
-        pieces = [None] * world
-        dist.all_gather_object(pieces, model.state_dict()[name])
-        reassembled[name] = torch.cat(pieces).view(shape)
+    reassembled = {name: value.full_tensor() for name, value in model.state_dict().items()
+                   if isinstance(value, DTensor)}
     if rank != 0:
         return True
     unsharded = GPT(FOUR_BLOCKS)

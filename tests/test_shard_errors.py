@@ -140,7 +140,7 @@ def test_training_goes_on_after_a_forward_or_backward_that_raised():
         loss_fn(m(tokens[:, :-1]), tokens[:, 1:]).backward()
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():  # one rank: each parameter's part is all of it
-        grad = param.grad.view(param.full_shape)
+        grad = param.grad.to_local()
         assert torch.allclose(grad, expected[name].grad, rtol=1e-5, atol=1e-7), name
 
 

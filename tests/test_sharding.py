@@ -84,14 +84,17 @@ def _held_and_sent(rank, world):
         with engine.record() as records:
             _one_step(model)
         optimizer.step()
-        held = sum(t.nbytes for p in model.parameters() for t in (p, p.grad, *optimizer.state[p].values())
+        held = sum(t.to_local().nbytes for p in model.parameters() for t in (p, p.grad, *optimizer.state[p].values())
                    if t is not None and t.dim() > 0) + secondary[0]
-        units = [sum(f.packing.numel for f in unit.flats) for unit in engine.units]
-        root = sum(f.packing.numel for f in engine.root.flats)
         over = GROUP if layout == "hybrid" else world
-        bound = 16 * sum(math.ceil(n / over) for n in (root, *units))
+
+        def rows(units, ranks):  # elements a rank holds at most: each parameter's rows, a ``ranks``-th rounded up
+            return sum(math.ceil(p.shape[0] / ranks) * math.prod(p.shape[1:]) for unit in units
+                       for f in unit.flats for p in f.params)
+
+        bound = 16 * rows([engine.root, *engine.units], over)
         if layout == "hybrid_secondary":
-            bound += 4 * sum(math.ceil(n / GROUP) for n in units)  # fp32: the compute dtype here
+            bound += 4 * rows(engine.units, GROUP)  # fp32: the compute dtype here
         ops = {}
         for record in records:
             if record.tag not in ("grad norm", "order check"):

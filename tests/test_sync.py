@@ -96,14 +96,17 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 
 
 def _group_model(model) -> dict[str, torch.Tensor]:
-    """This rank's group's model, as each flat buffer's values (``full_state_dict`` gives rank 0's)."""
+    """This rank's group's model, as each flat buffer's parameters end to end (``full_state_dict``
+    gives rank 0's)."""
     from shardwire.engine.shard import engine_of
 
     engine, model_of_group = engine_of(model), {}
     for flat in engine.flats:
         full = torch.empty(flat.packing.padded_numel, dtype=flat.shard.dtype)
         engine.layout.shard.all_gather(full, flat.shard.detach(), tag="test").wait()
-        model_of_group[flat.name] = full[: flat.packing.numel]
+        by_param = torch.empty_like(full)
+        flat.packing.copy_out(full, by_param)
+        model_of_group[flat.name] = torch.cat([view.reshape(-1) for view in flat.packing.views(by_param)])
     return model_of_group
 
 
@@ -367,7 +370,7 @@ def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tm
               if (step["ranks"][0] if isinstance(step["ranks"], list) else step["ranks"]["0"])["all_reduce_bytes"] > 8]
     assert synced == [2, 4]  # the forwards after steps 2 and 4 sent a fragment each (0-based steps)
     manifest = json.loads((tmp_path / "ckpt" / "step_00000006" / "manifest.json").read_text())
-    assert manifest["groups"] == 2 and manifest["version"] == 5
+    assert manifest["groups"] == 2 and manifest["version"] == 6
     assert main([*job, "--steps", "8"]) == 0
     assert "resuming from" in capfd.readouterr().out
 

@@ -165,7 +165,7 @@ def _train_with_wire(rank, world, layout, wire, root):
     engine = engine_of(model)
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(rank))
     loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    grads = torch.cat([p.grad for p in model.parameters() if p.grad is not None])
+    grads = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters() if p.grad is not None])
     optimizer.zero_grad()
     with engine.record() as records:
         train(model, optimizer, range(3), rank, world)
@@ -260,7 +260,7 @@ def _bf16_accumulating(rank, world, wire):
         loss_fn(model(tokens[:2, :-1]), tokens[:2, 1:]).backward()
     loss_fn(model(tokens[2:, :-1]), tokens[2:, 1:]).backward()
     shardwire.clip_grad_norm_(model, 1.0)
-    return torch.cat([p.grad.float() for p in model.parameters() if p.grad is not None])
+    return torch.cat([p.grad.to_local().float().reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
 @pytest.mark.slow

@@ -113,10 +113,10 @@ def backward_twice(model, batch):
 
 
 def assert_same_grads(model, reference):
-    """One rank: each parameter's part is all of it."""
+    """One rank: each parameter's rows are all of it."""
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        assert torch.allclose(param.grad.view(param.full_shape), expected[name].grad, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(param.grad.to_local(), expected[name].grad, rtol=1e-5, atol=1e-6), name
 
 
 @pytest.mark.parametrize("options", [{}, {"reshard_after_forward": False}, {"activation_checkpointing": True},
@@ -181,7 +181,7 @@ def test_backward_twice_reaches_units_with_hidden_outputs_and_frozen_ones(frozen
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         if param.requires_grad:
-            assert torch.allclose(param.grad.view(param.full_shape), expected[name].grad, atol=1e-6), name
+            assert torch.allclose(param.grad.to_local(), expected[name].grad, atol=1e-6), name
     assert not any(unit.is_gathered for unit in engine_of(model).units)
 
 

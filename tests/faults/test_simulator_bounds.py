@@ -158,11 +158,12 @@ def test_a_model_of_the_most_layers_is_simulated_and_one_more_is_refused():
 def test_prefetch_beyond_the_units_is_charged_as_every_unit(limiter, all_units):
     """The engine gathers ahead no further than the last unit, so a window deeper than the model
     holds the model's units at most: 4 here, reached by prefetch 3 with a sliding window (the
-    running unit and 3 ahead) and by prefetch 4 with a block limiter."""
+    running unit and 3 ahead) and by prefetch 4 with a block limiter; and one more while the running
+    unit's gather is copied out."""
     model = gpt(4)
     arch = architecture(model, 2)
     largest = max(u.params for u in arch.units)
     deep, enough = (estimate_memory(arch, cluster(2, 50.0), TrainingSpec(prefetch=n, limiter=limiter))
                     for n in (1000, all_units))
-    assert deep.gathered_parameters == enough.gathered_parameters == 2 * (arch.root.params + 4 * largest)
+    assert deep.gathered_parameters == enough.gathered_parameters == 2 * (arch.root.params + (4 + 1) * largest)
     assert predict(model, cluster(2, 50.0), TrainingSpec(prefetch=1000, limiter=limiter)).memory == deep

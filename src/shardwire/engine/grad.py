@@ -4,7 +4,6 @@ without reduction, and, for groups that sync every H steps, syncing them now."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -14,38 +13,20 @@ from shardwire.engine.shard import engine_of
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale the gradients of a sharded model so that their global norm is at most ``max_norm``.
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)``, timed as the
+    profiler's clip phase; kept for scripts written before a sharded model's parameters were DTensors.
 
-    The norm is over the whole model, not this rank's shards: each rank reduces its shards to one
-    scalar (``sum |g|^p``, or the max for the inf-norm) and one all-reduce of that scalar over the
-    ranks that split the buffers combines them: one group's shards are the whole model (under
-    hybrid sharding every group holds the same gradients; when groups sync every H steps, each
-    clips its own). The scaling factor stays on the device,
-    so there is no host sync. Padding in the flat buffers carries zero gradient and does not change
-    the norm. Returns the total norm.
+    torch's own call is right on a sharded model, as under FSDP2: the gradients are DTensors, so the
+    norm is over the whole model, not this rank's rows. Each rank reduces its rows to one scalar and
+    DTensor sums those over the ranks that split the parameters: one group's rows are the whole model
+    (under hybrid sharding every group holds the same gradients; when groups sync every H steps, each
+    clips its own). Padding carries no gradient. Returns the total norm, a DTensor replicated on
+    every rank (``.item()`` and ``.full_tensor()`` both give it).
     """
     engine = engine_of(model)
     engine.emit("clip", None, "start")
-    total = _clip(engine, model, max_norm, float(norm_type))
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     engine.emit("clip", None, "end")
-    return total
-
-
-def _clip(engine, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.grad is not None]
-    # a rank holding no gradient (its slices all padding) still takes part in the all-reduce
-    local = (torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True) if params
-             else torch.zeros((), device=engine.device))
-    over = engine.layout.shard
-    if math.isinf(norm_type):
-        over.all_reduce(local, tag="grad norm", op="max").wait()
-        total = local
-    else:
-        powered = local.double() ** norm_type
-        over.all_reduce(powered, tag="grad norm").wait()
-        total = (powered ** (1.0 / norm_type)).to(local.dtype)
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
 
 

@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,10 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
 from shardwire.engine.mixed_precision import DTYPES, MixedPrecision
 from shardwire.engine.sync import Sync
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 
 LAYOUTS = ("full", "hybrid", "hybrid_secondary")
 
@@ -110,6 +116,33 @@ class Layout:
         """Whether this rank saves its shards in a checkpoint: each group holds the same ones, and
         the first group's ranks write them."""
         return self.replicate is None or self.replicate.rank == 0
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh:
+        """The DTensor mesh a parameter is placed on, as FSDP2 places it: the shard group's ranks, and
+        under ``hybrid`` a 2-D mesh of the groups (``replicate``) by the ranks of a group (``shard``),
+        FSDP2's HSDP mesh. It creates no process group: its dimensions are the layout's own groups,
+        so a DTensor operation on the parameters (a norm's sum) runs over exactly the ranks that
+        split them."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = self.shard.device.type
+        if self.replicate is None:
+            return DeviceMesh.from_group(self.shard.group, device_type, mesh_dim_names=("shard",))
+        ranks = torch.tensor(dist.get_process_group_ranks(self.world.group)).view(self.replicate.world,
+                                                                                  self.shard.world)
+        return DeviceMesh.from_group([self.replicate.group, self.shard.group], device_type, mesh=ranks,
+                                     mesh_dim_names=("replicate", "shard"))
+
+    def placements(self, replicated: bool = False) -> tuple[Placement, ...]:
+        """How a parameter is placed on ``mesh``: split by rows over the shard group (``Shard(0)``),
+        or whole on every rank for a ``replicated`` (0-dim) one; under ``hybrid`` the same in
+        every group (``Replicate()``), which holds between syncs too, when the groups' values part:
+        each group computes on its own model then, as the mesh's collectives stay within the group."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        within = Replicate() if replicated else Shard(0)
+        return (within,) if self.replicate is None else (Replicate(), within)
 
     @classmethod
     def build(cls, layout: str, size: int, wire: Wire, sync: Sync | None, policy: MixedPrecision,

@@ -183,8 +183,10 @@ class Engine:
         """Call ``listener(phase, unit, edge)`` at each edge of the model's and the units' forward
         and backward: ``phase`` is "forward", "backward" or "clip", ``unit`` a unit's name or None
         for the whole model, ``edge`` "start" or "end". A unit's edges enclose its computation, not
-        the wait for its parameters. Listeners run on the training thread in the hot path: keep them
-        to a timestamp or a CUDA event."""
+        the wait for its parameters. Phase "copy" encloses each copy of a unit's gathered parameters
+        into the buffer its modules view, and of a flat buffer's gradient into the order its
+        reduce-scatter takes (``unit``: the unit's or the buffer's name). Listeners run on the
+        training thread in the hot path: keep them to a timestamp or a CUDA event."""
         self._listeners.append(listener)
 
     def remove_listener(self, listener: Listener) -> None:
@@ -229,7 +231,7 @@ class Engine:
                 flat.check_parameters()
             self._gather(self.root, "forward", check=recording)
             self._forward = Pass(self._order["forward"], self.prefetch, Unit.gather)
-            self.root.wait()
+            self._ready(self.root)
             self.root.show(self._grad_hook())
         if self.input_dtype is None:
             return None
@@ -247,7 +249,7 @@ class Engine:
         with record_function(f"shardwire::pre_forward({unit.name})"):
             forward.enter(unit)
             self._gather(unit, "forward", check=forward.recording)
-            unit.wait()
+            self._ready(unit)
             unit.show(self._grad_hook())
             routed = None
             if unit.has_frozen and torch.is_grad_enabled():
@@ -342,7 +344,7 @@ class Engine:
         self._open_backward()
         for unit in (self.root, *self._unannounced):
             self._gather(unit, "backward", check=self._backward.recording)
-            unit.wait()
+            self._ready(unit)
             unit.reveal()
 
     def _pre_backward(self, generation: int, unit: Unit) -> None:
@@ -350,22 +352,22 @@ class Engine:
         with record_function(f"shardwire::pre_backward({unit.name})"):
             backward.enter(unit)
             self._gather(unit, "backward", check=backward.recording)
-            unit.wait()
+            self._ready(unit)
             unit.reveal()
         self.emit("backward", unit.name, "start")
 
-    def _on_grad(self, generation: int, unit: Unit, flat: FlatParam, leaf: torch.Tensor) -> None:
+    def _on_grad(self, generation: int, unit: Unit, flat: FlatParam, grads: tuple[torch.Tensor, ...]) -> None:
         backward = self._enter_backward(generation)
-        grad, leaf.grad = leaf.grad, None
         with record_function(f"shardwire::post_backward({flat.name})"):
             if self.sync_gradients:
                 if backward.recording:
                     self._check_agreement("reduce", unit)
-                self._reductions.append((flat, *flat.reduce(grad)))
+                copying = functools.partial(self._span, "copy", flat.name)
+                self._reductions.append((flat, *flat.reduce(grads, copying)))
                 while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
                     self._scatter_oldest()
             else:
-                flat.accumulate(grad)
+                flat.accumulate(grads)
         self._arrived(unit, flat)
 
     def _inputs_done(self, generation: int, unit: Unit) -> None:
@@ -398,6 +400,20 @@ class Engine:
         self.emit("backward", None, "end")
 
     # ----------------------------------------------------------------------------------- helpers
+
+    def _ready(self, unit: Unit) -> None:
+        """Wait for ``unit``'s gathers and copy them out for its modules (the profiler's ``copy``)."""
+        unit.wait()
+        unit.copy_out(functools.partial(self._span, "copy", unit.name))
+
+    @contextlib.contextmanager
+    def _span(self, phase: str, unit: str) -> Iterator[None]:
+        """The listeners' edges of ``phase`` of ``unit`` around the block."""
+        self.emit(phase, unit, "start")
+        try:
+            yield
+        finally:
+            self.emit(phase, unit, "end")
 
     def _gather(self, unit: Unit, phase: str, *, check: bool) -> None:
         if not unit.is_gathered:

@@ -54,13 +54,15 @@ def shard(
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
 
     Each unit's parameters (``units``: module classes or a predicate; by default the blocks of the
-    model's ``nn.ModuleList``s) become one flat buffer of which this rank keeps an equal slice, cut
-    from rank 0's values (as DDP does at construction), so every rank starts from the same model;
-    everything outside the units forms the root unit. Afterwards the model keeps its own parameters,
-    names and ``requires_grad`` flags, each holding this rank's part of it: a flat view of the slice
-    (``param.full_shape`` is its shape in the model), empty where the slice misses it. So an optimizer
-    built from ``model.parameters()``, in any param groups, keeps sharded state with no further code,
-    and ``model.state_dict()`` holds this rank's parts under the model's names.
+    model's ``nn.ModuleList``s) become one flat buffer of which this rank keeps an equal shard, its
+    rows of each parameter, cut from rank 0's values (as DDP does at construction), so every rank
+    starts from the same model; everything outside the units forms the root unit. Afterwards the
+    model keeps its own parameters, names and ``requires_grad`` flags, each a DTensor of the
+    parameter's full shape split by rows (``Shard(0)``), as FSDP2's ``fully_shard`` leaves them,
+    whose local tensor is this rank's rows in the shard. So torch's own tools work as they do under
+    FSDP2: any ``torch.optim`` optimizer built from ``model.parameters()``, in any param groups
+    (``p.dim()`` and ``p.shape`` are the model's), ``torch.nn.utils.clip_grad_norm_``, and
+    ``get_state_dict`` and DCP for the model and its optimizer.
 
     Set ``requires_grad`` before sharding: frozen parameters go into buffers of their own, gathered
     but never reduced, and changing the flag afterwards is an error at the next forward.
@@ -152,7 +154,7 @@ def shard(
         state_dict_keys=state_dict_keys,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, layout)
+    sharded_state_dict.install(model, engine.flats)
     if engine.outer is not None:  # weights loaded after shard are where the outer optimisation starts
         model.register_load_state_dict_post_hook(lambda module, incompatible: engine.outer.restart())
     for unit, forward in zip(block_units, forwards):

@@ -1,63 +1,68 @@
-"""``model.state_dict()`` and ``model.load_state_dict()`` on a sharded model.
+"""``model.load_state_dict()`` on a sharded model: whole tensors in, this rank's rows kept.
 
-A sharded model keeps its parameters under their own names, each holding this rank's part of the
-parameter flattened (see ``FlatParam``), so torch's own ``state_dict()`` already gives each rank's
-parts under the model's names. Two hooks make the rest work:
-
-- saving turns each part into a ``ShardedPart``: a DTensor of the parameter's shape whose local
-  tensor is the part, which tells torch's distributed checkpointing (DCP, and the
-  ``full_state_dict`` option of ``torch.distributed.checkpoint.state_dict``) which boxes of the
-  parameter this rank holds; ``torch.save`` stores it as the flat part. The state dict's metadata for
-  the model's prefix (``state_dict._metadata``, which ``torch.save`` keeps) records each parameter's
-  full shape under ``"shardwire"``: ranks hold consecutive parts, so a parameter is its parts from
-  ranks 0, 1, ... concatenated and viewed in that shape (``shardwire.full_state_dict`` does it with
-  collectives);
-- loading takes those parts back, and whole parameters too: a value with the parameter's full shape
-  (a ``full_state_dict``, or an unsharded model's ``state_dict()``) is cut to this rank's part first.
-
-DTensor, which imports sympy, loads with the first state dict, not with every sharded model, most of
-which never take one.
+A sharded model's parameters are DTensors of their full shapes (``FlatParam``), so torch's own
+``state_dict()`` already gives what FSDP2's does, and DCP saves, loads and reshards it. Loading takes
+a state dict of the same DTensors as it is (``set_model_state_dict`` distributes whole tensors so),
+and a whole parameter too, as an unsharded model's ``state_dict()`` holds it: a plain tensor of the
+parameter's full shape is cut to this rank's rows first, as ``distribute_tensor`` would cut it, with
+no collective. A DTensor placed otherwise (another layout's, another mesh's) would need collectives
+that a load hook cannot run in step on every rank, so it is refused, naming DCP, which reshards.
 """
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, _DTensorSpec, _TensorMeta
 
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.layout import Layout
-
-METADATA_KEY = "shardwire"
+from shardwire.engine.packing import Held
 
 
-def install(model: nn.Module, flats: list[FlatParam], layout: Layout) -> None:
-    shapes = {name: list(slot.shape) for flat in flats for slot in flat.packing.slots for name in slot.names}
+def install(model: nn.Module, flats: list[FlatParam]) -> None:
+    params = {name: (param, held) for flat in flats for slot, param, held in flat.held_parts() for name in slot.names}
 
-    @functools.cache
-    def shard_group():
-        from shardwire.engine.sharded_part import ShardGroup
-
-        return ShardGroup(flats, layout)
-
-    def describe_parts(module, state_dict, prefix, local_metadata) -> None:
-        local_metadata[METADATA_KEY] = {
-            "rank": layout.shard.rank,
-            "world_size": layout.shard.world,
-            "full_shapes": {prefix + name: shape for name, shape in shapes.items()},
-        }
-        group = shard_group()
-        for name, part in group.by_name.items():
-            value = state_dict.get(prefix + name)
-            if value is not None and not isinstance(value, nn.Parameter):  # keep_vars keeps the parameters
-                state_dict[prefix + name] = group.part(value, part)
-
-    def take_parts(module, state_dict, prefix, *_) -> None:
-        from shardwire.engine.sharded_part import local_part
-
-        for name, part in shard_group().by_name.items():
+    def take_rows(module, state_dict, prefix, *_) -> None:
+        for name, (param, held) in params.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = local_part(state_dict[prefix + name], part, prefix + name)
+                state_dict[prefix + name] = local_rows(state_dict[prefix + name], param, held, prefix + name)
 
-    model.register_state_dict_post_hook(describe_parts)
-    model.register_load_state_dict_pre_hook(take_parts)
+    model.register_load_state_dict_pre_hook(take_rows)
+
+
+def local_rows(value: Any, param: DTensor, held: Held, what: str) -> Any:
+    """``value`` as ``param`` holds it, ``held`` being this rank's part: a DTensor placed as ``param``
+    as it is, a whole tensor (plain, or a DTensor replicated on every rank) cut to this rank's rows,
+    anything else as it is (for ``load_state_dict``'s own checks to refuse)."""
+    if isinstance(value, DTensor):
+        if value.device_mesh == param.device_mesh and value.placements == param.placements:
+            return value
+        if not all(p.is_replicate() for p in value.placements):
+            raise ValueError(
+                f"{what} is a DTensor placed {value.placements} on {value.device_mesh}, and this sharded model "
+                f"holds it placed {param.placements} on {param.device_mesh}: load DTensor state dicts with "
+                f"torch.distributed.checkpoint.load into the model's state dict, which reshards them"
+            )
+        value = value.to_local()
+    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return value
+    return distributed_like(value, param, held)
+
+
+def distributed_like(whole: torch.Tensor, param: DTensor, held: Held) -> DTensor:
+    """The whole tensor ``whole`` placed as ``param`` is: this rank's part of it (``held``; a copy, so
+    that the whole can be freed), with no collective."""
+    local = param._local_tensor
+    part = whole.reshape(-1)[held.start : held.end]
+    return part_of(param, part.to(dtype=local.dtype, device=local.device, copy=True))
+
+
+def part_of(param: DTensor, rows: torch.Tensor) -> DTensor:
+    """A DTensor placed as ``param`` whose local tensor is ``rows`` (this rank's part of a tensor of
+    ``param``'s shape, in any dtype, flat or shaped), moved to ``param``'s device."""
+    local = param._local_tensor
+    spec = _DTensorSpec(param._spec.mesh, param._spec.placements,
+                        tensor_meta=_TensorMeta(param.shape, param.stride(), rows.dtype))
+    return DTensor(rows.to(local.device).view(local.shape), spec, requires_grad=False)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardwire.comm.communicator import Pending
-from shardwire.engine.flat_param import FlatParam
+from shardwire.engine.flat_param import FlatParam, Span
 
 
 # The signal, besides its trainable buffers' gradients, that a unit with frozen parameters awaits.
@@ -55,6 +55,15 @@ class Unit:
         for pending in in_flight:
             pending.wait()
 
+    def copy_out(self, copying: Span) -> None:
+        """After ``wait``: copy each gather that arrived out of the gathered buffer into the one the
+        modules view (``FlatParam.copy_out``), inside ``copying``; nothing where none needs it."""
+        waiting = [flat for flat in self.flats if flat.needs_copy_out]
+        if waiting:
+            with copying():
+                for flat in waiting:
+                    flat.copy_out()
+
     def keep_secondary(self) -> None:
         """After forward, keep what backward gathers from under ``hybrid_secondary``."""
         for flat in self.flats:
@@ -72,14 +81,14 @@ class Unit:
                 flat.free()
             self._allocated = False
 
-    def show(self, on_grad: Callable[["Unit", FlatParam, torch.Tensor], None] | None) -> None:
-        """Expose the gathered parameters to the modules; with ``on_grad``, as autograd leaves whose
-        completed flat gradients are reported as ``on_grad(unit, flat, leaf)``."""
+    def show(self, on_grad: Callable[["Unit", FlatParam, tuple[torch.Tensor, ...]], None] | None) -> None:
+        """Expose the gathered parameters to the modules; with ``on_grad``, as views whose completed
+        gradients are reported as ``on_grad(unit, flat, grads)``."""
         self._signals = set()
         for flat in self.flats:
             if on_grad is not None and flat.requires_grad:
                 self._signals.add(flat)
-                flat.show(lambda leaf, flat=flat: on_grad(self, flat, leaf))
+                flat.show(lambda grads, flat=flat: on_grad(self, flat, grads))
             else:
                 flat.show(None)
 

@@ -6,14 +6,17 @@ Definitions (all by interval arithmetic over one step's spans):
   (on CUDA: the compute stream's time outside its stalls on communication);
 * forward / backward / clip / optimizer: the compute inside each phase; ``other`` is the rest of
   the compute (the loss, zero_grad, the user's own code inside the step);
+* copy: the part of forward and backward spent copying each unit's gathered parameters out into
+  the order its modules read them in, and each gradient back in rank by rank for its reduction
+  (``shardwire.engine.packing``; none at world 1 or for a unit of one parameter);
 * wait: the time compute spent waiting for collectives;
 * comm: the time at least one collective was in flight (per operation: all_gather, reduce_scatter,
   all_reduce);
 * exposed comm: the part of comm during which compute was not running;
 * overlap ratio: the share of comm hidden behind compute, ``1 - exposed / comm``.
 
-forward + backward + clip + optimizer + other + wait is the step's time exactly; a profile whose
-``other`` is large has phases the profiler did not see.
+forward + backward + clip + optimizer + other + wait is the step's time exactly (copy is a part of
+forward and backward); a profile whose ``other`` is large has phases the profiler did not see.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from shardwire.profile.recorder import StepTimeline
 PHASES = ("forward", "backward", "clip", "optimizer")
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 FIGURES = (
-    "step_s", *(f"{p}_s" for p in PHASES), "other_s", "wait_s", "comm_s",
+    "step_s", *(f"{p}_s" for p in PHASES), "other_s", "copy_s", "wait_s", "comm_s",
     *(f"{op}_s" for op in OPS), "exposed_comm_s", "overlap_ratio", *(f"{op}_bytes" for op in OPS),
     *(f"{op}_wire_bytes" for op in OPS),
 )
@@ -44,6 +47,8 @@ def breakdown(timeline: StepTimeline) -> dict[str, float]:
         figures[f"{phase}_s"] = intervals.covered(spans, compute)
         named += figures[f"{phase}_s"]
     figures["other_s"] = max(0.0, figures["step_s"] - figures["wait_s"] - named)
+    figures["copy_s"] = intervals.covered([(start, end) for p, _, start, end in timeline.phases if p == "copy"],
+                                          compute)
     comm = intervals.clip([(start, end) for *_, start, end in timeline.comms], window)
     figures["comm_s"] = intervals.total(comm)
     hidden = intervals.covered(comm, compute)

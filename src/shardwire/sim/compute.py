@@ -27,7 +27,11 @@ casts, the optimizer step). So each kind of kernel is timed on the resource that
   weight's gradient (read and write one byte each);
 * the optimizer step (AdamW, fp32 states) streams ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of
   the GPU's shard, as other memory-bound work does, or at the rate measured of it
-  (``optimizer_GBps``).
+  (``optimizer_GBps``);
+* the engine's copies (``shardwire.engine.packing``), as FSDP2 makes them: each gather of a unit
+  over more than one rank is copied out of rank order into parameter order (a read and a write of
+  its compute-dtype parameters), and each gradient back in rank by rank for its reduce-scatter (a
+  read in the compute dtype, a write in the reduction dtype).
 
 Without a memory bandwidth (a cluster that gives none) every byte term is left out. What the model
 does not see: host overheads and kernel launches, the GPU's clock under power limits (part of the
@@ -78,6 +82,16 @@ def optimizer_s(params: float, cluster: ClusterSpec) -> float:
     if cluster.optimizer_GBps is not None:
         return OPTIMIZER_BYTES_PER_PARAM * params / (cluster.optimizer_GBps * 1e9)
     return _memory_s(OPTIMIZER_BYTES_PER_PARAM * params, cluster)
+
+
+def copy_out_s(unit: UnitCost, ranks: int, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Seconds to copy a unit gathered over ``ranks`` out into parameter order (none from one rank)."""
+    return 0.0 if ranks == 1 else _memory_s(2 * unit.params * training.compute_bytes, cluster)
+
+
+def copy_in_s(unit: UnitCost, ranks: int, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Seconds to copy a unit's gradient in rank by rank for a reduce-scatter over ``ranks``."""
+    return 0.0 if ranks == 1 else _memory_s(unit.params * (training.compute_bytes + training.reduce_bytes), cluster)
 
 
 def _matmul_s(m: Matmul, batch: int, cluster: ClusterSpec, training: TrainingSpec) -> float:

@@ -13,8 +13,10 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            once: prefetch + 1 with a sliding window, prefetch (at least 1) with a
                            block limiter, and never more than the model's units (the engine
                            gathers ahead no further than the last); without resharding after
-                           forward, every unit by the end of forward; g = c, or 1 byte when fp8
-                           training gathers its weights in fp8
+                           forward, every unit by the end of forward; one more while a unit's
+                           gather over more than one GPU is copied out into parameter order
+                           (``shardwire.engine.packing``); g = c, or 1 byte when fp8 training
+                           gathers its weights in fp8
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
                            when micro-batches accumulate unsharded gradients (``no_sync``), not
                            when each micro-batch reduces its own
@@ -97,6 +99,8 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         gathered_units = _units_gathered_at_once(training, len(arch.units)) * largest
     else:
         gathered_units = sum(u.params for u in arch.units)
+    if shard_over > 1:  # the gather of the unit being copied out, beside its copy
+        gathered_units += largest
 
     accumulated = r * P if training.grad_accum > 1 and not training.reduce_each_micro_batch else 0.0
     outer = 0.0

@@ -15,14 +15,16 @@ The compute lane follows the engine (``shardwire.engine.runtime`` and ``schedule
 
 forward    gather the root unit; open the forward pass, which issues the first ``prefetch`` gathers;
            per unit: enter the pass (sliding window: issue the gather ``prefetch`` units ahead),
-           wait for the unit's gather, compute, release it (``reshard_after_forward``), except the
-           last ``max(1, prefetch)``, which the backward pass gathers as it opens. Then the root's
-           head, and the backward pass opens, issuing its first gathers.
+           wait for the unit's gather, copy it out into parameter order, compute, release it
+           (``reshard_after_forward``), except the last ``max(1, prefetch)``, which the backward
+           pass gathers as it opens. Then the root's head, and the backward pass opens, issuing its
+           first gathers.
 backward   the head's backward; per unit in reverse: enter the pass, wait for the gather (none when
-           the unit was never released), recompute (activation checkpointing) and backward, start
-           its reduce-scatter and, with more than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the
-           oldest (its reduce-scatter: hybrid's all-reduce between groups stays in flight);
-           release the unit. Then the root's reduce-scatter, and wait for every reduction.
+           the unit was never released) and copy it out, recompute (activation checkpointing) and
+           backward, copy the gradient in rank by rank, start its reduce-scatter and, with more
+           than ``REDUCTIONS_IN_FLIGHT`` pending, wait for the oldest (its reduce-scatter: hybrid's
+           all-reduce between groups stays in flight); release the unit. Then the root's
+           reduce-scatter, and wait for every reduction.
 step end   with gradient accumulation, micro-batches before the last skip reductions (``no_sync``),
            unless every micro-batch reduces (``reduce_each_micro_batch``); then the gradient norm's
            scalar all-reduce (clipping) and the optimizer step.
@@ -58,7 +60,7 @@ import math
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.sim import costs
 from shardwire.sim.architecture import ROOT, Architecture, UnitCost
-from shardwire.sim.compute import backward_s, forward_s, optimizer_s
+from shardwire.sim.compute import backward_s, copy_in_s, copy_out_s, forward_s, optimizer_s
 from shardwire.sim.costs import Group, Phase
 from shardwire.sim.events import Event, Link, Process, Processor, Simulation
 from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec
@@ -337,8 +339,12 @@ class _Step:
         self._shard_group = shard_group(cluster, training)
         self._backward_group = backward_gather_group(cluster, training)
 
-        self._forward_s = {u.name: forward_s(u, cluster, training) for u in (arch.root, *arch.units)}
-        self._backward_s = {u.name: backward_s(u, cluster, training) for u in (arch.root, *arch.units)}
+        every = (arch.root, *arch.units)
+        self._forward_s = {u.name: forward_s(u, cluster, training) for u in every}
+        self._backward_s = {u.name: backward_s(u, cluster, training) for u in every}
+        # the engine's copies of a gathered unit, and of a gradient before its reduce-scatter
+        self._copy_out_s = {u.name: copy_out_s(u, self._shard_group.size, cluster, training) for u in every}
+        self._copy_in_s = {u.name: copy_in_s(u, self._shard_group.size, cluster, training) for u in every}
         self._optimizer_s = optimizer_s(arch.params / self._shard_group.size, cluster)
 
     def run(self) -> Timeline:
@@ -382,10 +388,13 @@ class _Step:
         ready = self._gather(root)
         forward = _Window(units, depth, block, self._gather)
         yield from self._wait(ready, "root all-gather", root.name)
+        yield from self._compute("forward", self._copy_out_s[root.name])
+        in_forward: dict[str, Event] = {}  # each unit's gather in forward: one kept for backward is not copied again
         for i, unit in enumerate(units):
             forward.enter()
-            yield from self._wait(self._gather(unit), "forward all-gathers", unit.name)
-            yield from self._compute("forward", self._forward_s[unit.name])
+            in_forward[unit.name] = self._gather(unit)
+            yield from self._wait(in_forward[unit.name], "forward all-gathers", unit.name)
+            yield from self._compute("forward", self._copy_out_s[unit.name] + self._forward_s[unit.name])
             if reshard and i < released:
                 self._release(unit)
             forward.consumed()
@@ -397,8 +406,11 @@ class _Step:
         landing: list[list[Event]] = []
         for unit in reversed(units):
             backward.enter()
-            yield from self._wait(self._gather_for_backward(unit), "backward all-gathers", unit.name)
-            yield from self._compute("backward", self._backward_s[unit.name])
+            gathered = self._gather_for_backward(unit)
+            yield from self._wait(gathered, "backward all-gathers", unit.name)
+            copies = ((self._copy_out_s[unit.name] if gathered is not in_forward[unit.name] else 0.0)
+                      + (self._copy_in_s[unit.name] if sync else 0.0))
+            yield from self._compute("backward", self._backward_s[unit.name] + copies)
             if sync:
                 pending.append(self._reduce(unit))
                 while len(pending) > REDUCTIONS_IN_FLIGHT:
@@ -408,6 +420,7 @@ class _Step:
             self._release(unit)
             backward.consumed()
         if sync:
+            yield from self._compute("backward", self._copy_in_s[root.name])
             pending.append(self._reduce(root))
         for reduction in (*landing, *pending):
             yield from self._wait(reduction[-1], "final reductions", root.name)

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import shardwire
 from shardwire import worker
@@ -104,7 +105,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             if config.clip > 0:
                 norm = shardwire.clip_grad_norm_(model, config.clip)
                 if not scaler.is_enabled():  # under fp16 an overflowing step is skipped, not divergence
-                    diverged.note(step, norm)
+                    diverged.note(step, norm.to_local() if isinstance(norm, DTensor) else norm)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
@@ -197,12 +198,11 @@ def evaluate(model, choice: ModelChoice, corpus, config: TrainConfig, rows: slic
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay for matrices (linear layers, embeddings), none for biases and norms, as nanoGPT
-    decides: by the number of dimensions a parameter has in the model (``full_shape``; a sharded
-    parameter itself is this rank's flat part)."""
+    decides: by the number of dimensions a parameter has."""
     params = list(model.parameters())
     return [
-        {"params": [p for p in params if len(p.full_shape) >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if len(p.full_shape) < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
 
 
@@ -380,7 +380,8 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         mfu += " (above 100%: the probed peak is too low for this device and dtype; pass --peak-tflops)"
     print(
         f"profile: step {f['step_s'] * 1e3:.0f} ms on the slowest rank: forward {f['forward_s'] * 1e3:.0f}, "
-        f"backward {f['backward_s'] * 1e3:.0f}, optimizer {f['optimizer_s'] * 1e3:.0f}, waiting for "
+        f"backward {f['backward_s'] * 1e3:.0f} ({f['copy_s'] * 1e3:.0f} of those copying), optimizer "
+        f"{f['optimizer_s'] * 1e3:.0f}, waiting for "
         f"communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
         f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
         f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"

@@ -3,8 +3,9 @@
 A checkpoint is a directory::
 
     step_00000400/
-        rank_00000.safetensors   rank 0's shard of every flat buffer, its per-element optimizer
-        rank_00001.safetensors   state (Adam's moments) laid out like those shards, the scalar
+        rank_00000.safetensors   rank 0's shard of every flat buffer (its rows of each parameter),
+        rank_00001.safetensors   its per-element optimizer state (Adam's moments) laid out like
+                                 those shards, the scalar
         ...                      optimizer state (Adam's step count) of the parameters whose first
                                  element it holds, its RNG states and its gradients' error-feedback
                                  residuals (quantized wires); one file per rank. Under
@@ -48,8 +49,10 @@ from shardwire.engine.packing import Packing, ParamSlot
 
 FORMAT = "shardwire-checkpoint"
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
-# sharded over fewer ranks than saved (hybrid sharding); 5: groups that saved shards of their own
-VERSION = 5
+# sharded over fewer ranks than saved (hybrid sharding); 5: groups that saved shards of their own;
+# 6: shards hold each parameter's rows (``Packing`` by rows), where earlier ones held equal runs of
+# the parameters laid end to end (read as such)
+VERSION = 6
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
 
@@ -249,7 +252,7 @@ class Manifest:
 
 # Version 1 manifests (before a manifest recorded its own sha256) are read with every other check;
 # the optimizer state of versions 1 and 2 (kept per flat buffer) is not read.
-_READABLE_VERSIONS = (1, 2, 3, 4, VERSION)
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, VERSION)
 _KEYS = ("format", "version", "step", "world_size", "flats", "buffers", "state_dict_keys", "optimizer", "extra",
          "files")
 
@@ -304,8 +307,10 @@ def _flat_from_json(raw, what: str, world_size: int, version: int) -> FlatRecord
         for i, slot in enumerate(schema.array(raw["slots"], f"{what}.slots"))
     )
     dtype = _dtype_from_json(raw["dtype"], f"{what}.dtype")
-    packing = Packing(slots, dtype, schema.integer(raw["world_size"], f"{what}.world_size", minimum=1))
-    packed = Packing.pack([(s.names, s.shape) for s in slots], packing.dtype, packing.world_size)
+    packing = Packing(slots, dtype, schema.integer(raw["world_size"], f"{what}.world_size", minimum=1),
+                      by_rows=version >= 6)
+    pack = Packing.pack if packing.by_rows else Packing.end_to_end
+    packed = pack([(s.names, s.shape) for s in slots], packing.dtype, packing.world_size)
     if (packed != packing or world_size % packing.world_size or (version < 4 and packing.world_size != world_size)
             or packing.numel != schema.integer(raw["numel"], f"{what}.numel")
             or packing.padded_numel != schema.integer(raw["padded_numel"], f"{what}.padded_numel")):

@@ -1,8 +1,8 @@
 """``load_checkpoint``: restore a sharded model and its optimizer from a checkpoint of any world size.
 
-Each rank computes the range it owns of every flat buffer at the current world size and layout and
-reads the overlapping parts of the old ranks' files (save at 4, load at 3: re-slicing the same flat
-buffers; save hybrid in groups of 2, load full at 3: the first group's files hold every buffer).
+Each rank computes the part it holds of every parameter at the current world size and layout and
+reads the overlapping parts of the old ranks' files (save at 4, load at 3: re-slicing the same
+parameters; save hybrid in groups of 2, load full at 3: the first group's files hold every buffer).
 Nothing is modified until every rank has read and verified all it needs: a load either completes
 on every rank or changes nothing anywhere.
 
@@ -156,11 +156,10 @@ class _Staged:
                 raise CheckpointError(f"{path} was saved from a different model: {difference}")
             reader.check_complete()
             saving_group = _saving_group(manifest.groups, engine)
-            shards = {}
-            for saved, flat in zip(manifest.flats, engine.flats):
-                start, stop = flat.shard_range
-                shards[flat.name] = reader.flat_range(saved, param_key(flat.name), start, stop, flat.packing.dtype,
-                                                      saving_group)
+            shard_rank = engine.layout.shard.rank
+            shards = {flat.name: reader.shard(saved, param_key(flat.name), flat.packing, shard_rank, flat.packing.dtype,
+                                              saving_group)
+                      for saved, flat in zip(manifest.flats, engine.flats)}
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
@@ -215,9 +214,9 @@ def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
         if flat.outer is None:
             continue
         held = set(reader.keys(reader.shard_file(saved, 0, saving_group)))
-        start, stop = flat.shard_range
         states[flat.name] = {
-            key: reader.flat_range(saved, outer_key(flat.name, key), start, stop, dtype, saving_group)
+            key: reader.shard(saved, outer_key(flat.name, key), flat.packing, engine.layout.shard.rank, dtype,
+                              saving_group)
             for key, dtype in flat.outer.dtypes.items() if outer_key(flat.name, key) in held
         }
     first = reader.shard_file(reader.manifest.flats[0], 0, saving_group)
@@ -228,8 +227,10 @@ def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
 
 def _residuals(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str, torch.Tensor]:
     """``rank``'s saved error-feedback residuals that fit this run's: one saved for another placement
-    of ranks on nodes, or another wire, does not, and its feedback starts again from zero (it holds
-    one step's rounding, not training state)."""
+    of ranks on nodes, another wire or another packing does not, and its feedback starts again from
+    zero (it holds one step's rounding, not training state)."""
+    if reader.manifest.version < 6:  # laid out as the flat packing's buffers, not this one's
+        return {}
     saved = set(reader.keys(rank_file(rank)))
     found = {}
     for flat in engine.flats:

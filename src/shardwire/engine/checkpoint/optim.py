@@ -1,17 +1,17 @@
 """How an optimizer's state maps onto a checkpoint, and back at any world size.
 
-An optimizer built from a sharded model's parameters keeps its state per parameter, for the part of
-it this rank holds (``FlatParam``). A state tensor shaped like that part (Adam's moments) is per
-element: each rank saves it laid out like the flat shard it belongs to (zeros where a parameter has
-no such state), and a loader at another world size re-slices it exactly like the parameters. A 0-dim
-tensor (Adam's step count) is the same on every rank that holds part of the parameter; the rank
-holding its first element saves it. Anything else has no meaning for another slicing and is refused
-when saving, so a checkpoint never holds state it could not restore.
+An optimizer built from a sharded model's parameters keeps its state per parameter: DTensors placed
+as the parameter (Adam's moments: per element), which hold this rank's rows of it, and plain 0-dim
+tensors (Adam's step count: scalar), the same on every rank. Each rank saves its rows of the
+per-element state laid out like the shard they belong to (zeros where a parameter has no such
+state), and a loader at another world size re-slices them exactly like the parameters; a scalar is
+saved by the rank holding the parameter's first element. Anything else has no meaning for another
+slicing and is refused when saving, so a checkpoint never holds state it could not restore.
 
 The manifest records the optimizer's class, each param group's hyperparameters (including the
 learning rate a scheduler set) with the names of the parameters it holds, and which state each
-parameter has: a loaded parameter gets exactly the state it had, and a rank that holds nothing of a
-parameter gets none, as in training, where it never steps it.
+parameter has: a loaded parameter gets exactly the state it had, on every rank, as in training,
+where every rank steps every parameter (its rows may be none).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwire.engine.checkpoint import schema
 from shardwire.engine.checkpoint.format import (
@@ -36,19 +37,19 @@ from shardwire.engine.checkpoint.format import (
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.packing import ParamSlot
+from shardwire.engine.packing import Held, ParamSlot
+from shardwire.engine.sharded_state_dict import part_of
 from shardwire.engine.runtime import Engine
 
 
 @dataclasses.dataclass(frozen=True)
 class _Held:
-    """A parameter an optimizer holds: its buffer, its slot, its view, and the [start, end) of its
-    flattened elements that this rank holds."""
+    """A parameter an optimizer holds: its buffer, its slot, its DTensor, and what this rank holds."""
 
     flat: FlatParam
     slot: ParamSlot
     param: nn.Parameter
-    part: tuple[int, int]
+    part: Held
 
     @property
     def name(self) -> str:
@@ -65,8 +66,8 @@ class OptimizerSnapshot:
 def held_by_groups(engine: Engine, optimizer: torch.optim.Optimizer) -> list[list[_Held]]:
     """For each param group, the parameters of the model it holds."""
     placed = {
-        id(param): _Held(flat, slot, param, part)
-        for flat in engine.flats for slot, param, part in flat.held_parts()
+        id(param): _Held(flat, slot, param, held)
+        for flat in engine.flats for slot, param, held in flat.held_parts()
     }
     groups = []
     for group in optimizer.param_groups:
@@ -104,17 +105,15 @@ def capture(
 
 
 def _capture_param(snapshot: OptimizerSnapshot, entry: _Held, state: dict, copy) -> None:
-    (start, end), flat = entry.part, entry.flat
-    if start == end:  # this rank holds nothing of it, so it never steps it
-        return
-    in_shard = entry.slot.offset + start - flat.shard_start
+    held, flat = entry.part, entry.flat
+    first = flat.packing.first_holder(entry.slot) == flat.rank  # this rank holds its first element
     for key, value in state.items():
-        kind = _kind(entry.name, key, value, entry.param.shape)
+        kind = _kind(entry.name, key, value, entry.param)
         snapshot.state.setdefault(entry.name, {})[key] = {"kind": kind, "dtype": dtype_name(value.dtype)}
         if copy is None:
             continue
         if kind == SCALAR:
-            if start == 0:  # this rank holds the first element
+            if first:
                 snapshot.tensors[scalar_key(entry.name, key)] = copy(value)
             continue
         file_key = optim_key(flat.name, key)
@@ -126,18 +125,20 @@ def _capture_param(snapshot: OptimizerSnapshot, entry: _Held, state: dict, copy)
                 f"optimizer state {key!r} is {dtype_name(value.dtype)} for {entry.name!r} and "
                 f"{dtype_name(laid_out.dtype)} for another parameter of its buffer {flat.name!r}"
             )
-        laid_out[in_shard : in_shard + end - start].copy_(value.detach())
+        laid_out[held.at : held.at + held.numel].copy_(value.to_local().detach().reshape(-1))
 
 
-def _kind(param: str, key: str, value, part_shape: torch.Size) -> str:
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return SCALAR
-    if isinstance(value, torch.Tensor) and value.shape == part_shape:
+def _kind(param: str, key: str, value, placed: DTensor) -> str:
+    """Per-element state is a DTensor placed as the parameter is; scalar state a plain 0-dim tensor."""
+    if isinstance(value, DTensor) and value.shape == placed.shape and value.placements == placed.placements:
         return PER_ELEMENT
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() == 0:
+        return SCALAR
     what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
     raise CheckpointError(
-        f"optimizer state {key!r} of {param!r} is {what}; checkpoints hold per-element state (the shape of "
-        f"this rank's part, {tuple(part_shape)}) and 0-dim tensors, which can be re-sliced for any world size"
+        f"optimizer state {key!r} of {param!r} is {what}; checkpoints hold per-element state (a DTensor placed "
+        f"as the parameter, {tuple(placed.shape)}) and plain 0-dim tensors, which can be re-sliced for any "
+        f"world size"
     )
 
 
@@ -200,18 +201,22 @@ def read_state_dict(
 
 
 def _read_param_state(reader: CheckpointReader, record, entry: _Held, keys: dict, saving_group: int) -> dict:
-    start, end = entry.part
-    if start == end:
-        return {}
-    offset, packing = entry.slot.offset, record.packing
+    held, saved = entry.part, record.packing.slots[entry.flat.packing.slots.index(entry.slot)]
+    if keys and entry.slot.replicated and reader.manifest.version < 6:
+        raise CheckpointError(
+            f"{reader.directory} was written in checkpoint format {reader.manifest.version}, which does not say which "
+            f"optimizer state of the 0-dim parameter {entry.name!r} is per element; this shardwire reads its model "
+            f"but not its optimizer: load it with optimizer=None and start the optimizer afresh"
+        )
     values = {}
     for key, spec in keys.items():
         dtype = parse_dtype(spec["dtype"])
         if spec["kind"] == PER_ELEMENT:
-            values[key] = reader.flat_range(record, optim_key(record.name, key), offset + start, offset + end, dtype,
-                                            saving_group)
+            rows = reader.param_run(record, optim_key(record.name, key), saved, held.start, held.end, dtype,
+                                    saving_group)
+            values[key] = part_of(entry.param, rows)
         else:
-            first_holder = offset // packing.shard_numel  # at the saving world size
+            first_holder = record.packing.first_holder(saved)  # at the saving world size
             values[key] = reader.tensor(reader.shard_file(record, first_holder, saving_group),
                                         scalar_key(entry.name, key), (), dtype)
     return values

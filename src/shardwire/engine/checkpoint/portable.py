@@ -78,14 +78,14 @@ def read_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     manifest = reader.manifest
-    flats = ((flat.packing, reader.flat_range(flat, param_key(flat.name), 0, flat.packing.numel, flat.packing.dtype))
-             for flat in manifest.flats)
+    params = ((slot, reader.param_run(flat, param_key(flat.name), slot, 0, slot.numel, flat.packing.dtype)
+               .view(slot.shape)) for flat in manifest.flats for slot in flat.packing.slots)
     buffers = {buffer.name: buffer for buffer in manifest.buffers}
 
     def buffer(name: str) -> torch.Tensor:
         return reader.tensor(REPLICATED, buffer_key(name), buffers[name].shape, buffers[name].dtype)
 
-    return assemble(flats, manifest.state_dict_keys, buffer)
+    return assemble(params, manifest.state_dict_keys, buffer)
 
 
 def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,16 +104,13 @@ def _read_shards(path: pathlib.Path, engine, model: nn.Module):
         raise CheckpointError(f"{path}: holds {', '.join(map(repr, unexpected[:3]))}, which this model does not have")
     shards = {}
     for flat in engine.flats:
-        start, stop = flat.shard_range
-        shard = torch.zeros(stop - start, dtype=flat.packing.dtype)
-        for slot in flat.packing.slots:
+        shard = torch.zeros(flat.packing.shard_numel, dtype=flat.packing.dtype)
+        for slot, _, held in flat.held_parts():
             key = next((name for name in slot.names if name in source.keys()), None)
             if key is None:
                 raise CheckpointError(f"{path}: has no {slot.names[0]!r}")
             tensor = source.tensor(key, slot.shape)
-            lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
-            if lo < hi:
-                shard[lo - start : hi - start] = tensor.reshape(-1)[lo - slot.offset : hi - slot.offset]
+            shard[held.at : held.at + held.numel] = tensor.reshape(-1)[held.start : held.end]
         shards[flat.name] = shard
     missing = [b.name for b in buffers if b.name not in source.keys()]
     if missing:

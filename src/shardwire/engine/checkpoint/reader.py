@@ -1,10 +1,11 @@
 """Reading a checkpoint: each file verified against the manifest before its first use, and flat buffers
 re-sliced for any world size.
 
-A rank at the loading world size owns a range of each flat buffer that generally spans parts of
-several old ranks' shards (save at 4, load at 3: new rank 1 owns the second third, which is the end
-of old rank 1's shard and the start of old rank 2's). ``flat_range`` assembles any range from those
-parts, reading only the overlapping slices of the files that hold them.
+A rank at the loading world size holds a part of each parameter that generally spans the parts of
+several old ranks (save at 4, load at 3: new rank 1 holds rows 4 to 7 of a 12-row parameter, which
+old ranks 1 and 2 held). ``param_run`` assembles any run of a parameter's elements from those parts,
+reading only the overlapping slices of the files that hold them, whichever packing saved them
+(``Packing.holders``), and ``shard`` a whole new shard from its parameters' runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardwire.engine.checkpoint.format import (
     dtype_name,
     rank_file,
 )
+from shardwire.engine.packing import Packing, ParamSlot
 
 _HASH_CHUNK = 1 << 24
 
@@ -68,20 +70,15 @@ class CheckpointReader:
             )
         return tensor
 
-    def flat_range(self, flat: FlatRecord, key: str, start: int, stop: int, dtype: torch.dtype,
-                   saving_group: int = 0) -> torch.Tensor:
-        """Elements [start, stop) of a flat buffer, from the shards the old ranks of group
-        ``saving_group`` saved under ``key`` (``shard_file``).
-
-        ``start`` and ``stop`` may lie anywhere in the buffer padded for another world size; the
-        padding, beyond the parameters' elements, reads as zeros.
-        """
+    def param_run(self, flat: FlatRecord, key: str, slot: ParamSlot, start: int, stop: int, dtype: torch.dtype,
+                  saving_group: int = 0) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``slot``'s parameter flattened, from the shards of ``flat``
+        that the old ranks of group ``saving_group`` saved under ``key`` (``shard_file``), reading
+        only the slices that hold them."""
         packing = flat.packing
         out = torch.zeros(stop - start, dtype=dtype)
-        data_stop = min(stop, packing.numel)
-        for old_rank in range(packing.world_size):
-            shard_start, shard_stop = packing.shard_range(old_rank)
-            lo, hi = max(start, shard_start), min(data_stop, shard_stop)
+        for old_rank, held in packing.holders(slot):
+            lo, hi = max(start, held.start), min(stop, held.end)
             if lo >= hi:
                 continue
             file = self.shard_file(flat, old_rank, saving_group)
@@ -91,7 +88,20 @@ class CheckpointReader:
                     f"{self.directory / file}: {key!r} has shape {piece.get_shape()} where the manifest "
                     f"implies [{packing.shard_numel}]"
                 )
-            out[lo - start : hi - start] = piece[lo - shard_start : hi - shard_start]
+            at = held.at + lo - held.start
+            out[lo - start : hi - start] = piece[at : at + hi - lo]
+        return out
+
+    def shard(self, flat: FlatRecord, key: str, packing: Packing, rank: int, dtype: torch.dtype,
+              saving_group: int = 0) -> torch.Tensor:
+        """``rank``'s shard of a buffer packed as ``packing`` (for any world size), assembled from what
+        ``param_run`` reads of each parameter of ``flat``; zeros in the padding."""
+        out = torch.zeros(packing.shard_numel, dtype=dtype)
+        for saved, slot in zip(flat.packing.slots, packing.slots):
+            held = packing.held(slot, rank)
+            if held.numel:
+                out[held.at : held.at + held.numel] = self.param_run(flat, key, saved, held.start, held.end, dtype,
+                                                                     saving_group)
         return out
 
     @staticmethod
