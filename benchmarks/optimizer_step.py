@@ -1,16 +1,16 @@
-"""What the model's own parameters cost the optimizer: one step over the per-parameter views a sharded
-model exposes against one step over one tensor per flat buffer (the same memory), beside the whole
-training step, in one job.
+"""What the model's own parameters cost the optimizer: one step over the per-parameter DTensors a
+sharded model exposes against one step over one plain tensor per flat buffer (the same memory),
+beside the whole training step, in one job.
 
     python benchmarks/optimizer_step.py --world 2 --model 30m --batch 2 --repeats 15
 
 Each rank shards the GPT and runs a training step to make gradients. Then, ``--repeats`` times in
 turn, it times ``AdamW.step()`` with PyTorch's default implementation for CPU tensors (a loop over
 tensors), with ``foreach=True`` and with ``fused=True``, once over ``model.parameters()`` (each
-parameter this rank's part of it, a view of its unit's shard) and once over one leaf per flat buffer
-viewing the same shard (what an optimizer held before parameters kept their names), and a whole
-training step (forward, backward, clipping, default AdamW). A time is the slowest rank's; figures
-are medians.
+parameter a DTensor over this rank's rows in its unit's shard, every operation dispatched through
+DTensor) and once over one leaf per flat buffer viewing the same shard (what an optimizer held
+before parameters kept their names), and a whole training step (forward, backward, clipping, fused
+AdamW). A time is the slowest rank's; figures are medians.
 """
 
 from __future__ import annotations

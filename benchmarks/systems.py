@@ -109,15 +109,16 @@ class TrainingStep:
     device), forward, backward, gradient clipping to norm 1 and AdamW. ``system`` None: ``model`` is
     a bare, unwrapped GPT; ``autocast``: its forward and loss run under torch's autocast to that dtype
     (the usual mixed precision of an unsharded model: fp32 weights, cast for each matmul).
-    ``fused``: AdamW's single-kernel implementation (torchtitan's default) instead of torch's default."""
+    ``fused``: AdamW's single-kernel implementation, as ``shardwire train`` and torchtitan run it (False:
+    torch's default, which on the CPU loops over the parameters, a dispatch per operation each)."""
 
     def __init__(self, system: str | None, model: nn.Module, config: GPTConfig, batch: int,
-                 autocast: torch.dtype | None = None, fused: bool | None = None):
+                 autocast: torch.dtype | None = None, fused: bool = True):
         self.system = system
         self.model = model
         self.config = config
         self.batch = batch
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
         self._device = next(model.parameters()).device
         self._generator = torch.Generator(self._device).manual_seed(dist.get_rank())
         self._autocast = autocast

@@ -127,7 +127,7 @@ class FlatParam:
             ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in packing.slots
         ]
         self._views: list[torch.Tensor] = []
-        self._accumulated: torch.Tensor | None = None  # parameter-major gradient summed under no_sync
+        self._accumulated: torch.Tensor | None = None  # gradient summed under no_sync, as reduced
         self.free()
 
     def _parameter(self, held: Held, spec: _DTensorSpec, local_shape: torch.Size) -> nn.Parameter:

@@ -5,8 +5,9 @@ One ``Engine`` lives on each sharded model and is driven entirely by module and 
 forward   root pre-forward checks that every parameter is still the engine's
           (``FlatParam.check_parameters``), gathers the root unit and opens a forward ``Pass``, which
           issues the first prefetches; each unit's pre-forward enters the pass (sliding the window),
-          waits for its own gather and exposes its parameters; its post-forward hooks the unit's
-          outputs so that backward can announce it and, by the rule below, releases its parameters
+          waits for its own gather, copies it out into parameter order and exposes its parameters;
+          its post-forward hooks the unit's outputs so that backward can announce it and, by the
+          rule below, releases its parameters
           (``reshard_after_forward``; under ``hybrid_secondary`` keeping this rank's secondary shard
           for backward to gather from), except the units the backward pass gathers as it opens (the
           first ``max(1, prefetch)`` of the recorded backward order): they stay gathered and the
@@ -15,10 +16,10 @@ forward   root pre-forward checks that every parameter is still the engine's
           gathered, and FSDP2 the root).
 backward  root post-forward already opened the backward ``Pass`` and issued its first prefetches. A
           unit's outputs receiving their gradient means its backward is next: enter the pass, wait
-          for its gather. Its flat gradient being complete means its backward is over: start the
-          reduce-scatter asynchronously (under ``hybrid``, followed by the all-reduce between groups),
-          release the parameters, and with more than ``REDUCTIONS_IN_FLIGHT`` in flight wait for the
-          oldest reduce-scatter (``_scatter_oldest``).
+          for its gather. Its parameters' gradients being complete means its backward is over: copy
+          them in rank by rank and start the reduce-scatter asynchronously (under ``hybrid``,
+          followed by the all-reduce between groups), release the parameters, and with more than
+          ``REDUCTIONS_IN_FLIGHT`` in flight wait for the oldest reduce-scatter (``_scatter_oldest``).
           A callback queued on the autograd engine lands the last reductions when backward ends and
           releases every unit still gathered. Outputs announce each backward that reaches them, so a
           second backward through a retained graph runs the same way, once what nothing announces
@@ -33,7 +34,7 @@ namedtuples, registered types such as Hugging Face's ``ModelOutput``, each of wh
 any other object (a dataclass, whose attributes need not be its fields; a key/value cache) is a leaf
 the engine cannot look into, which may hide tensors that get gradients. Correctness never depends on
 finding them, because outputs only announce where a unit's backward starts. Where it ends is told by
-what autograd computes whichever output the gradient came through: the unit's flat gradients being
+what autograd computes whichever output the gradient came through: its parameters' gradients being
 complete (and, for a unit with frozen parameters, its inputs' gradients: ``_BackwardThroughInputs``);
 the callback at the end of backward releases whatever is left. So, after a unit's forward:
 
