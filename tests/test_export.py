@@ -83,3 +83,62 @@ def test_exports_never_overwrite_and_say_what_they_need(tmp_path, capsys):
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "holds no checkpoint: give one (ckpt/step_00000400) or a --checkpoint-dir" in capsys.readouterr().err
     assert (taken / "mine.txt").read_text() == "the user's"
+
+
+def _export_growth(rank, world, root):
+    """MiB this process's anonymous memory (not the checkpoint's files, which it maps) peaked at
+    beyond where it started, while exporting a 145 MiB checkpoint in files of 60 MiB; the model's
+    MiB and its largest unit's."""
+    import ctypes
+    import threading
+
+    from shardwire.engine.checkpoint.portable import weights_in
+    from shardwire.models.export import save_pretrained
+
+    def anonymous_mib() -> float:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) / 1024
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # freed tensors go back, so the peak counts live ones
+    config = {"model_type": "gpt2", "n_embd": 512, "n_layer": 12, "n_head": 8, "n_positions": 64, "vocab_size": 300}
+    name = f"hf:{json.dumps(config)}"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    import shardwire as sw
+
+    sw.shard(model)
+    sw.save_checkpoint(f"{root}/ckpt", model, extra={"model": name}).wait()
+    whole = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    unit = sum(p.numel() * 4 for p in model.transformer.h[0].parameters()) / 2**20
+    del model
+    with weights_in(f"{root}/ckpt") as weights:  # loads what exporting first uses, outside the count
+        save_pretrained(name, weights, f"{root}/warm", max_shard_size=60 * 2**20)
+    before, peak, done = anonymous_mib(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], anonymous_mib())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with weights_in(f"{root}/ckpt") as weights:
+            save_pretrained(name, weights, f"{root}/out", max_shard_size=60 * 2**20)
+    finally:
+        done.set()
+        sampler.join()
+    return peak[0] - before, whole, unit
+
+
+@pytest.mark.slow
+def test_an_export_writes_a_unit_at_a_time_in_files_from_pretrained_reads(tmp_path):
+    from harness import run_workers
+
+    ((grown, whole, unit),) = run_workers(1, _export_growth, str(tmp_path))
+    assert grown <= 3 * unit + 16 < whole / 2, (grown, whole, unit)  # never the whole model: a unit or two
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3 and "lm_head.weight" not in index["weight_map"]  # tied
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    trained = read_state_dict(tmp_path / "ckpt")
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, trained[key]), key

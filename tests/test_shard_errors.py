@@ -44,11 +44,6 @@ def test_parameters_on_several_devices():
         shardwire.shard(model)
 
 
-def test_parameters_on_the_meta_device():
-    with pytest.raises(ValueError, match="meta device: materialize"):
-        shardwire.shard(GPT(PRESETS["tiny"]).to("meta"))
-
-
 def test_sharding_twice():
     model = shardwire.shard(tiny_gpt())
     with pytest.raises(ValueError, match="this model is already sharded"):

@@ -306,8 +306,18 @@ def test_memory_model_by_hand():
     kept = GPT.layers * arch.units[0].boundary_bytes + arch.root.activation_bytes
     assert m.activations == 2 * (kept + arch.units[0].activation_bytes + arch.logits_bytes)
     assert m.usable == USABLE_FRACTION * 80 * GIB
+    # made on the meta device before the step: fp32 shards, the root and one unit whole in fp32
+    assert m.construction == 4 * P / 8 + 4 * (arch.root.params + unit) < m.total == m.peak
 
 
+def test_a_model_too_large_to_make_does_not_fit_whatever_its_step_needs():
+    """The root (embeddings, head) is made whole on every GPU: with a vocabulary large against the
+    blocks, making the model can need more than the step."""
+    wide = dataclasses.replace(GPT, vocab=4_000_000, seq_len=16)
+    training = TrainingSpec(micro_batch=1, precision="bf16")
+    m = estimate_memory(architecture(wide, 2), cluster(8, 8, memory_gb=4), training)
+    assert m.total < m.usable < m.construction == m.peak  # 2.6 and 3.9 GiB against 3.7 usable
+    assert not m.fits and m.shortfall == pytest.approx(m.construction - m.usable)
 def test_memory_grows_without_resharding_or_checkpointing_and_reports_the_shortfall():
     c = cluster(2, 4, memory_gb=0.02)
     base = estimate_memory(architecture(GPT, 2), c, TrainingSpec(micro_batch=2))

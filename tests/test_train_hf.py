@@ -51,10 +51,16 @@ def test_a_gpt2_built_from_a_config_file_trains(tmp_path):
 def test_a_directory_with_weights_loads_them(tmp_path):
     config = transformers.AutoConfig.for_model(**LLAMA)
     saved = transformers.AutoModelForCausalLM.from_config(config)
-    saved.save_pretrained(tmp_path)
-    choice = choose(f"hf:{tmp_path}")
-    loaded = choice.build()
+    saved.save_pretrained(tmp_path / "safetensors")
+    choice = choose(f"hf:{tmp_path / 'safetensors'}")  # built on the meta device, then read by the slice
     assert [c.__name__ for c in choice.units] == ["LlamaDecoderLayer"] and choice.seq_len == 128
+    assert choice.init is not None and choice.load is not None  # tests/test_pretrained.py reads them
+    (tmp_path / "bin").mkdir()
+    config.save_pretrained(tmp_path / "bin")
+    torch.save(saved.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    choice = choose(f"hf:{tmp_path / 'bin'}")  # loaded whole, by from_pretrained
+    assert choice.init is None and choice.load is None and choice.held_whole == choice.params
+    loaded = choice.build()
     for (name, mine), theirs in zip(loaded.state_dict().items(), saved.state_dict().values()):
         assert torch.equal(mine, theirs), name
 

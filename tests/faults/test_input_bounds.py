@@ -79,8 +79,8 @@ def test_a_hugging_face_directory_is_read_within_bounds(tmp_path, capsys):
     deep = '{"model_type": "gpt2", "n_layer": 100000, "n_embd": 64, "n_head": 4, "vocab_size": 256}'
     assert "100,000 layers, more than 1,024" in refusal(["train", "--model", f"hf:{deep}"], capsys)
     wide = '{"model_type": "gpt2", "n_layer": 4, "n_embd": 65536, "n_head": 4, "vocab_size": 256}'
-    assert "hf:GPT2LMHeadModel has 206,245,855,232 parameters, 768 GiB in fp32 on each worker that builds it" in \
-        refusal(["train", "--model", f"hf:{wide}"], capsys)
+    assert ("hf:GPT2LMHeadModel has 206,245,855,232 parameters, 192 GiB of them in fp32 held whole on each worker "
+            "while it builds its largest unit and root") in refusal(["train", "--model", f"hf:{wide}"], capsys)
 
 
 def test_an_error_shows_a_value_cut_short(tmp_path, capsys):

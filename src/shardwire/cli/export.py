@@ -13,7 +13,7 @@ import pathlib
 import sys
 
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
-from shardwire.engine.checkpoint.portable import read_state_dict
+from shardwire.engine.checkpoint.portable import weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.models.choice import HF_PREFIX
 from shardwire.models.export import save_pretrained
@@ -37,7 +37,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if not isinstance(model, str):
             raise ValueError(f"{checkpoint} does not record its model (shardwire train records it): give --model")
         if model.startswith(HF_PREFIX):
-            out = save_pretrained(model, read_state_dict(checkpoint), args.out)
+            with weights_in(checkpoint) as weights:  # read and written a unit at a time
+                out = save_pretrained(model, weights, args.out)
         else:
             out = export_state_dict(checkpoint, args.out)
     except (CheckpointError, ValueError) as err:

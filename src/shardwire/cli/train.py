@@ -175,21 +175,26 @@ def _validate(config: TrainConfig) -> None:
 
 def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
     """Refuse a job that cannot fit a worker of this machine, whatever else it holds: every worker
-    builds the model whole in fp32 before sharding it, then keeps its share of the fp32 weights,
-    gradients and Adam's two moments (16 bytes a parameter, over the world at most), and the loss
-    holds a micro-batch's logits in fp32 (``loss_fn``), a vocabulary's worth per token."""
+    holds part of the model whole in fp32 while it builds it (the root unit and its largest unit,
+    where it is made a unit at a time on the meta device; all of it, where it loads pretrained
+    weights), then keeps its share of the fp32 weights, gradients and Adam's two moments (16 bytes a
+    parameter, over the world at most), and the loss holds a micro-batch's logits in fp32
+    (``loss_fn``), a vocabulary's worth per token."""
     world, local = _world_and_node_size(config)
     try:
         memory = worker.memory_per_worker(config.backend, local)
     except ValueError as err:
         raise SystemExit(f"error: {err}: start fewer (--nproc)") from None
     fewer = "" if worker.uses_cuda(config.backend) else ", or start fewer workers (--nproc)"
-    whole, state = 4 * choice.params, 16 * choice.params // world
+    held, shards, state = 4 * choice.held_whole, 4 * choice.params // world, 16 * choice.params // world
     logits = 4 * config.batch * choice.seq_len * choice.vocab_size
-    if whole > memory:
+    if held + shards > memory:
+        how = ("on each worker that loads its pretrained weights whole" if choice.init is None else
+               f"held whole on each worker while it builds its largest unit and root (on the meta device, a unit "
+               f"at a time), beside {shards / 2**30:.3g} GiB of shards")
         raise SystemExit(
-            f"error: {choice.name} has {choice.params:,} parameters, {whole / 2**30:.3g} GiB in fp32 on each worker "
-            f"that builds it, more than each of the {local} workers here can hold ({memory / 2**30:.3g} GiB): "
+            f"error: {choice.name} has {choice.params:,} parameters, {held / 2**30:.3g} GiB of them in fp32 {how}, "
+            f"more than each of the {local} workers here can hold ({memory / 2**30:.3g} GiB): "
             f"pick a smaller --model{fewer}")
     if state + logits > memory:
         raise SystemExit(

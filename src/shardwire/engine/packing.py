@@ -182,6 +182,15 @@ class Packing:
         torch.split_with_sizes_copy(gathered.view(world, -1), [self.part_numel(slot) for slot in self.slots], dim=1,
                                     out=[region.view(world, -1) for region in self._regions(by_param)])
 
+    def shard_of(self, tensors: list[torch.Tensor], rank: int) -> torch.Tensor:
+        """``rank``'s shard of ``tensors`` (in slot order, shaped as the parameters): its rows of each,
+        zeros in the padding, without laying out the whole buffer."""
+        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=tensors[0].device)
+        for slot, tensor in zip(self.slots, tensors):
+            held = self.held(slot, rank)
+            shard[held.at : held.at + held.numel] = tensor.reshape(-1)[held.start : held.end]
+        return shard
+
     def as_gathered(self, tensors: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
         """``tensors`` shaped as the parameters (in slot order: their values, or their gradients for a
         reduce-scatter) laid out as the gathered buffer is, rank by rank, into ``out`` (any floating

@@ -18,6 +18,14 @@ _METADATA = {
 }
 
 
+class ReleasedError(RuntimeError):
+    """A computation with a parameter whose unit is not gathered."""
+
+    def __init__(self, message: str, unit_name: str):
+        super().__init__(message)
+        self.unit_name = unit_name
+
+
 class ReleasedParameter(torch.Tensor):
     """Shape and dtype of a parameter whose unit is not gathered; any computation raises."""
 
@@ -33,9 +41,10 @@ class ReleasedParameter(torch.Tensor):
         if func in _METADATA:
             return super().__torch_function__(func, types, args, kwargs)
         released = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ReleasedParameter))
-        raise RuntimeError(
+        raise ReleasedError(
             f"{released.param_name!r} belongs to sharded unit {released.unit_name!r}, which is not "
             f"gathered now: a sharded model's whole weights exist only while their unit runs inside the "
             f"model's forward or backward. This rank's part of it is in model.named_parameters(); read "
-            f"whole weights with shardwire.full_state_dict(model)."
+            f"whole weights with shardwire.full_state_dict(model).",
+            released.unit_name,
         )

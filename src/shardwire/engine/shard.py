@@ -20,7 +20,7 @@ from shardwire import worker
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
-from shardwire.engine import sharded_state_dict
+from shardwire.engine import materialize, sharded_state_dict
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout, check_sync, group_size
 from shardwire.engine.mixed_precision import MixedPrecision
@@ -50,6 +50,8 @@ def shard(
     activation_checkpointing: bool = False,
     compile: bool | Mapping[str, Any] = False,
     timeout: float = 600.0,
+    device: torch.device | str | None = None,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
 
@@ -66,6 +68,11 @@ def shard(
 
     Set ``requires_grad`` before sharding: frozen parameters go into buffers of their own, gathered
     but never reduced, and changing the flag afterwards is an error at the next forward.
+
+    A model built on the meta device (``with torch.device("meta"): model = ...``) is made here, a
+    unit at a time, so that no rank ever holds it whole: each module's parameters and buffers get
+    storage on ``device`` and are initialised by ``init``, children first, as ``model.apply(init)``
+    would, with the values the whole model so initialised would have (``shardwire.engine.materialize``).
 
     Args:
         reshard_after_forward: release each unit's gathered parameters after its forward and gather
@@ -99,9 +106,16 @@ def shard(
             around the compiled graph; the root unit runs eagerly.
         timeout: seconds a collective may take before it becomes an error naming the rank and unit.
             On NCCL the process group's own timeout applies: create it with the same one.
+        device: where a model built on the meta device is made: by default the current CUDA device
+            under NCCL and the CPU under gloo. A model with storage stays where it is.
+        init: what initialises each module of a model built on the meta device, ``fn(module)`` as for
+            ``model.apply``: by default a Hugging Face model's own initialisation, and otherwise each
+            module's ``reset_parameters()``. The package's GPT takes ``init=model.init_module``.
     """
     _check_not_sharded(model)
-    device = _single_device(model)
+    current = _single_device(model)
+    on_meta = current.type == "meta"
+    device = _device(current, device, init, process_group)
     policy = MixedPrecision.parse(mixed_precision)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
@@ -139,11 +153,14 @@ def shard(
     _check_same_model_on_all_ranks(owned, comm)
 
     make_unit = functools.partial(_build_unit, layout=layout, policy=policy, wire=wire)
-    for name, buffer in model.named_buffers():
-        if comm.world > 1:
-            comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
-    root = make_unit(0, "", model, owned[""])
-    block_units = [make_unit(i, name, module, owned[name]) for i, (name, module) in enumerate(selected, 1)]
+    if on_meta:
+        root, *block_units = materialize.build_units(model, selected, owned, device, init, comm, make_unit)
+    else:
+        for name, buffer in model.named_buffers():
+            if comm.world > 1:
+                comm.broadcast(buffer.data, tag=f"initial value of {name}").wait()
+        root = make_unit(0, "", model, owned[""])
+        block_units = [make_unit(i, name, module, owned[name]) for i, (name, module) in enumerate(selected, 1)]
     engine = Engine(
         root,
         block_units,
@@ -202,9 +219,24 @@ def _single_device(model: nn.Module) -> torch.device:
             f"(this rank's GPU, or the CPU) before sharding"
         )
     (device,) = devices
-    if device.type == "meta":
-        raise ValueError("parameters are on the meta device: materialize them (to_empty + init) before sharding")
     return device
+
+
+def _device(current: torch.device, device: torch.device | str | None, init: Callable | None,
+            process_group: dist.ProcessGroup | None) -> torch.device:
+    """The device the sharded model lives on: the model's (``current``), or for a model on the meta
+    device the one it is made on."""
+    if current.type == "meta":
+        group = process_group if process_group is not None else dist.group.WORLD if dist.is_initialized() else None
+        return materialize.target_device(device, None if group is None else str(dist.get_backend(group)))
+    if init is not None:
+        raise ValueError(f"init= initialises a model built on the meta device, but this model's parameters are "
+                         f"on {current} and have their values: initialise them before sharding, or build the "
+                         f"model under torch.device('meta')")
+    if device is not None and torch.device(device) != current:
+        raise ValueError(f"device={str(device)!r}, but the model's parameters are on {current}: device= is where "
+                         f"a model built on the meta device is made; move a model with values before sharding it")
+    return current
 
 
 def _compile_options(spec: bool | Mapping[str, Any]) -> dict[str, Any] | None:
@@ -289,22 +321,28 @@ def _check_sync_fragments(sync: Sync | None, owned: dict[str, list[OwnedParam]])
                          f"parameters (each fragment is whole units): use at most {trainable}, or more units")
 
 
-def _build_unit(index, name, module, params, *, layout, policy, wire) -> Unit:
+def _build_unit(index, name, module, params, *, layout, policy, wire, values=None) -> Unit:
+    """Make a unit of ``params``: from rank 0's values, or, given ``values`` (by the id of each
+    parameter; the same on every rank), from those without sending any."""
     name = name or "<root>"
     grouped = _flat_groups(params)
     comm = layout.world
     flats = []
     for (dtype, requires_grad), entries in grouped.items():
         packing = Packing.pack([(e.names, tuple(e.param.shape)) for e in entries], dtype, layout.shard.world)
-        full = packing.flatten([e.param.detach() for e in entries])
-        if comm.world > 1:
-            comm.broadcast(full, tag=f"initial values of {name}").wait()
-        start, end = packing.shard_range(layout.shard.rank)
+        if values is None:
+            full = packing.flatten([e.param.detach() for e in entries])
+            if comm.world > 1:
+                comm.broadcast(full, tag=f"initial values of {name}").wait()
+            start, end = packing.shard_range(layout.shard.rank)
+            shard = full[start:end].clone()
+        else:
+            shard = packing.shard_of([values[id(e.param)].detach() for e in entries], layout.shard.rank)
         suffix = f"flat_shard_{str(dtype).removeprefix('torch.')}" + ("" if requires_grad else "_frozen")
         flat = FlatParam(
             f"{name}.{suffix}" if len(grouped) > 1 else name,
             packing,
-            full[start:end].clone(),
+            shard,
             [e.owners for e in entries],
             requires_grad=requires_grad,
             compute_dtype=policy.param_dtype or dtype,

@@ -1,12 +1,14 @@
 """What ``shardwire train --model`` names: a preset of the project's GPT, or ``hf:`` and a Hugging
 Face causal LM.
 
-``hf:`` takes a local directory or a JSON file or an inline JSON mapping. A directory holding
-weights loads them (``from_pretrained``, local files only: training never downloads); a config
-alone, in a directory or a file or inline (``{"model_type": "llama", "hidden_size": 256, ...}``),
-builds the architecture with random weights (``from_config``). Its sharding units are the classes
-the model names in ``_no_split_modules``, the convention accelerate follows for FSDP's auto-wrap
-(the transformer block: ``LlamaDecoderLayer``, ``GPT2Block``), unless ``--units`` names others.
+``hf:`` takes a local directory or a JSON file or an inline JSON mapping. The model is built on
+the meta device and made by ``shard`` a unit at a time, with random weights (``from_config``), so no
+worker holds it whole; a directory holding safetensors then fills it, each worker reading only its
+rows (``shardwire.models.pretrained``). Other weights (``pytorch_model.bin``) load whole on every
+worker (``from_pretrained``). Only local files are read: training never downloads. Its sharding
+units are the classes the model names in ``_no_split_modules``, the convention accelerate follows
+for FSDP's auto-wrap (the transformer block: ``LlamaDecoderLayer``, ``GPT2Block``), unless
+``--units`` names others.
 
 A model directory is data, never code: every transformers call passes ``trust_remote_code=False``
 (left unset, transformers asks on the terminal whether to run the Python files a config's
@@ -19,6 +21,7 @@ runs no code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import pickle
@@ -32,7 +35,7 @@ from torch import nn
 from shardwire.engine.selection import select_units
 from shardwire.extras import quietly_importing, require
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
-from shardwire.models import fp8
+from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.huggingface import HF_PREFIX, seq_len_of, spec_from_config
 from shardwire.sim.specs import MAX_LAYERS, ModelSpec
@@ -57,6 +60,14 @@ class ModelChoice:
     params: int
     spec: ModelSpec | None
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    # What initialises each module of the model built on the meta device (shard's ``init``, None: its
+    # default), given the model; None where the model is built with its values (pretrained weights).
+    init: Callable[[nn.Module], Callable[[nn.Module], None] | None] | None
+    # the parameters a worker holds whole while it builds the model: the root unit's and the largest
+    # unit's where it is made a unit at a time on the meta device, otherwise all of them
+    held_whole: int
+    # what fills the sharded model with pretrained weights, reading each rank's rows only, or None
+    load: Callable[[nn.Module], None] | None = None
     # why its units have no linear layer to multiply in fp8 (shardwire.models.fp8), or None
     fp8_refusal: str | None = None
     # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
@@ -97,7 +108,8 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
         skeleton = GPT(config)
     return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size,
                        _parameters(skeleton), spec, lambda model, tokens: model(tokens),
-                       fp8_refusal=fp8.convertible(skeleton, (Block,))[1])
+                       fp8_refusal=fp8.convertible(skeleton, (Block,))[1], init=lambda model: model.init_module,
+                       held_whole=_held_while_made(skeleton, (Block,)))
 
 
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
@@ -105,9 +117,11 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     config, weights = hf_config(transformers, source)
     auto = transformers.AutoModelForCausalLM
 
+    by_slice = weights is not None and pretrained.reads_by_slice(weights)
+
     def build() -> nn.Module:
         with quietly_importing():  # transformers imports torchao where it is installed
-            if weights is not None:
+            if weights is not None and not by_slice:
                 return auto.from_pretrained(weights, config=config, local_files_only=True, trust_remote_code=False)
             return auto.from_config(config, trust_remote_code=False)
 
@@ -144,12 +158,22 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, chosen, length, config.vocab_size,
                        _parameters(skeleton), _hf_spec(config, skeleton, length),
                        lambda model, tokens: model(tokens).logits, fp8_refusal=fp8.convertible(skeleton, chosen)[1],
-                       runs_on_meta=False)
+                       runs_on_meta=False, init=None if weights is not None and not by_slice else lambda model: None,
+                       held_whole=(_parameters(skeleton) if weights is not None and not by_slice
+                                   else _held_while_made(skeleton, chosen)),
+                       load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None)
 
 
 def _parameters(model: nn.Module) -> int:
     """The elements of ``model``'s parameters (a tied weight once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def _held_while_made(skeleton: nn.Module, units: tuple[type[nn.Module], ...]) -> int:
+    """The parameters a worker holds whole while ``shard`` makes the meta-built ``skeleton`` a unit at
+    a time: the root unit's (made last) and the largest unit's."""
+    sizes = [_parameters(module) for _, module in select_units(skeleton, list(units))]
+    return _parameters(skeleton) - sum(sizes) + max(sizes)
 
 
 def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:

@@ -70,20 +70,28 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(config.hidden)
         self.head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.down.weight")):
-                # GPT-2: scale residual projections by depth so the residual stream's variance stays put.
-                nn.init.normal_(param, mean=0.0, std=0.02 / (2 * config.layers) ** 0.5)
+        self.apply(self.init_module)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+    def init_module(self, module: nn.Module) -> None:
+        """Give one module of this model its initial values, GPT-2's: weights drawn with std 0.02,
+        the residual projections' (``attn.proj``, ``mlp.down``) scaled down by the depth so that the
+        residual stream's variance stays put, biases zero, norms the identity.
+
+        Each module sets its own parameters and those of its children, so ``self.apply`` of it
+        initialises the model (as the constructor does), and a model built on the meta device gets
+        the same values a unit at a time from ``shardwire.shard(model, init=model.init_module)``.
+        The head is the embedding (tied), set once."""
+        residual = 0.02 / (2 * self.config.layers) ** 0.5
+        if isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif isinstance(module, CausalSelfAttention):
+            _init_linear(module.qkv, 0.02)
+            _init_linear(module.proj, residual)
+        elif isinstance(module, MLP):
+            _init_linear(module.up, 0.02)
+            _init_linear(module.down, residual)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits for each position of ``tokens`` (batch, seq)."""
@@ -92,6 +100,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def _init_linear(linear: nn.Linear, std: float) -> None:
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

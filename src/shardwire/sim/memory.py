@@ -37,8 +37,11 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            encoder-decoder's encoder output) are kept either way, as the root is
                            not recomputed (see ``shardwire.sim.architecture``)
 
-``P_unit`` is the largest unit. A configuration fits when the total is within ``USABLE_FRACTION`` of
-the GPU's memory: the rest goes to the CUDA context, the communication library's own buffers and
+``P_unit`` is the largest unit. Before the first step the model is made on the meta device a unit
+at a time (``shardwire.engine.materialize``), which holds, in fp32, the parameter shards made so far,
+the root unit whole and the unit being made whole (``construction``: 4 P / s + 4 (P_root + P_unit)).
+A configuration fits when the step's total and its construction are each within ``USABLE_FRACTION``
+of the GPU's memory: the rest goes to the CUDA context, the communication library's own buffers and
 the caching allocator's fragmentation.
 """
 
@@ -70,23 +73,30 @@ class MemoryEstimate:
     outer_state: float
     activations: float
     usable: float
+    construction: float  # the peak while the model is made, before the step (not part of its total)
 
     @property
     def parts(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "usable"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("usable", "construction")}
 
     @property
     def total(self) -> float:
         return sum(self.parts.values())
 
     @property
+    def peak(self) -> float:
+        """The most the job holds at once: its step's total, or its construction where that is more."""
+        return max(self.total, self.construction)
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.usable
+        return self.peak <= self.usable
 
     @property
     def shortfall(self) -> float:
         """Bytes over the usable memory (0 when it fits)."""
-        return max(0.0, self.total - self.usable)
+        return max(0.0, self.peak - self.usable)
 
 
 def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> MemoryEstimate:
@@ -128,6 +138,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         outer_state=outer,
         activations=activations,
         usable=USABLE_FRACTION * cluster.gpu_memory_gb * GIB,
+        construction=4 * P / shard_over + 4 * (arch.root.params + largest),
     )
 
 

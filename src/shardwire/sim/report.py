@@ -34,8 +34,10 @@ from shardwire.sim.step import group_size
 
 
 def fit_problem(p: Prediction) -> str:
-    return (f"does not fit: needs {p.memory.total / GIB:.1f} GiB per GPU, {p.memory.shortfall / GIB:.1f} GiB "
-            f"more than the {p.memory.usable / GIB:.1f} GiB usable of {p.cluster.gpu_memory_gb:g} GiB")
+    making = " to make the model (its shards, root and largest unit in fp32)" if p.memory.construction > \
+        p.memory.total else ""
+    return (f"does not fit: needs {p.memory.peak / GIB:.1f} GiB per GPU{making}, {p.memory.shortfall / GIB:.1f} "
+            f"GiB more than the {p.memory.usable / GIB:.1f} GiB usable of {p.cluster.gpu_memory_gb:g} GiB")
 
 
 def notes(p: Prediction) -> list[str]:
@@ -74,6 +76,7 @@ def prediction_json(p: Prediction) -> dict:
         "mfu": p.mfu,
         "memory_gb_per_gpu": p.memory.total / GIB,
         "memory": {**{k: v / GIB for k, v in p.memory.parts.items()}, "usable_gb": p.memory.usable / GIB},
+        "construction_gb_per_gpu": p.memory.construction / GIB,
         "fits": p.memory.fits,
         "shortfall_gb": p.memory.shortfall / GIB,
         "units": [dataclasses.asdict(b) for b in unit_budgets(p)],

@@ -26,6 +26,7 @@ from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.shard import engine_of
+from shardwire.engine.state_dict import weights_by_unit
 from shardwire.models import fp8
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
 from shardwire.models.export import save_pretrained
@@ -53,7 +54,11 @@ def _train(config: TrainConfig, device: torch.device) -> None:
     corpus = training_corpus(config, choice)
 
     torch.manual_seed(config.seed)
-    model = choice.build().to(device)
+    if choice.init is not None:  # made a unit at a time by shard: no worker holds the whole model
+        with torch.device("meta"):
+            model = choice.build()
+    else:
+        model = choice.build().to(device)
     params = sum(p.numel() for p in model.parameters())
     precision = config.precision
     if config.precision == "fp8":
@@ -62,7 +67,9 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         except ValueError as err:
             raise SystemExit(f"error: --precision fp8: {err}") from None
     try:
-        _shard(model, choice, config)
+        _shard(model, choice, config, device)
+        if choice.load is not None:
+            choice.load(model)
     except ValueError as err:  # what only the built model shows (more sync fragments than units)
         raise SystemExit(f"error: {err}") from None
     engine = engine_of(model)
@@ -144,15 +151,20 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
     if config.export_hf:
-        state = shardwire.full_state_dict(model)  # every rank takes part; rank 0 holds it
-        if rank == 0:
-            print(f"exported to {save_pretrained(config.model, state, config.export_hf)} (from_pretrained loads it)",
-                  flush=True)
+        weights = weights_by_unit(model)  # gathered a unit at a time, every rank taking part
+        try:
+            if rank == 0:
+                print(f"exported to {save_pretrained(config.model, weights, config.export_hf)} (from_pretrained "
+                      f"loads it)", flush=True)
+        finally:
+            weights.take_part()  # the gathers the writer did not reach, so that no rank waits for ever
 
 
-def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig) -> None:
+def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, device: torch.device) -> None:
     shardwire.shard(
         model,
+        device=device,
+        init=choice.init(model) if choice.init is not None else None,
         units=list(choice.units),
         reshard_after_forward=config.reshard,
         prefetch=config.prefetch,

@@ -46,6 +46,7 @@ import torch
 
 from shardwire.engine.checkpoint import schema
 from shardwire.engine.packing import Packing, ParamSlot
+from shardwire.engine.state_dict import TensorRecord
 
 FORMAT = "shardwire-checkpoint"
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
@@ -147,19 +148,12 @@ class FlatRecord:
     packing: Packing
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferRecord:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 @dataclasses.dataclass
 class Manifest:
     step: int | None
     world_size: int
     flats: list[FlatRecord]
-    buffers: list[BufferRecord]
+    buffers: list[TensorRecord]
     state_dict_keys: list[str]  # the unsharded model's, in order: what an export writes
     # {"class": name, "param_groups": [hyperparameters + parameter names],
     #  "state": {parameter name: {state key: {"kind", "dtype"}}}}
@@ -329,9 +323,9 @@ def _slot_from_json(raw, what: str) -> ParamSlot:
     return ParamSlot(names, shape, schema.integer(raw["offset"], f"{what}.offset"))
 
 
-def _buffer_from_json(raw, what: str) -> BufferRecord:
+def _buffer_from_json(raw, what: str) -> TensorRecord:
     raw = schema.fields(raw, what, ("name", "shape", "dtype"))
-    return BufferRecord(
+    return TensorRecord(
         schema.string(raw["name"], f"{what}.name"),
         _shape_from_json(raw["shape"], f"{what}.shape"),
         _dtype_from_json(raw["dtype"], f"{what}.dtype"),
@@ -383,24 +377,24 @@ def param_names(engine) -> set[str]:
     return {name for flat in engine.flats for slot in flat.packing.slots for name in slot.names}
 
 
-def buffer_records(engine, model: torch.nn.Module) -> list[BufferRecord]:
+def buffer_records(engine, model: torch.nn.Module) -> list[TensorRecord]:
     """The model's persistent buffers (those in its ``state_dict``), which every rank holds whole."""
     params = param_names(engine)
     return [
-        BufferRecord(key, tuple(buffer.shape), buffer.dtype)
+        TensorRecord(key, tuple(buffer.shape), buffer.dtype)
         for key in engine.state_dict_keys if key not in params
         for buffer in [model.get_buffer(key)]
     ]
 
 
-def first_difference(saved: Manifest, flats: list[FlatRecord], buffers: list[BufferRecord]) -> str | None:
+def first_difference(saved: Manifest, flats: list[FlatRecord], buffers: list[TensorRecord]) -> str | None:
     """How the model that wrote ``saved`` differs from one with ``flats`` and ``buffers`` (the first
     difference, in words), or None when they match: same flat buffers, holding the same parameters
     (names, shapes, order) in the same dtypes, and the same buffers."""
     return next(_differences(saved, flats, buffers), None)
 
 
-def _differences(saved: Manifest, flats: list[FlatRecord], buffers: list[BufferRecord]) -> Iterator[str]:
+def _differences(saved: Manifest, flats: list[FlatRecord], buffers: list[TensorRecord]) -> Iterator[str]:
     for i, (old, new) in enumerate(zip_longest(saved.flats, flats)):
         if old is None or new is None:
             yield (f"the checkpoint has {len(saved.flats)} flat buffers (one per unit and dtype) and this "

@@ -10,10 +10,12 @@ tie; that is the library's documented way of loading shared weights.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pathlib
 import pickle
+from collections.abc import Iterator
 
 import safetensors.torch
 import torch
@@ -32,7 +34,7 @@ from shardwire.engine.checkpoint.format import (
 from shardwire.engine.checkpoint.load import copy_into_model
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.shard import engine_of
-from shardwire.engine.state_dict import assemble
+from shardwire.engine.state_dict import WeightsByUnit, describe
 from shardwire.files import write_atomically
 
 
@@ -72,20 +74,27 @@ def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:
 def read_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The unsharded model's ``state_dict()`` from a checkpoint of any world size, in this process
     (every file read is verified against the manifest)."""
+    with weights_in(checkpoint) as weights:
+        return weights.state_dict()
+
+
+@contextlib.contextmanager
+def weights_in(checkpoint: str | os.PathLike) -> Iterator[WeightsByUnit]:
+    """The unsharded weights of a checkpoint of any world size, a flat buffer at a time, read in this
+    process while the block runs (every file read is verified against the manifest)."""
     with CheckpointReader(checkpoint) as reader:
-        return _full_state_dict(reader)
+        manifest = reader.manifest
+        slots = [(slot, flat.packing.dtype) for flat in manifest.flats for slot in flat.packing.slots]
+        tensors, aliases = describe(slots, manifest.buffers, manifest.state_dict_keys)
+        yield WeightsByUnit(tensors, aliases, list(manifest.state_dict_keys), _read_parts(reader))
 
 
-def _full_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-    manifest = reader.manifest
-    params = ((slot, reader.param_run(flat, param_key(flat.name), slot, 0, slot.numel, flat.packing.dtype)
-               .view(slot.shape)) for flat in manifest.flats for slot in flat.packing.slots)
-    buffers = {buffer.name: buffer for buffer in manifest.buffers}
-
-    def buffer(name: str) -> torch.Tensor:
-        return reader.tensor(REPLICATED, buffer_key(name), buffers[name].shape, buffers[name].dtype)
-
-    return assemble(params, manifest.state_dict_keys, buffer)
+def _read_parts(reader: CheckpointReader) -> Iterator[dict[str, torch.Tensor]]:
+    for flat in reader.manifest.flats:
+        yield {slot.names[0]: reader.param_run(flat, param_key(flat.name), slot, 0, slot.numel, flat.packing.dtype)
+               .view(slot.shape) for slot in flat.packing.slots}
+    yield {buffer.name: reader.tensor(REPLICATED, buffer_key(buffer.name), buffer.shape, buffer.dtype)
+           for buffer in reader.manifest.buffers}
 
 
 def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

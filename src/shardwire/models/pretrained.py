@@ -1,0 +1,55 @@
+"""Pretrained Hugging Face weights read into a sharded model by the slice.
+
+A ``save_pretrained`` directory of safetensors (one file, or several with
+``model.safetensors.index.json``) is read through DCP's ``HuggingFaceStorageReader``, as torchtitan
+reads it: the sharded model's state dict names each rank's rows of each parameter (DTensors), and
+DCP reads only those from the files, straight into the shards. So no worker holds the pretrained
+model whole at any time, as ``from_pretrained`` on every worker would.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+# The weights read by the slice: what from_pretrained reads first where a directory holds it.
+SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def reads_by_slice(directory: pathlib.Path) -> bool:
+    """Whether ``directory``'s weights are safetensors, which can be read by the slice."""
+    return any((directory / name).exists() for name in SAFETENSORS)
+
+
+def load_pretrained(model: nn.Module, directory: pathlib.Path) -> None:
+    """Fill the sharded ``model``'s parameters (and the buffers the files hold) from ``directory``.
+
+    Every parameter must be in the files with its shape, except a tied one whose other name is
+    (``save_pretrained`` writes a tied head once); a buffer the files lack keeps its initial value,
+    as ``from_pretrained`` leaves it. What the files hold beyond the model is not read."""
+    reader = HuggingFaceStorageReader(str(directory))
+    stored = {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if isinstance(meta, TensorStorageMetadata)}
+    names = _names_of_each_parameter(model)
+    state = model.state_dict()
+    for key, value in state.items():
+        if key in stored and tuple(stored[key].size) != tuple(value.shape):
+            raise ValueError(f"{directory}: {key!r} is {tuple(stored[key].size)} in the weights but "
+                             f"{tuple(value.shape)} in the model its config.json builds: the weights are another "
+                             f"model's, or config.json was changed after they were saved")
+        if key not in stored and key in names and not any(name in stored for name in names[key]):
+            raise ValueError(f"{directory}: the weights have no {key!r}, which the model its config.json builds "
+                             f"has: the weights are another model's, or were saved in part")
+    dcp.load({key: value for key, value in state.items() if key in stored}, storage_reader=reader)
+
+
+def _names_of_each_parameter(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's name, with every name of that parameter (more than one where it is tied)."""
+    by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(param), []).append(name)
+    return {name: names for names in by_param.values() for name in names}

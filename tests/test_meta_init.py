@@ -1,0 +1,191 @@
+"""A model built on the meta device is made by ``shard`` a unit at a time: its values bit-equal to the
+whole model materialized and initialised the same way, on every rank and layout, and no rank's
+memory ever holds more than its shards and about one unit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwire
+from harness import run_workers
+from shardwire.models.gpt import GPT, PRESETS, Block, GPTConfig
+
+HF_CONFIGS = {
+    "llama": {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64},
+    "qwen2": {"model_type": "qwen2", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": True},
+    "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0},
+}
+SEED = 3
+
+
+def _builders() -> dict:
+    """Each model's meta build and the initialisation ``shard`` is given for it (None: the default)."""
+    builders = {"gpt": (lambda: GPT(PRESETS["tiny"]), lambda model: model.init_module)}
+    try:
+        import transformers
+    except ImportError:
+        return builders
+    for name, config in HF_CONFIGS.items():
+        config = transformers.AutoConfig.for_model(**config)
+        builders[name] = (lambda config=config: transformers.AutoModelForCausalLM.from_config(config),
+                          lambda model: None)
+    return builders
+
+
+def _reference(build, init_of) -> nn.Module:
+    """The whole model made the same way: ``to_empty``, its ties restored, then the initialisation."""
+    with torch.device("meta"):
+        model = build()
+    ties = _ties(model)
+    model.to_empty(device="cpu")
+    for name, target in ties.items():  # to_empty gives each place a tensor of its own
+        module, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(target))
+    torch.manual_seed(SEED)
+    init = init_of(model)
+    if init is not None:
+        model.apply(init)
+    else:
+        model.initialize_weights()
+    return model
+
+
+def _ties(model: nn.Module) -> dict[str, str]:
+    """Each name of a parameter that has an earlier name, with that earlier name."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return ties
+
+
+def _made_on_meta(rank, world, group_size):
+    """Each model built on the meta device and sharded; what differs from the reference, by model."""
+    differences = {}
+    for name, (build, init_of) in _builders().items():
+        reference = _reference(build, init_of)
+        with torch.device("meta"):
+            model = build()
+        # rank 0's generator decides the values; another rank's own is left as it was
+        torch.manual_seed(SEED if rank == 0 else 1000 + rank)
+        before = torch.get_rng_state()
+        layout = "full" if group_size == world else "hybrid"
+        shardwire.shard(model, units=[Block] if name == "gpt" else None, init=init_of(model), layout=layout,
+                        shard_group_size=group_size)
+        if rank != 0:
+            assert torch.equal(torch.get_rng_state(), before), "a rank's own generator was moved"
+        expected = dict(reference.named_parameters())
+        made = {key: param.full_tensor() for key, param in model.named_parameters()}
+        wrong = [key for key, value in expected.items() if not torch.equal(made[key], value)]
+        wrong += [key for key, value in reference.named_buffers() if not torch.equal(model.get_buffer(key), value)]
+        assert made.keys() == expected.keys()
+        differences[name] = wrong
+        if name == "gpt":  # tied as built: the head is the embedding
+            assert model.head.weight.param_name == "tok_emb.weight"
+    return differences
+
+
+@pytest.mark.parametrize("world, group_size", [(1, 1), (2, 2)], ids=["world-1", "full-2"])
+def test_meta_models_are_made_bit_equal_to_the_whole_model_initialised(world, group_size):
+    for differences in run_workers(world, _made_on_meta, group_size):
+        assert differences == {name: [] for name in differences}
+    assert len(differences) == (4 if _has_transformers() else 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, group_size", [(3, 3), (4, 2)], ids=["full-3", "hybrid-2x2"])
+def test_meta_models_are_made_bit_equal_on_more_ranks_and_hybrid(world, group_size):
+    for differences in run_workers(world, _made_on_meta, group_size, timeout=300):
+        assert differences == {name: [] for name in differences}
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _peak_growth(rank, world, on_meta):
+    """MiB this rank's peak memory grew by while sharding a 400 MB GPT, its shards' and a unit's."""
+    import ctypes
+    import resource
+
+    # Tensors from 128 KiB up get pages of their own, returned when freed (glibc raises that bound to
+    # the largest block freed, after which freed blocks stay in the heap and the peak counts them).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+
+    with torch.device("meta"):  # loads what sharding first uses (DTensor, the mesh), outside the count
+        small = GPT(PRESETS["tiny"])
+    shardwire.shard(small, units=[Block], init=small.init_module)
+    config = GPTConfig(vocab_size=256, seq_len=64, layers=8, hidden=1024, heads=8, dropout=0.0)
+    before = rss_mib()
+    with torch.device("meta" if on_meta else "cpu"):
+        model = GPT(config)
+    shardwire.shard(model, units=[Block], init=model.init_module if on_meta else None)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    shards = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2**20
+    unit = sum(p.numel() * 4 for p in model.blocks[0].parameters()) / 2**20
+    return peak - before, shards, unit
+
+
+@pytest.mark.slow
+def test_making_a_meta_model_holds_its_shards_and_about_one_unit():
+    (grown, shards, unit), _ = run_workers(2, _peak_growth, True)
+    whole = 2 * shards
+    # at most the shards, the unit being cut (and its shard), the root unit, and the allocator's slack
+    assert grown <= shards + 1.5 * unit + 32, (grown, shards, unit)
+    (eager, _, _), _ = run_workers(2, _peak_growth, False)
+    assert eager >= whole, (eager, whole)  # the test measures what it should: an eager build holds it whole
+
+
+class _Masked(nn.Module):
+    """A block whose causal mask is computed in ``__init__``: empty when built on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+
+def test_a_buffer_the_initialisation_leaves_unset_is_an_error():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.ModuleList([_Masked(), _Masked()]))
+    with pytest.raises(ValueError, match=r"buffer\(s\) '0.0.mask', '0.1.mask' were left unset.*reset_parameters"):
+        shardwire.shard(model)
+
+
+def test_an_initialisation_that_writes_a_unit_already_made_is_an_error():
+    with torch.device("meta"):
+        model = GPT(PRESETS["tiny"])
+
+    def late(module):  # the model's own init reaching into its blocks, after they were made
+        if isinstance(module, GPT):
+            nn.init.zeros_(module.blocks[0].mlp.up.weight)
+
+    with pytest.raises(ValueError, match=r"initialisation of the model \(GPT\) writes a parameter of 'blocks.0'"):
+        shardwire.shard(model, units=[Block], init=late)
+
+
+def test_init_and_device_are_for_meta_models():
+    with pytest.raises(ValueError, match="init= initialises a model built on the meta device.*on cpu"):
+        shardwire.shard(GPT(PRESETS["tiny"]), init=lambda module: None)
+    with torch.device("meta"):
+        model = GPT(PRESETS["tiny"])
+    with pytest.raises(ValueError, match="device='meta' has no storage"):
+        shardwire.shard(model, device="meta")

@@ -1,0 +1,80 @@
+"""Pretrained Hugging Face weights read into a sharded model by the slice, bit-equal to
+``from_pretrained``, with a clear error for weights that are not the model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwire
+from harness import run_workers
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from shardwire.models.pretrained import load_pretrained  # noqa: E402
+
+CONFIGS = {
+    "llama": {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64},
+    "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0},  # its head is tied to the embedding, saved once
+}
+
+
+def _save(directory, name: str, max_shard_size: str, dtype=torch.float32) -> None:
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**CONFIGS[name]))
+    model.to(dtype).save_pretrained(directory, max_shard_size=max_shard_size)
+
+
+def _loaded(rank, world, directory, group_size):
+    """The sharded model loaded by the slice, whole on every rank, against from_pretrained's."""
+    expected = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(expected.config)
+    shardwire.shard(model, layout="full" if group_size == world else "hybrid", shard_group_size=group_size)
+    load_pretrained(model, directory)
+    loaded = {name: param.full_tensor() for name, param in model.named_parameters()}
+    return [name for name, value in expected.named_parameters() if not torch.equal(loaded[name], value)]
+
+
+@pytest.mark.parametrize("name, max_shard_size", [("llama", "5GB"), ("gpt2", "20KB")],
+                         ids=["llama-one-file", "gpt2-tied-several-files"])
+@pytest.mark.parametrize("world, group_size", [pytest.param(1, 1, id="world-1", marks=pytest.mark.slow),
+                                               pytest.param(2, 2, id="full-2"),
+                                               pytest.param(3, 3, id="full-3", marks=pytest.mark.slow)])
+def test_weights_are_read_by_the_slice_as_from_pretrained_reads_them(name, max_shard_size, world, group_size,
+                                                                     tmp_path):
+    _save(tmp_path, name, max_shard_size)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (max_shard_size == "20KB")
+    for wrong in run_workers(world, _loaded, tmp_path, group_size):
+        assert wrong == []
+
+
+@pytest.mark.slow
+def test_bf16_weights_load_into_an_fp32_model_under_hybrid(tmp_path):
+    _save(tmp_path, "llama", "20KB", torch.bfloat16)
+    for wrong in run_workers(4, _loaded, tmp_path, 2, timeout=300):
+        assert wrong == []
+
+
+def _refused(rank, world, directory, config):
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    shardwire.shard(model)
+    try:
+        load_pretrained(model, directory)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_weights_of_another_model_are_refused_naming_the_tensor(tmp_path):
+    _save(tmp_path, "llama", "5GB")
+    wider = {**CONFIGS["llama"], "intermediate_size": 96}
+    deeper = {**CONFIGS["llama"], "num_hidden_layers": 4}
+    (message,) = run_workers(1, _refused, tmp_path, wider)
+    assert "'model.layers.0.mlp.gate_proj.weight' is (64, 32) in the weights but (96, 32) in the model" in message
+    (message,) = run_workers(1, _refused, tmp_path, deeper)
+    assert "the weights have no 'model.layers.3." in message
