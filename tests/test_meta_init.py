@@ -148,8 +148,9 @@ def _peak_growth(rank, world, on_meta):
 def test_making_a_meta_model_holds_its_shards_and_about_one_unit():
     (grown, shards, unit), _ = run_workers(2, _peak_growth, True)
     whole = 2 * shards
-    # at most the shards, the unit being cut (and its shard), the root unit, and the allocator's slack
-    assert grown <= shards + 1.5 * unit + 32, (grown, shards, unit)
+    # the shards, the unit being cut (and its shard), the root unit and the allocator's slack: never
+    # the whole model (measured alone: 242 MiB, the shards 193 and a unit 48)
+    assert grown <= shards + 2 * unit + 64 < whole, (grown, shards, unit)
     (eager, _, _), _ = run_workers(2, _peak_growth, False)
     assert eager >= whole, (eager, whole)  # the test measures what it should: an eager build holds it whole
 
