@@ -113,14 +113,13 @@ def _read_shards(path: pathlib.Path, engine, model: nn.Module):
         raise CheckpointError(f"{path}: holds {', '.join(map(repr, unexpected[:3]))}, which this model does not have")
     shards = {}
     for flat in engine.flats:
-        shard = torch.zeros(flat.packing.shard_numel, dtype=flat.packing.dtype)
-        for slot, _, held in flat.held_parts():
+        tensors = []
+        for slot in flat.packing.slots:
             key = next((name for name in slot.names if name in source.keys()), None)
             if key is None:
                 raise CheckpointError(f"{path}: has no {slot.names[0]!r}")
-            tensor = source.tensor(key, slot.shape)
-            shard[held.at : held.at + held.numel] = tensor.reshape(-1)[held.start : held.end]
-        shards[flat.name] = shard
+            tensors.append(source.tensor(key, slot.shape))
+        shards[flat.name] = flat.packing.shard_of(tensors, flat.rank)
     missing = [b.name for b in buffers if b.name not in source.keys()]
     if missing:
         raise CheckpointError(f"{path}: has no {missing[0]!r}")
