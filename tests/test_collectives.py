@@ -72,6 +72,12 @@ def test_all_gather_and_reduce_scatter_are_exact_on_any_placement(world, per_nod
     assert placements == [per_node] * world
 
 
+def test_a_group_of_one_copies_at_once():
+    """Alone in its group, a rank's collectives are local copies made on the calling thread: the
+    same values, complete when issued."""
+    assert run_workers(1, exact_collectives, "float32") == [1]
+
+
 @pytest.mark.slow
 def test_low_precision_buffers():
     run_workers(4, exact_collectives, "bfloat16", env={"LOCAL_WORLD_SIZE": "2"})
