@@ -14,6 +14,7 @@ _API = {
     "clip_grad_norm_": "shardwire.engine.grad",
     "export_state_dict": "shardwire.engine.checkpoint",
     "full_state_dict": "shardwire.engine.state_dict",
+    "global_model": "shardwire.engine.grad",
     "import_state_dict": "shardwire.engine.checkpoint",
     "load_checkpoint": "shardwire.engine.checkpoint",
     "load_latest_checkpoint": "shardwire.engine.checkpoint",

@@ -1,5 +1,6 @@
 """What a training loop calls around a sharded model's step: global-norm clipping, accumulation
-without reduction, and, for groups that sync every H steps, syncing them now."""
+without reduction, and, for groups that sync every H steps, syncing them now or evaluating the
+model they agree on."""
 
 from __future__ import annotations
 
@@ -55,3 +56,14 @@ def sync_now(model: nn.Module) -> None:
     engine = engine_of(model)
     if engine.outer is not None:
         engine.outer.sync_now()
+
+
+@contextlib.contextmanager
+def global_model(model: nn.Module) -> Iterator[None]:
+    """Hold, while the block runs, the model the groups agree on under ``shard(..., sync=...)``: the
+    anchor of their last sync (the sync due after the last step taken first), as DiLoCo evaluates
+    it; each group gets its own back after the block. Every rank must enter it, at a step's end.
+    Without sync the groups hold the same model at every step, and it changes nothing."""
+    engine = engine_of(model)
+    with engine.outer.global_model() if engine.outer is not None else contextlib.nullcontext():
+        yield

@@ -97,7 +97,8 @@ class Layout:
         and are compared when a sync is issued), so that no step waits on the link between groups."""
         if self.sync is None:
             return self.communicators
-        return [comm for comm in self.communicators if comm is not self.world and comm is not self.replicate]
+        spanning = (self.world, self.replicate)
+        return [comm for comm in self.communicators if comm is self.shard or all(comm is not c for c in spanning)]
 
     @property
     def reducing(self) -> list[Communicator]:
@@ -165,7 +166,7 @@ class Layout:
                 f"(its all-reduce makes subgroups of the nodes, as quantized gradients do): shard over the default "
                 f"group, or sync with wire=none"
             )
-        built = dataclasses.replace(_communicators(layout, size, world, device, timeout), sync=sync)
+        built = dataclasses.replace(_communicators(layout, size, world, device, timeout, sync is not None), sync=sync)
         if wire.grads is not None:
             for comm in built.communicators:
                 comm.prepare_quantized_reductions()
@@ -208,8 +209,9 @@ def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_
 
 
 def check_sync(sync: Sync | None, layout: str, size: int, world: int) -> None:
-    """A ``ValueError`` where ``sync`` cannot run: it averages the groups of the ``hybrid`` layout,
-    of which there must be several. Launchers check their options with it before starting a worker."""
+    """A ``ValueError`` where ``sync`` cannot run: it averages the groups of the ``hybrid`` layout
+    (one group of all ranks is Lookahead: the outer step over one optimizer's steps). Launchers check
+    their options with it before starting a worker."""
     if sync is None:
         return
     if layout != "hybrid":
@@ -217,17 +219,14 @@ def check_sync(sync: Sync | None, layout: str, size: int, world: int) -> None:
             f"sync={str(sync)!r} lets the groups of the hybrid layout train apart and averages them every "
             f"{sync.every} steps; layout={layout!r} has no groups holding a model of their own: use layout='hybrid'"
         )
-    if size == world:
-        raise ValueError(
-            f"sync={str(sync)!r} averages several groups, and shard_group_size={size} makes one group of all "
-            f"{world} ranks: use a smaller shard_group_size (by default a node's ranks: launch on several nodes)"
-        )
 
 
 def _communicators(layout: str, size: int, world: Communicator, device: torch.device,
-                   timeout: datetime.timedelta) -> Layout:
+                   timeout: datetime.timedelta, sync: bool) -> Layout:
+    """``sync``: the groups sync every H steps, so a hybrid layout of one group keeps its (one-rank)
+    groups across, where otherwise it is the full layout."""
     group = world.group
-    if layout == "full" or size == world.world:
+    if layout == "full" or (size == world.world and not sync):
         return Layout(layout, world, world)
     if device.type == "cuda" and group is not dist.group.WORLD:
         raise ValueError(
@@ -235,7 +234,8 @@ def _communicators(layout: str, size: int, world: Communicator, device: torch.de
             f"NCCL (its subgroups split the default communicator, which every rank must join): shard "
             f"over the default group, or use layout='full'"
         )
-    within = Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout)
+    within = (world if size == world.world
+              else Communicator(groups.blocks(group, size, device, timeout), device, timeout=timeout))
     if layout == "hybrid":
         across = Communicator(groups.columns(group, size, device, timeout), device, timeout=timeout)
         return Layout(layout, world, within, replicate=across)

@@ -20,6 +20,9 @@ come and issues the one that is due, so no optimizer hook and no host synchroniz
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.profiler import record_function
 
@@ -41,6 +44,7 @@ class OuterState:
                        "sent": shard.dtype}
         self.change: torch.Tensor | None = None
         self.sent: torch.Tensor | None = None
+        self.own_squared: torch.Tensor | None = None  # this group's change, squared and summed, at send
         self._tag = f"{name} (sync)"
         self._comm = comm
         self._sync = sync
@@ -51,10 +55,11 @@ class OuterState:
     def send(self, shard: torch.Tensor, *, eager: bool) -> None:
         """Start averaging the change since the anchor across the groups (DiLoCo's outer gradient,
         ``anchor - shard``). With ``eager``, for a sync that runs behind the inner steps, take the
-        outer step at once with this group's own change in place of the average (Kale et al.'s eager
-        updates, 2025) and remember the shard it gives, so that the inner steps go on from an
-        up-to-date model and ``apply`` replaces this group's change by the average under them."""
+        outer step at once with this group's own change in place of the average and remember the
+        shard it gives, so that the inner steps go on from it and ``apply`` replaces this group's
+        change by the average under them."""
         self.change = self.anchor - shard.detach().float()
+        self.own_squared = self.change.square().sum()  # for the groups' drift (OuterLoop.metrics)
         self.sent = None
         if eager:
             step = self.momentum.mul(self._sync.momentum).add_(self.change)
@@ -83,7 +88,7 @@ class OuterState:
         shard.copy_(self.anchor)
         if progress is not None:
             shard.add_(progress)
-        self.change = self.sent = None
+        self.change = self.sent = self.own_squared = None
 
     def state(self) -> dict[str, torch.Tensor]:
         """The anchor and the momentum and, for a sync in flight (``wait`` for it first), its average
@@ -94,13 +99,17 @@ class OuterState:
     @torch.no_grad()
     def load_state(self, state: dict[str, torch.Tensor], shard: torch.Tensor) -> None:
         """Restore what ``state`` gave (host tensors); without an anchor (a checkpoint saved without
-        sync), start afresh from ``shard``: it is the anchor, with no momentum and nothing in flight."""
+        sync, weights loaded into the model), start afresh from ``shard``: it is the anchor, with no
+        momentum, nothing in flight and no rounding left over from the sync's quantization."""
         self.wait()
         if "anchor" not in state:
             self.anchor.copy_(shard)
             self.momentum.zero_()
-            self.change = self.sent = None
+            self.change = self.sent = self.own_squared = None
+            if self._residual is not None:
+                self._residual.zero_()
             return
+        self.own_squared = None
         self.anchor.copy_(state["anchor"])
         self.momentum.copy_(state["momentum"])
         self.change = state["change"].to(self.anchor.device) if "change" in state else None
@@ -111,23 +120,29 @@ class OuterLoop:
     """When each fragment of the model syncs (``Sync.due``), and the sync in flight.
 
     ``steps`` counts inner steps: backward passes that reduced gradients. A fragment due after step
-    ``t`` is sent when the next forward starts and applied when the forward after step ``t + lag``
+    ``t`` is sent when the next forward starts and applied when the forward after step ``t + overlap``
     starts (at once with no overlap), before the next fragment is sent. Before each sync, the
-    communicators that span the groups (``spanning``) compare the collectives each rank issued on
-    them since the last: they carry nothing at the steps between, which therefore never wait on the
-    link between groups.
+    communicators that span the groups (``world`` and ``replicate``) compare the collectives each
+    rank issued on them since the last: they carry nothing at the steps between, which therefore
+    never wait on the link between groups.
     """
 
-    def __init__(self, flats_by_unit: list[list], sync: Sync, spanning: list[Communicator]):
+    def __init__(self, flats_by_unit: list[list], sync: Sync, world: Communicator, replicate: Communicator):
         synced = [[flat for flat in flats if flat.outer is not None] for flats in flats_by_unit]
         synced = [flats for flats in synced if flats]
         count = sync.fragments
         self.sync = sync
-        self._spanning = spanning
+        self._world = world
+        self._groups = replicate.world
+        self._spanning = [world, replicate]
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
         self.steps = 0
         self.checked = 0  # the step whose due sync has been issued
         self.in_flight: tuple[list, int] | None = None  # (the flats being synced, the step they are applied after)
+        # Since the last ``metrics``: the groups' own changes and their average, squared and summed
+        # over this rank's shards, on the device (read where the training waits for it anyway).
+        self._squares: torch.Tensor | None = None
+        self._synced = 0  # fragments' syncs applied since then
 
     def step_done(self) -> None:
         self.steps += 1
@@ -145,7 +160,7 @@ class OuterLoop:
         for position, fragment in enumerate(due):
             if self.in_flight is not None:  # sent under another schedule (a resumed run that changed it)
                 self._apply()
-            lag = self.sync.lag if position == len(due) - 1 else 0
+            lag = self.sync.overlap if position == len(due) - 1 else 0
             self._send(fragment, eager=lag > 0, applied_after=self.steps + lag)
             if lag == 0:
                 self._apply()
@@ -199,7 +214,49 @@ class OuterLoop:
 
     def _apply(self) -> None:
         flats, _ = self.in_flight
+        # A sync sent before a resume has no record of the groups' own changes: it goes unmeasured.
+        measured = all(flat.outer.own_squared is not None for flat in flats)
         with record_function("shardwire::outer_step"):
             for flat in flats:
+                flat.outer.wait()
+                if measured:
+                    squares = torch.stack([flat.outer.own_squared, flat.outer.change.square().sum()])
+                    self._squares = squares if self._squares is None else self._squares.add_(squares)
                 flat.outer.apply(flat.shard)
         self.in_flight = None
+        self._synced += measured
+
+    def metrics(self) -> dict[str, float]:
+        """What a sync of the whole model did, on average over the syncs since the last call (every
+        rank calls it: one all-reduce of two numbers): ``outer_grad_norm``, the norm of the averaged
+        change (the outer optimizer's gradient), and ``drift``, the root mean square over the groups
+        of the distance from each group's change to that average, which says how far apart the
+        groups trained. Empty where no sync was applied since (the same on every rank: the schedule
+        is shared); a fragment's sync counts as its share of one of the whole model."""
+        if self._squares is None:
+            return {}
+        squares, self._squares = self._squares, None
+        self._world.all_reduce(squares, tag="sync metrics").wait()
+        per_sync = len(self.fragments) / (self._groups * self._synced)
+        self._synced = 0
+        own, averaged = (value * per_sync for value in squares.tolist())
+        return {"outer_grad_norm": averaged ** 0.5, "drift": max(own - averaged, 0.0) ** 0.5}
+
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[None]:
+        """Hold the global model (the anchor, what every group last agreed on) in every shard while
+        the block runs, then give each group its own back: to evaluate what the run has trained, as
+        DiLoCo's papers do, rather than one group's model. The sync due after the last step is taken
+        first, as the next training forward would take it (every rank must enter the block)."""
+        self.before_forward()
+        flats = [flat for fragment in self.fragments for flat in fragment]
+        own = [flat.shard.clone() for flat in flats]
+        try:
+            with torch.no_grad():
+                for flat in flats:
+                    flat.shard.copy_(flat.outer.anchor)
+            yield
+        finally:
+            with torch.no_grad():
+                for flat, shard in zip(flats, own):
+                    flat.shard.copy_(shard)

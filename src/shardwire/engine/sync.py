@@ -6,27 +6,27 @@ which on a slow link between nodes is the step. With ``sync`` the groups instead
 a group the engine shards as ever and its optimizer steps every step (the *inner* optimizer), and no
 gradient crosses between groups. Every ``every`` steps (``H``), the change of each group's
 parameters since the last sync (DiLoCo's outer gradient, ``anchor - parameters``) is averaged
-across the groups and applied to the anchor, the parameters all groups last agreed on, by an
-*outer* optimizer: SGD with Nesterov momentum. Its defaults, learning rate 1 and no momentum (the
-anchor becomes the groups' mean), are what BENCHMARKS.md measured best at equal tokens; DiLoCo's
-0.7 and 0.9, tuned on runs of many more outer steps, ended further from synchronous training there.
-Each group then continues from the new anchor. What crosses nodes is one all-reduce of the model
-per ``H`` steps instead of one per step, quantized by ``wire`` (int8 or int4 blocks with error
-feedback, as ``shard(wire=...)`` quantizes gradients: ``shardwire.comm.wire``).
+across the groups and applied to the anchor, the parameters all groups last agreed on (the global
+model), by an *outer* optimizer: SGD with Nesterov momentum, by default at DiLoCo's learning rate
+0.7 and momentum 0.9 (Douillard et al., 2023; Charles et al., 2025), which BENCHMARKS.md measured
+against synchronous training at 20 tokens per parameter and more. Each group then continues from
+the new anchor. One group is allowed: the outer step then wraps one optimizer's steps (Lookahead),
+which DiLoCo's scaling study found better than data parallelism alone. What crosses nodes is one
+all-reduce of the model per ``H`` steps instead of one per step, quantized by ``wire`` (int8 or int4
+blocks with error feedback, as ``shard(wire=...)`` quantizes gradients: ``shardwire.comm.wire``;
+like every quantized collective, it is exact where the groups share a node).
 
 Streaming (Streaming DiLoCo): with ``fragments`` F, the units are dealt to F fragments in turn
 (strided, so each fragment is a slice through the whole depth, which Streaming DiLoCo found better
 than contiguous layers), and fragment ``f`` syncs after the steps that are ``(f + 1) H // F``
-modulo ``H``: every fragment once per ``H`` steps, one about every ``H / F`` steps. Each sync is
-issued when the training forward after its step starts and runs behind the next ``overlap`` inner
-steps (by default ``H // F``, until the next fragment's sync is due), so the link carries ``1/H``
-of the model per step, all the time, instead of the whole model at once. Without fragments the
-default is no overlap, as in DiLoCo: a whole model that runs a period behind leaves the groups
-apart for two. Meanwhile the group goes on from an outer step taken at once with its own change in
-place of the average (Kale et al.'s eager updates, 2025); when the average arrives, the true outer
-step replaces it under the inner progress made since, which is part of the next sync's change (so
-every step's progress is averaged exactly once). ``overlap=0`` is DiLoCo itself: the step waits
-for its sync.
+modulo ``H``: every fragment once per ``H`` steps, one about every ``H / F`` steps, so the link
+carries ``1/H`` of the model per step instead of the whole model at once. ``overlap`` lets a sync run
+behind that many inner steps before it is applied (up to ``H // F``: torchft's
+``fragment_sync_delay``; by default none, as in DiLoCo: the step waits for its sync). Meanwhile the
+group goes on from an outer step taken at once with its own change in place of the average (exactly
+its own parameters under plain averaging); when the average arrives, the outer step with it replaces
+that one under the inner progress made since, which is part of the next sync's change, so every
+step's progress is averaged exactly once.
 
 It changes the optimisation: the groups' models differ between syncs, and the outer step is not
 the average of the steps synchronous training takes. BENCHMARKS.md measures the validation loss
@@ -50,17 +50,16 @@ class Sync:
     ``every``: inner steps between two syncs of a fragment (DiLoCo's ``H``). ``fragments``: how many
     parts of the model sync at staggered steps (1: the whole model at once). ``wire``: what the
     averaged change travels as between nodes: None (fp32), "int8" or "int4" (in the wire's default
-    blocks, with error feedback). ``outer_lr``, ``momentum``: the outer SGD's
-    learning rate and Nesterov momentum. ``overlap``: inner steps a sync runs behind before it is
-    applied, from 0 (the step waits for it) to ``every // fragments`` (None, the default: that
-    many in fragments, until the next fragment's sync; 0 for the whole model at once)."""
+    blocks, with error feedback). ``outer_lr``, ``momentum``: the outer SGD's learning rate and
+    Nesterov momentum. ``overlap``: inner steps a sync runs behind before it is applied, from 0 (the
+    step waits for it, the default) to ``every // fragments``."""
 
     every: int = 20
-    fragments: int = 4
+    fragments: int = 1
     wire: str | None = "int4"
-    outer_lr: float = 1.0
-    momentum: float = 0.0
-    overlap: int | None = None
+    outer_lr: float = 0.7
+    momentum: float = 0.9
+    overlap: int | None = 0
 
     def __post_init__(self):
         if type(self.every) is not int or self.every < 1:
@@ -76,7 +75,9 @@ class Sync:
             raise ValueError(f"sync outer_lr must be a positive number, got {self.outer_lr!r}")
         if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
             raise ValueError(f"sync momentum must be at least 0 and below 1, got {self.momentum!r}")
-        if self.overlap is not None and (type(self.overlap) is not int or not 0 <= self.overlap <= self.spacing):
+        if self.overlap is None:  # the default before it was 0: the same run
+            object.__setattr__(self, "overlap", 0)
+        if type(self.overlap) is not int or not 0 <= self.overlap <= self.spacing:
             raise ValueError(f"sync overlap must be an integer from 0 to every // fragments = {self.spacing} "
                              f"(inner steps a sync runs behind; the next fragment's sync may be due after that), "
                              f"got {self.overlap!r}")
@@ -110,15 +111,6 @@ class Sync:
         """The fewest inner steps from one fragment's sync to the next's."""
         return self.every // self.fragments
 
-    @property
-    def lag(self) -> int:
-        """Inner steps a sync runs behind: ``overlap``; by default, in fragments, until the next
-        fragment's is due (the spacing), and for the whole model at once none: a sync that runs
-        behind all of ``every`` would leave each group on its own for two periods."""
-        if self.overlap is not None:
-            return self.overlap
-        return self.spacing if self.fragments > 1 else 0
-
     def due(self, step: int) -> int | None:
         """The fragment whose sync is issued once ``step`` inner steps are done, if any: fragment ``f``
         after the steps that are ``(f + 1) * every // fragments`` modulo ``every`` (the last fragment
@@ -137,16 +129,15 @@ class Sync:
 
     def __str__(self) -> str:
         text = f"every={self.every},fragments={self.fragments},wire={self.wire or 'none'}"
-        text += f",outer_lr={self.outer_lr!r},momentum={self.momentum!r}"
-        return text if self.overlap is None else f"{text},overlap={self.overlap}"
+        return f"{text},outer_lr={self.outer_lr!r},momentum={self.momentum!r},overlap={self.overlap}"
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text == "none" else int(text)
+def _overlap(text: str) -> int:
+    return 0 if text == "none" else int(text)  # "none" was the default's name before it was 0
 
 
 _FIELD_TYPES = {"every": int, "fragments": int, "wire": lambda text: None if text == "none" else text,
-                "outer_lr": float, "momentum": float, "overlap": _optional_int}
+                "outer_lr": float, "momentum": float, "overlap": _overlap}
 _FIELD_WORDS = {"every": "a positive integer", "fragments": "a positive integer", "wire": "none, int8 or int4",
                 "outer_lr": "a positive number", "momentum": "a number from 0 to below 1",
-                "overlap": "an integer, or none"}
+                "overlap": "an integer"}

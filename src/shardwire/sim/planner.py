@@ -59,7 +59,7 @@ WIRES = ("none", "int8", "params=int8,grads=int4")
 HYBRID_WIRES = ("none", "grads=int8", "grads=int4")
 # Sync every H steps, as ``shardwire train --sync`` takes it, for the hybrid layout (in and out of
 # resharding): the sync's defaults, whose cost in validation loss at equal tokens BENCHMARKS.md measures.
-SYNCS = ("every=20,fragments=4",)
+SYNCS = ("every=20",)
 
 
 @dataclasses.dataclass(frozen=True)

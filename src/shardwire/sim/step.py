@@ -41,9 +41,10 @@ collectives move and adds its kernels to them where their group spans nodes
 With ``sync`` (hybrid groups that train apart, ``shardwire.engine.sync``) no gradient is
 all-reduced between the groups; the step is the average one of the sync's cycle, which carries
 ``1/H`` of the model's sync: an all-reduce of ``P / (G H)`` elements of each GPU's change with its
-peers in the other groups, fp32 or packed by the sync's wire, on a lane of its own. Overlapped (the
-default), it is issued as the step starts and waited for as it ends, so it costs only what the link
-cannot carry beside the step; with ``overlap=0`` the step waits for it at once. (A fragment's sync
+peers in the other groups, fp32 or packed by the sync's wire, on a lane of its own. Overlapped
+(``overlap`` above 0), it is issued as the step starts and waited for as it ends, so it costs only
+what the link cannot carry beside the step; with ``overlap=0`` (the default) the step waits for it
+at once. (A fragment's sync
 is whole and spread over the steps it overlaps, not cut in H pieces: the average is the same, its
 collectives' latencies are counted H times.)
 
@@ -200,14 +201,11 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
 
 def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
     """The GPUs a sync averages over: each GPU's peers at its position in the other groups (the
-    engine's ``replicate`` communicator); None without sync. Syncing needs several groups."""
+    engine's ``replicate`` communicator; one GPU where one group holds them all, Lookahead); None
+    without sync."""
     if training.sync_settings is None:
         return None
-    size = group_size(cluster, training)
-    if size == cluster.world:
-        raise SpecError(f"sync averages several groups, and shard_group_size {size} makes one group of all "
-                        f"{cluster.world} GPUs: use a smaller one, or more nodes")
-    return _column(size, cluster)
+    return _column(group_size(cluster, training), cluster)
 
 
 def sync_phases(params: float, cluster: ClusterSpec, training: TrainingSpec) -> tuple[float, list[Phase]] | None:
@@ -367,7 +365,7 @@ class _Step:
         synced = sync_phases(self.arch.params, self.cluster, self.training)
         if synced is not None:  # issued as the forward starts (the engine's root pre-forward)
             sync = self._syncs.submit("all_reduce", "sync", *synced)
-            if self.training.sync_settings.lag == 0:
+            if self.training.sync_settings.overlap == 0:
                 yield from self._wait(sync, "sync between groups (not overlapped)", "")
         last = self.training.grad_accum - 1
         for micro in range(self.training.grad_accum):

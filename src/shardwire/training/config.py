@@ -52,9 +52,9 @@ class TrainConfig:
         "none", "what crosses nodes: none, int8 (parameters and gradients), or key=value pairs such as "
                 "params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
     sync: str = option(
-        "none", "hybrid layout: let the groups train apart and average their parameters' change every H steps "
-                "(DiLoCo; it changes the optimisation): none, or key=value pairs such as every=20,fragments=4,"
-                "wire=int4 (also outer_lr, momentum, overlap)")
+        "none", "hybrid layout: let the groups train apart and take DiLoCo's outer step on their averaged change "
+                "every H steps (it changes the optimisation): none, or key=value pairs such as every=20,wire=int4 "
+                "(also fragments, outer_lr, momentum, overlap)")
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
     compile: bool = option(False, "compile each unit's forward with torch.compile (the first step compiles)")
     data: str | None = option(

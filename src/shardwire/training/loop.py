@@ -41,6 +41,9 @@ from shardwire.training.progress import ProgressBar, format_duration, format_rat
 from shardwire.training.scalars import ScalarLog
 
 
+VALIDATION_SEED = 0  # validation batches are drawn alike in every run
+
+
 def train(config: TrainConfig) -> None:
     """One worker's whole job; the process group ends with it, however it ends."""
     device = worker.worker_device(config.backend)
@@ -118,6 +121,8 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         interval_steps += 1
+        if step + 1 == config.steps:
+            shardwire.sync_now(model)  # groups that sync every H steps end as one model, saved as one
 
         val_loss = None
         if config.eval_every and (step + 1) % config.eval_every == 0:
@@ -130,9 +135,10 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             losses.append(loss_sum.item() / (world * config.grad_accum * interval_steps))
             loss_sum.zero_()
             step_time = (time.perf_counter() - interval_start) / interval_steps
+            synced = engine.outer.metrics() if engine.outer is not None else {}  # every rank takes part
             if log is not None:
                 log.interval(step + 1, losses[-1], val_loss, step_time, scheduler.get_last_lr()[0],
-                             CommSummary.of(records, engine.comm.clock), profiler)
+                             CommSummary.of(records, engine.comm.clock), profiler, synced)
             interval_start, interval_steps = time.perf_counter(), 0
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             paused = time.perf_counter()
@@ -144,7 +150,6 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         log.close()
     if profiler is not None and config.steps > start:
         _save_profile(profiler, config, rank)
-    shardwire.sync_now(model)  # groups that sync every H steps end as one model
     val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
     if rank == 0:
         trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
@@ -197,13 +202,16 @@ def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None
 @torch.no_grad()
 def evaluate(model, choice: ModelChoice, corpus, config: TrainConfig, rows: slice, global_batch: int,
              device: torch.device) -> float:
-    """The mean loss over ``--eval-batches`` batches of the validation split, over every rank."""
+    """The mean loss over ``--eval-batches`` batches of the validation split, over every rank: the same
+    batches whatever ``--seed`` (runs that differ in seed differ in the model alone), of the global
+    model where groups sync every H steps (the anchor they last agreed on, after the sync due now)."""
     model.eval()
     total = torch.zeros((), device=device)
-    for i in range(config.eval_batches):
-        batch = _to_device(corpus.batch(i, global_batch, choice.seq_len, seed=config.seed, split="val", rows=rows),
-                           device)
-        total += loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
+    with shardwire.global_model(model):
+        for i in range(config.eval_batches):
+            batch = corpus.batch(i, global_batch, choice.seq_len, seed=VALIDATION_SEED, split="val", rows=rows)
+            batch = _to_device(batch, device)
+            total += loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
     dist.all_reduce(total)
     return total.item() / (config.eval_batches * dist.get_world_size())
 
@@ -237,7 +245,8 @@ def _describe_layout(engine) -> str:
     layout = engine.layout
     if layout.replicate is not None:
         synced = "" if layout.sync is None else f", sync {layout.sync}"
-        return f"hybrid ({layout.replicate.world} groups of {layout.shard.world}{synced})"
+        groups = layout.replicate.world
+        return f"hybrid ({groups} group{'s' if groups > 1 else ''} of {layout.shard.world}{synced})"
     if layout.secondary is not None:
         return f"hybrid_secondary (backward within groups of {layout.secondary.world})"
     return "full" if layout.name == "full" else f"{layout.name} in one group (as full)"
@@ -284,8 +293,9 @@ class _IntervalLog:
         self._tokens_per_step = tokens_per_step
 
     def interval(self, step: int, loss: float, val_loss: float | None, step_time: float, lr: float,
-                 comm: CommSummary, profiler: Profiler | None) -> None:
-        """Show and record the interval that ended at ``step`` (``comm``: its last step's collectives)."""
+                 comm: CommSummary, profiler: Profiler | None, synced: dict[str, float]) -> None:
+        """Show and record the interval that ended at ``step`` (``comm``: its last step's collectives;
+        ``synced``: what its syncs did, where groups sync every H steps)."""
         fields = {"loss": f"{loss:.3f}", "tok/s": format_rate(self._tokens_per_step / step_time),
                   "comm": f"{comm.busy_s * 1e3:.0f}ms (exposed {comm.exposed_s * 1e3:.0f}ms)"}
         values = {"loss": loss, "lr": lr, "tokens_per_s": self._tokens_per_step / step_time,
@@ -293,6 +303,9 @@ class _IntervalLog:
         if val_loss is not None:
             fields["val"] = f"{val_loss:.4f}"
             values["val_loss"] = val_loss
+        if synced:
+            fields["sync"] = f"outer grad {synced['outer_grad_norm']:.3g}, drift {synced['drift']:.3g}"
+            values.update({f"sync_{name}": value for name, value in synced.items()})
         if profiler is not None and "mfu" in (throughput := profiler.throughput(step_time)):
             values["mfu"] = throughput["mfu"]
         self._progress.update(step, fields)

@@ -7,9 +7,11 @@ Nothing is modified until every rank has read and verified all it needs: a load 
 on every rank or changes nothing anywhere.
 
 Groups that sync every H steps (``shard(..., sync=...)``) each saved their own shards, optimizer
-and outer state: a run with as many groups reads its own group's, re-sliced for its group size;
-one with another number of groups, or without sync, reads the first group's, and a run with sync
-that loads a checkpoint saved without it starts its outer optimisation from the loaded parameters.
+and outer state: a run with as many groups reads its own group's, re-sliced for its group size. One
+with another number of groups, or without sync, starts every group from the global model (the
+anchor, which every group saved alike), with the first group's optimizer and the outer state, and
+nothing in flight; a run with sync that loads a checkpoint saved without it starts its outer
+optimisation from the loaded parameters.
 
 RNG states are per rank: at the world size the checkpoint was saved at, each rank gets its own back,
 so a resumed run draws the same random numbers (dropout masks) as an uninterrupted one. At another
@@ -156,15 +158,20 @@ class _Staged:
                 raise CheckpointError(f"{path} was saved from a different model: {difference}")
             reader.check_complete()
             saving_group = _saving_group(manifest.groups, engine)
+            own = _resumes_own_group(manifest.groups, engine)
             shard_rank = engine.layout.shard.rank
-            shards = {flat.name: reader.shard(saved, param_key(flat.name), flat.packing, shard_rank, flat.packing.dtype,
-                                              saving_group)
+            shards = {flat.name: reader.shard(saved, param_key(flat.name) if own else reader.weights_key(saved),
+                                              flat.packing, shard_rank, flat.packing.dtype, saving_group)
                       for saved, flat in zip(manifest.flats, engine.flats)}
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
             state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, saving_group)
             outer, schedule = _outer_state(reader, engine, saving_group) if engine.outer is not None else ({}, None)
+            if schedule is not None and not own:  # every group starts from the global model, nothing in flight
+                outer = {name: {key: state[key] for key in ("anchor", "momentum") if key in state}
+                         for name, state in outer.items()}
+                schedule = [schedule[0], schedule[0], -1]
             rng, residuals = {}, {}
             if manifest.world_size == world:
                 rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())
@@ -196,13 +203,17 @@ class _Staged:
             torch.cuda.set_rng_state(self.rng["cuda"], engine.device)
 
 
+def _resumes_own_group(saved_groups: int, engine: Engine) -> bool:
+    """Whether each group of this run continues from its own parameters: it syncs every H steps, as
+    many groups as saved. Otherwise every group starts from the weights all groups agree on
+    (``CheckpointReader.weights_key``)."""
+    return engine.outer is not None and saved_groups == engine.layout.replicate.world
+
+
 def _saving_group(saved_groups: int, engine: Engine) -> int:
     """The saving group whose shards this rank reads: its own group's where the checkpoint holds as
     many groups' as this run trains apart (sync every H steps), else the first's."""
-    replicate = engine.layout.replicate
-    if engine.outer is not None and saved_groups == replicate.world:
-        return replicate.rank
-    return 0
+    return engine.layout.replicate.rank if _resumes_own_group(saved_groups, engine) else 0
 
 
 def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int

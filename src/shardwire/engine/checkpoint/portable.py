@@ -28,7 +28,6 @@ from shardwire.engine.checkpoint.format import (
     CheckpointError,
     buffer_key,
     buffer_records,
-    param_key,
     param_names,
 )
 from shardwire.engine.checkpoint.load import copy_into_model
@@ -91,7 +90,7 @@ def weights_in(checkpoint: str | os.PathLike) -> Iterator[WeightsByUnit]:
 
 def _read_parts(reader: CheckpointReader) -> Iterator[dict[str, torch.Tensor]]:
     for flat in reader.manifest.flats:
-        yield {slot.names[0]: reader.param_run(flat, param_key(flat.name), slot, 0, slot.numel, flat.packing.dtype)
+        yield {slot.names[0]: reader.param_run(flat, reader.weights_key(flat), slot, 0, slot.numel, flat.packing.dtype)
                .view(slot.shape) for slot in flat.packing.slots}
     yield {buffer.name: reader.tensor(REPLICATED, buffer_key(buffer.name), buffer.shape, buffer.dtype)
            for buffer in reader.manifest.buffers}

@@ -24,6 +24,8 @@ from shardwire.engine.checkpoint.format import (
     FlatRecord,
     Manifest,
     dtype_name,
+    outer_key,
+    param_key,
     rank_file,
 )
 from shardwire.engine.packing import Packing, ParamSlot
@@ -103,6 +105,14 @@ class CheckpointReader:
                 out[held.at : held.at + held.numel] = self.param_run(flat, key, saved, held.start, held.end, dtype,
                                                                      saving_group)
         return out
+
+    def weights_key(self, flat: FlatRecord) -> str:
+        """The key of ``flat``'s weights as every group holds them: under sync every H steps each
+        group saved its own parameters beside the anchor, the model the groups last agreed on (the
+        global model), which is the run's model to all but the group itself (a run with another number
+        of groups or without sync, an export); else the parameters."""
+        anchor = outer_key(flat.name, "anchor")
+        return anchor if anchor in self.keys(self.shard_file(flat, 0)) else param_key(flat.name)
 
     @staticmethod
     def shard_file(flat: FlatRecord, old_rank: int, saving_group: int = 0) -> str:
