@@ -177,7 +177,7 @@ def training_spec(settings: Settings, layout: str = "full", wire: str = "none",
     """The benchmark's step: fp32, as it runs on the CPU."""
     return TrainingSpec(name="benchmark", micro_batch=settings.batch, prefetch=settings.prefetch, layout=layout,
                         shard_group_size=shard_group_size, wire=wire, reshard_after_forward=settings.reshard,
-                        precision="fp32", reduce_precision="fp32", sync=sync or "none")
+                        precision="fp32", reduce_precision="fp32", diloco=sync or "none")
 
 
 @functools.cache
@@ -201,7 +201,7 @@ def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: 
     setup = SHARDWIRE_SYSTEMS[run.system]
     hybrid = setup.layout in ("hybrid", "hybrid_secondary")
     training = training_spec(settings, setup.layout, setup.wire, run.ranks_per_node if hybrid else None,
-                             setup.sync)
+                             setup.diloco)
     return predict(model_spec(settings), cluster, training)
 
 

@@ -25,17 +25,17 @@ from shardwire.comm.communicator import Pending
 from shardwire.comm.records import CommRecord
 from shardwire.comm.wire import Wire
 from shardwire.engine.shard import engine_of
-from shardwire.engine.sync import Sync
+from shardwire.engine.diloco import DiLoCo
 from shardwire.models import fp8 as float8
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
 
 class Setup(NamedTuple):
-    """A shardwire system: its layout, its wire, and its sync every H steps (None: synchronous)."""
+    """A shardwire system: its layout, its wire, and its DiLoCo, syncing every H steps (None: synchronous)."""
 
     layout: str
     wire: str
-    sync: str | None = None
+    diloco: str | None = None
 
 
 SHARDWIRE_SYSTEMS = {
@@ -45,7 +45,7 @@ SHARDWIRE_SYSTEMS = {
     "shardwire-int8": Setup("full", "int8"),
     "shardwire-int8-int4": Setup("full", "params=int8,grads=int4"),
     "shardwire-hybrid-int8-int4": Setup("hybrid", "params=int8,grads=int4"),
-    "shardwire-sync": Setup("hybrid", "none", "every=20,fragments=4"),  # the sync's defaults
+    "shardwire-sync": Setup("hybrid", "none", "sync_every=20,fragments=4"),  # the sync's defaults
 }
 SYSTEMS = (*SHARDWIRE_SYSTEMS, "fsdp2", "fsdp2-hsdp", "ddp")
 
@@ -65,7 +65,7 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
         setup = SHARDWIRE_SYSTEMS[system]
         precision = shardwire.MixedPrecision(compute_dtype, torch.float32) if compute_dtype else None
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               layout=setup.layout, wire=setup.wire, sync=setup.sync, mixed_precision=precision,
+                               layout=setup.layout, wire=setup.wire, diloco=setup.diloco, mixed_precision=precision,
                                compile=compile)
     if compile:
         compile_blocks(model)
@@ -197,7 +197,7 @@ class StepCollectives:
         # an all-reduce between groups: of a gradient shard (hybrid), or of a sync's change
         codec = None
         if record.wire_nbytes != record.nbytes:
-            codec = Sync.parse(setup.sync).codec if record.tag.endswith("(sync)") else wire.grad_codec
+            codec = DiLoCo.parse(setup.diloco).codec if record.tag.endswith("(sync)") else wire.grad_codec
         full = torch.zeros(-(-record.nbytes // 4))
         return lambda: comm.all_reduce(full, tag=record.tag, op="avg", codec=codec)
 

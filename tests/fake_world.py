@@ -93,10 +93,10 @@ class Training:
 
     @classmethod
     def start(cls, device: torch.device, layout: str, wire: str | None, *, config: GPTConfig = MODEL,
-              batch: int = 2, sync: str | None = None) -> Training:
+              batch: int = 2, diloco: str | None = None) -> Training:
         torch.manual_seed(0)
         model = shardwire.shard(GPT(config).to(device), units=[Block], layout=layout, wire=wire,
-                                mixed_precision=MIXED_PRECISION, sync=sync)
+                                mixed_precision=MIXED_PRECISION, diloco=diloco)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1),
                                generator=torch.Generator().manual_seed(0))

@@ -1,6 +1,8 @@
-"""Sync every H steps across groups (DiLoCo, Streaming DiLoCo): the settings and their checks, the
-outer step against a hand-computed reference, H=1 against synchronous training, a quantized sync,
-the fragments' schedule, checkpoints taken while a sync is in flight, and the training job's option.
+"""DiLoCo, syncing every H steps across groups (and Streaming DiLoCo): the settings and their checks,
+the outer step against a hand-computed reference, H=1 against synchronous training, a quantized sync,
+the fragments' schedule, checkpoints taken while a sync is in flight, the training job's option, and
+the names before the rename (``Sync``, ``every``, ``overlap``, ``sync=``, ``--sync``, ``sync_now``),
+which still work for a release and warn.
 
 Quality over a whole run, against synchronous training at equal tokens: ``benchmarks/sync_quality.py``."""
 
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,50 +19,56 @@ import torch
 import shardwire
 from harness import run_workers
 from shardwire.cli import main
-from shardwire.engine.layout import check_sync
-from shardwire.engine.sync import Sync
+from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.layout import check_diloco
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
 # ------------------------------------------------------------------------------------ settings
 
 
 def test_sync_settings_parse_and_round_trip():
-    assert Sync.parse(None) is None and Sync.parse("none") is None
-    assert Sync.parse("every=50,fragments=4,wire=int8") == Sync(every=50, fragments=4, wire="int8")
-    assert Sync.parse("every=5, wire=none, overlap=0") == Sync(every=5, wire=None, overlap=0)
-    for sync in (Sync(), Sync(every=7, fragments=3, wire=None, outer_lr=0.5, momentum=0.0, overlap=1)):
-        assert Sync.parse(str(sync)) == sync
+    assert DiLoCo.parse(None) is None and DiLoCo.parse("none") is None
+    assert DiLoCo.parse("sync_every=50,fragments=4,wire=int8") == DiLoCo(sync_every=50, fragments=4, wire="int8")
+    assert (DiLoCo.parse("sync_every=5, wire=none, fragment_sync_delay=0")
+            == DiLoCo(sync_every=5, wire=None, fragment_sync_delay=0))
+    for diloco in (DiLoCo(), DiLoCo(sync_every=7, fragments=3, wire=None, outer_lr=0.5, momentum=0.0,
+                                    fragment_sync_delay=1)):
+        assert DiLoCo.parse(str(diloco)) == diloco
+    assert str(DiLoCo()) == "sync_every=20,fragments=1,wire=int4,outer_lr=0.7,momentum=0.9,fragment_sync_delay=0"
     # DiLoCo's outer step on the whole model, waiting for each sync
-    assert Sync() == Sync(every=20, fragments=1, wire="int4", outer_lr=0.7, momentum=0.9, overlap=0)
-    # "none", the overlap's default before it was 0, names the same run
-    assert Sync.parse("every=5,overlap=none") == Sync(every=5, overlap=None) == Sync(every=5)
+    assert DiLoCo() == DiLoCo(sync_every=20, fragments=1, wire="int4", outer_lr=0.7, momentum=0.9,
+                              fragment_sync_delay=0)
+    # "none", the delay's default before it was 0, names the same run
+    assert (DiLoCo.parse("sync_every=5,fragment_sync_delay=none") == DiLoCo(sync_every=5, fragment_sync_delay=None)
+            == DiLoCo(sync_every=5))
 
 
 def test_each_fragment_syncs_once_every_h_steps_at_staggered_steps():
-    sync = Sync(every=50, fragments=4)
+    sync = DiLoCo(sync_every=50, fragments=4)
     due = {step: sync.due(step) for step in range(1, 201) if sync.due(step) is not None}
     assert list(due.items())[:4] == [(12, 0), (25, 1), (37, 2), (50, 3)]  # as torchft places them
     for fragment in range(4):
         steps = [step for step, f in due.items() if f == fragment]
         assert len(steps) == 4 and all(b - a == 50 for a, b in zip(steps, steps[1:]))
-    assert [step for step in range(1, 61) if Sync(every=20, fragments=1).due(step) is not None] == [20, 40, 60]
+    assert [step for step in range(1, 61) if DiLoCo(sync_every=20, fragments=1).due(step) is not None] == [20, 40, 60]
 
 
 @pytest.mark.parametrize("text, message", [
-    ("every=0", "sync every must be a positive integer"),
-    ("every=2.5", "sync every must be a positive integer, got '2.5'"),
-    ("every=4,fragments=5", "sync fragments=5 is more than every=4"),
-    ("wire=int2", "sync wire must be none, 'int8' or 'int4'"),
-    ("outer_lr=0", "sync outer_lr must be a positive number"),
-    ("outer_lr=nan", "sync outer_lr must be a positive number"),
-    ("momentum=1", "sync momentum must be at least 0 and below 1"),
-    ("every=8,fragments=2,overlap=5", "sync overlap must be an integer from 0 to every // fragments = 4"),
-    ("fast", "sync 'fast' is not understood"),
-    ("every=5,speed=2", "is not understood"),
+    ("sync_every=0", "diloco sync_every must be a positive integer"),
+    ("sync_every=2.5", "diloco sync_every must be a positive integer, got '2.5'"),
+    ("sync_every=4,fragments=5", "diloco fragments=5 is more than sync_every=4"),
+    ("wire=int2", "diloco wire must be none, 'int8' or 'int4'"),
+    ("outer_lr=0", "diloco outer_lr must be a positive number"),
+    ("outer_lr=nan", "diloco outer_lr must be a positive number"),
+    ("momentum=1", "diloco momentum must be at least 0 and below 1"),
+    ("sync_every=8,fragments=2,fragment_sync_delay=5",
+     "diloco fragment_sync_delay must be an integer from 0 to sync_every // fragments = 4"),
+    ("fast", "diloco 'fast' is not understood"),
+    ("sync_every=5,speed=2", "is not understood"),
 ])
 def test_bad_sync_settings_are_refused_in_one_line(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        Sync.parse(text)
+        DiLoCo.parse(text)
 
 
 @pytest.mark.parametrize("layout, size, world, message", [
@@ -67,15 +77,16 @@ def test_bad_sync_settings_are_refused_in_one_line(text, message):
 ])
 def test_sync_without_groups_of_their_own_is_refused(layout, size, world, message):
     with pytest.raises(ValueError, match=message):
-        check_sync(Sync(), layout, size, world)
-    check_sync(None, layout, size, world)
-    check_sync(Sync(), "hybrid", world, world)  # one group of every rank: Lookahead
+        check_diloco(DiLoCo(), layout, size, world)
+    check_diloco(None, layout, size, world)
+    check_diloco(DiLoCo(), "hybrid", world, world)  # one group of every rank: Lookahead
 
 
 def test_the_train_command_refuses_a_bad_sync_before_any_worker_starts():
     for args, message in [
-        (["--sync", "every=0"], "error: --sync every must be a positive integer"),
-        (["--layout", "full", "--sync", "every=5"], "error: --sync 'every=5,.*' lets the groups of the hybrid layout"),
+        (["--diloco", "sync_every=0"], "error: --diloco sync_every must be a positive integer"),
+        (["--layout", "full", "--diloco", "sync_every=5"],
+         "error: --diloco 'sync_every=5,.*' lets the groups of the hybrid layout"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["train", *args])
@@ -83,7 +94,120 @@ def test_the_train_command_refuses_a_bad_sync_before_any_worker_starts():
 
 def test_sync_on_one_process_is_refused_by_shard():
     with pytest.raises(ValueError, match="layout='full' has no groups"):
-        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sync="every=5")
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], diloco="sync_every=5")
+
+
+# ------------------------------------------------------ the names before the rename, for a release
+
+RENAMED = r"the old name goes in the next release"
+
+
+def test_sync_is_the_old_name_of_diloco_and_warns():
+    with pytest.warns(FutureWarning, match=r"shardwire.Sync is renamed shardwire.DiLoCo \(every -> sync_every, "
+                                           r"overlap -> fragment_sync_delay\).*" + RENAMED):
+        old = shardwire.Sync(every=8, fragments=2, overlap=4, wire=None)
+    assert old == DiLoCo(sync_every=8, fragments=2, fragment_sync_delay=4, wire=None) and type(old) is DiLoCo
+    with pytest.warns(FutureWarning), pytest.raises(TypeError, match="both every and sync_every"):
+        shardwire.Sync(every=8, sync_every=8)
+
+
+def test_the_keys_every_and_overlap_are_read_as_sync_every_and_fragment_sync_delay_with_a_warning():
+    with pytest.warns(FutureWarning, match="diloco every= is renamed sync_every=, overlap= is renamed "
+                                           "fragment_sync_delay=.*" + RENAMED):
+        assert DiLoCo.parse("every=8,fragments=2,overlap=4") == DiLoCo(sync_every=8, fragments=2, fragment_sync_delay=4)
+    with pytest.warns(FutureWarning, match="overlap= is renamed fragment_sync_delay="):
+        assert DiLoCo.parse("every=5,overlap=none") == DiLoCo(sync_every=5)  # "none" still means 0
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="diloco fragment_sync_delay must be an integer"):
+        DiLoCo.parse("every=8,fragments=2,overlap=5")
+
+
+def test_shard_takes_sync_as_diloco_with_a_warning_and_refuses_both():
+    with pytest.warns(FutureWarning, match=r"shard\(sync=...\) is renamed shard\(diloco=...\)"):
+        with pytest.raises(ValueError, match="diloco='sync_every=5,.*layout='full' has no groups"):
+            shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sync="sync_every=5")
+    with pytest.raises(ValueError, match="both diloco= and sync="):
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], diloco="sync_every=5", sync="sync_every=5")
+
+
+def test_sync_now_is_the_old_name_of_diloco_sync_and_warns(monkeypatch):
+    import shardwire.engine.grad as grad
+
+    synced = []
+    monkeypatch.setattr(grad, "diloco_sync", synced.append)
+    with pytest.warns(FutureWarning, match="shardwire.sync_now is renamed shardwire.diloco_sync.*" + RENAMED):
+        shardwire.sync_now("model")
+    assert synced == ["model"]
+
+
+_HYBRID_LAUNCH = ["train", "--print-launch", "--nproc", "2", "--layout", "hybrid", "--shard-group-size", "1"]
+
+
+def test_the_train_command_takes_sync_as_diloco_with_a_warning_and_its_workers_get_the_new_names(capsys):
+    with pytest.warns(FutureWarning) as warned:
+        assert main([*_HYBRID_LAUNCH, "--sync", "every=4,overlap=2"]) == 0
+    messages = [str(w.message) for w in warned]
+    assert any(m.startswith("--sync is renamed --diloco") for m in messages), messages
+    assert any("every= is renamed sync_every=" in m for m in messages), messages
+    command = capsys.readouterr().out
+    assert "--diloco sync_every=4,fragments=1,wire=int4,outer_lr=0.7,momentum=0.9,fragment_sync_delay=2" in command
+    assert "--sync" not in command and "every=4" not in command.replace("sync_every=4", "")
+    with pytest.warns(FutureWarning), pytest.raises(SystemExit, match="error: --diloco sync_every must be"):
+        main(["train", "--sync", "every=0"])
+    assert "--sync" not in command and "--sync" not in _help(capsys)  # the help speaks of --diloco alone
+
+
+def _help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    return capsys.readouterr().out
+
+
+def test_the_old_option_warns_in_one_line_on_stderr_before_any_worker_starts():
+    done = subprocess.run([sys.executable, "-m", "shardwire", *_HYBRID_LAUNCH, "--sync", "sync_every=4"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["warning: --sync is renamed --diloco; the old name goes in the next release"]
+    assert "--diloco sync_every=4" in done.stdout
+
+
+def test_a_config_file_key_sync_is_read_as_diloco_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"sync": "sync_every=4"}))
+    with pytest.warns(FutureWarning, match=f"--config {path}: sync is renamed diloco.*" + RENAMED):
+        assert main([*_HYBRID_LAUNCH, "--config", str(path)]) == 0
+    assert "--diloco sync_every=4" in capsys.readouterr().out
+    path.write_text(json.dumps({"sync": "sync_every=4", "diloco": "sync_every=5"}))
+    with pytest.warns(FutureWarning):
+        assert main([*_HYBRID_LAUNCH, "--config", str(path)]) == 2
+    assert "sync and diloco set the same option: keep one" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_records_sync_resumes_and_reports_only_what_changed():
+    from shardwire.training.config import TrainConfig, changed_settings, training_settings
+
+    def saved_before_the_rename(config: TrainConfig, sync: str) -> dict:
+        settings = training_settings(config)
+        del settings["diloco"]
+        return {**settings, "sync": sync}
+
+    config = TrainConfig(layout="hybrid", diloco="sync_every=4,fragments=2")
+    assert changed_settings(saved_before_the_rename(config, "every=4,fragments=2,overlap=0"), config) == {}
+    assert (changed_settings(saved_before_the_rename(config, "every=8"), config)
+            == {"diloco": ("every=8", config.diloco)})
+    assert changed_settings(saved_before_the_rename(TrainConfig(), "none"), TrainConfig()) == {}
+
+
+def test_the_simulator_reads_the_spec_key_sync_as_diloco_with_a_warning():
+    from shardwire.sim.specs import SpecError, parse
+
+    with pytest.warns(FutureWarning, match="training: sync is renamed diloco.*" + RENAMED):
+        spec = parse("training", {"layout": "hybrid", "sync": "sync_every=5"})
+    assert spec.diloco == "sync_every=5" and spec.diloco_settings == DiLoCo(sync_every=5)
+    with pytest.warns(FutureWarning, match="every= is renamed sync_every="):
+        spec = parse("training", {"layout": "hybrid", "diloco": "every=5,overlap=1"})
+    assert spec.diloco == str(DiLoCo(sync_every=5, fragment_sync_delay=1))  # kept, and written, under the new names
+    with pytest.raises(SpecError, match="sync and diloco are the same key"):
+        parse("training", {"layout": "hybrid", "sync": "sync_every=5", "diloco": "sync_every=5"})
 
 
 # ----------------------------------------------------------------------------- the outer step
@@ -126,8 +250,8 @@ def _outer_steps_by_hand(rank, world):
     from shardwire.engine.shard import engine_of
 
     torch.manual_seed(0)
-    sync = Sync(every=2, fragments=1, wire=None, overlap=0, outer_lr=0.7, momentum=0.9)
-    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, sync=sync)
+    sync = DiLoCo(sync_every=2, fragments=1, wire=None, fragment_sync_delay=0, outer_lr=0.7, momentum=0.9)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, diloco=sync)
     flats = engine_of(model).flats
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     initial = [flat.shard.clone() for flat in flats]
@@ -160,10 +284,10 @@ def test_the_outer_step_is_nesterov_sgd_on_the_averaged_change():
 
 def _sgd_run(rank, world, sync):
     torch.manual_seed(0)
-    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, sync=sync)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, diloco=sync)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _sgd_steps(model, optimizer, rank, range(3))
-    shardwire.sync_now(model)
+    shardwire.diloco_sync(model)
     return shardwire.full_state_dict(model) if rank == 0 else None
 
 
@@ -171,7 +295,8 @@ def _sgd_run(rank, world, sync):
 def test_a_sync_every_step_with_outer_lr_1_and_no_momentum_is_synchronous_training():
     """Averaging the parameters after each SGD step is SGD on the averaged gradient."""
     synchronous = run_workers(2, _sgd_run, None)[0]
-    averaged = run_workers(2, _sgd_run, Sync(every=1, fragments=1, wire=None, outer_lr=1.0, momentum=0.0, overlap=0))[0]
+    averaged = run_workers(2, _sgd_run, DiLoCo(sync_every=1, fragments=1, wire=None, outer_lr=1.0, momentum=0.0,
+                                               fragment_sync_delay=0))[0]
     for key, value in synchronous.items():
         torch.testing.assert_close(averaged[key], value, rtol=1e-5, atol=1e-6)
 
@@ -187,7 +312,7 @@ def _streaming_run(rank, world, sync, precision):
 
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
-                            sync=sync, mixed_precision=precision)
+                            diloco=sync, mixed_precision=precision)
     engine = engine_of(model)
     initial = _group_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
@@ -203,7 +328,7 @@ def _streaming_run(rank, world, sync, precision):
             optimizer.zero_grad()
         sent[step] = [(r.tag.removesuffix(" (sync)"), r.nbytes, r.wire_nbytes) for r in records
                       if r.tag.endswith("(sync)")]
-    shardwire.sync_now(model)
+    shardwire.diloco_sync(model)
     residuals = {flat.name: flat.residuals.get("sync") for flat in engine.flats}
     return sent, initial, _group_model(model), residuals
 
@@ -211,8 +336,8 @@ def _streaming_run(rank, world, sync, precision):
 @pytest.mark.slow
 def test_streaming_fragments_sync_each_unit_once_per_h_steps_and_a_quantized_sync_stays_close():
     env = {"LOCAL_WORLD_SIZE": "1"}  # two nodes: what crosses between the groups is quantized
-    exact = run_workers(2, _streaming_run, Sync(every=4, fragments=2, wire=None), "bf16", env=env)
-    quantized = run_workers(2, _streaming_run, Sync(every=4, fragments=2, wire="int4"), "bf16", env=env)
+    exact = run_workers(2, _streaming_run, DiLoCo(sync_every=4, fragments=2, wire=None), "bf16", env=env)
+    quantized = run_workers(2, _streaming_run, DiLoCo(sync_every=4, fragments=2, wire="int4"), "bf16", env=env)
     (sent, initial, trained, _), (sent_q, _, trained_q, residuals_q) = exact[0], quantized[0]
     # The forwards after steps 2, 4 and 6 issue syncs (after step 8, sync_now syncs everything):
     # fragment 0 (the root and blocks.1, units dealt in turn) after steps 2 and 6, fragment 1 after 4.
@@ -238,7 +363,7 @@ def _checkpoint_mid_interval(rank, world, root, group_size):
     def build(seed):
         torch.manual_seed(seed)
         model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=group_size,
-                                sync=Sync(every=4, fragments=2, wire=None, overlap=2))
+                                diloco=DiLoCo(sync_every=4, fragments=2, wire=None, fragment_sync_delay=2))
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
 
     def train(model, optimizer, steps):
@@ -267,7 +392,7 @@ def _checkpoint_mid_interval(rank, world, root, group_size):
 def _load_in_groups_of_one(rank, world, path):
     torch.manual_seed(1)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
-                            sync=Sync(every=4, fragments=2, wire=None, overlap=2))
+                            diloco=DiLoCo(sync_every=4, fragments=2, wire=None, fragment_sync_delay=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     shardwire.load_checkpoint(path, model, optimizer)
     return _group_model(model)
@@ -301,23 +426,23 @@ def _sync_prediction(sync: str, *, inter_gbps: float = 10.0):
     model = ModelSpec(name="aligned", layers=2, hidden=1024, heads=8, vocab=1023, seq_len=128)
     cluster = ClusterSpec(nodes=2, gpus_per_node=4, peak_tflops=100.0, gpu_memory_gb=80.0,
                           intra_node=LinkSpec(100.0), inter_node=LinkSpec(inter_gbps), algorithm="hierarchical")
-    return predict(model, cluster, parse("training", {"layout": "hybrid", "micro_batch": 2, "sync": sync}))
+    return predict(model, cluster, parse("training", {"layout": "hybrid", "micro_batch": 2, "diloco": sync}))
 
 
 def test_the_simulator_sends_1_over_h_of_a_sync_per_step_and_exposes_it_only_without_overlap():
     synchronous = _sync_prediction("none")
-    every = {h: _sync_prediction(f"every={h},fragments=1,wire=none") for h in (5, 20)}
+    every = {h: _sync_prediction(f"sync_every={h},fragments=1,wire=none") for h in (5, 20)}
     params = synchronous.arch.params
     # hybrid's all-reduce of fp32 gradient shards between 2 nodes: 2 x 4 P / 2 leave each node
     assert synchronous.timeline.link_bytes["inter"] == pytest.approx(4 * params)
     for h, p in every.items():  # the same all-reduce of the change, 1/H of it per step
         assert p.timeline.link_bytes["inter"] == pytest.approx(4 * params / h)
         assert p.memory.outer_state == pytest.approx(8 * params / 4 + 4 * params / 4)  # anchor, momentum, change
-    int4 = _sync_prediction("every=20,fragments=1,wire=int4")
+    int4 = _sync_prediction("sync_every=20,fragments=1,wire=int4")
     assert int4.timeline.link_bytes["inter"] < 0.14 * every[20].timeline.link_bytes["inter"]
     # a slow link: overlapped, the sync hides behind the step; blocking, the step waits for it
-    overlapped = _sync_prediction("every=5,overlap=4", inter_gbps=0.01)
-    blocking = _sync_prediction("every=5", inter_gbps=0.01)
+    overlapped = _sync_prediction("sync_every=5,fragment_sync_delay=4", inter_gbps=0.01)
+    blocking = _sync_prediction("sync_every=5", inter_gbps=0.01)
     assert overlapped.exposed_by_reason.get("sync between groups (not overlapped)", 0) == 0
     assert blocking.exposed_by_reason["sync between groups (not overlapped)"] > 0
     assert blocking.step_time_s > overlapped.step_time_s
@@ -326,29 +451,30 @@ def test_the_simulator_sends_1_over_h_of_a_sync_per_step_and_exposes_it_only_wit
 def test_a_sync_the_simulator_cannot_run_is_a_spec_error():
     from shardwire.sim.specs import SpecError, parse
 
-    with pytest.raises(SpecError, match="sync applies to layout 'hybrid'"):
-        parse("training", {"layout": "full", "sync": "every=5"})
-    with pytest.raises(SpecError, match="sync every must be a positive integer"):
-        parse("training", {"layout": "hybrid", "sync": "every=0"})
+    with pytest.raises(SpecError, match="diloco applies to layout 'hybrid'"):
+        parse("training", {"layout": "full", "diloco": "sync_every=5"})
+    with pytest.raises(SpecError, match="diloco sync_every must be a positive integer"):
+        parse("training", {"layout": "hybrid", "diloco": "sync_every=0"})
 
 
 def test_the_planner_offers_sync_beside_its_choice_with_the_caveat_and_exact_leaves_out_what_is_lossy(capsys):
     args = ["plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "2", "--global-batch", "64"]
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["best"]["training"]["sync"] == "none"  # the choice trains as synchronous training does
-    synced = result["synced"]
-    assert synced["training"]["sync"] == "every=20" and synced["training"]["layout"] == "hybrid"
+    assert result["best"]["training"]["diloco"] == "none"  # the choice trains as synchronous training does
+    synced = result["diloco"]
+    assert synced["training"]["diloco"] == "sync_every=20" and synced["training"]["layout"] == "hybrid"
     assert synced["step_time_s"] < result["best"]["step_time_s"]
     assert synced["bytes_per_step"]["inter_node"] < result["best"]["bytes_per_step"]["inter_node"] / 3
-    assert "--sync every=20" in synced["run"]["command"]
+    assert "--diloco sync_every=20" in synced["run"]["command"]
     assert any("changes the optimisation" in note for note in synced["notes"])
     assert main(args) == 0
-    printed = capsys.readouterr().out.split("\nor sync ")[1]
-    assert "note: sync every 20 steps changes the optimisation" in printed and "sync='every=20'" in printed
+    printed = capsys.readouterr().out.split("\nor diloco ")[1]
+    assert "note: DiLoCo (sync_every=20) changes the optimisation" in printed and "diloco='sync_every=20'" in printed
+    assert "--diloco sync_every=20" in printed
     assert main([*args, "--exact"]) == 0
     exact = capsys.readouterr().out
-    assert "sync" not in exact and "int8" not in exact and "int4" not in exact
+    assert "sync" not in exact and "diloco" not in exact and "int8" not in exact and "int4" not in exact
 
 
 # ---------------------------------------------------------------------------------- the train job
@@ -359,12 +485,12 @@ def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tm
     """Two groups of one rank, micro-batches under no_sync, bf16, clipping, the profiler and
     checkpoints every 3 steps; then a resumed run to step 8."""
     job = ["train", "--nproc", "2", "--model", "tiny", "--layout", "hybrid", "--shard-group-size", "1",
-           "--sync", "every=4,fragments=2", "--grad-accum", "2", "--precision", "bf16", "--log-every", "3",
+           "--diloco", "sync_every=4,fragments=2", "--grad-accum", "2", "--precision", "bf16", "--log-every", "3",
            "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
     assert main([*job, "--steps", "6", "--profile", "--run-dir", str(tmp_path / "run")]) == 0
     out = capfd.readouterr().out
-    assert ("layout hybrid (2 groups of 1, sync every=4,fragments=2,wire=int4,outer_lr=0.7,momentum=0.9,overlap=0)"
-            in out)
+    assert ("layout hybrid (2 groups of 1, diloco sync_every=4,fragments=2,wire=int4,outer_lr=0.7,momentum=0.9,"
+            "fragment_sync_delay=0)" in out)
     assert "validation loss" in out
     profile = json.loads((tmp_path / "run" / "profile.json").read_text())
     synced = [step["step"] for step in profile["steps"]
@@ -383,7 +509,7 @@ def _loaded_weights_then_sync_now(rank, world):
 
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
-                            sync=Sync(every=2, fragments=1, wire=None, outer_lr=0.7, momentum=0.9))
+                            diloco=DiLoCo(sync_every=2, fragments=1, wire=None, outer_lr=0.7, momentum=0.9))
     torch.manual_seed(1)
     model.load_state_dict(GPT(PRESETS["tiny"]).state_dict())
     loaded = _group_model(model)
@@ -404,7 +530,7 @@ def _loaded_weights_then_sync_now(rank, world):
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    shardwire.sync_now(model)
+    shardwire.diloco_sync(model)
     sent_by_sync_now = len(sends)
     tokens = _batch(rank, 4)
     model(tokens[:, :-1])
@@ -428,14 +554,14 @@ def _diloco_run(rank, world, group_size, steps, every):
     from shardwire.engine.shard import engine_of
 
     torch.manual_seed(0)
-    sync = Sync(every=every, wire=None)
+    sync = DiLoCo(sync_every=every, wire=None)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=group_size,
-                            sync=sync)
+                            diloco=sync)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     _sgd_steps(model, optimizer, rank, range(steps))
     outer = engine_of(model).outer
     outer.metrics()  # those of the syncs before: the next call's are sync_now's alone
-    shardwire.sync_now(model)
+    shardwire.diloco_sync(model)
     metrics = outer.metrics()
     return shardwire.full_state_dict(model), metrics
 
@@ -498,7 +624,7 @@ def test_diloco_matches_an_independent_reference_with_one_or_several_groups(worl
 def _resumed_elsewhere(rank, world, path, group_size, sync):
     torch.manual_seed(1)  # other initial weights: the loaded ones must replace them
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid" if sync else "full",
-                            shard_group_size=group_size if sync else None, sync=sync)
+                            shard_group_size=group_size if sync else None, diloco=sync)
     shardwire.load_checkpoint(path, model)
     return shardwire.full_state_dict(model)
 
@@ -511,8 +637,8 @@ def _saved_between_syncs(rank, world, path, quantized):
     from shardwire.engine.shard import engine_of
 
     torch.manual_seed(0)
-    sync = Sync(every=3, wire="int4" if quantized else None)
-    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, sync=sync)
+    sync = DiLoCo(sync_every=3, wire="int4" if quantized else None)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, diloco=sync)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     _sgd_steps(model, optimizer, rank, range(5))
     with shardwire.global_model(model):
@@ -533,7 +659,7 @@ def test_another_number_of_groups_or_no_sync_resumes_the_global_model_and_loadin
                                                                   env={"LOCAL_WORLD_SIZE": "1"})
     assert any(not torch.equal(own0[name], own1[name]) for name in own0), "the groups trained apart"
     assert residual0 == residual1 == 0.0, "the sync's quantization residual outlived the loaded weights"
-    one_group = run_workers(2, _resumed_elsewhere, path, 2, Sync(every=3))[0]
+    one_group = run_workers(2, _resumed_elsewhere, path, 2, DiLoCo(sync_every=3))[0]
     without_sync = run_workers(2, _resumed_elsewhere, path, None, None)[0]
     for key, value in anchor.items():
         torch.testing.assert_close(one_group[key], value, rtol=0, atol=0, msg=key)

@@ -6,12 +6,14 @@ import importlib
 # commands that never train (``shardwire simulate``, ``shardwire --help``) start without torch.
 _API = {
     "CheckpointError": "shardwire.engine.checkpoint",
+    "DiLoCo": "shardwire.engine.diloco",
     "GradScaler": "shardwire.engine.grad_scaler",
     "MixedPrecision": "shardwire.engine.mixed_precision",
-    "Sync": "shardwire.engine.sync",
+    "Sync": "shardwire.engine.diloco",  # renamed DiLoCo: warns, for a release
     "Wire": "shardwire.comm.wire",
     "checkpoint_path": "shardwire.engine.checkpoint",
     "clip_grad_norm_": "shardwire.engine.grad",
+    "diloco_sync": "shardwire.engine.grad",
     "export_state_dict": "shardwire.engine.checkpoint",
     "full_state_dict": "shardwire.engine.state_dict",
     "global_model": "shardwire.engine.grad",
@@ -22,7 +24,7 @@ _API = {
     "register_optimizer": "shardwire.engine.sharded_optim_state_dict",
     "save_checkpoint": "shardwire.engine.checkpoint",
     "shard": "shardwire.engine.shard",
-    "sync_now": "shardwire.engine.grad",
+    "sync_now": "shardwire.engine.grad",  # renamed diloco_sync: warns, for a release
 }
 __all__ = list(_API)
 __version__ = "0.1.0"

@@ -11,6 +11,11 @@ a list). ``command_line`` writes a configuration back as options, for the comman
 found before training, not at the first checkpoint, and a device named as an output is refused
 rather than replaced (``shardwire.files`` holds the policy for every file the project writes).
 
+An option renamed keeps its old name for a release (``renamed_from``): given on the command line or
+as a key of a ``--config`` file, the old name sets the option under its new one and warns, in one
+line, before any worker starts; nothing after it (the workers' command line, ``--print-config``, a
+checkpoint's record of the settings) speaks of the old name.
+
 This is argparse underneath, and deliberately so: nccl-tests' short flags (``-b 1K -e 64M``), one-line
 errors and a ``--help`` that imports nothing heavy matter more here than what a generator library adds.
 """
@@ -25,6 +30,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 
 from shardwire.files import directory_problem, output_problem
+from shardwire.renamed import warn_renamed
 
 
 class OptionError(ValueError):
@@ -71,20 +77,21 @@ class Option:
     parse: Callable[[str], typing.Any] | None = None  # text -> value; default: the field's type
     metavar: str | None = None
     bounds: Bounds | None = None
+    renamed_from: str | None = None  # the field's name before, still taken for a release, with a warning
 
 
 def option(default=dataclasses.MISSING, help: str = "", *, factory: Callable[[], typing.Any] | None = None,
            flags: Sequence[str] = (), choices: Sequence[str] | None = None,
            parse: Callable[[str], typing.Any] | None = None, metavar: str | None = None,
            at_least: float | None = None, above: float | None = None, real: bool | None = None,
-           unit: str = "", at_most: int | None = None) -> dataclasses.Field:
+           unit: str = "", at_most: int | None = None, renamed_from: str | None = None) -> dataclasses.Field:
     """A configuration field that is a command-line option: ``default`` (or ``factory`` for a list),
     its ``help``, and the bounds its value must lie within (``real``: a float, also finite; by
-    default, whether ``default`` is one)."""
+    default, whether ``default`` is one); ``renamed_from``: its name before a rename."""
     bounds = None
     if at_least is not None or above is not None or at_most is not None:
         bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit, at_most)
-    metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds)}
+    metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds, renamed_from)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -110,6 +117,21 @@ def add_options(parser: argparse.ArgumentParser, config_class: type) -> None:
             kwargs["choices"] = spec.choices
             kwargs["metavar"] = spec.metavar
         parser.add_argument(*spec.flags, flag(field.name), **kwargs)
+        if spec.renamed_from is not None:  # hidden: the help speaks of the new name alone
+            parser.add_argument(flag(spec.renamed_from), **{**kwargs, "help": argparse.SUPPRESS,
+                                                             "default": argparse.SUPPRESS}, action=Renamed)
+
+
+class Renamed(argparse.Action):
+    """An option's name before a rename: sets the option under its new name (``dest``), and warns."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.old = option_strings[0].removeprefix("--").replace("-", "_")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warn_renamed(f"{option_string} is renamed {flag(self.dest)}")
+        setattr(namespace, self.dest, values)
 
 
 def config_from(args: argparse.Namespace, config_class: type, **others):

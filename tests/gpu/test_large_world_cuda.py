@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 GPU = torch.device("cuda", 0)
 # every step from the second sends one of two fragments and applies the one sent a step before
-SYNC = "every=2,fragments=2,wire=int4"
+DILOCO = "sync_every=2,fragments=2,wire=int4"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,11 +53,11 @@ def test_steps_after_the_first_never_synchronize_the_host(world, per_node, rank,
 
 @pytest.mark.parametrize("world, per_node, rank", CASES)
 def test_a_sync_every_h_steps_never_synchronizes_the_host(world, per_node, rank):
-    """Sync every H steps across groups, in fragments and quantized: each step from the second
-    issues one fragment's all-reduce on the spanning communicator's stream and applies the one
+    """DiLoCo, syncing every H steps across groups, in fragments and quantized: each step from the
+    second issues one fragment's all-reduce on the spanning communicator's stream and applies the one
     before, ordered by events, all queued without the host waiting for the GPU."""
     with fake_world(world, per_node, rank):
-        training = Training.start(GPU, "hybrid", WIRES[-1], sync=SYNC)
+        training = Training.start(GPU, "hybrid", WIRES[-1], diloco=DILOCO)
         training.step()
         torch.cuda.set_sync_debug_mode("error")
         try:

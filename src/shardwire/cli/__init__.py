@@ -4,21 +4,25 @@
 A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv) -> exit status``
 (``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers).
 Modules are imported only when their command runs, so ``shardwire --help`` stays instant. Every
-command also takes ``--config FILE`` and ``--print-config`` (``shardwire.cli.config_file``).
+command also takes ``--config FILE`` and ``--print-config`` (``shardwire.cli.config_file``). A
+name kept for a release after a rename warns in one line on stderr (``shardwire.renamed``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 from types import ModuleType
 
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
 from shardwire.extras import MissingExtra
 from shardwire.launch import die_with_launcher, under_launcher
+from shardwire.renamed import RenamedWarning
 
 COMMANDS = {
     "train": "train a model with the sharded engine (a byte-level GPT by default)",
@@ -56,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     if under_launcher():
         die_with_launcher()
     module, parser = command(name)
+    with _renamed_in_one_line():
+        return _run(module, parser, rest)
+
+
+def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -> int:
     try:
         args, printing = config_file.parse(parser, rest)
         if printing:
@@ -72,3 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (| head): what is left to print has no one to read it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+@contextlib.contextmanager
+def _renamed_in_one_line():
+    """Show a ``RenamedWarning`` as one line, "warning: ...", rather than as the warning and the
+    line of shardwire's source that raised it; other warnings as ever."""
+    form = warnings.formatwarning  # what shows a warning uses; one recorded (by a test) is not formatted
+
+    def formatted(message, category, filename, lineno, line=None):
+        if issubclass(category, RenamedWarning):
+            return f"warning: {message}\n"
+        return form(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        if warnings.formatwarning is formatted:
+            warnings.formatwarning = form

@@ -15,8 +15,9 @@ wherever it stands. They are read and checked as the command line's are: a choic
 choices, a number must read as one (``3e-3`` too, which YAML 1.1 reads as text; ``010`` is ten, not
 YAML 1.1's octal eight, and ``1:30`` is no number, not its sexagesimal 90), a size may be ``64M``, a
 switch is true or false, and a key that is no option of the command is an error naming the nearest
-one. ``--print-config`` prints the options the command would run with, in this form: a file to
-start from, or a record of a run.
+one (a key that is an option's name before a rename sets the option and warns, for a release).
+``--print-config`` prints the options the command would run with, in this form: a file to start
+from, or a record of a run.
 
 Both are taken out of the arguments before the command's parser reads them, so they work for every
 command and subcommand alike, and a command that relaunches itself as workers passes ``--config`` on
@@ -30,6 +31,8 @@ import difflib
 
 from shardwire.extras import require
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
+from shardwire.options import Renamed
+from shardwire.renamed import warn_renamed
 
 CONFIG, PRINT = "--config", "--print-config"
 
@@ -92,13 +95,19 @@ def apply(parser: argparse.ArgumentParser, path: str) -> None:
     except MappingError as err:
         raise ConfigError(str(err)) from None
     options = _options(parser)
+    given: dict[str, str] = {}  # each option the file sets -> the key that sets it
     for key, value in values.items():
-        dest = str(key).replace("-", "_")
-        if dest not in options:
-            raise ConfigError(f"{where}: {shown(key)} is not an option of {parser.prog}{_nearest(dest, options)}")
-        for sub, action in options[dest]:
-            sub.set_defaults(**{dest: _converted(action, value, f"{where}: {key}")})
+        name = str(key).replace("-", "_")
+        if name not in options:
+            raise ConfigError(f"{where}: {shown(key)} is not an option of {parser.prog}{_nearest(name, options)}")
+        for sub, action in options[name]:
+            if action.dest in given:
+                raise ConfigError(f"{where}: {given[action.dest]} and {key} set the same option: keep one")
+            if isinstance(action, Renamed):
+                warn_renamed(f"{where}: {key} is renamed {action.dest.replace('_', '-')}")
+            sub.set_defaults(**{action.dest: _converted(action, value, f"{where}: {key}")})
             action.required = False
+        given.update({action.dest: str(key) for _, action in options[name]})
 
 
 def dump(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -119,6 +128,8 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, list[tuple[argparse.A
         for action in current._actions:
             if isinstance(action, argparse._SubParsersAction):
                 parsers += action.choices.values()
+            elif isinstance(action, Renamed):
+                options.setdefault(action.old, []).append((current, action))
             elif action.option_strings and not isinstance(action, (argparse._HelpAction, _WrittenInFull)):
                 options.setdefault(action.dest, []).append((current, action))
     return options

@@ -22,14 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, required=True,
                         help="sequences per optimizer step, all GPUs together")
     parser.add_argument("--exact", action="store_true",
-                        help="exact collectives only: no quantized wire, which is lossy, and no sync every H steps "
-                             "offered (it changes the optimisation)")
+                        help="exact collectives only: no quantized wire, which is lossy, and no DiLoCo (sync every H "
+                             "steps) offered (it changes the optimisation)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.epilog = ("--training gives what is not searched (precision, compilation); micro-batch, layout, "
                      "prefetch, activation checkpointing and, on several nodes, the wire are searched, and the "
-                     "rest is what the engine runs; on several nodes the fastest hybrid configuration that syncs "
-                     "every H steps is offered beside the choice. Each choice comes with the torchrun command that "
-                     "runs it on every node.")
+                     "rest is what the engine runs; on several nodes the fastest hybrid configuration under DiLoCo "
+                     "(--diloco sync_every=20) is offered beside the choice. Each choice comes with the torchrun "
+                     "command that runs it on every node.")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

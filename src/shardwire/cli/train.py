@@ -19,8 +19,8 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.layout import check_sync, group_size
-from shardwire.engine.sync import Sync
+from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
+from shardwire.engine.layout import check_diloco, group_size
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
 from shardwire.models import fp8
@@ -139,14 +139,16 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {message}") from None
     try:
         Wire.parse(config.wire)
-        sync = Sync.parse(config.sync)
+        diloco = DiLoCo.parse(config.diloco)  # warns for the keys every= and overlap=, renamed
     except ValueError as err:
         raise SystemExit(f"error: --{err}") from None
+    if diloco is not None and uses_renamed_keys(config.diloco):
+        config.diloco = str(diloco)  # the workers get the new names, and warn no more
     try:
-        check_sync(sync, config.layout, size, world)
+        check_diloco(diloco, config.layout, size, world)
     except ValueError as err:
         message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
-        raise SystemExit(f"error: {message.replace('sync=', '--sync ')}") from None
+        raise SystemExit(f"error: {message.replace('diloco=', '--diloco ')}") from None
     if config.print_launch:
         return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:

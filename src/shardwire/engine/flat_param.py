@@ -109,13 +109,13 @@ class FlatParam:
             self.residuals = {which: residual for which, residual in pieces.items() if residual is not None}
         # Sync every H steps: the anchor, the outer momentum and the sync in flight of this shard.
         self.outer: OuterState | None = None
-        if layout.sync is not None and requires_grad:
+        if layout.diloco is not None and requires_grad:
             residual = None
-            if layout.sync.codec is not None:
+            if layout.diloco.codec is not None:
                 residual = layout.replicate.residual_for(packing.shard_numel, all_reduce=True)
                 if residual is not None:
                     self.residuals["sync"] = residual
-            self.outer = OuterState(name, shard, layout.replicate, layout.sync, residual)
+            self.outer = OuterState(name, shard, layout.replicate, layout.diloco, residual)
         # The all-gather's output (rank-major), and the parameter-major buffer the modules view: one
         # tensor where the two orders coincide.
         self._gathered = torch.empty(packing.padded_numel, dtype=compute_dtype, device=shard.device)

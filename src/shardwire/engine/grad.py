@@ -1,6 +1,6 @@
 """What a training loop calls around a sharded model's step: global-norm clipping, accumulation
-without reduction, and, for groups that sync every H steps, syncing them now or evaluating the
-model they agree on."""
+without reduction, and, for groups that sync every H steps (DiLoCo), syncing them now or evaluating
+the model they agree on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardwire.engine.shard import engine_of
+from shardwire.renamed import warn_renamed
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -47,23 +48,30 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         engine.sync_gradients = previous
 
 
-def sync_now(model: nn.Module) -> None:
-    """Sync every group's model now, under ``shard(..., sync=...)``: apply the sync in flight, then
+def diloco_sync(model: nn.Module) -> None:
+    """Sync every group's model now, under ``shard(..., diloco=...)``: apply the sync in flight, then
     average every fragment's change since its last sync and take the outer step, waiting for each.
     Afterwards every group holds the same model: call it after the last step, before evaluating,
-    exporting or saving the result of training. Every rank must call it; without sync it does
+    exporting or saving the result of training. Every rank must call it; without DiLoCo it does
     nothing (the groups hold the same model at every step)."""
     engine = engine_of(model)
     if engine.outer is not None:
         engine.outer.sync_now()
 
 
+def sync_now(model: nn.Module) -> None:
+    """``diloco_sync`` under its name before the rename, which read as the opposite of ``no_sync``:
+    warns, then syncs."""
+    warn_renamed("shardwire.sync_now is renamed shardwire.diloco_sync")
+    diloco_sync(model)
+
+
 @contextlib.contextmanager
 def global_model(model: nn.Module) -> Iterator[None]:
-    """Hold, while the block runs, the model the groups agree on under ``shard(..., sync=...)``: the
+    """Hold, while the block runs, the model the groups agree on under ``shard(..., diloco=...)``: the
     anchor of their last sync (the sync due after the last step taken first), as DiLoCo evaluates
     it; each group gets its own back after the block. Every rank must enter it, at a step's end.
-    Without sync the groups hold the same model at every step, and it changes nothing."""
+    Without DiLoCo the groups hold the same model at every step, and it changes nothing."""
     engine = engine_of(model)
     with engine.outer.global_model() if engine.outer is not None else contextlib.nullcontext():
         yield

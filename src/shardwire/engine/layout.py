@@ -39,7 +39,7 @@ The root is gathered once a step, not twice, since it stays gathered, and so are
 backward pass gathers as it opens: the first ``max(1, prefetch)`` of backward's order, the last
 blocks (``shardwire.engine.runtime``).
 
-``hybrid`` with ``sync`` (``shardwire.engine.sync``) trains each group apart: no gradient is
+``hybrid`` with ``diloco`` (``shardwire.engine.diloco``) trains each group apart: no gradient is
 all-reduced between groups, and every H steps the ``replicate`` communicator averages the change
 of the parameters instead: ``2 w P (N-1)/N / H`` bytes leaving a node per step for a sync wire of
 ``w`` bytes per element.
@@ -65,7 +65,7 @@ from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
 from shardwire.engine.mixed_precision import DTYPES, MixedPrecision
-from shardwire.engine.sync import Sync
+from shardwire.engine.diloco import DiLoCo
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -83,7 +83,7 @@ class Layout:
     shard: Communicator  # splits each buffer: gathers and reduce-scatters
     replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
     secondary: Communicator | None = None  # hybrid_secondary: backward gathers from secondary shards
-    sync: Sync | None = None  # hybrid: the groups train apart and sync every H steps over replicate
+    diloco: DiLoCo | None = None  # hybrid: the groups train apart and sync every H steps over replicate
 
     @property
     def communicators(self) -> list[Communicator]:
@@ -93,9 +93,9 @@ class Layout:
     @property
     def checked_every_step(self) -> list[Communicator]:
         """The communicators whose collectives every step's forward compares across ranks: all of
-        them, except under sync those that span the groups (they carry a collective every H steps,
+        them, except under DiLoCo those that span the groups (they carry a collective every H steps,
         and are compared when a sync is issued), so that no step waits on the link between groups."""
-        if self.sync is None:
+        if self.diloco is None:
             return self.communicators
         spanning = (self.world, self.replicate)
         return [comm for comm in self.communicators if comm is self.shard or all(comm is not c for c in spanning)]
@@ -110,7 +110,7 @@ class Layout:
     def gradient_replicas(self) -> Communicator | None:
         """Where each reduced gradient shard is all-reduced between the groups at every step:
         ``replicate``, unless the groups sync every H steps instead."""
-        return self.replicate if self.sync is None else None
+        return self.replicate if self.diloco is None else None
 
     @property
     def writes_shards(self) -> bool:
@@ -146,31 +146,33 @@ class Layout:
         return (within,) if self.replicate is None else (Replicate(), within)
 
     @classmethod
-    def build(cls, layout: str, size: int, wire: Wire, sync: Sync | None, policy: MixedPrecision,
+    def build(cls, layout: str, size: int, wire: Wire, diloco: DiLoCo | None, policy: MixedPrecision,
               group: dist.ProcessGroup, device: torch.device, timeout: datetime.timedelta) -> Layout:
         """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
-        carry ``wire``'s quantized reductions and ``sync``'s (checked by ``check_sync``). Every rank
-        creates them in the same order, once all ranks agree on what their collectives will carry: the
-        layout, the wire, the sync and the mixed-precision ``policy``."""
+        carry ``wire``'s quantized reductions and ``diloco``'s syncs (checked by ``check_diloco``).
+        Every rank creates them in the same order, once all ranks agree on what their collectives will carry: the
+        layout, the wire, DiLoCo's settings and the mixed-precision ``policy``."""
         world = Communicator(group, device, timeout=timeout)
-        _check_same_settings_on_all_ranks(world, layout, size, wire, sync, policy)
+        _check_same_settings_on_all_ranks(world, layout, size, wire, diloco, policy)
         if wire.grads is not None and device.type == "cuda" and group is not dist.group.WORLD:
             raise ValueError(
                 f"wire grads={wire.grads!r} over a process group other than the default one is not supported on "
                 f"NCCL (its reductions make subgroups of the nodes, which split the default communicator): shard "
                 f"over the default group, or leave gradients unquantized"
             )
-        if sync is not None and sync.codec is not None and device.type == "cuda" and group is not dist.group.WORLD:
+        if (diloco is not None and diloco.codec is not None and device.type == "cuda"
+                and group is not dist.group.WORLD):
             raise ValueError(
-                f"sync wire={sync.wire!r} over a process group other than the default one is not supported on NCCL "
+                f"diloco wire={diloco.wire!r} over a process group other than the default one is not supported on NCCL "
                 f"(its all-reduce makes subgroups of the nodes, as quantized gradients do): shard over the default "
-                f"group, or sync with wire=none"
+                f"group, or use diloco with wire=none"
             )
-        built = dataclasses.replace(_communicators(layout, size, world, device, timeout, sync is not None), sync=sync)
+        built = dataclasses.replace(_communicators(layout, size, world, device, timeout, diloco is not None),
+                                    diloco=diloco)
         if wire.grads is not None:
             for comm in built.communicators:
                 comm.prepare_quantized_reductions()
-        elif sync is not None and sync.codec is not None:
+        elif diloco is not None and diloco.codec is not None:
             built.replicate.prepare_quantized_reductions()
         return built
 
@@ -208,25 +210,26 @@ def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_
     return size
 
 
-def check_sync(sync: Sync | None, layout: str, size: int, world: int) -> None:
-    """A ``ValueError`` where ``sync`` cannot run: it averages the groups of the ``hybrid`` layout
+def check_diloco(diloco: DiLoCo | None, layout: str, size: int, world: int) -> None:
+    """A ``ValueError`` where ``diloco`` cannot run: it averages the groups of the ``hybrid`` layout
     (one group of all ranks is Lookahead: the outer step over one optimizer's steps). Launchers check
     their options with it before starting a worker."""
-    if sync is None:
+    if diloco is None:
         return
     if layout != "hybrid":
         raise ValueError(
-            f"sync={str(sync)!r} lets the groups of the hybrid layout train apart and averages them every "
-            f"{sync.every} steps; layout={layout!r} has no groups holding a model of their own: use layout='hybrid'"
+            f"diloco={str(diloco)!r} lets the groups of the hybrid layout train apart and averages them every "
+            f"{diloco.sync_every} steps; layout={layout!r} has no groups holding a model of their own: "
+            f"use layout='hybrid'"
         )
 
 
 def _communicators(layout: str, size: int, world: Communicator, device: torch.device,
-                   timeout: datetime.timedelta, sync: bool) -> Layout:
-    """``sync``: the groups sync every H steps, so a hybrid layout of one group keeps its (one-rank)
+                   timeout: datetime.timedelta, diloco: bool) -> Layout:
+    """``diloco``: the groups sync every H steps, so a hybrid layout of one group keeps its (one-rank)
     groups across, where otherwise it is the full layout."""
     group = world.group
-    if layout == "full" or (size == world.world and not sync):
+    if layout == "full" or (size == world.world and not diloco):
         return Layout(layout, world, world)
     if device.type == "cuda" and group is not dist.group.WORLD:
         raise ValueError(
@@ -243,9 +246,9 @@ def _communicators(layout: str, size: int, world: Communicator, device: torch.de
 
 
 def _check_same_settings_on_all_ranks(world: Communicator, layout: str, size: int, wire: Wire,
-                                      sync: Sync | None, policy: MixedPrecision) -> None:
+                                      diloco: DiLoCo | None, policy: MixedPrecision) -> None:
     """Ranks asking for different layouts would wait for each other in different group creations
-    until the timeout, and ranks with different wires, syncs or mixed precision would exchange
+    until the timeout, and ranks with different wires, DiLoCo settings or mixed precision would exchange
     messages of different sizes or dtypes, or at different steps, which no backend reports clearly
     (gloo aborts): compare every setting that shapes the collectives first, in one small all-gather,
     and say which rank asked for what."""
@@ -253,7 +256,7 @@ def _check_same_settings_on_all_ranks(world: Communicator, layout: str, size: in
         return
     precision = [DTYPES.index(policy.param_dtype), DTYPES.index(policy.reduce_dtype)]
     rows = world.all_gather_values([LAYOUTS.index(layout), size, zlib.crc32(str(wire).encode()),
-                                    zlib.crc32(str(sync).encode()), *precision], tag="settings check")
+                                    zlib.crc32(str(diloco).encode()), *precision], tag="settings check")
     if any(row[:2] != rows[0][:2] for row in rows):
         asked = "; ".join(f"rank {r}: layout={LAYOUTS[code]!r} in groups of {n}"
                           for r, (code, n, *_) in enumerate(rows))
@@ -265,8 +268,8 @@ def _check_same_settings_on_all_ranks(world: Communicator, layout: str, size: in
                          f"wire={str(wire)!r}): pass the same wire on every rank")
     differing = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
     if differing:
-        raise ValueError(f"ranks {differing} asked for a different sync than rank 0 (rank {world.rank} asked for "
-                         f"sync={str(sync)!r}): pass the same sync on every rank")
+        raise ValueError(f"ranks {differing} asked for different DiLoCo settings than rank 0 (rank {world.rank} "
+                         f"asked for diloco={str(diloco)!r}): pass the same diloco on every rank")
     if any(row[4:] != rows[0][4:] for row in rows):
         asked = "; ".join(f"rank {r}: param_dtype={DTYPES[param]}, reduce_dtype={DTYPES[reduce]}"
                           for r, (*_, param, reduce) in enumerate(rows))

@@ -1,4 +1,4 @@
-"""The outer optimisation of sync every H steps (``shardwire.engine.sync``): its state and its schedule.
+"""The outer optimisation of sync every H steps (``shardwire.engine.diloco``): its state and its schedule.
 
 Each trainable flat buffer keeps an ``OuterState`` beside its shard: this rank's slice of the anchor
 (the parameters every group last agreed on, in fp32) and of the outer momentum, both shaped like
@@ -27,7 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from shardwire.comm.communicator import Communicator, Pending
-from shardwire.engine.sync import Sync
+from shardwire.engine.diloco import DiLoCo
 
 
 class OuterState:
@@ -35,7 +35,7 @@ class OuterState:
     the change since the anchor being averaged in place, and, for an overlapped sync, ``sent``, the
     shard its eager step gave (what the inner progress made meanwhile is measured from)."""
 
-    def __init__(self, name: str, shard: torch.Tensor, comm: Communicator, sync: Sync,
+    def __init__(self, name: str, shard: torch.Tensor, comm: Communicator, diloco: DiLoCo,
                  residual: torch.Tensor | None):
         self.anchor = shard.detach().float().clone()
         self.momentum = torch.zeros_like(self.anchor)
@@ -47,7 +47,7 @@ class OuterState:
         self.own_squared: torch.Tensor | None = None  # this group's change, squared and summed, at send
         self._tag = f"{name} (sync)"
         self._comm = comm
-        self._sync = sync
+        self._diloco = diloco
         self._residual = residual  # error feedback of the quantized all-reduce (FlatParam.residuals)
         self._pending: Pending | None = None
 
@@ -62,11 +62,11 @@ class OuterState:
         self.own_squared = self.change.square().sum()  # for the groups' drift (OuterLoop.metrics)
         self.sent = None
         if eager:
-            step = self.momentum.mul(self._sync.momentum).add_(self.change)
-            step = self.change.add(step, alpha=self._sync.momentum)
-            shard.copy_(self.anchor.sub(step, alpha=self._sync.outer_lr))
+            step = self.momentum.mul(self._diloco.momentum).add_(self.change)
+            step = self.change.add(step, alpha=self._diloco.momentum)
+            shard.copy_(self.anchor.sub(step, alpha=self._diloco.outer_lr))
             self.sent = shard.detach().clone()
-        self._pending = self._comm.all_reduce(self.change, tag=self._tag, op="avg", codec=self._sync.codec,
+        self._pending = self._comm.all_reduce(self.change, tag=self._tag, op="avg", codec=self._diloco.codec,
                                               residual=self._residual)
 
     def wait(self) -> None:
@@ -81,7 +81,7 @@ class OuterState:
         ``torch.optim.SGD(nesterov=True)`` steps), then the shard becomes the new anchor, plus the
         inner progress made since the eager step of an overlapped sync."""
         self.wait()
-        momentum, lr = self._sync.momentum, self._sync.outer_lr
+        momentum, lr = self._diloco.momentum, self._diloco.outer_lr
         self.momentum.mul_(momentum).add_(self.change)
         self.anchor.sub_(self.change.add(self.momentum, alpha=momentum), alpha=lr)
         progress = None if self.sent is None else shard - self.sent
@@ -117,21 +117,21 @@ class OuterState:
 
 
 class OuterLoop:
-    """When each fragment of the model syncs (``Sync.due``), and the sync in flight.
+    """When each fragment of the model syncs (``DiLoCo.due``), and the sync in flight.
 
     ``steps`` counts inner steps: backward passes that reduced gradients. A fragment due after step
-    ``t`` is sent when the next forward starts and applied when the forward after step ``t + overlap``
-    starts (at once with no overlap), before the next fragment is sent. Before each sync, the
+    ``t`` is sent when the next forward starts and applied when the forward after step ``t + fragment_sync_delay``
+    starts (at once with no delay), before the next fragment is sent. Before each sync, the
     communicators that span the groups (``world`` and ``replicate``) compare the collectives each
     rank issued on them since the last: they carry nothing at the steps between, which therefore
     never wait on the link between groups.
     """
 
-    def __init__(self, flats_by_unit: list[list], sync: Sync, world: Communicator, replicate: Communicator):
+    def __init__(self, flats_by_unit: list[list], diloco: DiLoCo, world: Communicator, replicate: Communicator):
         synced = [[flat for flat in flats if flat.outer is not None] for flats in flats_by_unit]
         synced = [flats for flats in synced if flats]
-        count = sync.fragments
-        self.sync = sync
+        count = diloco.fragments
+        self.diloco = diloco
         self._world = world
         self._groups = replicate.world
         self._spanning = [world, replicate]
@@ -156,11 +156,11 @@ class OuterLoop:
         first, self.checked = self.checked + 1, self.steps
         if self.in_flight is not None and self.steps >= self.in_flight[1]:
             self._apply()
-        due = [fragment for step in range(first, self.steps + 1) if (fragment := self.sync.due(step)) is not None]
+        due = [fragment for step in range(first, self.steps + 1) if (fragment := self.diloco.due(step)) is not None]
         for position, fragment in enumerate(due):
             if self.in_flight is not None:  # sent under another schedule (a resumed run that changed it)
                 self._apply()
-            lag = self.sync.overlap if position == len(due) - 1 else 0
+            lag = self.diloco.fragment_sync_delay if position == len(due) - 1 else 0
             self._send(fragment, eager=lag > 0, applied_after=self.steps + lag)
             if lag == 0:
                 self._apply()

@@ -24,7 +24,7 @@ backward  root post-forward already opened the backward ``Pass`` and issued its 
           releases every unit still gathered. Outputs announce each backward that reaches them, so a
           second backward through a retained graph runs the same way, once what nothing announces
           is gathered again (``_open_backward_again``).
-sync      under ``hybrid`` with ``sync``, the end of a backward that reduced gradients is an inner
+sync      under ``hybrid`` with ``diloco``, the end of a backward that reduced gradients is an inner
           step, and the root pre-forward of the next training forward (one that records gradients;
           an evaluation between steps leaves them be), before its first gather, applies and issues
           the syncs between groups that are due (``shardwire.engine.outer``).
@@ -138,8 +138,8 @@ class Engine:
         self.sync_gradients = True
         self._all_units = [root, *units]
         # sync every H steps across groups: the outer optimisation's schedule (None: synchronous)
-        self.outer = None if layout.sync is None else OuterLoop(
-            [unit.flats for unit in self._all_units], layout.sync, layout.world, layout.replicate)
+        self.outer = None if layout.diloco is None else OuterLoop(
+            [unit.flats for unit in self._all_units], layout.diloco, layout.world, layout.replicate)
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None

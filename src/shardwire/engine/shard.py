@@ -21,14 +21,15 @@ from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
 from shardwire.engine import materialize, sharded_state_dict
+from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.layout import Layout, check_sync, group_size
+from shardwire.engine.layout import Layout, check_diloco, group_size
 from shardwire.engine.mixed_precision import MixedPrecision
 from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
-from shardwire.engine.sync import Sync
 from shardwire.engine.unit import Unit
+from shardwire.renamed import warn_renamed
 
 _ENGINE_ATTR = "_shardwire_engine"
 # Set on every module of a sharded model: its parameters are no longer its own to shard again.
@@ -46,12 +47,13 @@ def shard(
     layout: str = "full",
     shard_group_size: int | None = None,
     wire: Wire | str | None = None,
-    sync: Sync | str | None = None,
+    diloco: DiLoCo | str | None = None,
     activation_checkpointing: bool = False,
     compile: bool | Mapping[str, Any] = False,
     timeout: float = 600.0,
     device: torch.device | str | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    sync: DiLoCo | str | None = None,
 ) -> nn.Module:
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
 
@@ -94,10 +96,10 @@ def shard(
             dtypes), "int8" (int8 parameters and gradients), or a ``shardwire.Wire`` (say,
             ``Wire(params="int8", grads="int4")``). Only collectives whose group spans nodes
             quantize; master weights and optimizer state never do. See ``shardwire.comm.wire``.
-        sync: under ``layout="hybrid"``, let the groups train apart and average their parameters'
+        diloco: under ``layout="hybrid"``, let the groups train apart and average their parameters'
             change every H steps instead of their gradients at every step (DiLoCo; Streaming DiLoCo
-            with ``fragments``): a ``shardwire.Sync``, or its string form ("every=50,fragments=4,
-            wire=int4"). It changes the optimisation. See ``shardwire.engine.sync``.
+            with ``fragments``): a ``shardwire.DiLoCo``, or its string form ("sync_every=50,
+            fragments=4,wire=int4"). It changes the optimisation. See ``shardwire.engine.diloco``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         compile: compile each unit's computation with ``torch.compile``, as torchtitan compiles its
             blocks: True, or a dict of torch.compile's keyword arguments (``{"mode": "max-autotune"}``;
@@ -111,6 +113,8 @@ def shard(
         init: what initialises each module of a model built on the meta device, ``fn(module)`` as for
             ``model.apply``: by default a Hugging Face model's own initialisation, and otherwise each
             module's ``reset_parameters()``. The package's GPT takes ``init=model.init_module``.
+        sync: ``diloco``'s name before torchft's, which read as the opposite of ``no_sync``: taken
+            as ``diloco``, with a warning, for a release.
     """
     _check_not_sharded(model)
     current = _single_device(model)
@@ -122,7 +126,7 @@ def shard(
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     wire = Wire.parse(wire)
-    sync = Sync.parse(sync)
+    diloco = DiLoCo.parse(_renamed_diloco(diloco, sync))
     compile_options = _compile_options(compile)
     deadline = datetime.timedelta(seconds=timeout)
     if process_group is None:
@@ -132,7 +136,7 @@ def shard(
     world = dist.get_world_size(process_group)
     per_node = groups.placement_of(process_group).ranks_per_node
     size = group_size(layout, shard_group_size, world, per_node)
-    check_sync(sync, layout, size, world)
+    check_diloco(diloco, layout, size, world)
     if layout != "full" and shard_group_size is None and size == world:
         warnings.warn(
             f"layout={layout!r} takes its groups from the ranks of a node, and here all {world} ranks "
@@ -147,8 +151,8 @@ def shard(
     forwards = [_unit_forward(module, activation_checkpointing, compile_options) for _, module in selected]
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
-    _check_sync_fragments(sync, owned)
-    layout = Layout.build(layout, size, wire, sync, policy, process_group, device, deadline)
+    _check_diloco_fragments(diloco, owned)
+    layout = Layout.build(layout, size, wire, diloco, policy, process_group, device, deadline)
     comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 
@@ -311,13 +315,24 @@ def _check_wire_carries(wire: Wire, owned: dict[str, list[OwnedParam]]) -> None:
                 )
 
 
-def _check_sync_fragments(sync: Sync | None, owned: dict[str, list[OwnedParam]]) -> None:
-    """Fragments are made of whole units with trainable parameters: refuse more fragments than those."""
+def _renamed_diloco(diloco: DiLoCo | str | None, sync: DiLoCo | str | None) -> DiLoCo | str | None:
+    """``diloco``, or ``sync`` (its name before the rename) with a warning."""
     if sync is None:
+        return diloco
+    if diloco is not None:
+        raise ValueError("shard() got both diloco= and sync=, its old name: give diloco= alone")
+    warn_renamed("shard(sync=...) is renamed shard(diloco=...) "
+                 "(every -> sync_every, overlap -> fragment_sync_delay)", stacklevel=3)
+    return sync
+
+
+def _check_diloco_fragments(diloco: DiLoCo | None, owned: dict[str, list[OwnedParam]]) -> None:
+    """Fragments are made of whole units with trainable parameters: refuse more fragments than those."""
+    if diloco is None:
         return
     trainable = sum(any(entry.param.requires_grad for entry in entries) for entries in owned.values())
-    if sync.fragments > trainable:
-        raise ValueError(f"sync fragments={sync.fragments} is more than the {trainable} units with trainable "
+    if diloco.fragments > trainable:
+        raise ValueError(f"diloco fragments={diloco.fragments} is more than the {trainable} units with trainable "
                          f"parameters (each fragment is whole units): use at most {trainable}, or more units")
 
 

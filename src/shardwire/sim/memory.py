@@ -114,8 +114,9 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
 
     accumulated = r * P if training.grad_accum > 1 and not training.reduce_each_micro_batch else 0.0
     outer = 0.0
-    if (sync := training.sync_settings) is not None:
-        outer = 8 * P / shard_over + (8 if sync.overlap else 4) * P / shard_over / sync.fragments
+    if (diloco := training.diloco_settings) is not None:
+        delayed = diloco.fragment_sync_delay > 0
+        outer = 8 * P / shard_over + (8 if delayed else 4) * P / shard_over / diloco.fragments
     secondary = 0.0
     if training.layout == "hybrid_secondary" and training.reshards:
         secondary = c * sum(u.params for u in arch.units) / group_size(cluster, training)

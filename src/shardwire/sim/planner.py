@@ -20,10 +20,10 @@ whose memory does not fit are not simulated; the rest are ranked by step time, t
 The explanation sets the winner against what changing each of its settings alone would give:
 slower, or not fitting, which is why it wins; and names the runner-up.
 
-Sync every H steps (hybrid groups that train apart, ``shardwire.engine.sync``) is searched apart, on
-several nodes: it changes the optimisation, not only the step, so it never wins in place of
-synchronous training; the plan offers its fastest configuration beside the winner (``synced``), with
-that caveat. Quantized wires change the optimisation too, if within a quantization's error:
+DiLoCo, syncing every H steps (hybrid groups that train apart, ``shardwire.engine.diloco``), is
+searched apart, on several nodes: it changes the optimisation, not only the step, so it never wins in
+place of synchronous training; the plan offers its fastest configuration beside the winner
+(``diloco``), with that caveat. Quantized wires change the optimisation too, if within a quantization's error:
 ``exact`` leaves out both.
 """
 
@@ -57,9 +57,9 @@ _HYBRID = ("hybrid", "hybrid_secondary")
 # gathers stay within a node's group and never quantize, the same for gradients alone.
 WIRES = ("none", "int8", "params=int8,grads=int4")
 HYBRID_WIRES = ("none", "grads=int8", "grads=int4")
-# Sync every H steps, as ``shardwire train --sync`` takes it, for the hybrid layout (in and out of
-# resharding): the sync's defaults, whose cost in validation loss at equal tokens BENCHMARKS.md measures.
-SYNCS = ("every=20",)
+# DiLoCo, as ``shardwire train --diloco`` takes it, for the hybrid layout (in and out of resharding):
+# its defaults, whose cost in validation loss at equal tokens BENCHMARKS.md measures.
+DILOCOS = ("sync_every=20",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Plan:
     alternatives: list[Alternative]
     candidates: int
     fitting: int
-    synced: Prediction | None = None  # the fastest that syncs every H steps instead, where offered
+    diloco: Prediction | None = None  # the fastest that syncs every H steps (DiLoCo) instead, where offered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Launch:
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
          exact: bool = False) -> Plan:
-    """Search the settings (``exact``: exact collectives only, and no sync offered); raises
+    """Search the settings (``exact``: exact collectives only, and no DiLoCo offered); raises
     ``SpecError`` when the batch is out of range or does not divide, or nothing fits."""
     if global_batch < 1:
         raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
@@ -134,18 +134,18 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
     for change, t in _one_changes(best.training, candidates):
         p = by_training.get(t)
         alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
-    synced = None
+    diloco = None
     if not exact and cluster.nodes > 1:
-        syncing = [t for t in sync_settings(per_gpu, cluster, base) if estimate_memory(arch, cluster, t).fits]
-        synced = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
-    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), synced)
+        syncing = [t for t in diloco_settings(per_gpu, cluster, base) if estimate_memory(arch, cluster, t).fits]
+        diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
+    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco)
 
 
 def describe_settings(t: TrainingSpec) -> str:
     """The searched settings of ``t``, as the plan and its errors name them."""
     return (f"micro-batch {t.micro_batch}, grad_accum {t.grad_accum}, layout {_layout(t)}, prefetch {t.prefetch}, "
             f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, wire {t.wire}"
-            + ("" if t.sync == "none" else f", sync {t.sync}"))
+            + ("" if t.diloco == "none" else f", diloco {t.diloco}"))
 
 
 def _divisors(n: int) -> list[int]:
@@ -175,15 +175,15 @@ def candidate_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec, *
     return [_training(base, **settings) for settings in _settings(per_gpu, cluster, exact)]
 
 
-def sync_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
-    """The configurations that sync every H steps (``SYNCS``): the hybrid ones, exact otherwise."""
-    return [_training(base, **settings, sync=sync) for settings in _settings(per_gpu, cluster, exact=True)
-            if settings["layout"] == "hybrid" for sync in SYNCS]
+def diloco_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> list[TrainingSpec]:
+    """The configurations that sync every H steps (``DILOCOS``): the hybrid ones, exact otherwise."""
+    return [_training(base, **settings, diloco=diloco) for settings in _settings(per_gpu, cluster, exact=True)
+            if settings["layout"] == "hybrid" for diloco in DILOCOS]
 
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
     engine = {"limiter": "sliding", "reduce_precision": "fp32", "shard_group_size": None, "recompute_fraction": None,
-              "reduce_each_micro_batch": False, "sync": "none"}
+              "reduce_each_micro_batch": False, "diloco": "none"}
     return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
 
 
@@ -198,14 +198,14 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     precision = "bf16" if t.precision == "fp8" else t.precision
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": precision,
                    "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
-    sync = None if t.sync == "none" else t.sync
-    if sync is not None:
-        shard_args["sync"] = sync
+    diloco = None if t.diloco == "none" else t.diloco
+    if diloco is not None:
+        shard_args["diloco"] = diloco
     options = command_line({"batch": t.micro_batch, "grad_accum": t.grad_accum, "layout": layout,
                             "shard_group_size": shard_args.get("shard_group_size"), "reshard": t.reshards,
                             "prefetch": t.prefetch, "precision": t.precision,
                             "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
-                            "wire": t.wire, "sync": sync})
+                            "wire": t.wire, "diloco": diloco})
     return options, shard_args
 
 

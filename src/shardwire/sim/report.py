@@ -44,10 +44,10 @@ def notes(p: Prediction) -> list[str]:
     """What the prediction leaves out for want of a cluster figure, and what it cannot say: how a
     setting that changes the optimisation trains."""
     missing = []
-    if (sync := p.training.sync_settings) is not None:
-        missing.append(f"sync every {sync.every} steps changes the optimisation, not only the step: groups train apart "
-                       f"between syncs (BENCHMARKS.md measures the validation loss against synchronous training at "
-                       f"equal tokens); shardwire plan --exact leaves it out")
+    if (diloco := p.training.diloco_settings) is not None:
+        missing.append(f"DiLoCo (sync_every={diloco.sync_every}) changes the optimisation, not only the step: "
+                       f"groups train apart between syncs (BENCHMARKS.md measures the validation loss against "
+                       f"synchronous training at equal tokens); shardwire plan --exact leaves it out")
     if p.cluster.memory_bandwidth_GBps is None:
         optimizer = "" if p.cluster.optimizer_GBps is not None else ", the optimizer step"
         missing.append(f"memory-bound work (norms, activations, casts{optimizer}) not priced: the cluster gives no "
@@ -127,7 +127,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}), "
         f"{setting('precision', t.precision)}{' (fp8 gathers)' if t.fp8_all_gather else ''} "
         f"(reduce {setting('reduce_precision', t.reduce_precision)}), wire {t.wire}"
-        f"{'' if t.sync == 'none' else f', sync {t.sync}'}, "
+        f"{'' if t.diloco == 'none' else f', diloco {t.diloco}'}, "
         f"{setting('activation_checkpointing', checkpointing)}{', compiled' if t.compile else ''}",
     ]
 
@@ -242,7 +242,7 @@ def plan_json(result: Plan, global_batch: int, model_argument: str) -> dict:
         ],
         "candidates": result.candidates,
         "fitting": result.fitting,
-        "synced": None if result.synced is None else _with_run(result.synced, model_argument),
+        "diloco": None if result.diloco is None else _with_run(result.diloco, model_argument),
     }
 
 
@@ -287,9 +287,9 @@ def plan_text(result: Plan, global_batch: int, model_argument: str) -> str:
         r = result.runner_up
         lines += ["", f"runner-up {describe_settings(r.training)}: {r.step_time_s:.4g} s "
                       f"({100 * (r.step_time_s / best.step_time_s - 1):+.1f}%)", *_how_to_run(r, model_argument)]
-    if result.synced is not None:
-        s = result.synced
-        lines += ["", f"or sync   {describe_settings(s.training)}: {s.step_time_s:.4g} s "
+    if result.diloco is not None:
+        s = result.diloco
+        lines += ["", f"or diloco {describe_settings(s.training)}: {s.step_time_s:.4g} s "
                       f"({100 * (s.step_time_s / best.step_time_s - 1):+.1f}%), "
                       f"{s.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs",
                   *(f"          note: {n}" for n in notes(s)), *_how_to_run(s, model_argument)]

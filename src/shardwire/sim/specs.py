@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardwire.comm.wire import Wire
-from shardwire.engine.sync import Sync
+from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
 from shardwire.mappings import shown
+from shardwire.renamed import warn_renamed
 
 
 class SpecError(ValueError):
@@ -332,9 +333,10 @@ class TrainingSpec:
     ``reduce_precision`` defaults to fp32, as the engine reduces; ``wire`` is what collectives put
     on the wire between nodes, as ``shard(wire=...)`` and ``shardwire train --wire`` take it ("none",
     "int8", or pairs such as "params=int8,grads=int4,block=128": ``shardwire.comm.wire.Wire.parse``).
-    ``sync`` lets the groups of ``hybrid`` train apart and average their change every H steps, as
-    ``shard(sync=...)`` takes it ("none", or pairs such as "every=50,fragments=4,wire=int4":
-    ``shardwire.engine.sync.Sync.parse``).
+    ``diloco`` lets the groups of ``hybrid`` train apart and average their change every H steps, as
+    ``shard(diloco=...)`` takes it ("none", or pairs such as "sync_every=50,fragments=4,wire=int4":
+    ``shardwire.engine.diloco.DiLoCo.parse``); ``sync``, its name before, is read as ``diloco``
+    with a warning, for a release.
     ``compile`` runs each unit's elementwise work fused (torch.compile), so it moves fewer bytes.
     ``recompute_fraction`` is the share of a block's forward FLOPs that backward recomputes under
     ``activation_checkpointing``, and of its activations forward does not keep: 1 (the default)
@@ -354,7 +356,7 @@ class TrainingSpec:
     reduce_precision: str = "fp32"
     fp8_all_gather: bool = False
     wire: str = "none"
-    sync: str = "none"
+    diloco: str = "none"
     compile: bool = False
     activation_checkpointing: bool = False
     recompute_fraction: float | None = None
@@ -369,8 +371,10 @@ class TrainingSpec:
         if self.fp8_all_gather and self.precision != "fp8":
             raise SpecError("fp8_all_gather gathers the weights fp8 matrix multiplies read: it needs precision fp8")
         _ = self.wire_format  # a wire the engine refuses (a block too large, too) is this spec's error, now
-        if self.sync_settings is not None and self.layout != "hybrid":
-            raise SpecError(f"sync applies to layout 'hybrid', whose groups train apart between syncs, not "
+        if uses_renamed_keys(self.diloco):  # read, with a warning, and kept under the new names
+            object.__setattr__(self, "diloco", str(self.diloco_settings))
+        if self.diloco_settings is not None and self.layout != "hybrid":
+            raise SpecError(f"diloco applies to layout 'hybrid', whose groups train apart between syncs, not "
                             f"{self.layout!r}")
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
@@ -411,10 +415,10 @@ class TrainingSpec:
             raise SpecError(str(err)) from None
 
     @property
-    def sync_settings(self) -> Sync | None:
-        """``sync`` parsed (None: synchronous training), or the reason it cannot be."""
+    def diloco_settings(self) -> DiLoCo | None:
+        """``diloco`` parsed (None: synchronous training), or the reason it cannot be."""
         try:
-            return Sync.parse(self.sync)
+            return DiLoCo.parse(self.diloco)
         except ValueError as err:
             raise SpecError(str(err)) from None
 
@@ -434,6 +438,8 @@ class TrainingSpec:
 
 
 SPECS = {"model": ModelSpec, "cluster": ClusterSpec, "training": TrainingSpec}
+# Keys read under their names before a rename, with a warning, for a release: old -> new.
+RENAMED_KEYS = {TrainingSpec: {"sync": "diloco"}}
 
 
 def parse(kind: str, mapping: Any, *, name: str | None = None):
@@ -456,6 +462,7 @@ def as_dict(spec) -> dict:
 def _build(cls, label: str, mapping: Any):
     if not isinstance(mapping, Mapping):
         raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
+    mapping = _renamed(cls, label, mapping)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(shown(key) for key in set(mapping) - set(fields))
     if unknown:
@@ -469,6 +476,18 @@ def _build(cls, label: str, mapping: Any):
         return cls(**values)
     except SpecError as err:
         raise SpecError(f"{label}: {err}") from None
+
+
+def _renamed(cls, label: str, mapping: Mapping) -> Mapping:
+    """``mapping`` with the keys of ``cls`` given under their old names (``RENAMED_KEYS``) under the
+    new ones, each with a warning; both names is an error."""
+    renamed = {old: new for old, new in RENAMED_KEYS.get(cls, {}).items() if old in mapping}
+    for old, new in renamed.items():
+        if new in mapping:
+            raise SpecError(f"{label}: {old} and {new} are the same key ({old} is its name before a rename): "
+                            f"give {new} alone")
+        warn_renamed(f"{label}: {old} is renamed {new}", stacklevel=4)
+    return {renamed.get(key, key): value for key, value in mapping.items()} if renamed else mapping
 
 
 def _coerce(where: str, hint, value):

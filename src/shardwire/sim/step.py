@@ -38,15 +38,14 @@ world for forward and within the group for backward. A quantized ``wire`` change
 collectives move and adds its kernels to them where their group spans nodes
 (``shardwire.sim.costs``); the schedule stays the same.
 
-With ``sync`` (hybrid groups that train apart, ``shardwire.engine.sync``) no gradient is
+With ``diloco`` (hybrid groups that train apart, ``shardwire.engine.diloco``) no gradient is
 all-reduced between the groups; the step is the average one of the sync's cycle, which carries
 ``1/H`` of the model's sync: an all-reduce of ``P / (G H)`` elements of each GPU's change with its
 peers in the other groups, fp32 or packed by the sync's wire, on a lane of its own. Overlapped
-(``overlap`` above 0), it is issued as the step starts and waited for as it ends, so it costs only
-what the link cannot carry beside the step; with ``overlap=0`` (the default) the step waits for it
-at once. (A fragment's sync
-is whole and spread over the steps it overlaps, not cut in H pieces: the average is the same, its
-collectives' latencies are counted H times.)
+(``fragment_sync_delay`` above 0), it is issued as the step starts and waited for as it ends, so it
+costs only what the link cannot carry beside the step; with ``fragment_sync_delay=0`` (the default)
+the step waits for it at once. (A fragment's sync is whole and spread over the steps it overlaps,
+not cut in H pieces: the average is the same, its collectives' latencies are counted H times.)
 
 How long each unit computes is the compute model's (``shardwire.sim.compute``). Left out: host
 overheads, stragglers and jitter; the step is the idealized schedule of the engine on ideal links.
@@ -175,7 +174,7 @@ def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> lis
     steps instead)."""
     group = shard_group(cluster, training)
     steps = [("reduce_scatter", params, group)]
-    if training.layout == "hybrid" and group.size < cluster.world and training.sync_settings is None:
+    if training.layout == "hybrid" and group.size < cluster.world and training.diloco_settings is None:
         steps.append(("all_reduce", params / group.size, _column(group.size, cluster)))
     return steps
 
@@ -202,8 +201,8 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
 def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
     """The GPUs a sync averages over: each GPU's peers at its position in the other groups (the
     engine's ``replicate`` communicator; one GPU where one group holds them all, Lookahead); None
-    without sync."""
-    if training.sync_settings is None:
+    without DiLoCo."""
+    if training.diloco_settings is None:
         return None
     return _column(group_size(cluster, training), cluster)
 
@@ -211,13 +210,13 @@ def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
 def sync_phases(params: float, cluster: ClusterSpec, training: TrainingSpec) -> tuple[float, list[Phase]] | None:
     """The sync one step carries on average, as (bytes in fp32, phases): one GPU's change of its
     shard of the model's ``params``, ``1/H`` of it, all-reduced with its peers in the other groups,
-    packed by the sync's wire where they are on other nodes; None without sync."""
+    packed by the sync's wire where they are on other nodes; None without DiLoCo."""
     group = sync_group(cluster, training)
     if group is None:
         return None
-    sync = training.sync_settings
-    numel = params / group_size(cluster, training) / sync.every
-    codec = costs.crossing_nodes(sync.codec, group)
+    diloco = training.diloco_settings
+    numel = params / group_size(cluster, training) / diloco.sync_every
+    codec = costs.crossing_nodes(diloco.codec, group)
     if codec is None:
         return 4 * numel, costs.all_reduce_phases(4 * numel, group, cluster)
     return 4 * numel, costs.quantized_all_reduce_phases(numel, 4, group, cluster, codec)
@@ -232,7 +231,7 @@ def error_feedback_elements(params: int, cluster: ClusterSpec, training: Trainin
     wire = training.wire_format
     synced = sync_group(cluster, training)
     kept = 0
-    if synced is not None and costs.crossing_nodes(training.sync_settings.codec, synced) is not None:
+    if synced is not None and costs.crossing_nodes(training.diloco_settings.codec, synced) is not None:
         kept = synced.nodes * math.ceil(params / group_size(cluster, training) / synced.size)  # the sync's
     if not wire.error_feedback:
         return kept
@@ -365,7 +364,7 @@ class _Step:
         synced = sync_phases(self.arch.params, self.cluster, self.training)
         if synced is not None:  # issued as the forward starts (the engine's root pre-forward)
             sync = self._syncs.submit("all_reduce", "sync", *synced)
-            if self.training.sync_settings.overlap == 0:
+            if self.training.diloco_settings.fragment_sync_delay == 0:
                 yield from self._wait(sync, "sync between groups (not overlapped)", "")
         last = self.training.grad_accum - 1
         for micro in range(self.training.grad_accum):

@@ -8,11 +8,14 @@ file, the printed launch command and the planner's commands all speak of the sam
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from shardwire import worker
+from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.layout import LAYOUTS
 from shardwire.models.gpt import PRESETS
 from shardwire.options import option
+from shardwire.renamed import RenamedWarning
 from shardwire.training.data import BIN_DTYPES, MAX_SEED
 
 
@@ -51,10 +54,11 @@ class TrainConfig:
     wire: str = option(
         "none", "what crosses nodes: none, int8 (parameters and gradients), or key=value pairs such as "
                 "params=int8,grads=int4,block=256 (only collectives that span nodes quantize)")
-    sync: str = option(
+    diloco: str = option(
         "none", "hybrid layout: let the groups train apart and take DiLoCo's outer step on their averaged change "
-                "every H steps (it changes the optimisation): none, or key=value pairs such as every=20,wire=int4 "
-                "(also fragments, outer_lr, momentum, overlap)")
+                "every H steps (it changes the optimisation): none, or key=value pairs such as "
+                "sync_every=20,wire=int4 (also fragments, outer_lr, momentum, fragment_sync_delay)",
+        renamed_from="sync")
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
     compile: bool = option(False, "compile each unit's forward with torch.compile (the first step compiles)")
     data: str | None = option(
@@ -106,3 +110,30 @@ def training_settings(config: TrainConfig) -> dict:
     it says which of them it changes."""
     return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)
             if field.name not in LAUNCH_OPTIONS + _REPORTING_OPTIONS}
+
+
+def changed_settings(recorded: dict, config: TrainConfig) -> dict[str, tuple]:
+    """Each setting ``config`` changes from those a checkpoint ``recorded``: name -> (recorded, now).
+    A checkpoint saved before a setting's rename records it under its old name (``sync``, now
+    ``diloco``, whose old keys ``every`` and ``overlap`` name the same settings as the new ones)."""
+    renamed = {field.metadata["option"].renamed_from: field.name for field in dataclasses.fields(config)
+               if "option" in field.metadata and field.metadata["option"].renamed_from}
+    current = training_settings(config)
+    changed = {}
+    for name, value in recorded.items():
+        name = renamed.get(name, name)
+        if name in current and _comparable(name, current[name]) != _comparable(name, value):
+            changed[name] = (value, current[name])
+    return changed
+
+
+def _comparable(name: str, value):
+    """``value`` of the setting ``name`` as it trains: DiLoCo's settings, whatever their spelling."""
+    if name != "diloco" or not isinstance(value, str):
+        return value
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RenamedWarning)
+            return DiLoCo.parse(value)
+    except (TypeError, ValueError):
+        return value

@@ -35,7 +35,7 @@ from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
 from shardwire.options import flag
-from shardwire.training.config import TrainConfig, training_settings
+from shardwire.training.config import TrainConfig, changed_settings, training_settings
 from shardwire.training.data import TOKEN_SUFFIXES, ByteCorpus, TokenCorpus, load_corpus
 from shardwire.training.progress import ProgressBar, format_duration, format_rate
 from shardwire.training.scalars import ScalarLog
@@ -73,7 +73,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         _shard(model, choice, config, device)
         if choice.load is not None:
             choice.load(model)
-    except ValueError as err:  # what only the built model shows (more sync fragments than units)
+    except ValueError as err:  # what only the built model shows (more DiLoCo fragments than units)
         raise SystemExit(f"error: {err}") from None
     engine = engine_of(model)
     scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
@@ -122,7 +122,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             optimizer.zero_grad(set_to_none=True)
         interval_steps += 1
         if step + 1 == config.steps:
-            shardwire.sync_now(model)  # groups that sync every H steps end as one model, saved as one
+            shardwire.diloco_sync(model)  # groups that sync every H steps end as one model, saved as one
 
         val_loss = None
         if config.eval_every and (step + 1) % config.eval_every == 0:
@@ -176,7 +176,7 @@ def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, dev
         layout=config.layout,
         shard_group_size=config.shard_group_size,
         wire=config.wire,
-        sync=config.sync,
+        diloco=config.diloco,
         mixed_precision="bf16" if config.precision == "fp8" else config.precision,
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
@@ -244,7 +244,7 @@ def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _describe_layout(engine) -> str:
     layout = engine.layout
     if layout.replicate is not None:
-        synced = "" if layout.sync is None else f", sync {layout.sync}"
+        synced = "" if layout.diloco is None else f", diloco {layout.diloco}"
         groups = layout.replicate.world
         return f"hybrid ({groups} group{'s' if groups > 1 else ''} of {layout.shard.world}{synced})"
     if layout.secondary is not None:
@@ -340,9 +340,8 @@ def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
     if dist.get_rank() == 0:
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
-            current = training_settings(config)
-            changed = [f"{flag(name)} {value} -> {current[name]}" for name, value in recorded.items()
-                       if name in current and current[name] != value]
+            changed = [f"{flag(name)} {before} -> {now}" for name, (before, now) in
+                       changed_settings(recorded, config).items()]
             what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
         else:
             what = " (it records no settings to compare this run's with)"

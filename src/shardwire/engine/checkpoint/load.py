@@ -6,11 +6,11 @@ parameters; save hybrid in groups of 2, load full at 3: the first group's files 
 Nothing is modified until every rank has read and verified all it needs: a load either completes
 on every rank or changes nothing anywhere.
 
-Groups that sync every H steps (``shard(..., sync=...)``) each saved their own shards, optimizer
+Groups that sync every H steps (``shard(..., diloco=...)``) each saved their own shards, optimizer
 and outer state: a run with as many groups reads its own group's, re-sliced for its group size. One
-with another number of groups, or without sync, starts every group from the global model (the
+with another number of groups, or without DiLoCo, starts every group from the global model (the
 anchor, which every group saved alike), with the first group's optimizer and the outer state, and
-nothing in flight; a run with sync that loads a checkpoint saved without it starts its outer
+nothing in flight; a run with DiLoCo that loads a checkpoint saved without it starts its outer
 optimisation from the loaded parameters.
 
 RNG states are per rank: at the world size the checkpoint was saved at, each rank gets its own back,
@@ -139,7 +139,7 @@ class _Staged:
     rng: dict[str, torch.Tensor]
     residuals: dict[str, torch.Tensor]  # error feedback, by key; restored where saved alike
     outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
-    schedule: list[int] | None  # and the outer optimisation's place (None: saved without sync)
+    schedule: list[int] | None  # and the outer optimisation's place (None: saved without DiLoCo)
 
     @classmethod
     def read(
@@ -219,7 +219,7 @@ def _saving_group(saved_groups: int, engine: Engine) -> int:
 def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
                  ) -> tuple[dict[str, dict[str, torch.Tensor]], list[int] | None]:
     """The outer state group ``saving_group`` saved, re-sliced for this rank's shards as the shards
-    are, and the schedule's place; none of it where the checkpoint was saved without sync."""
+    are, and the schedule's place; none of it where the checkpoint was saved without DiLoCo."""
     states = {}
     for saved, flat in zip(reader.manifest.flats, engine.flats):
         if flat.outer is None:

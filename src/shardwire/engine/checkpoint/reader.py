@@ -107,10 +107,10 @@ class CheckpointReader:
         return out
 
     def weights_key(self, flat: FlatRecord) -> str:
-        """The key of ``flat``'s weights as every group holds them: under sync every H steps each
+        """The key of ``flat``'s weights as every group holds them: under DiLoCo (sync every H steps) each
         group saved its own parameters beside the anchor, the model the groups last agreed on (the
         global model), which is the run's model to all but the group itself (a run with another number
-        of groups or without sync, an export); else the parameters."""
+        of groups or without DiLoCo, an export); else the parameters."""
         anchor = outer_key(flat.name, "anchor")
         return anchor if anchor in self.keys(self.shard_file(flat, 0)) else param_key(flat.name)
 
