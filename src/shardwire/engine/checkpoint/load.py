@@ -169,8 +169,8 @@ class _Staged:
             state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, saving_group)
             outer, schedule = _outer_state(reader, engine, saving_group) if engine.outer is not None else ({}, None)
             if schedule is not None and not own:  # every group starts from the global model, nothing in flight
-                outer = {name: {key: state[key] for key in ("anchor", "momentum") if key in state}
-                         for name, state in outer.items()}
+                outer = {name: {key: kept[key] for key in ("anchor", "momentum") if key in kept}
+                         for name, kept in outer.items()}
                 schedule = [schedule[0], schedule[0], -1]
             rng, residuals = {}, {}
             if manifest.world_size == world:
