@@ -296,14 +296,16 @@ def test_each_reduce_scatter_starts_when_its_unit_ends_and_overlaps_the_next_bac
 
 
 class Gate:
-    """A collective's work that completes only once ``inner`` has and ``opened`` is set, noting in
-    ``shut`` whether it gave up waiting for ``opened``."""
+    """A collective's work that completes only once ``inner`` has (None: a collective already done,
+    as a group of one's is) and ``opened`` is set, noting in ``shut`` whether it gave up waiting for
+    ``opened``."""
 
     def __init__(self, inner, opened: threading.Event, shut: list):
         self.inner, self.opened, self.shut = inner, opened, shut
 
     def wait(self, timeout=None):
-        self.inner.wait(timeout=timeout)
+        if self.inner is not None:
+            self.inner.wait(timeout=timeout)
         self.shut.append(not self.opened.wait(timeout=20))
 
 
