@@ -7,6 +7,7 @@ import importlib
 _API = {
     "CheckpointError": "shardwire.engine.checkpoint",
     "DiLoCo": "shardwire.engine.diloco",
+    "FaultTolerance": "shardwire.engine.fault_tolerance",
     "GradScaler": "shardwire.engine.grad_scaler",
     "MixedPrecision": "shardwire.engine.mixed_precision",
     "Sync": "shardwire.engine.diloco",  # renamed DiLoCo: warns, for a release
@@ -21,6 +22,7 @@ _API = {
     "load_checkpoint": "shardwire.engine.checkpoint",
     "load_latest_checkpoint": "shardwire.engine.checkpoint",
     "no_sync": "shardwire.engine.grad",
+    "recover_with": "shardwire.engine.recovery",
     "register_optimizer": "shardwire.engine.sharded_optim_state_dict",
     "save_checkpoint": "shardwire.engine.checkpoint",
     "shard": "shardwire.engine.shard",

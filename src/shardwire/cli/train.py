@@ -20,6 +20,7 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
+from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout import check_diloco, group_size
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
@@ -132,18 +133,28 @@ def _validate(config: TrainConfig) -> None:
     except ValueError as err:  # an OptionError, or an export directory that is not new
         raise SystemExit(f"error: {err}") from None
     try:
-        world, per_node = _world_and_node_size(config)
-        size = group_size(config.layout, config.shard_group_size, world, per_node)
-    except ValueError as err:
-        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
-        raise SystemExit(f"error: {message}") from None
-    try:
         Wire.parse(config.wire)
         diloco = DiLoCo.parse(config.diloco)  # warns for the keys every= and overlap=, renamed
+        fault_tolerance = FaultTolerance.parse(config.fault_tolerance)
     except ValueError as err:
         raise SystemExit(f"error: --{err}") from None
     if diloco is not None and uses_renamed_keys(config.diloco):
         config.diloco = str(diloco)  # the workers get the new names, and warn no more
+    if fault_tolerance is not None:
+        if not config.print_launch:  # a printed command leaves each node to name itself
+            config.fault_tolerance = str(fault_tolerance)  # every worker of the group the same name and lighthouse
+        if config.export_hf:
+            raise SystemExit("error: --export-hf with --fault-tolerance: every group would write the same "
+                             "directory; export one group's last checkpoint with shardwire export instead")
+    try:
+        world, per_node = _world_and_node_size(config)
+        check_fault_tolerance(fault_tolerance, diloco, config.layout, config.shard_group_size, world)
+        size = world if fault_tolerance is not None else group_size(config.layout, config.shard_group_size, world,
+                                                                    per_node)
+    except ValueError as err:
+        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
+        message = message.replace("diloco=", "--diloco ")
+        raise SystemExit(f"error: {message}") from None
     try:
         check_diloco(diloco, config.layout, size, world)
     except ValueError as err:

@@ -112,10 +112,10 @@ class FlatParam:
         if layout.diloco is not None and requires_grad:
             residual = None
             if layout.diloco.codec is not None:
-                residual = layout.replicate.residual_for(packing.shard_numel, all_reduce=True)
+                residual = layout.across_groups.residual_for(packing.shard_numel, all_reduce=True)
                 if residual is not None:
                     self.residuals["sync"] = residual
-            self.outer = OuterState(name, shard, layout.replicate, layout.diloco, residual)
+            self.outer = OuterState(name, shard, layout.across_groups, layout.diloco, residual)
         # The all-gather's output (rank-major), and the parameter-major buffer the modules view: one
         # tensor where the two orders coincide.
         self._gathered = torch.empty(packing.padded_numel, dtype=compute_dtype, device=shard.device)

@@ -63,9 +63,11 @@ import torch.distributed as dist
 
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
+from shardwire.comm.quorum import Quorum
 from shardwire.comm.wire import Wire
 from shardwire.engine.mixed_precision import DTYPES, MixedPrecision
 from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.fault_tolerance import FaultTolerance
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -84,6 +86,12 @@ class Layout:
     replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
     secondary: Communicator | None = None  # hybrid_secondary: backward gathers from secondary shards
     diloco: DiLoCo | None = None  # hybrid: the groups train apart and sync every H steps over replicate
+    quorum: Quorum | None = None  # fault-tolerant groups: diloco's syncs average over it, not replicate
+
+    @property
+    def across_groups(self) -> Communicator | Quorum | None:
+        """What a DiLoCo sync averages over: the quorum of fault-tolerant groups, else ``replicate``."""
+        return self.quorum if self.quorum is not None else self.replicate
 
     @property
     def communicators(self) -> list[Communicator]:
@@ -147,9 +155,11 @@ class Layout:
 
     @classmethod
     def build(cls, layout: str, size: int, wire: Wire, diloco: DiLoCo | None, policy: MixedPrecision,
-              group: dist.ProcessGroup, device: torch.device, timeout: datetime.timedelta) -> Layout:
+              group: dist.ProcessGroup, device: torch.device, timeout: datetime.timedelta,
+              fault_tolerance: FaultTolerance | None = None) -> Layout:
         """The communicators of ``layout`` with shard groups of ``size`` (from ``group_size``), able to
-        carry ``wire``'s quantized reductions and ``diloco``'s syncs (checked by ``check_diloco``).
+        carry ``wire``'s quantized reductions and ``diloco``'s syncs (checked by ``check_diloco``),
+        between the jobs of ``fault_tolerance``'s groups where given (``check_fault_tolerance``).
         Every rank creates them in the same order, once all ranks agree on what their collectives will carry: the
         layout, the wire, DiLoCo's settings and the mixed-precision ``policy``."""
         world = Communicator(group, device, timeout=timeout)
@@ -167,12 +177,13 @@ class Layout:
                 f"(its all-reduce makes subgroups of the nodes, as quantized gradients do): shard over the default "
                 f"group, or use diloco with wire=none"
             )
+        quorum = None if fault_tolerance is None else Quorum(fault_tolerance, world)
         built = dataclasses.replace(_communicators(layout, size, world, device, timeout, diloco is not None),
-                                    diloco=diloco)
+                                    diloco=diloco, quorum=quorum)
         if wire.grads is not None:
             for comm in built.communicators:
                 comm.prepare_quantized_reductions()
-        elif diloco is not None and diloco.codec is not None:
+        elif diloco is not None and diloco.codec is not None and quorum is None:
             built.replicate.prepare_quantized_reductions()
         return built
 

@@ -27,6 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from shardwire.comm.communicator import Communicator, Pending
+from shardwire.comm.quorum import Quorum
 from shardwire.engine.diloco import DiLoCo
 
 
@@ -90,6 +91,16 @@ class OuterState:
             shard.add_(progress)
         self.change = self.sent = self.own_squared = None
 
+    @torch.no_grad()
+    def drop(self, shard: torch.Tensor, *, behind: bool) -> None:
+        """Forget the sync sent (its quorum failed): the anchor and the momentum stay, and the
+        shard keeps this group's progress for the next sync to average; a group that was ``behind``
+        takes the anchor it received instead (its own progress is measured from another anchor)."""
+        self.wait()
+        if behind:
+            shard.copy_(self.anchor)
+        self.change = self.sent = self.own_squared = None
+
     def state(self) -> dict[str, torch.Tensor]:
         """The anchor and the momentum and, for a sync in flight (``wait`` for it first), its average
         and the shard it was sent from: what a checkpoint keeps."""
@@ -127,7 +138,8 @@ class OuterLoop:
     never wait on the link between groups.
     """
 
-    def __init__(self, flats_by_unit: list[list], diloco: DiLoCo, world: Communicator, replicate: Communicator):
+    def __init__(self, flats_by_unit: list[list], diloco: DiLoCo, world: Communicator, replicate: Communicator,
+                 quorum: Quorum | None = None):
         synced = [[flat for flat in flats if flat.outer is not None] for flats in flats_by_unit]
         synced = [flats for flats in synced if flats]
         count = diloco.fragments
@@ -143,6 +155,14 @@ class OuterLoop:
         # over this rank's shards, on the device (read where the training waits for it anyway).
         self._squares: torch.Tensor | None = None
         self._synced = 0  # fragments' syncs applied since then
+        # Fault-tolerant groups (``shardwire.engine.fault_tolerance``): the quorum a sync averages
+        # over, in place of ``replicate``; what a sync found, for the log.
+        self.quorum = quorum
+        self._joined = quorum is None
+        self._dropped = 0  # syncs since the last ``metrics`` that a failure in their quorum dropped
+        self._recovered = 0  # syncs since then in which this group received the others' state
+        if quorum is not None:
+            quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
     def step_done(self) -> None:
         self.steps += 1
@@ -150,7 +170,13 @@ class OuterLoop:
     def before_forward(self) -> None:
         """Apply the sync whose time has come and send those due after the steps since the last
         forward (one, unless a backward outside ``no_sync`` took more than one step), once per step:
-        all but the last at once, the last behind the next inner steps as the sync says."""
+        all but the last at once, the last behind the next inner steps as the sync says. A
+        fault-tolerant group syncs first at its first step, to meet the other groups (and receive
+        their state, if it is behind)."""
+        if not self._joined:
+            self._joined = True
+            self._send(0, eager=False, applied_after=self.steps)
+            self._apply()
         if self.checked == self.steps:
             return
         first, self.checked = self.checked + 1, self.steps
@@ -208,12 +234,16 @@ class OuterLoop:
         with record_function(f"shardwire::sync(fragment {fragment})"):
             for comm in self._spanning:
                 comm.verify_order("the syncs before this one")
+            if self.quorum is not None:
+                self.quorum.start()
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)
         self.in_flight = (flats, applied_after)
 
     def _apply(self) -> None:
         flats, _ = self.in_flight
+        if self.quorum is not None and not self._committed(flats):
+            return
         # A sync sent before a resume has no record of the groups' own changes: it goes unmeasured.
         measured = all(flat.outer.own_squared is not None for flat in flats)
         with record_function("shardwire::outer_step"):
@@ -226,6 +256,38 @@ class OuterLoop:
         self.in_flight = None
         self._synced += measured
 
+    def _committed(self, flats: list) -> bool:
+        """Whether the quorum's sync completed everywhere (a group behind loads the others' state
+        here); if not, it is dropped and every group goes on from its own parameters."""
+        for flat in flats:
+            flat.outer.wait()
+        behind = self.quorum.recovered
+        self._recovered += behind
+        if self.quorum.commit():
+            return True
+        for flat in flats:
+            flat.outer.drop(flat.shard, behind=behind)
+        self.in_flight = None
+        self._dropped += 1
+        return False
+
+    def _recovery_state(self) -> dict:
+        """What a group that is behind receives from this one at a sync (host tensors): the
+        schedule and, per flat buffer, the anchor and the outer momentum before this sync."""
+        flats = [flat for fragment in self.fragments for flat in fragment]
+        return {"schedule": [self.steps, self.checked],
+                "outer": [(flat.outer.anchor.cpu(), flat.outer.momentum.cpu()) for flat in flats]}
+
+    def _load_recovery_state(self, state: dict) -> None:
+        flats = [flat for fragment in self.fragments for flat in fragment]
+        if len(state["outer"]) != len(flats):
+            raise RuntimeError(f"a recovering group holds {len(flats)} synced buffers but a live peer sent "
+                               f"{len(state['outer'])}: every group must shard the same model the same way")
+        for flat, (anchor, momentum) in zip(flats, state["outer"]):
+            flat.outer.anchor.copy_(anchor)
+            flat.outer.momentum.copy_(momentum)
+        self.steps, self.checked = state["schedule"]
+
     def metrics(self) -> dict[str, float]:
         """What a sync of the whole model did, on average over the syncs since the last call (every
         rank calls it: one all-reduce of two numbers): ``outer_grad_norm``, the norm of the averaged
@@ -233,14 +295,22 @@ class OuterLoop:
         of the distance from each group's change to that average, which says how far apart the
         groups trained. Empty where no sync was applied since (the same on every rank: the schedule
         is shared); a fragment's sync counts as its share of one of the whole model."""
+        found = {}
+        if self.quorum is not None:  # the quorum's groups, for the log (the same on the group's ranks)
+            found = {"groups": self.quorum.participants, "dropped": self._dropped, "recovered": self._recovered}
+            self._dropped = self._recovered = 0
         if self._squares is None:
-            return {}
+            return found
         squares, self._squares = self._squares, None
         self._world.all_reduce(squares, tag="sync metrics").wait()
-        per_sync = len(self.fragments) / (self._groups * self._synced)
+        groups = 1 if self.quorum is not None else self._groups  # ``world``: the groups whose changes it adds
+        per_sync = len(self.fragments) / (groups * self._synced)
         self._synced = 0
         own, averaged = (value * per_sync for value in squares.tolist())
-        return {"outer_grad_norm": averaged ** 0.5, "drift": max(own - averaged, 0.0) ** 0.5}
+        found["outer_grad_norm"] = averaged ** 0.5
+        if self.quorum is None:  # a group alone knows its own change, not the others'
+            found["drift"] = max(own - averaged, 0.0) ** 0.5
+        return found
 
     @contextlib.contextmanager
     def global_model(self) -> Iterator[None]:

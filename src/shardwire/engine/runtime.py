@@ -139,7 +139,7 @@ class Engine:
         self._all_units = [root, *units]
         # sync every H steps across groups: the outer optimisation's schedule (None: synchronous)
         self.outer = None if layout.diloco is None else OuterLoop(
-            [unit.flats for unit in self._all_units], layout.diloco, layout.world, layout.replicate)
+            [unit.flats for unit in self._all_units], layout.diloco, layout.world, layout.replicate, layout.quorum)
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None

@@ -22,6 +22,7 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
 from shardwire.engine import materialize, sharded_state_dict
 from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout, check_diloco, group_size
 from shardwire.engine.mixed_precision import MixedPrecision
@@ -48,6 +49,7 @@ def shard(
     shard_group_size: int | None = None,
     wire: Wire | str | None = None,
     diloco: DiLoCo | str | None = None,
+    fault_tolerance: FaultTolerance | str | None = None,
     activation_checkpointing: bool = False,
     compile: bool | Mapping[str, Any] = False,
     timeout: float = 600.0,
@@ -100,6 +102,12 @@ def shard(
             change every H steps instead of their gradients at every step (DiLoCo; Streaming DiLoCo
             with ``fragments``): a ``shardwire.DiLoCo``, or its string form ("sync_every=50,
             fragments=4,wire=int4"). It changes the optimisation. See ``shardwire.engine.diloco``.
+        fault_tolerance: with ``diloco``, make this job (all of ``process_group``'s ranks) one group
+            of many that survive each other: the groups meet at each sync through a torchft
+            lighthouse, a lost group is left out and one that comes back receives the others'
+            state. A ``shardwire.FaultTolerance`` or its string form ("lighthouse=http://head:29510,
+            group=node-3"); ``shardwire.recover_with`` names what else a recovering group receives.
+            See ``shardwire.engine.fault_tolerance``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         compile: compile each unit's computation with ``torch.compile``, as torchtitan compiles its
             blocks: True, or a dict of torch.compile's keyword arguments (``{"mode": "max-autotune"}``;
@@ -127,6 +135,7 @@ def shard(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     wire = Wire.parse(wire)
     diloco = DiLoCo.parse(_renamed_diloco(diloco, sync))
+    fault_tolerance = FaultTolerance.parse(fault_tolerance)
     compile_options = _compile_options(compile)
     deadline = datetime.timedelta(seconds=timeout)
     if process_group is None:
@@ -135,9 +144,11 @@ def shard(
     worker.check_backend_serves(process_group, device)
     world = dist.get_world_size(process_group)
     per_node = groups.placement_of(process_group).ranks_per_node
-    size = group_size(layout, shard_group_size, world, per_node)
+    check_fault_tolerance(fault_tolerance, diloco, layout, shard_group_size, world)
+    # A fault-tolerant job is one group, however many ranks it has.
+    size = world if fault_tolerance is not None else group_size(layout, shard_group_size, world, per_node)
     check_diloco(diloco, layout, size, world)
-    if layout != "full" and shard_group_size is None and size == world:
+    if layout != "full" and shard_group_size is None and size == world and fault_tolerance is None:
         warnings.warn(
             f"layout={layout!r} takes its groups from the ranks of a node, and here all {world} ranks "
             f"form one (LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', 'not set')}): that is the full "
@@ -152,7 +163,7 @@ def shard(
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
     _check_diloco_fragments(diloco, owned)
-    layout = Layout.build(layout, size, wire, diloco, policy, process_group, device, deadline)
+    layout = Layout.build(layout, size, wire, diloco, policy, process_group, device, deadline, fault_tolerance)
     comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 

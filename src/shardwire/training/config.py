@@ -59,6 +59,11 @@ class TrainConfig:
                 "every H steps (it changes the optimisation): none, or key=value pairs such as "
                 "sync_every=20,wire=int4 (also fragments, outer_lr, momentum, fragment_sync_delay)",
         renamed_from="sync")
+    fault_tolerance: str = option(
+        "none", "with --diloco: make this job one group of many that survive each other, meeting at each sync "
+                "through a torchft lighthouse: none, or key=value pairs such as lighthouse=http://head:29510,"
+                "group=node-3 (also min_groups, timeout in seconds); each group checkpoints under "
+                "--checkpoint-dir/GROUP")
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
     compile: bool = option(False, "compile each unit's forward with torch.compile (the first step compiles)")
     data: str | None = option(

@@ -15,6 +15,7 @@ import datetime
 import math
 import os
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_tok
 from shardwire.profile.profiler import Profiler
 from shardwire.options import flag
 from shardwire.training.config import TrainConfig, changed_settings, training_settings
-from shardwire.training.data import TOKEN_SUFFIXES, ByteCorpus, TokenCorpus, load_corpus
+from shardwire.training.data import MAX_SEED, TOKEN_SUFFIXES, ByteCorpus, TokenCorpus, load_corpus
 from shardwire.training.progress import ProgressBar, format_duration, format_rate
 from shardwire.training.scalars import ScalarLog
 
@@ -76,11 +77,18 @@ def _train(config: TrainConfig, device: torch.device) -> None:
     except ValueError as err:  # what only the built model shows (more DiLoCo fragments than units)
         raise SystemExit(f"error: {err}") from None
     engine = engine_of(model)
+    quorum = engine.layout.quorum
+    if quorum is not None:
+        # Each group its own batches (the model's seed stays shared) and its own checkpoints.
+        config = dataclasses.replace(
+            config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
+            checkpoint_dir=config.checkpoint_dir and os.path.join(config.checkpoint_dir, quorum.settings.group))
     scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
     # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),
                                   fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    shardwire.recover_with(model, optimizer=optimizer, scheduler=scheduler)
 
     global_batch = config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
@@ -99,7 +107,8 @@ def _train(config: TrainConfig, device: torch.device) -> None:
     interval_start, interval_steps, losses = time.perf_counter(), 0, []
     started = time.perf_counter()
 
-    for step in range(start, config.steps):
+    step = start
+    while step < config.steps:
         model.train()
         with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
             for micro in range(config.grad_accum):
@@ -120,6 +129,8 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+        if engine.layout.quorum is not None:  # a group that was behind took the others' step at this step's sync
+            step = engine.outer.steps - 1
         interval_steps += 1
         if step + 1 == config.steps:
             shardwire.diloco_sync(model)  # groups that sync every H steps end as one model, saved as one
@@ -145,6 +156,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
             _save_checkpoint(config, model, optimizer, scheduler, step + 1)
             interval_start += time.perf_counter() - paused
+        step += 1
 
     if log is not None:
         log.close()
@@ -177,6 +189,7 @@ def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, dev
         shard_group_size=config.shard_group_size,
         wire=config.wire,
         diloco=config.diloco,
+        fault_tolerance=config.fault_tolerance,
         mixed_precision="bf16" if config.precision == "fp8" else config.precision,
         activation_checkpointing=config.activation_checkpointing,
         compile=config.compile,
@@ -304,7 +317,7 @@ class _IntervalLog:
             fields["val"] = f"{val_loss:.4f}"
             values["val_loss"] = val_loss
         if synced:
-            fields["sync"] = f"outer grad {synced['outer_grad_norm']:.3g}, drift {synced['drift']:.3g}"
+            fields["sync"] = _describe_syncs(synced)
             values.update({f"sync_{name}": value for name, value in synced.items()})
         if profiler is not None and "mfu" in (throughput := profiler.throughput(step_time)):
             values["mfu"] = throughput["mfu"]
@@ -314,6 +327,19 @@ class _IntervalLog:
     def close(self) -> None:
         self._progress.close()
         self._scalars.close()
+
+
+def _describe_syncs(synced: dict[str, float]) -> str:
+    """What the interval's syncs did: the outer gradient's norm and the groups' drift, or, between
+    fault-tolerant groups, the groups of the last sync and the syncs a failure dropped or that
+    brought this group the others' state."""
+    found = [f"outer grad {synced['outer_grad_norm']:.3g}"] if "outer_grad_norm" in synced else []
+    if "drift" in synced:
+        found.append(f"drift {synced['drift']:.3g}")
+    if "groups" in synced:
+        found.append(f"{synced['groups']} group{'' if synced['groups'] == 1 else 's'}")
+        found += [f"{synced[what]} {what}" for what in ("dropped", "recovered") if synced[what]]
+    return ", ".join(found)
 
 
 def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:

@@ -23,6 +23,11 @@ TAGS = {
     "exposed_comm_s": "comm/exposed_s",
     "val_loss": "val/loss",
     "mfu": "perf/mfu",
+    "sync_outer_grad_norm": "sync/outer_grad_norm",
+    "sync_drift": "sync/drift",
+    "sync_groups": "sync/groups",
+    "sync_dropped": "sync/dropped",
+    "sync_recovered": "sync/recovered",
 }
 
 

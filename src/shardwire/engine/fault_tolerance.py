@@ -1,0 +1,127 @@
+"""Fault-tolerant groups: a lost node costs its share of the work, not the run.
+
+Under DiLoCo (``shardwire.engine.diloco``) the groups already train apart between syncs, so a group
+that is gone only needs to be left out of the next average, and a group that comes back only needs
+what the others agreed on. With ``FaultTolerance`` each group is a job of its own (one torchrun per
+node, its ranks sharding the model among themselves), and the groups meet at every sync through
+torchft (pytorch/torchft), the ecosystem's answer to the same problem: a *lighthouse* (a small
+server, ``torchft_lighthouse``, on any machine every group can reach) forms a quorum of the groups
+that are alive at each sync, and each group's ranks all-reduce their shard's change with the ranks
+at the same position in the other groups of that quorum (torchft's reconfigurable process group,
+one per position, made anew for each new quorum). A group that died, hangs or is cut off stops
+sending heartbeats and is left out of the next quorum; one that fails during a sync makes the whole
+quorum discard that sync (torchft's ``should_commit`` vote), and every group keeps its own
+parameters and progress, to be averaged at the next sync: no step is lost either way.
+
+A group that starts late (its workers restarted by torchrun, a new machine given the same command)
+asks for a quorum at its first training step; the lighthouse waits for the live groups to reach
+their next sync (up to its ``--join_timeout_ms``), and in that quorum the new group, being behind,
+receives from a live peer at its position what the groups agree on: the anchor and outer momentum
+of its shard, the schedule's step, and whatever was registered with ``shardwire.recover_with`` (the
+optimizer's state, the learning-rate schedule). It takes part in that sync with no change of its
+own and leaves it holding the same model as the others. The syncs' participants and what a
+recovery received are logged.
+
+What does not carry over: hybrid's per-step reduction between groups (fault-tolerant HSDP) is not
+built (a sync every step, ``sync_every=1``, is the nearest); a sync's change travels in fp32
+(torchft's quantized all-reduce needs CUDA and Triton), whatever ``DiLoCo.wire`` says; a sync runs
+in the step (``fragment_sync_delay=0``).
+
+Torch-free, so that the launcher checks the settings before starting a worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read where no lighthouse is given
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultTolerance:
+    """Where the groups meet, and how long a sync waits for one (see the module's docstring).
+
+    ``lighthouse``: the torchft lighthouse's address (``http://host:port``; default: the
+    ``TORCHFT_LIGHTHOUSE`` variable). ``group``: this group's name, the same across its restarts
+    (default: the ``SHARDWIRE_GROUP`` variable, else the host's name). ``min_groups``: the fewest
+    groups a sync may average. ``timeout``: seconds a sync's quorum and all-reduce may take before
+    the groups missing from it are left out and the sync is dropped (the others go on). ``host``:
+    the name or address at which the other groups reach this one (a recovery's transfer; default:
+    the host's name, which must resolve to it on the other nodes)."""
+
+    lighthouse: str | None = None
+    group: str | None = None
+    min_groups: int = 1
+    timeout: float = 60.0
+    host: str | None = None
+
+    def __post_init__(self):
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(f"fault tolerance needs the lighthouse's address: give lighthouse=http://HOST:PORT "
+                             f"(start one with torchft_lighthouse) or set {LIGHTHOUSE_ENV}")
+        if "://" not in lighthouse:
+            lighthouse = f"http://{lighthouse}"
+        object.__setattr__(self, "lighthouse", lighthouse)
+        group = self.group or os.environ.get("SHARDWIRE_GROUP") or os.uname().nodename
+        if not isinstance(group, str) or not group.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"fault tolerance group must be a name of letters, digits, '-', '_' and '.', got {group!r}")
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "host", self.host or os.uname().nodename)
+        if type(self.min_groups) is not int or self.min_groups < 1:
+            raise ValueError(f"fault tolerance min_groups must be a positive integer, got {self.min_groups!r}")
+        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
+            raise ValueError(f"fault tolerance timeout must be a positive number of seconds, got {self.timeout!r}")
+
+    @classmethod
+    def parse(cls, text: FaultTolerance | str | None) -> FaultTolerance | None:
+        """None or "none": none; a ``FaultTolerance``; or the command line's form, comma-separated
+        ``key=value`` pairs of its fields, e.g. "lighthouse=http://head:29510,group=node-3"."""
+        if text is None or isinstance(text, FaultTolerance):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"fault_tolerance must be None, a string or a shardwire.FaultTolerance, "
+                            f"got {type(text).__name__}")
+        if text.strip() in ("none", ""):
+            return None
+        fields: dict[str, object] = {}
+        for item in text.split(","):
+            key, sep, value = (part.strip() for part in item.partition("="))
+            if not sep or key not in _FIELD_TYPES:
+                raise ValueError(f"fault tolerance {text!r} is not understood: use 'none', or key=value pairs of "
+                                 f"{', '.join(_FIELD_TYPES)}, e.g. 'lighthouse=http://head:29510,group=node-3'")
+            try:
+                fields[key] = _FIELD_TYPES[key](value)
+            except ValueError:
+                raise ValueError(f"fault tolerance {key} must be a number, got {value!r}") from None
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        return (f"lighthouse={self.lighthouse},group={self.group},min_groups={self.min_groups},timeout={self.timeout:g},"
+                f"host={self.host}")
+
+
+def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout: str, shard_group_size: int | None,
+                          world: int) -> None:
+    """A ``ValueError`` where ``fault_tolerance`` cannot run: it carries DiLoCo's syncs between jobs,
+    each job (its ``world`` ranks) one group of the hybrid layout, syncing the whole model in the step."""
+    if fault_tolerance is None:
+        return
+    if diloco is None or layout != "hybrid":
+        raise ValueError("fault tolerance carries DiLoCo's syncs between groups: give layout='hybrid' with diloco=... "
+                         "(sync_every=1 syncs every step)")
+    if diloco.fragments != 1:
+        raise ValueError(f"under fault tolerance the whole model syncs at once (a group that joins meets the others "
+                         f"at whichever sync comes): give diloco fragments=1, not {diloco.fragments}")
+    if shard_group_size not in (None, world):
+        raise ValueError(f"under fault tolerance each launched job is one group, but shard_group_size="
+                         f"{shard_group_size} cuts the job's {world} ranks into several: launch one job per group, "
+                         f"and leave shard_group_size out")
+    if diloco.fragment_sync_delay:
+        raise ValueError(f"under fault tolerance a sync runs in its step (a group may leave during it): give "
+                         f"diloco fragment_sync_delay=0, not {diloco.fragment_sync_delay}")
+
+
+_FIELD_TYPES = {"lighthouse": str, "group": str, "min_groups": int, "timeout": float, "host": str}

@@ -1,0 +1,153 @@
+"""Fault-tolerant groups (``shardwire.engine.fault_tolerance``): the settings and their checks, the
+training command's refusals before any worker starts, and one group syncing through a lighthouse.
+Groups that lose and regain each other: ``tests/faults/test_fault_tolerant_groups.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+import shardwire
+from shardwire.cli import main
+from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
+from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.shard import engine_of
+from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from test_sync import _diloco_reference, _sgd_steps
+
+GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
+
+
+def test_settings_parse_and_round_trip(monkeypatch):
+    settings = FaultTolerance.parse("lighthouse=head:29510,group=node-3,min_groups=2,timeout=30")
+    assert settings == FaultTolerance("http://head:29510", "node-3", 2, 30.0, os.uname().nodename)
+    assert FaultTolerance.parse(str(settings)) == settings
+    assert FaultTolerance.parse("none") is None and FaultTolerance.parse(None) is None
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    monkeypatch.setenv("SHARDWIRE_GROUP", "rack-2.node-7")
+    assert FaultTolerance(host="10.0.0.7") == FaultTolerance("http://lighthouse:29510", "rack-2.node-7", host="10.0.0.7")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("group=a", "fault tolerance needs the lighthouse's address"),
+    ("lighthouse=h:1,group=a b", "group must be a name of letters"),
+    ("lighthouse=h:1,min_groups=0", "min_groups must be a positive integer"),
+    ("lighthouse=h:1,timeout=-1", "timeout must be a positive number of seconds"),
+    ("lighthouse=h:1,timeout=soon", "timeout must be a number, got 'soon'"),
+    ("lighthouse=h:1,speed=2", "is not understood"),
+])
+def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match=message):
+        FaultTolerance.parse(text)
+
+
+@pytest.mark.parametrize("diloco, layout, group_size, message", [
+    (None, "hybrid", None, "carries DiLoCo's syncs between groups"),
+    (DiLoCo(), "full", None, "carries DiLoCo's syncs between groups"),
+    (DiLoCo(sync_every=8, fragments=2), "hybrid", None, "give diloco fragments=1"),
+    (DiLoCo(sync_every=8, fragment_sync_delay=2), "hybrid", None, "give diloco fragment_sync_delay=0"),
+    (DiLoCo(), "hybrid", 2, "each launched job is one group, but shard_group_size=2"),
+])
+def test_what_fault_tolerance_cannot_carry_is_refused(diloco, layout, group_size, message):
+    settings = FaultTolerance("http://head:29510", "a")
+    with pytest.raises(ValueError, match=message):
+        check_fault_tolerance(settings, diloco, layout, group_size, 4)
+    check_fault_tolerance(settings, DiLoCo(), "hybrid", None, 4)
+    check_fault_tolerance(settings, DiLoCo(), "hybrid", 4, 4)
+
+
+def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    hybrid = ["--layout", "hybrid", "--diloco", "sync_every=5"]
+    for args, message in [
+        ([*hybrid, "--fault-tolerance", "group=a"], "error: --fault tolerance needs the lighthouse's address"),
+        (["--fault-tolerance", "lighthouse=h:1"], "error: fault tolerance carries DiLoCo's syncs"),
+        ([*hybrid, "--fault-tolerance", "lighthouse=h:1", "--model", f"hf:{json.dumps(GPT2)}",
+          "--export-hf", str(tmp_path / "out")], "error: --export-hf with --fault-tolerance"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["train", *args])
+
+
+def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with():
+    torchft = pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        torch.manual_seed(0)
+        model = GPT(PRESETS["tiny"])
+        shardwire.shard(model, units=[Block], layout="hybrid", diloco="sync_every=2",
+                        fault_tolerance=f"lighthouse={lighthouse.address()},group=solo,timeout=10")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with pytest.raises(TypeError, match="recover_with: steps has no state_dict"):
+            shardwire.recover_with(model, steps=3)
+        shardwire.recover_with(model, optimizer=optimizer)
+        outer = engine_of(model).outer
+        batch = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17))
+        for _ in range(4):
+            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        shardwire.diloco_sync(model)
+        metrics = outer.metrics()
+        assert metrics["groups"] == 1 and metrics["dropped"] == 0 and metrics["recovered"] == 0
+        assert metrics["outer_grad_norm"] > 0 and "drift" not in metrics  # a group alone knows only its own change
+        for flat in engine_of(model).flats:
+            if flat.outer is not None:
+                torch.testing.assert_close(flat.shard.float(), flat.outer.anchor)  # synced: the global model
+    finally:
+        lighthouse.shutdown()
+
+
+def _fault_tolerant_group(index: int, lighthouse: str, steps: int, every: int, results) -> None:
+    """One group of one rank in a process of its own (its own world), trained as ``test_sync``'s
+    DiLoCo runs are; puts the model after ``diloco_sync`` and the last sync's metrics."""
+    os.environ["RUST_LOG"] = "warn"
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
+                            diloco=DiLoCo(sync_every=every, wire=None),
+                            fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=2, timeout=60))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _sgd_steps(model, optimizer, index, range(steps))
+    outer = engine_of(model).outer
+    outer.metrics()
+    shardwire.diloco_sync(model)
+    results.put(pickle.dumps((index, shardwire.full_state_dict(model), outer.metrics())))  # bytes: outlive the process
+
+
+@pytest.mark.slow
+def test_fault_tolerant_groups_match_the_independent_diloco_reference():
+    """Two groups, each a process of its own meeting at a lighthouse, against the single-process
+    DiLoCo reference of ``test_sync``: the same model after 7 steps with a sync every 3 and the final
+    one (the first sync, where the groups meet, averages no change), and the final sync's norm."""
+    import multiprocessing
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    groups = [context.Process(target=_fault_tolerant_group, args=(index, lighthouse.address(), 7, 3, results))
+              for index in range(2)]
+    try:
+        for group in groups:
+            group.start()
+        found = dict((index, (model, metrics)) for index, model, metrics in (pickle.loads(results.get(timeout=240)) for _ in groups))
+    finally:
+        for group in groups:
+            group.join(timeout=30)
+            if group.is_alive():
+                group.kill()
+        lighthouse.shutdown()
+    expected, (norm, _) = _diloco_reference(2, 1, 7, 3)
+    for model, metrics in found.values():
+        for key, value in expected.items():
+            torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert metrics["groups"] == 2 and metrics["outer_grad_norm"] == pytest.approx(norm, rel=1e-4)
