@@ -38,7 +38,7 @@ from torchft.coordination import LighthouseServer  # noqa: E402
 def workers(pattern: str) -> list[int]:
     """The training processes (torchrun's workers run ``python -u -m shardwire train``) whose command
     line matches ``pattern``, oldest first."""
-    found = subprocess.run(["pgrep", "-f", f"-u -m shardwire train.*{pattern}"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", f"python.* -u -m shardwire train.*{pattern}"], capture_output=True, text=True)
     return sorted(int(pid) for pid in found.stdout.split())
 
 

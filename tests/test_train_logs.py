@@ -38,6 +38,25 @@ def test_tensorboard_and_json_lines_hold_each_intervals_scalars(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
+def test_the_syncs_scalars_reach_tensorboard_and_json_lines(tmp_path):
+    """Under --diloco each log interval also holds what its syncs did, under TensorBoard tags of their own."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events, lines = tmp_path / "tb", tmp_path / "log.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "10", "--log-every", "5",
+         "--nproc", "2", "--layout", "hybrid", "--shard-group-size", "1", "--diloco", "sync_every=5",
+         "--eval-batches", "1", "--tensorboard", str(events), "--log-jsonl", str(lines)],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert {"sync_outer_grad_norm", "sync_drift"} <= set(records[-1])  # the syncs applied by step 10
+    board = EventAccumulator(str(events))
+    board.Reload()
+    assert {"sync/outer_grad_norm", "sync/drift"} <= set(board.Tags()["scalars"])
+
+
 def test_a_missing_tensorboard_is_refused_before_any_worker_starts(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert main(["train", "--tensorboard", str(tmp_path / "tb")]) == 2

@@ -63,7 +63,7 @@ class Group:
 
     def worker(self) -> int:
         """The training process under torchrun (``python -u -m shardwire train``) of this group."""
-        found = subprocess.run(["pgrep", "-f", f"-u -m shardwire train.*group={self.name},"], capture_output=True,
+        found = subprocess.run(["pgrep", "-f", f"python.* -u -m shardwire train.*group={self.name},"], capture_output=True,
                                text=True).stdout.split()
         assert found, f"group {self.name} has no worker"
         return int(found[0])

@@ -23,6 +23,21 @@ if TYPE_CHECKING:  # its settings, from the layer above (torch-free)
     from shardwire.engine.fault_tolerance import FaultTolerance
 
 
+QUORUM_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def _transport(host: str, timeout: datetime.timedelta):
+    """torchft's HTTP transport of a recovery's state, at ``host`` rather than the host's name (which
+    may not resolve on the other nodes)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
 class QuorumPending:
     """An all-reduce between the groups of a quorum, as ``Communicator``'s ``Pending`` is waited for:
     ``wait()`` never raises (torchft records the failure for ``Quorum.commit``)."""
@@ -61,9 +76,13 @@ class Quorum:
         self.settings = settings
         self._manager = torchft.Manager(
             pg=across, load_state_dict=None, state_dict=None, min_replica_size=settings.min_groups,
-            use_async_quorum=True, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            use_async_quorum=True, timeout=timeout, connect_timeout=timeout,
+            # The lighthouse bounds the wait for a quorum (its heartbeat and join timeouts); a group
+            # that joins waits there for the live groups' next sync, however far apart syncs are.
+            quorum_timeout=QUORUM_TIMEOUT,
             rank=group.rank, world_size=group.world, store_addr=host, store_port=port, replica_id=settings.group,
             lighthouse_addr=settings.lighthouse, hostname=settings.host,
+            checkpoint_transport=_transport(settings.host, timeout),
             init_sync=False,  # every group starts from the same seed; a late one is recovered at its first sync
         )
         self.participants = 0  # groups in the current quorum

@@ -46,8 +46,9 @@ class FaultTolerance:
     ``lighthouse``: the torchft lighthouse's address (``http://host:port``; default: the
     ``TORCHFT_LIGHTHOUSE`` variable). ``group``: this group's name, the same across its restarts
     (default: the ``SHARDWIRE_GROUP`` variable, else the host's name). ``min_groups``: the fewest
-    groups a sync may average. ``timeout``: seconds a sync's quorum and all-reduce may take before
-    the groups missing from it are left out and the sync is dropped (the others go on). ``host``:
+    groups a sync may average. ``timeout``: seconds a sync's all-reduce and commit vote may take
+    before the sync is dropped (the groups go on; the lighthouse leaves a silent group out of the
+    next quorum after its heartbeat timeout). ``host``:
     the name or address at which the other groups reach this one (a recovery's transfer; default:
     the host's name, which must resolve to it on the other nodes)."""
 

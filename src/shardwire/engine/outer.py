@@ -173,10 +173,7 @@ class OuterLoop:
         all but the last at once, the last behind the next inner steps as the sync says. A
         fault-tolerant group syncs first at its first step, to meet the other groups (and receive
         their state, if it is behind)."""
-        if not self._joined:
-            self._joined = True
-            self._send(0, eager=False, applied_after=self.steps)
-            self._apply()
+        self.join()
         if self.checked == self.steps:
             return
         first, self.checked = self.checked + 1, self.steps
@@ -191,15 +188,27 @@ class OuterLoop:
             if lag == 0:
                 self._apply()
 
+    def join(self) -> None:
+        """A fault-tolerant group's first sync, before its first step (``shardwire train`` calls it
+        before its loop; otherwise the first training forward does): it meets the other groups, and
+        a group that is behind receives their state and step here. Being a sync, it is the one due
+        now, if any (a run resumed at a multiple of ``sync_every``)."""
+        if self._joined:
+            return
+        self._joined = True
+        self._send(0, eager=False, applied_after=self.steps)
+        self._apply()
+        self.checked = self.steps
+
     def sync_now(self) -> None:
         """Apply the sync in flight, then sync every fragment at once, waiting for each: afterwards
         every group holds the same model (to evaluate or export the result of training)."""
         if self.in_flight is not None:
             self._apply()
+        self.checked = self.steps  # what was due after this step is synced: the next forward sends nothing
         for fragment in range(len(self.fragments)):
             self._send(fragment, eager=False, applied_after=self.steps)
             self._apply()
-        self.checked = self.steps  # what was due after this step is synced: the next forward sends nothing
 
     def restart(self) -> None:
         """Start the outer optimisation afresh from the parameters as they are: after weights were
@@ -284,6 +293,9 @@ class OuterLoop:
             raise RuntimeError(f"a recovering group holds {len(flats)} synced buffers but a live peer sent "
                                f"{len(state['outer'])}: every group must shard the same model the same way")
         for flat, (anchor, momentum) in zip(flats, state["outer"]):
+            if anchor.shape != flat.outer.anchor.shape:
+                raise RuntimeError(f"a recovering group's shard of {flat.outer._tag} holds {flat.outer.anchor.numel()} "
+                                   f"elements but a live peer's {anchor.numel()}: every group must have as many ranks")
             flat.outer.anchor.copy_(anchor)
             flat.outer.momentum.copy_(momentum)
         self.steps, self.checked = state["schedule"]

@@ -100,6 +100,9 @@ def _train(config: TrainConfig, device: torch.device) -> None:
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
               f"{precision}; data: {corpus.description}", flush=True)
     start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
+    if quorum is not None:  # meet the other groups: one that is behind takes their state and step here
+        engine.outer.join()
+        start = engine.outer.steps
     profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
     log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
     loss_sum = torch.zeros((), device=device)  # over the steps since the last log line
@@ -129,8 +132,8 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        if engine.layout.quorum is not None:  # a group that was behind took the others' step at this step's sync
-            step = engine.outer.steps - 1
+        if quorum is not None:  # a group that was behind took the others' step at this step's sync
+            step = min(engine.outer.steps, config.steps) - 1
         interval_steps += 1
         if step + 1 == config.steps:
             shardwire.diloco_sync(model)  # groups that sync every H steps end as one model, saved as one
