@@ -185,3 +185,26 @@ def check_output_file(path: str, option: str) -> None:
     """``path`` names a regular file the job can write (``shardwire.files``' policy), or one it can create."""
     if (problem := output_problem(path)) is not None:
         raise OptionError(f"{option} {path} {problem}")
+
+
+def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, not_understood: str,
+                    bad_value: Callable[[str, str], str],
+                    renamed: Mapping[str, str] | None = None) -> tuple[dict[str, typing.Any], list[str]]:
+    """The fields of a setting given in the command line's form, comma-separated ``key=value`` pairs
+    (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]``; and the keys given by
+    an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises
+    ``ValueError(not_understood)``, a value its type refuses ``ValueError(bad_value(key, value))``."""
+    fields: dict[str, typing.Any] = {}
+    old_names = []
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if sep and renamed and key in renamed:
+            old_names.append(key)
+            key = renamed[key]
+        if not sep or key not in types:
+            raise ValueError(not_understood)
+        try:
+            fields[key] = types[key](value)
+        except ValueError:
+            raise ValueError(bad_value(key, value)) from None
+    return fields, old_names

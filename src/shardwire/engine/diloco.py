@@ -44,6 +44,7 @@ import dataclasses
 import math
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire
+from shardwire.options import settings_fields
 from shardwire.renamed import warn_renamed
 
 # The fields' names before torchft's, kept for a release: old -> new.
@@ -103,23 +104,13 @@ class DiLoCo:
             raise TypeError(f"diloco must be None, a string or a shardwire.DiLoCo, got {type(diloco).__name__}")
         if diloco.strip() in ("none", ""):
             return None
-        fields: dict[str, object] = {}
-        names = [field.name for field in dataclasses.fields(cls)]
-        renamed = []
-        for item in diloco.split(","):
-            key, sep, value = (part.strip() for part in item.partition("="))
-            if sep and key in RENAMED_FIELDS:
-                renamed.append(f"{key}= is renamed {RENAMED_FIELDS[key]}=")
-                key = RENAMED_FIELDS[key]
-            if not sep or key not in names:
-                raise ValueError(f"diloco {diloco!r} is not understood: use 'none', or key=value pairs of "
-                                 f"{', '.join(names)}, e.g. 'sync_every=50,fragments=4,wire=int4'")
-            try:
-                fields[key] = _FIELD_TYPES[key](value)
-            except ValueError:
-                raise ValueError(f"diloco {key} must be {_FIELD_WORDS[key]}, got {value!r}") from None
-        if renamed:
-            warn_renamed(f"diloco {', '.join(renamed)}")
+        fields, old_names = settings_fields(
+            diloco, _FIELD_TYPES, renamed=RENAMED_FIELDS,
+            not_understood=f"diloco {diloco!r} is not understood: use 'none', or key=value pairs of "
+                           f"{', '.join(_FIELD_TYPES)}, e.g. 'sync_every=50,fragments=4,wire=int4'",
+            bad_value=lambda key, value: f"diloco {key} must be {_FIELD_WORDS[key]}, got {value!r}")
+        if old_names:
+            warn_renamed(f"diloco {', '.join(f'{old}= is renamed {RENAMED_FIELDS[old]}=' for old in old_names)}")
         return cls(**fields)
 
     @property

@@ -36,6 +36,8 @@ import dataclasses
 import math
 import os
 
+from shardwire.options import settings_fields
+
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read where no lighthouse is given
 
 
@@ -87,16 +89,11 @@ class FaultTolerance:
                             f"got {type(text).__name__}")
         if text.strip() in ("none", ""):
             return None
-        fields: dict[str, object] = {}
-        for item in text.split(","):
-            key, sep, value = (part.strip() for part in item.partition("="))
-            if not sep or key not in _FIELD_TYPES:
-                raise ValueError(f"fault tolerance {text!r} is not understood: use 'none', or key=value pairs of "
-                                 f"{', '.join(_FIELD_TYPES)}, e.g. 'lighthouse=http://head:29510,group=node-3'")
-            try:
-                fields[key] = _FIELD_TYPES[key](value)
-            except ValueError:
-                raise ValueError(f"fault tolerance {key} must be a number, got {value!r}") from None
+        fields, _ = settings_fields(
+            text, _FIELD_TYPES,
+            not_understood=f"fault tolerance {text!r} is not understood: use 'none', or key=value pairs of "
+                           f"{', '.join(_FIELD_TYPES)}, e.g. 'lighthouse=http://head:29510,group=node-3'",
+            bad_value=lambda key, value: f"fault tolerance {key} must be a number, got {value!r}")
         return cls(**fields)
 
     def __str__(self) -> str:

@@ -294,8 +294,8 @@ class OuterLoop:
                                f"{len(state['outer'])}: every group must shard the same model the same way")
         for flat, (anchor, momentum) in zip(flats, state["outer"]):
             if anchor.shape != flat.outer.anchor.shape:
-                raise RuntimeError(f"a recovering group's shard of {flat.outer._tag} holds {flat.outer.anchor.numel()} "
-                                   f"elements but a live peer's {anchor.numel()}: every group must have as many ranks")
+                raise RuntimeError(f"a recovering group's shard holds {flat.outer.anchor.numel()} elements but a live "
+                                   f"peer's {anchor.numel()}: every group must have as many ranks")
             flat.outer.anchor.copy_(anchor)
             flat.outer.momentum.copy_(momentum)
         self.steps, self.checked = state["schedule"]
