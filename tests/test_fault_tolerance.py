@@ -74,7 +74,7 @@ def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(
             main(["train", *args])
 
 
-def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with():
+def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tmp_path):
     torchft = pytest.importorskip("torchft")
     from torchft.coordination import LighthouseServer
 
@@ -98,10 +98,19 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with():
         shardwire.diloco_sync(model)
         metrics = outer.metrics()
         assert metrics["groups"] == 1 and metrics["dropped"] == 0 and metrics["recovered"] == 0
+        assert metrics["skipped_steps"] == 0 and metrics["recovery_bytes"] == 0 and metrics["wait_s"] >= 0
         assert metrics["outer_grad_norm"] > 0 and "drift" not in metrics  # a group alone knows only its own change
         for flat in engine_of(model).flats:
             if flat.outer is not None:
                 torch.testing.assert_close(flat.shard.float(), flat.outer.anchor)  # synced: the global model
+        # A checkpoint keeps the count of syncs committed (the join, the one due after step 2, the
+        # final one), so that a group resumed from an older checkpoint than the others' is behind them
+        # and recovers their state.
+        assert outer.quorum.state()[0] == 3
+        shardwire.save_checkpoint(tmp_path / "ckpt", model, optimizer, step=4)
+        outer.quorum.load_state([9, 9])
+        shardwire.load_checkpoint(tmp_path / "ckpt", model, optimizer)
+        assert outer.quorum.state()[0] == 3
     finally:
         lighthouse.shutdown()
 

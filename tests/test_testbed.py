@@ -6,6 +6,7 @@ import io
 import os
 import re
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -216,6 +217,37 @@ def test_a_failing_node_stops_the_job(testbed, tmp_path):
     assert re.search(r"^node\d failed \(exit \d+\): stopping the other nodes$", out.getvalue(), re.MULTILINE)
     for namespace in testbed.namespaces:
         assert not subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.root
+@root_only
+def test_exec_runs_on_a_node_under_its_name_and_a_cut_link_carries_nothing_until_it_is_up(testbed):
+    """``exec`` runs as on a machine of the cluster (its hostname resolves to its address); ``link
+    down`` pulls the node's cable: a connection to it fails until ``link up``."""
+    def exec_on(node: int, code: str, *, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardwire", "testbed", "exec", "--name", testbed.name,
+                               f"node{node}", "--", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=timeout)
+
+    named = exec_on(1, "import socket; name = socket.gethostname(); print(name, socket.gethostbyname(name))")
+    assert named.stdout.split() == [testbed.namespace(1), testbed.address(1)], named.stderr
+    server = subprocess.Popen([sys.executable, "-m", "shardwire", "testbed", "exec", "--name", testbed.name, "node1",
+                               "--", sys.executable, "-c", "import socket, time\n"
+                               "s = socket.create_server(('', 29999)); s.settimeout(60)\n"
+                               "while True: s.accept()[0].close()"])
+    connect = f"import socket; socket.create_connection(('{testbed.namespace(1)}', 29999), timeout=2); print('ok')"
+    try:
+        deadline = time.monotonic() + 30
+        while exec_on(0, connect).stdout.strip() != "ok":
+            assert time.monotonic() < deadline, "node1 never listened"
+        assert main(["testbed", "link", "--name", testbed.name, "node1", "down"]) == 0
+        assert "timed out" in exec_on(0, connect).stderr
+        assert main(["testbed", "link", "--name", testbed.name, "node1", "up"]) == 0
+        assert exec_on(0, connect).stdout.strip() == "ok"
+    finally:
+        network.set_link(testbed, 1, up=True)
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.root

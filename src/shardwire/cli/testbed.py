@@ -4,15 +4,19 @@
     shardwire testbed up --nodes 2 --like h100-100gbe    # as much network per FLOP as that cluster
     shardwire testbed check
     shardwire testbed run --nproc-per-node 2 -- -m shardwire train --model 30m
+    shardwire testbed exec node1 -- shardwire train --nproc 2 ...    # one node's own job
+    shardwire testbed link node1 down                                # pull its cable; `up` again
     shardwire testbed down
 
 What follows ``--`` in ``run`` is what torchrun takes after its own options: a script and its
-arguments, ``-m module ...``, or ``--no-python program ...``.
+arguments, ``-m module ...``, or ``--no-python program ...``. What follows it in ``exec`` is a
+command, run on that node as on a machine of the cluster: under the node's hostname, with its link.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -50,7 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "(default 1)")
     run = action("run", "run a torchrun job across the nodes: shardwire testbed run [--nproc-per-node R] -- CMD...")
     run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restart every node's workers when one fails, at most this many times (default 0)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="after --: torchrun's script and its arguments")
+    execute = action("exec", "run a command on one node, as on a machine of the cluster: shardwire testbed exec "
+                             "NODE -- CMD...")
+    execute.add_argument("node", help="the node: node0, node1, ... (as `up` lists them)")
+    execute.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command and its arguments")
+    link = action("link", "cut a node off the switch (down) or connect it again (up), as a pulled cable")
+    link.add_argument("node", help="the node: node0, node1, ... (as `up` lists them)")
+    link.add_argument("state", choices=("up", "down"), help="connect (up) or cut (down)")
     measure = action("check", "measure the links between and inside nodes, and judge them against the shaping")
     measure.add_argument("--seconds", type=float, default=1.0, help="length of each cross-node transfer")
     action("down", "stop anything still running on the nodes and remove the testbed")
@@ -96,19 +109,46 @@ def _run(args) -> int:
         raise TestbedError("give the job after --, e.g. `shardwire testbed run -- -m shardwire train`")
     if args.nproc_per_node < 1:
         raise TestbedError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    testbed = Testbed.load(args.name)
+    if args.max_restarts < 0:
+        raise TestbedError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    testbed = _built(args.name)
     try:  # every node's workers run on this machine
         host_memory_per_worker(testbed.nodes * args.nproc_per_node)
     except ValueError as err:
         raise TestbedError(f"{err}: lower --nproc-per-node") from None
-    if not network.is_up(testbed):
-        raise TestbedError(f"{testbed.describe()} is only partly there; rebuild it with `shardwire testbed up`")
 
     def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    return job.run_job(testbed, args.nproc_per_node, command)
+    return job.run_job(testbed, args.nproc_per_node, command, max_restarts=args.max_restarts)
+
+
+def _exec(args) -> int:
+    """Replace this process with the command, so that its exit status and the signals sent to it are
+    the command's own."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise TestbedError("give the command after --, e.g. `shardwire testbed exec node0 -- hostname`")
+    testbed = _built(args.name)
+    argv = network.in_namespace(testbed.namespace(testbed.node(args.node)), command)
+    os.execvpe(argv[0], argv, job.node_environment(testbed))
+
+
+def _link(args) -> int:
+    testbed = _built(args.name)
+    node = testbed.node(args.node)
+    network.set_link(testbed, node, args.state == "up")
+    print(f"node{node}: link {args.state}")
+    return 0
+
+
+def _built(name: str) -> Testbed:
+    """The testbed ``up`` recorded for ``name``, refused unless all of it is there."""
+    testbed = Testbed.load(name)
+    if not network.is_up(testbed):
+        raise TestbedError(f"{testbed.describe()} is only partly there; rebuild it with `shardwire testbed up`")
+    return testbed
 
 
 def _check(args) -> int:
@@ -130,4 +170,4 @@ def _down(args) -> int:
     return 0
 
 
-_ACTIONS = {"up": _up, "run": _run, "check": _check, "down": _down}
+_ACTIONS = {"up": _up, "run": _run, "exec": _exec, "link": _link, "check": _check, "down": _down}

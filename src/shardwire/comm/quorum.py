@@ -11,11 +11,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from shardwire.comm.communicator import Communicator
 
@@ -24,6 +26,12 @@ if TYPE_CHECKING:  # its settings, from the layer above (torch-free)
 
 
 QUORUM_TIMEOUT = datetime.timedelta(hours=2)
+# How often a group asks the lighthouse again for a quorum after the request failed. torchft's manager
+# server does not answer its ranks when its request to the lighthouse fails and is not retried, so
+# they would wait out QUORUM_TIMEOUT; a link cut for longer than its HTTP/2 keep-alive (60 s, then
+# 20 s for the answer) fails the request. Asking again every few seconds brings the group back to
+# the syncs soon after its link is.
+QUORUM_RETRY = datetime.timedelta(seconds=5)
 
 
 def _transport(host: str, timeout: datetime.timedelta):
@@ -79,7 +87,7 @@ class Quorum:
             use_async_quorum=True, timeout=timeout, connect_timeout=timeout,
             # The lighthouse bounds the wait for a quorum (its heartbeat and join timeouts); a group
             # that joins waits there for the live groups' next sync, however far apart syncs are.
-            quorum_timeout=QUORUM_TIMEOUT,
+            quorum_timeout=QUORUM_TIMEOUT, quorum_retries=QUORUM_TIMEOUT // QUORUM_RETRY - 1,
             rank=group.rank, world_size=group.world, store_addr=host, store_port=port, replica_id=settings.group,
             lighthouse_addr=settings.lighthouse, hostname=settings.host,
             checkpoint_transport=_transport(settings.host, timeout),
@@ -87,17 +95,26 @@ class Quorum:
         )
         self.participants = 0  # groups in the current quorum
         self.recovered = False  # whether this group is behind: it receives the others' state at ``commit``
+        # Since the last ``take_costs``: what failures cost this rank, for the log.
+        self._waited_s = 0.0  # waiting for quorums and commit votes
+        self._received_bytes = 0  # the others' state received in recoveries
 
     def register(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]) -> None:
         """What a group that is behind receives from a live peer at its position, under ``key``."""
-        self._manager.register_state_dict_fn(key, load_state_dict, state_dict)
+        def load(state: object) -> None:
+            self._received_bytes += sum(leaf.nbytes for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor))
+            load_state_dict(state)
+
+        self._manager.register_state_dict_fn(key, load, state_dict)
 
     def start(self) -> None:
         """Agree with the lighthouse on the groups of this sync. A group that is behind fetches the
         registered state of a live peer at its position meanwhile, takes part in the sync's
         all-reduces with nothing of its own, and loads that state at ``commit``."""
+        start = time.perf_counter()
         self._manager.start_quorum()
         self._manager.wait_quorum()
+        self._waited_s += time.perf_counter() - start
         self.participants = self._manager.num_participants()
         self.recovered = not self._manager.is_participating()
 
@@ -119,7 +136,30 @@ class Quorum:
     def commit(self) -> bool:
         """Whether every group of the quorum completed the sync (all vote the same): if not, the sync
         is dropped everywhere. A recovering group loads the state it received first."""
-        return self._manager.should_commit()
+        start = time.perf_counter()
+        try:
+            return self._manager.should_commit()
+        finally:
+            self._waited_s += time.perf_counter() - start
+
+    def state(self) -> list[int]:
+        """torchft's count of the syncs this group committed and of the batches they averaged, for a
+        checkpoint: the lighthouse takes a group with fewer for one that is behind."""
+        saved = self._manager.state_dict()
+        return [saved["step"], saved["batches_committed"]]
+
+    def load_state(self, state: list[int] | None) -> None:
+        """Restore ``state`` (None: a checkpoint saved without fault tolerance; counted from 0)."""
+        step, batches = state or (0, 0)
+        self._manager.load_state_dict({"step": step, "batches_committed": batches})
+
+    def take_costs(self) -> dict[str, float]:
+        """What failures cost this rank since the last call: ``wait_s``, the seconds spent waiting for
+        quorums and commit votes (for the lighthouse to leave a lost group out, for a sync that fails
+        to time out), and ``recovery_bytes``, the bytes of the others' state received."""
+        costs = {"wait_s": self._waited_s, "recovery_bytes": self._received_bytes}
+        self._waited_s, self._received_bytes = 0.0, 0
+        return costs
 
     def verify_order(self, what: str) -> None:
         """Nothing to compare: a quorum carries only its syncs, in the schedule every group shares."""

@@ -161,6 +161,7 @@ class OuterLoop:
         self._joined = quorum is None
         self._dropped = 0  # syncs since the last ``metrics`` that a failure in their quorum dropped
         self._recovered = 0  # syncs since then in which this group received the others' state
+        self._skipped = 0  # steps this group's recoveries moved it forward since then
         if quorum is not None:
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
@@ -244,7 +245,8 @@ class OuterLoop:
             for comm in self._spanning:
                 comm.verify_order("the syncs before this one")
             if self.quorum is not None:
-                self.quorum.start()
+                with record_function("shardwire::quorum"):
+                    self.quorum.start()
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)
         self.in_flight = (flats, applied_after)
@@ -272,7 +274,9 @@ class OuterLoop:
             flat.outer.wait()
         behind = self.quorum.recovered
         self._recovered += behind
-        if self.quorum.commit():
+        with record_function("shardwire::quorum_commit"):
+            committed = self.quorum.commit()
+        if committed:
             return True
         for flat in flats:
             flat.outer.drop(flat.shard, behind=behind)
@@ -298,6 +302,7 @@ class OuterLoop:
                                    f"peer's {anchor.numel()}: every group must have as many ranks")
             flat.outer.anchor.copy_(anchor)
             flat.outer.momentum.copy_(momentum)
+        self._skipped += state["schedule"][0] - self.steps
         self.steps, self.checked = state["schedule"]
 
     def metrics(self) -> dict[str, float]:
@@ -306,11 +311,14 @@ class OuterLoop:
         change (the outer optimizer's gradient), and ``drift``, the root mean square over the groups
         of the distance from each group's change to that average, which says how far apart the
         groups trained. Empty where no sync was applied since (the same on every rank: the schedule
-        is shared); a fragment's sync counts as its share of one of the whole model."""
+        is shared); a fragment's sync counts as its share of one of the whole model. Between
+        fault-tolerant groups, instead of ``drift``: the groups of the last quorum, the syncs dropped
+        and recovered since, the steps recoveries moved this group forward, and ``Quorum.take_costs``."""
         found = {}
-        if self.quorum is not None:  # the quorum's groups, for the log (the same on the group's ranks)
-            found = {"groups": self.quorum.participants, "dropped": self._dropped, "recovered": self._recovered}
-            self._dropped = self._recovered = 0
+        if self.quorum is not None:  # the quorum's groups and what failures cost, for the log
+            found = {"groups": self.quorum.participants, "dropped": self._dropped, "recovered": self._recovered,
+                     "skipped_steps": self._skipped, **self.quorum.take_costs()}
+            self._dropped = self._recovered = self._skipped = 0
         if self._squares is None:
             return found
         squares, self._squares = self._squares, None

@@ -27,39 +27,46 @@ STOP_GRACE_S = 10.0
 POLL_S = 0.1
 
 
-def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list[str], job_id: str) -> list[str]:
+def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list[str], job_id: str,
+                 max_restarts: int = 0) -> list[str]:
     return in_namespace(testbed.namespace(node), [
         sys.executable, "-m", "torch.distributed.run",
         *rendezvous_options(testbed.nodes, nproc_per_node, f"{testbed.address(0)}:{RDZV_PORT}", job_id),
-        # Every node has this machine's hostname, which names none of them: say which node hosts
-        # the rendezvous store, and give each node's address for the workers' MASTER_ADDR.
+        # Said outright, not left to torchrun to infer: which node hosts the rendezvous store, and
+        # each node's address for the workers' MASTER_ADDR.
         f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={testbed.address(node)}",
-        "--max-restarts=0",
+        f"--max-restarts={max_restarts}",
         *command,
     ])
 
 
-def node_environment(testbed: Testbed, nproc_per_node: int) -> dict[str, str]:
-    """The caller's environment, with collectives bound to the node's link and, unless the user chose,
-    one compute thread per core and rank: all the nodes share this machine's cores."""
+def node_environment(testbed: Testbed, nproc_per_node: int | None = None) -> dict[str, str]:
+    """The caller's environment, with collectives bound to the node's link and, where the ranks per
+    node are known and the user did not choose, one compute thread per core and rank: all the nodes
+    share this machine's cores."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=NODE_INTERFACE, NCCL_SOCKET_IFNAME=NODE_INTERFACE)
-    ranks = testbed.nodes * nproc_per_node
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    if nproc_per_node is not None:
+        ranks = testbed.nodes * nproc_per_node
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     return env
 
 
-def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, out: IO[str] | None = None) -> int:
+def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_restarts: int = 0,
+            out: IO[str] | None = None) -> int:
     """Run ``command`` (torchrun's script and arguments) on every node; returns the job's exit status:
     0, the first failing node's status (128 + N for a node killed by signal N), or 130 when
-    interrupted."""
+    interrupted. A worker that fails restarts every node's workers, ``max_restarts`` times at most,
+    as torchrun does across a cluster."""
     out = out or sys.stdout
     job_id = f"{testbed.name}-{os.getpid()}-{time.monotonic_ns()}"
     env = node_environment(testbed, nproc_per_node)
+    if max_restarts:  # see launch.launch_local
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     lock = threading.Lock()
     nodes, streams = [], []
     try:
         for k in range(testbed.nodes):
-            proc = subprocess.Popen(node_command(testbed, k, nproc_per_node, command, job_id), env=env,
+            proc = subprocess.Popen(node_command(testbed, k, nproc_per_node, command, job_id, max_restarts), env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             nodes.append(proc)
             streams.append(threading.Thread(target=_stream, args=(proc.stdout, f"[node{k}] ", out, lock), daemon=True))

@@ -13,7 +13,8 @@ traffic stays inside the testbed. Deleting the namespaces deletes every link and
 
 Each node also gets a hosts file naming every node (``ip netns exec`` shows
 /etc/netns/NAMESPACE/hosts as /etc/hosts), so that the reverse lookups torch makes of its peers'
-addresses succeed, as they do on a cluster with working DNS.
+addresses succeed, as they do on a cluster with working DNS, and what runs on a node runs under
+the node's name (``in_namespace``).
 """
 
 from __future__ import annotations
@@ -64,14 +65,26 @@ def require_privileges(action: str) -> None:
             f"`shardwire testbed {action}` needs root: it creates network namespaces, virtual links and "
             f"tc qdiscs. Run it as root, e.g. `sudo shardwire testbed {action} ...`"
         )
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
-            raise TestbedError(f"`{tool}` is not installed; install iproute2 (Debian/Ubuntu: apt-get install iproute2)")
+            raise TestbedError(f"`{tool}` is not installed; install {package} (Debian/Ubuntu: apt-get install {package})")
 
 
 def in_namespace(namespace: str, argv: list[str]) -> list[str]:
-    """``argv`` as a command that runs inside ``namespace``."""
-    return ["ip", "netns", "exec", namespace, *argv]
+    """``argv`` as a command that runs inside ``namespace``, on a host named after it.
+
+    A network namespace keeps the machine's hostname, which names no node and resolves to none of
+    their addresses; a UTS namespace of its own gives each node its name, which its hosts file maps
+    to its address, as on a cluster. Tools that find a peer by its hostname then work unchanged
+    (torchrun's standalone rendezvous, torchft's recovery from a live peer)."""
+    rename = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
+    return ["ip", "netns", "exec", namespace, "unshare", "--uts", "--", "sh", "-c", rename, namespace, *argv]
+
+
+def set_link(testbed: Testbed, node: int, up: bool) -> None:
+    """Connect node ``node`` to the switch, or cut it off (its switch port down: what it sends and
+    what is sent to it is lost, as when a cable is pulled, with no error at either end)."""
+    _run("ip", "-n", testbed.hub, "link", "set", testbed.switch_port(node), "up" if up else "down")
 
 
 def _run(*argv: str) -> str:

@@ -89,6 +89,13 @@ class Testbed:
     def namespaces(self) -> list[str]:
         return [self.hub, *(self.namespace(k) for k in range(self.nodes))]
 
+    def node(self, text: str) -> int:
+        """The node ``text`` names, as ``up`` lists them: ``node1``, or ``1``."""
+        index = text.removeprefix("node")
+        if not index.isdigit() or int(index) >= self.nodes:
+            raise TestbedError(f"no node {text!r} on {self.describe()}: give one of node0 to node{self.nodes - 1}")
+        return int(index)
+
     def address(self, node: int) -> str:
         return str(SUBNET[node + 1])
 

@@ -335,13 +335,17 @@ class _IntervalLog:
 def _describe_syncs(synced: dict[str, float]) -> str:
     """What the interval's syncs did: the outer gradient's norm and the groups' drift, or, between
     fault-tolerant groups, the groups of the last sync and the syncs a failure dropped or that
-    brought this group the others' state."""
+    brought this group the others' state (how many steps on, and how many bytes)."""
     found = [f"outer grad {synced['outer_grad_norm']:.3g}"] if "outer_grad_norm" in synced else []
     if "drift" in synced:
         found.append(f"drift {synced['drift']:.3g}")
     if "groups" in synced:
         found.append(f"{synced['groups']} group{'' if synced['groups'] == 1 else 's'}")
-        found += [f"{synced[what]} {what}" for what in ("dropped", "recovered") if synced[what]]
+        if synced["dropped"]:
+            found.append(f"{synced['dropped']} dropped")
+        if synced["recovered"]:
+            found.append(f"{synced['recovered']} recovered ({synced['skipped_steps']} steps on, "
+                         f"{synced['recovery_bytes'] / 1e6:.3g} MB received)")
     return ", ".join(found)
 
 

@@ -28,6 +28,9 @@ TAGS = {
     "sync_groups": "sync/groups",
     "sync_dropped": "sync/dropped",
     "sync_recovered": "sync/recovered",
+    "sync_skipped_steps": "sync/skipped_steps",
+    "sync_wait_s": "sync/wait_s",
+    "sync_recovery_bytes": "sync/recovery_bytes",
 }
 
 

@@ -116,6 +116,10 @@ def outer_key(flat: str, state: str) -> str:
 # The outer optimisation's schedule: inner steps done, the step whose sync was issued, the step the
 # sync in flight is applied after (``OuterLoop.state``).
 OUTER_SCHEDULE = "outer/schedule"
+# Between fault-tolerant groups, the quorum's count of the syncs this group committed and of the
+# batches they averaged (``Quorum.state``): a group resumed from an older checkpoint than the others'
+# is then behind at its first sync and recovers their state, rather than averaging from another anchor.
+OUTER_QUORUM = "outer/quorum"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

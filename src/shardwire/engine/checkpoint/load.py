@@ -35,6 +35,7 @@ from shardwire.engine.checkpoint import optim, series
 from shardwire.engine.checkpoint.claim import claim
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
+    OUTER_QUORUM,
     OUTER_SCHEDULE,
     REPLICATED,
     CheckpointError,
@@ -140,6 +141,7 @@ class _Staged:
     residuals: dict[str, torch.Tensor]  # error feedback, by key; restored where saved alike
     outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
     schedule: list[int] | None  # and the outer optimisation's place (None: saved without DiLoCo)
+    quorum: list[int] | None  # and the fault-tolerant groups' count of syncs (None: saved without)
 
     @classmethod
     def read(
@@ -167,7 +169,8 @@ class _Staged:
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
             state = None if optimizer is None else optim.read_state_dict(reader, engine, optimizer, saving_group)
-            outer, schedule = _outer_state(reader, engine, saving_group) if engine.outer is not None else ({}, None)
+            outer, schedule, quorum = (_outer_state(reader, engine, saving_group) if engine.outer is not None
+                                       else ({}, None, None))
             if schedule is not None and not own:  # every group starts from the global model, nothing in flight
                 outer = {name: {key: kept[key] for key in ("anchor", "momentum") if key in kept}
                          for name, kept in outer.items()}
@@ -179,7 +182,7 @@ class _Staged:
                     rng["cuda"] = _rng_state(reader, rank, "cuda", torch.cuda.get_rng_state(engine.device))
                 residuals = _residuals(reader, rank, engine)
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
-        return cls(info, shards, buffers, state, rng, residuals, outer, schedule)
+        return cls(info, shards, buffers, state, rng, residuals, outer, schedule, quorum)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
         copy_into_model(engine, model, self.shards, self.buffers)
@@ -197,6 +200,8 @@ class _Staged:
                 if flat.outer is not None:
                     flat.outer.load_state(self.outer.get(flat.name, {}), flat.shard)
             engine.outer.load_state(self.schedule)
+            if engine.outer.quorum is not None:
+                engine.outer.quorum.load_state(self.quorum)
         if "cpu" in self.rng:
             torch.set_rng_state(self.rng["cpu"])
         if "cuda" in self.rng:
@@ -217,9 +222,10 @@ def _saving_group(saved_groups: int, engine: Engine) -> int:
 
 
 def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
-                 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[int] | None]:
+                 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[int] | None, list[int] | None]:
     """The outer state group ``saving_group`` saved, re-sliced for this rank's shards as the shards
-    are, and the schedule's place; none of it where the checkpoint was saved without DiLoCo."""
+    are, the schedule's place and the quorum's count of syncs; none of it where the checkpoint was
+    saved without DiLoCo (or, the last, without fault tolerance)."""
     states = {}
     for saved, flat in zip(reader.manifest.flats, engine.flats):
         if flat.outer is None:
@@ -231,9 +237,11 @@ def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
             for key, dtype in flat.outer.dtypes.items() if outer_key(flat.name, key) in held
         }
     first = reader.shard_file(reader.manifest.flats[0], 0, saving_group)
-    if OUTER_SCHEDULE not in reader.keys(first):
-        return states, None
-    return states, reader.tensor(first, OUTER_SCHEDULE, (3,), torch.int64).tolist()
+    held = reader.keys(first)
+    if OUTER_SCHEDULE not in held:
+        return states, None, None
+    quorum = reader.tensor(first, OUTER_QUORUM, (2,), torch.int64).tolist() if OUTER_QUORUM in held else None
+    return states, reader.tensor(first, OUTER_SCHEDULE, (3,), torch.int64).tolist(), quorum
 
 
 def _residuals(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ from shardwire.engine.checkpoint.claim import claim
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     MANIFEST,
+    OUTER_QUORUM,
     OUTER_SCHEDULE,
     REPLICATED,
     CheckpointError,
@@ -272,6 +273,8 @@ class _Snapshot:
                 for key, value in ({} if flat.outer is None else flat.outer.state()).items():
                     tensors[outer_key(flat.name, key)] = _host_copy(value)
             tensors[OUTER_SCHEDULE] = torch.tensor(engine.outer.state(), dtype=torch.int64)
+            if engine.outer.quorum is not None:
+                tensors[OUTER_QUORUM] = torch.tensor(engine.outer.quorum.state(), dtype=torch.int64)
         if engine.device.type == "cuda":
             tensors[rng_key("cuda")] = torch.cuda.get_rng_state(engine.device)
         buffers = buffer_records(engine, model)
