@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,6 +75,21 @@ def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["train", *args])
+
+
+@pytest.mark.slow
+def test_a_lighthouse_out_of_reach_is_one_line(tmp_path):
+    pytest.importorskip("torchft")
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("localhost", 0))
+        port = unused.getsockname()[1]
+    found = subprocess.run(
+        [sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "2", "--nproc", "1", "--layout",
+         "hybrid", "--diloco", "sync_every=2", "--fault-tolerance", f"lighthouse=localhost:{port},timeout=1"],
+        capture_output=True, text=True, timeout=120)
+    assert found.returncode != 0
+    assert f"error: fault tolerance: cannot reach the lighthouse at http://localhost:{port} within 1 s" in found.stderr
+    assert "Traceback" not in found.stderr
 
 
 def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tmp_path):

@@ -76,6 +76,9 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # One compute thread per core and worker, unless the user chose: torchrun would otherwise
     # force 1 and warn.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # torchft's manager (--fault-tolerance) logs every quorum at INFO; the progress line says what
+    # each sync did, and its warnings and errors still show.
+    os.environ.setdefault("RUST_LOG", "warn")
     if max_restarts:
         # Restarted workers must not share the launcher's rendezvous store: they would read the
         # addresses of the workers they replace and fail to connect (pytorch/pytorch#135712).

@@ -82,17 +82,25 @@ class Quorum:
         port = group.all_gather_values([self._store.port if self._store is not None else 0],
                                        tag="fault tolerance store")[0][0]
         self.settings = settings
-        self._manager = torchft.Manager(
-            pg=across, load_state_dict=None, state_dict=None, min_replica_size=settings.min_groups,
-            use_async_quorum=True, timeout=timeout, connect_timeout=timeout,
-            # The lighthouse bounds the wait for a quorum (its heartbeat and join timeouts); a group
-            # that joins waits there for the live groups' next sync, however far apart syncs are.
-            quorum_timeout=QUORUM_TIMEOUT, quorum_retries=QUORUM_TIMEOUT // QUORUM_RETRY - 1,
-            rank=group.rank, world_size=group.world, store_addr=host, store_port=port, replica_id=settings.group,
-            lighthouse_addr=settings.lighthouse, hostname=settings.host,
-            checkpoint_transport=_transport(settings.host, timeout),
-            init_sync=False,  # every group starts from the same seed; a late one is recovered at its first sync
-        )
+        try:
+            self._manager = torchft.Manager(
+                pg=across, load_state_dict=None, state_dict=None, min_replica_size=settings.min_groups,
+                use_async_quorum=True, timeout=timeout, connect_timeout=timeout,
+                # The lighthouse bounds the wait for a quorum (its heartbeat and join timeouts); a group
+                # that joins waits there for the live groups' next sync, however far apart syncs are.
+                quorum_timeout=QUORUM_TIMEOUT, quorum_retries=QUORUM_TIMEOUT // QUORUM_RETRY - 1,
+                rank=group.rank, world_size=group.world, store_addr=host, store_port=port, replica_id=settings.group,
+                lighthouse_addr=settings.lighthouse, hostname=settings.host,
+                checkpoint_transport=_transport(settings.host, timeout),
+                init_sync=False,  # every group starts from the same seed; a late one is recovered at its first sync
+            )
+        except RuntimeError as err:  # torchft's traceback, where one line says what to check
+            if settings.lighthouse not in str(err):
+                raise
+            raise ConnectionError(
+                f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within {settings.timeout:g} s: "
+                f"start torchft_lighthouse there, or give the address this node reaches it at "
+                f"(--fault-tolerance lighthouse=HOST:PORT)") from None
         self.participants = 0  # groups in the current quorum
         self.recovered = False  # whether this group is behind: it receives the others' state at ``commit``
         # Since the last ``take_costs``: what failures cost this rank, for the log.

@@ -74,7 +74,8 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         _shard(model, choice, config, device)
         if choice.load is not None:
             choice.load(model)
-    except ValueError as err:  # what only the built model shows (more DiLoCo fragments than units)
+    except (ValueError, ConnectionError) as err:
+        # what only the built model shows (more DiLoCo fragments than units), a lighthouse out of reach
         raise SystemExit(f"error: {err}") from None
     engine = engine_of(model)
     quorum = engine.layout.quorum
