@@ -9,7 +9,7 @@ Three groups of one rank train ``--steps`` steps of the ``tiny`` GPT with DiLoCo
 steps, on this machine (loopback between them) or a node each of a testbed, each run once without a
 fault and once with the worker of the last group killed (``kill -9``) once the job has passed
 ``--kill-at`` steps; on a testbed, the fault-tolerant groups also once with the last node's link
-cut for ``--cut`` seconds from then:
+cut for ``--cut`` seconds after ``--cut-at`` steps:
 
 * ``fault-tolerant``: three ``shardwire train`` jobs meeting at a torchft lighthouse, each with
   ``--max-restarts 1``: the other two train on, and the killed one's restart rejoins with their state;
@@ -172,6 +172,11 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--testbed", help="run on this testbed's three nodes (`shardwire testbed up --nodes 3`)")
     parser.add_argument("--cut", type=float, default=60.0, help="seconds a node's link is down (on a testbed)")
+    parser.add_argument("--cut-at", type=int, default=400,
+                        help="the step after which the link is cut: early enough for the others not to finish "
+                             "while it is down")
+    parser.add_argument("--methods", default="fault-tolerant,restart", help="which ways to run, comma-separated")
+    parser.add_argument("--logs", type=pathlib.Path, help="keep each run's output here (default: discarded)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     options = parser.parse_args()
     testbed = None
@@ -181,26 +186,30 @@ def main() -> None:
             raise SystemExit(f"{testbed.describe()}: give a testbed of 3 nodes")
     common = ["--model", "tiny", "--steps", str(options.steps), "--log-every", "5", "--layout", "hybrid",
               "--diloco", f"sync_every={options.every}", "--max-restarts", "1"]
-    results = {"settings": vars(options) | {"out": str(options.out)},
+    results = {"settings": {key: str(value) if isinstance(value, pathlib.Path) else value
+                            for key, value in vars(options).items()},
                "regime": testbed.describe() if testbed else "this machine, loopback", "runs": {}}
     # the first job's log is the one watched; the last group's worker is the one killed
     ft_victim = f"group={testbed.namespace(2) if testbed else 'c'},"
-    faults = {"no fault": None, "killed": kill(ft_victim)}
+    faults = {"no fault": (None, None), "killed": (options.kill_at, kill(ft_victim))}
     if testbed is not None:
-        faults["link cut"] = cut(testbed, 2, options.cut)
+        faults["link cut"] = (options.cut_at, cut(testbed, 2, options.cut))
+    methods = options.methods.split(",")
     with tempfile.TemporaryDirectory() as scratch:
-        for name, fault in faults.items():
-            logs = pathlib.Path(scratch) / f"ft-{name}"
-            logs.mkdir()
-            results["runs"][f"fault-tolerant, {name}"] = fault_tolerant(
-                testbed, common, logs, fault and options.kill_at, fault)
-            print(json.dumps(results["runs"], indent=1), flush=True)
-        for name, fault in (("no fault", None), ("killed", kill("--shard-group-size 1"))):
-            logs = pathlib.Path(scratch) / f"restart-{name}"
-            logs.mkdir()
-            results["runs"][f"restart, {name}"] = restart(testbed, common, logs, options.save_every,
-                                                          fault and options.kill_at, fault)
-            print(json.dumps(results["runs"], indent=1), flush=True)
+        kept = options.logs or pathlib.Path(scratch)
+        if "fault-tolerant" in methods:
+            for name, (fault_at, fault) in faults.items():
+                logs = kept / f"ft-{name.replace(' ', '-')}"
+                logs.mkdir(parents=True)
+                results["runs"][f"fault-tolerant, {name}"] = fault_tolerant(testbed, common, logs, fault_at, fault)
+                print(json.dumps(results["runs"], indent=1), flush=True)
+        if "restart" in methods:
+            for name, fault in (("no fault", None), ("killed", kill("--shard-group-size 1"))):
+                logs = kept / f"restart-{name.replace(' ', '-')}"
+                logs.mkdir(parents=True)
+                results["runs"][f"restart, {name}"] = restart(testbed, common, logs, options.save_every,
+                                                              fault and options.kill_at, fault)
+                print(json.dumps(results["runs"], indent=1), flush=True)
     runs = results["runs"]
     for run_name in [name for name in runs if not name.endswith("no fault")]:
         method = run_name.split(",")[0]
