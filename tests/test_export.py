@@ -76,7 +76,7 @@ def test_exports_never_overwrite_and_say_what_they_need(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "mine.txt").write_text("the user's")
-    with pytest.raises(SystemExit, match="taken is not empty: give a new directory to export to"):
+    with pytest.raises(SystemExit, match=r"taken is not empty: give a new directory \(nothing is overwritten\)"):
         main(["train", "--model", f"hf:{json.dumps(GPT2)}", "--export-hf", str(taken)])
     with pytest.raises(SystemExit, match="--export-hf writes a Hugging Face model, and --model small is a GPT preset"):
         main(["train", "--model", "small", "--export-hf", str(tmp_path / "new")])

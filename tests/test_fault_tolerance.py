@@ -20,6 +20,7 @@ from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_toleran
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from shardwire.training import loop
 from test_sync import _diloco_reference, _sgd_steps
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
@@ -108,6 +109,9 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
             shardwire.recover_with(model, steps=3)
         shardwire.recover_with(model, optimizer=optimizer)
         outer = engine_of(model).outer
+        assert loop._describe_layout(engine_of(model)) == (  # the start line: the sync crosses in fp32
+            "hybrid (fault-tolerant group 'solo' of 1, diloco sync_every=2,fragments=1,wire=none,outer_lr=0.7,"
+            "momentum=0.9,fragment_sync_delay=0)")
         batch = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17))
         for _ in range(4):
             loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from harness import save_tokenizer
 from shardwire.cli import main
 from shardwire.sim import planner
 from shardwire.sim.inputs import cluster_from_bench, load_spec
@@ -89,7 +90,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--training", "{precision: fp8}"],
      "precision fp8 needs fp8 tensor cores: cluster 'a100-100gbe' gives no fp8_tflops"),
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--calibrate", "missing.json"],
-     "cannot read profile missing.json"),
+     "profile missing.json: No such file or directory"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
     status, out, err = run(capsys, "simulate", *argv)
@@ -392,6 +393,45 @@ def test_every_command_the_plan_prints_runs(tmp_path):
         for node, output in zip(nodes, outputs, strict=True):
             assert node.returncode == 0, output
         assert any("done: 2 steps" in output for output in outputs)
+
+
+def test_plan_says_what_an_hf_model_without_a_tokenizer_needs_beside_its_command(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                  "vocab_size": 300}))
+    argv = ["plan", "--model", f"hf:{config}", "--cluster", "a100-100gbe", "--nodes", "1", "--global-batch", "16"]
+    status, out, _ = run(capsys, *argv)
+    assert status == 0 and out.count("add:   --data: the model's 300 ids are its tokenizer's") == 2
+    doc = json.loads(run(capsys, *argv, "--json")[1])
+    assert doc["best"]["run"]["command"] and "--tokenizer DIR" in doc["best"]["run"]["needs"]
+    save_tokenizer(tmp_path)  # beside config.json: the directory holds the model's tokenizer
+    argv[2] = f"hf:{tmp_path}"
+    assert json.loads(run(capsys, *argv, "--json")[1])["best"]["run"]["needs"] is None
+    assert json.loads(run(capsys, *argv[:2], "tiny", *argv[3:], "--json")[1])["best"]["run"]["needs"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_command_the_plan_prints_for_an_hf_model_with_its_tokenizer_runs(tmp_path):
+    """A Hugging Face model directory with its tokenizer: its text reads the default corpus, so the
+    plan's command runs as printed (one node standing for the planned one, a few steps)."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    model = tmp_path / "gpt2-mini"
+    save_tokenizer(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                   "n_positions": 64, "vocab_size": 300}))
+    planned = subprocess.run([sys.executable, "-m", "shardwire", "plan", "--model", f"hf:{model}", "--seq-len", "32",
+                              "--cluster", "{preset: a100-100gbe, nodes: 1, gpus_per_node: 2}", "--global-batch", "4",
+                              "--json"], capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    best = json.loads(planned.stdout)["best"]["run"]
+    assert best["needs"] is None
+    command = shlex.split(best["command"])
+    argv = [sys.executable, "-m", "torch.distributed.run",
+            *(arg.replace("HEAD_ADDRESS:29500", f"127.0.0.1:{_free_port()}") for arg in command[1:]),
+            "--steps", "2", "--log-every", "1", "--eval-batches", "1"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and "done: 2 steps" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, optimizer=0.011, ranks=1) -> dict:

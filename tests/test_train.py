@@ -12,7 +12,7 @@ from shardwire.cli import main
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--prefetch", "-1"], "--prefetch must be at least 0, got -1"),
     (["--data", "/no/such/corpus"], "--data: data path /no/such/corpus does not exist"),
-    (["--timeout", "0"], "--timeout must be a positive, finite number of seconds, got 0.0"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds, at least 10, got 0.0"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
     (["--eval-every", "-1"], "--eval-every must be at least 0, got -1"),
     (["--wire", "params=int4"], "--wire params='int4' is not supported"),

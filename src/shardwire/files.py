@@ -13,6 +13,12 @@ one policy:
   idea: ``shardwire.engine.checkpoint.save``.)
 * **The mode a plain write would give.** A new file gets the umask's mode (the kernel applies it to
   the temporary file), one written over keeps its own; missing parent directories are created.
+* **Nothing left behind.** A temporary's name carries its writer's host and process, so that the
+  next write of the same target removes the ones whose writer was killed.
+
+A directory that appears whole (an exported model) is written the same way by ``StagedDirectory``,
+which also claims it: from the moment it is staged until it is renamed into place, a second writer
+of the same target is refused, naming the first.
 
 ``output_problem`` and ``directory_problem`` say what stops a path being written, so that the
 command line (``shardwire.options``) refuses it before any work, with the same words.
@@ -21,16 +27,28 @@ command line (``shardwire.options``) refuses it before any work, with the same w
 from __future__ import annotations
 
 import contextlib
+import datetime
+import errno
+import fcntl
+import hashlib
 import io
+import json
 import os
+import pathlib
+import re
 import secrets
+import shutil
+import socket
 import stat
+import sys
 
 # What a path that is not a regular file is, for messages.
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 # The target's name kept in a temporary file's, short enough that the whole stays within NAME_MAX.
 _TEMPORARY_STEM = 100
+# In a staged directory: the file its writer holds locked, naming itself, until the rename.
+_CLAIM = ".shardwire-claim"
 
 
 class OutputRefused(OSError):
@@ -46,6 +64,14 @@ def output_problem(path: str | os.PathLike) -> str | None:
     directory = os.path.dirname(os.path.realpath(path))
     problem = directory_problem(directory)
     return None if problem is None else f"cannot be written: its directory {directory} {problem}"
+
+
+def new_output_problem(path: str | os.PathLike) -> str | None:
+    """What stops ``path`` being a new file to write, or None: it exists (an output that must never
+    replace the user's file, as an export's), or ``output_problem``."""
+    if os.path.lexists(path):
+        return "exists: give a new file name (nothing is overwritten)"
+    return output_problem(path)
 
 
 def directory_problem(path: str | os.PathLike) -> str | None:
@@ -111,14 +137,162 @@ def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: boo
 
 def _temporary(target: str) -> tuple[int, str]:
     """A new file beside ``target``, open for writing, created with mode 0666 so that the kernel
-    applies the umask (``tempfile.mkstemp`` makes every file 0600, whatever the umask)."""
+    applies the umask (``tempfile.mkstemp`` makes every file 0600, whatever the umask). Those a
+    killed writer of ``target`` left on this host go first."""
     stem = f"{os.path.dirname(target)}/.{os.path.basename(target)[:_TEMPORARY_STEM]}."
+    _remove_abandoned(stem)
     while True:
-        tmp = f"{stem}{secrets.token_hex(8)}.partial"
+        tmp = f"{stem}{_writer()}-{secrets.token_hex(8)}.partial"
         try:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
         except FileExistsError:  # another writer's name: draw again
             continue
+
+
+def _writer() -> str:
+    """This host (a digest: a name's length is bounded) and process, as a temporary's name carries them."""
+    return f"{hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]}-{os.getpid()}"
+
+
+def _remove_abandoned(stem: str) -> None:
+    """Delete the temporary files named ``stem...`` whose writer, a process of this host, has ended.
+    Only names of exactly this form are touched: a writer on another host sharing the directory, or
+    a file of the user's, is left alone."""
+    host = _writer().split("-")[0]
+    pattern = re.compile(rf"{re.escape(os.path.basename(stem))}{host}-(\d+)-[0-9a-f]{{16}}\.partial")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(os.path.dirname(stem) or "."):
+            match = pattern.fullmatch(entry.name)
+            if match and entry.is_file(follow_symlinks=False) and not _alive(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class StagedDirectory:
+    """A new directory written whole or not at all, claimed from the start: its files go to
+    ``path``, a hidden directory beside ``target`` (made with the umask's mode), which ``publish``
+    renames into place. The stage has one name per target, holding a locked claim file: a second
+    writer of the same target is refused while the first lives, and takes over, clearing it, what a
+    killed one left. ``target`` must be absent or an empty directory (nothing of the user's is
+    replaced), and not the current directory."""
+
+    def __init__(self, target: str | os.PathLike, what: str):
+        self.given = pathlib.Path(target)  # as the user named it, for messages
+        self.target = pathlib.Path(os.path.abspath(target))
+        if (problem := new_directory_problem(target)) is not None:
+            raise OutputRefused(f"{what} {os.fspath(target)} {problem}")
+        self.path = self.target.with_name(f".{self.target.name[:_TEMPORARY_STEM]}.shardwire-partial")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(0o777)
+        except FileExistsError:
+            if self.path.is_symlink() or not (self.path / _CLAIM).is_file():
+                raise OutputRefused(f"{self.path} is in the way of {what} {os.fspath(target)} and was not made by "
+                                    f"shardwire: move it") from None
+        try:
+            self._fd = claim_file(self.path / _CLAIM)
+        except ClaimHeld as err:
+            raise OutputRefused(f"{what} {os.fspath(target)} is being written by another run ({err.owner}): give "
+                                f"this one another directory, or stop that one") from None
+        except OSError as err:
+            raise OutputRefused(f"cannot claim {what} {os.fspath(target)}: {err.strerror}") from None
+        empty_directory(self.path, keep=_CLAIM)  # what a killed writer left
+
+    def publish(self) -> pathlib.Path:
+        """Rename the stage into place as ``target`` (an empty directory there is replaced, atomically);
+        returns the target as it was given."""
+        if (problem := new_directory_problem(self.target)) is not None:  # made since the stage was claimed
+            raise OutputRefused(f"{self.target} {problem}")
+        (self.path / _CLAIM).unlink()
+        self.path.rename(self.target)
+        self._release()
+        return self.given
+
+    def discard(self) -> None:
+        """Remove the stage and what was written to it, unless it was published."""
+        if self._fd is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._release()
+
+    def _release(self) -> None:
+        os.close(self._fd)
+        self._fd = None
+
+
+def empty_directory(path: pathlib.Path, *, keep: str) -> None:
+    """Delete everything in ``path`` but the entry named ``keep`` (a link is removed, not followed)."""
+    for entry in path.iterdir():
+        if entry.name == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def new_directory_problem(path: str | os.PathLike) -> str | None:
+    """What stops ``path`` being a new directory to write (``StagedDirectory``), or None. The words
+    follow the path in a message."""
+    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
+        return "exists and is not a directory: give a new directory"
+    if os.path.isdir(path):
+        if os.path.samefile(path, os.getcwd()):
+            return "is the current directory: give a new directory (it would be replaced under the shell in it)"
+        if any(os.scandir(path)):
+            return "is not empty: give a new directory (nothing is overwritten)"
+        return None
+    return directory_problem(path)
+
+
+class ClaimHeld(OSError):
+    """A claim another live process holds; ``owner`` says which, as it wrote itself."""
+
+    def __init__(self, owner: str):
+        super().__init__(errno.EAGAIN, f"held by {owner}")
+        self.owner = owner
+
+
+def claim_file(path: str | os.PathLike) -> int:
+    """Make this process the holder of the claim file ``path`` (created if missing), writing who it
+    is into it; returns the descriptor, which holds the claim until it is closed or the process ends,
+    however it ends. Raises ``ClaimHeld`` where another live process holds it.
+
+    The lock is a POSIX one: honoured across the machines of an NFS mount, where BSD ``flock`` may
+    not be, and the process's, so a process may claim again what it holds. Closing any descriptor
+    of the file drops it: the holder keeps this one open."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        owner = _owner(fd)
+        os.close(fd)
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            raise ClaimHeld(owner) from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                              "since": datetime.datetime.now().isoformat(timespec="seconds"),
+                              "command": " ".join(sys.argv)[:500]}).encode(), 0)
+    return fd
+
+
+def _owner(fd: int) -> str:
+    """Who holds a claim, as it wrote itself in the file."""
+    try:
+        who = json.loads(os.pread(fd, 4096, 0))
+        return f"process {who['pid']} on {who['host']} since {who['since']}: {who['command'][:200]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it did not say which"
 
 
 def _sync_directory(directory: str) -> None:

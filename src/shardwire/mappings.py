@@ -12,6 +12,9 @@ Whatever the input, reading it is bounded and says what is wrong in one line:
   90 (sexagesimal) where ``--steps 010`` is 10, so a number is Python's ``int`` or ``float`` of the
   text as written, and text that those read otherwise (``1:30``, ``0x10``) is refused;
 * a value shown in an error message is cut short (``shown``).
+
+A JSON document a command wrote (a profile, bench results) is read the same way (``read_json``), to a
+bound of its own: such a document grows with the steps and ranks it records.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from shardwire.extras import require
 
 # A thousand times the longest config file or spec: a bound on the time and memory a typo can take.
 MAX_TEXT_BYTES = 1 << 20
+# A profile holds about 1 KB per rank and step: 256 MiB is 10,000 steps of 25 ranks, far beyond the
+# few steps a profile needs, and a document of that size still parses in a few GB of memory.
+MAX_JSON_BYTES = 256 << 20
 # Values in a document once its YAML aliases are expanded, likewise far beyond any config or spec.
 MAX_VALUES = 100_000
 _YAML_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
@@ -48,13 +54,29 @@ def read_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
     except OSError as err:
         raise MappingError(f"{what}: {err.strerror or err}") from None
     if len(data) > limit:
-        raise MappingError(f"{what} is larger than {limit:,} bytes, far more than any config or spec: "
-                           f"give the file that holds the mapping")
+        raise MappingError(f"{what} is larger than {limit:,} bytes, far more than any file of its kind: "
+                           f"give the file that holds it")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise MappingError(f"{what} is not UTF-8 text (byte {err.start:,} is {data[err.start]:#04x}): "
                            f"save it as UTF-8") from None
+
+
+def read_json(path: str, what: str, *, kind: str, remedy: str, limit: int = MAX_JSON_BYTES) -> dict:
+    """The JSON mapping in the file at ``path``, a ``kind`` of document a command wrote (a profile),
+    read as ``read_file`` reads: a file edited, damaged or of another tool is refused in one line
+    naming it (``what``) and ending with ``remedy``, whatever its size, encoding or depth."""
+    text = read_file(path, what, limit)
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise MappingError(f"{what} nests deeper than a {kind} does; {remedy}") from None
+    except ValueError as err:
+        raise MappingError(f"{what} is not JSON ({err}); {remedy}") from None
+    if not isinstance(data, Mapping):
+        raise MappingError(f"{what} holds a JSON {type(data).__name__}, not a {kind}; {remedy}")
+    return data
 
 
 def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict:

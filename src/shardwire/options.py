@@ -63,6 +63,8 @@ class Bounds:
             text = f"{'a finite number ' if self.real else ''}above {self.above:g}"
         elif self.at_least == 0 and self.real:
             text = "a non-negative, finite number"
+        elif self.unit:
+            return f"{'a finite number of ' if self.real else ''}{self.unit}, at least {self.at_least:g}"
         else:
             text = f"{'a finite number of ' if self.real else ''}at least {self.at_least:g}"
         return f"{text} of {self.unit}" if self.unit else text

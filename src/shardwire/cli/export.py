@@ -2,57 +2,132 @@
 
 An ``hf:`` model becomes a ``save_pretrained`` directory that ``from_pretrained`` loads
 (``shardwire.models.export``); a GPT preset, a plain state dict file (``OUT.safetensors``, or a
-``torch.save`` file). The model is the one ``shardwire train`` recorded in the checkpoint, or
-``--model``. It runs in one process, without a GPU, from a checkpoint of any world size.
+``torch.save`` file). The model is the one ``shardwire train`` recorded in the checkpoint, with the
+config it recorded for an ``hf:`` model, or ``--model``, whose weights must fit. It runs in one
+process, without a GPU, from a checkpoint of any world size.
+
+OUT is checked before any weight is read: new (nothing is overwritten), writable, and outside the
+checkpoint. Given a ``--checkpoint-dir``, the newest checkpoint that can be exported is, as ``train``
+resumes from the newest that loads: a damaged or diverged one is skipped, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
+
+import torch
 
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
 from shardwire.engine.checkpoint.portable import weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.models.choice import HF_PREFIX
-from shardwire.models.export import save_pretrained
+from shardwire.files import OutputRefused, StagedDirectory, new_output_problem
+from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields
+from shardwire.models.export import fit_problem, save_pretrained
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a checkpoint (ckpt/step_00000400), or a --checkpoint-dir: its newest checkpoint")
     parser.add_argument("out", metavar="OUT",
-                        help="hf: models: a new directory for save_pretrained; GPT presets: a .safetensors or .pt file")
+                        help="hf: models: a new directory for save_pretrained; GPT presets: a new .safetensors or "
+                             ".pt file")
     parser.add_argument("--model", help="the model the checkpoint holds, as train's --model names it (default: "
                                         "what shardwire train recorded in the checkpoint)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    given = pathlib.Path(args.checkpoint)
     try:
-        checkpoint = _one_checkpoint(pathlib.Path(args.checkpoint))
-        with CheckpointReader(checkpoint) as reader:
-            extra = reader.manifest.extra
-        model = args.model or (extra.get("model") if isinstance(extra, dict) else None)
-        if not isinstance(model, str):
-            raise ValueError(f"{checkpoint} does not record its model (shardwire train records it): give --model")
-        if model.startswith(HF_PREFIX):
-            with weights_in(checkpoint) as weights:  # read and written a unit at a time
-                out = save_pretrained(model, weights, args.out)
+        candidates = _checkpoints(given)
+        reasons = []
+        for checkpoint in candidates:
+            notes: list[str] = []  # of the checkpoint exported only
+            try:
+                model, out = _export(checkpoint, given, args, notes)
+                break
+            except CheckpointError as err:
+                if len(candidates) == 1:
+                    raise
+                print(f"warning: cannot export {checkpoint}, skipping it: {err}", file=sys.stderr)
+                reasons.append(f"{checkpoint.name}: {err}")
         else:
-            out = export_state_dict(checkpoint, args.out)
-    except (CheckpointError, ValueError) as err:
+            raise CheckpointError(f"no checkpoint in {given} can be exported: " + "; ".join(reasons))
+    except (CheckpointError, ValueError, OutputRefused) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     print(f"exported {checkpoint} ({model}) to {out}")
     return 0
 
 
-def _one_checkpoint(path: pathlib.Path) -> pathlib.Path:
-    """``path`` itself, or the newest checkpoint of the series it holds."""
+def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
+    """``path`` itself, or the checkpoints of the series it holds, newest first."""
     if not path.is_dir() or (path / "manifest.json").exists():
-        return path
+        return [path]
     series = list_checkpoints(path)
     if not series:
         raise ValueError(f"{path} holds no checkpoint: give one (ckpt/step_00000400) or a --checkpoint-dir")
-    return series[-1]
+    return series[::-1]
+
+
+def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namespace,
+            notes: list[str]) -> tuple[str, pathlib.Path]:
+    """Export ``checkpoint`` (of ``given``, as the user named it) to ``args.out``; returns the model it
+    holds and what was written, and adds to ``notes`` what the user should know of it."""
+    with CheckpointReader(checkpoint) as reader:
+        extra = reader.manifest.extra if isinstance(reader.manifest.extra, dict) else {}
+    recorded = extra.get("model") if isinstance(extra.get("model"), str) else None
+    model = args.model or recorded
+    if model is None:
+        raise ValueError(f"{checkpoint} does not record its model (shardwire train records it): give --model")
+    if args.model and recorded and args.model != recorded:
+        notes.append(f"{checkpoint} was trained as {recorded}; exported as --model {args.model}")
+    _check_outside(args.out, given)
+    if model.startswith(HF_PREFIX):
+        stage = StagedDirectory(args.out, "OUT")  # claimed, and checked, before any weight is read
+        with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
+            fields = _trained_config(checkpoint, model, recorded, extra, notes)
+            return model, save_pretrained(model, weights, stage, fields=fields)
+    if (problem := new_output_problem(args.out)) is not None:
+        raise OutputRefused(f"OUT {args.out} {problem}")
+    _check_fit(checkpoint, model)
+    return model, export_state_dict(checkpoint, args.out)
+
+
+def _check_outside(out: str, given: pathlib.Path) -> None:
+    """An OUT inside the checkpoint (or series) being exported would change what is being read."""
+    inside, outside = os.path.realpath(out), os.path.realpath(given)
+    if os.path.commonpath([inside, outside]) == outside:
+        raise OutputRefused(f"OUT {out} is inside {given}, which is being exported: give a path outside it")
+
+
+def _trained_config(checkpoint: pathlib.Path, model: str, recorded: str | None, extra: dict,
+                    notes: list[str]) -> dict | None:
+    """The config the checkpoint's ``hf:`` model was trained with, where it records one and the
+    model exported is the one it trained; a note names how the model's source differs now."""
+    fields = extra.get("hf_config")
+    if model != recorded or not isinstance(fields, dict):
+        return None
+    try:
+        now = config_fields(model)
+    except (ValueError, OSError):  # the source is gone or damaged: the recorded config is what counts
+        now = None
+    if now is not None and (change := config_difference(fields, now)) is not None:
+        notes.append(f"{model}'s config has changed since {checkpoint} was trained ({change}); exported with the "
+                     f"config it was trained with")
+    return fields
+
+
+def _check_fit(checkpoint: pathlib.Path, model: str) -> None:
+    """The checkpoint's weights fit the GPT preset ``model`` names, key for key and shape for shape."""
+    choice = choose(model)
+    with torch.device("meta"):
+        built = choice.build()
+    with weights_in(checkpoint) as weights:  # its description only: no part is read
+        problem = fit_problem(built, weights)
+    if problem is not None:
+        raise ValueError(f"the weights of {checkpoint} do not fit --model {model}: {problem}")

@@ -29,18 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "prefetch, activation checkpointing and, on several nodes, the wire are searched, and the "
                      "rest is what the engine runs; on several nodes the fastest hybrid configuration under DiLoCo "
                      "(--diloco sync_every=20) is offered beside the choice. Each choice comes with the torchrun "
-                     "command that runs it on every node.")
+                     "command that runs it on every node. --node-mtbf prices node failures for the choice and the "
+                     "DiLoCo one: restarting from a checkpoint, and recovering the lost group live.")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         model, cluster, training = inputs.load_arguments(args)
+        rate = inputs.load_failure_rate(args)
         result = plan(model, cluster, args.global_batch, training, exact=args.exact)
+        shown = (json.dumps(plan_json(result, args.global_batch, args.model, rate), indent=1) if args.json
+                 else plan_text(result, args.global_batch, args.model, rate))
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(plan_json(result, args.global_batch, args.model), indent=1))
-    else:
-        print(plan_text(result, args.global_batch, args.model))
+    print(shown)
     return 0

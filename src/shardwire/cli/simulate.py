@@ -2,6 +2,7 @@
 
     shardwire simulate --model t5-11b --cluster ibm-a100-ethernet --training ibm-t5-11b-batch50-sliding \
         --sweep nodes=1,2,4,8,16,32,64 --plot t5-11b.png
+    shardwire simulate --model gpt-1.3b --cluster a100-100gbe --nodes 8 --node-mtbf 6000   # and its failures
 
 Exit status: 0, or 1 when a configuration does not fit in GPU memory (the prediction is still
 printed, with how much is missing), or 2 for input that cannot be simulated.
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             except OptionError as err:
                 raise SpecError(str(err)) from None
         model, cluster, training = inputs.load_arguments(args)
+        rate = inputs.load_failure_rate(args)
+        if args.sweep and rate is not None:
+            raise SpecError("--node-mtbf prices the failures of one configuration: leave out --sweep")
         if args.sweep:
             key, values = parse_sweep(args.sweep)
             result = sweep(model, cluster, training, key, values)
@@ -52,8 +56,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             labelled = [(f"at {key}={v}: ", p) for v, p in zip(values, result.points, strict=True)]
         else:
             prediction = predict(model, cluster, training)
-            print(json.dumps(report.prediction_json(prediction), indent=1) if args.json
-                  else report.prediction_text(prediction))
+            print(json.dumps(report.prediction_json(prediction, rate), indent=1) if args.json
+                  else report.prediction_text(prediction, rate))
             labelled = [("", prediction)]
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pathlib
 import sys
 
 import torch
@@ -19,14 +18,15 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint.series import foreign_checkpoint
 from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout import check_diloco, group_size
+from shardwire.files import new_directory_problem
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
 from shardwire.models import fp8
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
-from shardwire.models.export import check_new_directory
 from shardwire.options import (
     OptionError,
     add_options,
@@ -115,6 +115,8 @@ def _validate(config: TrainConfig) -> None:
         if not config.print_launch:  # what this job writes, on this machine
             if config.checkpoint_dir is not None:
                 check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
+                if (problem := foreign_checkpoint(config.checkpoint_dir)) is not None:
+                    raise OptionError(f"--checkpoint-dir {config.checkpoint_dir} {problem}")
             if config.profile:
                 check_writable_directory(config.run_dir or "runs", "--run-dir")
                 if config.run_dir is not None:  # the default one is named for the time the run ends
@@ -129,8 +131,13 @@ def _validate(config: TrainConfig) -> None:
                 if not config.model.startswith(HF_PREFIX):
                     raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
                                       f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
-                check_new_directory(pathlib.Path(config.export_hf))
-    except ValueError as err:  # an OptionError, or an export directory that is not new
+                if (problem := new_directory_problem(config.export_hf)) is not None:
+                    raise OptionError(f"--export-hf {config.export_hf} {problem}")
+                if config.checkpoint_dir is not None and _overlap(config.export_hf, config.checkpoint_dir):
+                    raise OptionError(f"--export-hf {config.export_hf} and --checkpoint-dir {config.checkpoint_dir} "
+                                      f"overlap: the export would hold the checkpoints, or replace them; give each a "
+                                      f"directory of its own")
+    except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     try:
         Wire.parse(config.wire)
@@ -169,10 +176,17 @@ def _validate(config: TrainConfig) -> None:
     if config.nproc is not None and not under_launcher():
         if (problem := worker.missing_gpus(config.backend, config.nproc)) is not None:
             raise SystemExit(f"error: {problem}")
+    if config.compile and (problem := _compiler_problem(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
     try:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    try:
+        if diloco is not None:  # the model's units are known from its choice, before any worker builds it
+            diloco.check_units(choice.units_with_parameters)
+    except ValueError as err:
+        raise SystemExit(f"error: --{err}") from None
     if config.precision == "fp8" and choice.fp8_refusal is not None:
         raise SystemExit(f"error: --precision fp8: {choice.fp8_refusal}")
     _check_memory(config, choice)
@@ -184,6 +198,30 @@ def _validate(config: TrainConfig) -> None:
             training_corpus(config, choice, memory).check_vocab(choice.vocab_size)
     except (OSError, ValueError) as err:  # a message not naming its option is about --data
         raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
+
+
+def _overlap(first: str, second: str) -> bool:
+    """Whether one of two directories is, or is inside, the other."""
+    first, second = os.path.realpath(first), os.path.realpath(second)
+    return os.path.commonpath([first, second]) in (first, second)
+
+
+def _compiler_problem(backend: str) -> str | None:
+    """Why ``--compile`` cannot run here, or None: on the CPU, torch.compile's inductor builds each
+    unit's kernels with a C++ compiler ($CXX, else g++), and without one every worker would fail at
+    its first step with a traceback of its own."""
+    if worker.uses_cuda(backend):
+        return None
+    from torch._inductor import config as inductor, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        searched = inductor.cpp.cxx if isinstance(inductor.cpp.cxx, (list, tuple)) else (inductor.cpp.cxx,)
+        return (f"--compile on the CPU needs a C++ compiler, which torch.compile builds its kernels with, and "
+                f"none was found (tried {', '.join(str(c) for c in searched if c)}): install one (or set CXX to "
+                f"one), or leave out --compile")
+    return None
 
 
 def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:

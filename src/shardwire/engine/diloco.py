@@ -41,7 +41,6 @@ Torch-free, so that the simulator and the planner read the same settings.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire
 from shardwire.options import settings_fields
@@ -50,6 +49,10 @@ from shardwire.renamed import warn_renamed
 # The fields' names before torchft's, kept for a release: old -> new.
 RENAMED_FIELDS = {"every": "sync_every", "overlap": "fragment_sync_delay"}
 _RENAMED = ", ".join(f"{old} -> {new}" for old, new in RENAMED_FIELDS.items())
+# The largest outer learning rate: DiLoCo's is 0.7, and an outer step of more than ten times the
+# groups' averaged change moves the model farther than they trained; far larger ones overflow fp32
+# (1e308 times any change is inf at the first outer step).
+MAX_OUTER_LR = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +84,9 @@ class DiLoCo:
                              f"fragment syncs once every {self.sync_every} steps, and one at a time")
         if self.wire not in (None, *GRAD_FORMATS):
             raise ValueError(f"diloco wire must be none, 'int8' or 'int4', got {self.wire!r}")
-        if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr < math.inf):
-            raise ValueError(f"diloco outer_lr must be a positive number, got {self.outer_lr!r}")
+        if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= MAX_OUTER_LR):
+            raise ValueError(f"diloco outer_lr must be a positive number of at most {MAX_OUTER_LR:g} (DiLoCo's is "
+                             f"0.7), got {self.outer_lr!r}")
         if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
             raise ValueError(f"diloco momentum must be at least 0 and below 1, got {self.momentum!r}")
         if self.fragment_sync_delay is None:  # the default before it was 0: the same run
@@ -112,6 +116,14 @@ class DiLoCo:
         if old_names:
             warn_renamed(f"diloco {', '.join(f'{old}= is renamed {RENAMED_FIELDS[old]}=' for old in old_names)}")
         return cls(**fields)
+
+    def check_units(self, trainable: int) -> None:
+        """Fragments are made of whole units with trainable parameters: refuse more fragments than
+        the ``trainable`` units a model has (``shard`` counts them; ``shardwire train`` before its
+        workers start)."""
+        if self.fragments > trainable:
+            raise ValueError(f"diloco fragments={self.fragments} is more than the {trainable} units with trainable "
+                             f"parameters (each fragment is whole units): use at most {trainable}, or more units")
 
     @property
     def spacing(self) -> int:
@@ -165,5 +177,5 @@ def _fragment_sync_delay(text: str) -> int:
 _FIELD_TYPES = {"sync_every": int, "fragments": int, "wire": lambda text: None if text == "none" else text,
                 "outer_lr": float, "momentum": float, "fragment_sync_delay": _fragment_sync_delay}
 _FIELD_WORDS = {"sync_every": "a positive integer", "fragments": "a positive integer", "wire": "none, int8 or int4",
-                "outer_lr": "a positive number", "momentum": "a number from 0 to below 1",
+                "outer_lr": f"a positive number of at most {MAX_OUTER_LR:g}", "momentum": "a number from 0 to below 1",
                 "fragment_sync_delay": "an integer"}

@@ -341,10 +341,7 @@ def _check_diloco_fragments(diloco: DiLoCo | None, owned: dict[str, list[OwnedPa
     """Fragments are made of whole units with trainable parameters: refuse more fragments than those."""
     if diloco is None:
         return
-    trainable = sum(any(entry.param.requires_grad for entry in entries) for entries in owned.values())
-    if diloco.fragments > trainable:
-        raise ValueError(f"diloco fragments={diloco.fragments} is more than the {trainable} units with trainable "
-                         f"parameters (each fragment is whole units): use at most {trainable}, or more units")
+    diloco.check_units(sum(any(entry.param.requires_grad for entry in entries) for entries in owned.values()))
 
 
 def _build_unit(index, name, module, params, *, layout, policy, wire, values=None) -> Unit:

@@ -32,15 +32,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from shardwire.engine.selection import select_units
+from shardwire.engine.selection import assign_params, select_units
 from shardwire.extras import quietly_importing, require
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.sim.huggingface import HF_PREFIX, seq_len_of, spec_from_config
+from shardwire.sim.huggingface import HF_PREFIX, has_tokenizer, seq_len_of, spec_from_config
 from shardwire.sim.specs import MAX_LAYERS, ModelSpec
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # The weights from_pretrained loads, the first of these a directory holds.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # An index of a model's weight files: a few hundred kB for the largest published models.
@@ -73,6 +72,8 @@ class ModelChoice:
     # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
     # at no cost (Hugging Face models read tensor values to build their attention masks)
     runs_on_meta: bool = True
+    # the units that hold parameters, the root included: what ``shard`` makes and DiLoCo's fragments are dealt
+    units_with_parameters: int = 1
 
 
 def recorded_name(name: str) -> str:
@@ -88,8 +89,8 @@ def tokenizer_directory(name: str) -> pathlib.Path | None:
     both), or None."""
     if not name.startswith(HF_PREFIX):
         return None
-    path = pathlib.Path(name[len(HF_PREFIX):])
-    return path if path.is_dir() and any((path / file).exists() for file in _TOKENIZER_FILES) else None
+    source = name[len(HF_PREFIX):]
+    return pathlib.Path(source) if has_tokenizer(source) else None
 
 
 def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -> ModelChoice:
@@ -109,7 +110,8 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
     return ModelChoice(f"GPT {name!r}", lambda: GPT(config), (Block,), config.seq_len, config.vocab_size,
                        _parameters(skeleton), spec, lambda model, tokens: model(tokens),
                        fp8_refusal=fp8.convertible(skeleton, (Block,))[1], init=lambda model: model.init_module,
-                       held_whole=_held_while_made(skeleton, (Block,)))
+                       held_whole=_held_while_made(skeleton, (Block,)),
+                       units_with_parameters=_units_with_parameters(skeleton, (Block,)))
 
 
 def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelChoice:
@@ -161,7 +163,8 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
                        runs_on_meta=False, init=None if weights is not None and not by_slice else lambda model: None,
                        held_whole=(_parameters(skeleton) if weights is not None and not by_slice
                                    else _held_while_made(skeleton, chosen)),
-                       load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None)
+                       load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None,
+                       units_with_parameters=_units_with_parameters(skeleton, chosen))
 
 
 def _parameters(model: nn.Module) -> int:
@@ -174,6 +177,12 @@ def _held_while_made(skeleton: nn.Module, units: tuple[type[nn.Module], ...]) ->
     a time: the root unit's (made last) and the largest unit's."""
     sizes = [_parameters(module) for _, module in select_units(skeleton, list(units))]
     return _parameters(skeleton) - sum(sizes) + max(sizes)
+
+
+def _units_with_parameters(skeleton: nn.Module, units: tuple[type[nn.Module], ...]) -> int:
+    """The units ``shard`` makes of ``skeleton`` that hold parameters, the root unit among them."""
+    owned = assign_params(skeleton, [name for name, _ in select_units(skeleton, list(units))])
+    return sum(bool(entries) for entries in owned.values())
 
 
 def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
@@ -194,7 +203,7 @@ def hf_config(transformers, source: str):
             fields = json.loads(source)
             if not isinstance(fields, dict):
                 raise ValueError("an inline config is a JSON mapping")
-            return transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields), None
+            return config_from_fields(transformers, fields), None
         if not path.exists():
             raise ValueError(f"{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
         if path.is_dir():
@@ -212,6 +221,49 @@ def hf_config(transformers, source: str):
     if weights is not None:
         _check_weights(weights, f"hf:{source}")
     return config, (path if weights is not None else None)
+
+
+def config_fields(name: str) -> dict | None:
+    """The config of the ``hf:`` model ``name`` as its source holds it (a directory's config.json, a
+    config .json, inline JSON), for a checkpoint to record what it trained; None for a GPT preset."""
+    if not name.startswith(HF_PREFIX):
+        return None
+    source = name[len(HF_PREFIX):]
+    if source.lstrip().startswith("{"):
+        return json.loads(source)
+    config_file = _config_file(source)
+    try:
+        return read_mapping(read_file(config_file, f"{name}: {config_file.name}"), f"{name}: {config_file.name}")
+    except MappingError as err:
+        raise ValueError(str(err)) from None
+
+
+def config_from_fields(transformers, fields: dict):
+    """The transformers config of ``fields``, a config.json's mapping (an inline config, or what a
+    checkpoint recorded); a ``ValueError`` saying what is wrong with it."""
+    fields = dict(fields)
+    try:
+        return transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
+    except Exception as err:  # transformers' errors for a config it cannot read vary
+        raise ValueError(_first_line(err)) from None
+
+
+# Keys of an hf: model's config.json that say who wrote it, not what it builds: a directory saved
+# again by a newer transformers changes them, and the trained weights still fit it.
+_CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path")
+
+
+def config_difference(recorded: dict, now: dict) -> str | None:
+    """The first difference between the config a checkpoint ``recorded`` and the one its model's
+    source holds ``now`` (``config_fields``), as ``key before -> after``; None where they build the
+    same model."""
+    missing = object()
+    for key in sorted((recorded.keys() | now.keys()) - set(_CONFIG_BOOKKEEPING), key=str):
+        before, after = recorded.get(key, missing), now.get(key, missing)
+        if before != after:
+            said = [("absent" if value is missing else shown(value, 60)) for value in (before, after)]
+            return f"{str(key)[:60]} {said[0]} -> {said[1]}"
+    return None
 
 
 def _config_file(source: str) -> pathlib.Path:

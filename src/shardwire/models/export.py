@@ -13,8 +13,10 @@ them, with ``model.safetensors.index.json`` naming each tensor's file) and each 
 its place when it arrives. A tied parameter is written once, under its first name, as
 ``save_pretrained`` writes it.
 
-The directory appears whole or not at all: it is written beside the target under a temporary name
-and renamed into place, and a target that exists and is not empty is refused rather than replaced.
+The directory appears whole or not at all (``shardwire.files.StagedDirectory``): it is written
+beside the target under a temporary name, claimed for its writer, and renamed into place; a target
+that exists and is not empty is refused rather than replaced. An export that fails part way (a
+checkpoint's weight that is not finite, a diverged run) leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ import json
 import math
 import pathlib
 import re
-import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from shardwire.engine.state_dict import TensorRecord, WeightsByUnit
 from shardwire.extras import require
-from shardwire.models.choice import HF_PREFIX, hf_config, tokenizer_directory
+from shardwire.files import StagedDirectory
+from shardwire.models.choice import HF_PREFIX, config_from_fields, hf_config, tokenizer_directory
 
 # save_pretrained's default: one file up to this size, several past it.
 MAX_SHARD_SIZE = 50 * 10**9
@@ -41,57 +43,62 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def save_pretrained(model_name: str, weights: WeightsByUnit, directory: str | pathlib.Path,
-                    max_shard_size: int = MAX_SHARD_SIZE) -> pathlib.Path:
+def save_pretrained(model_name: str, weights: WeightsByUnit, directory: str | pathlib.Path | StagedDirectory,
+                    max_shard_size: int = MAX_SHARD_SIZE, *, fields: dict | None = None) -> pathlib.Path:
     """Write the ``hf:`` model ``model_name`` with ``weights`` as a ``save_pretrained`` directory, with
-    its tokenizer where its directory has one; returns the directory. Raises ``ValueError`` saying
-    what to change, before anything is written."""
-    if not model_name.startswith(HF_PREFIX):
-        raise ValueError(f"--model {model_name!r} is not a Hugging Face model: a save_pretrained directory is "
-                         f"for hf: models (export a GPT preset as a .safetensors or .pt file)")
-    directory = pathlib.Path(directory)
-    check_new_directory(directory)
-    transformers = require("transformers", "exporting a Hugging Face model")
-    config, _ = hf_config(transformers, model_name[len(HF_PREFIX):])
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    tensors = _saved(model, weights)
-    floating = next((t.dtype for t in tensors if t.dtype.is_floating_point), None)
-    if floating is not None:  # as save_pretrained records the dtype it saved
-        config.dtype = str(floating).removeprefix("torch.")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".partial"))
+    its tokenizer where its directory has one; returns the directory. ``directory`` is a new one, or
+    the stage of one claimed earlier (``shardwire train --export-hf`` claims it as the run starts).
+    ``fields``: the config the weights were trained with (a checkpoint records it), instead of the
+    one ``model_name`` holds now. Raises ``ValueError`` saying what to change (``OutputRefused``
+    for the directory), and leaves nothing behind."""
+    stage = directory if isinstance(directory, StagedDirectory) else StagedDirectory(directory, "export directory")
     try:
-        _write_safetensors(staging, tensors, weights.parts, max_shard_size)
-        config.save_pretrained(staging)
+        if not model_name.startswith(HF_PREFIX):
+            raise ValueError(f"--model {model_name!r} is not a Hugging Face model: a save_pretrained directory is "
+                             f"for hf: models (export a GPT preset as a .safetensors or .pt file)")
+        transformers = require("transformers", "exporting a Hugging Face model")
+        config = (config_from_fields(transformers, fields) if fields is not None
+                  else hf_config(transformers, model_name[len(HF_PREFIX):])[0])
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        tensors = _saved(model, weights)
+        floating = next((t.dtype for t in tensors if t.dtype.is_floating_point), None)
+        if floating is not None:  # as save_pretrained records the dtype it saved
+            config.dtype = str(floating).removeprefix("torch.")
+        _write_safetensors(stage.path, tensors, weights.parts, max_shard_size)
+        config.save_pretrained(stage.path)
         if model.can_generate():
-            model.generation_config.save_pretrained(staging)
+            model.generation_config.save_pretrained(stage.path)
         tokenizer = tokenizer_directory(model_name)
         if tokenizer is not None:
             transformers.AutoTokenizer.from_pretrained(
-                tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(staging)
-        staging.rename(directory)  # replaces an empty directory, atomically
+                tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(stage.path)
+        return stage.publish()
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        stage.discard()
         raise
-    return directory
 
 
-def _saved(model, weights: WeightsByUnit) -> list[TensorRecord]:
-    """The tensors of ``weights`` that ``save_pretrained`` of ``model`` (on the meta device) would write,
-    checked against the model: every one of its keys, with its shape, and no other."""
+def fit_problem(model: nn.Module, weights: WeightsByUnit) -> str | None:
+    """How ``weights`` do not fit ``model`` (built on the meta device), naming the first key and its
+    shapes; None where every one of the model's keys is there with its shape, and no other."""
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     given = {tensor.name: tensor for tensor in weights.tensors}
     for key, shape in expected.items():
         tensor = given.get(weights.aliases.get(key, key))
         if tensor is None:
-            raise ValueError(f"the weights do not fit {type(model).__name__}: they have no {key!r} {shape}")
+            return f"they have no {key!r} {list(shape)}"
         if tensor.shape != shape:
-            raise ValueError(f"the weights do not fit {type(model).__name__}: {key!r} is {tensor.shape} in them "
-                             f"and {shape} in the model")
+            return f"{key!r} is {list(tensor.shape)} in them and {list(shape)} in the model"
     extra = sorted(given.keys() - expected.keys())
-    if extra:
-        raise ValueError(f"the weights do not fit {type(model).__name__}: it has no {extra[0]!r}")
+    return f"the model has no {extra[0]!r}" if extra else None
+
+
+def _saved(model, weights: WeightsByUnit) -> list[TensorRecord]:
+    """The tensors of ``weights`` that ``save_pretrained`` of ``model`` (on the meta device) would write,
+    checked against the model (``fit_problem``)."""
+    if (problem := fit_problem(model, weights)) is not None:
+        raise ValueError(f"the weights do not fit {type(model).__name__}: {problem}")
     ignored = [re.compile(pattern) for pattern in getattr(model, "_keys_to_ignore_on_save", None) or ()]
     return [tensor for tensor in weights.tensors if not any(pattern.search(tensor.name) for pattern in ignored)]
 
@@ -161,11 +168,3 @@ class _FileWriter:
 
 def _nbytes(tensor: TensorRecord) -> int:
     return math.prod(tensor.shape) * tensor.dtype.itemsize
-
-
-def check_new_directory(directory: pathlib.Path) -> None:
-    """``directory`` can take an export: absent, or an empty directory (nothing of the user's in it)."""
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise ValueError(f"{directory} exists and is not a directory: give a new directory to export to")
-    if directory.is_dir() and any(directory.iterdir()):
-        raise ValueError(f"{directory} is not empty: give a new directory to export to (nothing is overwritten)")

@@ -10,10 +10,13 @@ import typing
 if typing.TYPE_CHECKING:
     from shardwire.sim.specs import ModelSpec
 
+# The ids of text read as bytes: the GPT's vocabulary, and the default corpus's.
+BYTE_VOCAB = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 256  # bytes
+    vocab_size: int = BYTE_VOCAB
     seq_len: int = 128
     layers: int = 4
     hidden: int = 128

@@ -63,7 +63,7 @@ def breakdown(timeline: StepTimeline) -> dict[str, float]:
 
 
 def across_ranks(per_rank: list[dict[str, float]]) -> dict:
-    """min / median / max of every figure over the ranks of one step, and the slowest rank."""
+    """Every rank's figures of one step, their min / median / max over the ranks, and the slowest rank."""
     stats = {
         name: {
             "min": min(r[name] for r in per_rank),
@@ -73,11 +73,20 @@ def across_ranks(per_rank: list[dict[str, float]]) -> dict:
         for name in FIGURES
     }
     slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["step_s"])
-    return {"figures": stats, "slowest_rank": slowest}
+    return {"ranks": per_rank, "figures": stats, "slowest_rank": slowest}
+
+
+def typical(steps: list[dict]) -> int:
+    """The index of the step whose slowest rank took closest to the median over steps of that time:
+    one measured step to stand for them all."""
+    step_s = statistics.median(s["figures"]["step_s"]["max"] for s in steps)
+    return min(range(len(steps)), key=lambda i: abs(steps[i]["figures"]["step_s"]["max"] - step_s))
 
 
 def over_steps(steps: list[dict]) -> dict:
-    """The median over steps of each per-step statistic, and how often each rank was the slowest."""
+    """The median over steps of each per-step statistic, how often each rank was the slowest, and
+    the typical step's slowest rank's own figures. Those, not the largest value of each part (each
+    from whichever rank had it), say where the step went: a rank's parts add up to its step."""
     summary = {
         name: {stat: statistics.median(s["figures"][name][stat] for s in steps) for stat in ("min", "median", "max")}
         for name in FIGURES
@@ -87,8 +96,10 @@ def over_steps(steps: list[dict]) -> dict:
         counts[s["slowest_rank"]] = counts.get(s["slowest_rank"], 0) + 1
     straggler = max(counts, key=counts.get)
     lag = statistics.median(s["figures"]["step_s"]["max"] - s["figures"]["step_s"]["median"] for s in steps)
+    step = steps[typical(steps)]
     return {
         "figures": summary,
         "slowest_rank": {"rank": straggler, "share_of_steps": counts[straggler] / len(steps),
                          "median_lag_s": lag},
+        "typical_step": {"slowest_rank": step["slowest_rank"], "figures": step["ranks"][step["slowest_rank"]]},
     }

@@ -131,17 +131,12 @@ class Profiler:
             return None
         per_rank_timelines = [t for t, _ in gathered]
         per_rank_figures = [f for _, f in gathered]
-        steps = [
-            {"step": timelines[i].step, "ranks": [ranks[i] for ranks in per_rank_figures],
-             **analysis.across_ranks([ranks[i] for ranks in per_rank_figures])}
-            for i in range(len(timelines))
-        ]
+        steps = [{"step": timelines[i].step, **analysis.across_ranks([ranks[i] for ranks in per_rank_figures])}
+                 for i in range(len(timelines))]
         first = self._warmup_steps if len(steps) > self._warmup_steps else 0
         summary = analysis.over_steps(steps[first:])
-        step_time = summary["figures"]["step_s"]["max"]
-        summary.update(self.throughput(step_time))
-        # the measured step closest to the median, for the report's one-step timeline
-        typical = min(range(first, len(steps)), key=lambda i: abs(steps[i]["figures"]["step_s"]["max"] - step_time))
+        summary.update(self.throughput(summary["figures"]["step_s"]["max"]))
+        typical = first + analysis.typical(steps[first:])  # for the report's one-step timeline
         profile = {
             "version": FORMAT_VERSION,
             "world_size": self._world,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
+from shardwire.mappings import MappingError, read_json, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
 from shardwire.profile.profiler import FORMAT_VERSION, PROFILE_FILE
 
@@ -37,17 +37,14 @@ def load_profile(run_dir: str) -> dict:
             f"{run_dir} has no profile data ({path} is missing): profile a run with "
             f"`shardwire train --profile --run-dir {run_dir}` or Profiler.save({run_dir!r})"
         )
-    if not os.path.isfile(path):  # a FIFO would block the report for ever, a device feed it without end
+    if not os.path.isfile(path):  # a FIFO would block the report for ever, a device feed it to the bound
         raise ReportError(f"{path} is not a regular file: profile the run again")
     try:
-        with open(path) as f:
-            profile = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ReportError(f"{path} is not valid JSON ({err}); profile the run again") from None
-    if not isinstance(profile, dict):
-        raise ReportError(f"{path} holds a JSON {type(profile).__name__}, not a profile; profile the run again")
+        profile = read_json(path, path, kind="profile", remedy="profile the run again")
+    except MappingError as err:
+        raise ReportError(str(err)) from None
     if profile.get("version") != FORMAT_VERSION:
-        raise ReportError(f"{path} has format version {profile.get('version')!r}; "
+        raise ReportError(f"{path} has format version {shown(profile.get('version'))}; "
                           f"this shardwire reads {FORMAT_VERSION}")
     return profile
 
@@ -85,9 +82,9 @@ def _damage_reported(run_dirs: list[str]):
     reported as damaged, naming the run, instead of failing deep inside a plot."""
     try:
         yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError) as err:
         where = " or ".join(os.path.join(d, PROFILE_FILE) for d in run_dirs)
-        raise ReportError(f"{where} is damaged ({type(err).__name__}: {err}); profile the run again") from None
+        raise ReportError(f"{where} is damaged ({shown(err)}); profile the run again") from None
 
 
 def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
@@ -102,12 +99,12 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
         for key, value in job(profile).items():
             if value != reference[key]:
                 raise ReportError(
-                    f"runs differ in {key}: {run_dirs[0]} has {reference[key]!r}, {run_dir} has {value!r}; "
+                    f"runs differ in {key}: {run_dirs[0]} has {shown(reference[key])}, {run_dir} has {shown(value)}; "
                     f"a scaling report compares one job at several world sizes"
                 )
     sizes = [p["world_size"] for p in profiles]
     if len(set(sizes)) != len(sizes):
-        raise ReportError(f"two runs have the same world size ({sizes}); give one run per world size")
+        raise ReportError(f"two runs have the same world size ({shown(sizes)}); give one run per world size")
 
 
 def _plot_timeline(profile: dict, path: str) -> str:

@@ -21,15 +21,27 @@ profiled job is to the predicted one, the less rests on the model.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 
+from shardwire.mappings import MappingError, read_json, shown
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
-from shardwire.sim.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.specs import (
+    MAX_GPUS_PER_NODE,
+    MAX_NODES,
+    ClusterSpec,
+    ModelSpec,
+    SpecError,
+    TrainingSpec,
+    as_dict,
+    parse,
+)
 
 # The keys of a profile's ``metadata.config`` (``shardwire train``'s settings) the job is read from.
 _JOB_KEYS = ("model", "seq_len", "batch", "grad_accum", "precision", "activation_checkpointing", "compile")
+# The profiled job's ranks, at most the simulator's largest cluster's GPUs.
+_MAX_RANKS = MAX_NODES * MAX_GPUS_PER_NODE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +80,13 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
 
 def read_profile(path: str, load_model) -> Measured:
     """The ``Measured`` of a ``profile.json``; ``load_model(name, seq_len)`` describes the model its
-    job named (as ``shardwire train --model`` takes it)."""
+    job named (as ``shardwire train --model`` takes it). A profile that is not what ``shardwire
+    train --profile`` wrote (edited, cut short, of another tool) is refused in one line."""
+    remedy = "give the profile.json `shardwire train --profile` wrote"
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as err:
-        raise SpecError(f"cannot read profile {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(f"{path} is not JSON ({err}); give the profile.json `shardwire train --profile` "
-                        f"wrote") from None
+        doc = read_json(path, f"profile {path}", kind="profile", remedy=remedy)
+    except MappingError as err:
+        raise SpecError(str(err)) from None
     try:
         figures = doc["summary"]["figures"]
         config = doc["metadata"]["config"]
@@ -85,12 +95,33 @@ def read_profile(path: str, load_model) -> Measured:
         ranks = doc["world_size"]
     except (KeyError, TypeError) as err:
         raise SpecError(f"{path} lacks {err} where a profile of `shardwire train --profile` has it") from None
-    if not all(isinstance(s, (int, float)) and s > 0 for s in seconds):
-        raise SpecError(f"{path}: its forward, backward and optimizer times must be positive, got {seconds}")
-    training = parse("training", {"micro_batch": job["batch"], "grad_accum": job["grad_accum"],
-                                  "precision": job["precision"], "compile": job["compile"],
-                                  "activation_checkpointing": job["activation_checkpointing"]})
-    return Measured(*seconds, ranks=ranks, model=load_model(job["model"], job["seq_len"]), training=training)
+    _check_measured(path, seconds, ranks, job["model"], remedy)
+    try:
+        training = parse("training", {"micro_batch": job["batch"], "grad_accum": job["grad_accum"],
+                                      "precision": job["precision"], "compile": job["compile"],
+                                      "activation_checkpointing": job["activation_checkpointing"]})
+        model = load_model(job["model"], job["seq_len"])
+    except SpecError as err:
+        raise SpecError(f"{path}: its job cannot be simulated: {err}") from None
+    return Measured(*seconds, ranks=int(ranks), model=model, training=training)
+
+
+def _check_measured(path: str, seconds: list, ranks, model, remedy: str) -> None:
+    """Refuse values no profile holds before any arithmetic is done with them: a world size of 0
+    would divide by zero, a string or null would fail deep inside the fit."""
+    if not all(_is_number(s) and 0 < s < math.inf for s in seconds):
+        raise SpecError(f"{path}: its forward, backward and optimizer times must be positive, got {shown(seconds)}")
+    if not (_is_number(ranks) and 1 <= ranks <= _MAX_RANKS and ranks == int(ranks)):
+        raise SpecError(f"{path}: its world_size must be a whole number from 1 to {_MAX_RANKS:,}, got {shown(ranks)}; "
+                        f"{remedy}")
+    if not isinstance(model, str):
+        raise SpecError(f"{path}: its model must be a name, as `shardwire train --model` takes it, got "
+                        f"{shown(model)}; {remedy}")
+
+
+def _is_number(value) -> bool:
+    """A JSON number: ``true`` is a Python ``int`` too, and no count of ranks or seconds."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _compute_s(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> float:

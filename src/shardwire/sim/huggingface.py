@@ -20,6 +20,14 @@ HF_PREFIX = "hf:"
 GATED_RMSNORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite", "phi3")
 # Tokens per sequence when none is asked for: the model's positions, at most this many.
 DEFAULT_SEQ_LEN = 1024
+# The files of a tokenizer that save_pretrained writes beside a model; a directory with one of them
+# holds the model's tokenizer, which shardwire train reads its text --data with.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(source: str) -> bool:
+    """Whether ``source`` (what follows ``hf:``) is a model directory that holds its tokenizer too."""
+    return os.path.isdir(source) and any(os.path.exists(os.path.join(source, name)) for name in TOKENIZER_FILES)
 
 
 def read_config(source: str) -> dict:

@@ -7,7 +7,8 @@ that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``)
 (``{preset: a100-100gbe, gpu: h100-sxm}``). ``--model`` also takes what ``shardwire train --model``
 takes: the project's GPT sizes and ``hf:`` with a Hugging Face config (``shardwire.sim.huggingface``);
 ``--seq-len`` changes the model's sequence length. ``--calibrate profile.json`` fits the cluster's
-GPU to a profile of one GPU (``shardwire.sim.calibrate``).
+GPU to a profile of one GPU (``shardwire.sim.calibrate``). ``--node-mtbf`` (and ``--save-every``)
+give a failure rate, whose cost ``shardwire.sim.failures`` prices.
 
 ``--cluster-from bench.json`` replaces the cluster's nodes, GPUs per node and both network levels
 with what ``shardwire bench --json`` measured (schema ``shardwire.bench/1``, in
@@ -34,6 +35,7 @@ from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
 from shardwire.mappings import MappingError, read_file, read_mapping, shown
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
+from shardwire.sim.failures import FailureRate
 from shardwire.sim.presets import GPUS, PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
@@ -200,6 +202,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", metavar="PROFILE_JSON",
                         help="fit the GPU's compute model to a profile of one GPU of that kind (the profile.json of "
                              "`shardwire train --profile` or benchmarks/gpu_single.py --trace)")
+    parser.add_argument("--node-mtbf", type=float, metavar="HOURS",
+                        help="a node's mean time between failures: price what failures cost, restarting from a "
+                             "checkpoint and, under DiLoCo, recovering the lost group live (--fault-tolerance)")
+    parser.add_argument("--save-every", type=int, metavar="STEPS",
+                        help="with --node-mtbf: steps between checkpoints (default: Young's interval, the one that "
+                             "loses the least)")
 
 
 def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
@@ -216,3 +224,12 @@ def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Tr
     if args.nodes is not None:
         cluster = parse("cluster", {**as_dict(cluster), "nodes": args.nodes})
     return model, cluster, training
+
+
+def load_failure_rate(args: argparse.Namespace) -> FailureRate | None:
+    """The failure rate ``--node-mtbf`` and ``--save-every`` give (None without them); raises ``SpecError``."""
+    if args.node_mtbf is None:
+        if args.save_every is not None:
+            raise SpecError("--save-every sets the checkpoints of --node-mtbf's pricing: give --node-mtbf HOURS too")
+        return None
+    return FailureRate(args.node_mtbf, args.save_every)

@@ -34,6 +34,7 @@ import itertools
 import math
 
 from shardwire.launch import torchrun_command
+from shardwire.models.sizes import BYTE_VOCAB
 from shardwire.models.sizes import PRESETS as GPT_SIZES
 from shardwire.options import command_line
 from shardwire.sim.architecture import architecture
@@ -41,7 +42,7 @@ from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
                                  parse)
-from shardwire.sim.huggingface import HF_PREFIX
+from shardwire.sim.huggingface import HF_PREFIX, has_tokenizer
 from shardwire.sim.step import group_size
 
 MAX_PREFETCH = 4
@@ -84,7 +85,8 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How to run a planned configuration: the ``torchrun`` command each node runs (None where
-    ``shardwire train`` cannot run it, and ``unrunnable`` says why), the ``shardwire train``
+    ``shardwire train`` cannot run it, and ``unrunnable`` says why), what the user must add to it
+    (``needs``: the data, where the default corpus cannot feed the model), the ``shardwire train``
     options it holds, the ``shard(...)`` arguments, and why the configuration is lossy, if it is."""
 
     command: str | None
@@ -92,6 +94,7 @@ class Launch:
     shard_arguments: dict
     unrunnable: str | None
     lossy: str | None
+    needs: str | None = None
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
@@ -218,7 +221,19 @@ def launch(t: TrainingSpec, cluster: ClusterSpec, model: ModelSpec, model_argume
     if unrunnable is None:
         job = ["train", "--model", model_argument, "--seq-len", str(model.seq_len), *options]
         command = torchrun_command(cluster.nodes, cluster.gpus_per_node, job)
-    return Launch(command, options, shard_args, unrunnable, _lossy(t))
+    return Launch(command, options, shard_args, unrunnable, _lossy(t), _needs(model, model_argument))
+
+
+def _needs(model: ModelSpec, model_argument: str) -> str | None:
+    """What ``shardwire train --model model_argument`` needs beside the plan's options: its default
+    corpus is text, read as bytes (ids 0 to 255), or by the tokenizer of an ``hf:`` model's
+    directory; any other vocabulary needs data of its own."""
+    if model.vocab == BYTE_VOCAB or not model_argument.startswith(HF_PREFIX):
+        return None
+    if has_tokenizer(model_argument[len(HF_PREFIX):]):
+        return None
+    return (f"--data: the model's {model.vocab:,} ids are its tokenizer's, and the default corpus is text read as "
+            f"bytes: give --data pre-tokenised ids (.bin or .npy), or text with --tokenizer DIR")
 
 
 def _unrunnable(t: TrainingSpec, model_argument: str) -> str | None:

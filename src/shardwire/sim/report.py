@@ -17,20 +17,35 @@ JSON of one prediction (times in seconds, memory in GiB per GPU)::
 A sweep: ``{"sweep": {"key", "values"}, "points": [PREDICTION + {"scaling_efficiency"}],
 "scaling_reference_nodes": 1, "scaling_reference_fits": true}`` (efficiency and its reference only
 for sweeps over ``nodes``, else null).
+
+With a failure rate (``--node-mtbf``), a prediction and a plan's best and DiLoCo configurations add
+``"failures"`` (``shardwire.sim.failures``; an effective step that is infinite, no step kept, is
+null)::
+
+    {"node_mtbf_h", "job_mtbf_h",
+     "restart": {"step_time_s", "goodput", "save_every", "young", "checkpoint_bytes",  # per node
+                 "save_s", "restart_s", "effective_step_time_s"},
+     "live_recovery": {"step_time_s", "goodput", "recovery_bytes", "lost_group_s", "other_group_s",
+                       "effective_step_time_s"} or null, "no_live_recovery": "why" or null,
+     "assumptions": {"relaunch_s", "storage_GBps", "heartbeat_s"}}
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
+from shardwire.sim.failures import (HEARTBEAT_S, RELAUNCH_S, STORAGE_GBps, FailureCosts, FailureRate, Restart,
+                                    Survival, price)
 from shardwire.sim.memory import GIB
 from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
 from shardwire.sim.step import group_size
+from shardwire.training.progress import format_duration
 
 
 def fit_problem(p: Prediction) -> str:
@@ -57,7 +72,8 @@ def notes(p: Prediction) -> list[str]:
     return missing
 
 
-def prediction_json(p: Prediction) -> dict:
+def prediction_json(p: Prediction, rate: FailureRate | None = None) -> dict:
+    """``p`` as plain data, with what failures at ``rate`` cost it where one is given."""
     comm = p.comm_s
     return {
         "model": as_dict(p.model), "cluster": as_dict(p.cluster), "training": as_dict(p.training),
@@ -82,6 +98,7 @@ def prediction_json(p: Prediction) -> dict:
         "units": [dataclasses.asdict(b) for b in unit_budgets(p)],
         "verdict": verdict(p),
         "notes": notes(p),
+        **_failures_entry(p, rate),
     }
 
 
@@ -132,7 +149,8 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
     ]
 
 
-def prediction_text(p: Prediction) -> str:
+def prediction_text(p: Prediction, rate: FailureRate | None = None) -> str:
+    """``p`` explained, with what failures at ``rate`` cost it where one is given."""
     compute = p.timeline.compute
     comm = p.comm_s
     exposed = ", ".join(f"{reason} {s:.3g}" for reason, s in p.exposed_by_reason.items()) or "none"
@@ -164,6 +182,8 @@ def prediction_text(p: Prediction) -> str:
             f"{format_ms(b.backward_s):>19} {format_ms(b.backward_comm_s):>18}"
         )
     lines += ["", verdict(p), *(f"note: {n}" for n in notes(p))]
+    if rate is not None:
+        lines += failures_text([("", price(p, rate))])
     return "\n".join(lines)
 
 
@@ -228,11 +248,13 @@ def _value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def plan_json(result: Plan, global_batch: int, model_argument: str) -> dict:
+def plan_json(result: Plan, global_batch: int, model_argument: str, rate: FailureRate | None = None) -> dict:
+    """The plan as plain data, with what failures at ``rate`` cost the best and the DiLoCo
+    configurations where one is given."""
     best = result.best.step_time_s
     return {
         "global_batch": global_batch,
-        "best": _with_run(result.best, model_argument),
+        "best": {**_with_run(result.best, model_argument), **_failures_entry(result.best, rate)},
         "runner_up": None if result.runner_up is None else _with_run(result.runner_up, model_argument),
         "alternatives": [
             {"change": a.change, "step_time_s": a.step_time_s, "fits": a.memory.fits,
@@ -242,7 +264,8 @@ def plan_json(result: Plan, global_batch: int, model_argument: str) -> dict:
         ],
         "candidates": result.candidates,
         "fitting": result.fitting,
-        "diloco": None if result.diloco is None else _with_run(result.diloco, model_argument),
+        "diloco": None if result.diloco is None else {**_with_run(result.diloco, model_argument),
+                                                      **_failures_entry(result.diloco, rate)},
     }
 
 
@@ -253,11 +276,14 @@ def _with_run(p: Prediction, model_argument: str) -> dict:
 def _how_to_run(p: Prediction, model_argument: str) -> list[str]:
     how = launch(p.training, p.cluster, p.model, model_argument)
     run = f"run:   {how.command}" if how.command else f"not run by shardwire train: {how.unrunnable}"
-    lines = [f"          {run}", f"          or:    {shard_call(p.training, p.cluster)}"]
+    lines = [f"          {run}", *([f"          add:   {how.needs}"] if how.command and how.needs else []),
+             f"          or:    {shard_call(p.training, p.cluster)}"]
     return lines + ([f"          {how.lossy}"] if how.lossy else [])
 
 
-def plan_text(result: Plan, global_batch: int, model_argument: str) -> str:
+def plan_text(result: Plan, global_batch: int, model_argument: str, rate: FailureRate | None = None) -> str:
+    """The plan and why it wins, with what failures at ``rate`` cost the best and the DiLoCo
+    configurations where one is given."""
     best = result.best
     t = best.training
     setup = describe_setup(best)
@@ -293,4 +319,66 @@ def plan_text(result: Plan, global_batch: int, model_argument: str) -> str:
                       f"({100 * (s.step_time_s / best.step_time_s - 1):+.1f}%), "
                       f"{s.timeline.link_bytes['inter'] / 1e9:.4g} GB per step through each node's NICs",
                   *(f"          note: {n}" for n in notes(s)), *_how_to_run(s, model_argument)]
+    if rate is not None:
+        priced = [("best", best), *([("diloco", result.diloco)] if result.diloco is not None else [])]
+        lines += failures_text([(label, price(p, rate)) for label, p in priced])
     return "\n".join(lines)
+
+
+def failures_text(priced: list[tuple[str, FailureCosts]]) -> list[str]:
+    """What failures cost each configuration, a label (``best``, ``diloco``, or none) before each,
+    then what the prices assume."""
+    first = priced[0][1]
+    lines = ["", f"failures  a node lost every {first.rate.node_mtbf_h:,.4g} h on average: the job's {first.nodes} "
+                 f"nodes, one every {first.job_mtbf_h:,.4g} h"]
+    for label, costs in priced:
+        restart, live = _restart_text(costs.restart), _live_recovery_text(costs)
+        lines += [f"  {label:<8}{restart}", f"  {'':<8}{live}"]
+    lines.append(f"  assumed   a restart relaunches in {RELAUNCH_S:g} s, a node reads and writes checkpoints at "
+                 f"{STORAGE_GBps:g} GB/s; torchft's heartbeat timeout is {HEARTBEAT_S:g} s")
+    return lines
+
+
+def _restart_text(restart: Restart) -> str:
+    chosen = "Young's interval" if restart.young else "as given"
+    return (f"restart from checkpoint  {_kept(restart)}; a checkpoint every {restart.save_every:,} steps "
+            f"({format_duration(restart.interval_s)}, {chosen}), "
+            f"{restart.checkpoint_bytes / 1e9:.4g} GB per node: {restart.save_s:.3g} s to save, "
+            f"{restart.restart_s:.3g} s to restart")
+
+
+def _live_recovery_text(costs: FailureCosts) -> str:
+    live = costs.live_recovery
+    if live is None:
+        return f"live recovery            not possible: {costs.no_live_recovery}"
+    return (f"live recovery            {_kept(live)} (its step {live.step_time_s:.4g} s: --fault-tolerance syncs in "
+            f"fp32); a failure costs the lost group {live.lost_group_s:.3g} s ({live.recovery_bytes / 1e9:.4g} GB "
+            f"sent to it), each other {live.other_group_s:.3g} s")
+
+
+def _kept(survival: Survival) -> str:
+    if survival.goodput == 0:
+        return "goodput 0: failures come faster than the job recovers, no step is kept"
+    return f"goodput {100 * survival.goodput:.3f}%, effective step {survival.effective_step_time_s:.4g} s"
+
+
+def failures_json(costs: FailureCosts) -> dict:
+    """``costs`` as plain data (the module's docstring)."""
+    return {
+        "node_mtbf_h": costs.rate.node_mtbf_h,
+        "job_mtbf_h": costs.job_mtbf_h,
+        "restart": _survival_json(costs.restart),
+        "live_recovery": None if costs.live_recovery is None else _survival_json(costs.live_recovery),
+        "no_live_recovery": costs.no_live_recovery,
+        "assumptions": {"relaunch_s": RELAUNCH_S, "storage_GBps": STORAGE_GBps, "heartbeat_s": HEARTBEAT_S},
+    }
+
+
+def _survival_json(survival: Survival) -> dict:
+    effective = survival.effective_step_time_s
+    return {**dataclasses.asdict(survival), "effective_step_time_s": None if math.isinf(effective) else effective}
+
+
+def _failures_entry(p: Prediction, rate: FailureRate | None) -> dict:
+    """``{"failures": ...}`` for ``p`` at ``rate``; nothing without one."""
+    return {} if rate is None else {"failures": failures_json(price(p, rate))}

@@ -34,6 +34,7 @@ from shardwire.testbed.spec import (
     Testbed,
     TestbedError,
     check_name,
+    held,
     state_path,
 )
 
@@ -118,15 +119,16 @@ def up(testbed: Testbed) -> bool:
     """Build ``testbed``, replacing whatever of that name exists; False if it was already up as asked.
 
     A failure part way removes everything built so far before the error goes on."""
-    if is_up(testbed):
-        return False
-    down(testbed.name)
-    try:
-        _build(testbed)
-        testbed.save()
-    except BaseException:
-        down(testbed.name)
-        raise
+    with held(testbed.name):
+        if is_up(testbed):
+            return False
+        _remove(testbed.name)
+        try:
+            _build(testbed)
+            testbed.save()
+        except BaseException:
+            _remove(testbed.name)
+            raise
     return True
 
 
@@ -160,6 +162,12 @@ def _hosts_file(names: dict[str, str]) -> str:
 def down(name: str) -> list[str]:
     """Stop every process left on the testbed's nodes, delete its namespaces (and with them every
     link and qdisc), their hosts files and its state file; returns the namespaces deleted."""
+    with held(name):
+        return _remove(name)
+
+
+def _remove(name: str) -> list[str]:
+    """``down``, by a command that holds the testbed."""
     namespaces = existing_namespaces(name)
     for namespace in namespaces:
         _stop_processes(namespace)

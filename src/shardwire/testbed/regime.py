@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from shardwire.mappings import shown
 from shardwire.testbed.spec import MAX_RATE, MIN_RATE, TestbedError, format_rate
 
 PROBE_SECONDS = 1.0
@@ -63,7 +64,8 @@ def like(preset: str, nodes: int, ranks_per_node: int) -> Regime:
     from shardwire.sim.presets import CLUSTERS
 
     if preset not in CLUSTERS:
-        raise TestbedError(f"--like {preset!r} is not a cluster preset; choose one of {', '.join(sorted(CLUSTERS))}")
+        raise TestbedError(f"--like {shown(preset)} is not a cluster preset; "
+                           f"choose one of {', '.join(sorted(CLUSTERS))}")
     if ranks_per_node < 1:
         raise TestbedError(f"--nproc-per-node must be at least 1, got {ranks_per_node}")
     cluster = CLUSTERS[preset]

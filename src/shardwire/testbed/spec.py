@@ -3,19 +3,25 @@ them, and the state file that tells later commands the testbed ``up`` built.
 
 Every object a testbed creates is named after it (``NAME-hub``, ``NAME-node0``, ...), and names must
 start with ``shardwire``, so ``down`` removes exactly what ``up`` made and nothing else. The state
-file lives under /run, a tmpfs, so it vanishes at reboot together with the namespaces it describes.
+file lives under /run, a tmpfs, so it vanishes at reboot together with the namespaces it describes,
+beside the lock that lets one command at a time change a testbed (``held``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import ipaddress
 import json
+import os
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from shardwire.files import write_atomically
-from shardwire.mappings import shown
+from shardwire.mappings import MAX_TEXT_BYTES, MappingError, read_json, shown
 
 STATE_DIR = Path("/run/shardwire/testbed")
 DEFAULT_NAME = "shardwire"
@@ -39,7 +45,7 @@ def check_name(name: str) -> str:
     """``name`` if it is a testbed name, so that no command touches anything a testbed did not make."""
     if not _NAME.fullmatch(name) or len(name) > 40:
         raise TestbedError(
-            f"testbed name {name!r} must start with 'shardwire' and go on with '-' and lowercase "
+            f"testbed name {shown(name)} must start with 'shardwire' and go on with '-' and lowercase "
             f"letters or digits (e.g. shardwire-ci), at most 40 characters"
         )
     return name
@@ -93,7 +99,7 @@ class Testbed:
         """The node ``text`` names, as ``up`` lists them: ``node1``, or ``1``."""
         index = text.removeprefix("node")
         if not index.isdigit() or int(index) >= self.nodes:
-            raise TestbedError(f"no node {text!r} on {self.describe()}: give one of node0 to node{self.nodes - 1}")
+            raise TestbedError(f"no node {shown(text)} on {self.describe()}: give one of node0 to node{self.nodes - 1}")
         return int(index)
 
     def address(self, node: int) -> str:
@@ -114,18 +120,39 @@ class Testbed:
     @classmethod
     def load(cls, name: str) -> Testbed:
         """The testbed ``up`` recorded for ``name``; an error that says how to build one if none is up."""
+        path = state_path(name)
+        if not path.exists():
+            raise TestbedError(
+                f"no testbed {name!r} is up; build one first, e.g. `shardwire testbed up --nodes 2 --link 1gbit`")
+        remedy = "run `shardwire testbed down` and up again"
         try:
-            with open(state_path(name)) as f:
-                return cls(**json.load(f))
-        except FileNotFoundError:
-            raise TestbedError(
-                f"no testbed {name!r} is up; build one first, e.g. `shardwire testbed up --nodes 2 --link 1gbit`"
-            ) from None
+            return cls(**read_json(str(path), f"the state file {path}", kind="testbed's state", remedy=remedy,
+                                   limit=MAX_TEXT_BYTES))
+        except MappingError as err:
+            raise TestbedError(str(err)) from None
         except (ValueError, TypeError) as err:
-            raise TestbedError(
-                f"the state file {state_path(name)} is damaged ({err}); run `shardwire testbed down` and up again"
-            ) from None
+            raise TestbedError(f"the state file {path} is damaged ({shown(err)}); {remedy}") from None
 
 
 def state_path(name: str) -> Path:
     return STATE_DIR / f"{name}.json"
+
+
+@contextlib.contextmanager
+def held(name: str) -> Iterator[None]:
+    """Hold testbed ``name`` for one command that changes it. ``up`` and ``down`` look at what exists
+    and then change it: two at once would interleave those steps, one's clean-up removing what the
+    other built. The lock is an flock, which the kernel releases when its holder ends, however it
+    ends, so a killed command never leaves the testbed locked."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(STATE_DIR / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another command building or removing testbed {name!r} to finish",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

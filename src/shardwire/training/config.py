@@ -87,7 +87,7 @@ class TrainConfig:
     max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "
                                   "checkpoint", at_least=0)
     timeout: float = option(600.0, "seconds a collective may take before the job stops with an error naming it",
-                            above=0, unit="seconds", at_most=worker.MAX_TIMEOUT_S)
+                            at_least=worker.MIN_TIMEOUT_S, real=True, unit="seconds", at_most=worker.MAX_TIMEOUT_S)
     profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
     run_dir: str | None = option(None, "profile output directory (default runs/<date-time>)")
     peak_tflops: float | None = option(None, "peak TFLOP/s per worker for MFU (default: a GPU's data sheet, or a "

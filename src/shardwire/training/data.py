@@ -19,6 +19,7 @@ import math
 import os
 import pathlib
 import sysconfig
+import weakref
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 BIN_DTYPES = ("uint16", "uint32")
 # Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
 _CHECK_CHUNK = 1 << 24
+# The bytes at each end of the data that its fingerprint (``identity``) reads.
+_FINGERPRINT_BYTES = 1 << 20
 # The largest seed of the weights and batches: torch's generators take 64-bit seeds.
 MAX_SEED = 2**64 - 1
 
@@ -136,20 +139,86 @@ def check_default_corpus(seq_len: int) -> None:
     check_length(sum(file.stat().st_size for file in files), name, "bytes", seq_len)
 
 
-class TokenCorpus:
-    """Pre-tokenised ids, memory-mapped."""
+class DataChanged(RuntimeError):
+    """The data changed under a run that reads it; its message names the file and what to do."""
 
-    def __init__(self, ids: np.ndarray, name: str, seq_len: int):
-        self.name = name
+
+def identity(size: int, head: bytes, tail: bytes, name: str, tokens: int) -> dict:
+    """What a checkpoint records of the data it was trained on, to name a resume on other data: its
+    name, its length in tokens and a fingerprint of its size in bytes and its first and last
+    ``_FINGERPRINT_BYTES`` (cheap at any size; a change elsewhere of the same size goes unseen)."""
+    digest = hashlib.sha256(f"{size}:".encode() + head + tail).hexdigest()[:16]
+    return {"name": name, "tokens": tokens, "fingerprint": digest}
+
+
+def data_change(recorded: object, now: dict) -> str | None:
+    """How the data ``now`` differs from what a checkpoint ``recorded`` (``identity``), for the resume
+    line (which names a changed ``--data`` itself); None where they match, or where the checkpoint
+    records none."""
+    if not isinstance(recorded, dict) or recorded.get("fingerprint") == now["fingerprint"]:
+        return None
+    tokens = recorded.get("tokens")
+    length = ("same length" if tokens == now["tokens"] else
+              f"{tokens:,} -> {now['tokens']:,} tokens" if isinstance(tokens, int) else f"{now['tokens']:,} tokens")
+    if recorded.get("name") != now["name"]:
+        return f"the data ({length})"
+    return f"the contents of {now['name']} ({length})"
+
+
+class _IdFile:
+    """A token file's ids read by rows with ``pread``, not through the memory map: a file cut short
+    while a run reads it then gives a short read, which ``DataChanged`` names in one line, where a
+    memory map's read past the end kills the process with SIGBUS and no message. One ``fstat`` per
+    batch (a microsecond beside a step) also names a file rewritten in place at another size."""
+
+    def __init__(self, file: pathlib.Path, ids: np.memmap):
+        self._file = file
+        self._fd = os.open(file, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+        self._dtype = ids.dtype
+        self._offset = ids.offset
+        self._size = os.fstat(self._fd).st_size
+
+    def check_size(self) -> None:
+        """Raise ``DataChanged`` where the file no longer has the size it had when the run opened it."""
+        if (now := os.fstat(self._fd).st_size) != self._size:
+            raise DataChanged(self._changed(now))
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """``count`` ids from id ``start`` on."""
+        width = self._dtype.itemsize
+        data = os.pread(self._fd, count * width, self._offset + start * width)
+        if len(data) < count * width:
+            raise DataChanged(self._changed(os.fstat(self._fd).st_size))
+        return np.frombuffer(data, dtype=self._dtype)
+
+    def _changed(self, size: int) -> str:
+        return (f"{self._file} changed while the run read it: it holds {size:,} bytes, {self._size:,} when the run "
+                f"started (cut short, or rewritten in place): restore it, and run again to resume from the newest "
+                f"checkpoint")
+
+
+class TokenCorpus:
+    """Pre-tokenised ids, memory-mapped to check them, read by rows (``_IdFile``) to train on."""
+
+    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int):
+        self.name = str(file)
         self.ids = ids
-        self.splits = _splits(ids, name, "tokens", seq_len)
+        self.splits = _splits(ids, self.name, "tokens", seq_len)
+        self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
+        self._file = _IdFile(file, ids)
+        with file.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_FINGERPRINT_BYTES)
+            f.seek(max(0, size - _FINGERPRINT_BYTES))
+            self.identity = identity(size, head, f.read(_FINGERPRINT_BYTES), self.name, len(ids))
 
     @classmethod
     def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16") -> TokenCorpus:
         file = pathlib.Path(path)
         if not file.exists():
             raise FileNotFoundError(f"data path {path} does not exist: pass a .bin or .npy file of token ids")
-        return cls(_read_ids(file, bin_dtype), str(file), seq_len)
+        return cls(file, _read_ids(file, bin_dtype), seq_len)
 
     @property
     def num_tokens(self) -> int:
@@ -175,9 +244,10 @@ class TokenCorpus:
               rows: slice = slice(None)) -> torch.Tensor:
         """Rows of ``seq_len + 1`` tokens (inputs and shifted targets): the global batch's ``rows``
         (a rank's share; by default all), read without the others."""
-        data = self.splits[split]
-        starts = _starts(len(data), global_batch, seq_len, seed, step, split)[rows]
-        return torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+        begin = self._starts[split]
+        starts = _starts(len(self.splits[split]), global_batch, seq_len, seed, step, split)[rows]
+        self._file.check_size()
+        return torch.from_numpy(np.stack([self._file.read(begin + s, seq_len + 1) for s in starts]).astype(np.int64))
 
 
 def _uint32_read_as_uint16(ids: np.ndarray) -> bool:
@@ -246,9 +316,10 @@ def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
 
 
 class ByteCorpus:
-    def __init__(self, data: torch.Tensor, name: str, seq_len: int):
+    def __init__(self, data: bytes, name: str, seq_len: int):
         self.name = name
-        self.splits = _splits(data, name, "bytes", seq_len)
+        self.splits = _splits(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, "bytes", seq_len)
+        self.identity = identity(len(data), data[:_FINGERPRINT_BYTES], data[-_FINGERPRINT_BYTES:], name, len(data))
 
     @classmethod
     def load(cls, path: str | None, seq_len: int, memory: int | None = None) -> ByteCorpus:
@@ -266,7 +337,7 @@ class ByteCorpus:
         if not data:
             what = "is empty" if len(files) == 1 else "holds no .py, .txt or .md file with any text"
             raise ValueError(f"data path {path} {what}: give it a text file or a directory of them")
-        return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, seq_len)
+        return cls(data, name, seq_len)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ The settings are ``TrainConfig``'s; ``shardwire.cli.train`` checks them before a
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -26,18 +27,37 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.schema import fits
+from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
+from shardwire.files import OutputRefused, StagedDirectory
 from shardwire.models import fp8
-from shardwire.models.choice import HF_PREFIX, ModelChoice, choose, recorded_name, tokenizer_directory
+from shardwire.models.choice import (
+    HF_PREFIX,
+    ModelChoice,
+    choose,
+    config_difference,
+    config_fields,
+    recorded_name,
+    tokenizer_directory,
+)
 from shardwire.models.export import save_pretrained
 from shardwire.models.gpt import loss_fn
+from shardwire.models.sizes import BYTE_VOCAB
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
 from shardwire.options import flag
 from shardwire.training.config import TrainConfig, changed_settings, training_settings
-from shardwire.training.data import MAX_SEED, TOKEN_SUFFIXES, ByteCorpus, TokenCorpus, load_corpus
+from shardwire.training.data import (
+    MAX_SEED,
+    TOKEN_SUFFIXES,
+    ByteCorpus,
+    DataChanged,
+    TokenCorpus,
+    data_change,
+    load_corpus,
+)
 from shardwire.training.progress import ProgressBar, format_duration, format_rate
 from shardwire.training.scalars import ScalarLog
 
@@ -46,13 +66,41 @@ VALIDATION_SEED = 0  # validation batches are drawn alike in every run
 
 
 def train(config: TrainConfig) -> None:
-    """One worker's whole job; the process group ends with it, however it ends."""
+    """One worker's whole job; the process group ends with it, however it ends. What stops it from
+    outside the loop (workers that cannot meet, data changed under it) is one line. Rank 0 claims
+    the ``--export-hf`` directory before anything else, so that two runs given the same one do not
+    both train to find it taken at the end."""
+    export = None
+    if config.export_hf and int(os.environ.get("RANK", "0")) == 0:
+        try:
+            export = StagedDirectory(config.export_hf, "--export-hf")
+        except OutputRefused as err:
+            raise SystemExit(f"error: {err}") from None
+    try:
+        _train_in_group(config, export)
+    finally:
+        if export is not None:
+            export.discard()  # what is left of it where the run did not get to publish it
+
+
+def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None:
     device = worker.worker_device(config.backend)
-    with worker.process_group(device, datetime.timedelta(seconds=config.timeout)):
-        _train(config, device)
+    timeout = datetime.timedelta(seconds=config.timeout)
+    try:
+        worker.ensure_initialized(device, timeout)
+    except dist.DistError as err:  # the store not reached, or not by every worker, within the timeout
+        raise SystemExit(f"error: the workers did not meet within --timeout {config.timeout:g} seconds "
+                         f"({str(err).splitlines()[0][:200]}): raise --timeout, or check that every node reaches "
+                         f"the first one") from None
+    with worker.process_group(device, timeout):
+        try:
+            _train(config, device, export)
+        except DataChanged as err:
+            raise SystemExit(f"error: --data: {err}") from None
 
 
-def _train(config: TrainConfig, device: torch.device) -> None:
+def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | None) -> None:
+    """``export``: rank 0's stage of the ``--export-hf`` directory (``train``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     corpus = training_corpus(config, choice)
@@ -75,7 +123,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         if choice.load is not None:
             choice.load(model)
     except (ValueError, ConnectionError) as err:
-        # what only the built model shows (more DiLoCo fragments than units), a lighthouse out of reach
+        # what only the built model shows, a lighthouse out of reach
         raise SystemExit(f"error: {err}") from None
     engine = engine_of(model)
     quorum = engine.layout.quorum
@@ -93,6 +141,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
 
     global_batch = config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
+    trained_on = _trained_on(config, corpus, global_batch)
     tokens_per_step = global_batch * config.grad_accum * choice.seq_len
     if rank == 0:
         print(f"shardwire train: {choice.name} ({params / 1e6:.2f}M parameters), {world} ranks "
@@ -100,7 +149,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
               f"{precision}; data: {corpus.description}", flush=True)
-    start = _resume(config, model, optimizer, scheduler) if config.checkpoint_dir else 0
+    start = _resume(config, model, optimizer, scheduler, trained_on) if config.checkpoint_dir else 0
     if quorum is not None:  # meet the other groups: one that is behind takes their state and step here
         engine.outer.join()
         start = engine.outer.steps
@@ -123,12 +172,12 @@ def _train(config: TrainConfig, device: torch.device) -> None:
                     loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
                     scaler.scale(loss / config.grad_accum).backward()
                 loss_sum += loss.detach()
-                diverged.note(step, loss.detach())
+                diverged.note_loss(step, loss.detach())
             scaler.unscale_(optimizer)
             if config.clip > 0:
                 norm = shardwire.clip_grad_norm_(model, config.clip)
                 if not scaler.is_enabled():  # under fp16 an overflowing step is skipped, not divergence
-                    diverged.note(step, norm.to_local() if isinstance(norm, DTensor) else norm)
+                    diverged.note_norm(step, norm.to_local() if isinstance(norm, DTensor) else norm)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
@@ -148,6 +197,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
             diverged.check()
             dist.all_reduce(loss_sum)  # reading it waits for the device: once per interval
             losses.append(loss_sum.item() / (world * config.grad_accum * interval_steps))
+            diverged.logged(step + 1, losses[-1])
             loss_sum.zero_()
             step_time = (time.perf_counter() - interval_start) / interval_steps
             synced = engine.outer.metrics() if engine.outer is not None else {}  # every rank takes part
@@ -158,7 +208,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             paused = time.perf_counter()
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
-            _save_checkpoint(config, model, optimizer, scheduler, step + 1)
+            _save_checkpoint(config, model, optimizer, scheduler, step + 1, trained_on)
             interval_start += time.perf_counter() - paused
         step += 1
 
@@ -175,7 +225,7 @@ def _train(config: TrainConfig, device: torch.device) -> None:
         weights = weights_by_unit(model)  # gathered a unit at a time, every rank taking part
         try:
             if rank == 0:
-                print(f"exported to {save_pretrained(config.model, weights, config.export_hf)} (from_pretrained "
+                print(f"exported to {save_pretrained(config.model, weights, export)} (from_pretrained "
                       f"loads it)", flush=True)
         finally:
             weights.take_part()  # the gathers the writer did not reach, so that no rank waits for ever
@@ -210,7 +260,7 @@ def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None
     if tokenizer is None and not (config.data or "").endswith(TOKEN_SUFFIXES):
         tokenizer = tokenizer_directory(config.model)
     corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer), config.token_dtype, memory)
-    if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != 256:
+    if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != BYTE_VOCAB:
         raise ValueError(f"--data is text, read as bytes (ids 0 to 255), but {choice.name}'s {choice.vocab_size:,} "
                          f"ids are its tokenizer's: give --tokenizer DIR (its tokenizer) or pre-tokenised --data")
     return corpus
@@ -260,6 +310,10 @@ def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _describe_layout(engine) -> str:
     layout = engine.layout
+    if layout.quorum is not None:  # torchft's all-reduce carries the sync in fp32, whatever diloco's wire says
+        sent = dataclasses.replace(layout.diloco, wire=None)
+        return (f"hybrid (fault-tolerant group {layout.quorum.settings.group!r} of {layout.shard.world}, diloco "
+                f"{sent})")
     if layout.replicate is not None:
         synced = "" if layout.diloco is None else f", diloco {layout.diloco}"
         groups = layout.replicate.world
@@ -277,27 +331,72 @@ def _describe_wire(engine, wire: str) -> str:
 
 
 class _Divergence:
-    """The first step whose loss or gradient norm was not finite, kept on the device (a host sync per
+    """The first step whose loss or gradient norm was not finite, or whose loss spiked: above
+    ``SPIKE_FACTOR`` times the mean of the last ``SPIKE_WINDOW`` losses logged after warmup (or
+    above ``SPIKE_FACTOR`` where that mean is below 1, as a loss near 0 varies by more than its
+    multiple). A loss that jumps from 5.5 to 102,258 is finite, but the model it came from no longer
+    trains, and saving it would prune the checkpoints before it. Kept on the device (a host sync per
     step would stall a GPU) and read where the loop waits for the device anyway: before a log line
     and before a checkpoint. Ranks see different losses, so they agree on the earliest before any
-    decides to stop."""
+    decides to stop. The message names the optimizer whose step came before: the outer one of
+    ``--diloco`` at the step after an outer step, else the inner one."""
+
+    SPIKE_FACTOR = 10
+    SPIKE_WINDOW = 5
 
     def __init__(self, config: TrainConfig, device: torch.device):
         self._config = config
+        self._diloco = DiLoCo.parse(config.diloco)
         self._never = config.steps
-        self._first = torch.full((), self._never, dtype=torch.long, device=device)
+        self._first = torch.full((2,), self._never, dtype=torch.long, device=device)  # not finite, spiked
+        self._limit = math.inf
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)
 
-    def note(self, step: int, value: torch.Tensor) -> None:
-        self._first = torch.where(torch.isfinite(value) | (self._first < self._never), self._first, step)
+    def note_loss(self, step: int, loss: torch.Tensor) -> None:
+        self._note(0, step, torch.isfinite(loss))
+        self._note(1, step, loss <= self._limit)
+
+    def note_norm(self, step: int, norm: torch.Tensor) -> None:
+        self._note(0, step, torch.isfinite(norm))
+
+    def _note(self, kind: int, step: int, fine: torch.Tensor) -> None:
+        first = self._first[kind]
+        self._first[kind] = torch.where(fine | (first < self._never), first, step)
+
+    def logged(self, step: int, loss: float) -> None:
+        """The mean loss of the interval that ended at ``step`` (every rank's, after ``check``)."""
+        if step <= self._config.warmup:
+            return
+        self._recent.append(loss)
+        if len(self._recent) == self.SPIKE_WINDOW:
+            self._limit = self.SPIKE_FACTOR * max(1.0, sum(self._recent) / self.SPIKE_WINDOW)
 
     def check(self) -> None:
         """Stop the run, with what to change, once a step has diverged."""
         dist.all_reduce(self._first, op=dist.ReduceOp.MIN)
-        if (step := int(self._first.item())) < self._never:
-            saved = list_checkpoints(self._config.checkpoint_dir) if self._config.checkpoint_dir else []
-            kept = f"{saved[-1]} holds the last finite model, and nothing after it was saved" if saved else "nothing was saved"
-            raise SystemExit(f"error: training diverged: the loss or the gradient norm was not finite at step {step + 1} "
-                             f"({kept}): lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})")
+        not_finite, spiked = self._first.tolist()
+        if (step := min(not_finite, spiked)) >= self._never:
+            return
+        saved = list_checkpoints(self._config.checkpoint_dir) if self._config.checkpoint_dir else []
+        if not_finite <= spiked:
+            what = "the loss or the gradient norm was not finite"
+            kept = f"{saved[-1]} holds the last finite model, and nothing after it was saved" if saved else ""
+        else:
+            what = (f"the loss was above {self._limit:.3g}, {self.SPIKE_FACTOR} times the mean of the last "
+                    f"{self.SPIKE_WINDOW} logged losses,")
+            kept = f"{saved[-1]} is the newest checkpoint, and nothing after it was saved" if saved else ""
+        raise SystemExit(f"error: training diverged: {what} at step {step + 1} ({kept or 'nothing was saved'}): "
+                         f"{self._remedy(step)}")
+
+    def _remedy(self, step: int) -> str:
+        """What to change where ``step`` (counted from 0) diverged: the outer optimizer's settings where
+        an outer step of ``--diloco`` was applied as it began (the sync due after ``step -
+        fragment_sync_delay`` inner steps), else the inner optimizer's."""
+        diloco = self._diloco
+        if diloco is not None and diloco.due(step - diloco.fragment_sync_delay) is not None:
+            return (f"it came at the step after an outer step: lower --diloco outer_lr (now {diloco.outer_lr:g}) or "
+                    f"momentum (now {diloco.momentum:g})")
+        return f"lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})"
 
 
 class _IntervalLog:
@@ -350,7 +449,18 @@ def _describe_syncs(synced: dict[str, float]) -> str:
     return ", ".join(found)
 
 
-def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
+def _trained_on(config: TrainConfig, corpus: ByteCorpus | TokenCorpus, global_batch: int) -> dict:
+    """What each checkpoint records of what this run trains, beside its settings, for a resume to
+    name what changed: the data's identity, the global batch (``--batch`` is per rank, so a change of
+    world size changes it) and, for an ``hf:`` model, its config as the run read it (the trained
+    weights belong to that architecture; ``shardwire export`` builds the model from it)."""
+    recorded = {"data": corpus.identity, "global_batch": global_batch}
+    if (fields := config_fields(config.model)) is not None:
+        recorded["hf_config"] = fields
+    return recorded
+
+
+def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict) -> int:
     """Restore the newest good checkpoint in --checkpoint-dir; returns the step to continue from."""
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
@@ -371,16 +481,46 @@ def _resume(config: TrainConfig, model, optimizer, scheduler) -> int:
                          f"or is not at step {info.step}; give --checkpoint-dir a directory of its own")
     scheduler.load_state_dict(saved)
     _set_hyperparameters(config, optimizer, scheduler, info.step)
+    _check_architecture(config, info, trained_on.get("hf_config"))
+    data = data_change(info.extra.get("data"), trained_on["data"])
+    if data is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        raise SystemExit(f"error: {data} since {info.path} was saved, and these workers were restarted "
+                         f"(--max-restarts) to resume that run: restore the data, or run the command again to "
+                         f"resume on this data")
     if dist.get_rank() == 0:
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             changed = [f"{flag(name)} {before} -> {now}" for name, (before, now) in
                        changed_settings(recorded, config).items()]
+            changed += _changed_scale(info, trained_on["global_batch"]) + ([data] if data is not None else [])
             what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
         else:
             what = " (it records no settings to compare this run's with)"
         print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks){what}", flush=True)
     return info.step
+
+
+def _changed_scale(info, global_batch: int) -> list[str]:
+    """The world size and global batch this run changes from those the checkpoint ``info`` was saved
+    with, in words."""
+    world, changed = dist.get_world_size(), []
+    if info.world_size != world:
+        changed.append(f"world size {info.world_size} -> {world}")
+    recorded = info.extra.get("global_batch")
+    if isinstance(recorded, int) and recorded != global_batch:
+        changed.append(f"global batch {recorded} -> {global_batch} sequences (--batch is per rank)")
+    return changed
+
+
+def _check_architecture(config: TrainConfig, info, now: dict | None) -> None:
+    """Refuse to resume an ``hf:`` model whose config differs from the one the checkpoint recorded,
+    naming the first difference: the weights were trained for the recorded architecture (another
+    activation or epsilon fits the same shapes, and would pair them with another model silently)."""
+    recorded = info.extra.get("hf_config")
+    if isinstance(recorded, dict) and now is not None and (change := config_difference(recorded, now)) is not None:
+        raise SystemExit(f"error: {config.model}'s config differs from the one {info.path} was trained with: "
+                         f"{change}; its weights belong to the recorded architecture: restore the config, or give "
+                         f"--checkpoint-dir a new directory")
 
 
 def _set_hyperparameters(config: TrainConfig, optimizer, scheduler, step: int) -> None:
@@ -393,14 +533,15 @@ def _set_hyperparameters(config: TrainConfig, optimizer, scheduler, step: int) -
         group["weight_decay"] = weight_decay
 
 
-def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int) -> None:
-    """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself. A save
-    that fails (a full disk) stops the run in one line: the checkpoints before it are intact."""
+def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int, trained_on: dict) -> None:
+    """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself, and
+    ``trained_on`` (``_trained_on``) what it trained beside the settings. A save that fails (a full
+    disk) stops the run in one line: the checkpoints before it are intact."""
     try:
         shardwire.save_checkpoint(
             shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
             step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model),
-                              "settings": training_settings(config)},
+                              "settings": training_settings(config), **trained_on},
             keep=config.keep or None,
         )
     except shardwire.CheckpointError as err:
@@ -432,15 +573,15 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
     summary = profiler.save(run_dir)
     if rank != 0:
         return
-    f = {name: stats["max"] for name, stats in summary["figures"].items()}
+    f = summary["typical_step"]["figures"]  # one rank's own parts, which add up to its step
     mfu = f"MFU {summary['mfu']:.1%}" if "mfu" in summary else "MFU unknown (no peak)"
     if summary.get("mfu", 0) > 1:
         mfu += " (above 100%: the probed peak is too low for this device and dtype; pass --peak-tflops)"
     print(
         f"profile: step {f['step_s'] * 1e3:.0f} ms on the slowest rank: forward {f['forward_s'] * 1e3:.0f}, "
-        f"backward {f['backward_s'] * 1e3:.0f} ({f['copy_s'] * 1e3:.0f} of those copying), optimizer "
-        f"{f['optimizer_s'] * 1e3:.0f}, waiting for "
-        f"communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
+        f"backward {f['backward_s'] * 1e3:.0f} ({f['copy_s'] * 1e3:.0f} of those copying), "
+        f"clip {f['clip_s'] * 1e3:.0f}, optimizer {f['optimizer_s'] * 1e3:.0f}, other {f['other_s'] * 1e3:.0f}, "
+        f"waiting for communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
         f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
         f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"
         f"profile written to {run_dir} (shardwire report {run_dir} plots it)",

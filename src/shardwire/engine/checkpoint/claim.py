@@ -14,16 +14,10 @@ the process's life: closing any descriptor of the file would drop its lock.
 
 from __future__ import annotations
 
-import datetime
-import errno
-import fcntl
-import json
-import os
 import pathlib
-import socket
-import sys
 
 from shardwire.engine.checkpoint.format import CheckpointError
+from shardwire.files import ClaimHeld, claim_file
 
 CLAIM = ".shardwire-claim"
 
@@ -36,31 +30,11 @@ def claim(directory: pathlib.Path, claimed: set[str]) -> None:
     if key in claimed:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / CLAIM, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno not in (errno.EACCES, errno.EAGAIN):
-            os.close(fd)
-            raise CheckpointError(f"cannot claim {directory} for this run: {err.strerror}") from None
-        owner = _owner(fd)
-        os.close(fd)
-        raise CheckpointError(f"{directory} belongs to another run that is still going ({owner}): give this run a "
+        claim_file(directory / CLAIM)  # held, open, for the life of the process
+    except ClaimHeld as err:
+        raise CheckpointError(f"{directory} belongs to another run that is still going ({err.owner}): give this run a "
                               f"--checkpoint-dir of its own, or stop that one") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_identity()).encode(), 0)
+    except OSError as err:
+        raise CheckpointError(f"cannot claim {directory} for this run: {err.strerror}") from None
     claimed.add(key)
-
-
-def _identity() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
-
-
-def _owner(fd: int) -> str:
-    """Who holds the claim, as it wrote itself in the file."""
-    try:
-        who = json.loads(os.pread(fd, 4096, 0))
-        return f"process {who['pid']} on {who['host']} since {who['since']}: {who['command'][:200]}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it did not say which"

@@ -91,7 +91,11 @@ def load_latest_checkpoint(
     tried; so is one whose manifest records another step than its name, which would make the series'
     order a lie. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with
     each one's reason rather than return None: starting over would let new saves prune the old ones.
+    So does a directory that is a DCP checkpoint (``series.foreign_checkpoint``): a series there would
+    not see it, and would start over beside it.
     """
+    if (problem := series.foreign_checkpoint(directory)) is not None:
+        raise CheckpointError(f"{directory} {problem}")
     engine = engine_of(model)
     finish_pending_save(engine)
     on_every_rank(engine, f"claiming {directory}", lambda: _claim_on_rank_0(directory, engine))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from typing import NamedTuple
 
 from shardwire.engine.checkpoint.format import CheckpointError, Manifest, new_token, temporary_name
+from shardwire.files import empty_directory
 
 MARKER = "made-by-shardwire.json"
 
@@ -109,12 +109,6 @@ def _marked_as(path: pathlib.Path) -> _Names | None:
 def _delete(path: pathlib.Path) -> None:
     """Delete a marked directory, its marker last: a crash midway leaves it provably the saves', and
     the next sweep finishes the job."""
-    for child in path.iterdir():
-        if child.name == MARKER:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
+    empty_directory(path, keep=MARKER)
     (path / MARKER).unlink()
     path.rmdir()

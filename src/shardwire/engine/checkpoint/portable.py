@@ -42,9 +42,11 @@ def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) 
 
     ``output`` ending in ``.safetensors`` gives a safetensors file, anything else a ``torch.save``
     file. It runs in one process, with no process group, from a checkpoint of any world size; every
-    file it reads is verified against the manifest, and ``output`` appears only once complete.
+    file it reads is verified against the manifest, and ``output`` appears only once complete. A
+    checkpoint whose weights are not finite (a diverged run) is refused.
     """
-    state = read_state_dict(checkpoint)
+    with weights_in(checkpoint, finite=True) as weights:
+        state = weights.state_dict()
     output = pathlib.Path(output)
     if output.suffix == ".safetensors":
         data = safetensors.torch.save(_each_tensor_once(state), metadata={"format": "pt"})
@@ -78,14 +80,19 @@ def read_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def weights_in(checkpoint: str | os.PathLike) -> Iterator[WeightsByUnit]:
+def weights_in(checkpoint: str | os.PathLike, *, finite: bool = False) -> Iterator[WeightsByUnit]:
     """The unsharded weights of a checkpoint of any world size, a flat buffer at a time, read in this
-    process while the block runs (every file read is verified against the manifest)."""
+    process while the block runs (every file read is verified against the manifest). With ``finite``
+    a weight that is not finite raises a ``CheckpointError`` naming it: a diverged model, which an
+    export must not hand on as a trained one."""
     with CheckpointReader(checkpoint) as reader:
+        reader.check_complete()  # a file cut short that no part reads is damage all the same
         manifest = reader.manifest
         slots = [(slot, flat.packing.dtype) for flat in manifest.flats for slot in flat.packing.slots]
         tensors, aliases = describe(slots, manifest.buffers, manifest.state_dict_keys)
-        yield WeightsByUnit(tensors, aliases, list(manifest.state_dict_keys), _read_parts(reader))
+        parts = _read_parts(reader)
+        yield WeightsByUnit(tensors, aliases, list(manifest.state_dict_keys),
+                            _finite(parts, checkpoint) if finite else parts)
 
 
 def _read_parts(reader: CheckpointReader) -> Iterator[dict[str, torch.Tensor]]:
@@ -94,6 +101,15 @@ def _read_parts(reader: CheckpointReader) -> Iterator[dict[str, torch.Tensor]]:
                .view(slot.shape) for slot in flat.packing.slots}
     yield {buffer.name: reader.tensor(REPLICATED, buffer_key(buffer.name), buffer.shape, buffer.dtype)
            for buffer in reader.manifest.buffers}
+
+
+def _finite(parts: Iterator[dict[str, torch.Tensor]], checkpoint) -> Iterator[dict[str, torch.Tensor]]:
+    for part in parts:
+        for name, value in part.items():
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise CheckpointError(f"{checkpoint} holds weights that are not finite ({name}): the run diverged "
+                                      f"before it was saved; export an earlier checkpoint")
+        yield part
 
 
 def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

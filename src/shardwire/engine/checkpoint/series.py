@@ -15,6 +15,7 @@ import re
 from shardwire.engine.checkpoint import ownership
 
 _STEP_NAME = re.compile(r"step_(\d+)")
+_DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system writer names its metadata
 
 
 def checkpoint_path(directory: str | pathlib.Path, step: int) -> pathlib.Path:
@@ -26,6 +27,17 @@ def step_of(path: pathlib.Path) -> int | None:
     """The step of a series checkpoint path, or None for a name outside the series."""
     match = _STEP_NAME.fullmatch(path.name)
     return int(match.group(1)) if match else None
+
+
+def foreign_checkpoint(directory: str | pathlib.Path) -> str | None:
+    """Why ``directory`` cannot hold a series: it is a checkpoint of torch.distributed.checkpoint
+    (DCP writes ``.metadata`` beside its ``.distcp`` files), which a series would not see, so a run
+    would start over beside it; None otherwise. Said after the directory's name."""
+    if not (pathlib.Path(directory) / _DCP_METADATA).is_file():
+        return None
+    return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
+            f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
+            f"shardwire's checkpoints a directory of their own")
 
 
 def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:

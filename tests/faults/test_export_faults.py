@@ -1,0 +1,254 @@
+"""What an export writes goes through the one output policy (``shardwire.files``): OUT is new,
+writable and outside the checkpoint, checked before any weight is read; a directory appears whole,
+claimed for its writer, with the umask's mode, and what a killed export left is cleared by the next.
+What is exported is what was trained: weights that fit the model named, finite, with the config an
+``hf:`` checkpoint recorded; a series' damaged newest checkpoint is skipped as ``train`` skips it.
+``train --export-hf`` is checked, and claimed, as the run starts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardwire
+from harness import run_workers
+from shardwire.cli import main
+from shardwire.files import write_atomically
+from shardwire.models.gpt import GPT, PRESETS
+from shardwire.training import loop
+from shardwire.training.config import TrainConfig
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytestmark = pytest.mark.timeout(120)
+
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 32, "vocab_size": 64,
+        "activation_function": "gelu_new"}
+
+
+def _save(directory: str, model, step: int, extra: dict) -> None:
+    shardwire.save_checkpoint(shardwire.checkpoint_path(directory, step), model, step=step, extra=extra).wait()
+
+
+def _make_checkpoints(rank, world, root):
+    """A GPT series of two steps, one whose newest step is not finite, and an hf: checkpoint that
+    records its config."""
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]))
+    _save(f"{root}/gpt", model, 1, {"model": "tiny"})
+    _save(f"{root}/gpt", model, 2, {"model": "tiny"})
+    _save(f"{root}/diverged", model, 1, {"model": "tiny"})
+    with torch.no_grad():
+        next(model.parameters()).to_local().fill_(float("nan"))
+    _save(f"{root}/diverged", model, 2, {"model": "tiny"})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**GPT2))
+    shardwire.shard(hf, init=lambda module: None)
+    for parameter in hf.parameters():
+        with torch.no_grad():
+            parameter.to_local().normal_()
+    _save(f"{root}/hf", hf, 1, {"model": f"hf:{root}/gpt2-mini", "hf_config": GPT2})
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("exports")
+    (root / "gpt2-mini").mkdir()
+    (root / "gpt2-mini" / "config.json").write_text(json.dumps(GPT2))
+    run_workers(1, _make_checkpoints, str(root))
+    return root
+
+
+@pytest.fixture
+def work(made, tmp_path) -> pathlib.Path:
+    """A copy of the checkpoints the test may change."""
+    for name in ("gpt", "diverged", "hf", "gpt2-mini"):
+        shutil.copytree(made / name, tmp_path / name)
+    return tmp_path
+
+
+def export(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(["export", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def refused(capsys, *argv: str) -> str:
+    status, _, err = export(capsys, *argv)
+    message = err.strip()
+    assert status == 2 and message.startswith("error: ") and "\n" not in message and "Traceback" not in message, err
+    return message
+
+
+def test_an_out_file_that_exists_is_never_overwritten(work, capsys):
+    out = work / "model.safetensors"
+    out.write_text("the user's")
+    assert "exists: give a new file name (nothing is overwritten)" in refused(capsys, work / "gpt", out)
+    assert out.read_text() == "the user's"
+
+
+@pytest.mark.parametrize("inside", ["gpt/step_00000002/model.safetensors", "gpt/model.pt", "gpt/out"])
+def test_an_out_inside_the_checkpoint_being_exported_is_refused(work, capsys, inside):
+    before = sorted(p.relative_to(work) for p in (work / "gpt").rglob("*"))
+    model = [] if inside.endswith((".safetensors", ".pt")) else ["--model", f"hf:{work}/gpt2-mini"]
+    given = work / ("gpt/step_00000002" if "step" in inside else "gpt")
+    assert "is being exported: give a path outside it" in refused(capsys, given, work / inside, *model)
+    assert sorted(p.relative_to(work) for p in (work / "gpt").rglob("*")) == before
+
+
+def _fifo(path: pathlib.Path) -> pathlib.Path:
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda work: _fifo(work / "fifo"), "exists: give a new file name"),
+    (lambda work: work / "gpt2-mini", "exists: give a new file name"),
+    (lambda work: work / "gpt2-mini" / "config.json" / "model.pt", "is a file"),
+    (lambda work: pathlib.Path("/proc/self/status"), "exists: give a new file name"),
+])
+def test_an_out_that_cannot_be_a_new_file_is_one_line(work, capsys, make, said):
+    assert said in refused(capsys, work / "gpt", make(work))
+
+
+def test_long_names_export_and_the_current_directory_is_refused(work, capsys, monkeypatch):
+    long = work / ("m" * 240 + ".safetensors")
+    assert export(capsys, work / "gpt", long)[0] == 0 and long.is_file()
+    directory = work / ("d" * 250)
+    assert export(capsys, work / "hf", directory)[0] == 0 and (directory / "config.json").is_file()
+    empty = work / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert "is the current directory: give a new directory" in refused(capsys, work / "hf", ".")
+    assert empty.is_dir() and not any(empty.iterdir())
+
+
+def test_weights_that_do_not_fit_the_model_named_are_refused_naming_the_key_and_shapes(work, capsys):
+    message = refused(capsys, work / "gpt", work / "out.safetensors", "--model", "small")
+    assert re.search(r"do not fit --model small: 'tok_emb.weight' is \[\d+, \d+\] in them and \[\d+, \d+\] "
+                     r"in the model", message), message
+    message = refused(capsys, work / "gpt", work / "out", "--model", f"hf:{work}/gpt2-mini")
+    assert re.search(r"do not fit GPT2LMHeadModel: they have no 'transformer.wte.weight' \[64, 32\]", message), message
+    assert not (work / "out").exists() and not list(work.glob(".out*"))
+
+
+def test_another_name_whose_weights_fit_is_exported_with_a_note(work, capsys):
+    status, _, err = export(capsys, work / "gpt", work / "out.pt", "--model", "tiny")
+    assert status == 0 and "note" not in err
+
+
+def test_weights_that_are_not_finite_are_never_exported_and_a_series_falls_back(work, capsys):
+    message = refused(capsys, work / "diverged" / "step_00000002", work / "out.safetensors")
+    assert "holds weights that are not finite" in message and "export an earlier checkpoint" in message
+    assert not (work / "out.safetensors").exists()
+    status, out, err = export(capsys, work / "diverged", work / "out.safetensors")
+    assert status == 0 and "cannot export" in err and "step_00000002, skipping it" in err
+    assert "exported" in out and "step_00000001" in out
+    assert all(torch.isfinite(value).all() for value in load_file(work / "out.safetensors").values())
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_as_train_skips_it(work, capsys):
+    newest = work / "gpt" / "step_00000002"
+    weights = next(path for path in newest.iterdir() if path.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:-8])  # cut short
+    status, out, err = export(capsys, work / "gpt", work / "out.pt")
+    assert status == 0 and "step_00000002, skipping it" in err and "step_00000001" in out
+
+
+def test_exports_get_the_umasks_mode(work, capsys):
+    old = os.umask(0o022)
+    try:
+        assert export(capsys, work / "gpt", work / "out.safetensors")[0] == 0
+        assert export(capsys, work / "hf", work / "out")[0] == 0
+    finally:
+        os.umask(old)
+    assert (work / "out.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (work / "out").stat().st_mode & 0o777 == 0o755
+    assert {path.stat().st_mode & 0o777 for path in (work / "out").iterdir()} == {0o644}
+
+
+@contextlib.contextmanager
+def writing(target: pathlib.Path):
+    """Another process writing ``target`` (its stage claimed, a part written) until it is killed."""
+    code = (f"import sys; from shardwire.files import StagedDirectory; s = StagedDirectory({str(target)!r}, 'OUT'); "
+            f"(s.path / 'model.safetensors').write_bytes(b'half'); print(s.path, flush=True); sys.stdin.read()")
+    writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield pathlib.Path(writer.stdout.readline().strip())
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_what_a_killed_export_left_is_cleared_and_a_live_one_is_not_taken(work, capsys):
+    with writing(work / "out") as left:
+        refusal = refused(capsys, work / "hf", work / "out")  # while it lives, it holds the directory
+        assert "is being written by another run (process" in refusal
+    assert left.exists()  # killed: what it wrote is left, and its lock gone with it
+    assert export(capsys, work / "hf", work / "out")[0] == 0
+    assert not left.exists() and sorted(p.name for p in (work / "out").iterdir())[0] == "config.json"
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = __import__("hashlib").sha256(socket.gethostname().encode()).hexdigest()[:8]
+    stale = work / f".out.pt.{host}-{int(dead.stdout)}-{'0' * 16}.partial"
+    stale.write_bytes(b"half")
+    others = work / f".out.pt.00000000-{int(dead.stdout)}-{'0' * 16}.partial"  # another host's: not ours to judge
+    others.write_bytes(b"half")
+    assert export(capsys, work / "gpt", work / "out.pt")[0] == 0
+    assert not stale.exists() and others.exists()
+
+
+def test_a_directory_in_the_way_of_the_stage_is_not_removed(work, capsys):
+    mine = work / ".out.shardwire-partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    assert "was not made by shardwire: move it" in refused(capsys, work / "hf", work / "out")
+    assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_an_hf_export_uses_the_config_it_was_trained_with(made, work, capsys):
+    config = made / "gpt2-mini" / "config.json"  # the model directory the checkpoint names
+    config.write_text(json.dumps({**GPT2, "activation_function": "relu"}))
+    try:
+        status, _, err = export(capsys, work / "hf", work / "out")
+    finally:
+        config.write_text(json.dumps(GPT2))
+    assert status == 0
+    assert "config has changed since" in err and "activation_function 'gelu_new' -> 'relu'" in err
+    assert json.loads((work / "out" / "config.json").read_text())["activation_function"] == "gelu_new"
+
+
+def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr("shardwire.cli.train.launch_local", started)
+    model = f"hf:{json.dumps(GPT2)}"
+    under_a_file = work / "gpt2-mini" / "config.json" / "exported"
+    with pytest.raises(SystemExit, match=re.escape(f"--export-hf {under_a_file} cannot be created")):
+        main(["train", "--model", model, "--export-hf", str(under_a_file)])
+    with pytest.raises(SystemExit, match="overlap: the export would hold the checkpoints"):
+        main(["train", "--model", model, "--checkpoint-dir", str(work / "x"), "--export-hf", str(work / "x")])
+    with pytest.raises(SystemExit, match="overlap"):
+        main(["train", "--model", model, "--checkpoint-dir", str(work / "x"), "--export-hf", str(work / "x" / "y")])
+    with writing(work / "exported"):  # a run training towards it
+        monkeypatch.delenv("RANK", raising=False)
+        with pytest.raises(SystemExit, match=r"--export-hf .*exported is being written by another run \(process"):
+            loop.train(TrainConfig(model=model, export_hf=str(work / "exported")))
+    assert not (work / "exported").exists()
+
+
+def test_write_atomically_keeps_its_promises_with_the_new_temporaries(tmp_path):
+    target = tmp_path / "file.json"
+    write_atomically(target, "{}")
+    assert target.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["file.json"]

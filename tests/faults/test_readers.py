@@ -1,0 +1,189 @@
+"""Every file a command reads goes through the one bounded reader (``shardwire.mappings``): a
+profile given to ``simulate --calibrate`` or ``report`` that is endless, deep, not UTF-8 or holds
+values no profile holds is one line; names in messages are cut short; two testbed commands that
+change one testbed take turns; and the profile's summary line is one rank's own step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+from shardwire.cli import main
+from shardwire.mappings import MAX_JSON_BYTES
+from shardwire.profile import analysis
+from shardwire.testbed import network, regime, spec
+from shardwire.training import loop
+
+pytestmark = pytest.mark.timeout(60)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROFILE = os.path.join(REPO, "benchmarks", "results", "gpu", "h200-profiles", "gpt-1.3b-b8.json")
+CALIBRATE = ["simulate", "--model", "gpt-1.3b", "--cluster", "{preset: h100-rdma-3200, gpu: h200}", "--calibrate"]
+LONG = "x" * 100_000
+DEEP = "[" * 200_000 + "]" * 200_000
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: builds network namespaces, links and qdiscs")
+
+
+def refusal(argv: list[str], capsys) -> str:
+    """The one line ``shardwire`` ends ``argv`` with, failing."""
+    status = main(argv)
+    message = capsys.readouterr().err.strip()
+    assert status != 0 and "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+def profile_with(tmp_path, change) -> str:
+    """The path of a copy of a real profile, changed by ``change(document)``."""
+    with open(PROFILE) as f:
+        document = json.load(f)
+    change(document)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def test_a_real_profile_still_calibrates(capsys):
+    assert main([*CALIBRATE, PROFILE]) == 0
+    assert "(calibrated by gpt-1.3b-b8.json)" in capsys.readouterr().out
+
+
+def test_calibrate_reads_a_device_up_to_a_bound(capsys):
+    assert f"profile /dev/zero is larger than {MAX_JSON_BYTES:,} bytes" in refusal([*CALIBRATE, "/dev/zero"], capsys)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("world_size", 0, "its world_size must be a whole number from 1 to 67,108,864, got 0"),
+    ("world_size", "2", "its world_size must be a whole number from 1 to 67,108,864, got '2'"),
+    ("world_size", None, "its world_size must be a whole number from 1 to 67,108,864, got None"),
+    ("world_size", True, "its world_size must be a whole number from 1 to 67,108,864, got True"),
+    ("world_size", json.loads("[" * 500 + "]" * 500), "its world_size must be a whole number"),
+    ("model", 5, "its model must be a name, as `shardwire train --model` takes it, got 5"),
+    ("model", LONG, "its job cannot be simulated: unknown model preset 'xxx"),
+    ("seq_len", "long", "its job cannot be simulated: model: seq_len must be a whole number, got 'long'"),
+])
+def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, key, value, message):
+    def change(document):
+        (document if key == "world_size" else document["metadata"]["config"])[key] = value
+
+    refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
+    assert message in refused and len(refused) < 1000
+
+
+def test_times_no_profile_holds_are_shown_cut_short(tmp_path, capsys):
+    def change(document):
+        document["summary"]["figures"]["forward_s"]["median"] = [LONG]
+
+    refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
+    assert "its forward, backward and optimizer times must be positive" in refused and len(refused) < 400
+
+
+def test_a_profile_nested_deep_or_not_utf8_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text(DEEP)
+    assert f"profile {deep} nests deeper than a profile does" in refusal([*CALIBRATE, str(deep)], capsys)
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"world_size": "\xff"}')
+    assert f"profile {latin1} is not UTF-8 text (byte 16 is 0xff)" in refusal([*CALIBRATE, str(latin1)], capsys)
+
+
+def test_report_of_a_deep_or_damaged_profile_is_one_line(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(DEEP)
+    assert f"{profile} nests deeper than a profile does; profile the run again" in refusal(
+        ["report", str(tmp_path)], capsys)
+    profile.write_bytes(b'{"version": 1, "\xff": 1}')
+    assert f"{profile} is not UTF-8 text" in refusal(["report", str(tmp_path)], capsys)
+    profile.write_text(json.dumps({"version": LONG}))
+    refused = refusal(["report", str(tmp_path)], capsys)
+    assert "has format version 'xxx" in refused and len(refused) < 400
+
+
+def test_testbed_names_in_messages_are_cut_short(capsys):
+    """As root the preset is refused; elsewhere root is asked for first: either way one short line."""
+    refused = refusal(["testbed", "up", "--nodes", "2", "--like", LONG], capsys)
+    assert len(refused) < 400
+    with pytest.raises(spec.TestbedError, match=r"--like 'x+\.\.\.x+' is not a cluster preset") as refused:
+        regime.like(LONG, 2, 1)
+    assert len(str(refused.value)) < 400
+    refused = refusal(["testbed", "down", "--name", f"shardwire-{LONG}"], capsys)
+    assert "must start with 'shardwire'" in refused and len(refused) < 400
+    with pytest.raises(spec.TestbedError, match="no node 'x+\\.\\.\\.x+' on") as refused:
+        spec.Testbed("shardwire-test", 2, spec.MIN_RATE).node(LONG)
+    assert len(str(refused.value)) < 400
+
+
+def test_a_damaged_testbed_state_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
+    spec.state_path("shardwire-test").write_text(DEEP)
+    with pytest.raises(spec.TestbedError, match="nests deeper than a testbed's state does; run `shardwire testbed "
+                                                "down` and up again"):
+        spec.Testbed.load("shardwire-test")
+    spec.state_path("shardwire-test").write_text(json.dumps({"name": "shardwire-test", "nodes": "2", "rate_bits": 1}))
+    with pytest.raises(spec.TestbedError, match="is damaged"):
+        spec.Testbed.load("shardwire-test")
+
+
+def _up(name: str, nodes: int) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "shardwire", "testbed", "up", "--name", name, "--nodes", str(nodes),
+            "--link", "200mbit"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@root_only
+def test_two_testbed_commands_at_once_take_turns():
+    """Without the lock each `up` saw no testbed, removed what the other had begun, and built over
+    it: one failed, and the other's clean-up removed what it reported built."""
+    name = "shardwire-test-lock"
+    network.down(name)
+    try:
+        same = [_up(name, 2), _up(name, 2)]
+        said = sorted(process.communicate(timeout=50)[0].splitlines()[0] for process in same)
+        assert [process.returncode for process in same] == [0, 0], [p.stderr.read() for p in same]
+        assert [line.rsplit(": ", 1)[1] for line in said] == ["already up, unchanged", "built"]
+        assert network.is_up(spec.Testbed(name, 2, spec.parse_rate("200mbit")))
+        other = [_up(name, 3), _up(name, 2)]  # two layouts: each is built in turn, and the last one stands
+        for process in other:
+            process.communicate(timeout=50)
+        assert [process.returncode for process in other] == [0, 0]
+        recorded = spec.Testbed.load(name)
+        assert network.is_up(recorded) and recorded.nodes in (2, 3)
+    finally:
+        assert main(["testbed", "down", "--name", name]) == 0
+
+
+def _rank(step_ms: float, **parts_ms: float) -> dict[str, float]:
+    """One rank's figures of a step; what its named parts leave of the step is its wait."""
+    figures = {name: 0.0 for name in analysis.FIGURES} | {f"{part}_s": ms / 1e3 for part, ms in parts_ms.items()}
+    figures["step_s"] = step_ms / 1e3
+    figures["wait_s"] = (step_ms - sum(parts_ms.values())) / 1e3
+    return figures
+
+
+def test_the_summary_line_is_the_slowest_ranks_own_step(tmp_path, capsys):
+    """Rank 0 is the slowest (98 ms: 13 + 48 + 1 + 36 waiting), rank 1 waits longest (74 ms):
+    the largest of each part added up to 135 ms in a 98 ms step."""
+    steps = [analysis.across_ranks([_rank(98, forward=13, backward=48, optimizer=1),
+                                    _rank(90, forward=5, backward=10, optimizer=1)])
+             for _ in range(3)]
+    summary = analysis.over_steps(steps) | {"model_tflops_per_worker": 1.0, "mfu": 0.5}
+    profiler = types.SimpleNamespace(save=lambda run_dir: summary)
+    loop._save_profile(profiler, types.SimpleNamespace(run_dir=str(tmp_path)), rank=0)
+    line = capsys.readouterr().out.splitlines()[0]
+    step = int(re.search(r"step (\d+) ms", line)[1])
+    parts = dict(re.findall(r"(forward|backward|clip|optimizer|other|waiting for communication) (\d+)", line))
+    parts = {name: int(ms) for name, ms in parts.items()}
+    assert step == 98 and parts["forward"] == 13 and parts["waiting for communication"] == 36, line
+    assert sum(parts.values()) == step, line
+
+
+def test_the_summary_keeps_the_typical_steps_slowest_rank():
+    steps = [analysis.across_ranks([_rank(ms, forward=ms - 10), _rank(50, forward=1)]) for ms in (100, 300, 200)]
+    typical = analysis.over_steps(steps)["typical_step"]
+    assert typical["slowest_rank"] == 0 and typical["figures"] == steps[2]["ranks"][0]

@@ -1,0 +1,223 @@
+"""A training run's checks: options refused before any worker starts, divergence that names its
+cause (a loss spike included), data and architecture that changed under a run or between a run and
+its resume, and a DCP directory given as a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import shardwire
+from shardwire import worker
+from shardwire.cli import main
+from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.models.gpt import GPT, PRESETS, Block
+from shardwire.training.config import TrainConfig
+from shardwire.training.data import DataChanged, data_change, load_corpus
+from shardwire.training.loop import _Divergence
+
+
+def train(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--eval-batches", "1", *args],
+                          capture_output=True, text=True, timeout=400, cwd=cwd)
+    assert not check or done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def token_file(path, tokens: int, seed: int = 0):
+    np.random.default_rng(seed).integers(0, 256, tokens, dtype=np.uint16).tofile(path)
+    return path
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """A check that let the job through would start workers: fail at once instead."""
+    def started(*args, **kwargs):
+        raise AssertionError("workers were started")
+    monkeypatch.setattr("shardwire.cli.train.launch_local", started)
+
+
+@pytest.fixture
+def dcp_directory(tmp_path):
+    directory = tmp_path / "dcp-checkpoint"
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(b"\x80\x04N.")  # a pickle, as DCP writes it
+    (directory / "__0_0.distcp").write_bytes(b"")
+    return directory
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layout", "hybrid", "--diloco", "fragments=8"],
+     "error: --diloco fragments=8 is more than the 4 units with trainable parameters (each fragment is whole "
+     "units): use at most 4, or more units"),
+    (["--layout", "hybrid", "--diloco", "outer_lr=1e308"],
+     "error: --diloco outer_lr must be a positive number of at most 10 (DiLoCo's is 0.7), got 1e+308"),
+    (["--timeout", "0.001"], "error: --timeout must be a finite number of seconds, at least 10, got 0.001"),
+])
+def test_options_the_workers_would_fail_on_are_refused_before_they_start(args, message, no_workers):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["train", "--model", "tiny", *args])
+
+
+def test_compile_without_a_compiler_is_one_line_before_the_workers_start(monkeypatch, no_workers):
+    inductor = pytest.importorskip("torch._inductor.config")
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-c++-compiler"))
+    message = ("error: --compile on the CPU needs a C++ compiler, which torch.compile builds its kernels with, and "
+               "none was found (tried no-such-c++-compiler)")
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["train", "--model", "tiny", "--compile", "--backend", "gloo"])
+
+
+def test_a_dcp_directory_is_refused_as_a_checkpoint_directory(dcp_directory, no_workers):
+    with pytest.raises(SystemExit, match=rf"error: --checkpoint-dir {dcp_directory} is a torch.distributed.checkpoint "
+                                         rf"\(DCP\) checkpoint \(it holds .metadata\), not a series of shardwire's"):
+        main(["train", "--model", "tiny", "--checkpoint-dir", str(dcp_directory)])
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    with pytest.raises(shardwire.CheckpointError, match="is a torch.distributed.checkpoint"):
+        shardwire.load_latest_checkpoint(dcp_directory, model)
+    assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
+
+
+def divergence(**settings) -> _Divergence:
+    worker.ensure_initialized(torch.device("cpu"))  # a world of one
+    return _Divergence(TrainConfig(**{"steps": 100, "warmup": 0, **settings}), torch.device("cpu"))
+
+
+def test_a_loss_spike_is_divergence_naming_the_inner_optimizer():
+    diverged = divergence(lr=0.5)
+    for step, loss in enumerate((5.5, 5.4, 5.3, 5.2, 5.1), 1):
+        diverged.note_loss(step - 1, torch.tensor(loss))
+        diverged.check()
+        diverged.logged(step, loss)
+    diverged.note_loss(5, torch.tensor(102_258.0))
+    with pytest.raises(SystemExit, match=r"error: training diverged: the loss was above 53, 10 times the mean of the "
+                                         r"last 5 logged losses, at step 6 \(nothing was saved\): lower --lr \(now "
+                                         r"0.5\) or raise --warmup \(now 0\)"):
+        diverged.check()
+
+
+def test_a_loss_in_warmup_or_below_the_bound_is_not_a_spike():
+    diverged = divergence(warmup=10)
+    for step in range(1, 10):
+        diverged.logged(step, 0.01)
+    diverged.note_loss(9, torch.tensor(50.0))  # in warmup: no recent average yet
+    diverged.check()
+    for step in range(11, 16):
+        diverged.logged(step, 0.01)
+    diverged.note_loss(16, torch.tensor(9.0))  # 900 times a loss near 0, but below 10
+    diverged.check()
+
+
+def test_a_divergence_after_an_outer_step_names_the_outer_optimizer():
+    diverged = divergence(layout="hybrid", diloco="sync_every=4,outer_lr=9,momentum=0.95")
+    diverged.note_norm(4, torch.tensor(float("inf")))  # the step after the sync of the first 4 steps
+    with pytest.raises(SystemExit, match=r"not finite at step 5 \(nothing was saved\): it came at the step after an "
+                                         r"outer step: lower --diloco outer_lr \(now 9\) or momentum \(now 0.95\)"):
+        diverged.check()
+
+
+@pytest.mark.parametrize("step, blamed", [(2, "lower --lr"), (3, "lower --diloco outer_lr")])
+def test_a_delayed_outer_step_is_blamed_where_it_is_applied(step, blamed):
+    """fragment_sync_delay=1: the sync issued after 2 steps is applied a step later, at step index 3."""
+    diverged = divergence(layout="hybrid", diloco="sync_every=4,fragments=2,fragment_sync_delay=1")
+    diverged.note_norm(step, torch.tensor(float("nan")))
+    with pytest.raises(SystemExit, match=rf"at step {step + 1} \(nothing was saved\): .*{blamed}"):
+        diverged.check()
+
+
+def test_a_token_file_cut_short_under_a_run_is_one_error_naming_it(tmp_path):
+    path = token_file(tmp_path / "tokens.bin", 100_000)
+    corpus = load_corpus(str(path), 32)
+    corpus.batch(0, 4, 32)
+    os.truncate(path, 2_000)  # a memory map's read past the end would be SIGBUS
+    with pytest.raises(DataChanged, match=f"{path} changed while the run read it: it holds 2,000 bytes, 200,000 "
+                                          f"when the run started"):
+        corpus.batch(1, 4, 32)
+
+
+def test_the_data_identity_tells_other_data_apart(tmp_path):
+    first = load_corpus(str(token_file(tmp_path / "a.bin", 100_000)), 32).identity
+    assert data_change(first, load_corpus(str(tmp_path / "a.bin"), 32).identity) is None
+    token_file(tmp_path / "a.bin", 100_000, seed=1)
+    assert data_change(first, load_corpus(str(tmp_path / "a.bin"), 32).identity) == \
+        f"the contents of {tmp_path / 'a.bin'} (same length)"
+    smaller = load_corpus(str(token_file(tmp_path / "b.bin", 4_000)), 32).identity
+    assert data_change(first, smaller) == "the data (100,000 -> 4,000 tokens)"
+
+
+@pytest.mark.slow
+def test_a_resume_names_other_data_world_size_and_global_batch(tmp_path):
+    token_file(tmp_path / "a.bin", 100_000)
+    train("--model", "tiny", "--steps", "2", "--checkpoint-dir", "ckpt", "--data", "a.bin", cwd=tmp_path)
+    extra = json.loads((tmp_path / "ckpt/step_00000002/manifest.json").read_text())["extra"]
+    assert extra["data"]["tokens"] == 100_000 and extra["global_batch"] == 32
+    token_file(tmp_path / "a.bin", 4_000)
+    done = train("--model", "tiny", "--steps", "3", "--checkpoint-dir", "ckpt", "--data", "a.bin", "--nproc", "1",
+                 cwd=tmp_path)
+    assert ("resuming from ckpt/step_00000002 (step 2, saved by 2 ranks); this run changes --steps 2 -> 3, world "
+            "size 2 -> 1, global batch 32 -> 16 sequences (--batch is per rank), the contents of a.bin (100,000 -> "
+            "4,000 tokens)") in done.stdout
+
+
+@pytest.mark.slow
+def test_restarted_workers_refuse_data_cut_short_under_them(tmp_path):
+    path = token_file(tmp_path / "a.bin", 400_000)
+    job = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                            "--steps", "100000", "--checkpoint-dir", "ckpt", "--save-every", "2", "--data", "a.bin",
+                            "--max-restarts", "1"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 200
+        while not list_checkpoints(tmp_path / "ckpt") and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        os.truncate(path, path.stat().st_size // 40)  # another, smaller split written over it
+        _, stderr = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert "error: --data: a.bin changed while the run read it: it holds 20,000 bytes, 800,000" in stderr
+    assert ("error: the contents of a.bin (400,000 -> 10,000 tokens) since ckpt/step_" in stderr
+            and "and these workers were restarted (--max-restarts) to resume that run" in stderr)
+    assert "Traceback" not in stderr and "SIGBUS" not in stderr
+
+
+@pytest.mark.slow
+def test_an_hf_checkpoint_records_its_config_and_refuses_another(tmp_path):
+    pytest.importorskip("transformers")
+    model = tmp_path / "gpt2-mini"
+    model.mkdir()
+    config = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64, "vocab_size": 256,
+              "activation_function": "gelu_new"}
+    (model / "config.json").write_text(json.dumps(config))
+    train("--model", "hf:gpt2-mini", "--seq-len", "32", "--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    extra = json.loads((tmp_path / "ckpt/step_00000002/manifest.json").read_text())["extra"]
+    assert extra["hf_config"] == config
+    (model / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
+    done = train("--model", "hf:gpt2-mini", "--seq-len", "32", "--steps", "4", "--checkpoint-dir", "ckpt",
+                 cwd=tmp_path, check=False)
+    assert done.returncode != 0
+    assert ("error: hf:gpt2-mini's config differs from the one ckpt/step_00000002 was trained with: "
+            "activation_function 'gelu_new' -> 'relu'; its weights belong to the recorded "
+            "architecture") in done.stderr
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
+
+
+@pytest.mark.slow
+def test_the_last_checkpoint_of_a_diloco_run_holds_the_synced_model(tmp_path):
+    train("--model", "tiny", "--steps", "5", "--layout", "hybrid", "--shard-group-size", "1", "--diloco",
+          "sync_every=3,wire=none", "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    last = tmp_path / "ckpt/step_00000005"
+    groups = [safe_open(last / f"rank_{rank:05d}.safetensors", "pt") for rank in (0, 1)]
+    for key in (key for key in groups[0].keys() if key.startswith("param/")):
+        anchor = key.replace("param/", "outer/") + "/anchor"
+        assert torch.equal(groups[0].get_tensor(key), groups[1].get_tensor(key))  # one model, not each group's
+        assert torch.equal(groups[0].get_tensor(key), groups[0].get_tensor(anchor))  # what export reads
