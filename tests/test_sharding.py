@@ -229,3 +229,35 @@ def test_ranks_asking_for_different_layouts_are_told_before_any_group_is_made():
     for message in run_workers(2, _different_layouts, timeout=60, env={"LOCAL_WORLD_SIZE": "1"}):
         assert "ranks asked for different layouts (rank 0: layout='hybrid' in groups of 1; " \
                "rank 1: layout='full' in groups of 2)" in message
+
+
+# ---------------------------------------------- layout's name before the rename, kept for a release
+
+
+def test_shard_takes_sharding_as_layout_with_a_warning_and_refuses_both():
+    with pytest.warns(FutureWarning, match=r"shard\(sharding=...\) is renamed shard\(layout=...\); the old name goes"):
+        with pytest.raises(ValueError, match="layout='hybrid' shards within groups and replicates across them"):
+            shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="hybrid")
+    with pytest.raises(ValueError, match="shard\\(\\) got both layout= and sharding=, its old name: give layout= alone"):
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", sharding="hybrid")
+
+
+def test_the_train_option_config_key_and_spec_key_sharding_are_read_as_layout_with_a_warning(tmp_path, capsys):
+    from shardwire.cli import main
+    from shardwire.sim.specs import parse
+    from shardwire.training.config import TrainConfig, changed_settings, training_settings
+
+    launch = ["train", "--print-launch", "--nproc", "2", "--shard-group-size", "1"]
+    with pytest.warns(FutureWarning, match="--sharding is renamed --layout"):
+        assert main([*launch, "--sharding", "hybrid"]) == 0
+    assert "--layout hybrid" in capsys.readouterr().out
+    path = tmp_path / "job.json"
+    path.write_text('{"sharding": "hybrid"}')
+    with pytest.warns(FutureWarning, match="sharding is renamed layout"):
+        assert main([*launch, "--config", str(path)]) == 0
+    assert "--layout hybrid" in capsys.readouterr().out
+    with pytest.warns(FutureWarning, match="training: sharding is renamed layout"):
+        assert parse("training", {"sharding": "hybrid"}).layout == "hybrid"
+    config = TrainConfig(layout="hybrid")
+    recorded = {**{k: v for k, v in training_settings(config).items() if k != "layout"}, "sharding": "hybrid"}
+    assert changed_settings(recorded, config) == {}  # a checkpoint saved before the rename resumes as it was

@@ -18,3 +18,12 @@ class RenamedWarning(FutureWarning):
 def warn_renamed(what: str, *, stacklevel: int = 2) -> None:
     """Warn that ``what`` ("shardwire.Sync is renamed shardwire.DiLoCo") is in use."""
     warnings.warn(f"{what}; the old name goes in the next release", RenamedWarning, stacklevel=stacklevel + 1)
+
+
+def renamed_argument(function: str, old: str, new: str, value, *, given_new: bool, note: str = ""):
+    """``value``, given to ``function`` as ``old=``, the argument's name before it was renamed
+    ``new``: with a warning, for a release; ``given_new`` (both names given) is a ``ValueError``."""
+    if given_new:
+        raise ValueError(f"{function}() got both {new}= and {old}=, its old name: give {new}= alone")
+    warn_renamed(f"{function}({old}=...) is renamed {function}({new}=...){note}", stacklevel=3)
+    return value

@@ -30,7 +30,7 @@ from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
 from shardwire.engine.unit import Unit
-from shardwire.renamed import warn_renamed
+from shardwire.renamed import renamed_argument
 
 _ENGINE_ATTR = "_shardwire_engine"
 # Set on every module of a sharded model: its parameters are no longer its own to shard again.
@@ -56,6 +56,7 @@ def shard(
     device: torch.device | str | None = None,
     init: Callable[[nn.Module], None] | None = None,
     sync: DiLoCo | str | None = None,
+    sharding: str | None = None,
 ) -> nn.Module:
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
 
@@ -123,6 +124,7 @@ def shard(
             module's ``reset_parameters()``. The package's GPT takes ``init=model.init_module``.
         sync: ``diloco``'s name before torchft's, which read as the opposite of ``no_sync``: taken
             as ``diloco``, with a warning, for a release.
+        sharding: ``layout``'s name before, likewise.
     """
     _check_not_sharded(model)
     current = _single_device(model)
@@ -134,7 +136,12 @@ def shard(
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     wire = Wire.parse(wire)
-    diloco = DiLoCo.parse(_renamed_diloco(diloco, sync))
+    if sharding is not None:
+        layout = renamed_argument("shard", "sharding", "layout", sharding, given_new=layout != "full")
+    if sync is not None:
+        diloco = renamed_argument("shard", "sync", "diloco", sync, given_new=diloco is not None,
+                                  note=" (every -> sync_every, overlap -> fragment_sync_delay)")
+    diloco = DiLoCo.parse(diloco)
     fault_tolerance = FaultTolerance.parse(fault_tolerance)
     compile_options = _compile_options(compile)
     deadline = datetime.timedelta(seconds=timeout)
@@ -324,17 +331,6 @@ def _check_wire_carries(wire: Wire, owned: dict[str, list[OwnedParam]]) -> None:
                     f"wire params={wire.params!r} cannot quantize: keep integer values as buffers "
                     f"(register_buffer), or leave params unquantized (wire='params=none,grads=...')"
                 )
-
-
-def _renamed_diloco(diloco: DiLoCo | str | None, sync: DiLoCo | str | None) -> DiLoCo | str | None:
-    """``diloco``, or ``sync`` (its name before the rename) with a warning."""
-    if sync is None:
-        return diloco
-    if diloco is not None:
-        raise ValueError("shard() got both diloco= and sync=, its old name: give diloco= alone")
-    warn_renamed("shard(sync=...) is renamed shard(diloco=...) "
-                 "(every -> sync_every, overlap -> fragment_sync_delay)", stacklevel=3)
-    return sync
 
 
 def _check_diloco_fragments(diloco: DiLoCo | None, owned: dict[str, list[OwnedParam]]) -> None:

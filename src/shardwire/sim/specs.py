@@ -439,7 +439,7 @@ class TrainingSpec:
 
 SPECS = {"model": ModelSpec, "cluster": ClusterSpec, "training": TrainingSpec}
 # Keys read under their names before a rename, with a warning, for a release: old -> new.
-RENAMED_KEYS = {TrainingSpec: {"sync": "diloco"}}
+RENAMED_KEYS = {TrainingSpec: {"sync": "diloco", "sharding": "layout"}}
 
 
 def parse(kind: str, mapping: Any, *, name: str | None = None):

@@ -48,7 +48,7 @@ class TrainConfig:
     reshard: bool = option(True, "release each unit's parameters after forward and gather again for backward")
     layout: str = option(
         "full", "full: over every rank; hybrid: within groups, replicated across them; hybrid_secondary: full, "
-                "with backward gathering within groups (ZeRO++ hpZ)", choices=LAYOUTS)
+                "with backward gathering within groups (ZeRO++ hpZ)", choices=LAYOUTS, renamed_from="sharding")
     shard_group_size: int | None = option(
         None, "ranks per shard group for the hybrid layouts (default: the ranks of a node)", at_least=1)
     wire: str = option(
