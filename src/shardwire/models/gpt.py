@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwire.models.sizes import PRESETS, GPTConfig
+from shardwire.sim.gpt_sizes import PRESETS, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "loss_fn"]
 

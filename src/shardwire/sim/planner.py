@@ -34,8 +34,8 @@ import itertools
 import math
 
 from shardwire.launch import torchrun_command
-from shardwire.models.sizes import BYTE_VOCAB
-from shardwire.models.sizes import PRESETS as GPT_SIZES
+from shardwire.sim.gpt_sizes import BYTE_VOCAB
+from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
 from shardwire.options import command_line
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory

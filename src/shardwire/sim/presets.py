@@ -4,7 +4,7 @@
 Models: the published configurations (layers, hidden, heads, MLP width, vocabulary, context).
 Biases are left out of parameter counts (under 0.2% of any of these models).
 
-* The project's GPT sizes, as ``shardwire train --model`` names them (``shardwire.models.sizes``).
+* The project's GPT sizes, as ``shardwire train --model`` names them (``shardwire.sim.gpt_sizes``).
 * GPT-2 (Radford et al. 2019; Hugging Face ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``
   configs): 1024 learned positions, 50257-token vocabulary, head tied to the embedding.
 * MPT (LLM Foundry's ``mpt-*.yaml``, as its throughput tables ran them): GPT-style blocks with
@@ -69,7 +69,7 @@ and reduces in fp32 (torchtitan's default).
 from __future__ import annotations
 
 from shardwire.gpus import DATASHEET_TFLOPS
-from shardwire.models.sizes import PRESETS as GPT_SIZES
+from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
 
 _GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)

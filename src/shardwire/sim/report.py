@@ -45,7 +45,6 @@ from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
 from shardwire.sim.step import group_size
-from shardwire.training.progress import format_duration
 
 
 def fit_problem(p: Prediction) -> str:
@@ -342,7 +341,7 @@ def failures_text(priced: list[tuple[str, FailureCosts]]) -> list[str]:
 def _restart_text(restart: Restart) -> str:
     chosen = "Young's interval" if restart.young else "as given"
     return (f"restart from checkpoint  {_kept(restart)}; a checkpoint every {restart.save_every:,} steps "
-            f"({format_duration(restart.interval_s)}, {chosen}), "
+            f"({restart.interval_s / 3600:.3g} h, {chosen}), "
             f"{restart.checkpoint_bytes / 1e9:.4g} GB per node: {restart.save_s:.3g} s to save, "
             f"{restart.restart_s:.3g} s to restart")
 

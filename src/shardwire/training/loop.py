@@ -43,7 +43,7 @@ from shardwire.models.choice import (
 )
 from shardwire.models.export import save_pretrained
 from shardwire.models.gpt import loss_fn
-from shardwire.models.sizes import BYTE_VOCAB
+from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler

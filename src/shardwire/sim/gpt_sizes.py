@@ -5,10 +5,8 @@ simulator and the planner describe, from one table (``GPTConfig.spec()``).
 from __future__ import annotations
 
 import dataclasses
-import typing
 
-if typing.TYPE_CHECKING:
-    from shardwire.sim.specs import ModelSpec
+from shardwire.sim.specs import ModelSpec
 
 # The ids of text read as bytes: the GPT's vocabulary, and the default corpus's.
 BYTE_VOCAB = 256
@@ -24,10 +22,7 @@ class GPTConfig:
     dropout: float = 0.0
 
     def spec(self, name: str = "gpt") -> ModelSpec:
-        """This GPT as the simulator and the FLOP count describe a model (imported here: the simulator's
-        presets read this table, so it cannot import the simulator first)."""
-        from shardwire.sim.specs import ModelSpec
-
+        """This GPT as the simulator and the FLOP count describe a model."""
         return ModelSpec(name=name, layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab_size,
                          seq_len=self.seq_len, learned_positions=True, tied_embeddings=True)
 
