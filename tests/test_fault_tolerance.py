@@ -51,7 +51,7 @@ def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
 
 
 @pytest.mark.parametrize("diloco, layout, group_size, message", [
-    (None, "hybrid", None, "carries DiLoCo's syncs between groups"),
+    (None, "hybrid", None, r"carries DiLoCo's syncs between groups: give layout='hybrid' with diloco=\.\.\. "),
     (DiLoCo(), "full", None, "carries DiLoCo's syncs between groups"),
     (DiLoCo(sync_every=8, fragments=2), "hybrid", None, "give diloco fragments=1"),
     (DiLoCo(sync_every=8, fragment_sync_delay=2), "hybrid", None, "give diloco fragment_sync_delay=0"),
@@ -70,7 +70,13 @@ def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(
     hybrid = ["--layout", "hybrid", "--diloco", "sync_every=5"]
     for args, message in [
         ([*hybrid, "--fault-tolerance", "group=a"], "error: --fault tolerance needs the lighthouse's address"),
-        (["--fault-tolerance", "lighthouse=h:1"], "error: fault tolerance carries DiLoCo's syncs"),
+        (["--fault-tolerance", "lighthouse=h:1"],  # the settings named as options, the library's as arguments
+         r"error: fault tolerance carries DiLoCo's syncs between groups: give --layout hybrid with --diloco=\.\.\. "),
+        ([*hybrid, "--diloco", "sync_every=5,fragments=2", "--fault-tolerance", "lighthouse=h:1"],
+         "give --diloco fragments=1, not 2"),
+        ([*hybrid, "--shard-group-size", "1", "--fault-tolerance", "lighthouse=h:1"],
+         "but --shard-group-size 1 cuts the job's 2 ranks into several: launch one job per group, and leave "
+         "--shard-group-size out"),
         ([*hybrid, "--fault-tolerance", "lighthouse=h:1", "--model", f"hf:{json.dumps(GPT2)}",
           "--export-hf", str(tmp_path / "out")], "error: --export-hf with --fault-tolerance"),
     ]:

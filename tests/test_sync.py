@@ -86,7 +86,7 @@ def test_the_train_command_refuses_a_bad_sync_before_any_worker_starts():
     for args, message in [
         (["--diloco", "sync_every=0"], "error: --diloco sync_every must be a positive integer"),
         (["--layout", "full", "--diloco", "sync_every=5"],
-         "error: --diloco 'sync_every=5,.*' lets the groups of the hybrid layout"),
+         "error: --diloco sync_every=5,.* lets the groups of the hybrid layout"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["train", *args])

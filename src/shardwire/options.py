@@ -37,6 +37,25 @@ class OptionError(ValueError):
     """A bad option; the message names it and says what it must be."""
 
 
+class SettingError(ValueError):
+    """A ``ValueError`` about settings that carries them as data, so that each caller names them as
+    its users write them: ``str()`` as the library's keyword arguments (``layout='hybrid'``),
+    ``as_options()`` as the command line's options (``--layout hybrid``). ``template`` holds a
+    ``{placeholder}`` for each, and ``settings`` maps it to ``(setting, value)``, or to
+    ``(setting,)`` for the setting's name alone."""
+
+    def __init__(self, template: str, **settings: tuple):
+        self.template = template
+        self.settings = settings
+        super().__init__(self._written(lambda name, *value: f"{name}={value[0]!r}" if value else name))
+
+    def as_options(self) -> str:
+        return self._written(lambda name, *value: f"{flag(name)} {value[0]}" if value else flag(name))
+
+    def _written(self, write) -> str:
+        return self.template.format(**{key: write(*setting) for key, setting in self.settings.items()})
+
+
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     at_least: float | None = None

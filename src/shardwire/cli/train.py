@@ -29,6 +29,7 @@ from shardwire.models import fp8
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
 from shardwire.options import (
     OptionError,
+    SettingError,
     add_options,
     check_bounds,
     check_output_file,
@@ -158,15 +159,11 @@ def _validate(config: TrainConfig) -> None:
         check_fault_tolerance(fault_tolerance, diloco, config.layout, config.shard_group_size, world)
         size = world if fault_tolerance is not None else group_size(config.layout, config.shard_group_size, world,
                                                                     per_node)
-    except ValueError as err:
-        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
-        message = message.replace("diloco=", "--diloco ")
-        raise SystemExit(f"error: {message}") from None
-    try:
         check_diloco(diloco, config.layout, size, world)
+    except SettingError as err:  # the settings named as this command's options
+        raise SystemExit(f"error: {err.as_options()}") from None
     except ValueError as err:
-        message = str(err).replace("shard_group_size=", "--shard-group-size ").replace("layout=", "--layout ")
-        raise SystemExit(f"error: {message.replace('diloco=', '--diloco ')}") from None
+        raise SystemExit(f"error: {err}") from None
     if config.print_launch:
         return  # the rest is about this machine, not the cluster the command is for
     if (problem := worker.unavailable(config.backend)) is not None:

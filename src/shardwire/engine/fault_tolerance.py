@@ -36,7 +36,7 @@ import dataclasses
 import math
 import os
 
-from shardwire.options import settings_fields
+from shardwire.options import SettingError, settings_fields
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read where no lighthouse is given
 
@@ -108,18 +108,19 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout
     if fault_tolerance is None:
         return
     if diloco is None or layout != "hybrid":
-        raise ValueError("fault tolerance carries DiLoCo's syncs between groups: give layout='hybrid' with diloco=... "
-                         "(sync_every=1 syncs every step)")
+        raise SettingError("fault tolerance carries DiLoCo's syncs between groups: give {hybrid} with {diloco}=... "
+                           "(sync_every=1 syncs every step)", hybrid=("layout", "hybrid"), diloco=("diloco",))
     if diloco.fragments != 1:
-        raise ValueError(f"under fault tolerance the whole model syncs at once (a group that joins meets the others "
-                         f"at whichever sync comes): give diloco fragments=1, not {diloco.fragments}")
+        raise SettingError(f"under fault tolerance the whole model syncs at once (a group that joins meets the "
+                           f"others at whichever sync comes): give {{diloco}} fragments=1, not {diloco.fragments}",
+                           diloco=("diloco",))
     if shard_group_size not in (None, world):
-        raise ValueError(f"under fault tolerance each launched job is one group, but shard_group_size="
-                         f"{shard_group_size} cuts the job's {world} ranks into several: launch one job per group, "
-                         f"and leave shard_group_size out")
+        raise SettingError(f"under fault tolerance each launched job is one group, but {{size}} cuts the job's "
+                           f"{world} ranks into several: launch one job per group, and leave {{name}} out",
+                           size=("shard_group_size", shard_group_size), name=("shard_group_size",))
     if diloco.fragment_sync_delay:
-        raise ValueError(f"under fault tolerance a sync runs in its step (a group may leave during it): give "
-                         f"diloco fragment_sync_delay=0, not {diloco.fragment_sync_delay}")
+        raise SettingError(f"under fault tolerance a sync runs in its step (a group may leave during it): give "
+                           f"{{diloco}} fragment_sync_delay=0, not {diloco.fragment_sync_delay}", diloco=("diloco",))
 
 
 _FIELD_TYPES = {"lighthouse": str, "group": str, "min_groups": int, "timeout": float, "host": str}

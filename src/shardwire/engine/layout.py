@@ -68,6 +68,7 @@ from shardwire.comm.wire import Wire
 from shardwire.engine.mixed_precision import DTYPES, MixedPrecision
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance
+from shardwire.options import SettingError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -200,24 +201,22 @@ def group_size(layout: str, shard_group_size: int | None, world: int, ranks_per_
         )
     if layout == "full":
         if shard_group_size not in (None, world):
-            raise ValueError(
-                f"layout='full' splits every buffer over all {world} ranks of the process group, so "
-                f"shard_group_size={shard_group_size} contradicts it: leave it out, or use "
-                f"layout='hybrid' or 'hybrid_secondary' to shard within groups of {shard_group_size}"
-            )
+            raise SettingError(
+                f"{{full}} splits every buffer over all {world} ranks of the process group, so {{size}} "
+                f"contradicts it: leave it out, or use {{hybrid}} or {{secondary}} to shard within groups of "
+                f"{shard_group_size}",
+                full=("layout", "full"), size=("shard_group_size", shard_group_size), hybrid=("layout", "hybrid"),
+                secondary=("layout", "hybrid_secondary"))
         return world
     if world == 1:
-        raise ValueError(
-            f"layout={layout!r} shards within groups and replicates across them, which needs more "
-            f"than one rank; this process group has one: use layout='full' (or launch more ranks)"
-        )
+        raise SettingError(
+            "{given} shards within groups and replicates across them, which needs more than one rank; this "
+            "process group has one: use {full} (or launch more ranks)", given=("layout", layout), full=("layout", "full"))
     size = ranks_per_node if shard_group_size is None else shard_group_size
     if world % size:
         divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
-        raise ValueError(
-            f"shard_group_size={size} does not divide the {world} ranks of the process group: choose "
-            f"one of {divisors}"
-        )
+        raise SettingError(f"{{size}} does not divide the {world} ranks of the process group: choose one of {divisors}",
+                           size=("shard_group_size", size))
     return size
 
 
@@ -228,11 +227,10 @@ def check_diloco(diloco: DiLoCo | None, layout: str, size: int, world: int) -> N
     if diloco is None:
         return
     if layout != "hybrid":
-        raise ValueError(
-            f"diloco={str(diloco)!r} lets the groups of the hybrid layout train apart and averages them every "
-            f"{diloco.sync_every} steps; layout={layout!r} has no groups holding a model of their own: "
-            f"use layout='hybrid'"
-        )
+        raise SettingError(
+            f"{{diloco}} lets the groups of the hybrid layout train apart and averages them every "
+            f"{diloco.sync_every} steps; {{given}} has no groups holding a model of their own: use {{hybrid}}",
+            diloco=("diloco", str(diloco)), given=("layout", layout), hybrid=("layout", "hybrid"))
 
 
 def _communicators(layout: str, size: int, world: Communicator, device: torch.device,
