@@ -1,6 +1,7 @@
 """The runtime of a sharded model: gathers, prefetches and gradient reductions around each step.
 
-One ``Engine`` lives on each sharded model and is driven entirely by module and autograd hooks:
+One ``Engine`` lives on each sharded model and is driven entirely by module and autograd hooks,
+which move its ``TrainingState`` through a step: idle, forward, awaiting backward, backward, idle.
 
 forward   root pre-forward checks that every parameter is still the engine's
           (``FlatParam.check_parameters``), gathers the root unit and opens a forward ``Pass``, which
@@ -60,6 +61,7 @@ that leaves the order later is caught too.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -82,6 +84,18 @@ from shardwire.engine.schedule import Pass
 from shardwire.engine.unit import INPUTS, Unit
 
 _CHECK_CODES = {"forward": 0, "backward": 1, "reduce": 2}
+
+
+class TrainingState(enum.Enum):
+    """Where the engine is in a step (as FSDP2's ``TrainingState``), set by the hooks that move it
+    on and checked by those that need it: a hook that finds another state than its own is a model
+    used out of order (a unit called on its own), or a step that did not finish (the next forward
+    discards it)."""
+
+    IDLE = "idle"  # between steps
+    FORWARD = "forward"  # between the root's pre- and post-forward
+    AWAITING_BACKWARD = "awaiting backward"  # forward done; its outputs may yet get gradients
+    BACKWARD = "backward"  # in autograd's backward, the callback that ends it queued
 
 Listener = Callable[[str, "str | None", str], None]
 # A reduction in flight: the flat buffer, its collectives (FlatParam.reduce) and the share they fill.
@@ -148,7 +162,7 @@ class Engine:
         # gradient, and (hybrid) those past it whose all-reduce between groups holds only a share
         self._reductions: deque[Reduction] = deque()
         self._replicating: deque[Reduction] = deque()
-        self._callback_queued = False
+        self.state = TrainingState.IDLE
         self._generation = 0  # forwards so far: backward must come from the latest one
         self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
         self.claimed_directories: set[str] = set()  # checkpoint directories this run owns (checkpoint.claim)
@@ -216,7 +230,7 @@ class Engine:
     # ----------------------------------------------------------------------------------- forward
 
     def _root_pre_forward(self, module: nn.Module, args, kwargs):
-        if self._forward is not None or self._backward is not None or self._callback_queued:
+        if self.state is not TrainingState.IDLE:
             self._discard_unfinished_step()
         self._generation += 1
         self._unannounced = []
@@ -232,6 +246,7 @@ class Engine:
                 flat.check_parameters()
             self._gather(self.root, "forward", check=recording)
             self._forward = Pass(self._order["forward"], self.prefetch, Unit.gather)
+            self.state = TrainingState.FORWARD
             self._ready(self.root)
             self.root.show(self._grad_hook())
         if self.input_dtype is None:
@@ -242,7 +257,7 @@ class Engine:
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args, kwargs):
         forward = self._forward
-        if forward is None:
+        if self.state is not TrainingState.FORWARD:
             raise RuntimeError(
                 f"unit {unit.name!r} was called outside the sharded model's forward: call the model "
                 f"(the module passed to shardwire.shard), not its units on their own"
@@ -297,9 +312,11 @@ class Engine:
         outputs = _Outputs.of(output)
         if outputs.may_get_grad:
             self._open_backward()
+            self.state = TrainingState.AWAITING_BACKWARD
             # backward starts when the outputs get gradients (through hidden ones: at the first unit reached)
             _on_each_backward(outputs.needing_grad, functools.partial(self._enter_backward, self._generation))
         else:
+            self.state = TrainingState.IDLE
             self._release_all()
         self.emit("forward", None, "end")
         return output
@@ -319,9 +336,9 @@ class Engine:
                 "runs each backward before the next forward (call backward first, or put the batches "
                 "through one forward)"
             )
-        if not self._callback_queued:
+        if self.state is not TrainingState.BACKWARD:
             Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+            self.state = TrainingState.BACKWARD
             self.emit("backward", None, "start")
         if self._backward is None:
             self._open_backward_again()
@@ -384,7 +401,7 @@ class Engine:
         """The end of backward: land the reductions in flight and release every unit still gathered (one
         that backward did not reach, or a frozen one kept gathered whose inputs need no gradient). No
         gradient is left to reduce here: each was reduced when autograd completed it."""
-        self._callback_queued = False
+        self.state = TrainingState.IDLE
         backward, self._backward = self._backward, None
         if backward is not None and backward.changed_order():
             self._order["backward"] = backward.seen
@@ -440,7 +457,7 @@ class Engine:
         backward never ran (an evaluation with grad enabled). Its reductions are waited for, since
         every rank issued them, but not added to any gradient."""
         self._forward = self._backward = None
-        self._callback_queued = False
+        self.state = TrainingState.IDLE
         try:
             for reductions in (self._replicating, self._reductions):
                 while reductions:
