@@ -84,6 +84,8 @@ def test_sync_without_groups_of_their_own_is_refused(layout, size, world, messag
 
 def test_the_train_command_refuses_a_bad_sync_before_any_worker_starts():
     for args, message in [
+        (["--layout", "hybrid", "--diloco", "every=2,sync_every=3"],
+         "error: --diloco sync_every is given twice \\(the last would win silently\\): give it once"),
         (["--diloco", "sync_every=0"], "error: --diloco sync_every must be a positive integer"),
         (["--layout", "full", "--diloco", "sync_every=5"],
          "error: --diloco sync_every=5,.* lets the groups of the hybrid layout"),

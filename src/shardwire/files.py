@@ -108,10 +108,12 @@ def _not_a_file(kind: str) -> str:
     return f"is {kind}{'' if kind == 'a directory' else ', not a regular file'}; give a file name"
 
 
-def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: bool = False) -> None:
+def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: bool = False, new: bool = False) -> None:
     """Make ``path`` hold exactly ``data``, or leave it as it was; raises ``OutputRefused`` for a path
     that is not a regular file. With ``durable`` the data and the rename are on disk, not only in the
-    page cache, before it returns (for results that must survive a power loss)."""
+    page cache, before it returns (for results that must survive a power loss). With ``new`` a file
+    at ``path`` is never replaced, even one made while the data was written (another writer's, the
+    user's): the data is linked into place, which fails where a file already is."""
     if (kind := _kind(path)) is not None:
         raise OutputRefused(f"{os.fspath(path)} {_not_a_file(kind)}")
     target = os.path.realpath(path)
@@ -126,13 +128,25 @@ def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: boo
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, target)
+        if new:
+            _link_new(tmp, target, os.fspath(path))
+        else:
+            os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     if durable:
         _sync_directory(directory)
+
+
+def _link_new(tmp: str, target: str, given: str) -> None:
+    """Put the written ``tmp`` at ``target`` only if nothing is there, then drop its temporary name."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise OutputRefused(f"{given} exists: it was made while this was written, and nothing was overwritten") from None
+    os.unlink(tmp)
 
 
 def _temporary(target: str) -> tuple[int, str]:

@@ -209,12 +209,13 @@ def check_output_file(path: str, option: str) -> None:
 
 
 def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, not_understood: str,
-                    bad_value: Callable[[str, str], str],
+                    bad_value: Callable[[str, str], str], twice: Callable[[str], str],
                     renamed: Mapping[str, str] | None = None) -> tuple[dict[str, typing.Any], list[str]]:
     """The fields of a setting given in the command line's form, comma-separated ``key=value`` pairs
     (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]``; and the keys given by
     an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises
-    ``ValueError(not_understood)``, a value its type refuses ``ValueError(bad_value(key, value))``."""
+    ``ValueError(not_understood)``, a value its type refuses ``ValueError(bad_value(key, value))``,
+    a key given twice (under either name) ``ValueError(twice(key))``."""
     fields: dict[str, typing.Any] = {}
     old_names = []
     for item in text.split(","):
@@ -224,6 +225,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             key = renamed[key]
         if not sep or key not in types:
             raise ValueError(not_understood)
+        if key in fields:  # the last would win silently, over a value the user also meant
+            raise ValueError(twice(key))
         try:
             fields[key] = types[key](value)
         except ValueError:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import shardwire
 from harness import run_workers
 from shardwire.cli import main
-from shardwire.files import write_atomically
+from shardwire.files import OutputRefused, write_atomically
 from shardwire.models.gpt import GPT, PRESETS
 from shardwire.training import loop
 from shardwire.training.config import TrainConfig
@@ -252,3 +252,21 @@ def test_write_atomically_keeps_its_promises_with_the_new_temporaries(tmp_path):
     target = tmp_path / "file.json"
     write_atomically(target, "{}")
     assert target.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["file.json"]
+
+
+def test_a_name_the_system_refuses_is_one_line_and_any_case_of_safetensors_is_safetensors(work, capsys):
+    assert "File name too long" in refused(capsys, work / "gpt", work / ("a" * 300 + ".safetensors"))
+    status, out, _ = export(capsys, work / "gpt", work / "x.SAFETENSORS")
+    assert status == 0 and out.rstrip().endswith("(safetensors)") and load_file(work / "x.SAFETENSORS")
+    status, out, _ = export(capsys, work / "gpt", work / "x.weights")
+    assert status == 0 and out.rstrip().endswith("(torch.save: name it .safetensors for safetensors)")
+
+
+def test_a_new_file_is_never_written_over_even_one_made_while_it_was_written(tmp_path):
+    target = tmp_path / "model.safetensors"
+    target.write_text("the user's, made while the export ran")
+    with pytest.raises(OutputRefused, match="exists: it was made while this was written, and nothing was overwritten"):
+        write_atomically(target, b"weights", new=True)
+    assert target.read_text() == "the user's, made while the export ran" and len(list(tmp_path.iterdir())) == 1
+    write_atomically(tmp_path / "fresh.bin", b"weights", new=True)
+    assert (tmp_path / "fresh.bin").read_bytes() == b"weights" and len(list(tmp_path.iterdir())) == 2

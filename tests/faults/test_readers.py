@@ -101,6 +101,11 @@ def test_report_of_a_deep_or_damaged_profile_is_one_line(tmp_path, capsys):
     profile.write_text(json.dumps({"version": LONG}))
     refused = refusal(["report", str(tmp_path)], capsys)
     assert "has format version 'xxx" in refused and len(refused) < 400
+    with open(PROFILE) as f:
+        document = json.load(f)
+    for world in (0, -2, "2", None):  # a scaling report divides by it
+        profile.write_text(json.dumps({**document, "world_size": world}))
+        assert "is damaged (its world_size is" in refusal(["report", str(tmp_path)], capsys)
 
 
 def test_testbed_names_in_messages_are_cut_short(capsys):

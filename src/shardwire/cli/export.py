@@ -24,6 +24,7 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.portable import weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.files import OutputRefused, StagedDirectory, new_output_problem
+from shardwire.mappings import shown
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields
 from shardwire.models.export import fit_problem, save_pretrained
 
@@ -58,10 +59,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     except (CheckpointError, ValueError, OutputRefused) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a name too long, a full disk: what the system said, of which file
+        print(f"error: {shown(err.filename or args.out)}: {err.strerror or err}", file=sys.stderr)
+        return 2
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"exported {checkpoint} ({model}) to {out}")
+    print(f"exported {checkpoint} ({model}) to {out}{_format(out, model)}")
     return 0
+
+
+def _format(out: pathlib.Path, model: str) -> str:
+    """What kind of file a GPT preset's export wrote, by OUT's name."""
+    if model.startswith(HF_PREFIX):
+        return " (a save_pretrained directory)"
+    if out.name.lower().endswith(".safetensors"):
+        return " (safetensors)"
+    return " (torch.save)" if out.suffix.lower() in (".pt", ".pth") else " (torch.save: name it .safetensors for safetensors)"
 
 
 def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:

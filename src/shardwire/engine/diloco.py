@@ -112,7 +112,8 @@ class DiLoCo:
             diloco, _FIELD_TYPES, renamed=RENAMED_FIELDS,
             not_understood=f"diloco {diloco!r} is not understood: use 'none', or key=value pairs of "
                            f"{', '.join(_FIELD_TYPES)}, e.g. 'sync_every=50,fragments=4,wire=int4'",
-            bad_value=lambda key, value: f"diloco {key} must be {_FIELD_WORDS[key]}, got {value!r}")
+            bad_value=lambda key, value: f"diloco {key} must be {_FIELD_WORDS[key]}, got {value!r}",
+            twice=lambda key: f"diloco {key} is given twice (the last would win silently): give it once")
         if old_names:
             warn_renamed(f"diloco {', '.join(f'{old}= is renamed {RENAMED_FIELDS[old]}=' for old in old_names)}")
         return cls(**fields)

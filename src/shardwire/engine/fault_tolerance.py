@@ -93,7 +93,8 @@ class FaultTolerance:
             text, _FIELD_TYPES,
             not_understood=f"fault tolerance {text!r} is not understood: use 'none', or key=value pairs of "
                            f"{', '.join(_FIELD_TYPES)}, e.g. 'lighthouse=http://head:29510,group=node-3'",
-            bad_value=lambda key, value: f"fault tolerance {key} must be a number, got {value!r}")
+            bad_value=lambda key, value: f"fault tolerance {key} must be a number, got {value!r}",
+            twice=lambda key: f"fault tolerance {key} is given twice (the last would win silently): give it once")
         return cls(**fields)
 
     def __str__(self) -> str:

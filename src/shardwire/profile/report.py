@@ -46,6 +46,10 @@ def load_profile(run_dir: str) -> dict:
     if profile.get("version") != FORMAT_VERSION:
         raise ReportError(f"{path} has format version {shown(profile.get('version'))}; "
                           f"this shardwire reads {FORMAT_VERSION}")
+    world = profile.get("world_size")
+    if type(world) is not int or world < 1:  # a scaling report divides by it
+        raise ReportError(f"{path} is damaged (its world_size is {shown(world)}, not a count of ranks); "
+                          f"profile the run again")
     return profile
 
 

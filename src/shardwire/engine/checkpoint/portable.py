@@ -40,21 +40,22 @@ from shardwire.files import write_atomically
 def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
     """Write the full weights of a checkpoint as a plain state dict file; returns its path.
 
-    ``output`` ending in ``.safetensors`` gives a safetensors file, anything else a ``torch.save``
-    file. It runs in one process, with no process group, from a checkpoint of any world size; every
-    file it reads is verified against the manifest, and ``output`` appears only once complete. A
-    checkpoint whose weights are not finite (a diverged run) is refused.
+    ``output`` ending in ``.safetensors`` (in any case) gives a safetensors file, anything else a
+    ``torch.save`` file. It runs in one process, with no process group, from a checkpoint of any world
+    size; every file it reads is verified against the manifest, and ``output`` appears only once
+    complete, never over a file (``OutputRefused``). A checkpoint whose weights are not finite (a
+    diverged run) is refused.
     """
     with weights_in(checkpoint, finite=True) as weights:
         state = weights.state_dict()
     output = pathlib.Path(output)
-    if output.suffix == ".safetensors":
+    if output.name.lower().endswith(".safetensors"):
         data = safetensors.torch.save(_each_tensor_once(state), metadata={"format": "pt"})
     else:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getvalue()
-    write_atomically(output, data, durable=True)
+    write_atomically(output, data, durable=True, new=True)
     return output
 
 
