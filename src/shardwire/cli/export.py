@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 
 import torch
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    # SIGTERM (timeout, SLURM, systemd) stops an export as Ctrl-C does: what it staged is removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     given = pathlib.Path(args.checkpoint)
     try:
         candidates = _checkpoints(given)
@@ -102,9 +105,13 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     _check_outside(args.out, given)
     if model.startswith(HF_PREFIX):
         stage = StagedDirectory(args.out, "OUT")  # claimed, and checked, before any weight is read
-        with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
-            fields = _trained_config(checkpoint, model, recorded, extra, notes)
-            return model, save_pretrained(model, weights, stage, fields=fields)
+        try:
+            with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
+                fields = _trained_config(checkpoint, model, recorded, extra, notes)
+                return model, save_pretrained(model, weights, stage, fields=fields)
+        except BaseException:
+            stage.discard()
+            raise
     if (problem := new_output_problem(args.out)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
     _check_fit(checkpoint, model)
