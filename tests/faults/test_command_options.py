@@ -45,7 +45,7 @@ def test_a_bench_output_that_is_a_directory_is_refused(tmp_path, capsys):
 def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "profile.json").write_text('{"version": 1, "timeline": {}}')
+    (run / "profile.json").write_text('{"version": 1, "world_size": 1, "timeline": {}}')
     assert main(["report", str(run)]) == 2
     assert f"{run}/profile.json is damaged (KeyError" in capsys.readouterr().err
     (run / "profile.json").write_text("[1, 2]")
@@ -53,6 +53,6 @@ def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys
     assert "holds a JSON list, not a profile" in capsys.readouterr().err
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    (run / "profile.json").write_text('{"version": 1}')
+    (run / "profile.json").write_text('{"version": 1, "world_size": 1}')
     assert main(["report", str(run), "--out", str(blocker)]) == 2
     assert f"--out {blocker} is a file; give it a directory" in capsys.readouterr().err
