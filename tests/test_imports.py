@@ -52,3 +52,12 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "yaml", None)
     assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe}"]) == 2
     assert "pip install 'shardwire[yaml]'" in capsys.readouterr().err
+
+
+def test_the_gpt_sizes_module_under_its_old_name_warns_and_still_works():
+    code = ("import warnings; warnings.simplefilter('error'); "
+            "from shardwire.models.sizes import PRESETS")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "shardwire.models.sizes is renamed shardwire.sim.gpt_sizes" in done.stderr
+    code = "import shardwire.models.sizes as old, shardwire.sim.gpt_sizes as new; assert old.PRESETS is new.PRESETS"
+    assert subprocess.run([sys.executable, "-W", "ignore", "-c", code], timeout=60).returncode == 0
