@@ -25,7 +25,6 @@ from shardwire.comm.communicator import Pending
 from shardwire.comm.records import CommRecord
 from shardwire.comm.wire import Wire
 from shardwire.engine.shard import engine_of
-from shardwire.engine.diloco import DiLoCo
 from shardwire.models import fp8 as float8
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
 
@@ -64,9 +63,10 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
     if system in SHARDWIRE_SYSTEMS:
         setup = SHARDWIRE_SYSTEMS[system]
         precision = shardwire.MixedPrecision(compute_dtype, torch.float32) if compute_dtype else None
+        synced = {} if setup.diloco is None else {"diloco": setup.diloco}  # as an earlier shardwire is called too
         return shardwire.shard(model, units=[Block], reshard_after_forward=reshard, prefetch=prefetch,
-                               layout=setup.layout, wire=setup.wire, diloco=setup.diloco, mixed_precision=precision,
-                               compile=compile)
+                               layout=setup.layout, wire=setup.wire, mixed_precision=precision, compile=compile,
+                               **synced)
     if compile:
         compile_blocks(model)
     if fsdp:
@@ -197,7 +197,12 @@ class StepCollectives:
         # an all-reduce between groups: of a gradient shard (hybrid), or of a sync's change
         codec = None
         if record.wire_nbytes != record.nbytes:
-            codec = DiLoCo.parse(setup.diloco).codec if record.tag.endswith("(sync)") else wire.grad_codec
+            if record.tag.endswith("(sync)"):
+                from shardwire.engine.diloco import DiLoCo  # only where it syncs: ab_commits.sh races earlier ones
+
+                codec = DiLoCo.parse(setup.diloco).codec
+            else:
+                codec = wire.grad_codec
         full = torch.zeros(-(-record.nbytes // 4))
         return lambda: comm.all_reduce(full, tag=record.tag, op="avg", codec=codec)
 

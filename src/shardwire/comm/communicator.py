@@ -327,7 +327,7 @@ class Communicator:
         packed = encode(codec, shard.view(1, -1), residual)
         gathered = torch.empty(self.world, packed.shape[1], dtype=torch.uint8, device=shard.device)
         gather_bytes(gathered.view(-1), packed.view(-1))
-        output.view(self.world, -1).copy_(decode(codec, gathered, shard.numel()))
+        decode(codec, gathered, shard.numel(), out=output.view(self.world, -1))
 
     def _torch_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         torch_all_gather(output, shard, group=self.group)

@@ -45,9 +45,12 @@ def encode(codec: Codec, rows: torch.Tensor, residual: torch.Tensor | None = Non
     return packed
 
 
-def decode(codec: Codec, packed: torch.Tensor, numel: int) -> torch.Tensor:
+def decode(codec: Codec, packed: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values, ``(rows, numel)``, of rows of bytes that ``encode`` made from ``numel``
-    values each."""
+    values each; written into ``out`` (``(rows, numel)``, any floating dtype) where given. Rows of
+    whole blocks are scaled straight into ``out``, integers converted as they are read: a gather's
+    result is then written once, not made in fp32 and copied (it is a step's largest memory pass
+    on a quantized wire)."""
     count = packed.shape[0]
     blocks, block = codec.blocks(numel), codec.block
     payload_bytes = packed.shape[1] - blocks * SCALE_BYTES
@@ -57,5 +60,8 @@ def decode(codec: Codec, packed: torch.Tensor, numel: int) -> torch.Tensor:
         integers = payload.contiguous().view(torch.int8)
     else:
         integers = torch.stack((payload & 0xF, payload >> 4), dim=2).view(count, -1).view(torch.int8) - 8
-    values = integers[:, : blocks * block].float().view(count, blocks, block) * scales
-    return values.view(count, -1)[:, :numel]
+    blocked = integers[:, : blocks * block].view(count, blocks, block)
+    if out is not None and numel == blocks * block:
+        return torch.mul(blocked, scales, out=out.view(count, blocks, block)).view(count, numel)
+    values = (blocked * scales).view(count, -1)[:, :numel]
+    return values if out is None else out.copy_(values)
