@@ -1,11 +1,14 @@
 """What several test modules share: a function run on several gloo ranks in fresh processes (each
-rank's result or error collected), torch's matrix-multiply precision set for a block, and a small
-Hugging Face tokenizer."""
+rank's result or error collected), torch's matrix-multiply precision set for a block, a small
+Hugging Face tokenizer, and a checkpoint's manifest edited as a forger would."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import pathlib
 import pickle
 import queue
 import tempfile
@@ -99,3 +102,16 @@ def save_tokenizer(directory) -> None:
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
                                   trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)
+
+
+def rewrite_manifest(checkpoint: pathlib.Path, change, *, reseal: bool = True) -> None:
+    """Edit a checkpoint's manifest; ``reseal`` records the sha256 of the edited contents (the
+    canonical serialization: sorted keys, no whitespace), as a tool that forges one would."""
+    path = checkpoint / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    if reseal and "sha256" in manifest:
+        body = {key: value for key, value in manifest.items() if key != "sha256"}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        manifest["sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+    path.write_text(json.dumps(manifest, indent=1))

@@ -15,8 +15,8 @@ machines) and ``needs install`` (it changes the environment; ``.ci/run`` runs th
 commands) never run it here; ``output varies``; ``continues`` runs a python block after the one
 before it on the page, as one program.
 
-BENCHMARKS.md is not among the pages: its commands are benchmarks of minutes to hours, run by hand,
-and its figures are what they printed. Commands run small, so that the pages can show real jobs: ``shardwire train`` gets ``SMALL["train"]``
+BENCHMARKS.md and its pages under docs/benchmarks/ are not among the pages: their commands are benchmarks of minutes to hours, run by hand,
+and their figures are what they printed. Commands run small, so that the pages can show real jobs: ``shardwire train`` gets ``SMALL["train"]``
 appended and ``shardwire bench`` ``SMALL["bench"]`` (the last value of an option wins), except
 where they only print (``--print-launch``, ``--print-config``, ``--help``).
 """

@@ -15,7 +15,8 @@ from safetensors import safe_open
 import shardwire
 from harness import run_workers
 from shardwire.engine.shard import engine_of
-from shardwire.engine.layout import group_size
+from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from test_checkpoint import assert_same, full_optimizer_state, group_settings, make_model, train
 
@@ -39,13 +40,35 @@ GROUP = 2  # world 4 placed as two nodes of two ranks
 ])
 def test_a_layout_that_cannot_run_is_refused_saying_why(layout, size, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        group_size(layout, size, world, ranks_per_node=world)
+        LayoutPlan.make(layout, size, world, ranks_per_node=world)
 
 
 def test_group_size_defaults_to_the_ranks_of_a_node():
-    assert group_size("hybrid", None, 8, ranks_per_node=4) == 4
-    assert group_size("hybrid_secondary", 2, 8, ranks_per_node=4) == 2
-    assert group_size("full", None, 8, ranks_per_node=4) == 8
+    assert LayoutPlan.make("hybrid", None, 8, ranks_per_node=4).group == 4
+    assert LayoutPlan.make("hybrid_secondary", 2, 8, ranks_per_node=4).group == 2
+    assert LayoutPlan.make("full", None, 8, ranks_per_node=4).group == 8
+    assert LayoutPlan.make("hybrid", None, 8, ranks_per_node=4, one_group=True).group == 8  # a fault-tolerant job
+
+
+@pytest.mark.parametrize("layout, size, diloco, split, backward, across, kept, full", [
+    ("full", None, None, 8, 8, False, False, True),
+    ("hybrid", 4, None, 4, 4, True, False, False),
+    ("hybrid", 4, "sync_every=20", 4, 4, False, False, False),  # the groups sync every H steps instead
+    ("hybrid", 8, None, 8, 8, False, False, True),  # one group: the full layout
+    ("hybrid", 8, "sync_every=20", 8, 8, False, False, False),  # one group with DiLoCo: Lookahead
+    ("hybrid_secondary", 2, None, 8, 2, False, True, False),
+    ("hybrid_secondary", 8, None, 8, 8, False, False, True),
+])
+def test_a_plan_says_what_each_collective_spans(layout, size, diloco, split, backward, across, kept, full):
+    """The table of shardwire.engine.layout_plan, as the engine and the simulator read it."""
+    plan = LayoutPlan.make(layout, size, 8, ranks_per_node=4, diloco=DiLoCo.parse(diloco))
+    assert (plan.split_over, plan.backward_gather_over, plan.reduces_across_groups, plan.keeps_secondary,
+            plan.as_full) == (split, backward, across, kept, full)
+
+
+def test_diloco_needs_the_hybrid_layout():
+    with pytest.raises(ValueError, match=r"diloco='sync_every=20.*' lets the groups of the hybrid layout train apart"):
+        LayoutPlan.make("full", None, 8, ranks_per_node=4, diloco=DiLoCo.parse("sync_every=20"))
 
 
 def test_hybrid_on_one_rank_is_refused_before_any_collective():

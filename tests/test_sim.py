@@ -263,7 +263,7 @@ def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     assert pairs.memory.parameter_shards == pytest.approx(4 * arch.params / 2)
     assert [r.op for r in pairs.timeline.comms].count("all_reduce") == units + 1 + 1
     for bad in (3, 16):
-        with pytest.raises(SpecError, match=f"shard_group_size {bad} must divide"):
+        with pytest.raises(SpecError, match=f"shard_group_size={bad} does not divide the 8 ranks"):  # the engine's rule
             predict(GPT, c, TrainingSpec(layout="hybrid", shard_group_size=bad))
     with pytest.raises(SpecError, match="shard_group_size applies to layout 'hybrid' and 'hybrid_secondary'"):
         TrainingSpec(shard_group_size=2)

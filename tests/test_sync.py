@@ -20,7 +20,7 @@ import shardwire
 from harness import run_workers
 from shardwire.cli import main
 from shardwire.engine.diloco import DiLoCo
-from shardwire.engine.layout import check_diloco
+from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
 # ------------------------------------------------------------------------------------ settings
@@ -72,14 +72,14 @@ def test_bad_sync_settings_are_refused_in_one_line(text, message):
 
 
 @pytest.mark.parametrize("layout, size, world, message", [
-    ("full", 4, 4, "layout='full' has no groups holding a model of their own: use layout='hybrid'"),
+    ("full", None, 4, "layout='full' has no groups holding a model of their own: use layout='hybrid'"),
     ("hybrid_secondary", 2, 4, "layout='hybrid_secondary' has no groups"),
 ])
 def test_sync_without_groups_of_their_own_is_refused(layout, size, world, message):
     with pytest.raises(ValueError, match=message):
-        check_diloco(DiLoCo(), layout, size, world)
-    check_diloco(None, layout, size, world)
-    check_diloco(DiLoCo(), "hybrid", world, world)  # one group of every rank: Lookahead
+        LayoutPlan.make(layout, size, world, world, diloco=DiLoCo())
+    LayoutPlan.make(layout, size, world, world)
+    assert LayoutPlan.make("hybrid", world, world, world, diloco=DiLoCo()).replicated  # one group: Lookahead
 
 
 def test_the_train_command_refuses_a_bad_sync_before_any_worker_starts():

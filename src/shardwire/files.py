@@ -41,6 +41,7 @@ import shutil
 import socket
 import stat
 import sys
+import tempfile
 
 # What a path that is not a regular file is, for messages.
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -81,7 +82,7 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     if os.path.exists(path):
         if not os.path.isdir(path):
             return f"is {_kind(path) or 'a file'}; give it a directory"
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not _can_write_in(path):
             return "is not writable; give a directory you can write in"
         return None
     existing = os.path.dirname(path)
@@ -89,9 +90,19 @@ def directory_problem(path: str | os.PathLike) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"cannot be created: {existing} is {_kind(existing) or 'a file'}"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not _can_write_in(existing):
         return f"cannot be created: {existing} is not writable"
     return None
+
+
+def _can_write_in(directory: str) -> bool:
+    """Whether entries can be made in ``directory``: tried, since its mode does not tell (root passes
+    every access check, and /proc or a read-only mount refuses root all the same)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".shardwire-probe-", dir=directory))
+    except OSError:
+        return False
+    return True
 
 
 def _kind(path: str | os.PathLike) -> str | None:
@@ -284,7 +295,7 @@ def claim_file(path: str | os.PathLike) -> int:
     The lock is a POSIX one: honoured across the machines of an NFS mount, where BSD ``flock`` may
     not be, and the process's, so a process may claim again what it holds. Closing any descriptor
     of the file drops it: the holder keeps this one open."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:

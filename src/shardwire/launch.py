@@ -17,6 +17,9 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# The status of a worker that stopped the job with a message of its own (``error: ...``), as the
+# command line's refusals end: its launcher adds nothing to that line.
+REFUSED = 2
 # What a worker process takes before it holds any data: Python with torch imported is about 220 MB
 # resident; no worker comes in under this.
 _WORKER_FOOTPRINT = 128 << 20
@@ -93,15 +96,24 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_below)
     try:
         run(config)
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as err:
+        if {failure.exitcode for failure in err.failures.values()} == {REFUSED}:
+            return REFUSED  # each worker that stopped it said why, in one line
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
         print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
         return 1
     return 0
+
+
+def _said_below(record: logging.LogRecord) -> bool:
+    """Drop the agent's line for a worker that exited with an error: the worker's own message, or
+    the launcher's line naming each failed rank and its status, says it once."""
+    return not str(record.msg).startswith("failed (exitcode")
 
 
 def host_memory_per_worker(local_workers: int) -> int:

@@ -10,7 +10,6 @@ fixture); each test asserts on its scenario's results.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import pathlib
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwire
-from harness import run_workers
+from harness import rewrite_manifest, run_workers
 from shardwire.engine.checkpoint import save
 from shardwire.engine.checkpoint.claim import CLAIM
 
@@ -95,19 +94,6 @@ def logged_warnings():
         yield messages
     finally:
         logger.removeHandler(handler)
-
-
-def rewrite_manifest(checkpoint: pathlib.Path, change, *, reseal: bool = True) -> None:
-    """Edit a checkpoint's manifest; ``reseal`` records the sha256 of the edited contents (the
-    canonical serialization: sorted keys, no whitespace), as a tool that forges one would."""
-    path = checkpoint / "manifest.json"
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    if reseal and "sha256" in manifest:
-        body = {key: value for key, value in manifest.items() if key != "sha256"}
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        manifest["sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
-    path.write_text(json.dumps(manifest, indent=1))
 
 
 def crash_while_writing():

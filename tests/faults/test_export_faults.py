@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardwire
-from harness import run_workers
+from harness import rewrite_manifest, run_workers
 from shardwire.cli import main
 from shardwire.files import OutputRefused, write_atomically
 from shardwire.models.gpt import GPT, PRESETS
@@ -208,6 +208,25 @@ def test_what_a_killed_export_left_is_cleared_and_a_live_one_is_not_taken(work, 
     assert not stale.exists() and others.exists()
 
 
+def test_an_export_stopped_by_sigterm_removes_what_it_staged(work):
+    """As a job's time limit stops it (timeout, SLURM, systemd): once its weights are staged."""
+    code = ("import sys, time; from shardwire.models import export; from shardwire.cli import main\n"
+            "written = export._write_safetensors\n"
+            "def staged(*args):\n"
+            "    written(*args); print('staged', flush=True); time.sleep(120)\n"
+            "export._write_safetensors = staged\n"
+            f"sys.exit(main(['export', {str(work / 'hf')!r}, {str(work / 'out')!r}]))")
+    job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline() == "staged\n", job.stderr.read()
+        assert (work / ".out.shardwire-partial").is_dir()
+        job.terminate()
+        assert job.wait(timeout=60) == 128 + 15
+    finally:
+        job.kill()
+    assert not (work / ".out.shardwire-partial").exists() and not (work / "out").exists()
+
+
 def test_a_directory_in_the_way_of_the_stage_is_not_removed(work, capsys):
     mine = work / ".out.shardwire-partial"
     mine.mkdir()
@@ -216,16 +235,38 @@ def test_a_directory_in_the_way_of_the_stage_is_not_removed(work, capsys):
     assert (mine / "notes.txt").read_text() == "the user's"
 
 
-def test_an_hf_export_uses_the_config_it_was_trained_with(made, work, capsys):
+@pytest.mark.parametrize("spelled", [None, "{made}/./gpt2-mini/", "gpt2-mini"])
+def test_an_hf_export_uses_the_config_it_was_trained_with(made, work, capsys, monkeypatch, spelled):
+    """However ``--model`` spells the directory the checkpoint names (relative, ``./``, a trailing
+    slash), it is the model trained, and the config recorded is the one exported."""
     config = made / "gpt2-mini" / "config.json"  # the model directory the checkpoint names
     config.write_text(json.dumps({**GPT2, "activation_function": "relu"}))
+    monkeypatch.chdir(made)
+    model = [] if spelled is None else ["--model", "hf:" + spelled.format(made=made)]
     try:
-        status, _, err = export(capsys, work / "hf", work / "out")
+        status, _, err = export(capsys, work / "hf", work / "out", *model)
     finally:
         config.write_text(json.dumps(GPT2))
-    assert status == 0
+    assert status == 0 and "was trained as" not in err
     assert "config has changed since" in err and "activation_function 'gelu_new' -> 'relu'" in err
     assert json.loads((work / "out" / "config.json").read_text())["activation_function"] == "gelu_new"
+
+
+def test_a_manifest_forged_to_another_dtype_is_refused_not_cast(work, capsys):
+    def bfloat16(manifest):
+        for flat in manifest["flats"]:
+            flat["dtype"] = "bfloat16"
+
+    rewrite_manifest(work / "gpt" / "step_00000002", bfloat16)  # resealed: only the dtype can refuse it
+    refusal = refused(capsys, work / "gpt" / "step_00000002", work / "out.safetensors")
+    assert "is float32 where the manifest implies bfloat16" in refusal
+    assert not (work / "out.safetensors").exists()
+
+
+def test_a_config_too_deep_to_build_is_refused_before_it_is_built(work, capsys):
+    deep = json.dumps({**GPT2, "n_layer": 1_000_000_000})
+    assert "1,000,000,000 layers, more than 1,024" in refused(capsys, work / "hf", work / "out", "--model",
+                                                              f"hf:{deep}")
 
 
 def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeypatch):

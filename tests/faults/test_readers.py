@@ -108,6 +108,17 @@ def test_report_of_a_deep_or_damaged_profile_is_one_line(tmp_path, capsys):
         assert "is damaged (its world_size is" in refusal(["report", str(tmp_path)], capsys)
 
 
+@pytest.mark.parametrize("value", [float("nan"), -0.5, float("inf")])
+def test_report_draws_no_figure_a_profiler_cannot_measure(tmp_path, capsys, value):
+    with open(PROFILE) as f:
+        document = json.load(f)
+    document["summary"]["figures"]["backward_s"]["median"] = value
+    (tmp_path / "profile.json").write_text(json.dumps(document))  # NaN and Infinity as Python writes them
+    refused = refusal(["report", str(tmp_path), "--out", str(tmp_path / "plots")], capsys)
+    assert f"is damaged (summary.figures.backward_s.median is {value!r}: times, bytes and ratios" in refused
+    assert not (tmp_path / "plots").exists()
+
+
 def test_testbed_names_in_messages_are_cut_short(capsys):
     """As root the preset is refused; elsewhere root is asked for first: either way one short line."""
     refused = refusal(["testbed", "up", "--nodes", "2", "--like", LONG], capsys)

@@ -62,6 +62,8 @@ def dcp_directory(tmp_path):
     (["--layout", "hybrid", "--diloco", "outer_lr=1e308"],
      "error: --diloco outer_lr must be a positive number of at most 10 (DiLoCo's is 0.7), got 1e+308"),
     (["--timeout", "0.001"], "error: --timeout must be a finite number of seconds, at least 10, got 0.001"),
+    (["--checkpoint-dir", "/proc/shardwire-x"], "error: --checkpoint-dir /proc/shardwire-x cannot be created: /proc "
+                                                "is not writable"),  # as root too: tried, not read off its mode
 ])
 def test_options_the_workers_would_fail_on_are_refused_before_they_start(args, message, no_workers):
     with pytest.raises(SystemExit, match=re.escape(message)):

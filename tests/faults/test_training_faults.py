@@ -51,6 +51,10 @@ def test_a_checkpoint_directory_belongs_to_one_run_until_it_ends(tmp_path):
             shardwire.load_latest_checkpoint(directory, model)
         with pytest.raises(shardwire.CheckpointError, match="belongs to another run"):
             shardwire.save_checkpoint(shardwire.checkpoint_path(directory, 1), model, step=1)
+        refused = train("--nproc", "2", "--steps", "1", "--checkpoint-dir", str(directory), cwd=tmp_path, check=False)
+        assert refused.returncode == 2  # its workers' refusal, said once: no launcher's line after it
+        assert refused.stderr.strip().splitlines() == [
+            next(line for line in refused.stderr.splitlines() if "belongs to another run that is still going" in line)]
         assert list_checkpoints(directory) == []
     finally:
         holder.kill()

@@ -21,7 +21,7 @@ from types import ModuleType
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
 from shardwire.extras import MissingExtra
-from shardwire.launch import die_with_launcher, under_launcher
+from shardwire.launch import REFUSED, die_with_launcher, under_launcher
 from shardwire.renamed import RenamedWarning
 
 COMMANDS = {
@@ -74,6 +74,11 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
     except (ConfigError, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except SystemExit as err:
+        if not (under_launcher() and isinstance(err.code, str)):
+            raise
+        print(err.code, file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
+        return REFUSED
     except KeyboardInterrupt:  # Ctrl-C: a worker leaves quietly, and its launcher says what was saved
         if not under_launcher():
             print("interrupted", file=sys.stderr)

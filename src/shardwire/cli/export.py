@@ -26,7 +26,7 @@ from shardwire.engine.checkpoint.portable import weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.files import OutputRefused, StagedDirectory, new_output_problem
 from shardwire.mappings import shown
-from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields
+from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
 
 
@@ -100,14 +100,15 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     model = args.model or recorded
     if model is None:
         raise ValueError(f"{checkpoint} does not record its model (shardwire train records it): give --model")
-    if args.model and recorded and args.model != recorded:
+    trained = args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
+    if not trained and recorded:
         notes.append(f"{checkpoint} was trained as {recorded}; exported as --model {args.model}")
     _check_outside(args.out, given)
     if model.startswith(HF_PREFIX):
         stage = StagedDirectory(args.out, "OUT")  # claimed, and checked, before any weight is read
         try:
             with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
-                fields = _trained_config(checkpoint, model, recorded, extra, notes)
+                fields = _trained_config(checkpoint, model, extra, notes) if trained else None
                 return model, save_pretrained(model, weights, stage, fields=fields)
         except BaseException:
             stage.discard()
@@ -125,12 +126,11 @@ def _check_outside(out: str, given: pathlib.Path) -> None:
         raise OutputRefused(f"OUT {out} is inside {given}, which is being exported: give a path outside it")
 
 
-def _trained_config(checkpoint: pathlib.Path, model: str, recorded: str | None, extra: dict,
-                    notes: list[str]) -> dict | None:
-    """The config the checkpoint's ``hf:`` model was trained with, where it records one and the
-    model exported is the one it trained; a note names how the model's source differs now."""
+def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: list[str]) -> dict | None:
+    """The config the checkpoint's ``hf:`` model was trained with, where it records one; a note names
+    how the model's source differs now."""
     fields = extra.get("hf_config")
-    if model != recorded or not isinstance(fields, dict):
+    if not isinstance(fields, dict):
         return None
     try:
         now = config_fields(model)

@@ -21,7 +21,7 @@ from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.series import foreign_checkpoint
 from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
-from shardwire.engine.layout import check_diloco, group_size
+from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.files import new_directory_problem
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
@@ -157,9 +157,8 @@ def _validate(config: TrainConfig) -> None:
     try:
         world, per_node = _world_and_node_size(config)
         check_fault_tolerance(fault_tolerance, diloco, config.layout, config.shard_group_size, world)
-        size = world if fault_tolerance is not None else group_size(config.layout, config.shard_group_size, world,
-                                                                    per_node)
-        check_diloco(diloco, config.layout, size, world)
+        LayoutPlan.make(config.layout, config.shard_group_size, world, per_node, diloco=diloco,
+                        one_group=fault_tolerance is not None)
     except SettingError as err:  # the settings named as this command's options
         raise SystemExit(f"error: {err.as_options()}") from None
     except ValueError as err:

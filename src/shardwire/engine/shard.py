@@ -24,7 +24,8 @@ from shardwire.engine import materialize, sharded_state_dict
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.flat_param import FlatParam
-from shardwire.engine.layout import Layout, check_diloco, group_size
+from shardwire.engine.layout import Layout
+from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.engine.mixed_precision import MixedPrecision
 from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
@@ -92,7 +93,7 @@ def shard(
         layout: "full" (every buffer split over all ranks), "hybrid" (split within groups of
             ``shard_group_size`` ranks, replicated across groups, gradient shards all-reduced
             between them) or "hybrid_secondary" (ZeRO++'s hpZ: split over all ranks, backward
-            gathering from a copy split within the group). See ``shardwire.engine.layout``.
+            gathering from a copy split within the group). See ``shardwire.engine.layout_plan``.
         shard_group_size: the ranks of a group, a divisor of the process group's size; by default
             the ranks of a node (the launcher's ``LOCAL_WORLD_SIZE``).
         wire: what gathers and reductions send between nodes: ``None`` (the compute and reduce
@@ -153,9 +154,9 @@ def shard(
     per_node = groups.placement_of(process_group).ranks_per_node
     check_fault_tolerance(fault_tolerance, diloco, layout, shard_group_size, world)
     # A fault-tolerant job is one group, however many ranks it has.
-    size = world if fault_tolerance is not None else group_size(layout, shard_group_size, world, per_node)
-    check_diloco(diloco, layout, size, world)
-    if layout != "full" and shard_group_size is None and size == world and fault_tolerance is None:
+    plan = LayoutPlan.make(layout, shard_group_size, world, per_node, diloco=diloco,
+                           one_group=fault_tolerance is not None)
+    if layout != "full" and shard_group_size is None and plan.group == world and fault_tolerance is None:
         warnings.warn(
             f"layout={layout!r} takes its groups from the ranks of a node, and here all {world} ranks "
             f"form one (LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', 'not set')}): that is the full "
@@ -170,7 +171,7 @@ def shard(
     owned = assign_params(model, [name for name, _ in selected])
     _check_wire_carries(wire, owned)
     _check_diloco_fragments(diloco, owned)
-    layout = Layout.build(layout, size, wire, diloco, policy, process_group, device, deadline, fault_tolerance)
+    layout = Layout.build(plan, wire, diloco, policy, process_group, device, deadline, fault_tolerance)
     comm = layout.world
     _check_same_model_on_all_ranks(owned, comm)
 

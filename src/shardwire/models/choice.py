@@ -127,10 +127,6 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
                 return auto.from_pretrained(weights, config=config, local_files_only=True, trust_remote_code=False)
             return auto.from_config(config, trust_remote_code=False)
 
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(layers, int) and layers > MAX_LAYERS:  # built one by one, even on the meta device
-        raise ValueError(f"hf:{source}: {layers:,} layers, more than {MAX_LAYERS:,}, ten times the deepest "
-                         f"published models: give the number of layers")
     try:
         with torch.device("meta"), quietly_importing():
             skeleton = auto.from_config(config, trust_remote_code=False)
@@ -212,7 +208,8 @@ def hf_config(transformers, source: str):
         if config_file.exists() and not config_file.is_file():
             raise ValueError(f"{config_file.name} is not a regular file: give a config .json or a model directory")
         read_file(config_file, f"hf:{source}: {config_file.name}")
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = _buildable(transformers.AutoConfig.from_pretrained(path, local_files_only=True,
+                                                                    trust_remote_code=False))
     except MappingError as err:
         raise ValueError(str(err)) from None
     except Exception as err:  # transformers' errors for a config it cannot read vary
@@ -243,9 +240,21 @@ def config_from_fields(transformers, fields: dict):
     checkpoint recorded); a ``ValueError`` saying what is wrong with it."""
     fields = dict(fields)
     try:
-        return transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
+        config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(_first_line(err)) from None
+    return _buildable(config)
+
+
+def _buildable(config):
+    """``config``, if a model of it can be built at all: its layers are made one by one, even on the
+    meta device, so a billion of them would hang whatever builds it (training, export). Raises a
+    ``ValueError`` naming the count."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, (int, float)) and layers > MAX_LAYERS:
+        raise ValueError(f"{layers:,} layers, more than {MAX_LAYERS:,}, ten times the deepest published models: "
+                         f"give the number of layers")
+    return config
 
 
 # Keys of an hf: model's config.json that say who wrote it, not what it builds: a directory saved

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 from shardwire.extras import require
@@ -50,7 +51,27 @@ def load_profile(run_dir: str) -> dict:
     if type(world) is not int or world < 1:  # a scaling report divides by it
         raise ReportError(f"{path} is damaged (its world_size is {shown(world)}, not a count of ranks); "
                           f"profile the run again")
+    for part in ("summary", "steps", "timeline"):
+        if (where := _not_a_measure(profile.get(part), part)) is not None:
+            raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are finite and not negative); "
+                              f"profile the run again")
     return profile
+
+
+def _not_a_measure(value, where: str) -> str | None:
+    """Where in ``value`` (a part of a profile) a number is no time, byte count or ratio a profiler
+    measures: NaN, infinite or negative would be drawn as if measured. None where every one is."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return f"{where} is {shown(value)}" if number and not 0 <= value < math.inf else None
+    for key, item in items:
+        if (found := _not_a_measure(item, f"{where}.{str(key)[:40]}")) is not None:
+            return found
+    return None
 
 
 def write_report(run_dirs: list[str], out: str) -> list[str]:

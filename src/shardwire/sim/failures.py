@@ -48,7 +48,7 @@ import math
 from shardwire.sim import costs
 from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec, as_dict, parse
-from shardwire.sim.step import group_size, sync_phases
+from shardwire.sim.step import layout_plan, sync_phases
 
 # An assumption, not a measurement: the seconds from a failure to every worker stepping again,
 # short of reading the checkpoint (torchrun's agents see the failure, start every worker anew:
@@ -245,9 +245,9 @@ def why_no_live_recovery(cluster: ClusterSpec, training: TrainingSpec) -> str | 
                 "hybrid with DiLoCo, whose groups train apart")
     if cluster.nodes == 1:
         return "one node is one group, with no live group to recover from"
-    if group_size(cluster, training) != cluster.gpus_per_node:
+    if (group := layout_plan(cluster, training).group) != cluster.gpus_per_node:
         return (f"--fault-tolerance runs a group per node here: give groups of a node's {cluster.gpus_per_node} GPUs, "
-                f"not {group_size(cluster, training)}")
+                f"not {group}")
     if diloco.fragments != 1:
         return f"--fault-tolerance syncs the whole model at once: give diloco fragments=1, not {diloco.fragments}"
     if diloco.fragment_sync_delay:

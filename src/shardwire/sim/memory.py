@@ -52,7 +52,7 @@ import dataclasses
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.sim.architecture import Architecture
 from shardwire.sim.specs import ClusterSpec, TrainingSpec
-from shardwire.sim.step import error_feedback_elements, group_size, shard_group
+from shardwire.sim.step import error_feedback_elements, layout_plan
 
 USABLE_FRACTION = 0.92
 GIB = 2**30
@@ -101,7 +101,8 @@ class MemoryEstimate:
 
 def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> MemoryEstimate:
     P = arch.params
-    shard_over = shard_group(cluster, training).size
+    plan = layout_plan(cluster, training)
+    shard_over = plan.split_over
     c, r, m = training.compute_bytes, training.reduce_bytes, training.micro_batch
     largest = max((u.params for u in arch.units), default=0)
 
@@ -118,8 +119,8 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         delayed = diloco.fragment_sync_delay > 0
         outer = 8 * P / shard_over + (8 if delayed else 4) * P / shard_over / diloco.fragments
     secondary = 0.0
-    if training.layout == "hybrid_secondary" and training.reshards:
-        secondary = c * sum(u.params for u in arch.units) / group_size(cluster, training)
+    if plan.keeps_secondary and training.reshards:
+        secondary = c * sum(u.params for u in arch.units) / plan.group
 
     # Checkpointing keeps each block's input and, under a selective policy, what it does not recompute.
     dropped = training.recomputed

@@ -43,7 +43,7 @@ from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
                                  parse)
 from shardwire.sim.huggingface import HF_PREFIX, has_tokenizer
-from shardwire.sim.step import group_size
+from shardwire.sim.step import layout_plan
 
 MAX_PREFETCH = 4
 # Step times this close count as equal, and the configuration needing less memory wins.
@@ -196,7 +196,7 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     layout = "full" if t.layout == "grad_op" else t.layout
     shard_args = {"layout": layout}
     if layout in _HYBRID:
-        shard_args["shard_group_size"] = group_size(cluster, t)
+        shard_args["shard_group_size"] = layout_plan(cluster, t).group
     # fp8: the model's linear layers converted first (shardwire.models.fp8), computing in bf16 around them
     precision = "bf16" if t.precision == "fp8" else t.precision
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": precision,

@@ -44,7 +44,7 @@ from shardwire.sim.memory import GIB
 from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
 from shardwire.sim.specs import as_dict
-from shardwire.sim.step import group_size
+from shardwire.sim.step import layout_plan
 
 
 def fit_problem(p: Prediction) -> str:
@@ -125,7 +125,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
     limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
     groups = ""
     if t.layout in ("hybrid", "hybrid_secondary"):
-        groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {group_size(c, t)}"
+        groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {layout_plan(c, t).group}"
     layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     reducing = " (each reduced)" if t.reduce_each_micro_batch else ""

@@ -26,6 +26,7 @@ from typing import Any
 
 from shardwire.comm.wire import Wire
 from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
+from shardwire.engine.layout_plan import LAYOUTS as ENGINE_LAYOUTS
 from shardwire.mappings import shown
 from shardwire.renamed import warn_renamed
 
@@ -37,7 +38,8 @@ class SpecError(ValueError):
 MODEL_KINDS = ("decoder", "encoder-decoder")
 ATTENTION_KINDS = ("flash", "eager")
 NORMS = ("layernorm", "rmsnorm")
-LAYOUTS = ("full", "grad_op", "hybrid", "hybrid_secondary")
+# The engine's layouts, and FSDP's SHARD_GRAD_OP: full, kept gathered from forward to backward.
+LAYOUTS = (*ENGINE_LAYOUTS, "grad_op")
 LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 REDUCE_PRECISIONS = ("fp32", "bf16", "fp16")
@@ -323,7 +325,7 @@ class TrainingSpec:
     backward; ``hybrid`` shards within groups of ``shard_group_size`` GPUs and replicates across
     them, all-reducing gradient shards between groups; ``hybrid_secondary`` (ZeRO++'s hpZ) shards
     as ``full`` and gathers for backward within the group, from a secondary shard kept since forward
-    (``shardwire.engine.layout``). ``shard_group_size`` defaults to a node's GPUs; a group is a
+    (``shardwire.engine.layout_plan``). ``shard_group_size`` defaults to a node's GPUs; a group is a
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.

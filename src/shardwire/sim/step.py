@@ -57,6 +57,7 @@ import collections
 import dataclasses
 import math
 
+from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.sim import costs
 from shardwire.sim.architecture import ROOT, Architecture, UnitCost
@@ -117,30 +118,32 @@ def gathered_bytes(unit: UnitCost, training: TrainingSpec) -> int:
     return unit.params * (training.compute_bytes if unit.name == ROOT else training.gather_bytes)
 
 
-def group_size(cluster: ClusterSpec, training: TrainingSpec) -> int:
-    """The GPUs of a hybrid layout's group: as given, else a node's. A group must divide the world
-    and be a divisor of a node or a whole number of nodes (the engine runs any divisor, but only
-    these place its collectives on the network's two levels)."""
-    size = training.shard_group_size or cluster.gpus_per_node
+def layout_plan(cluster: ClusterSpec, training: TrainingSpec) -> LayoutPlan:
+    """The engine's plan of the layout simulated (``shardwire.engine.layout_plan``), ``grad_op`` being
+    ``full`` kept gathered from forward to backward. A group must also divide a node or be a whole
+    number of nodes: the engine runs any divisor, but only these place its collectives on the
+    network's two levels."""
+    name = "full" if training.layout == "grad_op" else training.layout
+    try:
+        plan = LayoutPlan.make(name, training.shard_group_size, cluster.world, cluster.gpus_per_node,
+                               diloco=training.diloco_settings)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
     g = cluster.gpus_per_node
-    if cluster.world % size or (g % size and size % g):
-        raise SpecError(f"shard_group_size {size} must divide the {cluster.world} GPUs and either divide a "
-                        f"node's {g} GPUs or be a multiple of them")
-    return size
+    if g % plan.group and plan.group % g:
+        raise SpecError(f"shard_group_size {plan.group} must either divide a node's {g} GPUs or be a multiple of "
+                        f"them, so that its collectives fall on the network's two levels")
+    return plan
 
 
 def shard_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
     """The GPUs a unit's buffer is split over: the world, or a group under hybrid sharding."""
-    if training.layout == "hybrid":
-        return _block(group_size(cluster, training), cluster)
-    return Group(cluster.nodes, cluster.gpus_per_node)
+    return _block(layout_plan(cluster, training).split_over, cluster)
 
 
 def backward_gather_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
     """The GPUs backward gathers a unit from: the group's secondary shards under ``hybrid_secondary``."""
-    if training.layout == "hybrid_secondary":
-        return _block(group_size(cluster, training), cluster)
-    return shard_group(cluster, training)
+    return _block(layout_plan(cluster, training).backward_gather_over, cluster)
 
 
 def _block(size: int, cluster: ClusterSpec) -> Group:
@@ -172,10 +175,10 @@ def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> lis
     group): a reduce-scatter over the shard group and, under hybrid sharding with several groups,
     an all-reduce of each GPU's shard with its peers in the other groups (unless they sync every H
     steps instead)."""
-    group = shard_group(cluster, training)
-    steps = [("reduce_scatter", params, group)]
-    if training.layout == "hybrid" and group.size < cluster.world and training.diloco_settings is None:
-        steps.append(("all_reduce", params / group.size, _column(group.size, cluster)))
+    plan = layout_plan(cluster, training)
+    steps = [("reduce_scatter", params, _block(plan.split_over, cluster))]
+    if plan.reduces_across_groups:
+        steps.append(("all_reduce", params / plan.group, _column(plan.group, cluster)))
     return steps
 
 
@@ -204,7 +207,7 @@ def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
     without DiLoCo."""
     if training.diloco_settings is None:
         return None
-    return _column(group_size(cluster, training), cluster)
+    return _column(layout_plan(cluster, training).group, cluster)
 
 
 def sync_phases(params: float, cluster: ClusterSpec, training: TrainingSpec) -> tuple[float, list[Phase]] | None:
@@ -215,7 +218,7 @@ def sync_phases(params: float, cluster: ClusterSpec, training: TrainingSpec) -> 
     if group is None:
         return None
     diloco = training.diloco_settings
-    numel = params / group_size(cluster, training) / diloco.sync_every
+    numel = params / layout_plan(cluster, training).group / diloco.sync_every
     codec = costs.crossing_nodes(diloco.codec, group)
     if codec is None:
         return 4 * numel, costs.all_reduce_phases(4 * numel, group, cluster)
@@ -232,7 +235,7 @@ def error_feedback_elements(params: int, cluster: ClusterSpec, training: Trainin
     synced = sync_group(cluster, training)
     kept = 0
     if synced is not None and costs.crossing_nodes(training.diloco_settings.codec, synced) is not None:
-        kept = synced.nodes * math.ceil(params / group_size(cluster, training) / synced.size)  # the sync's
+        kept = synced.nodes * math.ceil(params / layout_plan(cluster, training).group / synced.size)  # the sync's
     if not wire.error_feedback:
         return kept
     return kept + sum((group.nodes - 1 + (op == "all_reduce")) * math.ceil(numel / group.size)

@@ -12,7 +12,7 @@ import warnings
 
 from shardwire import worker
 from shardwire.engine.diloco import DiLoCo
-from shardwire.engine.layout import LAYOUTS
+from shardwire.engine.layout_plan import LAYOUTS
 from shardwire.models.gpt import PRESETS
 from shardwire.options import option
 from shardwire.renamed import RenamedWarning

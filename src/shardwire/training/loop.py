@@ -31,6 +31,7 @@ from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
 from shardwire.files import OutputRefused, StagedDirectory
+from shardwire.launch import REFUSED
 from shardwire.models import fp8
 from shardwire.models.choice import (
     HF_PREFIX,
@@ -308,19 +309,26 @@ def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return batch.pin_memory().to(device, non_blocking=True)
 
 
+def _agreed(message: str) -> SystemExit:
+    """The stop of a run that every rank reaches alike (a check of the checkpoint it resumes, agreed
+    by every rank; a divergence, found by an all-reduce): rank 0 says why, and the others leave
+    with the same status without a word, so that it is one line however many workers there are."""
+    return SystemExit(message if dist.get_rank() == 0 else REFUSED)
+
+
 def _describe_layout(engine) -> str:
     layout = engine.layout
     if layout.quorum is not None:  # torchft's all-reduce carries the sync in fp32, whatever diloco's wire says
         sent = dataclasses.replace(layout.diloco, wire=None)
         return (f"hybrid (fault-tolerant group {layout.quorum.settings.group!r} of {layout.shard.world}, diloco "
                 f"{sent})")
-    if layout.replicate is not None:
+    plan = layout.plan
+    if plan.replicated:
         synced = "" if layout.diloco is None else f", diloco {layout.diloco}"
-        groups = layout.replicate.world
-        return f"hybrid ({groups} group{'s' if groups > 1 else ''} of {layout.shard.world}{synced})"
-    if layout.secondary is not None:
-        return f"hybrid_secondary (backward within groups of {layout.secondary.world})"
-    return "full" if layout.name == "full" else f"{layout.name} in one group (as full)"
+        return f"hybrid ({plan.groups} group{'s' if plan.groups > 1 else ''} of {plan.group}{synced})"
+    if plan.keeps_secondary:
+        return f"hybrid_secondary (backward within groups of {plan.group})"
+    return "full" if plan.name == "full" else f"{plan.name} in one group (as full)"
 
 
 def _describe_wire(engine, wire: str) -> str:
@@ -385,7 +393,7 @@ class _Divergence:
             what = (f"the loss was above {self._limit:.3g}, {self.SPIKE_FACTOR} times the mean of the last "
                     f"{self.SPIKE_WINDOW} logged losses,")
             kept = f"{saved[-1]} is the newest checkpoint, and nothing after it was saved" if saved else ""
-        raise SystemExit(f"error: training diverged: {what} at step {step + 1} ({kept or 'nothing was saved'}): "
+        raise _agreed(f"error: training diverged: {what} at step {step + 1} ({kept or 'nothing was saved'}): "
                          f"{self._remedy(step)}")
 
     def _remedy(self, step: int) -> str:
@@ -465,26 +473,26 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict) 
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
     except shardwire.CheckpointError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise _agreed(f"error: {err}") from None
     if info is None:
         return 0
     if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
-        raise SystemExit(f"error: {info.path} was not saved by shardwire train (it holds no learning-rate "
+        raise _agreed(f"error: {info.path} was not saved by shardwire train (it holds no learning-rate "
                          f"schedule); give --checkpoint-dir a directory of its own")
     if info.step > config.steps:
-        raise SystemExit(f"error: {info.path} is at step {info.step}, past --steps {config.steps}: "
+        raise _agreed(f"error: {info.path} is at step {info.step}, past --steps {config.steps}: "
                          f"raise --steps to train on, or give another --checkpoint-dir")
     saved, current = info.extra["scheduler"], scheduler.state_dict()
     if (not isinstance(saved, dict) or not saved.keys() <= current.keys()
             or not all(fits(saved[key], current[key]) for key in saved) or saved.get("last_epoch") != info.step):
-        raise SystemExit(f"error: {info.path} holds a learning-rate schedule that does not fit this run's, "
+        raise _agreed(f"error: {info.path} holds a learning-rate schedule that does not fit this run's, "
                          f"or is not at step {info.step}; give --checkpoint-dir a directory of its own")
     scheduler.load_state_dict(saved)
     _set_hyperparameters(config, optimizer, scheduler, info.step)
     _check_architecture(config, info, trained_on.get("hf_config"))
     data = data_change(info.extra.get("data"), trained_on["data"])
     if data is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        raise SystemExit(f"error: {data} since {info.path} was saved, and these workers were restarted "
+        raise _agreed(f"error: {data} since {info.path} was saved, and these workers were restarted "
                          f"(--max-restarts) to resume that run: restore the data, or run the command again to "
                          f"resume on this data")
     if dist.get_rank() == 0:
@@ -518,7 +526,7 @@ def _check_architecture(config: TrainConfig, info, now: dict | None) -> None:
     activation or epsilon fits the same shapes, and would pair them with another model silently)."""
     recorded = info.extra.get("hf_config")
     if isinstance(recorded, dict) and now is not None and (change := config_difference(recorded, now)) is not None:
-        raise SystemExit(f"error: {config.model}'s config differs from the one {info.path} was trained with: "
+        raise _agreed(f"error: {config.model}'s config differs from the one {info.path} was trained with: "
                          f"{change}; its weights belong to the recorded architecture: restore the config, or give "
                          f"--checkpoint-dir a new directory")
 
@@ -545,7 +553,7 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
             keep=config.keep or None,
         )
     except shardwire.CheckpointError as err:
-        raise SystemExit(f"error: {err} (the checkpoints saved before it are intact)") from None
+        raise _agreed(f"error: {err} (the checkpoints saved before it are intact)") from None
 
 
 def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:

@@ -76,8 +76,11 @@ class CheckpointReader:
                   saving_group: int = 0) -> torch.Tensor:
         """Elements ``[start, stop)`` of ``slot``'s parameter flattened, from the shards of ``flat``
         that the old ranks of group ``saving_group`` saved under ``key`` (``shard_file``), reading
-        only the slices that hold them."""
+        only the slices that hold them, in ``dtype``. Each slice must be stored in the dtype the
+        manifest implies, ``dtype`` itself but for DiLoCo's anchor (fp32, read as the parameters'
+        dtype where it stands for them): a manifest edited to say otherwise would cast silently."""
         packing = flat.packing
+        stored = torch.float32 if key == outer_key(flat.name, "anchor") else dtype
         out = torch.zeros(stop - start, dtype=dtype)
         for old_rank, held in packing.holders(slot):
             lo, hi = max(start, held.start), min(stop, held.end)
@@ -91,7 +94,11 @@ class CheckpointReader:
                     f"implies [{packing.shard_numel}]"
                 )
             at = held.at + lo - held.start
-            out[lo - start : hi - start] = piece[at : at + hi - lo]
+            part = piece[at : at + hi - lo]
+            if part.dtype != stored:
+                raise CheckpointError(f"{self.directory / file}: {key!r} is {dtype_name(part.dtype)} where the "
+                                      f"manifest implies {dtype_name(stored)}")
+            out[lo - start : hi - start] = part
         return out
 
     def shard(self, flat: FlatRecord, key: str, packing: Packing, rank: int, dtype: torch.dtype,
