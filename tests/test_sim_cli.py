@@ -223,6 +223,9 @@ def test_plan_command_and_its_errors(capsys):
     status, _, err = run(capsys, "plan", "--model", "llama2-70b", "--cluster", "a100-100gbe", "--nodes", "1",
                          "--global-batch", "8")
     assert status == 2 and "no configuration of llama2-70b" in err and "GiB more than the" in err
+    status, _, err = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64", "--training", "{layout: hybrid, shard_group_size: 3}")
+    assert status == 2 and "shard_group_size=3 does not divide the 16 ranks" in err  # refused, not dropped
 
 
 def test_plan_marks_lossy_wires_and_searches_exact_ones_alone(capsys):

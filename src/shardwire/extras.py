@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
@@ -40,12 +41,17 @@ def require(module: str, feature: str) -> ModuleType:
 def quietly_importing() -> Iterator[None]:
     """Run the block without the warnings torchao gives as it loads: its logs about optional kernel
     libraries built for other GPUs or torch versions and about enums torch's pytree now takes, and
-    Python's about its source. fp8 training imports torchao, and so does transformers building any
-    model wherever torchao is installed; none of them concerns what shardwire runs."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    Python's about its source, and transformers' own about a config's defaults as it builds a model.
+    fp8 training imports torchao, and so does transformers building any model wherever torchao is
+    installed; none of them concerns what shardwire runs."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree", "transformers")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
+    # transformers sets its own level as it is first imported, from this variable: inside the block too
+    added = "TRANSFORMERS_VERBOSITY" not in os.environ
+    if added:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SyntaxWarning)
@@ -53,3 +59,5 @@ def quietly_importing() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+        if added:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)

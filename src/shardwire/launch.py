@@ -102,8 +102,9 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as err:
-        if {failure.exitcode for failure in err.failures.values()} == {REFUSED}:
-            return REFUSED  # each worker that stopped it said why, in one line
+        statuses = {failure.exitcode for failure in err.failures.values()}
+        if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
+            return REFUSED  # a worker said why, in one line, and the launcher stopped the rest
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
         print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
         return 1

@@ -100,6 +100,11 @@ def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict
     return dict(data)
 
 
+def is_number(value) -> bool:
+    """A JSON or YAML number: ``true`` is a Python ``int`` too, and no count, time or size."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def shown(value, limit: int = 80) -> str:
     """``repr(value)`` within about ``limit`` characters, for error messages: a value from a file
     can be as large as the file, or, through YAML's aliases, far larger."""

@@ -56,3 +56,15 @@ def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys
     (run / "profile.json").write_text('{"version": 1, "world_size": 1}')
     assert main(["report", str(run), "--out", str(blocker)]) == 2
     assert f"--out {blocker} is a file; give it a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see shardwire train --help)"),
+    (["bogus"], "error: argument COMMAND: invalid choice: 'bogus'"),
+    (["plan", "--model", "gpt-125m"], "error: the following arguments are required"),
+])
+def test_a_command_line_argparse_refuses_is_one_line(argv, said, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(said) and err.count("\n") == 1, err

@@ -263,10 +263,24 @@ def test_a_manifest_forged_to_another_dtype_is_refused_not_cast(work, capsys):
     assert not (work / "out.safetensors").exists()
 
 
-def test_a_config_too_deep_to_build_is_refused_before_it_is_built(work, capsys):
-    deep = json.dumps({**GPT2, "n_layer": 1_000_000_000})
-    assert "1,000,000,000 layers, more than 1,024" in refused(capsys, work / "hf", work / "out", "--model",
-                                                              f"hf:{deep}")
+@pytest.mark.parametrize("change, said", [
+    ({"n_layer": 1_000_000_000}, "1,000,000,000 layers, more than 1,024"),
+    ({"n_embd": -32}, "n_embd must be a whole number of at least 1, got -32"),
+    ({"n_head": 0}, "n_head must be a whole number of at least 1, got 0"),
+    ({"vocab_size": 64.5}, "vocab_size"),
+    ({"n_layer": -1}, "n_layer must be a whole number of at least 0, got -1"),
+    ({"n_head": 3}, "divisible"),  # transformers' own refusal, as one line
+])
+def test_a_config_no_model_can_be_built_of_is_one_line_before_it_is_built(work, capsys, change, said):
+    config = json.dumps({**GPT2, **change})
+    status, out, err = export(capsys, work / "hf", work / "out", "--model", f"hf:{config}")
+    assert status == 2 and err.strip().count("\n") == 0 and said in err, err  # no warning before it either
+    assert not (work / "out").exists()
+
+
+def test_a_directory_named_for_one_file_is_refused(work, capsys):
+    assert "names a directory, which is for hf: models" in refused(capsys, work / "gpt", f"{work / 'newdir'}/")
+    assert not (work / "newdir").exists()
 
 
 def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeypatch):

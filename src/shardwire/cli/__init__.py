@@ -35,10 +35,18 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line, as every other refusal is, naming where the
+    usage is, instead of the usage itself (25 lines for ``train``) and then the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def command(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
     """The module of the subcommand ``name`` and its parser (``--config`` and ``--print-config`` too)."""
     module = importlib.import_module(f"shardwire.cli.{name}")
-    parser = argparse.ArgumentParser(prog=f"shardwire {name}", description=COMMANDS[name])
+    parser = _Parser(prog=f"shardwire {name}", description=COMMANDS[name])
     module.add_arguments(parser)
     config_file.add_help(parser)
     return module, parser
@@ -47,7 +55,7 @@ def command(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        parser = argparse.ArgumentParser(
+        parser = _Parser(
             prog="shardwire",
             description="Fully sharded data-parallel training that hides its communication.",
         )

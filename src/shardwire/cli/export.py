@@ -113,6 +113,9 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
         except BaseException:
             stage.discard()
             raise
+    if args.out.endswith(os.sep):  # a directory asked for, where the weights go in one file
+        raise OutputRefused(f"OUT {args.out} names a directory, which is for hf: models (a save_pretrained "
+                            f"directory): give {model} a file name, such as model.safetensors")
     if (problem := new_output_problem(args.out)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
     _check_fit(checkpoint, model)

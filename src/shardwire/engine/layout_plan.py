@@ -134,6 +134,7 @@ class LayoutPlan:
 
 
 def _group_size(name: str, shard_group_size: int | None, world: int, ranks_per_node: int) -> int:
+    """``G``: the world under ``full``, else ``shard_group_size`` or a node's ranks, a divisor of the world."""
     if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
         raise ValueError(
             f"shard_group_size must be a positive integer (ranks per shard group), got {shard_group_size!r}"

@@ -131,7 +131,7 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
         with torch.device("meta"), quietly_importing():
             skeleton = auto.from_config(config, trust_remote_code=False)
     except Exception as err:  # a config transformers cannot build, however it says so
-        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None
+        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or first_line(err)}") from None
     classes = {type(module).__name__: type(module) for module in skeleton.modules()}
     if units is not None:
         wanted = [unit.strip() for unit in units.split(",") if unit.strip()]
@@ -213,7 +213,7 @@ def hf_config(transformers, source: str):
     except MappingError as err:
         raise ValueError(str(err)) from None
     except Exception as err:  # transformers' errors for a config it cannot read vary
-        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or _first_line(err)}") from None
+        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or first_line(err)}") from None
     weights = next((path / name for name in _WEIGHTS if path.is_dir() and (path / name).exists()), None)
     if weights is not None:
         _check_weights(weights, f"hf:{source}")
@@ -242,16 +242,28 @@ def config_from_fields(transformers, fields: dict):
     try:
         config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
-        raise ValueError(_first_line(err)) from None
+        raise ValueError(first_line(err)) from None
     return _buildable(config)
 
 
+# The sizes every causal LM's config has (under transformers' common names), and the least each can be.
+_SIZES = {"num_hidden_layers": 0, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1}
+
+
 def _buildable(config):
-    """``config``, if a model of it can be built at all: its layers are made one by one, even on the
-    meta device, so a billion of them would hang whatever builds it (training, export). Raises a
-    ``ValueError`` naming the count."""
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(layers, (int, float)) and layers > MAX_LAYERS:
+    """``config``, if a model of it can be built at all: its sizes whole numbers that a model can have,
+    and its layers few enough, since they are made one by one, even on the meta device, so a billion
+    of them would hang whatever builds it (training, export). Raises a ``ValueError`` naming the
+    size as the config spells it."""
+    for name, least in _SIZES.items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        key = getattr(config, "attribute_map", {}).get(name, name)  # GPT-2's n_embd for hidden_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{key} must be a whole number of at least {least}, got {shown(value)}")
+    layers = getattr(config, "num_hidden_layers", None) or 0
+    if layers > MAX_LAYERS:
         raise ValueError(f"{layers:,} layers, more than {MAX_LAYERS:,}, ten times the deepest published models: "
                          f"give the number of layers")
     return config
@@ -305,9 +317,12 @@ def custom_code(config: pathlib.Path) -> str | None:
             f"shardwire never runs: use a model whose architecture transformers itself implements")
 
 
-def _first_line(err: Exception) -> str:
-    """An exception's message as one line of at most 300 characters (transformers' span several)."""
-    return (str(err).splitlines() or [type(err).__name__])[0][:300]
+def first_line(err: Exception) -> str:
+    """An exception's message as one line of at most 300 characters (transformers' span several, and
+    some say what is wrong on the line after a colon)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    said = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return said[:300]
 
 
 def _check_weights(weights: pathlib.Path, what: str) -> None:
@@ -346,8 +361,8 @@ def _check_weights_file(file: pathlib.Path, what: str) -> None:
         else:
             torch.load(file, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{what}: {file.name} holds more than tensors ({_first_line(err)[:120]}...), "
+        raise ValueError(f"{what}: {file.name} holds more than tensors ({first_line(err)[:120]}...), "
                          f"and shardwire runs no code from a model: save its weights as safetensors") from None
     except (SafetensorError, RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as err:
-        raise ValueError(f"{what}: {file.name} is damaged ({_first_line(err)[:120]}): "
+        raise ValueError(f"{what}: {file.name} is damaged ({first_line(err)[:120]}): "
                          f"download or save the model again") from None

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from shardwire.engine.state_dict import TensorRecord, WeightsByUnit
-from shardwire.extras import require
+from shardwire.extras import quietly_importing, require
 from shardwire.files import StagedDirectory
-from shardwire.models.choice import HF_PREFIX, config_from_fields, hf_config, tokenizer_directory
+from shardwire.models.choice import HF_PREFIX, config_from_fields, first_line, hf_config, tokenizer_directory
 
 # save_pretrained's default: one file up to this size, several past it.
 MAX_SHARD_SIZE = 50 * 10**9
@@ -53,27 +53,31 @@ def save_pretrained(model_name: str, weights: WeightsByUnit, directory: str | pa
     for the directory), and leaves nothing behind."""
     stage = directory if isinstance(directory, StagedDirectory) else StagedDirectory(directory, "export directory")
     try:
-        if not model_name.startswith(HF_PREFIX):
-            raise ValueError(f"--model {model_name!r} is not a Hugging Face model: a save_pretrained directory is "
-                             f"for hf: models (export a GPT preset as a .safetensors or .pt file)")
-        transformers = require("transformers", "exporting a Hugging Face model")
-        config = (config_from_fields(transformers, fields) if fields is not None
-                  else hf_config(transformers, model_name[len(HF_PREFIX):])[0])
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        tensors = _saved(model, weights)
-        floating = next((t.dtype for t in tensors if t.dtype.is_floating_point), None)
-        if floating is not None:  # as save_pretrained records the dtype it saved
-            config.dtype = str(floating).removeprefix("torch.")
-        _write_safetensors(stage.path, tensors, weights.parts, max_shard_size)
-        config.save_pretrained(stage.path)
-        if model.can_generate():
-            model.generation_config.save_pretrained(stage.path)
-        tokenizer = tokenizer_directory(model_name)
-        if tokenizer is not None:
-            transformers.AutoTokenizer.from_pretrained(
-                tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(stage.path)
-        return stage.publish()
+        with quietly_importing():  # transformers imports torchao, and warns of a config's defaults as it saves
+            if not model_name.startswith(HF_PREFIX):
+                raise ValueError(f"--model {model_name!r} is not a Hugging Face model: a save_pretrained directory is "
+                                 f"for hf: models (export a GPT preset as a .safetensors or .pt file)")
+            transformers = require("transformers", "exporting a Hugging Face model")
+            config = (config_from_fields(transformers, fields) if fields is not None
+                      else hf_config(transformers, model_name[len(HF_PREFIX):])[0])
+            try:
+                with torch.device("meta"):
+                    model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            except Exception as err:  # a config transformers cannot build, however it says so
+                raise ValueError(f"{model_name[:200]}: {first_line(err)}") from None
+            tensors = _saved(model, weights)
+            floating = next((t.dtype for t in tensors if t.dtype.is_floating_point), None)
+            if floating is not None:  # as save_pretrained records the dtype it saved
+                config.dtype = str(floating).removeprefix("torch.")
+            _write_safetensors(stage.path, tensors, weights.parts, max_shard_size)
+            config.save_pretrained(stage.path)
+            if model.can_generate():
+                model.generation_config.save_pretrained(stage.path)
+            tokenizer = tokenizer_directory(model_name)
+            if tokenizer is not None:
+                transformers.AutoTokenizer.from_pretrained(
+                    tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(stage.path)
+            return stage.publish()
     except BaseException:
         stage.discard()
         raise

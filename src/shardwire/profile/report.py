@@ -14,7 +14,7 @@ import os
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
-from shardwire.mappings import MappingError, read_json, shown
+from shardwire.mappings import MappingError, is_number, read_json, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
 from shardwire.profile.profiler import FORMAT_VERSION, PROFILE_FILE
 
@@ -51,27 +51,38 @@ def load_profile(run_dir: str) -> dict:
     if type(world) is not int or world < 1:  # a scaling report divides by it
         raise ReportError(f"{path} is damaged (its world_size is {shown(world)}, not a count of ranks); "
                           f"profile the run again")
-    for part in ("summary", "steps", "timeline"):
+    for part in ("tokens_per_step", "flops_per_token", "peak_tflops_per_worker", "summary", "steps", "timeline"):
         if (where := _not_a_measure(profile.get(part), part)) is not None:
-            raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are finite and not negative); "
-                              f"profile the run again")
+            raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are finite numbers, not "
+                              f"negative); profile the run again")
+    timeline = profile.get("timeline")
+    ranks = timeline.get("ranks") if isinstance(timeline, dict) else None
+    if isinstance(ranks, list) and len(ranks) != world:  # what a plot lacks altogether is reported as it draws
+        raise ReportError(f"{path} is damaged (its timeline holds {len(ranks)} ranks' steps for a world_size of "
+                          f"{world}); profile the run again")
     return profile
+
+
+# Keys whose values are measured: seconds and bytes, each a number (or its min, median and max).
+_MEASURED = ("_s", "_bytes")
 
 
 def _not_a_measure(value, where: str) -> str | None:
     """Where in ``value`` (a part of a profile) a number is no time, byte count or ratio a profiler
-    measures: NaN, infinite or negative would be drawn as if measured. None where every one is."""
+    measures: NaN, infinite or negative would be drawn as if measured, and text where a time or a
+    byte count belongs would fail the plot. None where every one is."""
     if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return f"{where} is {shown(value)}" if number and not 0 <= value < math.inf else None
-    for key, item in items:
-        if (found := _not_a_measure(item, f"{where}.{str(key)[:40]}")) is not None:
-            return found
-    return None
+        for key, item in value.items():
+            inside = f"{where}.{str(key)[:40]}"
+            if str(key).endswith(_MEASURED) and not isinstance(item, dict) and not is_number(item):
+                return f"{inside} is {shown(item)}"
+            if (found := _not_a_measure(item, inside)) is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        return next((found for index, item in enumerate(value)
+                     if (found := _not_a_measure(item, f"{where}.{index}")) is not None), None)
+    return f"{where} is {shown(value)}" if is_number(value) and not 0 <= value < math.inf else None
 
 
 def write_report(run_dirs: list[str], out: str) -> list[str]:

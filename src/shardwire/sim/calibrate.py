@@ -24,7 +24,7 @@ import dataclasses
 import math
 import os
 
-from shardwire.mappings import MappingError, read_json, shown
+from shardwire.mappings import MappingError, is_number, read_json, shown
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
 from shardwire.sim.specs import (
@@ -109,19 +109,14 @@ def read_profile(path: str, load_model) -> Measured:
 def _check_measured(path: str, seconds: list, ranks, model, remedy: str) -> None:
     """Refuse values no profile holds before any arithmetic is done with them: a world size of 0
     would divide by zero, a string or null would fail deep inside the fit."""
-    if not all(_is_number(s) and 0 < s < math.inf for s in seconds):
+    if not all(is_number(s) and 0 < s < math.inf for s in seconds):
         raise SpecError(f"{path}: its forward, backward and optimizer times must be positive, got {shown(seconds)}")
-    if not (_is_number(ranks) and 1 <= ranks <= _MAX_RANKS and ranks == int(ranks)):
+    if not (is_number(ranks) and 1 <= ranks <= _MAX_RANKS and ranks == int(ranks)):
         raise SpecError(f"{path}: its world_size must be a whole number from 1 to {_MAX_RANKS:,}, got {shown(ranks)}; "
                         f"{remedy}")
     if not isinstance(model, str):
         raise SpecError(f"{path}: its model must be a name, as `shardwire train --model` takes it, got "
                         f"{shown(model)}; {remedy}")
-
-
-def _is_number(value) -> bool:
-    """A JSON number: ``true`` is a Python ``int`` too, and no count of ranks or seconds."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _compute_s(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> float:

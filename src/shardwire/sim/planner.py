@@ -114,6 +114,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"{', '.join(str(b) for b in (lower, upper) if b > 0)}"
         )
     per_gpu = global_batch // world
+    layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = candidate_settings(per_gpu, cluster, base, exact=exact)
     arch = architecture(model, base.compute_bytes)
     memory = {t: estimate_memory(arch, cluster, t) for t in candidates}

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import math
 import os
+import sys
 import time
 import zlib
 
@@ -31,7 +32,7 @@ from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
 from shardwire.files import OutputRefused, StagedDirectory
-from shardwire.launch import REFUSED
+from shardwire.launch import REFUSED, under_launcher
 from shardwire.models import fp8
 from shardwire.models.choice import (
     HF_PREFIX,
@@ -311,9 +312,15 @@ def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _agreed(message: str) -> SystemExit:
     """The stop of a run that every rank reaches alike (a check of the checkpoint it resumes, agreed
-    by every rank; a divergence, found by an all-reduce): rank 0 says why, and the others leave
-    with the same status without a word, so that it is one line however many workers there are."""
-    return SystemExit(message if dist.get_rank() == 0 else REFUSED)
+    by every rank; a divergence, found by an all-reduce): under a launcher rank 0 says why before
+    any rank leaves (the launcher stops the rest as the first exits), and every rank leaves with the
+    status of a refusal, so that it is one line however many workers there are."""
+    if not under_launcher():
+        return SystemExit(message)
+    if dist.get_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    dist.barrier()
+    return SystemExit(REFUSED)
 
 
 def _describe_layout(engine) -> str:
