@@ -217,11 +217,19 @@ def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_pa
     with open(os.path.join(run_dir, "profile.json")) as f:
         profile = json.load(f)
     profile["world_size"], profile["tokens_per_step"] = 4, profile["tokens_per_step"] * 2
+    _twice_the_ranks(profile)
     wider = tmp_path / "world4"
     wider.mkdir()
     (wider / "profile.json").write_text(json.dumps(profile))
     written = write_report([run_dir, str(wider)], str(tmp_path / "out"))
     assert "scaling.png" in [os.path.basename(p) for p in written] and len(written) == 7
+
+
+def _twice_the_ranks(profile: dict) -> None:
+    """A profile of twice the ranks, each rank's steps as one of the profiled ones took them."""
+    profile["timeline"]["ranks"] *= 2
+    for step in profile["steps"]:
+        step["ranks"] *= 2
 
 
 def test_unknown_peak_leaves_mfu_out(tmp_path):
@@ -248,6 +256,7 @@ def test_report_refuses_runs_of_different_jobs(profiled_run, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     profile["world_size"] = 4
+    _twice_the_ranks(profile)
     profile["metadata"]["model"] = "medium"
     (other / "profile.json").write_text(json.dumps(profile))
     with pytest.raises(ReportError, match="runs differ in model: .* has 'small-6', .* has 'medium'"):
