@@ -37,7 +37,7 @@ def test_settings_parse_and_round_trip(monkeypatch):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("group=a", "fault tolerance needs the lighthouse's address"),
+    ("group=a", "fault_tolerance needs the lighthouse's address"),
     ("lighthouse=h:1,group=a b", "group must be a name of letters"),
     ("lighthouse=h:1,min_groups=0", "min_groups must be a positive integer"),
     ("lighthouse=h:1,timeout=-1", "timeout must be a positive number of seconds"),
@@ -69,7 +69,7 @@ def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     hybrid = ["--layout", "hybrid", "--diloco", "sync_every=5"]
     for args, message in [
-        ([*hybrid, "--fault-tolerance", "group=a"], "error: --fault tolerance needs the lighthouse's address"),
+        ([*hybrid, "--fault-tolerance", "group=a"], "error: --fault-tolerance needs the lighthouse's address"),
         (["--fault-tolerance", "lighthouse=h:1"],  # the settings named as options, the library's as arguments
          r"error: fault tolerance carries DiLoCo's syncs between groups: give --layout hybrid with --diloco=\.\.\. "),
         ([*hybrid, "--diloco", "sync_every=5,fragments=2", "--fault-tolerance", "lighthouse=h:1"],

@@ -18,6 +18,10 @@ from shardwire.cli import main
     (["--wire", "params=int4"], "--wire params='int4' is not supported"),
     (["--wire", "grads=int4,block=0"], "--wire block must be a positive integer"),
     (["--wire", "fast"], "--wire 'fast' is not understood"),
+    # the user's values are written as given, braces too, and the option as the command line spells it
+    (["--wire", "{x}"], r"--wire '\{x\}' is not understood"),
+    (["--diloco", "sync_every={0}"], r"--diloco sync_every must be a positive integer.*, got '\{0\}'"),
+    (["--fault-tolerance", "lighthouse=h:1,min_groups={}"], r"--fault-tolerance min_groups must be a number, got '\{\}'"),
 ])
 def test_bad_settings_are_refused_before_launch(args, message):
     with pytest.raises(SystemExit, match=message):

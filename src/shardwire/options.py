@@ -208,14 +208,21 @@ def check_output_file(path: str, option: str) -> None:
         raise OptionError(f"{option} {path} {problem}")
 
 
-def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, not_understood: str,
+def setting_error(setting: str, text: str) -> SettingError:
+    """An error about the setting named ``setting`` (``wire``, ``diloco``): ``text`` follows its name,
+    which is written as the caller's users write it (``wire`` or ``--wire``); the user's values in
+    ``text`` are taken as they are, braces and all."""
+    return SettingError("{setting} " + text.replace("{", "{{").replace("}", "}}"), setting=(setting,))
+
+
+def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, setting: str, not_understood: str,
                     bad_value: Callable[[str, str], str], twice: Callable[[str], str],
                     renamed: Mapping[str, str] | None = None) -> tuple[dict[str, typing.Any], list[str]]:
-    """The fields of a setting given in the command line's form, comma-separated ``key=value`` pairs
+    """The fields of ``setting`` given in the command line's form, comma-separated ``key=value`` pairs
     (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]``; and the keys given by
-    an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises
-    ``ValueError(not_understood)``, a value its type refuses ``ValueError(bad_value(key, value))``,
-    a key given twice (under either name) ``ValueError(twice(key))``."""
+    an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises a
+    ``setting_error`` saying ``not_understood``, a value its type refuses one saying ``bad_value(key,
+    value)``, a key given twice (under either name) one saying ``twice(key)``."""
     fields: dict[str, typing.Any] = {}
     old_names = []
     for item in text.split(","):
@@ -224,11 +231,11 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             old_names.append(key)
             key = renamed[key]
         if not sep or key not in types:
-            raise ValueError(not_understood)
+            raise setting_error(setting, not_understood)
         if key in fields:  # the last would win silently, over a value the user also meant
-            raise ValueError(twice(key))
+            raise setting_error(setting, twice(key))
         try:
             fields[key] = types[key](value)
         except ValueError:
-            raise ValueError(bad_value(key, value)) from None
+            raise setting_error(setting, bad_value(key, value)) from None
     return fields, old_names

@@ -40,7 +40,7 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
-from shardwire.options import OptionError, check_bounds, check_output_file, option
+from shardwire.options import OptionError, SettingError, check_bounds, check_output_file, option
 from shardwire.placement import Placement
 
 GROUPS = ("world", "intra", "inter")
@@ -164,8 +164,8 @@ def validate(config: BenchConfig, world: int) -> None:
         )
     try:
         wire = Wire.parse(config.wire)
-    except ValueError as err:
-        raise BenchError(f"--{err}") from None
+    except SettingError as err:
+        raise BenchError(err.as_options()) from None
     if wire.quantized and config.impl != "shardwire":
         raise BenchError("--wire quantizes the engine's own collectives: add --impl shardwire")
     if config.impl == "shardwire" and config.redop != "sum" and "reduce_scatter" in config.ops:

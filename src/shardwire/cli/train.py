@@ -144,8 +144,8 @@ def _validate(config: TrainConfig) -> None:
         Wire.parse(config.wire)
         diloco = DiLoCo.parse(config.diloco)  # warns for the keys every= and overlap=, renamed
         fault_tolerance = FaultTolerance.parse(config.fault_tolerance)
-    except ValueError as err:
-        raise SystemExit(f"error: --{err}") from None
+    except SettingError as err:
+        raise SystemExit(f"error: {err.as_options()}") from None
     if diloco is not None and uses_renamed_keys(config.diloco):
         config.diloco = str(diloco)  # the workers get the new names, and warn no more
     if fault_tolerance is not None:
@@ -181,8 +181,8 @@ def _validate(config: TrainConfig) -> None:
     try:
         if diloco is not None:  # the model's units are known from its choice, before any worker builds it
             diloco.check_units(choice.units_with_parameters)
-    except ValueError as err:
-        raise SystemExit(f"error: --{err}") from None
+    except SettingError as err:
+        raise SystemExit(f"error: {err.as_options()}") from None
     if config.precision == "fp8" and choice.fp8_refusal is not None:
         raise SystemExit(f"error: --precision fp8: {choice.fp8_refusal}")
     _check_memory(config, choice)

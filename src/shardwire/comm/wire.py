@@ -26,6 +26,7 @@ import dataclasses
 import math
 
 from shardwire.mappings import shown
+from shardwire.options import setting_error
 
 DEFAULT_BLOCK = 256
 # Elements per scale: more than any unit's shard holds (Llama 2 70B's blocks hold 0.86B parameters),
@@ -78,17 +79,17 @@ class Wire:
 
     def __post_init__(self):
         if self.params == "int4":
-            raise ValueError(
-                "wire params='int4' is not supported: 16 levels per block lose too much of the weights "
+            raise setting_error(
+                "wire", "params='int4' is not supported: 16 levels per block lose too much of the weights "
                 "every rank computes with. Use params='int8' (and grads='int4' for the smallest wire)"
             )
         if self.params not in (None, *PARAM_FORMATS):
-            raise ValueError(f"wire params must be None or 'int8', got {self.params!r}")
+            raise setting_error("wire", f"params must be None or 'int8', got {self.params!r}")
         if self.grads not in (None, *GRAD_FORMATS):
-            raise ValueError(f"wire grads must be None, 'int8' or 'int4', got {self.grads!r}")
+            raise setting_error("wire", f"grads must be None, 'int8' or 'int4', got {self.grads!r}")
         if type(self.block) is not int or not 1 <= self.block <= MAX_BLOCK:
-            raise ValueError(f"wire block must be a positive integer (elements per scale) of at most {MAX_BLOCK:,}, "
-                             f"got {shown(self.block)}")
+            raise setting_error("wire", f"block must be a positive integer (elements per scale) of at most "
+                                        f"{MAX_BLOCK:,}, got {shown(self.block)}")
 
     @classmethod
     def parse(cls, wire: "Wire | str | None") -> "Wire":
@@ -108,18 +109,18 @@ class Wire:
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or key not in ("params", "grads", "block", "error_feedback"):
-                raise ValueError(
-                    f"wire {shown(wire)} is not understood: use 'none', 'int8', or key=value pairs of params, "
+                raise setting_error(
+                    "wire", f"{shown(wire)} is not understood: use 'none', 'int8', or key=value pairs of params, "
                     f"grads, block and error_feedback, e.g. 'params=int8,grads=int4'"
                 )
             if key == "block":
                 if not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_BLOCK)):
-                    raise ValueError(f"wire block must be a positive integer of at most {MAX_BLOCK:,}, "
+                    raise setting_error("wire", f"block must be a positive integer of at most {MAX_BLOCK:,}, "
                                      f"got {shown(value)}")
                 fields[key] = int(value)
             elif key == "error_feedback":
                 if value not in ("on", "off"):
-                    raise ValueError(f"wire error_feedback must be 'on' or 'off', got {shown(value)}")
+                    raise setting_error("wire", f"error_feedback must be 'on' or 'off', got {shown(value)}")
                 fields[key] = value == "on"
             else:
                 fields[key] = None if value == "none" else value

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire
-from shardwire.options import settings_fields
+from shardwire.options import setting_error, settings_fields
 from shardwire.renamed import warn_renamed
 
 # The fields' names before torchft's, kept for a release: old -> new.
@@ -75,26 +75,26 @@ class DiLoCo:
 
     def __post_init__(self):
         if type(self.sync_every) is not int or self.sync_every < 1:
-            raise ValueError(f"diloco sync_every must be a positive integer (inner steps between syncs), "
-                             f"got {self.sync_every!r}")
+            raise setting_error("diloco", f"sync_every must be a positive integer (inner steps between syncs), "
+                                          f"got {self.sync_every!r}")
         if type(self.fragments) is not int or self.fragments < 1:
-            raise ValueError(f"diloco fragments must be a positive integer, got {self.fragments!r}")
+            raise setting_error("diloco", f"fragments must be a positive integer, got {self.fragments!r}")
         if self.fragments > self.sync_every:
-            raise ValueError(f"diloco fragments={self.fragments} is more than sync_every={self.sync_every}: each "
-                             f"fragment syncs once every {self.sync_every} steps, and one at a time")
+            raise setting_error("diloco", f"fragments={self.fragments} is more than sync_every={self.sync_every}: each "
+                                          f"fragment syncs once every {self.sync_every} steps, and one at a time")
         if self.wire not in (None, *GRAD_FORMATS):
-            raise ValueError(f"diloco wire must be none, 'int8' or 'int4', got {self.wire!r}")
+            raise setting_error("diloco", f"wire must be none, 'int8' or 'int4', got {self.wire!r}")
         if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= MAX_OUTER_LR):
-            raise ValueError(f"diloco outer_lr must be a positive number of at most {MAX_OUTER_LR:g} (DiLoCo's is "
-                             f"0.7), got {self.outer_lr!r}")
+            raise setting_error("diloco", f"outer_lr must be a positive number of at most {MAX_OUTER_LR:g} "
+                                          f"(DiLoCo's is 0.7), got {self.outer_lr!r}")
         if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
-            raise ValueError(f"diloco momentum must be at least 0 and below 1, got {self.momentum!r}")
+            raise setting_error("diloco", f"momentum must be at least 0 and below 1, got {self.momentum!r}")
         if self.fragment_sync_delay is None:  # the default before it was 0: the same run
             object.__setattr__(self, "fragment_sync_delay", 0)
         if type(self.fragment_sync_delay) is not int or not 0 <= self.fragment_sync_delay <= self.spacing:
-            raise ValueError(f"diloco fragment_sync_delay must be an integer from 0 to sync_every // fragments = "
-                             f"{self.spacing} (inner steps a sync runs behind; the next fragment's sync may be due "
-                             f"after that), got {self.fragment_sync_delay!r}")
+            raise setting_error("diloco", f"fragment_sync_delay must be an integer from 0 to sync_every // "
+                                          f"fragments = {self.spacing} (inner steps a sync runs behind; the next "
+                                          f"fragment's sync may be due after that), got {self.fragment_sync_delay!r}")
 
     @classmethod
     def parse(cls, diloco: DiLoCo | str | None) -> DiLoCo | None:
@@ -109,11 +109,11 @@ class DiLoCo:
         if diloco.strip() in ("none", ""):
             return None
         fields, old_names = settings_fields(
-            diloco, _FIELD_TYPES, renamed=RENAMED_FIELDS,
-            not_understood=f"diloco {diloco!r} is not understood: use 'none', or key=value pairs of "
+            diloco, _FIELD_TYPES, setting="diloco", renamed=RENAMED_FIELDS,
+            not_understood=f"{diloco!r} is not understood: use 'none', or key=value pairs of "
                            f"{', '.join(_FIELD_TYPES)}, e.g. 'sync_every=50,fragments=4,wire=int4'",
-            bad_value=lambda key, value: f"diloco {key} must be {_FIELD_WORDS[key]}, got {value!r}",
-            twice=lambda key: f"diloco {key} is given twice (the last would win silently): give it once")
+            bad_value=lambda key, value: f"{key} must be {_FIELD_WORDS[key]}, got {value!r}",
+            twice=lambda key: f"{key} is given twice (the last would win silently): give it once")
         if old_names:
             warn_renamed(f"diloco {', '.join(f'{old}= is renamed {RENAMED_FIELDS[old]}=' for old in old_names)}")
         return cls(**fields)
@@ -123,8 +123,9 @@ class DiLoCo:
         the ``trainable`` units a model has (``shard`` counts them; ``shardwire train`` before its
         workers start)."""
         if self.fragments > trainable:
-            raise ValueError(f"diloco fragments={self.fragments} is more than the {trainable} units with trainable "
-                             f"parameters (each fragment is whole units): use at most {trainable}, or more units")
+            raise setting_error("diloco", f"fragments={self.fragments} is more than the {trainable} units with "
+                                          f"trainable parameters (each fragment is whole units): use at most "
+                                          f"{trainable}, or more units")
 
     @property
     def spacing(self) -> int:

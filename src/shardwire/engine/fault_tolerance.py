@@ -36,7 +36,7 @@ import dataclasses
 import math
 import os
 
-from shardwire.options import SettingError, settings_fields
+from shardwire.options import SettingError, setting_error, settings_fields
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read where no lighthouse is given
 
@@ -63,20 +63,22 @@ class FaultTolerance:
     def __post_init__(self):
         lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
-            raise ValueError(f"fault tolerance needs the lighthouse's address: give lighthouse=http://HOST:PORT "
-                             f"(start one with torchft_lighthouse) or set {LIGHTHOUSE_ENV}")
+            raise setting_error("fault_tolerance", f"needs the lighthouse's address: give lighthouse=http://HOST:PORT "
+                                                   f"(start one with torchft_lighthouse) or set {LIGHTHOUSE_ENV}")
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
         object.__setattr__(self, "lighthouse", lighthouse)
         group = self.group or os.environ.get("SHARDWIRE_GROUP") or os.uname().nodename
         if not isinstance(group, str) or not group.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise ValueError(f"fault tolerance group must be a name of letters, digits, '-', '_' and '.', got {group!r}")
+            raise setting_error("fault_tolerance",
+                                f"group must be a name of letters, digits, '-', '_' and '.', got {group!r}")
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "host", self.host or os.uname().nodename)
         if type(self.min_groups) is not int or self.min_groups < 1:
-            raise ValueError(f"fault tolerance min_groups must be a positive integer, got {self.min_groups!r}")
+            raise setting_error("fault_tolerance", f"min_groups must be a positive integer, got {self.min_groups!r}")
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
-            raise ValueError(f"fault tolerance timeout must be a positive number of seconds, got {self.timeout!r}")
+            raise setting_error("fault_tolerance",
+                                f"timeout must be a positive number of seconds, got {self.timeout!r}")
 
     @classmethod
     def parse(cls, text: FaultTolerance | str | None) -> FaultTolerance | None:
@@ -90,11 +92,11 @@ class FaultTolerance:
         if text.strip() in ("none", ""):
             return None
         fields, _ = settings_fields(
-            text, _FIELD_TYPES,
-            not_understood=f"fault tolerance {text!r} is not understood: use 'none', or key=value pairs of "
+            text, _FIELD_TYPES, setting="fault_tolerance",
+            not_understood=f"{text!r} is not understood: use 'none', or key=value pairs of "
                            f"{', '.join(_FIELD_TYPES)}, e.g. 'lighthouse=http://head:29510,group=node-3'",
-            bad_value=lambda key, value: f"fault tolerance {key} must be a number, got {value!r}",
-            twice=lambda key: f"fault tolerance {key} is given twice (the last would win silently): give it once")
+            bad_value=lambda key, value: f"{key} must be a number, got {value!r}",
+            twice=lambda key: f"{key} is given twice (the last would win silently): give it once")
         return cls(**fields)
 
     def __str__(self) -> str:

@@ -100,6 +100,12 @@ class LayoutPlan:
         return self.world // self.group
 
     @property
+    def grouped(self) -> bool:
+        """Whether the layout has groups to name (``hybrid``, ``hybrid_secondary``); ``full``'s one
+        group is the world."""
+        return self.name != "full"
+
+    @property
     def split_over(self) -> int:
         """The ranks a unit's master weights, gradients and optimizer state are split over, which its
         forward gather and its reduce-scatter span: a group's under ``hybrid``, else the world's."""

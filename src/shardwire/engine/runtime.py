@@ -164,8 +164,7 @@ class Engine:
         self._replicating: deque[Reduction] = deque()
         self.state = TrainingState.IDLE
         self._generation = 0  # forwards so far: backward must come from the latest one
-        self.pending_save = None  # the asynchronous checkpoint being written (checkpoint.save)
-        self.claimed_directories: set[str] = set()  # checkpoint directories this run owns (checkpoint.claim)
+        self.checkpointing = None  # the checkpoint package's session (checkpoint.session): saves in flight, claims
         self._listeners: list[Listener] = []
 
     @property

@@ -194,10 +194,11 @@ def _training(base: TrainingSpec, **settings) -> TrainingSpec:
 def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     """The ``shardwire train`` options and the ``shard(...)`` arguments that run ``t`` on ``cluster``
     (what is not the engine's, the batch and the launch, only in the former)."""
-    layout = "full" if t.layout == "grad_op" else t.layout
+    plan = layout_plan(cluster, t)  # grad_op runs as full, kept gathered
+    layout = plan.name
     shard_args = {"layout": layout}
-    if layout in _HYBRID:
-        shard_args["shard_group_size"] = layout_plan(cluster, t).group
+    if plan.grouped:
+        shard_args["shard_group_size"] = plan.group
     # fp8: the model's linear layers converted first (shardwire.models.fp8), computing in bf16 around them
     precision = "bf16" if t.precision == "fp8" else t.precision
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": precision,

@@ -123,9 +123,9 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         return f"swept {key}" if key == swept else text
 
     limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
-    groups = ""
-    if t.layout in ("hybrid", "hybrid_secondary"):
-        groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {layout_plan(c, t).group}"
+    groups, plan = "", layout_plan(c, t)
+    if plan.grouped:
+        groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {plan.group}"
     layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     reducing = " (each reduced)" if t.reduce_each_micro_batch else ""

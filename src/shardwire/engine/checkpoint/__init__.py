@@ -3,7 +3,9 @@ it loads at any world size.
 
 ``format`` is the on-disk format and the manifest; ``save`` and ``load`` the collective operations;
 ``reader`` verified reading and re-slicing; ``optim`` the optimizer's state; ``series`` a directory of
-checkpoints by step; ``portable`` plain state dict files for use without shardwire.
+checkpoints by step; ``portable`` plain state dict files for use without shardwire; ``claim`` one
+run's ownership of a directory and ``session`` what an engine's checkpoint calls share (the save in
+flight, the directories claimed).
 """
 
 from shardwire.engine.checkpoint.format import CheckpointError

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.checkpoint import optim, series
-from shardwire.engine.checkpoint.claim import claim
+from shardwire.engine.checkpoint.session import session_of
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     OUTER_QUORUM,
@@ -50,7 +50,6 @@ from shardwire.engine.checkpoint.format import (
     rng_key,
 )
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.save import finish_pending_save
 from shardwire.engine.runtime import Engine
 from shardwire.engine.shard import engine_of
 
@@ -78,7 +77,7 @@ def load_checkpoint(
     reason, and leaves the model and optimizer untouched.
     """
     engine = engine_of(model)
-    finish_pending_save(engine)
+    session_of(engine).finish_pending()
     return _load(pathlib.Path(path), engine, model, optimizer, named_step=None)
 
 
@@ -97,7 +96,7 @@ def load_latest_checkpoint(
     if (problem := series.foreign_checkpoint(directory)) is not None:
         raise CheckpointError(f"{directory} {problem}")
     engine = engine_of(model)
-    finish_pending_save(engine)
+    session_of(engine).finish_pending()
     on_every_rank(engine, f"claiming {directory}", lambda: _claim_on_rank_0(directory, engine))
     candidates = [path.name for path in series.list_checkpoints(directory)]
     if any(names != candidates for names in all_gather_json(candidates, engine, tag="checkpoint list")):
@@ -121,7 +120,7 @@ def load_latest_checkpoint(
 def _claim_on_rank_0(directory: str | os.PathLike, engine: Engine) -> None:
     """The run that resumes from a directory saves there: it claims it first (``claim``), on rank 0."""
     if dist.get_rank(engine.group) == 0:
-        claim(pathlib.Path(directory), engine.claimed_directories)
+        session_of(engine).claim(pathlib.Path(directory))
 
 
 def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None) -> CheckpointInfo:

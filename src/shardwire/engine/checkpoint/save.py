@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.checkpoint import optim, ownership, schema, series
-from shardwire.engine.checkpoint.claim import claim
+from shardwire.engine.checkpoint.session import session_of
 from shardwire.engine.checkpoint.consensus import all_gather_json, on_every_rank
 from shardwire.engine.checkpoint.format import (
     MANIFEST,
@@ -101,7 +101,7 @@ def save_checkpoint(
     Returns the ``PendingCheckpoint``, already visible unless ``asynchronous``.
     """
     engine = engine_of(model)
-    finish_pending_save(engine)
+    session_of(engine).finish_pending()
     target = pathlib.Path(path)
     snapshot = on_every_rank(
         engine, f"saving checkpoint {target}",
@@ -119,18 +119,12 @@ def save_checkpoint(
     pending = PendingCheckpoint(target, engine, snapshot, token, keep)
     on_every_rank(engine, f"saving checkpoint {target}", pending._make_staging)
     if asynchronous:
-        engine.pending_save = pending
+        session_of(engine).pending = pending
         pending._write_in_background()
     else:
         pending._write()
         pending.wait()
     return pending
-
-
-def finish_pending_save(engine: Engine) -> None:
-    """Make the model's asynchronous save in flight, if any, visible (every rank must call it)."""
-    if engine.pending_save is not None:
-        engine.pending_save.wait()
 
 
 class PendingCheckpoint:
@@ -156,8 +150,9 @@ class PendingCheckpoint:
             if self._failure is not None:
                 raise self._failure
             return
-        if self._engine.pending_save is self:
-            self._engine.pending_save = None
+        session = session_of(self._engine)
+        if session.pending is self:
+            session.pending = None
         if self._writer is not None:
             self._writer.join()
         engine = self._engine
@@ -181,7 +176,7 @@ class PendingCheckpoint:
         """Rank 0 claims the directory the save writes in for this run, and creates the one that every
         rank writes into, marked as this save's; the others wait for it in the agreement that follows."""
         if dist.get_rank(self._engine.group) == 0:
-            claim(self.path.parent, self._engine.claimed_directories)
+            session_of(self._engine).claim(self.path.parent)
             ownership.create_marked(self._staging, self.path.name, self._token)
 
     def _write_in_background(self) -> None:

@@ -1,0 +1,43 @@
+"""What one engine's checkpoint calls share: the asynchronous save in flight and the directories
+this run has claimed.
+
+A save may return before its files are written (``asynchronous``): the next save or load must first
+make it visible, so one save is in flight at most. A run claims a checkpoint directory once
+(``claim``) and keeps its lock for the life of the process. Both outlive a call and belong to the
+model's engine, yet neither is the engine's business: the engine holds the session in one slot
+(``Engine.checkpointing``) that only this package reads and writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import TYPE_CHECKING
+
+from shardwire.engine.checkpoint.claim import claim
+
+if TYPE_CHECKING:
+    from shardwire.engine.checkpoint.save import PendingCheckpoint
+    from shardwire.engine.runtime import Engine
+
+
+@dataclasses.dataclass
+class CheckpointSession:
+    pending: PendingCheckpoint | None = None  # the asynchronous save being written
+    claimed: set[str] = dataclasses.field(default_factory=set)  # directories this run owns, resolved
+
+    def finish_pending(self) -> None:
+        """Make the asynchronous save in flight, if any, visible (every rank must call it)."""
+        if self.pending is not None:
+            self.pending.wait()
+
+    def claim(self, directory: pathlib.Path) -> None:
+        """Own ``directory`` for this run (``claim.claim``); a directory claimed already is not claimed again."""
+        claim(directory, self.claimed)
+
+
+def session_of(engine: Engine) -> CheckpointSession:
+    """The engine's checkpoint session, made at its first checkpoint call."""
+    if engine.checkpointing is None:
+        engine.checkpointing = CheckpointSession()
+    return engine.checkpointing
