@@ -381,15 +381,18 @@ def test_a_matrix_multiply_takes_its_flops_and_its_bytes():
 
 
 def test_kernels_run_at_their_dtypes_peak_and_fp8_pays_for_its_casts():
+    """fp8 multiplies run at their peak's share of the efficiency bf16 ones reach (twice the peak at
+    0.8 of the share: 1.6 times as fast), and fp8 pays for its casts."""
     from shardwire.sim.architecture import Matmul, UnitCost
-    from shardwire.sim.compute import forward_s
+    from shardwire.sim.compute import FP8_MATMUL_RELATIVE, forward_s
 
     unit = UnitCost("block.0", 0, 0.0, 0.0, 0.0, matmuls=(Matmul(1024, 1024, 1024),))
     free_memory = dict(memory_bandwidth_GBps=None)
     bf16 = forward_s(unit, gpu(**free_memory), TrainingSpec())
     assert forward_s(unit, gpu(fp32_tflops=25.0, **free_memory), TrainingSpec(precision="fp32")) == 4 * bf16
     fp8 = TrainingSpec(precision="fp8")
-    assert forward_s(unit, gpu(fp8_tflops=200.0, **free_memory), fp8) == pytest.approx(bf16 / 2)
+    fp8_s = bf16 / 2 / FP8_MATMUL_RELATIVE
+    assert forward_s(unit, gpu(fp8_tflops=200.0, **free_memory), fp8) == pytest.approx(fp8_s)
     with pytest.raises(SpecError, match="precision fp8 needs fp8 tensor cores"):
         forward_s(unit, gpu(), fp8)
     # with memory: 1-byte inputs, and each input read twice and written once in fp8 (weight too,
@@ -397,10 +400,10 @@ def test_kernels_run_at_their_dtypes_peak_and_fp8_pays_for_its_casts():
     rows = k = n = 1024
     matmul_bytes = rows * k + k * n + 2 * rows * n
     casts = (rows * k + k * n) * (2 * 2 + 1)
-    assert forward_s(unit, gpu(fp8_tflops=200.0), fp8) == pytest.approx(bf16 / 2 + (matmul_bytes + casts) / 1000e9)
+    assert forward_s(unit, gpu(fp8_tflops=200.0), fp8) == pytest.approx(fp8_s + (matmul_bytes + casts) / 1000e9)
     gathered = TrainingSpec(precision="fp8", fp8_all_gather=True)
     assert forward_s(unit, gpu(fp8_tflops=200.0), gathered) == pytest.approx(
-        bf16 / 2 + (matmul_bytes + rows * k * 5) / 1000e9)
+        fp8_s + (matmul_bytes + rows * k * 5) / 1000e9)
 
 
 def test_attention_and_memory_bound_work():

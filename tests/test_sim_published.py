@@ -1,10 +1,12 @@
 """The published results the simulator must reproduce with one model (the presets' compute model and
 networks, no setting per point): measured throughput of FSDP, HSDP and FSDP2 training at scale on
-A100s and H100s (``PUBLISHED``; docs/simulator.md cites each source and what it states), and the
+A100s, H100s and H200s (``PUBLISHED``; docs/simulator.md cites each source and what it states), and the
 scaling of T5 on IBM Cloud (../shared/seeds/000).
 
 Throughput: every point within ``TOLERANCE`` of its published tokens per second per GPU, most
-within ``MOST``. T5: 8 x A100-80GB per node, ~120 Gbps of usable Ethernet between nodes, BF16,
+within ``MOST``, but those whose ``miss`` says why the simulator misses them: they are expected to,
+strictly (one that starts passing fails until its mark goes). In at least a dozen of the runs each
+node's NICs are busy for a third of the step or more. T5: 8 x A100-80GB per node, ~120 Gbps of usable Ethernet between nodes, BF16,
 activation checkpointing. T5-3B scales at about 95% from 1 to 64 nodes; T5-11B scales poorly with a
 small batch and a block-and-flush limiter, better with the larger batch the limiter made room for
 (>75% at 32 nodes), and with a sliding window reaches about 90% at 32 nodes and 80% at 64. The
@@ -36,6 +38,7 @@ class Point:
     training: dict
     tokens_per_s: float
     memory_gib: float | None = None  # peak memory per GPU, where published
+    miss: str | None = None  # why the simulator misses it: the test expects it to, until it no longer does
 
     def predict(self):
         cluster = CLUSTERS[self.cluster]
@@ -53,6 +56,17 @@ SELECTIVE = dict(activation_checkpointing=True, recompute_fraction=0.38)
 FULL = dict(activation_checkpointing=True)
 # Composer (LLM Foundry) reduce-scatters every micro-batch's gradients: it runs FSDP without no_sync.
 COMPOSER = dict(reduce_each_micro_batch=True)
+# float8 on 32 and 64 GPUs: predicted 16-17% over what was measured (29-33% before fp8 multiplies were
+# priced below the fp8 peak's share that bf16 reaches); the same recipe on Grand Teton lands within 5%.
+_FP8_AT_32 = "float8 runs on 32-64 H100/H200 are predicted 16-17% faster than measured: not yet understood"
+_TORCHTITAN_LLAMA3 = {key: value for key, value in as_dict(TRAININGS["torchtitan-llama3.1-8b"]).items() if key != "name"}
+
+
+def _selective(hfu: float, mfu: float) -> dict:
+    """Checkpointing that recomputes the part of the forward a run's hardware and model FLOP
+    utilizations say it did: HFU counts the recomputed forward (a third of the step's model FLOPs
+    for all of it), MFU does not."""
+    return dict(activation_checkpointing=True, recompute_fraction=round(3 * (hfu / mfu - 1), 2))
 
 PUBLISHED = [
     # torchtitan, docs/performance.md (mid-2024): FSDP2 on 64 A100 80GB, one unit gathered ahead.
@@ -61,10 +75,41 @@ PUBLISHED = [
     Point("torchtitan-a100", "llama2-13b", "a100-80gb-rdma-1600", 64, dict(micro_batch=2, prefetch=1), 2162),
     Point("torchtitan-a100", "llama2-70b", "a100-80gb-rdma-1600", 64, dict(micro_batch=2, prefetch=1, **FULL), 353),
     Point("torchtitan-a100", "llama3-70b", "a100-80gb-rdma-1600", 64, dict(micro_batch=1, prefetch=1, **FULL), 331),
-    # IBM and PyTorch, fms-fsdp's README (2024): 128 A100 80GB, bf16 reductions.
+    # IBM and PyTorch, fms-fsdp's README (2024): 128 A100 80GB at 400 Gbps, bf16 reductions.
     Point("fms-fsdp", "llama2-7b", "ibm-a100-roce", 128, dict(micro_batch=2, layout="hybrid", reduce_precision="bf16"),
           3760),
+    Point("fms-fsdp", "llama2-13b", "ibm-a100-roce", 128, dict(micro_batch=1, layout="hybrid", reduce_precision="bf16"),
+          1700),
+    Point("fms-fsdp", "llama2-34b", "ibm-a100-roce", 128, dict(micro_batch=8, reduce_precision="bf16", **FULL), 772),
     Point("fms-fsdp", "llama2-70b", "ibm-a100-roce", 128, dict(micro_batch=6, reduce_precision="bf16", **FULL), 380),
+    # The same README's later tables: every model at 2 sequences per GPU, on those 128 A100s and on 96
+    # H100s at 800 Gbps, eager (its March 2024 version, 4ffb9bd) and compiled (May 2024, ed74fd5).
+    # fms-fsdp's "selective" checkpointing recomputes whole blocks, every k-th: the fraction of the
+    # forward it recomputes is 3 (HFU / MFU - 1) from the same README's MFU and HFU (PyTorch's FLOP
+    # counter, recomputation included) for that run; 34B and 70B recompute every block (eager: "Full AC").
+    *(Point("fms-fsdp" + (" compiled" if compiled else ""), f"llama2-{size}", cluster, gpus,
+            dict(micro_batch=2, reduce_precision="bf16", compile=compiled, **checkpointing), measured)
+      for compiled, size, checkpointing, a100, h100 in (
+          (False, "7b", dict(layout="hybrid"), 3700, 7500),
+          (False, "13b", {}, 1800, 3800),  # selective: a fraction per GPU, below
+          (False, "34b", FULL, 700, 1550),
+          (False, "70b", FULL, 370, 800),
+          (True, "7b", dict(layout="hybrid"), 4550, 9600),
+          (True, "13b", {}, 2150, 4850),
+          (True, "34b", FULL, 820, 1830),
+          (True, "70b", FULL, 410, 890))
+      for cluster, gpus, measured in (("ibm-a100-roce", 128, a100), ("ibm-h100-rdma-800", 96, h100))
+      if size != "13b" and (compiled, size, cluster) != (False, "7b", "ibm-a100-roce")),  # that one is above
+    # 13B's selective checkpointing: HFU / MFU 0.59 / 0.51 and 0.40 / 0.35 eager, 0.69 / 0.61 and 0.46 / 0.43
+    # compiled (A100, H100).
+    Point("fms-fsdp", "llama2-13b", "ibm-a100-roce", 128,
+          dict(micro_batch=2, reduce_precision="bf16", **_selective(0.59, 0.51)), 1800),
+    Point("fms-fsdp", "llama2-13b", "ibm-h100-rdma-800", 96,
+          dict(micro_batch=2, reduce_precision="bf16", **_selective(0.40, 0.35)), 3800),
+    Point("fms-fsdp compiled", "llama2-13b", "ibm-a100-roce", 128,
+          dict(micro_batch=2, reduce_precision="bf16", compile=True, **_selective(0.69, 0.61)), 2150),
+    Point("fms-fsdp compiled", "llama2-13b", "ibm-h100-rdma-800", 96,
+          dict(micro_batch=2, reduce_precision="bf16", compile=True, **_selective(0.46, 0.43)), 4850),
     # MosaicML, LLM Foundry's throughput tables (2023): MPT models at 2048 tokens.
     Point("llm-foundry", "mpt-125m", "a100-80gb-rdma-1600", 8, dict(micro_batch=40, grad_accum=2, **COMPOSER), 142830),
     Point("llm-foundry", "mpt-1b", "a100-80gb-rdma-1600", 8, dict(micro_batch=14, grad_accum=4, **COMPOSER), 20513),
@@ -86,20 +131,37 @@ PUBLISHED = [
           76.8),
     Point("torchtitan-h100", "llama3.1-8b", "h100-grand-teton", 128, TRAININGS["torchtitan-llama3.1-8b-float8"],
           8380, 61.8),
+    # aws-samples/awsome-distributed-training, torchtitan on 4 AWS p5.48xlarge (2025): torchtitan's
+    # llama3_8b.toml of then (1 sequence per GPU, selective "op" checkpointing), eager bf16, then
+    # compiled with float8 and fp8 gathers.
+    Point("awsome-torchtitan", "llama3.1-8b", "h100-efa-3200", 32,
+          dict(_TORCHTITAN_LLAMA3, micro_batch=1), 6785),
+    Point("awsome-torchtitan float8", "llama3.1-8b", "h100-efa-3200", 32,
+          {**as_dict(TRAININGS["torchtitan-llama3.1-8b-float8"]), "micro_batch": 1, "name": "custom"}, 7865,
+          miss=_FP8_AT_32),
+    # torchtitan's benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: 32 and 64 H200, float8 with
+    # fp8 gathers, compiled, 2 sequences per GPU (it measured 48 GiB at the peak, where the memory
+    # model says 70).
+    *(Point("torchtitan-h200", "llama3.1-8b", "h200-rdma-3200", gpus, TRAININGS["torchtitan-llama3.1-8b-float8"],
+            measured, miss=_FP8_AT_32)
+      for gpus, measured in ((32, 10938), (64, 10753))),
 ]
 
 
 def _label(point: Point) -> str:
-    training = point.training.name if isinstance(point.training, TrainingSpec) else ""
+    training = point.training.name if isinstance(point.training, TrainingSpec) else f"b{point.training['micro_batch']}"
     return f"{point.source}:{point.model}:{point.gpus}x{point.cluster}:{training}"
 
 
 @pytest.fixture(scope="module")
 def errors() -> dict[str, float]:
+    labels = [_label(p) for p in PUBLISHED]
+    assert len(set(labels)) == len(labels), "two points of one label would check one of them"
     return {_label(p): p.predicted_tokens_per_s() / p.tokens_per_s - 1 for p in PUBLISHED}
 
 
-@pytest.mark.parametrize("point", PUBLISHED, ids=_label)
+@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.xfail(reason=p.miss, strict=True)) if p.miss
+                                   else p for p in PUBLISHED], ids=_label)
 def test_published_throughput_is_predicted(point, errors):
     assert abs(errors[_label(point)]) <= TOLERANCE
 
@@ -107,6 +169,12 @@ def test_published_throughput_is_predicted(point, errors):
 def test_most_published_points_are_predicted_within_ten_percent(errors):
     assert len(PUBLISHED) >= 8
     assert sum(abs(e) <= MOST for e in errors.values()) >= 0.75 * len(errors)
+
+
+def test_the_network_sets_a_part_of_the_step_in_at_least_a_dozen_published_runs():
+    """The runs that check the network's part: each node's NICs busy for a third of the step or more."""
+    busy = [p for p in PUBLISHED if (q := p.predict()).timeline.link_busy_s["inter"] >= q.step_time_s / 3]
+    assert len(busy) >= 12
 
 
 @pytest.mark.parametrize("point", [p for p in PUBLISHED if p.memory_gib], ids=_label)

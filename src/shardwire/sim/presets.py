@@ -94,6 +94,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec(name="t5-11b", layers=24, hidden=4096, heads=64, ffn_hidden=10240, params=11_100_000_000, **_T5),
     ModelSpec(name="llama2-7b", layers=32, hidden=4096, heads=32, ffn_hidden=11008, params=6_740_000_000, **_LLAMA2),
     ModelSpec(name="llama2-13b", layers=40, hidden=5120, heads=40, ffn_hidden=13824, params=13_000_000_000, **_LLAMA2),
+    # Code Llama 34B's shape (Meta did not release a Llama 2 34B): fms-fsdp's "34b" llama2 variant.
+    ModelSpec(name="llama2-34b", layers=48, hidden=8192, heads=64, kv_heads=8, ffn_hidden=22016,
+              params=33_700_000_000, **_LLAMA2),
     ModelSpec(name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
               params=69_000_000_000, **_LLAMA2),
     ModelSpec(name="llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
@@ -131,6 +134,7 @@ _A100_80 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-80gb"])
 _A100_40 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-40gb"])
 _H100 = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h100-sxm"])
 _GRAND_TETON = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h100-grand-teton"])
+_H200 = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h200"])  # the H200's SMs are the H100's
 
 
 def _channels(nics: int, sms: int) -> float:
@@ -150,8 +154,10 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     # The T5 document's IBM Cloud system: 2 x 100 GbE per node, 120 Gbps usable (stated).
     ClusterSpec(name="ibm-a100-ethernet", nodes=8, **_A100_80, inter_node=LinkSpec(
         busbw_GBps=15.0, latency_us=50.0, compute_share=_channels(2, A100_SMS))),
-    # The same system after its 2023 upgrade: RoCE with GPUDirect RDMA over the same links.
-    ClusterSpec(name="ibm-a100-roce", nodes=16, inter_node=_rdma(200, A100_SMS, nics=2), **_A100_80),
+    # The same system after its 2023 upgrade: RoCE with GPUDirect RDMA, 400 Gbps per node as fms-fsdp's
+    # tables state it; the H100 cluster of the same tables, 800 Gbps per node.
+    ClusterSpec(name="ibm-a100-roce", nodes=16, inter_node=_rdma(400, A100_SMS, nics=2), **_A100_80),
+    ClusterSpec(name="ibm-h100-rdma-800", nodes=12, inter_node=_rdma(800, H100_SMS, nics=2), **_H100),
     ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
     ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
     ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200, A100_SMS), **_A100_80),
@@ -163,6 +169,10 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400, H100_SMS), **_H100),
     ClusterSpec(name="h100-rdma-3200", nodes=1, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
     ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_GRAND_TETON),
+    # AWS p5.48xlarge: 3200 Gbps of EFA per node, 400 for each GPU (4 NICs of 100), counted as 8 rails.
+    ClusterSpec(name="h100-efa-3200", nodes=4, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
+    # torchtitan's H200 benchmark (Trainy on WhiteFiber): 400 Gb/s of RDMA per GPU (ConnectX-7).
+    ClusterSpec(name="h200-rdma-3200", nodes=4, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H200),
 )}
 
 # The T5 document's runs: BF16 with BF16 reductions (the FSDP example's policy), activation
