@@ -53,7 +53,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -61,8 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from systems import SHARDWIRE_SYSTEMS  # noqa: E402
 
-from shardwire.comm.quantize import encode  # noqa: E402
-from shardwire.comm.wire import DEFAULT_BLOCK, Codec  # noqa: E402
+from shardwire.comm.quantize import encode_rate  # noqa: E402
 from shardwire.models.gpt import PRESETS  # noqa: E402
 from shardwire.sim.architecture import architecture  # noqa: E402
 from shardwire.sim.calibrate import Measured, calibrated  # noqa: E402
@@ -182,17 +180,10 @@ def training_spec(settings: Settings, layout: str = "full", wire: str = "none",
 
 @functools.cache
 def quantize_rate() -> float:
-    """Elements per second one thread (a lane's) quantizes here: the median of a few int8 encodes
-    of 8M elements, the wire's kernels as the engine runs them. Measured once: every layout runs on
-    the same machine."""
+    """Elements per second one thread (a lane's) quantizes here, the wire's kernels as the engine
+    runs them. Measured once: every layout runs on the same machine."""
     torch.set_num_threads(1)
-    codec, values = Codec(8, DEFAULT_BLOCK), torch.randn(1, 8_000_000)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        encode(codec, values)
-        times.append(time.perf_counter() - start)
-    return values.numel() / statistics.median(times)
+    return encode_rate(torch.device("cpu"))
 
 
 def predict_run(run: Run, machine: ClusterSpec, settings: Settings, bench_path: str) -> Prediction:

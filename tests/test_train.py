@@ -22,6 +22,8 @@ from shardwire.cli import main
     (["--wire", "{x}"], r"--wire '\{x\}' is not understood"),
     (["--diloco", "sync_every={0}"], r"--diloco sync_every must be a positive integer.*, got '\{0\}'"),
     (["--fault-tolerance", "lighthouse=h:1,min_groups={}"], r"--fault-tolerance min_groups must be a number, got '\{\}'"),
+    (["--plan", "auto", "--wire", "int8"], "--plan auto chooses the wire and the syncs itself"),
+    (["--plan", "auto-lossy", "--layout", "hybrid", "--diloco", "sync_every=20"], "leave out --wire and --diloco"),
 ])
 def test_bad_settings_are_refused_before_launch(args, message):
     with pytest.raises(SystemExit, match=message):

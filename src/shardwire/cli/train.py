@@ -148,6 +148,14 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {err.as_options()}") from None
     if diloco is not None and uses_renamed_keys(config.diloco):
         config.diloco = str(diloco)  # the workers get the new names, and warn no more
+    if config.plan != "none":
+        if fault_tolerance is not None:
+            raise SystemExit("error: --plan with --fault-tolerance: a fault-tolerant job's layout is fixed (hybrid, "
+                             "one group, syncing every H steps); leave --plan out")
+        if config.wire != "none" or diloco is not None:
+            raise SystemExit(f"error: --plan {config.plan} chooses the wire and the syncs itself (auto: exact "
+                             f"collectives; auto-lossy also weighs quantized wires and DiLoCo): leave out --wire and "
+                             f"--diloco, or --plan")
     if fault_tolerance is not None:
         if not config.print_launch:  # a printed command leaves each node to name itself
             config.fault_tolerance = str(fault_tolerance)  # every worker of the group the same name and lighthouse

@@ -117,6 +117,19 @@ class Profiler:
     def save(self, run_dir: str) -> dict | None:
         """Write ``run_dir/profile.json`` and ``run_dir/trace.json`` on rank 0 (every rank must
         call this); returns the summary on rank 0 and None elsewhere."""
+        collected = self.collect()
+        if collected is None:
+            return None
+        profile, per_rank_timelines = collected
+        os.makedirs(run_dir, exist_ok=True)
+        write_atomically(os.path.join(run_dir, PROFILE_FILE), json.dumps(profile), durable=True)
+        write_atomically(os.path.join(run_dir, TRACE_FILE), json.dumps(chrome_trace(per_rank_timelines)),
+                         durable=True)
+        return profile["summary"]
+
+    def collect(self) -> tuple[dict, list] | None:
+        """The profile (what ``save`` writes as profile.json) and every rank's step timelines, on
+        rank 0, None elsewhere (every rank must call this)."""
         timelines = self._recorder.timelines()
         if not timelines:
             raise ValueError("no step was profiled: run training steps inside `with profiler.step():` first")
@@ -152,11 +165,7 @@ class Profiler:
             "timeline": {"step": steps[typical]["step"],
                          "ranks": [dataclasses.asdict(ranks[typical]) for ranks in per_rank_timelines]},
         }
-        os.makedirs(run_dir, exist_ok=True)
-        write_atomically(os.path.join(run_dir, PROFILE_FILE), json.dumps(profile), durable=True)
-        write_atomically(os.path.join(run_dir, TRACE_FILE), json.dumps(chrome_trace(per_rank_timelines)),
-                         durable=True)
-        return summary
+        return profile, per_rank_timelines
 
     def throughput(self, step_s: float) -> dict:
         """Tokens/s, TFLOP/s per worker and MFU/HFU for a step time (the slowest rank's)."""

@@ -112,12 +112,14 @@ def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
     if not isinstance(doc, Mapping) or doc.get("schema") != BENCH_SCHEMA:
         raise SpecError(f"{path} is not `shardwire bench --json` output (schema {BENCH_SCHEMA!r})")
     try:
-        return _cluster_from_bench_document(doc, path, cluster)
+        return cluster_from_bench_document(doc, path, cluster)
     except (KeyError, TypeError) as err:
         raise SpecError(f"{path} lacks {err} where schema {BENCH_SCHEMA!r} has it: was it edited?") from None
 
 
-def _cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -> ClusterSpec:
+def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with the nodes, GPUs per node and network levels of a bench document (``path``
+    names where it came from)."""
     context, fits = doc["context"], doc["fit"]
     nodes, per_node = context["nodes"], context["ranks_per_node"]
     levels = {}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Mapping
 
 from shardwire.launch import torchrun_command
 from shardwire.sim.gpt_sizes import BYTE_VOCAB
@@ -98,8 +99,9 @@ class Launch:
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
-         exact: bool = False) -> Plan:
-    """Search the settings (``exact``: exact collectives only, and no DiLoCo offered); raises
+         exact: bool = False, fixed: Mapping[str, object] | None = None) -> Plan:
+    """Search the settings (``exact``: exact collectives only, and no DiLoCo offered; ``fixed``:
+    settings held at these values, as a run that plans itself holds its batch); raises
     ``SpecError`` when the batch is out of range or does not divide, or nothing fits."""
     if global_batch < 1:
         raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
@@ -115,7 +117,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         )
     per_gpu = global_batch // world
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
-    candidates = candidate_settings(per_gpu, cluster, base, exact=exact)
+    candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
+    if not candidates:
+        raise SpecError(f"no configuration holds {', '.join(f'{key} {value}' for key, value in fixed.items())} "
+                        f"with {per_gpu} samples per GPU")
     arch = architecture(model, base.compute_bytes)
     memory = {t: estimate_memory(arch, cluster, t) for t in candidates}
     fitting = [t for t in candidates if memory[t].fits]
@@ -140,9 +145,14 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
     diloco = None
     if not exact and cluster.nodes > 1:
-        syncing = [t for t in diloco_settings(per_gpu, cluster, base) if estimate_memory(arch, cluster, t).fits]
+        syncing = [t for t in diloco_settings(per_gpu, cluster, base)
+                   if _holds(t, fixed) and estimate_memory(arch, cluster, t).fits]
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco)
+
+
+def _holds(t: TrainingSpec, fixed: Mapping[str, object] | None) -> bool:
+    return fixed is None or all(getattr(t, key) == value for key, value in fixed.items())
 
 
 def describe_settings(t: TrainingSpec) -> str:

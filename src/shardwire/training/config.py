@@ -64,6 +64,11 @@ class TrainConfig:
                 "through a torchft lighthouse: none, or key=value pairs such as lighthouse=http://head:29510,"
                 "group=node-3 (also min_groups, timeout in seconds); each group checkpoints under "
                 "--checkpoint-dir/GROUP")
+    plan: str = option(
+        "none", "auto: before training, measure this cluster's collectives and a few steps of the job, and train "
+                "with the layout, shard group, prefetch and resharding the simulator predicts fastest (exact "
+                "collectives); auto-lossy: also weigh quantized wires and --diloco, which change the optimisation",
+        choices=("none", "auto", "auto-lossy"))
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
     compile: bool = option(False, "compile each unit's forward with torch.compile (the first step compiles)")
     data: str | None = option(

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import gc
 import math
 import os
 import sys
@@ -50,6 +51,7 @@ from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
 from shardwire.options import flag
+from shardwire.training import autoplan
 from shardwire.training.config import TrainConfig, changed_settings, training_settings
 from shardwire.training.data import (
     MAX_SEED,
@@ -96,19 +98,63 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
                          f"the first one") from None
     with worker.process_group(device, timeout):
         try:
-            _train(config, device, export)
+            planned = autoplan.plan_run(config, device, _probe) if config.plan != "none" else None
+            _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
             raise SystemExit(f"error: --data: {err}") from None
 
 
-def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | None) -> None:
-    """``export``: rank 0's stage of the ``--export-hf`` directory (``train``)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _probe(config: TrainConfig, device: torch.device, steps: int) -> dict[str, float]:
+    """Train ``steps`` steps of ``config`` under the profiler and throw them away: the medians of rank
+    0's forward, backward and optimizer over the steps after the first, on every rank."""
+    job = _build(config, device)
+    tokens_per_step = config.batch * dist.get_world_size() * config.grad_accum * job.choice.seq_len
+    profiler = Profiler(job.model, job.optimizer, tokens_per_step=tokens_per_step, probe_peak=False)
+    diverged, loss_sum = _Divergence(config, device), torch.zeros((), device=device)
+    for step in range(steps):
+        job.model.train()
+        with profiler.step():
+            _step(job, config, step, device, diverged, loss_sum)
+    collected = profiler.collect()
+    profiler.close()
+    del job, profiler
+    gc.collect()  # the probe's model and optimizer state, before the run builds its own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    figures = [None]
+    if collected is not None:
+        summary = collected[0]["summary"]["figures"]
+        figures = [{f"{phase}_s": summary[f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")}]
+    dist.broadcast_object_list(figures, src=0)
+    return figures[0]
+
+
+@dataclasses.dataclass
+class _Job:
+    """What a run trains: its model, built and sharded, the optimizer and its schedule, the data."""
+
+    choice: ModelChoice
+    corpus: ByteCorpus | TokenCorpus
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: shardwire.GradScaler
+    params: int
+    precision: str  # as the start line names it
+
+    @property
+    def engine(self):
+        return engine_of(self.model)
+
+
+def _build(config: TrainConfig, device: torch.device) -> _Job:
+    """The model made from ``config.seed`` and sharded (a unit at a time where it is made on the meta
+    device: no worker holds the whole model), its pretrained weights loaded, and its optimizer."""
     choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     corpus = training_corpus(config, choice)
 
     torch.manual_seed(config.seed)
-    if choice.init is not None:  # made a unit at a time by shard: no worker holds the whole model
+    if choice.init is not None:
         with torch.device("meta"):
             model = choice.build()
     else:
@@ -127,18 +173,55 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     except (ValueError, ConnectionError) as err:
         # what only the built model shows, a lighthouse out of reach
         raise SystemExit(f"error: {err}") from None
-    engine = engine_of(model)
+    scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
+    # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),
+                                  fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    return _Job(choice, corpus, model, optimizer, scheduler, scaler, params, precision)
+
+
+def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diverged: _Divergence,
+          loss_sum: torch.Tensor) -> None:
+    """One optimizer step: the micro-batches (all but the last under ``no_sync``), clipping, the
+    optimizer and the schedule; each micro-batch's loss is added to ``loss_sum``."""
+    model, choice, world = job.model, job.choice, dist.get_world_size()
+    rank, global_batch = dist.get_rank(), config.batch * world
+    rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
+    for micro in range(config.grad_accum):
+        batch = _to_device(job.corpus.batch(step * config.grad_accum + micro, global_batch, choice.seq_len,
+                                            seed=config.seed, rows=rows), device)
+        last = micro == config.grad_accum - 1
+        with contextlib.nullcontext() if last else shardwire.no_sync(model):
+            loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
+            job.scaler.scale(loss / config.grad_accum).backward()
+        loss_sum += loss.detach()
+        diverged.note_loss(step, loss.detach())
+    job.scaler.unscale_(job.optimizer)
+    if config.clip > 0:
+        norm = shardwire.clip_grad_norm_(model, config.clip)
+        if not job.scaler.is_enabled():  # under fp16 an overflowing step is skipped, not divergence
+            diverged.note_norm(step, norm.to_local() if isinstance(norm, DTensor) else norm)
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    job.scheduler.step()
+    job.optimizer.zero_grad(set_to_none=True)
+
+
+def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | None,
+           planned: autoplan.Planned | None = None) -> None:
+    """``export``: rank 0's stage of the ``--export-hf`` directory (``train``); ``planned``: what
+    ``--plan`` chose and predicted, checked against the steps measured."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = _build(config, device)
+    choice, corpus, model, optimizer, scheduler = job.choice, job.corpus, job.model, job.optimizer, job.scheduler
+    engine = job.engine
     quorum = engine.layout.quorum
     if quorum is not None:
         # Each group its own batches (the model's seed stays shared) and its own checkpoints.
         config = dataclasses.replace(
             config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
             checkpoint_dir=config.checkpoint_dir and os.path.join(config.checkpoint_dir, quorum.settings.group))
-    scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
-    # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
-    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),
-                                  fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     shardwire.recover_with(model, optimizer=optimizer, scheduler=scheduler)
 
     global_batch = config.batch * world
@@ -146,11 +229,11 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     trained_on = _trained_on(config, corpus, global_batch)
     tokens_per_step = global_batch * config.grad_accum * choice.seq_len
     if rank == 0:
-        print(f"shardwire train: {choice.name} ({params / 1e6:.2f}M parameters), {world} ranks "
+        print(f"shardwire train: {choice.name} ({job.params / 1e6:.2f}M parameters), {world} ranks "
               f"({worker.backend_for(device)}, {device.type}), {len(engine.units)} block units + root, "
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
-              f"{precision}; data: {corpus.description}", flush=True)
+              f"{job.precision}; data: {corpus.description}", flush=True)
     start = _resume(config, model, optimizer, scheduler, trained_on) if config.checkpoint_dir else 0
     if quorum is not None:  # meet the other groups: one that is behind takes their state and step here
         engine.outer.join()
@@ -162,28 +245,14 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     interval_start, interval_steps, losses = time.perf_counter(), 0, []
     started = time.perf_counter()
 
+    check = autoplan.StepCheck(planned, start, config.steps, device) if planned is not None else None
     step = start
     while step < config.steps:
         model.train()
+        if check is not None:
+            check.starting(step)
         with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
-            for micro in range(config.grad_accum):
-                batch = _to_device(corpus.batch(step * config.grad_accum + micro, global_batch, choice.seq_len,
-                                                seed=config.seed, rows=rows), device)
-                last = micro == config.grad_accum - 1
-                with contextlib.nullcontext() if last else shardwire.no_sync(model):
-                    loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
-                    scaler.scale(loss / config.grad_accum).backward()
-                loss_sum += loss.detach()
-                diverged.note_loss(step, loss.detach())
-            scaler.unscale_(optimizer)
-            if config.clip > 0:
-                norm = shardwire.clip_grad_norm_(model, config.clip)
-                if not scaler.is_enabled():  # under fp16 an overflowing step is skipped, not divergence
-                    diverged.note_norm(step, norm.to_local() if isinstance(norm, DTensor) else norm)
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            _step(job, config, step, device, diverged, loss_sum)
         if quorum is not None:  # a group that was behind took the others' step at this step's sync
             step = min(engine.outer.steps, config.steps) - 1
         interval_steps += 1

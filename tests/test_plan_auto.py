@@ -1,0 +1,55 @@
+"""``shardwire train --plan auto``: the workers measure their collectives and a few steps, the
+simulator picks the layout, and the run trains with it and checks its step against the prediction.
+Which layout wins where is the testbed's to show (docs/benchmarks/layouts.md, "A run that plans
+itself"); here, that the run plans, says what it chose, trains with what it said, and checks."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shardwire.sim.planner import plan
+from shardwire.sim.presets import CLUSTERS, MODELS
+from shardwire.sim.specs import SpecError, TrainingSpec, as_dict, parse
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--log-every", "5",
+                           "--eval-batches", "1", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_plans_itself_trains_with_its_choice_and_checks_the_step(tmp_path):
+    done = _train("--nproc", "2", "--steps", "10", "--plan", "auto", "--layout", "full", "--prefetch", "0")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    measured = re.search(r"plan auto: measured each node's ranks at [\d.]+ [MG]B/s \([\d,]+ us a step\); 2 of 3 "
+                         r"probe steps of --layout full --prefetch 0 --reshard computed: forward \d+, backward \d+, "
+                         r"optimizer \d+ ms", out)
+    assert measured, out
+    chose = re.search(r"plan auto: chose --layout (\S+) --prefetch (\d) --(no-)?reshard, predicted step [\d.e-]+ s", out)
+    assert chose, out
+    layout, prefetch, kept = chose.groups()
+    start = re.search(r"layout (\S+?),.*, prefetch (\d), (reshard|keep) after forward", out)
+    assert start and (start[1], start[2], start[3] == "keep") == (layout, prefetch, kept is not None), out
+    assert re.search(r"plan: steps 3-7 took [\d.e-]+ s each against [\d.e-]+ s predicted \([+-]\d+%\), "
+                     r"(within 15%|more than 15% off)", out), out
+
+
+@pytest.mark.slow
+def test_one_rank_plans_nothing():
+    done = _train("--nproc", "1", "--steps", "2", "--plan", "auto")
+    assert done.returncode == 0, done.stderr
+    assert "plan auto: one rank communicates nothing: the settings stay as given" in done.stdout
+
+
+def test_the_search_holds_what_a_run_fixes():
+    """A run's micro-batch, accumulation and checkpointing are its own: the plan searches the rest."""
+    cluster = parse("cluster", {**as_dict(CLUSTERS["a100-100gbe"]), "nodes": 2})
+    fixed = {"micro_batch": 2, "grad_accum": 2, "activation_checkpointing": True}
+    found = plan(MODELS["gpt-1.3b"], cluster, 64, TrainingSpec(), exact=True, fixed=fixed)
+    for p in (found.best, found.runner_up):
+        assert (p.training.micro_batch, p.training.grad_accum, p.training.activation_checkpointing) == (2, 2, True)
+        assert p.training.wire == "none"
+    with pytest.raises(SpecError, match="no configuration holds micro_batch 3"):
+        plan(MODELS["gpt-1.3b"], cluster, 64, TrainingSpec(), fixed={"micro_batch": 3})
