@@ -43,7 +43,8 @@ from shardwire.sim.inputs import cluster_from_bench_document, load_model
 from shardwire.sim.memory import GIB
 from shardwire.sim.planner import TIE, plan, runnable
 from shardwire.sim.presets import GPUS
-from shardwire.sim.specs import ClusterSpec, LinkSpec, SpecError, TrainingSpec, parse
+from shardwire.sim.predict import predict
+from shardwire.sim.specs import ClusterSpec, LinkSpec, SpecError, TrainingSpec, as_dict, parse
 from shardwire.training.config import TrainConfig
 
 PLANS = ("none", "auto", "auto-lossy")
@@ -59,8 +60,6 @@ WARMUP_STEPS, CHECKED_STEPS = 2, 5
 AGREEMENT = 0.15
 # Known GPUs by the name CUDA reports: their presets' memory, bandwidth and kernels' rates.
 _KNOWN_GPUS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-{memory}gb"))
-# What the run's settings are called where a plan names them.
-_CHOSEN = ("layout", "shard_group_size", "reshard", "prefetch", "wire", "diloco")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,28 +84,31 @@ def plan_run(config: TrainConfig, device: torch.device,
     launched = Placement.launched(world)
     network = _measure_network(config, device, launched)
     compute = probe(config, device, PROBE_STEPS)
+    fixed = {"micro_batch": config.batch, "grad_accum": config.grad_accum,
+             "activation_checkpointing": config.activation_checkpointing}
     try:
         model = load_model(config.model, config.seq_len)
-        base = parse("training", {"micro_batch": config.batch, "grad_accum": config.grad_accum,
-                                  "precision": config.precision, "compile": config.compile,
-                                  "activation_checkpointing": config.activation_checkpointing})
-        cluster = _cluster(network, compute, device, launched, model, base, lossy=config.plan == "auto-lossy")
-        found = plan(model, cluster, config.batch * config.grad_accum * world, base,
-                     exact=config.plan == "auto", fixed={"micro_batch": config.batch, "grad_accum": config.grad_accum,
-                                                         "activation_checkpointing": config.activation_checkpointing})
+        base = parse("training", {**fixed, "precision": config.precision, "compile": config.compile})
+        probed = parse("training", {**as_dict(base), "layout": config.layout, "prefetch": config.prefetch,
+                                    "shard_group_size": config.shard_group_size,
+                                    "reshard_after_forward": config.reshard})
+        cluster = _cluster(network, compute, device, launched, model, base, probed,
+                           lossy=config.plan == "auto-lossy")
+        found = plan(model, cluster, config.batch * config.grad_accum * world, base, exact=config.plan == "auto",
+                     fixed=fixed)
     except SpecError as err:
         raise SystemExit(f"error: --plan {config.plan}: {err}") from None
     best, runner_up = found.best, found.runner_up
     if found.diloco is not None and found.diloco.step_time_s < best.step_time_s * (1 - TIE):
         best, runner_up = found.diloco, best
+    planned = _apply(config, best.training, cluster)
     say(f"plan {config.plan}: measured {_levels(cluster, launched)}; {PROBE_STEPS - 1} of {PROBE_STEPS} probe steps "
-        f"of {_settings(_chosen(config))} computed: forward {compute['forward_s'] * 1e3:.0f}, backward "
+        f"of {_settings(config)} computed: forward {compute['forward_s'] * 1e3:.0f}, backward "
         f"{compute['backward_s'] * 1e3:.0f}, optimizer {compute['optimizer_s'] * 1e3:.0f} ms", flush=True)
-    chosen = _chosen(_apply(config, best.training, cluster))
-    other = "" if runner_up is None else (f"; runner-up {_settings(_chosen(_apply(config, runner_up.training, cluster)))} "
+    other = "" if runner_up is None else (f"; runner-up {_settings(_apply(config, runner_up.training, cluster))} "
                                          f"({runner_up.step_time_s:.3g} s)")
-    say(f"plan {config.plan}: chose {_settings(chosen)}, predicted step {best.step_time_s:.3g} s{other}", flush=True)
-    return Planned(_apply(config, best.training, cluster), best.step_time_s)
+    say(f"plan {config.plan}: chose {_settings(planned)}, predicted step {best.step_time_s:.3g} s{other}", flush=True)
+    return Planned(planned, best.step_time_s)
 
 
 class StepCheck:
@@ -148,18 +150,19 @@ def _measure_network(config: TrainConfig, device: torch.device, launched: Placem
     groups = [name for name, size in (("intra", launched.ranks_per_node), ("inter", launched.nodes)) if size > 1]
     settings = BenchConfig(ops=["all_gather", "reduce_scatter"], groups=groups, impl="shardwire",
                            min_bytes=PROBE_SIZES[0], max_bytes=PROBE_SIZES[1], step_factor=4, warmup=1, iters=3,
-                           backend=config.backend, timeout=config.timeout)
+                           backend=config.backend, timeout=config.timeout, contention=True)
     results = benchmark(settings, device)
-    return report.document(results.context, results.ops)
+    return report.document(results.context, results.ops, results.contention)
 
 
 def _cluster(network: dict, compute: dict[str, float], device: torch.device, launched: Placement,
-             model, base: TrainingSpec, *, lossy: bool) -> ClusterSpec:
+             model, base: TrainingSpec, probed: TrainingSpec, *, lossy: bool) -> ClusterSpec:
     """This cluster as the simulator describes one: its device, its measured levels, its compute
-    model fitted to the probe's steps."""
+    model fitted to the probe's steps (of ``probed``)."""
     gpu = _known_gpu(device)
     arch = architecture(model, base.compute_bytes)
-    reached = 3 * arch.forward_flops * base.micro_batch * base.grad_accum / (compute["forward_s"] + compute["backward_s"])
+    flops = 3 * arch.forward_flops * base.micro_batch * base.grad_accum
+    reached = flops / (compute["forward_s"] + compute["backward_s"])
     unmeasured = LinkSpec(busbw_GBps=1.0)  # replaced by the measured levels
     if gpu is None:
         local = launched.ranks_per_node
@@ -171,8 +174,15 @@ def _cluster(network: dict, compute: dict[str, float], device: torch.device, lau
     described = ClusterSpec(name="this cluster", nodes=launched.nodes, gpus_per_node=launched.ranks_per_node,
                             intra_node=unmeasured, inter_node=unmeasured, **machine)
     measured = cluster_from_bench_document(network, "the probe's collectives", described)
-    return calibrated(measured, Measured(compute["forward_s"], compute["backward_s"], compute["optimizer_s"],
-                                         ranks=launched.world, model=model, training=base), "the probe's steps")
+    fitted = calibrated(measured, Measured(compute["forward_s"], compute["backward_s"], compute["optimizer_s"],
+                                           ranks=launched.world, model=model, training=base), "the probe's steps")
+    # The probe computed beside its own collectives, slower by what they took: fit the compute model
+    # to what its forward and backward would have taken alone, as the simulator prices that slowdown.
+    slowed = predict(model, fitted, probed).compute_slowed_s
+    alone = 1 - slowed / (compute["forward_s"] + compute["backward_s"])
+    return calibrated(measured, Measured(compute["forward_s"] * alone, compute["backward_s"] * alone,
+                                         compute["optimizer_s"], ranks=launched.world, model=model, training=base),
+                      "the probe's steps")
 
 
 def _known_gpu(device: torch.device) -> str | None:
@@ -192,17 +202,13 @@ def _apply(config: TrainConfig, t: TrainingSpec, cluster: ClusterSpec) -> TrainC
                                diloco=shard.get("diloco", "none"))
 
 
-def _chosen(config: TrainConfig) -> dict:
-    return {name: getattr(config, name) for name in _CHOSEN}
-
-
-def _settings(chosen: dict) -> str:
-    """The chosen settings as the command line gives them, those at their defaults left out."""
-    words = [f"--layout {chosen['layout']}"]
-    if chosen["shard_group_size"] is not None:
-        words.append(f"--shard-group-size {chosen['shard_group_size']}")
-    words += [f"--prefetch {chosen['prefetch']}", "--reshard" if chosen["reshard"] else "--no-reshard"]
-    words += [f"--{name} {chosen[name]}" for name in ("wire", "diloco") if chosen[name] != "none"]
+def _settings(config: TrainConfig) -> str:
+    """The settings a plan chooses, as the command line gives them, those left at their defaults out."""
+    words = [f"--layout {config.layout}"]
+    if config.shard_group_size is not None:
+        words.append(f"--shard-group-size {config.shard_group_size}")
+    words += [f"--prefetch {config.prefetch}", "--reshard" if config.reshard else "--no-reshard"]
+    words += [f"--{name} {getattr(config, name)}" for name in ("wire", "diloco") if getattr(config, name) != "none"]
     return " ".join(words)
 
 
