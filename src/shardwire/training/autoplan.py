@@ -47,7 +47,6 @@ from shardwire.sim.predict import predict
 from shardwire.sim.specs import ClusterSpec, LinkSpec, SpecError, TrainingSpec, as_dict, parse
 from shardwire.training.config import TrainConfig
 
-PLANS = ("none", "auto", "auto-lossy")
 # The collectives measured, smallest to largest, four times apart: enough for a latency and a
 # bandwidth on each level, a few seconds at 100 Mbit/s.
 PROBE_SIZES = (256 << 10, 4 << 20)
@@ -79,7 +78,7 @@ def plan_run(config: TrainConfig, device: torch.device,
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *_, **__: None)
     if world == 1:
-        say("plan auto: one rank communicates nothing: the settings stay as given", flush=True)
+        say(f"plan {config.plan}: one rank communicates nothing: the settings stay as given", flush=True)
         return None
     launched = Placement.launched(world)
     network = _measure_network(config, device, launched)
@@ -118,7 +117,7 @@ class StepCheck:
     def __init__(self, planned: Planned, start: int, steps: int, device: torch.device):
         self._planned = planned
         self._first = start + WARMUP_STEPS
-        self._last = self._first + CHECKED_STEPS if self._first + CHECKED_STEPS <= steps else None
+        self._last = self._first + CHECKED_STEPS if self._first + CHECKED_STEPS < steps else None
         self._device = device
         self._started: float | None = None
 
