@@ -22,6 +22,10 @@ of the same target is refused, naming the first.
 
 ``output_problem`` and ``directory_problem`` say what stops a path being written, so that the
 command line (``shardwire.options``) refuses it before any work, with the same words.
+``rewrite_problem`` adds the rule for a result a command makes again (a plot, a bench file, a
+profile, the scalar log it appends to): it replaces or extends only an earlier result of its own
+kind (``OUTPUTS``, told by the file's first bytes), never the user's other files, be they weights,
+data or a checkpoint's manifest.
 """
 
 from __future__ import annotations
@@ -50,6 +54,30 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.
 _TEMPORARY_STEM = 100
 # In a staged directory: the file its writer holds locked, naming itself, until the rename.
 _CLAIM = ".shardwire-claim"
+# How much of an existing output is read to tell whether a command wrote it.
+_HEAD_BYTES = 64 << 10
+
+
+def _first_line_is_scalars(head: bytes) -> bool:
+    try:
+        line = json.loads(head.split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(line, dict) and {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= line.keys()
+
+
+# The results commands make again, by what they are called in messages and how their first bytes look.
+OUTPUTS = {
+    "png": ("a plot shardwire drew",
+            lambda head: head.startswith(b"\x89PNG\r\n\x1a\n") and b"Matplotlib" in head),
+    "bench-json": ("a `shardwire bench --json` file",
+                   lambda head: head.lstrip().startswith(b'{\n  "schema": "shardwire.bench/')),
+    "bench-csv": ("a `shardwire bench --csv` file", lambda head: head.startswith(b"group,ranks,op,")),
+    "profile": ("a profile shardwire wrote",
+                lambda head: head.startswith(b'{"version": ') and b'"world_size"' in head),
+    "trace": ("a trace shardwire wrote", lambda head: head.startswith(b'{"traceEvents": ')),
+    "scalars": ("a `--log-jsonl` log", _first_line_is_scalars),
+}
 
 
 class OutputRefused(OSError):
@@ -65,6 +93,24 @@ def output_problem(path: str | os.PathLike) -> str | None:
     directory = os.path.dirname(os.path.realpath(path))
     problem = directory_problem(directory)
     return None if problem is None else f"cannot be written: its directory {directory} {problem}"
+
+
+def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
+    """What stops ``path`` being written as a result of ``kind`` (a key of ``OUTPUTS``) that a command
+    makes again, or None: ``output_problem``, or a file there, not empty, that is not such a result."""
+    if (problem := output_problem(path)) is not None:
+        return problem
+    try:
+        with open(path, "rb") as existing:
+            head = existing.read(_HEAD_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"cannot be read to see what it holds ({err.strerror or err})"
+    what, ours = OUTPUTS[kind]
+    if head and not ours(head):
+        return f"exists and is not {what}: give another file name (a rerun replaces only its own results)"
+    return None
 
 
 def new_output_problem(path: str | os.PathLike) -> str | None:

@@ -23,11 +23,39 @@ REFUSED = 2
 # What a worker process takes before it holds any data: Python with torch imported is about 220 MB
 # resident; no worker comes in under this.
 _WORKER_FOOTPRINT = 128 << 20
+# torchrun's variables a worker reads its place in the world from.
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def under_launcher() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets torchrun's variables)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launcher_problem() -> str | None:
+    """What makes torchrun's variables in this environment a world no worker can join, or None.
+    Left in a shell by another job, ``WORLD_SIZE=2 RANK=5`` would have a command wait out its
+    timeout for peers that never come; a launcher never sets them so."""
+    values = {}
+    for name in _LAUNCHER_VARIABLES:
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        if not (text.isascii() and text.isdigit() and len(text) < 10):
+            return (f"{name}={text[:40]!r} in the environment is not a count of ranks: torchrun sets it; unset it "
+                    f"(left from another job?) or launch with torchrun")
+        values[name] = int(text)
+    remedy = ("(torchrun's variables, left from another job?): unset them to start local workers, or launch with "
+              "torchrun")
+    for size in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        if values.get(size) == 0:
+            return f"the environment sets {size}=0, which no launch gives {remedy}"
+    # each rank below its count, and a node's ranks no more than the world's
+    for low, high, equal in (("RANK", "WORLD_SIZE", False), ("LOCAL_RANK", "LOCAL_WORLD_SIZE", False),
+                             ("LOCAL_WORLD_SIZE", "WORLD_SIZE", True)):
+        if low in values and high in values and values[low] >= values[high] + equal:
+            return f"the environment sets {low}={values[low]} and {high}={values[high]}, which no launch gives {remedy}"
+    return None
 
 
 def die_with_launcher() -> None:

@@ -29,8 +29,13 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
-from shardwire.files import directory_problem, output_problem
+from shardwire.files import directory_problem, rewrite_problem
 from shardwire.renamed import warn_renamed
+
+
+# A whole number an option may be, unless it says less: past it the job's arithmetic (a step count in
+# float64, a seed or a size in int64) is no longer exact, long before any run could use it.
+MAX_COUNT = 2**53
 
 
 class OptionError(ValueError):
@@ -111,7 +116,8 @@ def option(default=dataclasses.MISSING, help: str = "", *, factory: Callable[[],
     default, whether ``default`` is one); ``renamed_from``: its name before a rename."""
     bounds = None
     if at_least is not None or above is not None or at_most is not None:
-        bounds = Bounds(at_least, above, isinstance(default, float) if real is None else real, unit, at_most)
+        real = isinstance(default, float) if real is None else real
+        bounds = Bounds(at_least, above, real, unit, at_most if at_most is not None or real else MAX_COUNT)
     metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds, renamed_from)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -202,9 +208,10 @@ def check_writable_directory(path: str, option: str) -> None:
         raise OptionError(f"{option} {path} {problem}")
 
 
-def check_output_file(path: str, option: str) -> None:
-    """``path`` names a regular file the job can write (``shardwire.files``' policy), or one it can create."""
-    if (problem := output_problem(path)) is not None:
+def check_output_file(path: str, option: str, kind: str) -> None:
+    """``path`` names a regular file the job can write as a result of ``kind`` (``shardwire.files``'
+    policy: one it can create, or an earlier result of that kind)."""
+    if (problem := rewrite_problem(path, kind)) is not None:
         raise OptionError(f"{option} {path} {problem}")
 
 

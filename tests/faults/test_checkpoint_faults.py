@@ -96,12 +96,17 @@ def logged_warnings():
         logger.removeHandler(handler)
 
 
-def crash_while_writing():
-    """Every rank's save fails while writing its file, leaving the save's temporary directory."""
-    def disk_full(path, data):
-        raise OSError(28, "No space left on device")
+def disk_full(path, data):
+    raise OSError(28, "No space left on device")
 
-    return mock.patch.object(save, "write_durably", disk_full)
+
+@contextlib.contextmanager
+def crash_while_writing():
+    """Every rank's save stops while writing its file, as a process killed there stops: the save's
+    temporary directory stays (a save that fails and lives on removes it)."""
+    with mock.patch.object(save, "write_durably", disk_full), \
+            mock.patch.object(save.PendingCheckpoint, "_discard_staging", lambda self: None):
+        yield
 
 
 # ------------------------------------------------------------------------------------ scenarios
@@ -128,6 +133,18 @@ def _user_temporaries(rank, directory):
         "after save": listing(directory),
         "notes": (directory / "step_00000001.tmp-0123456789ab" / "notes.txt").read_text(),
     }
+
+
+def _failed_save(rank, directory):
+    """A save that fails on a full disk, in a directory with a checkpoint and a user's directory named
+    like a temporary: what it wrote goes, the rest stays."""
+    model, optimizer = make_model(seed=0)
+    save_step(directory, model, optimizer, 1)
+    on_rank_0(rank, lambda: (directory / "step_00000002.tmp-0123456789ab").mkdir())
+    with mock.patch.object(save, "write_durably", disk_full):
+        failed = outcome(lambda: save_step(directory, model, optimizer, 2))
+    dist.barrier()  # rank 0 has cleaned up
+    return {"failed": failed, "after": listing(directory)}
 
 
 def _prune_among_strangers(rank, directory):
@@ -269,6 +286,7 @@ def _incomplete_made_by_a_save(rank, directory):
 
 SCENARIOS = {
     "user temporaries": _user_temporaries,
+    "failed save": _failed_save,
     "prune": _prune_among_strangers,
     "bad manifests": _bad_manifests,
     "step unlike name": _step_unlike_name,
@@ -310,6 +328,12 @@ def test_clean_up_leaves_a_users_directory_named_like_a_temporary(scenarios):
     assert len(leftover) == 1 and leftover[0].startswith("step_00000001.tmp-")  # the crashed save's
     assert outcome["after save"] == sorted([*users, "step_00000001"])  # its leftover deleted, nothing else
     assert outcome["notes"] == "mine"
+
+
+def test_a_save_that_fails_and_lives_on_leaves_nothing_of_itself(scenarios):
+    outcome = result(scenarios, "failed save")
+    assert "No space left on device" in outcome["failed"]
+    assert outcome["after"] == ["step_00000001", "step_00000002.tmp-0123456789ab"]  # the user's stays
 
 
 def test_prune_deletes_only_complete_checkpoints(scenarios):

@@ -115,6 +115,30 @@ def test_commands_refuse_an_output_that_is_not_a_regular_file_before_any_work(co
     assert unchanged(tmp_path, made)
 
 
+@pytest.mark.parametrize("command", [
+    ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--json"],
+    ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--csv"],
+    ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--plot"],
+    ["train", "--log-jsonl"],
+    ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"],
+])
+def test_a_result_made_again_replaces_only_its_own_never_weights_data_or_a_manifest(command, tmp_path, capsys):
+    """A command's result replaces (the log: extends) its earlier self; a file of anything else at
+    that name (model weights, token data, a checkpoint's manifest) is refused before any work."""
+    theirs = {"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ", "tokens.npy": b"\x93NUMPY\x01\x00",
+              "manifest.json": b'{"format": "shardwire.checkpoint/1", "step": 2, "loss": 1.0}'}
+    for name, data in theirs.items():
+        (tmp_path / name).write_bytes(data)
+        try:
+            status = main([*command, str(tmp_path / name)])
+        except SystemExit as exit:
+            status, message = 1, str(exit)
+        else:
+            message = capsys.readouterr().err
+        assert status != 0 and f"{tmp_path / name} exists and is not " in message, message
+        assert (tmp_path / name).read_bytes() == data
+
+
 def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refused(tmp_path):
     os.mkfifo(tmp_path / "profile.json")
     with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json is a FIFO, not a regular file"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.training.config import TrainConfig
 from shardwire.training.data import DataChanged, data_change, load_corpus
 from shardwire.training.loop import _Divergence
+from shardwire.training.scalars import ScalarLog
 
 
 def train(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
@@ -64,10 +66,51 @@ def dcp_directory(tmp_path):
     (["--timeout", "0.001"], "error: --timeout must be a finite number of seconds, at least 10, got 0.001"),
     (["--checkpoint-dir", "/proc/shardwire-x"], "error: --checkpoint-dir /proc/shardwire-x cannot be created: /proc "
                                                 "is not writable"),  # as root too: tried, not read off its mode
+    (["--steps", str(2**63)], "error: --steps must be at most 9,007,199,254,740,992, got 9223372036854775808"),
+    # activations, not only the logits: a batch no worker can hold is refused before it is killed for memory
+    (["--batch", "100000"], "error: --batch 100000 sequences of 32 tokens need 30.9 GiB per worker for their "
+                            "activations"),
 ])
 def test_options_the_workers_would_fail_on_are_refused_before_they_start(args, message, no_workers):
     with pytest.raises(SystemExit, match=re.escape(message)):
         main(["train", "--model", "tiny", *args])
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0"}, "the environment sets RANK=5 and WORLD_SIZE=2, which no "
+                                                          "launch gives (torchrun's variables, left from another job?)"),
+    ({"WORLD_SIZE": "abc", "LOCAL_RANK": "0"}, "WORLD_SIZE='abc' in the environment is not a count of ranks"),
+])
+def test_torchruns_variables_left_in_the_environment_are_one_line_not_a_wait(environment, message):
+    """A world no worker can join (another job's variables in the shell) would wait out --timeout."""
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "1"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **environment})
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"error: {message}") and done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_a_first_node_out_of_reach_is_one_line_without_cs_stack_frames():
+    """A worker of a job whose first node never answers: c10d's own error logs (stack frames and all)
+    stay quiet, and shardwire's line says what to do."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    environment = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "1",
+                           "--timeout", "10"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **environment})
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: the workers did not meet within --timeout 10 seconds")
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_scalar_log_makes_its_directory(tmp_path):
+    log = ScalarLog(jsonl=str(tmp_path / "new" / "deeper" / "log.jsonl"))
+    log.write(1, {"loss": 2.0})
+    log.close()
+    assert (tmp_path / "new" / "deeper" / "log.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
 
 
 def test_compile_without_a_compiler_is_one_line_before_the_workers_start(monkeypatch, no_workers):

@@ -124,9 +124,9 @@ def validate(config: BenchConfig, world: int) -> None:
     try:
         check_bounds(config)
         if int(os.environ.get("RANK", "0")) == 0:  # the rank that saves them
-            for output in ("json", "csv", "plot"):
+            for output, kind in (("json", "bench-json"), ("csv", "bench-csv"), ("plot", "png")):
                 if getattr(config, output) is not None:
-                    check_output_file(getattr(config, output), f"--{output}")
+                    check_output_file(getattr(config, output), f"--{output}", kind)
     except OptionError as err:
         raise BenchError(str(err)) from None
     if config.plot is not None:

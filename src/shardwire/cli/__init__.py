@@ -21,7 +21,7 @@ from types import ModuleType
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
 from shardwire.extras import MissingExtra
-from shardwire.launch import REFUSED, die_with_launcher, under_launcher
+from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, under_launcher
 from shardwire.renamed import RenamedWarning
 
 COMMANDS = {
@@ -65,11 +65,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints usage or help and exits
         return 2
     name, rest = argv[0], argv[1:]
+    if (problem := launcher_problem()) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if under_launcher():
         die_with_launcher()
-    module, parser = command(name)
+    # Every C++ error a command can meet (c10d's sockets and stores, NCCL) reaches shardwire as an
+    # exception, which it says in one line; torch would also log each with its stack frames.
+    # TORCH_CPP_LOG_LEVEL=INFO brings them back.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    try:
+        module, parser = command(name)  # imports torch: seconds, in which Ctrl-C must be one line too
+    except KeyboardInterrupt:
+        return _interrupted()
     with _renamed_in_one_line():
         return _run(module, parser, rest)
+
+
+def _interrupted() -> int:
+    """Ctrl-C: a worker leaves quietly, and its launcher says what was saved."""
+    if not under_launcher():
+        print("interrupted", file=sys.stderr)
+    return 130
 
 
 def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -> int:
@@ -87,10 +104,8 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
             raise
         print(err.code, file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
         return REFUSED
-    except KeyboardInterrupt:  # Ctrl-C: a worker leaves quietly, and its launcher says what was saved
-        if not under_launcher():
-            print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return _interrupted()
     except BrokenPipeError:  # the reader went away (| head): what is left to print has no one to read it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

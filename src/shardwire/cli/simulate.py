@@ -37,7 +37,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.plot:
             require("matplotlib", "--plot")
             try:
-                check_output_file(args.plot, "--plot")
+                check_output_file(args.plot, "--plot", "png")
             except OptionError as err:
                 raise SpecError(str(err)) from None
         model, cluster, training = inputs.load_arguments(args)

@@ -38,6 +38,9 @@ from shardwire.options import (
     config_from,
 )
 from shardwire.profile.profiler import PROFILE_FILE, TRACE_FILE
+from shardwire.sim.architecture import architecture
+from shardwire.sim.memory import activation_bytes
+from shardwire.sim.specs import TrainingSpec
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
 from shardwire.training.data import check_default_corpus
 from shardwire.training.loop import train, training_corpus
@@ -121,13 +124,13 @@ def _validate(config: TrainConfig) -> None:
             if config.profile:
                 check_writable_directory(config.run_dir or "runs", "--run-dir")
                 if config.run_dir is not None:  # the default one is named for the time the run ends
-                    for name in (PROFILE_FILE, TRACE_FILE):
-                        check_output_file(os.path.join(config.run_dir, name), "--run-dir:")
+                    for name, kind in ((PROFILE_FILE, "profile"), (TRACE_FILE, "trace")):
+                        check_output_file(os.path.join(config.run_dir, name), "--run-dir:", kind)
             if config.tensorboard is not None:
                 require("tensorboard", "--tensorboard")
                 check_writable_directory(config.tensorboard, "--tensorboard")
             if config.log_jsonl is not None:
-                check_output_file(config.log_jsonl, "--log-jsonl")
+                check_output_file(config.log_jsonl, "--log-jsonl", "scalars")
             if config.export_hf is not None:
                 if not config.model.startswith(HF_PREFIX):
                     raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
@@ -233,8 +236,9 @@ def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
     holds part of the model whole in fp32 while it builds it (the root unit and its largest unit,
     where it is made a unit at a time on the meta device; all of it, where it loads pretrained
     weights), then keeps its share of the fp32 weights, gradients and Adam's two moments (16 bytes a
-    parameter, over the world at most), and the loss holds a micro-batch's logits in fp32
-    (``loss_fn``), a vocabulary's worth per token."""
+    parameter, over the world at most), and a micro-batch's activations: those the simulator's
+    memory model counts (``shardwire.sim.memory.activation_bytes``) where it knows the architecture,
+    the loss's logits in fp32 (``loss_fn``, a vocabulary's worth per token) among them."""
     world, local = _world_and_node_size(config)
     try:
         memory = worker.memory_per_worker(config.backend, local)
@@ -243,6 +247,11 @@ def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
     fewer = "" if worker.uses_cuda(config.backend) else ", or start fewer workers (--nproc)"
     held, shards, state = 4 * choice.held_whole, 4 * choice.params // world, 16 * choice.params // world
     logits = 4 * config.batch * choice.seq_len * choice.vocab_size
+    activations = logits
+    if choice.spec is not None:
+        training = TrainingSpec(micro_batch=config.batch, precision=config.precision,
+                                activation_checkpointing=config.activation_checkpointing)
+        activations = max(logits, activation_bytes(architecture(choice.spec, training.compute_bytes), training))
     if held + shards > memory:
         how = ("on each worker that loads its pretrained weights whole" if choice.init is None else
                f"held whole on each worker while it builds its largest unit and root (on the meta device, a unit "
@@ -251,9 +260,10 @@ def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
             f"error: {choice.name} has {choice.params:,} parameters, {held / 2**30:.3g} GiB of them in fp32 {how}, "
             f"more than each of the {local} workers here can hold ({memory / 2**30:.3g} GiB): "
             f"pick a smaller --model{fewer}")
-    if state + logits > memory:
+    if state + activations > memory:
         raise SystemExit(
-            f"error: --batch {config.batch} sequences of {choice.seq_len} tokens need {logits / 2**30:.3g} GiB per "
-            f"worker for their fp32 logits ({choice.vocab_size:,} per token) beside {state / 2**30:.3g} GiB of "
-            f"the model's sharded state, more than each of the {local} workers here can hold "
-            f"({memory / 2**30:.3g} GiB): lower --batch (raising --grad-accum keeps the batch) or --seq-len{fewer}")
+            f"error: --batch {config.batch} sequences of {choice.seq_len} tokens need {activations / 2**30:.3g} GiB "
+            f"per worker for their activations (fp32 logits of {choice.vocab_size:,} per token among them) beside "
+            f"{state / 2**30:.3g} GiB of the model's sharded state, more than each of the {local} workers here can "
+            f"hold ({memory / 2**30:.3g} GiB): lower --batch (raising --grad-accum keeps the batch) or "
+            f"--seq-len{fewer}")

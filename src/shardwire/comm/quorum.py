@@ -59,6 +59,12 @@ class QuorumPending:
             self._work = None
 
 
+def _unreachable(settings: FaultTolerance) -> str:
+    return (f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within {settings.timeout:g} s: "
+            f"start torchft_lighthouse there, or give the address this node reaches it at "
+            f"(--fault-tolerance lighthouse=HOST:PORT)")
+
+
 class Quorum:
     """This rank's view of the fault-tolerant groups: ``start`` a sync, ``all_reduce`` in it, ``commit``."""
 
@@ -66,6 +72,7 @@ class Quorum:
         """``group``: the ranks of this group (the job), which share a store for torchft's manager."""
         try:
             import torchft
+            from torchft.coordination import LighthouseClient
         except ImportError:
             raise ImportError("fault tolerance needs torchft: pip install 'shardwire[ft]'") from None
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # the log's sync field says what they say
@@ -82,6 +89,16 @@ class Quorum:
         port = group.all_gather_values([self._store.port if self._store is not None else 0],
                                        tag="fault tolerance store")[0][0]
         self.settings = settings
+        # Rank 0's manager talks to the lighthouse, the others to rank 0's: where rank 0 cannot reach
+        # it, every rank says so alike, instead of the others failing on a manager that went away.
+        reached = [1]
+        if group.rank == 0:
+            try:
+                LighthouseClient(settings.lighthouse, connect_timeout=timeout)
+            except RuntimeError:
+                reached = [0]
+        if not group.all_gather_values(reached, tag="fault tolerance lighthouse")[0][0]:
+            raise ConnectionError(_unreachable(settings))
         try:
             self._manager = torchft.Manager(
                 pg=across, load_state_dict=None, state_dict=None, min_replica_size=settings.min_groups,
@@ -97,10 +114,7 @@ class Quorum:
         except RuntimeError as err:  # torchft's traceback, where one line says what to check
             if settings.lighthouse not in str(err):
                 raise
-            raise ConnectionError(
-                f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within {settings.timeout:g} s: "
-                f"start torchft_lighthouse there, or give the address this node reaches it at "
-                f"(--fault-tolerance lighthouse=HOST:PORT)") from None
+            raise ConnectionError(_unreachable(settings)) from None
         self.participants = 0  # groups in the current quorum
         self.recovered = False  # whether this group is behind: it receives the others' state at ``commit``
         # Since the last ``take_costs``: what failures cost this rank, for the log.

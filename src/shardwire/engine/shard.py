@@ -127,6 +127,11 @@ def shard(
             as ``diloco``, with a warning, for a release.
         sharding: ``layout``'s name before, likewise.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() takes the model, an nn.Module, got {type(model).__name__}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(process_group).__name__}")
     _check_not_sharded(model)
     current = _single_device(model)
     on_meta = current.type == "meta"
@@ -134,8 +139,10 @@ def shard(
     policy = MixedPrecision.parse(mixed_precision)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+            and 0 < timeout <= worker.MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be a positive number of seconds, at most {worker.MAX_TIMEOUT_S:,} (a "
+                         f"year), got {timeout!r}")
     wire = Wire.parse(wire)
     if sharding is not None:
         layout = renamed_argument("shard", "sharding", "layout", sharding, given_new=layout != "full")

@@ -98,7 +98,7 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
     try:  # every output checked before any is drawn
         check_writable_directory(out, "--out")
         for _, path, _ in plots:
-            check_output_file(path, "--out:")
+            check_output_file(path, "--out:", "png")
     except OptionError as err:
         raise ReportError(str(err)) from None
     with _damage_reported(run_dirs):

@@ -99,11 +99,20 @@ class MemoryEstimate:
         return max(0.0, self.peak - self.usable)
 
 
+def activation_bytes(arch: Architecture, training: TrainingSpec) -> float:
+    """What a micro-batch's forward keeps for its backward, at its peak (``activations`` above):
+    with checkpointing each block's input and, under a selective policy, what it does not recompute."""
+    dropped = training.recomputed
+    kept = sum(u.activation_bytes - dropped * (u.activation_bytes - u.boundary_bytes) for u in arch.units)
+    working = max((u.activation_bytes for u in arch.units), default=0.0)
+    return training.micro_batch * (kept + arch.root.activation_bytes + working + arch.logits_bytes)
+
+
 def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> MemoryEstimate:
     P = arch.params
     plan = layout_plan(cluster, training)
     shard_over = plan.split_over
-    c, r, m = training.compute_bytes, training.reduce_bytes, training.micro_batch
+    c, r = training.compute_bytes, training.reduce_bytes
     largest = max((u.params for u in arch.units), default=0)
 
     if training.reshards:
@@ -122,11 +131,7 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
     if plan.keeps_secondary and training.reshards:
         secondary = c * sum(u.params for u in arch.units) / plan.group
 
-    # Checkpointing keeps each block's input and, under a selective policy, what it does not recompute.
-    dropped = training.recomputed
-    kept = sum(u.activation_bytes - dropped * (u.activation_bytes - u.boundary_bytes) for u in arch.units)
-    working = max((u.activation_bytes for u in arch.units), default=0.0)
-    activations = m * (kept + arch.root.activation_bytes + working + arch.logits_bytes)
+    activations = activation_bytes(arch, training)
 
     return MemoryEstimate(
         parameter_shards=4 * P / shard_over,

@@ -54,11 +54,18 @@ PROBE_SIZES = (256 << 10, 4 << 20)
 # units' order and warms the allocator).
 PROBE_STEPS = 3
 NOMINAL_PEAK = 2.0
+# The probe's compute is taken to have run at no less than this part of its rate alone, whatever its
+# collectives are priced to have taken from it.
+MOST_SLOWED = 0.25
 # The run's steps measured against the prediction: after the first WARMUP_STEPS, CHECKED_STEPS of them.
 WARMUP_STEPS, CHECKED_STEPS = 2, 5
 AGREEMENT = 0.15
 # Known GPUs by the name CUDA reports: their presets' memory, bandwidth and kernels' rates.
 _KNOWN_GPUS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-{memory}gb"))
+
+
+class PlanError(Exception):
+    """What stops a plan: every rank meets it alike (their measurements are the same)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +103,7 @@ def plan_run(config: TrainConfig, device: torch.device,
         found = plan(model, cluster, config.batch * config.grad_accum * world, base, exact=config.plan == "auto",
                      fixed=fixed)
     except SpecError as err:
-        raise SystemExit(f"error: --plan {config.plan}: {err}") from None
+        raise PlanError(f"--plan {config.plan}: {err}") from None
     best, runner_up = found.best, found.runner_up
     if found.diloco is not None and found.diloco.step_time_s < best.step_time_s * (1 - TIE):
         best, runner_up = found.diloco, best
@@ -157,31 +164,32 @@ def _measure_network(config: TrainConfig, device: torch.device, launched: Placem
 def _cluster(network: dict, compute: dict[str, float], device: torch.device, launched: Placement,
              model, base: TrainingSpec, probed: TrainingSpec, *, lossy: bool) -> ClusterSpec:
     """This cluster as the simulator describes one: its device, its measured levels, its compute
-    model fitted to the probe's steps (of ``probed``)."""
+    model fitted to the probe's steps (of ``probed``). The probe computed beside its own
+    collectives, slower by what they took: the model is fitted to what its forward and backward
+    would have taken alone, as the simulator prices that slowdown."""
     gpu = _known_gpu(device)
-    arch = architecture(model, base.compute_bytes)
-    flops = 3 * arch.forward_flops * base.micro_batch * base.grad_accum
-    reached = flops / (compute["forward_s"] + compute["backward_s"])
-    unmeasured = LinkSpec(busbw_GBps=1.0)  # replaced by the measured levels
-    if gpu is None:
-        local = launched.ranks_per_node
-        machine = dict(gpu=f"this {device.type}", peak_tflops=NOMINAL_PEAK * reached / 1e12,
-                       gpu_memory_gb=worker.memory_per_worker(worker.backend_for(device), local) / GIB,
-                       quantize_gelems=encode_rate(device) / 1e9 if lossy else None)
-    else:
-        machine = GPUS[gpu]
-    described = ClusterSpec(name="this cluster", nodes=launched.nodes, gpus_per_node=launched.ranks_per_node,
-                            intra_node=unmeasured, inter_node=unmeasured, **machine)
-    measured = cluster_from_bench_document(network, "the probe's collectives", described)
-    fitted = calibrated(measured, Measured(compute["forward_s"], compute["backward_s"], compute["optimizer_s"],
-                                           ranks=launched.world, model=model, training=base), "the probe's steps")
-    # The probe computed beside its own collectives, slower by what they took: fit the compute model
-    # to what its forward and backward would have taken alone, as the simulator prices that slowdown.
-    slowed = predict(model, fitted, probed).compute_slowed_s
-    alone = 1 - slowed / (compute["forward_s"] + compute["backward_s"])
-    return calibrated(measured, Measured(compute["forward_s"] * alone, compute["backward_s"] * alone,
-                                         compute["optimizer_s"], ranks=launched.world, model=model, training=base),
-                      "the probe's steps")
+    quantize = encode_rate(device) / 1e9 if lossy and gpu is None else None
+    computing = compute["forward_s"] + compute["backward_s"]
+    flops = 3 * architecture(model, base.compute_bytes).forward_flops * base.micro_batch * base.grad_accum
+
+    def fitted(alone: float) -> ClusterSpec:
+        if gpu is None:
+            machine = dict(gpu=f"this {device.type}", peak_tflops=NOMINAL_PEAK * flops / (alone * computing) / 1e12,
+                           gpu_memory_gb=worker.memory_per_worker(worker.backend_for(device),
+                                                                  launched.ranks_per_node) / GIB,
+                           quantize_gelems=quantize)
+        else:
+            machine = GPUS[gpu]
+        unmeasured = LinkSpec(busbw_GBps=1.0)  # replaced by the measured levels
+        described = ClusterSpec(name="this cluster", nodes=launched.nodes, gpus_per_node=launched.ranks_per_node,
+                                intra_node=unmeasured, inter_node=unmeasured, **machine)
+        measured = cluster_from_bench_document(network, "the probe's collectives", described)
+        steps = Measured(compute["forward_s"] * alone, compute["backward_s"] * alone, compute["optimizer_s"],
+                         ranks=launched.world, model=model, training=base)
+        return calibrated(measured, steps, "the probe's steps")
+
+    slowed = predict(model, fitted(1.0), probed).compute_slowed_s
+    return fitted(max(1 - slowed / computing, MOST_SLOWED))
 
 
 def _known_gpu(device: torch.device) -> str | None:

@@ -217,7 +217,7 @@ class TokenCorpus:
     def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16") -> TokenCorpus:
         file = pathlib.Path(path)
         if not file.exists():
-            raise FileNotFoundError(f"data path {path} does not exist: pass a .bin or .npy file of token ids")
+            raise FileNotFoundError(f"data path {path} {_missing(file)}: pass a .bin or .npy file of token ids")
         return cls(file, _read_ids(file, bin_dtype), seq_len)
 
     @property
@@ -305,7 +305,7 @@ def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
         return _standard_library_files()
     root = pathlib.Path(path)
     if not root.exists():
-        raise FileNotFoundError(f"data path {path} does not exist: pass a text file or a directory of them")
+        raise FileNotFoundError(f"data path {path} {_missing(root)}: pass a text file or a directory of them")
     if root.is_file():
         return [root], str(root)
     if not root.is_dir():  # a device or a FIFO would be read without end
@@ -359,3 +359,10 @@ class ByteCorpus:
         data = self.splits[split]
         starts = _starts(data.numel(), global_batch, seq_len, seed, step, split)[rows]
         return torch.stack([data[s : s + seq_len + 1] for s in starts]).long()
+
+
+def _missing(path: pathlib.Path) -> str:
+    """Why ``path``, which does not exist as far as a reader can tell, cannot be read."""
+    if path.is_symlink():
+        return "is a symbolic link that leads nowhere (a loop, or its target is gone)"
+    return "does not exist"

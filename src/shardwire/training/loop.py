@@ -102,6 +102,8 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
             raise SystemExit(f"error: --data: {err}") from None
+        except autoplan.PlanError as err:
+            raise _agreed(f"error: {err}") from None
 
 
 def _probe(config: TrainConfig, device: torch.device, steps: int) -> dict[str, float]:
@@ -171,8 +173,8 @@ def _build(config: TrainConfig, device: torch.device) -> _Job:
         if choice.load is not None:
             choice.load(model)
     except (ValueError, ConnectionError) as err:
-        # what only the built model shows, a lighthouse out of reach
-        raise SystemExit(f"error: {err}") from None
+        # what only the built model shows, a lighthouse out of reach: every rank meets it alike
+        raise _agreed(f"error: {err}") from None
     scaler = shardwire.GradScaler(model, enabled=config.precision == "fp16")  # passes through unless fp16
     # fused: one kernel over all parameters (torch's default for CPU tensors loops over them)
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from shardwire.extras import require
@@ -43,6 +44,8 @@ class ScalarLog:
 
             self._writer = SummaryWriter(tensorboard)
         self._jsonl_path = jsonl
+        if jsonl is not None:  # its directories made, as for every output (shardwire.files)
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
         self._jsonl = open(jsonl, "a") if jsonl is not None else None
 
     def write(self, step: int, scalars: dict[str, float]) -> None:

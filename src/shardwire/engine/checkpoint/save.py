@@ -30,6 +30,7 @@ save's, and otherwise set aside under a name of its own, with a warning, never d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -165,6 +166,8 @@ class PendingCheckpoint:
             )
         except Exception as err:
             self._failure = err
+            if is_rank0:
+                self._discard_staging()
             raise
         finally:
             self._done = True
@@ -211,6 +214,12 @@ class PendingCheckpoint:
             _make_way(target)
         staging.rename(target)
         _fsync_directory(target.parent)
+
+    def _discard_staging(self) -> None:
+        """Rank 0, once every rank has stopped writing a save that failed: delete what it wrote, so
+        that a full disk does not fill further with each retry (the next save sweeps what this cannot)."""
+        with contextlib.suppress(OSError):
+            ownership.sweep(self.path.parent)
 
     def _tidy(self) -> None:
         """Rank 0, once the checkpoint is visible: delete what ``keep`` drops, the checkpoint this one

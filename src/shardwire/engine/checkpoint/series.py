@@ -9,6 +9,7 @@ loader says why it skips it, but ``prune`` neither counts nor deletes it.
 
 from __future__ import annotations
 
+import numbers
 import pathlib
 import re
 
@@ -19,7 +20,9 @@ _DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system w
 
 
 def checkpoint_path(directory: str | pathlib.Path, step: int) -> pathlib.Path:
-    """Where the series in ``directory`` keeps the checkpoint of ``step``."""
+    """Where the series in ``directory`` keeps the checkpoint of ``step`` (a whole number from 0)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # -1 would sort before 0
+        raise ValueError(f"a checkpoint's step is a whole number from 0, got {step!r}")
     return pathlib.Path(directory) / f"step_{step:08d}"
 
 
