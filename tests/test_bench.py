@@ -11,6 +11,7 @@ import io
 import pytest
 import torch
 
+import shardwire
 from harness import run_workers
 from shardwire.bench import ops
 from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE
@@ -131,6 +132,23 @@ def test_engine_transport_keeps_each_group_to_its_own_communicator():
             (group, op) for group in ("world", "intra", "inter") for op in ("all_gather", "reduce_scatter")
         ]
         assert all(wrong == 0 and rows == 3 for *_, wrong, rows in measured)
+
+
+def bench_then_hybrid_layout(rank, world):
+    config = dataclasses.replace(TINY, impl="shardwire", ops=["all_gather"], groups=["intra", "inter"],
+                                 ranks_per_node=2)
+    benchmark(config, CPU)
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), layout="hybrid",
+                            shard_group_size=2, timeout=30)
+    model(torch.ones(2, 4)).sum().backward()
+    return True
+
+
+def test_a_layout_made_after_a_bench_in_the_same_processes_forms_its_groups():
+    """The bench's groups leave every process holding as many groups as the others, so groups made
+    later by their members alone (a hybrid layout's, as `train --plan` makes them) get one name on
+    all of them: with the inter-node group made on its members only, they waited for each other."""
+    assert run_workers(4, bench_then_hybrid_layout, timeout=120, env={"LOCAL_WORLD_SIZE": "2"}) == [True] * 4
 
 
 def quantized_wire(rank, world):

@@ -28,10 +28,16 @@ def intra_node_group(launched: Placement) -> dist.ProcessGroup:
 
 
 def inter_node_group(launched: Placement) -> dist.ProcessGroup | None:
-    """The group of each node's first rank; None on other ranks. Every rank must call it."""
-    ranks = launched.cross_node_members()
-    group = dist.new_group(ranks)
-    return group if dist.get_rank() in ranks else None
+    """The group of each node's first rank; None on other ranks. Every rank must call it.
+
+    Every rank makes a group (that of its position on every node), so that every process holds as
+    many groups as the others: torch names a group its members make alone (``_own_group``) by its
+    ranks and the count of groups the process holds, and a group of some ranks only would give the
+    next such group one name on them and another on the rest, which then wait for each other."""
+    columns = [[launched.rank(node, local) for node in range(launched.nodes)]
+               for local in range(launched.ranks_per_node)]
+    group, _ = dist.new_subgroups_by_enumeration(columns)
+    return group if dist.get_rank() in launched.cross_node_members() else None
 
 
 def blocks(group: dist.ProcessGroup, size: int, device: torch.device,
