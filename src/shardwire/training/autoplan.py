@@ -4,11 +4,13 @@ Before training, every worker takes part in two short measurements, and the simu
 
 1. **the network**: the engine's own all-gathers and reduce-scatters (``shardwire bench``'s engine
    with ``--impl shardwire``) over each node's ranks and over one rank per node, at
-   ``PROBE_SIZES``: each level's busbw and latency per step, as ``shardwire simulate
-   --cluster-from`` reads a bench file;
+   ``PROBE_SIZES``: each level's busbw and latency per step, and what a running all-gather and
+   compute take from each other (``--contention``), as ``shardwire simulate --cluster-from`` reads
+   a bench file;
 2. **the compute**: ``PROBE_STEPS`` steps of the job as given, under the profiler, then thrown
    away: the medians of the steps after the first fit the compute model, as ``shardwire simulate
-   --calibrate`` fits a profile. A known GPU (an A100, H100 or H200) keeps its preset's memory and
+   --calibrate`` fits a profile, less what the probe's own collectives took from them (the
+   simulator's slowdown of the probed configuration). A known GPU (an A100, H100 or H200) keeps its preset's memory and
    bandwidth; any other device, a CPU among them, is given a nominal peak of ``NOMINAL_PEAK`` times
    the rate the probe reached (only the fitted fraction of it enters a prediction);
 3. **the choice**: ``shardwire plan``'s search (``shardwire.sim.planner.plan``) over the layouts,

@@ -2,7 +2,9 @@
 
 Build the model and shard it, build the optimizer and its schedule, resume from the newest
 checkpoint, then step: micro-batches (all but the last under ``no_sync``), clipping, the optimizer,
-and at its intervals the progress line, a validation loss and a checkpoint. Batches are a function of
+and at its intervals the progress line, a validation loss and a checkpoint. With ``--plan``, a few
+steps of the job as given are trained first and thrown away, to measure it
+(``shardwire.training.autoplan``). Batches are a function of
 the step (``shardwire.training.data``), so the step is the whole data position a checkpoint needs.
 The settings are ``TrainConfig``'s; ``shardwire.cli.train`` checks them before any worker starts.
 """
@@ -106,31 +108,6 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             raise _agreed(f"error: {err}") from None
 
 
-def _probe(config: TrainConfig, device: torch.device, steps: int) -> dict[str, float]:
-    """Train ``steps`` steps of ``config`` under the profiler and throw them away: the medians of rank
-    0's forward, backward and optimizer over the steps after the first, on every rank."""
-    job = _build(config, device)
-    tokens_per_step = config.batch * dist.get_world_size() * config.grad_accum * job.choice.seq_len
-    profiler = Profiler(job.model, job.optimizer, tokens_per_step=tokens_per_step, probe_peak=False)
-    diverged, loss_sum = _Divergence(config, device), torch.zeros((), device=device)
-    for step in range(steps):
-        job.model.train()
-        with profiler.step():
-            _step(job, config, step, device, diverged, loss_sum)
-    collected = profiler.collect()
-    profiler.close()
-    del job, profiler
-    gc.collect()  # the probe's model and optimizer state, before the run builds its own
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    figures = [None]
-    if collected is not None:
-        summary = collected[0]["summary"]["figures"]
-        figures = [{f"{phase}_s": summary[f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")}]
-    dist.broadcast_object_list(figures, src=0)
-    return figures[0]
-
-
 @dataclasses.dataclass
 class _Job:
     """What a run trains: its model, built and sharded, the optimizer and its schedule, the data."""
@@ -208,6 +185,31 @@ def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diver
     job.scaler.update()
     job.scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
+
+
+def _probe(config: TrainConfig, device: torch.device, steps: int) -> dict[str, float]:
+    """Train ``steps`` steps of ``config`` under the profiler and throw them away: the medians of rank
+    0's forward, backward and optimizer over the steps after the first, on every rank."""
+    job = _build(config, device)
+    tokens_per_step = config.batch * dist.get_world_size() * config.grad_accum * job.choice.seq_len
+    profiler = Profiler(job.model, job.optimizer, tokens_per_step=tokens_per_step, probe_peak=False)
+    diverged, loss_sum = _Divergence(config, device), torch.zeros((), device=device)
+    for step in range(steps):
+        job.model.train()
+        with profiler.step():
+            _step(job, config, step, device, diverged, loss_sum)
+    collected = profiler.collect()
+    profiler.close()
+    del job, profiler
+    gc.collect()  # the probe's model and optimizer state, before the run builds its own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    figures = [None]
+    if collected is not None:
+        summary = collected[0]["summary"]["figures"]
+        figures = [{f"{phase}_s": summary[f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")}]
+    dist.broadcast_object_list(figures, src=0)
+    return figures[0]
 
 
 def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | None,
