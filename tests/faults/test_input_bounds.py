@@ -132,7 +132,10 @@ def test_text_larger_than_a_worker_holds_is_refused_before_it_is_read(tmp_path, 
 
 
 def test_a_sequence_longer_than_the_default_corpus_is_refused_before_any_worker(capsys):
-    assert "its validation split (1%) must hold a sequence of 1000001 bytes" in refusal(
+    assert "its validation split (1%) must hold a sequence of 400001 bytes" in refusal(
+        ["train", "--model", "tiny", "--batch", "1", "--seq-len", "400000"], capsys)
+    # a sequence whose activations no worker holds is refused for them first
+    assert "--batch 1 sequences of 1000000 tokens need 40.5 GiB per worker for their activations" in refusal(
         ["train", "--batch", "1", "--seq-len", "1000000"], capsys)
 
 

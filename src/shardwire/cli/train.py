@@ -248,10 +248,10 @@ def _check_memory(config: TrainConfig, choice: ModelChoice) -> None:
     held, shards, state = 4 * choice.held_whole, 4 * choice.params // world, 16 * choice.params // world
     logits = 4 * config.batch * choice.seq_len * choice.vocab_size
     activations = logits
-    if choice.spec is not None:
-        training = TrainingSpec(micro_batch=config.batch, precision=config.precision,
-                                activation_checkpointing=config.activation_checkpointing)
-        activations = max(logits, activation_bytes(architecture(choice.spec, training.compute_bytes), training))
+    if choice.spec is not None:  # a sequence's, then the batch's (any batch: past the simulator's bounds too)
+        sequence = TrainingSpec(precision=config.precision, activation_checkpointing=config.activation_checkpointing)
+        activations = max(logits, config.batch * activation_bytes(architecture(choice.spec, sequence.compute_bytes),
+                                                                  sequence))
     if held + shards > memory:
         how = ("on each worker that loads its pretrained weights whole" if choice.init is None else
                f"held whole on each worker while it builds its largest unit and root (on the meta device, a unit "
