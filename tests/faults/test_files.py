@@ -92,6 +92,15 @@ def test_a_written_file_has_the_umask_mode_or_keeps_its_own_and_parents_are_made
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target").read_text() == "new"
 
 
+def _run(command: list[str], output, capsys) -> tuple[int, str]:
+    """``command`` with ``output`` as its last argument: its status and what it said."""
+    try:
+        status = main([*command, str(output)])
+    except SystemExit as exit:
+        return 1, str(exit)
+    return status, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [
     ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--json"],
     ["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--csv"],
@@ -105,12 +114,7 @@ def test_commands_refuse_an_output_that_is_not_a_regular_file_before_any_work(co
     for name, kind in made.items():
         if command[-1] in ("--checkpoint-dir", "--run-dir") and name == "directory":
             continue
-        try:
-            status = main([*command, str(tmp_path / name)])
-        except SystemExit as exit:
-            status, message = 1, str(exit)
-        else:
-            message = capsys.readouterr().err
+        status, message = _run(command, tmp_path / name, capsys)
         assert status != 0 and f"{tmp_path / name} is {kind}" in message, message
     assert unchanged(tmp_path, made)
 
@@ -129,12 +133,7 @@ def test_a_result_made_again_replaces_only_its_own_never_weights_data_or_a_manif
               "manifest.json": b'{"format": "shardwire.checkpoint/1", "step": 2, "loss": 1.0}'}
     for name, data in theirs.items():
         (tmp_path / name).write_bytes(data)
-        try:
-            status = main([*command, str(tmp_path / name)])
-        except SystemExit as exit:
-            status, message = 1, str(exit)
-        else:
-            message = capsys.readouterr().err
+        status, message = _run(command, tmp_path / name, capsys)
         assert status != 0 and f"{tmp_path / name} exists and is not " in message, message
         assert (tmp_path / name).read_bytes() == data
 
