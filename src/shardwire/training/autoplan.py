@@ -38,6 +38,7 @@ from shardwire import worker
 from shardwire.bench import report
 from shardwire.bench.benchmark import BenchConfig, benchmark
 from shardwire.comm.quantize import encode_rate
+from shardwire.options import command_line
 from shardwire.placement import Placement
 from shardwire.sim.architecture import architecture
 from shardwire.sim.calibrate import Measured, calibrated
@@ -212,13 +213,11 @@ def _apply(config: TrainConfig, t: TrainingSpec, cluster: ClusterSpec) -> TrainC
 
 
 def _settings(config: TrainConfig) -> str:
-    """The settings a plan chooses, as the command line gives them, those left at their defaults out."""
-    words = [f"--layout {config.layout}"]
-    if config.shard_group_size is not None:
-        words.append(f"--shard-group-size {config.shard_group_size}")
-    words += [f"--prefetch {config.prefetch}", "--reshard" if config.reshard else "--no-reshard"]
-    words += [f"--{name} {getattr(config, name)}" for name in ("wire", "diloco") if getattr(config, name) != "none"]
-    return " ".join(words)
+    """The settings a plan chooses, as the command line gives them (``command_line``), those unset out."""
+    return " ".join(command_line({
+        "layout": config.layout, "shard_group_size": config.shard_group_size, "prefetch": config.prefetch,
+        "reshard": config.reshard, **{name: getattr(config, name) for name in ("wire", "diloco")
+                                      if getattr(config, name) != "none"}}))
 
 
 def _levels(cluster: ClusterSpec, launched: Placement) -> str:
