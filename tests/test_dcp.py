@@ -354,5 +354,6 @@ def _round_trip(rank, world, root):
     return same(whole(model, optimizer), whole(other, other_optimizer))
 
 
+@pytest.mark.slow
 def test_a_model_and_its_optimizer_come_back_from_dcp_as_saved(tmp_path):
     assert run_workers(2, _round_trip, str(tmp_path)) == [True, True]

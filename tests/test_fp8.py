@@ -96,6 +96,7 @@ def sharded_against_unsharded(rank, world):
     return unsharded, sharded
 
 
+@pytest.mark.slow
 def test_a_sharded_fp8_model_trains_as_the_unsharded_one():
     unsharded, sharded = run_workers(2, sharded_against_unsharded)[0]
     assert sharded == pytest.approx(unsharded, rel=1e-5)
@@ -114,6 +115,7 @@ def test_train_with_fp8_trains_and_says_so():
     assert "Failed to load" not in run.stderr  # torchao's import is quiet
 
 
+@pytest.mark.slow
 def test_a_model_fp8_cannot_convert_is_refused_before_any_worker_starts():
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64,
             "bos_token_id": 0, "eos_token_id": 0}  # its layers are transformers' Conv1D, not nn.Linear

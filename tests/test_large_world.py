@@ -45,6 +45,7 @@ def test_a_step_takes_no_more_host_work_at_64_ranks_than_at_8(layout, wire, last
     check_host_work_does_not_grow(CPU, layout, wire, last=last)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world, per_node", WORLDS)
 def test_a_rank_holds_what_the_memory_model_says(world, per_node, layout):

@@ -95,6 +95,7 @@ def _made_on_meta(rank, world, group_size):
     return differences
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, group_size", [(1, 1), (2, 2)], ids=["world-1", "full-2"])
 def test_meta_models_are_made_bit_equal_to_the_whole_model_initialised(world, group_size):
     for differences in run_workers(world, _made_on_meta, group_size):

@@ -19,6 +19,7 @@ def _train(*args: str) -> subprocess.CompletedProcess:
                            "--eval-batches", "1", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_run_plans_itself_trains_with_its_choice_and_checks_the_step(tmp_path):
     done = _train("--nproc", "2", "--steps", "10", "--plan", "auto", "--layout", "full", "--prefetch", "0")
     assert done.returncode == 0, done.stderr

@@ -44,6 +44,7 @@ def _loaded(rank, world, directory, group_size):
 @pytest.mark.parametrize("world, group_size", [pytest.param(1, 1, id="world-1", marks=pytest.mark.slow),
                                                pytest.param(2, 2, id="full-2"),
                                                pytest.param(3, 3, id="full-3", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_weights_are_read_by_the_slice_as_from_pretrained_reads_them(name, max_shard_size, world, group_size,
                                                                      tmp_path):
     _save(tmp_path, name, max_shard_size)
@@ -70,6 +71,7 @@ def _refused(rank, world, directory, config):
     return None
 
 
+@pytest.mark.slow
 def test_weights_of_another_model_are_refused_naming_the_tensor(tmp_path):
     _save(tmp_path, "llama", "5GB")
     wider = {**CONFIGS["llama"], "intermediate_size": 96}

@@ -232,6 +232,7 @@ def _twice_the_ranks(profile: dict) -> None:
         step["ranks"] *= 2
 
 
+@pytest.mark.slow
 def test_unknown_peak_leaves_mfu_out(tmp_path):
     summary = run_workers(1, profiled_training, str(tmp_path / "run"), False)[0][1]
     assert "mfu" not in summary and summary["model_tflops_per_worker"] > 0

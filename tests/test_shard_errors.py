@@ -17,6 +17,7 @@ def tiny_gpt():
     return GPT(PRESETS["tiny"])
 
 
+@pytest.mark.slow
 def test_world_of_one_without_a_process_group_trains():
     script = textwrap.dedent("""
         import torch, torch.distributed as dist, shardwire

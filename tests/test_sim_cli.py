@@ -183,6 +183,7 @@ def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):
     assert doc["cluster"]["inter_node"]["busbw_GBps"] == pytest.approx(0.125) and doc["cluster"]["nodes"] == 2
 
 
+@pytest.mark.slow
 def test_plan_finds_the_fastest_configuration_that_fits_and_says_why():
     cluster = CLUSTERS["a100-100gbe"]
     result = plan(MODELS["gpt2-350m"], cluster, 8 * 64, TrainingSpec())
@@ -200,6 +201,7 @@ def test_plan_finds_the_micro_batches_without_counting_to_the_batch():
     assert planner._divisors(2**40) == [2**k for k in range(41)]  # at once: pairs up to the square root
 
 
+@pytest.mark.slow
 def test_plan_command_and_its_errors(capsys):
     status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64")
@@ -228,6 +230,7 @@ def test_plan_command_and_its_errors(capsys):
     assert status == 2 and "shard_group_size=3 does not divide the 16 ranks" in err  # refused, not dropped
 
 
+@pytest.mark.slow
 def test_plan_marks_lossy_wires_and_searches_exact_ones_alone(capsys):
     """On a slow network the fastest wire quantizes gradients: the plan says it is lossy, and
     --exact leaves quantized wires out of the search."""

@@ -106,6 +106,7 @@ def test_report_and_json_say_how_much_compute_slowed():
     assert doc["compute_slowed_s"] == p.compute_slowed_s and doc["compute_slowdown"] == p.compute_slowdown
 
 
+@pytest.mark.slow
 def test_the_planner_chooses_differently_when_communication_slows_compute():
     """On p4d nodes, gathering each unit again for backward keeps gathers in flight most of the step:
     free, resharding after forward wins; taking the preset's SMs, gathering each unit once per step

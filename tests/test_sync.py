@@ -459,6 +459,7 @@ def test_a_sync_the_simulator_cannot_run_is_a_spec_error():
         parse("training", {"layout": "hybrid", "diloco": "sync_every=0"})
 
 
+@pytest.mark.slow
 def test_the_planner_offers_sync_beside_its_choice_with_the_caveat_and_exact_leaves_out_what_is_lossy(capsys):
     args = ["plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "2", "--global-batch", "64"]
     assert main([*args, "--json"]) == 0

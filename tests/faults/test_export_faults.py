@@ -208,6 +208,7 @@ def test_what_a_killed_export_left_is_cleared_and_a_live_one_is_not_taken(work, 
     assert not stale.exists() and others.exists()
 
 
+@pytest.mark.slow
 def test_an_export_stopped_by_sigterm_removes_what_it_staged(work):
     """As a job's time limit stops it (timeout, SLURM, systemd): once its weights are staged."""
     code = ("import sys, time; from shardwire.models import export; from shardwire.cli import main\n"

@@ -83,6 +83,7 @@ def test_a_hugging_face_directory_is_read_within_bounds(tmp_path, capsys):
             "while it builds its largest unit and root") in refusal(["train", "--model", f"hf:{wide}"], capsys)
 
 
+@pytest.mark.slow
 def test_an_error_shows_a_value_cut_short(tmp_path, capsys):
     config = tmp_path / "job.yaml"
     config.write_text(f"model: [{', '.join(['x' * 1000] * 1000)}]\n")

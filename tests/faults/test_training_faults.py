@@ -40,6 +40,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_directory_belongs_to_one_run_until_it_ends(tmp_path):
     directory = tmp_path / "ckpt"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True)
