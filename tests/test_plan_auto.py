@@ -54,3 +54,18 @@ def test_the_search_holds_what_a_run_fixes():
         assert p.training.wire == "none"
     with pytest.raises(SpecError, match="no configuration holds micro_batch 3"):
         plan(MODELS["gpt-1.3b"], cluster, 64, TrainingSpec(), fixed={"micro_batch": 3})
+
+
+@pytest.mark.parametrize("model, precision, said", [
+    ('hf:{"model_type": "mpt", "d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}',
+     "fp32", "its config gives no layers, hidden size, heads or vocabulary"),
+    ("tiny", "fp8", "prices fp8 only on a GPU the simulator knows, not on this CPU"),
+])
+def test_a_job_the_plan_cannot_price_is_refused_before_any_worker_starts(model, precision, said):
+    """What trains as given but the simulator cannot describe is refused at once, saying to leave out
+    --plan, not after the workers have measured the cluster for a minute."""
+    from shardwire.training.autoplan import unplannable
+    from shardwire.training.config import TrainConfig
+
+    problem = unplannable(TrainConfig(model=model, precision=precision, plan="auto", backend="gloo", seq_len=32))
+    assert said in problem and problem.endswith("leave out --plan to train with the settings as given"), problem

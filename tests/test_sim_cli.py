@@ -474,7 +474,7 @@ def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
 @pytest.mark.parametrize("profile, message", [
     (profile_document(forward=0.02, backward=0.04), "take less than their memory-bound work alone"),
     (profile_document(forward=0.03, backward=0.07), "faster than cluster 'h100-ib-400'"),
-    ({"summary": {}}, "lacks 'figures' where a profile of `shardwire train --profile` has it"),
+    ({"summary": {}}, "it has no summary.figures, unlike a profile of `shardwire train --profile`"),
     (profile_document(model="nope"), "unknown model preset 'nope'"),
 ])
 def test_calibration_refuses_a_profile_that_cannot_be_this_gpus(capsys, tmp_path, profile, message):

@@ -115,6 +115,42 @@ def shown(value, limit: int = 80) -> str:
     return short if len(short) <= limit else short[:limit - 3] + "..."
 
 
+class Missing(LookupError):
+    """A document lacks a field, or holds something else where a mapping should be; the message
+    says which, by its dotted path (``summary.figures``)."""
+
+
+def field(document, *keys: str):
+    """``document[keys[0]][keys[1]]...``, or ``Missing`` naming the first key absent or the first
+    level that is not a mapping: a document edited or of another tool is reported by what it lacks,
+    not by Python's words for a failed lookup."""
+    value = document
+    for depth, key in enumerate(keys):
+        if not isinstance(value, Mapping):
+            where = ".".join(keys[:depth])
+            raise Missing(f"its {where} is {_json_kind(value)}, not a mapping" if where else
+                          f"it is {_json_kind(value)}, not a mapping")
+        if key not in value:
+            raise Missing(f"it has no {'.'.join(keys[:depth + 1])}")
+        value = value[key]
+    return value
+
+
+def _json_kind(value) -> str:
+    kinds = ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+             (list, "a list"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def cut(text: str, limit: int = 120) -> str:
+    """``text`` as the user gave it (a path, inline JSON), within ``limit`` characters: its start and
+    its end around ``...``, for error messages."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 3) // 2
+    return f"{text[:half]}...{text[-half:]}"
+
+
 def _read_yaml(text: str, what: str, numbers_as_text: bool):
     yaml = require("yaml", f"{what}, which is not JSON,")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -238,7 +239,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             old_names.append(key)
             key = renamed[key]
         if not sep or key not in types:
-            raise setting_error(setting, not_understood)
+            nearest = difflib.get_close_matches(key, [*types, *(renamed or ())], n=1, cutoff=0.75) if sep else []
+            raise setting_error(setting, f"{not_understood}{f' (did you mean {nearest[0]}?)' if nearest else ''}")
         if key in fields:  # the last would win silently, over a value the user also meant
             raise setting_error(setting, twice(key))
         try:

@@ -149,7 +149,7 @@ def _failed_save(rank, directory):
 
 def _prune_among_strangers(rank, directory):
     """keep=1 in a series that also holds a user's directory named like an older checkpoint, with a
-    manifest.json of its own, and one without any."""
+    manifest.json of its own, one without any, and a checkpoint the user then exported into."""
     def plant():
         (directory / "step_00000000").mkdir(parents=True)
         (directory / "step_00000000" / "manifest.json").write_text('{"my": "notes"}')
@@ -158,9 +158,14 @@ def _prune_among_strangers(rank, directory):
 
     on_rank_0(rank, plant)
     model, optimizer = make_model(seed=0)
-    for step in (2, 3, 4):
-        save_step(directory, model, optimizer, step, keep=1)
-    return {"after": listing(directory)}
+    save_step(directory, model, optimizer, 2, keep=1)
+    on_rank_0(rank, lambda: (directory / "step_00000002" / "exported.pt").write_bytes(b"the user's"))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in (3, 4):
+            save_step(directory, model, optimizer, step, keep=1)
+    return {"after": listing(directory), "warned": [str(w.message) for w in warned],
+            "export": (directory / "step_00000002" / "exported.pt").read_bytes()}
 
 
 BAD_MANIFESTS = {
@@ -338,8 +343,12 @@ def test_a_save_that_fails_and_lives_on_leaves_nothing_of_itself(scenarios):
 
 def test_prune_deletes_only_complete_checkpoints(scenarios):
     # The user's step_00000000 (a manifest.json of its own) and step_00000001 (none) are not counted,
-    # not deleted; keep=1 deletes the real checkpoints 2 and 3.
-    assert result(scenarios, "prune")["after"] == ["step_00000000", "step_00000001", "step_00000004"]
+    # not deleted; nor is checkpoint 2, once the user exported into it: keep=1 deletes checkpoint 3.
+    outcome = result(scenarios, "prune")
+    assert outcome["after"] == ["step_00000000", "step_00000001", "step_00000002", "step_00000004"]
+    assert outcome["export"] == b"the user's"
+    assert any("kept" in message and "step_00000002 also holds what no save wrote (exported.pt)" in message
+               for message in outcome["warned"]), outcome["warned"]
 
 
 @pytest.mark.parametrize("case, reason", [

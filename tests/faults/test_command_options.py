@@ -68,3 +68,23 @@ def test_a_command_line_argparse_refuses_is_one_line(argv, said, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith(said) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, suggested", [
+    (["train", "--checkpoint-dri", "x"], "; did you mean --checkpoint-dir?"),
+    (["train", "--lrr", "1"], "; did you mean --lr?"),
+    (["simulate", "--model", "tiny", "--cluster", "a100-100gbe", "--sweeep", "nodes=1,2"], "; did you mean --sweep?"),
+    (["train", "--zzzzzz"], ""),
+])
+def test_an_option_slipped_on_names_the_nearest(capsys, argv, suggested):
+    with pytest.raises(SystemExit):
+        main(argv)
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("error: unrecognized arguments: ") and "\n" not in said, said
+    assert said.endswith(f"{suggested} (see shardwire {argv[0]} --help)"), said
+
+
+def test_a_setting_slipped_on_names_the_nearest():
+    with pytest.raises(SystemExit, match=r"error: --diloco 'sync_evry=5' is not understood: .* \(did you mean "
+                                         r"sync_every\?\)$"):
+        main(["train", "--model", "tiny", "--layout", "hybrid", "--diloco", "sync_evry=5"])

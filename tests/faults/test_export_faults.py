@@ -8,6 +8,7 @@ What is exported is what was trained: weights that fit the model named, finite, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -41,12 +42,14 @@ def _save(directory: str, model, step: int, extra: dict) -> None:
 
 
 def _make_checkpoints(rank, world, root):
-    """A GPT series of two steps, one whose newest step is not finite, and an hf: checkpoint that
-    records its config."""
+    """A GPT series of two steps, one trained at a shorter sequence, one whose newest step is not
+    finite, and an hf: checkpoint that records its config."""
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]))
     _save(f"{root}/gpt", model, 1, {"model": "tiny"})
     _save(f"{root}/gpt", model, 2, {"model": "tiny"})
+    short = shardwire.shard(GPT(dataclasses.replace(PRESETS["tiny"], seq_len=16)))
+    _save(f"{root}/short", short, 1, {"model": "tiny", "settings": {"seq_len": 16}})  # as train --seq-len 16
     _save(f"{root}/diverged", model, 1, {"model": "tiny"})
     with torch.no_grad():
         next(model.parameters()).to_local().fill_(float("nan"))
@@ -72,7 +75,7 @@ def made(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture
 def work(made, tmp_path) -> pathlib.Path:
     """A copy of the checkpoints the test may change."""
-    for name in ("gpt", "diverged", "hf", "gpt2-mini"):
+    for name in ("gpt", "short", "diverged", "hf", "gpt2-mini"):
         shutil.copytree(made / name, tmp_path / name)
     return tmp_path
 
@@ -140,6 +143,12 @@ def test_weights_that_do_not_fit_the_model_named_are_refused_naming_the_key_and_
     message = refused(capsys, work / "gpt", work / "out", "--model", f"hf:{work}/gpt2-mini")
     assert re.search(r"do not fit GPT2LMHeadModel: they have no 'transformer.wte.weight' \[64, 32\]", message), message
     assert not (work / "out").exists() and not list(work.glob(".out*"))
+
+
+def test_a_preset_trained_at_another_sequence_length_exports_at_it(work, capsys):
+    status, out, err = export(capsys, work / "short", work / "short.safetensors")
+    assert status == 0, err
+    assert load_file(work / "short.safetensors")["pos_emb.weight"].shape[0] == 16
 
 
 def test_another_name_whose_weights_fit_is_exported_with_a_note(work, capsys):
@@ -326,3 +335,23 @@ def test_a_new_file_is_never_written_over_even_one_made_while_it_was_written(tmp
     assert target.read_text() == "the user's, made while the export ran" and len(list(tmp_path.iterdir())) == 1
     write_atomically(tmp_path / "fresh.bin", b"weights", new=True)
     assert (tmp_path / "fresh.bin").read_bytes() == b"weights" and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_passed_over_for_the_newest(work, capsys, monkeypatch):
+    """A run saving with --keep deletes the checkpoint an export picked as newest: the export lists
+    the series again and exports the newest there is, as if it had started a moment later."""
+    from shardwire.cli import export as command
+    from shardwire.engine.checkpoint import CheckpointError
+
+    reading = command._export
+
+    def pruned_first(checkpoint, *args):
+        if checkpoint.name == "step_00000002":
+            shutil.rmtree(checkpoint)
+            raise CheckpointError(f"{checkpoint}: no such checkpoint directory")
+        return reading(checkpoint, *args)
+
+    monkeypatch.setattr(command, "_export", pruned_first)
+    status, out, err = export(capsys, work / "gpt", work / "newest.safetensors")
+    assert status == 0 and err == "", err
+    assert f"exported {work / 'gpt' / 'step_00000001'}" in out

@@ -61,6 +61,7 @@ def test_calibrate_reads_a_device_up_to_a_bound(capsys):
     ("world_size", "2", "its world_size must be a whole number from 1 to 67,108,864, got '2'"),
     ("world_size", None, "its world_size must be a whole number from 1 to 67,108,864, got None"),
     ("world_size", True, "its world_size must be a whole number from 1 to 67,108,864, got True"),
+    ("world_size", 2.0, "its world_size must be a whole number from 1 to 67,108,864, got 2.0"),  # as report reads it
     ("world_size", json.loads("[" * 500 + "]" * 500), "its world_size must be a whole number"),
     ("model", 5, "its model must be a name, as `shardwire train --model` takes it, got 5"),
     ("model", LONG, "its job cannot be simulated: unknown model preset 'xxx"),
@@ -74,12 +75,56 @@ def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, k
     assert message in refused and len(refused) < 1000
 
 
+@pytest.mark.parametrize("where, value, message", [
+    ("metadata", [], "its metadata is a list, not a mapping, unlike a profile of `shardwire train --profile`"),
+    ("summary", None, "its summary is null, not a mapping, unlike a profile"),
+    ("world_size", "absent", "it has no world_size, unlike a profile"),
+])
+def test_a_profile_missing_a_part_says_which(tmp_path, capsys, where, value, message):
+    def change(document):
+        if value == "absent":
+            del document[where]
+        else:
+            document[where] = value
+
+    refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
+    assert message in refused, refused
+
+
+BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.json")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["context"].update(nodes="1"), "its context.nodes is '1', not a whole number of at least 1"),
+    (lambda d: d["context"].update(ranks_per_node=None), "its context.ranks_per_node is None, not a whole number"),
+    (lambda d: d.update(context=None), "its context is null, not a mapping"),
+    (lambda d: d.update(fit=[]), "its fit is [], not a mapping"),
+])
+def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, message):
+    with open(BENCH) as f:
+        document = json.load(f)
+    change(document)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(document))
+    refused = refusal(["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--cluster-from", str(path)],
+                      capsys)
+    assert message in refused, refused
+
+
+def test_a_time_no_profiler_measures_is_refused(tmp_path, capsys):
+    def change(document):
+        document["summary"]["figures"]["forward_s"]["median"] = 1e-300
+
+    assert "must be seconds of at least 1e-06" in refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
+
+
 def test_times_no_profile_holds_are_shown_cut_short(tmp_path, capsys):
     def change(document):
         document["summary"]["figures"]["forward_s"]["median"] = [LONG]
 
     refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
-    assert "its forward, backward and optimizer times must be positive" in refused and len(refused) < 400
+    assert "its forward, backward and optimizer times must be seconds of at least 1e-06" in refused
+    assert len(refused) < 400
 
 
 def test_a_profile_nested_deep_or_not_utf8_is_one_line(tmp_path, capsys):
@@ -128,6 +173,41 @@ def test_report_draws_no_figure_a_profiler_cannot_measure(tmp_path, capsys, chan
     refused = refusal(["report", str(tmp_path), "--out", str(tmp_path / "plots")], capsys)
     assert f"is damaged ({said}" in refused
     assert not (tmp_path / "plots").exists()
+
+
+HF_COMMANDS = {
+    "simulate": ["simulate", "--cluster", "a100-100gbe", "--model"],
+    "plan": ["plan", "--cluster", "a100-100gbe", "--global-batch", "8", "--model"],
+    "train": ["train", "--nproc", "1", "--steps", "1", "--model"],
+}
+
+
+@pytest.mark.parametrize("command", HF_COMMANDS)
+def test_an_hf_config_is_read_within_bounds_by_every_command(tmp_path, capsys, command):
+    """One reader for an ``hf:`` config, whichever command is given it: deep, huge, not a regular
+    file, a name too long for the system, deep inline text: one line, cut short."""
+    deep, big, fifo = tmp_path / "deep", tmp_path / "big", tmp_path / "fifo"
+    for directory in (deep, big, fifo):
+        directory.mkdir()
+    (deep / "config.json").write_text(DEEP)
+    with open(big / "config.json", "wb") as f:
+        f.truncate(3 << 30)  # sparse: 3 GiB that a reader without a bound would hold
+    os.mkfifo(fifo / "config.json")
+    def said_to(source) -> str:
+        try:
+            return refusal([*HF_COMMANDS[command], f"hf:{source}"], capsys)
+        except SystemExit as end:  # train's checks before its workers start end the command so
+            assert "\n" not in str(end.code), end.code
+            return str(end.code)
+
+    inline = '{"n_layer": ' + DEEP + "}"
+    said = {source: said_to(source) for source in (deep, big, fifo, "a" * 300, inline)}
+    assert "nests deeper than any config: flatten it" in said[deep]
+    assert "is larger than 1,048,576 bytes" in said[big]
+    assert "config.json is not a regular file" in said[fifo]
+    assert "does not exist" in said["a" * 300]
+    assert "nests deeper than any config: flatten it" in said[inline]
+    assert all(len(message) < 400 for message in said.values()), said
 
 
 def test_testbed_names_in_messages_are_cut_short(capsys):

@@ -67,6 +67,10 @@ def dcp_directory(tmp_path):
     (["--checkpoint-dir", "/proc/shardwire-x"], "error: --checkpoint-dir /proc/shardwire-x cannot be created: /proc "
                                                 "is not writable"),  # as root too: tried, not read off its mode
     (["--steps", str(2**63)], "error: --steps must be at most 9,007,199,254,740,992, got 9223372036854775808"),
+    (["--nnodes", "2"], "error: --nnodes is for --print-launch, which prints the command for each node; to run here "
+                        "give --nproc, or add --print-launch"),
+    (["--weight-decay", "1e308"], "error: --weight-decay 1e+308 with --lr 0.003 would scale every weight by "
+                                  "1 - lr x weight decay = -3e+305 at each step: give a weight decay below 1/lr (333)"),
     # activations, not only the logits: a batch no worker can hold is refused before it is killed for memory
     (["--batch", "100000"], "error: --batch 100000 sequences of 32 tokens need 30.9 GiB per worker for their "
                             "activations"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import sys
@@ -40,7 +41,18 @@ class _Parser(argparse.ArgumentParser):
     usage is, instead of the usage itself (25 lines for ``train``) and then the error."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {message}{self._nearest(message)} (see {self.prog} --help)\n")
+
+    def _nearest(self, message: str) -> str:
+        """For an option argparse does not know, the one it is likely a slip of (Python 3.11's
+        argparse suggests none): ``; did you mean --checkpoint-dir?``."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        unknown = next((word.split("=")[0] for word in message[len(prefix):].split() if word.startswith("--")), None)
+        known = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.75) if unknown else []
+        return f"; did you mean {close[0]}?" if close else ""
 
 
 def command(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:

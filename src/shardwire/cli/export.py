@@ -29,6 +29,8 @@ from shardwire.mappings import shown
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
 
+_LISTINGS = 5  # how often a series whose checkpoints a running job prunes is listed again
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -45,20 +47,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     given = pathlib.Path(args.checkpoint)
     try:
-        candidates = _checkpoints(given)
-        reasons = []
-        for checkpoint in candidates:
-            notes: list[str] = []  # of the checkpoint exported only
-            try:
-                model, out = _export(checkpoint, given, args, notes)
-                break
-            except CheckpointError as err:
-                if len(candidates) == 1:
-                    raise
-                print(f"warning: cannot export {checkpoint}, skipping it: {err}", file=sys.stderr)
-                reasons.append(f"{checkpoint.name}: {err}")
-        else:
-            raise CheckpointError(f"no checkpoint in {given} can be exported: " + "; ".join(reasons))
+        checkpoint, model, out, notes = _export_newest(given, args)
     except (CheckpointError, ValueError, OutputRefused) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -69,6 +58,31 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"note: {note}", file=sys.stderr)
     print(f"exported {checkpoint} ({model}) to {out}{_format(out, model)}")
     return 0
+
+
+def _export_newest(given: pathlib.Path, args: argparse.Namespace) -> tuple[pathlib.Path, str, pathlib.Path, list[str]]:
+    """Export ``given``, or the newest checkpoint of the series it holds that can be exported: the
+    checkpoint, its model, what was written and the notes on it. A damaged one is skipped with a
+    warning, as ``train`` skips it; one that a run saving in the series prunes while it is read is
+    passed over for the series' newest, listed again."""
+    reasons = []
+    for _ in range(_LISTINGS):
+        candidates = _checkpoints(given)
+        for checkpoint in candidates:
+            notes: list[str] = []  # of the checkpoint exported only
+            try:
+                return (checkpoint, *_export(checkpoint, given, args, notes), notes)
+            except (CheckpointError, OSError) as err:
+                if checkpoint != given and not checkpoint.exists():
+                    break  # pruned under the export: list the series again
+                if candidates == [given] or not isinstance(err, CheckpointError):
+                    raise
+                print(f"warning: cannot export {checkpoint}, skipping it: {err}", file=sys.stderr)
+                reasons.append(f"{checkpoint.name}: {err}")
+        else:
+            raise CheckpointError(f"no checkpoint in {given} can be exported: " + "; ".join(reasons))
+    raise CheckpointError(f"the checkpoints of {given} were deleted as they were read, {_LISTINGS} times (a run "
+                          f"saving there with --keep prunes them): export one it keeps, or when it has ended")
 
 
 def _format(out: pathlib.Path, model: str) -> str:
@@ -118,7 +132,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
                             f"directory): give {model} a file name, such as model.safetensors")
     if (problem := new_output_problem(args.out)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
-    _check_fit(checkpoint, model)
+    _check_fit(checkpoint, model, _recorded_seq_len(extra) if trained else None)
     return model, export_state_dict(checkpoint, args.out)
 
 
@@ -145,9 +159,18 @@ def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: li
     return fields
 
 
-def _check_fit(checkpoint: pathlib.Path, model: str) -> None:
-    """The checkpoint's weights fit the GPT preset ``model`` names, key for key and shape for shape."""
-    choice = choose(model)
+def _recorded_seq_len(extra: dict) -> int | None:
+    """The sequence length the checkpoint's run trained at (a GPT preset's position table has that many
+    rows), where ``shardwire train`` recorded it."""
+    settings = extra.get("settings")
+    seq_len = settings.get("seq_len") if isinstance(settings, dict) else None
+    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+
+
+def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None) -> None:
+    """The checkpoint's weights fit the GPT preset ``model`` names (at ``seq_len`` tokens where the run
+    trained at other than the preset's), key for key and shape for shape."""
+    choice = choose(model, seq_len=seq_len)
     with torch.device("meta"):
         built = choice.build()
     with weights_in(checkpoint) as weights:  # its description only: no part is read

@@ -41,6 +41,7 @@ from shardwire.profile.profiler import PROFILE_FILE, TRACE_FILE
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import activation_bytes
 from shardwire.sim.specs import TrainingSpec
+from shardwire.training.autoplan import unplannable
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
 from shardwire.training.data import check_default_corpus
 from shardwire.training.loop import train, training_corpus
@@ -116,6 +117,14 @@ def _validate(config: TrainConfig) -> None:
     """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
     try:
         check_bounds(config)
+        if not config.print_launch and (config.nnodes != 1 or config.nproc_per_node is not None):
+            given = "--nnodes" if config.nnodes != 1 else "--nproc-per-node"
+            raise OptionError(f"{given} is for --print-launch, which prints the command for each node; to run "
+                              f"here give --nproc, or add --print-launch")
+        if config.lr * config.weight_decay >= 1:  # AdamW scales each weight by 1 - lr x weight decay a step
+            raise OptionError(f"--weight-decay {config.weight_decay:g} with --lr {config.lr:g} would scale every "
+                              f"weight by 1 - lr x weight decay = {1 - config.lr * config.weight_decay:.3g} at "
+                              f"each step: give a weight decay below 1/lr ({1 / config.lr:.3g}), usually 0 to 0.1")
         if not config.print_launch:  # what this job writes, on this machine
             if config.checkpoint_dir is not None:
                 check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
@@ -196,6 +205,8 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {err.as_options()}") from None
     if config.precision == "fp8" and choice.fp8_refusal is not None:
         raise SystemExit(f"error: --precision fp8: {choice.fp8_refusal}")
+    if config.plan != "none" and (problem := unplannable(config)) is not None:
+        raise SystemExit(f"error: {problem}")
     _check_memory(config, choice)
     memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
     try:

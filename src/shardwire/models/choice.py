@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import os
 import pathlib
 import pickle
 import zipfile
@@ -34,10 +34,10 @@ from torch import nn
 
 from shardwire.engine.selection import assign_params, select_units
 from shardwire.extras import quietly_importing, require
-from shardwire.mappings import MappingError, read_file, read_mapping, shown
+from shardwire.mappings import MappingError, cut, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.sim.huggingface import HF_PREFIX, has_tokenizer, seq_len_of, spec_from_config
+from shardwire.sim.huggingface import HF_PREFIX, config_file, has_tokenizer, read_config, seq_len_of, spec_from_config
 from shardwire.sim.specs import MAX_LAYERS, ModelSpec
 
 # The weights from_pretrained loads, the first of these a directory holds.
@@ -131,7 +131,7 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
         with torch.device("meta"), quietly_importing():
             skeleton = auto.from_config(config, trust_remote_code=False)
     except Exception as err:  # a config transformers cannot build, however it says so
-        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or first_line(err)}") from None
+        raise ValueError(f"hf:{cut(source)}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
     classes = {type(module).__name__: type(module) for module in skeleton.modules()}
     if units is not None:
         wanted = [unit.strip() for unit in units.split(",") if unit.strip()]
@@ -193,30 +193,21 @@ def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
 
 def hf_config(transformers, source: str):
     """(config, directory of weights or None) of ``source``: a directory, a JSON file or inline JSON."""
-    path = pathlib.Path(source)
+    what = f"hf:{cut(source)}"
+    fields = read_config(source)  # within bounds first: transformers reads /dev/zero for ever
     try:
+        if os.path.isdir(source):
+            check_files(pathlib.Path(source))
         if source.lstrip().startswith("{"):
-            fields = json.loads(source)
-            if not isinstance(fields, dict):
-                raise ValueError("an inline config is a JSON mapping")
             return config_from_fields(transformers, fields), None
-        if not path.exists():
-            raise ValueError(f"{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
-        if path.is_dir():
-            check_files(path)
-        config_file = _config_file(source)  # read within bounds first: transformers reads /dev/zero for ever
-        if config_file.exists() and not config_file.is_file():
-            raise ValueError(f"{config_file.name} is not a regular file: give a config .json or a model directory")
-        read_file(config_file, f"hf:{source}: {config_file.name}")
-        config = _buildable(transformers.AutoConfig.from_pretrained(path, local_files_only=True,
+        config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
                                                                     trust_remote_code=False))
-    except MappingError as err:
-        raise ValueError(str(err)) from None
     except Exception as err:  # transformers' errors for a config it cannot read vary
-        raise ValueError(f"hf:{source}: {custom_code(_config_file(source)) or first_line(err)}") from None
+        raise ValueError(f"{what}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
+    path = pathlib.Path(source)
     weights = next((path / name for name in _WEIGHTS if path.is_dir() and (path / name).exists()), None)
     if weights is not None:
-        _check_weights(weights, f"hf:{source}")
+        _check_weights(weights, what)
     return config, (path if weights is not None else None)
 
 
@@ -225,14 +216,7 @@ def config_fields(name: str) -> dict | None:
     config .json, inline JSON), for a checkpoint to record what it trained; None for a GPT preset."""
     if not name.startswith(HF_PREFIX):
         return None
-    source = name[len(HF_PREFIX):]
-    if source.lstrip().startswith("{"):
-        return json.loads(source)
-    config_file = _config_file(source)
-    try:
-        return read_mapping(read_file(config_file, f"{name}: {config_file.name}"), f"{name}: {config_file.name}")
-    except MappingError as err:
-        raise ValueError(str(err)) from None
+    return read_config(name[len(HF_PREFIX):])
 
 
 def config_from_fields(transformers, fields: dict):
@@ -285,12 +269,6 @@ def config_difference(recorded: dict, now: dict) -> str | None:
             said = [("absent" if value is missing else shown(value, 60)) for value in (before, after)]
             return f"{str(key)[:60]} {said[0]} -> {said[1]}"
     return None
-
-
-def _config_file(source: str) -> pathlib.Path:
-    """The config file of ``hf:source``: the file itself, or a directory's config.json."""
-    path = pathlib.Path(source)
-    return path / "config.json" if path.is_dir() else path
 
 
 def check_files(directory: pathlib.Path) -> None:

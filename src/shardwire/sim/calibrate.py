@@ -24,7 +24,7 @@ import dataclasses
 import math
 import os
 
-from shardwire.mappings import MappingError, is_number, read_json, shown
+from shardwire.mappings import MappingError, Missing, field, is_number, read_json, shown
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
 from shardwire.sim.specs import (
@@ -42,6 +42,7 @@ from shardwire.sim.specs import (
 _JOB_KEYS = ("model", "seq_len", "batch", "grad_accum", "precision", "activation_checkpointing", "compile")
 # The profiled job's ranks, at most the simulator's largest cluster's GPUs.
 _MAX_RANKS = MAX_NODES * MAX_GPUS_PER_NODE
+_SHORTEST_S = 1e-6  # no profiled phase of a step is shorter than what a profiler resolves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +89,12 @@ def read_profile(path: str, load_model) -> Measured:
     except MappingError as err:
         raise SpecError(str(err)) from None
     try:
-        figures = doc["summary"]["figures"]
-        config = doc["metadata"]["config"]
-        job = {key: config[key] for key in _JOB_KEYS}
-        seconds = [figures[f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")]
-        ranks = doc["world_size"]
-    except (KeyError, TypeError) as err:
-        raise SpecError(f"{path} lacks {err} where a profile of `shardwire train --profile` has it") from None
+        seconds = [field(doc, "summary", "figures", f"{phase}_s", "median")
+                   for phase in ("forward", "backward", "optimizer")]
+        job = {key: field(doc, "metadata", "config", key) for key in _JOB_KEYS}
+        ranks = field(doc, "world_size")
+    except Missing as err:
+        raise SpecError(f"profile {path}: {err}, unlike a profile of `shardwire train --profile`; {remedy}") from None
     _check_measured(path, seconds, ranks, job["model"], remedy)
     try:
         training = parse("training", {"micro_batch": job["batch"], "grad_accum": job["grad_accum"],
@@ -109,9 +109,10 @@ def read_profile(path: str, load_model) -> Measured:
 def _check_measured(path: str, seconds: list, ranks, model, remedy: str) -> None:
     """Refuse values no profile holds before any arithmetic is done with them: a world size of 0
     would divide by zero, a string or null would fail deep inside the fit."""
-    if not all(is_number(s) and 0 < s < math.inf for s in seconds):
-        raise SpecError(f"{path}: its forward, backward and optimizer times must be positive, got {shown(seconds)}")
-    if not (is_number(ranks) and 1 <= ranks <= _MAX_RANKS and ranks == int(ranks)):
+    if not all(is_number(s) and _SHORTEST_S <= s < math.inf for s in seconds):
+        raise SpecError(f"{path}: its forward, backward and optimizer times must be seconds of at least "
+                        f"{_SHORTEST_S:g} (a profiler's resolution), got {shown(seconds)}; {remedy}")
+    if not (isinstance(ranks, int) and not isinstance(ranks, bool) and 1 <= ranks <= _MAX_RANKS):
         raise SpecError(f"{path}: its world_size must be a whole number from 1 to {_MAX_RANKS:,}, got {shown(ranks)}; "
                         f"{remedy}")
     if not isinstance(model, str):

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from shardwire.mappings import MAX_TEXT_BYTES, cut, read_file
 from shardwire.sim.specs import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -31,25 +32,42 @@ def has_tokenizer(source: str) -> bool:
 
 
 def read_config(source: str) -> dict:
-    """The fields of ``source``: a directory holding ``config.json``, a JSON file, or inline JSON.
-    Raises ``ValueError`` saying what is wrong."""
+    """The fields of ``source``: a directory holding ``config.json``, a JSON file, or inline JSON, read
+    within bounds (size, depth, encoding) as every file a command reads. Raises ``ValueError`` saying
+    what is wrong, with ``source`` cut short."""
     if source.lstrip().startswith("{"):
-        try:
-            fields = json.loads(source)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"hf:{source}: not JSON ({err})") from None
+        what = f"hf:{cut(source, 60)}"
+        if len(source) > MAX_TEXT_BYTES:
+            raise ValueError(f"{what} is longer than {MAX_TEXT_BYTES:,} characters, far more than any config: "
+                             f"give its config.json instead")
+        fields = _parsed(source, what)
     else:
-        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        path = config_file(source)
+        what = f"hf:{cut(source)}"
+        if not os.path.lexists(path):
+            raise ValueError(f"{what} does not exist: hf: takes a local directory, a config .json or inline JSON")
         if not os.path.isfile(path):
-            raise ValueError(f"hf:{source} does not exist: hf: takes a local directory, a config .json or inline JSON")
-        try:
-            with open(path) as f:
-                fields = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"hf:{source}: cannot read {path}: {err}") from None
+            raise ValueError(f"{what}: {os.path.basename(path)} is not a regular file: give a config .json or a "
+                             f"model directory")
+        fields = _parsed(read_file(path, f"{what}: {os.path.basename(path)}"), what)
     if not isinstance(fields, dict):
-        raise ValueError(f"hf:{source}: a config is a JSON mapping, got {type(fields).__name__}")
+        raise ValueError(f"{what}: a config is a JSON mapping, got {type(fields).__name__}")
     return fields
+
+
+def config_file(source: str) -> str:
+    """The config file of ``hf:source``: the file itself, or a directory's config.json (a name too long
+    for the system is neither, and is reported missing, not raised)."""
+    return os.path.join(source, "config.json") if os.path.isdir(source) else source
+
+
+def _parsed(text: str, what: str):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what} nests deeper than any config: flatten it") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what}: not JSON ({err})") from None
 
 
 def seq_len_of(fields: Mapping, seq_len: int | None) -> int:

@@ -32,7 +32,7 @@ import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.mappings import MappingError, read_file, read_mapping, shown
+from shardwire.mappings import MappingError, Missing, field, read_file, read_mapping, shown
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.failures import FailureRate
@@ -113,15 +113,24 @@ def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
         raise SpecError(f"{path} is not `shardwire bench --json` output (schema {BENCH_SCHEMA!r})")
     try:
         return cluster_from_bench_document(doc, path, cluster)
-    except (KeyError, TypeError) as err:
-        raise SpecError(f"{path} lacks {err} where schema {BENCH_SCHEMA!r} has it: was it edited?") from None
+    except Missing as err:
+        raise SpecError(f"{path}: {err}, unlike schema {BENCH_SCHEMA!r}: was it edited?") from None
+    except (KeyError, TypeError) as err:  # deeper in its fits: named as Python does
+        raise SpecError(f"{path} holds {shown(str(err))} where schema {BENCH_SCHEMA!r} has another value: "
+                        f"was it edited?") from None
 
 
 def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -> ClusterSpec:
     """``cluster`` with the nodes, GPUs per node and network levels of a bench document (``path``
     names where it came from)."""
-    context, fits = doc["context"], doc["fit"]
-    nodes, per_node = context["nodes"], context["ranks_per_node"]
+    fits, settings = field(doc, "fit"), field(doc, "context", "settings")
+    for key, value in (("fit", fits), ("context.settings", settings), ("contention", doc.get("contention") or {})):
+        if not isinstance(value, Mapping):
+            raise Missing(f"its {key} is {shown(value)}, not a mapping")
+    nodes, per_node = field(doc, "context", "nodes"), field(doc, "context", "ranks_per_node")
+    for key, value in (("nodes", nodes), ("ranks_per_node", per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise Missing(f"its context.{key} is {shown(value)}, not a whole number of at least 1")
     levels = {}
     for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
         link = _link_from_fits(fits.get(group) or {})
@@ -138,7 +147,7 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         levels[level] = dataclasses.replace(
             own, **({} if link is None else {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}),
             **shares)
-    engine_on_gloo = context["backend"] == "gloo" and context["settings"].get("impl") == "shardwire"
+    engine_on_gloo = field(doc, "context", "backend") == "gloo" and settings.get("impl") == "shardwire"
     return parse("cluster", {
         **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
         "intra_node": as_dict(levels["intra_node"]), "inter_node": as_dict(levels["inter_node"]),

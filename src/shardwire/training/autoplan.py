@@ -79,6 +79,20 @@ class Planned:
     predicted_step_s: float
 
 
+def unplannable(config: TrainConfig) -> str | None:
+    """Why ``--plan`` cannot plan ``config``'s job, said before any worker starts and measures; None
+    where it can. The simulator must describe the model, and price its precision on this machine: a
+    measured CPU has no fp8 rate (the probe fits one peak), nor a GPU the simulator does not know."""
+    leave_out = "leave out --plan to train with the settings as given"
+    try:
+        load_model(config.model, config.seq_len)
+    except ValueError as err:  # SpecError among them
+        return f"--plan {config.plan}: {err}; {leave_out}"
+    if config.precision == "fp8" and not worker.uses_cuda(config.backend):
+        return f"--plan {config.plan} prices fp8 only on a GPU the simulator knows, not on this CPU: {leave_out}"
+    return None
+
+
 def plan_run(config: TrainConfig, device: torch.device,
              probe: Callable[[TrainConfig, torch.device, int], dict[str, float]]) -> Planned | None:
     """Measure this cluster, predict each configuration and return the fastest (every rank must call
@@ -106,7 +120,7 @@ def plan_run(config: TrainConfig, device: torch.device,
         found = plan(model, cluster, config.batch * config.grad_accum * world, base, exact=config.plan == "auto",
                      fixed=fixed)
     except SpecError as err:
-        raise PlanError(f"--plan {config.plan}: {err}") from None
+        raise PlanError(f"--plan {config.plan}: {err}; leave out --plan to train with the settings as given") from None
     best, runner_up = found.best, found.runner_up
     if found.diloco is not None and found.diloco.step_time_s < best.step_time_s * (1 - TIE):
         best, runner_up = found.diloco, best

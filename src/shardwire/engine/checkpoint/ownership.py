@@ -15,7 +15,7 @@ import json
 import pathlib
 from typing import NamedTuple
 
-from shardwire.engine.checkpoint.format import CheckpointError, Manifest, new_token, temporary_name
+from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest, new_token, temporary_name
 from shardwire.files import empty_directory
 
 MARKER = "made-by-shardwire.json"
@@ -38,14 +38,30 @@ def unmark(checkpoint: pathlib.Path) -> None:
 
 
 def not_a_checkpoint(path: pathlib.Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint (a real directory with a valid manifest); None if it is."""
+    """Why ``path`` is not a complete checkpoint (a real directory with a valid manifest, holding only
+    the files it lists); None if it is. A file put in it since (an export, the user's notes) makes it
+    more than a checkpoint, which no save may delete."""
     if path.is_symlink():
         return f"{path} is a symbolic link"
     try:
         Manifest.read(path)
     except CheckpointError as err:
         return str(err)
+    if unsaved := unsaved_files(path):
+        shown = ", ".join(unsaved[:3]) + (f" and {len(unsaved) - 3} more" if len(unsaved) > 3 else "")
+        return f"{path} also holds what no save wrote ({shown})"
     return None
+
+
+def unsaved_files(path: pathlib.Path) -> list[str]:
+    """The names in checkpoint ``path`` that its manifest does not list (none where it has no valid
+    manifest: what is not a checkpoint holds nothing foreign to one)."""
+    try:
+        manifest = Manifest.read(path)
+        held = {entry.name for entry in path.iterdir()}
+    except (CheckpointError, OSError):
+        return []
+    return sorted(held - {MANIFEST, MARKER, *(record.name for record in manifest.files)})
 
 
 def not_made_by_a_save(path: pathlib.Path) -> str | None:

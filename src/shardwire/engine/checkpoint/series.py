@@ -12,6 +12,7 @@ from __future__ import annotations
 import numbers
 import pathlib
 import re
+import warnings
 
 from shardwire.engine.checkpoint import ownership
 
@@ -55,15 +56,21 @@ def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
 def prune(newest: pathlib.Path, keep: int) -> None:
     """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it.
 
-    Only what is provably a checkpoint, a real directory whose manifest is valid, counts and is
-    deleted; anything else named like one is left alone. Checkpoints of later steps (left by a run
+    Only what is provably a checkpoint, a real directory whose manifest is valid and lists all it
+    holds, counts and is deleted; anything else named like one is left alone, with a warning where a
+    checkpoint holds files no save wrote (an export put inside it). Checkpoints of later steps (left by a run
     that resumed from an earlier one) are not counted or touched. Each is hidden under a temporary
     name before deletion, so a crash while deleting never leaves a half-deleted checkpoint under a
     checkpoint's name.
     """
-    older = [
-        path for path in list_checkpoints(newest.parent)
-        if step_of(path) < step_of(newest) and ownership.not_a_checkpoint(path) is None
-    ]
+    older = []
+    for path in list_checkpoints(newest.parent):
+        if step_of(path) >= step_of(newest):
+            continue
+        if (reason := ownership.not_a_checkpoint(path)) is None:
+            older.append(path)
+        elif ownership.unsaved_files(path):
+            warnings.warn(f"kept {path}, never deleting what it holds: {reason}; move those out and delete "
+                          f"it yourself", stacklevel=2)
     for path in older[: max(0, len(older) - (keep - 1))]:
         ownership.discard(path)
