@@ -80,8 +80,8 @@ def test_a_diverged_model_never_prunes_a_finite_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_a_diverging_run_stops_naming_the_step_and_keeps_what_was_finite(tmp_path):
-    done = train("--lr", "200", "--warmup", "0", "--steps", "30", "--checkpoint-dir", "ckpt", "--save-every", "2",
-                 "--keep", "2", cwd=tmp_path, check=False)
+    done = train("--lr", "200", "--weight-decay", "0", "--warmup", "0", "--steps", "30", "--checkpoint-dir", "ckpt",
+                 "--save-every", "2", "--keep", "2", cwd=tmp_path, check=False)
     assert done.returncode != 0
     message = next(line for line in done.stderr.splitlines() if "diverged" in line)
     step = int(message.split("not finite at step ")[1].split()[0])
