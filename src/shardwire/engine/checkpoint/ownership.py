@@ -44,10 +44,10 @@ def not_a_checkpoint(path: pathlib.Path) -> str | None:
     if path.is_symlink():
         return f"{path} is a symbolic link"
     try:
-        Manifest.read(path)
+        manifest = Manifest.read(path)
     except CheckpointError as err:
         return str(err)
-    if unsaved := unsaved_files(path):
+    if unsaved := _unlisted(path, manifest):
         shown = ", ".join(unsaved[:3]) + (f" and {len(unsaved) - 3} more" if len(unsaved) > 3 else "")
         return f"{path} also holds what no save wrote ({shown})"
     return None
@@ -57,9 +57,15 @@ def unsaved_files(path: pathlib.Path) -> list[str]:
     """The names in checkpoint ``path`` that its manifest does not list (none where it has no valid
     manifest: what is not a checkpoint holds nothing foreign to one)."""
     try:
-        manifest = Manifest.read(path)
+        return _unlisted(path, Manifest.read(path))
+    except CheckpointError:
+        return []
+
+
+def _unlisted(path: pathlib.Path, manifest: Manifest) -> list[str]:
+    try:
         held = {entry.name for entry in path.iterdir()}
-    except (CheckpointError, OSError):
+    except OSError:
         return []
     return sorted(held - {MANIFEST, MARKER, *(record.name for record in manifest.files)})
 
