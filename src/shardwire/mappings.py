@@ -68,6 +68,8 @@ def read_json(path: str, what: str, *, kind: str, remedy: str, limit: int = MAX_
     read as ``read_file`` reads: a file edited, damaged or of another tool is refused in one line
     naming it (``what``) and ending with ``remedy``, whatever its size, encoding or depth."""
     text = read_file(path, what, limit)
+    if not text.strip():  # a file cut to nothing, or a pipe nothing was written to
+        raise MappingError(f"{what} is empty; {remedy}")
     try:
         data = json.loads(text)
     except RecursionError:

@@ -88,3 +88,20 @@ def test_a_setting_slipped_on_names_the_nearest():
     with pytest.raises(SystemExit, match=r"error: --diloco 'sync_evry=5' is not understood: .* \(did you mean "
                                          r"sync_every\?\)$"):
         main(["train", "--model", "tiny", "--layout", "hybrid", "--diloco", "sync_evry=5"])
+
+
+def test_an_abbreviated_option_works_for_a_release_with_a_warning(capsys):
+    """argparse took any unambiguous beginning of an option for it, so a new option beginning the same
+    way would break a command line: an abbreviation is read whole, naming the option to write."""
+    simulate = ["simulate", "--model", "gpt-1.3b", "--cluster", "a100-100gbe"]
+    with pytest.warns(FutureWarning, match=r"^--trainin is read as --training: write it whole"):
+        assert main([*simulate, "--trainin", "{micro_batch: 2}"]) == 0
+    with pytest.warns(FutureWarning, match=r"^--seq is read as --seq-len"):
+        assert main([*simulate, "--seq=256"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["simulate", "--model", "gpt-1.3b", "--clus", "a100-100gbe"])
+    said = capsys.readouterr().err
+    assert said == "error: ambiguous option: --clus could match --cluster, --cluster-from (see shardwire simulate " \
+                   "--help)\n", said
+

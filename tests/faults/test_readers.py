@@ -52,6 +52,23 @@ def test_a_real_profile_still_calibrates(capsys):
     assert "(calibrated by gpt-1.3b-b8.json)" in capsys.readouterr().out
 
 
+def test_calibrate_takes_a_run_directory_as_report_does(tmp_path, capsys):
+    (tmp_path / "profile.json").write_bytes(open(PROFILE, "rb").read())
+    assert main([*CALIBRATE, str(tmp_path)]) == 0
+    assert f"(calibrated by {tmp_path.name})" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    said = refusal([*CALIBRATE, str(tmp_path / "empty")], capsys)
+    assert f"profile {tmp_path / 'empty' / 'profile.json'}: No such file" in said, said
+
+
+def test_an_empty_profile_or_a_pipe_nothing_was_written_to_says_so(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "blank").write_text("\n")
+    for path in (fifo, tmp_path / "blank"):
+        assert f"profile {path} is empty; give the profile.json" in refusal([*CALIBRATE, str(path)], capsys)
+
+
 def test_calibrate_reads_a_device_up_to_a_bound(capsys):
     assert f"profile /dev/zero is larger than {MAX_JSON_BYTES:,} bytes" in refusal([*CALIBRATE, "/dev/zero"], capsys)
 

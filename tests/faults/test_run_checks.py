@@ -261,6 +261,19 @@ def test_an_hf_checkpoint_records_its_config_and_refuses_another(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_at_another_seq_len_names_the_one_the_checkpoint_was_trained_at(tmp_path):
+    """A GPT preset's position table has a row per token: its checkpoint fits only a model made at the
+    --seq-len it was trained at, which the refusal names."""
+    train("--model", "tiny", "--seq-len", "16", "--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    done = train("--model", "tiny", "--steps", "4", "--checkpoint-dir", "ckpt", cwd=tmp_path, check=False)
+    assert done.returncode != 0
+    assert done.stderr.strip().endswith("ckpt/step_00000002 was trained at --seq-len 16, and this run's is "
+                                        f"{PRESETS['tiny'].seq_len}: give --seq-len 16 to resume it"), done.stderr
+    assert "4/4" in train("--model", "tiny", "--seq-len", "16", "--steps", "4", "--checkpoint-dir", "ckpt",
+                          cwd=tmp_path).stdout
+
+
+@pytest.mark.slow
 def test_the_last_checkpoint_of_a_diloco_run_holds_the_synced_model(tmp_path):
     train("--model", "tiny", "--steps", "5", "--layout", "hybrid", "--shard-group-size", "1", "--diloco",
           "sync_every=3,wire=none", "--checkpoint-dir", "ckpt", cwd=tmp_path)

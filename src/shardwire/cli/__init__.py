@@ -38,7 +38,35 @@ COMMANDS = {
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose errors are one line, as every other refusal is, naming where the
-    usage is, instead of the usage itself (25 lines for ``train``) and then the error."""
+    usage is, instead of the usage itself (25 lines for ``train``) and then the error.
+
+    argparse takes any unambiguous beginning of an option for it (``--trainin`` for ``--training``),
+    so a new option that begins the same way breaks a command line that ran before. An abbreviation
+    still works for a release, with a warning naming the whole option; then it is refused."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(None if args is None else self._spelled_out(args), namespace)
+
+    def _spelled_out(self, args: list[str]) -> list[str]:
+        """``args`` with each abbreviated option written whole (its warning given)."""
+        whole = []
+        for k, word in enumerate(args):
+            if word == "--":  # what follows is not options
+                return whole + list(args[k:])
+            name, equals, value = word.partition("=")
+            if name.startswith("--") and name not in self._option_string_actions:
+                options = sorted(flag for flag in self._option_string_actions if flag.startswith(name))
+                if len(options) > 1:
+                    self.error(f"ambiguous option: {name} could match {', '.join(options)}")
+                if options:
+                    warnings.warn(f"{name} is read as {options[0]}: write it whole, as abbreviated options are "
+                                  f"refused from the next release", RenamedWarning, stacklevel=2)
+                    word = options[0] + equals + value
+            whole.append(word)
+        return whole
 
     def error(self, message: str):
         self.exit(2, f"error: {message}{self._nearest(message)} (see {self.prog} --help)\n")

@@ -28,6 +28,7 @@ from shardwire.files import OutputRefused, StagedDirectory, new_output_problem
 from shardwire.mappings import shown
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
+from shardwire.training.config import recorded_seq_len
 
 _LISTINGS = 5  # how often a series whose checkpoints a running job prunes is listed again
 
@@ -132,7 +133,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
                             f"directory): give {model} a file name, such as model.safetensors")
     if (problem := new_output_problem(args.out)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
-    _check_fit(checkpoint, model, _recorded_seq_len(extra) if trained else None)
+    _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None)
     return model, export_state_dict(checkpoint, args.out)
 
 
@@ -157,14 +158,6 @@ def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: li
         notes.append(f"{model}'s config has changed since {checkpoint} was trained ({change}); exported with the "
                      f"config it was trained with")
     return fields
-
-
-def _recorded_seq_len(extra: dict) -> int | None:
-    """The sequence length the checkpoint's run trained at (a GPT preset's position table has that many
-    rows), where ``shardwire train`` recorded it."""
-    settings = extra.get("settings")
-    seq_len = settings.get("seq_len") if isinstance(settings, dict) else None
-    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
 
 
 def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None) -> None:

@@ -37,7 +37,7 @@ from shardwire.options import (
     command_line,
     config_from,
 )
-from shardwire.profile.profiler import PROFILE_FILE, TRACE_FILE
+from shardwire.profile import PROFILE_FILE, TRACE_FILE
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import activation_bytes
 from shardwire.sim.specs import TrainingSpec

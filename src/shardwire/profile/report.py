@@ -16,7 +16,8 @@ from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.mappings import MappingError, is_number, read_json, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
-from shardwire.profile.profiler import FORMAT_VERSION, PROFILE_FILE
+from shardwire.profile import PROFILE_FILE
+from shardwire.profile.profiler import FORMAT_VERSION
 
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "clip": "#8172B3", "optimizer": "#55A868"}
 _OP_COLORS = {"all_gather": "#64B5CD", "reduce_scatter": "#C44E52", "all_reduce": "#937860"}

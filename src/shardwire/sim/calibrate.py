@@ -25,6 +25,7 @@ import math
 import os
 
 from shardwire.mappings import MappingError, Missing, field, is_number, read_json, shown
+from shardwire.profile import PROFILE_FILE
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
 from shardwire.sim.specs import (
@@ -80,10 +81,13 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
 
 
 def read_profile(path: str, load_model) -> Measured:
-    """The ``Measured`` of a ``profile.json``; ``load_model(name, seq_len)`` describes the model its
-    job named (as ``shardwire train --model`` takes it). A profile that is not what ``shardwire
-    train --profile`` wrote (edited, cut short, of another tool) is refused in one line."""
-    remedy = "give the profile.json `shardwire train --profile` wrote"
+    """The ``Measured`` of a ``profile.json``, or of the run directory holding it (as ``shardwire
+    report`` takes it); ``load_model(name, seq_len)`` describes the model its job named (as
+    ``shardwire train --model`` takes it). A profile that is not what ``shardwire train --profile``
+    wrote (edited, cut short, of another tool) is refused in one line."""
+    remedy = "give the profile.json `shardwire train --profile` wrote, or its --run-dir"
+    if os.path.isdir(path):
+        path = os.path.join(path, PROFILE_FILE)
     try:
         doc = read_json(path, f"profile {path}", kind="profile", remedy=remedy)
     except MappingError as err:

@@ -212,7 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take nodes, GPUs per node and both network levels from `shardwire bench --json` output")
     parser.add_argument("--calibrate", metavar="PROFILE_JSON",
                         help="fit the GPU's compute model to a profile of one GPU of that kind (the profile.json of "
-                             "`shardwire train --profile` or benchmarks/gpu_single.py --trace)")
+                             "`shardwire train --profile` or its --run-dir, or of benchmarks/gpu_single.py --trace)")
     parser.add_argument("--node-mtbf", type=float, metavar="HOURS",
                         help="a node's mean time between failures: price what failures cost, restarting from a "
                              "checkpoint and, under DiLoCo, recovering the lost group live (--fault-tolerance)")

@@ -137,6 +137,15 @@ def changed_settings(recorded: dict, config: TrainConfig) -> dict[str, tuple]:
     return changed
 
 
+def recorded_seq_len(extra: dict) -> int | None:
+    """The sequence length a checkpoint's run trained at, where ``shardwire train`` recorded it in the
+    checkpoint's ``extra``: a GPT preset's position table has that many rows, so only a model made at
+    that length fits its weights."""
+    settings = extra.get("settings")
+    seq_len = settings.get("seq_len") if isinstance(settings, dict) else None
+    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+
+
 def _comparable(name: str, value):
     """``value`` of the setting ``name`` as it trains: DiLoCo's settings, whatever their spelling."""
     if name != "diloco" or not isinstance(value, str):

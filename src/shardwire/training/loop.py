@@ -30,6 +30,7 @@ import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
@@ -54,7 +55,7 @@ from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_tok
 from shardwire.profile.profiler import Profiler
 from shardwire.options import flag
 from shardwire.training import autoplan
-from shardwire.training.config import TrainConfig, changed_settings, training_settings
+from shardwire.training.config import TrainConfig, changed_settings, recorded_seq_len, training_settings
 from shardwire.training.data import (
     MAX_SEED,
     TOKEN_SUFFIXES,
@@ -238,7 +239,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
               f"{job.precision}; data: {corpus.description}", flush=True)
-    start = _resume(config, model, optimizer, scheduler, trained_on) if config.checkpoint_dir else 0
+    start = _resume(config, model, optimizer, scheduler, trained_on, choice.seq_len) if config.checkpoint_dir else 0
     if quorum is not None:  # meet the other groups: one that is behind takes their state and step here
         engine.outer.join()
         start = engine.outer.steps
@@ -548,12 +549,12 @@ def _trained_on(config: TrainConfig, corpus: ByteCorpus | TokenCorpus, global_ba
     return recorded
 
 
-def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict) -> int:
+def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, seq_len: int) -> int:
     """Restore the newest good checkpoint in --checkpoint-dir; returns the step to continue from."""
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
     except shardwire.CheckpointError as err:
-        raise _agreed(f"error: {err}") from None
+        raise _agreed(f"error: {err}{_trained_at_another_length(config.checkpoint_dir, seq_len)}") from None
     if info is None:
         return 0
     if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
@@ -586,6 +587,24 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict) 
             what = " (it records no settings to compare this run's with)"
         print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks){what}", flush=True)
     return info.step
+
+
+def _trained_at_another_length(directory: str, seq_len: int) -> str:
+    """Why no checkpoint of ``directory`` fits this run's model, where the newest was trained at
+    another ``--seq-len``: a GPT preset's position table has a row per token, so its weights fit only
+    a model made at that length (an ``hf:`` model's do not depend on it, and load)."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            with CheckpointReader(path) as reader:
+                extra = reader.manifest.extra
+        except shardwire.CheckpointError:
+            continue
+        recorded = recorded_seq_len(extra) if isinstance(extra, dict) else None
+        if recorded is None or recorded == seq_len:
+            return ""
+        return f"; {path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len {recorded} " \
+               f"to resume it"
+    return ""
 
 
 def _changed_scale(info, global_batch: int) -> list[str]:
