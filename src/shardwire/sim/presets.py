@@ -19,6 +19,9 @@ Biases are left out of parameter counts (under 0.2% of any of these models).
   RMSNorm, rotary positions, untied head, 4096-token context, grouped-query attention for 70B.
 * Llama 3.1 8B and Llama 3 70B (Meta's released ``params.json``), at torchtitan's training context
   of 8192 tokens.
+* GPT 18B: the model of DeepSpeed's ZeRO++ tutorial (docs/_tutorials/zeropp.md: Megatron-DeepSpeed's
+  GPT, ``--num-layers 40 --hidden-size 6144 --num-attention-heads 32 --seq-length 512``), GPT-2's
+  vocabulary and learned positions, attention unfused (no flash attention on a V100).
 
 GPUs: dense peaks per dtype from NVIDIA's data sheets (``shardwire.gpus``), memory and its bandwidth
 likewise; the fractions of them kernels reach, the compute model's (``shardwire.sim.compute``):
@@ -36,11 +39,14 @@ likewise; the fractions of them kernels reach, the compute model's (``shardwire.
   a byte and writes fp32): the bandwidth / 10 elements per second. A fused kernel's figure: the
   torch operations of ``shardwire.comm.quantize`` make several passes and may reach less.
 
+The V100's matrix multiplies are set against the ZeRO++ blog's runs at 800 Gbit/s, the least
+network-bound of them (each node's NICs busy 5-20% of the step).
 ``h100-grand-teton`` is the machine of torchtitan's published runs (its docs/performance.md): H100s
 with 96 GB of HBM2e at 2.4 TB/s and a 500 W limit, given the SXM's peaks as torchtitan's MFU is.
 
-Clusters: 8-GPU nodes, NVLink 600 GB/s per GPU in both directions on A100, 900 on H100. Assumed,
-not measured:
+Clusters: 8-GPU nodes, NVLink 600 GB/s per GPU in both directions on A100, 900 on H100; NVIDIA
+DGX-2: 16 V100 SXM3 32 GB joined by NVSwitch, 300 GB/s per GPU in both directions (six NVLink 2
+links), and eight 100 Gb/s InfiniBand NICs. Assumed, not measured:
 
 * intra-node busbw: 80% of one direction of NVLink (240 GB/s on A100, 360 GB/s on H100), what
   nccl-tests typically reports for all-gather on such nodes;
@@ -53,7 +59,7 @@ not measured:
   channel, over the GPU's. Within a node, NCCL's ring runs 2 channels per NVLink (24 channels for
   the A100's 12 NVLinks, as NCCL's maintainers describe DGX A100 in NVIDIA/nccl#1225: 24 of 108
   SMs, 0.22); on the H100's 18 NVLinks that rule gives 36, capped at NCCL's 32 channels (32 of 132,
-  0.24). Across nodes a ring's channels follow the NICs, 2 per NIC (NVIDIA/nccl#689: "2 is the
+  0.24), and on the V100's 6 NVLinks 12 (12 of 80 SMs, 0.15). Across nodes a ring's channels follow the NICs, 2 per NIC (NVIDIA/nccl#689: "2 is the
   minimum" for a single NIC). Memory bandwidth the kernels take is left out.
 
 Training: the four T5 runs of the document (see docs/simulator.md for what it states and what is
@@ -67,6 +73,8 @@ and reduces in fp32 (torchtitan's default).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from shardwire.gpus import DATASHEET_TFLOPS
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
@@ -103,6 +111,8 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               params=8_030_000_000, **_LLAMA3),
     ModelSpec(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
               params=70_550_000_000, **_LLAMA3),
+    ModelSpec(name="gpt-18b", layers=40, hidden=6144, heads=32, vocab=50257, seq_len=512, learned_positions=True,
+              attention="eager", params=18_000_000_000),
 )}
 
 QUANTIZE_BYTES_PER_ELEMENT = 10
@@ -125,9 +135,10 @@ GPUS: dict[str, dict] = {g["gpu"]: g for g in (
     _gpu("h100-sxm", "H100", 80.0, 3350.0, matmul=0.58, attention=0.40, memory=0.85),
     _gpu("h100-grand-teton", "H100", 96.0, 2400.0, matmul=0.50, attention=0.40, memory=0.85),
     _gpu("h200", "H200", 140.0, 4800.0, matmul=0.75, attention=0.52, memory=0.85),
+    _gpu("v100-32gb", "V100", 32.0, 900.0, matmul=0.55, attention=0.50, memory=0.85),
 )}
 
-A100_SMS, H100_SMS = 108, 132
+A100_SMS, H100_SMS, V100_SMS = 108, 132, 80
 _NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4, compute_share=24 / A100_SMS)
 _NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4, compute_share=32 / H100_SMS)
 _A100_80 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-80gb"])
@@ -135,6 +146,8 @@ _A100_40 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-40gb"])
 _H100 = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h100-sxm"])
 _GRAND_TETON = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h100-grand-teton"])
 _H200 = dict(gpus_per_node=8, intra_node=_NVLINK4, **GPUS["h200"])  # the H200's SMs are the H100's
+_DGX2 = dict(gpus_per_node=16, intra_node=LinkSpec(busbw_GBps=120.0, latency_us=3.4, compute_share=12 / V100_SMS),
+             **GPUS["v100-32gb"])
 
 
 def _channels(nics: int, sms: int) -> float:
@@ -146,7 +159,8 @@ def _tcp(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
     return LinkSpec(busbw_GBps=0.6 * gbps / 8, latency_us=50.0, compute_share=_channels(nics, sms))
 
 
-def _rdma(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
+def rdma_link(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
+    """``nics`` RDMA NICs (InfiniBand, RoCE, EFA) of ``gbps`` in all, serving GPUs of ``sms`` SMs."""
     return LinkSpec(busbw_GBps=0.9 * gbps / 8, latency_us=14.0, compute_share=_channels(nics, sms))
 
 
@@ -156,23 +170,27 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
         busbw_GBps=15.0, latency_us=50.0, compute_share=_channels(2, A100_SMS))),
     # The same system after its 2023 upgrade: RoCE with GPUDirect RDMA, 400 Gbps per node as fms-fsdp's
     # tables state it; the H100 cluster of the same tables, 800 Gbps per node.
-    ClusterSpec(name="ibm-a100-roce", nodes=16, inter_node=_rdma(400, A100_SMS, nics=2), **_A100_80),
-    ClusterSpec(name="ibm-h100-rdma-800", nodes=12, inter_node=_rdma(800, H100_SMS, nics=2), **_H100),
+    ClusterSpec(name="ibm-a100-roce", nodes=16, inter_node=rdma_link(400, A100_SMS, nics=2), **_A100_80),
+    ClusterSpec(name="ibm-h100-rdma-800", nodes=12, inter_node=rdma_link(800, H100_SMS, nics=2), **_H100),
     ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
-    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=_rdma(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
-    ClusterSpec(name="a100-ib-200", nodes=8, inter_node=_rdma(200, A100_SMS), **_A100_80),
+    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=rdma_link(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
+    ClusterSpec(name="a100-ib-200", nodes=8, inter_node=rdma_link(200, A100_SMS), **_A100_80),
     # 8 x 200 Gb/s of RDMA per node: MosaicML's A100 clusters (RoCE, stated with their throughput table).
-    ClusterSpec(name="a100-80gb-rdma-1600", nodes=1, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_80),
-    ClusterSpec(name="a100-40gb-rdma-1600", nodes=16, inter_node=_rdma(1600, A100_SMS, nics=8), **_A100_40),
+    ClusterSpec(name="a100-80gb-rdma-1600", nodes=1, inter_node=rdma_link(1600, A100_SMS, nics=8), **_A100_80),
+    ClusterSpec(name="a100-40gb-rdma-1600", nodes=16, inter_node=rdma_link(1600, A100_SMS, nics=8), **_A100_40),
     ClusterSpec(name="h100-100gbe", nodes=8, inter_node=_tcp(100, H100_SMS), **_H100),
     ClusterSpec(name="h100-400gbe", nodes=8, inter_node=_tcp(400, H100_SMS), **_H100),
-    ClusterSpec(name="h100-ib-400", nodes=8, inter_node=_rdma(400, H100_SMS), **_H100),
-    ClusterSpec(name="h100-rdma-3200", nodes=1, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
-    ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_GRAND_TETON),
+    ClusterSpec(name="h100-ib-400", nodes=8, inter_node=rdma_link(400, H100_SMS), **_H100),
+    ClusterSpec(name="h100-rdma-3200", nodes=1, inter_node=rdma_link(8 * 400, H100_SMS, nics=8), **_H100),
+    ClusterSpec(name="h100-grand-teton", nodes=16, inter_node=rdma_link(8 * 400, H100_SMS, nics=8), **_GRAND_TETON),
     # AWS p5.48xlarge: 3200 Gbps of EFA per node, 400 for each GPU (4 NICs of 100), counted as 8 rails.
-    ClusterSpec(name="h100-efa-3200", nodes=4, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H100),
+    ClusterSpec(name="h100-efa-3200", nodes=4, inter_node=rdma_link(8 * 400, H100_SMS, nics=8), **_H100),
     # torchtitan's H200 benchmark (Trainy on WhiteFiber): 400 Gb/s of RDMA per GPU (ConnectX-7).
-    ClusterSpec(name="h200-rdma-3200", nodes=4, inter_node=_rdma(8 * 400, H100_SMS, nics=8), **_H200),
+    ClusterSpec(name="h200-rdma-3200", nodes=4, inter_node=rdma_link(8 * 400, H100_SMS, nics=8), **_H200),
+    # NVIDIA DGX-2s with all eight of their 100 Gb/s InfiniBand NICs (the ZeRO++ blog's runs used 1 to 8);
+    # a ring across nodes runs through each node's NVLinks too, so it has no more channels than they carry.
+    ClusterSpec(name="v100-dgx2-ib-800", nodes=24, **_DGX2,
+                inter_node=dataclasses.replace(rdma_link(800, V100_SMS, nics=8), compute_share=12 / V100_SMS)),
 )}
 
 # The T5 document's runs: BF16 with BF16 reductions (the FSDP example's policy), activation

@@ -138,6 +138,9 @@ LIMITS = types.MappingProxyType({
                                                            "shard_group_size counts GPUs"),
     "grad_accum": Limit(MAX_GRAD_ACCUM, f"more micro-batches than the simulator steps through (at most "
                                         f"{MAX_GRAD_ACCUM}, each simulated event by event): raise micro_batch"),
+    # A GPT block holds six modules with parameters; a thousand is beyond any unit's.
+    "gathers_per_unit": Limit(1024, "over 1,024 all-gathers for one unit, more than any unit has modules: "
+                                    "gathers_per_unit counts the collectives that fetch a unit's parameters"),
     # No model has more units than this, and the engine gathers ahead no further than its last unit.
     "prefetch": Limit(2 * MAX_LAYERS, f"more units than any model has (at most {2 * MAX_LAYERS:,}): prefetch "
                                       f"counts units gathered ahead", zero=True),
@@ -329,6 +332,10 @@ class TrainingSpec:
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.
+    ``gathers_per_unit`` is the all-gathers that fetch a unit's parameters, each paying its
+    collective's latency: 1 where a unit's parameters are one flat buffer (FSDP, FSDP2 and the
+    engine), or the unit's modules that hold parameters, for DeepSpeed's ZeRO-3 and ZeRO++, which
+    fetch each module's as it runs (6 in a GPT block: two layer norms, four linear layers).
     ``precision`` is the compute dtype; ``fp8`` runs the blocks' linear layers' matrix multiplies in
     fp8 with dynamic scaling (torchao's float8 training: activations, attention and the head stay
     bf16), and ``fp8_all_gather`` then gathers their weights in fp8, cast before the gather.
@@ -353,6 +360,7 @@ class TrainingSpec:
     shard_group_size: int | None = None
     prefetch: int = 2
     limiter: str = "sliding"
+    gathers_per_unit: int = 1
     reshard_after_forward: bool | None = None
     precision: str = "bf16"
     reduce_precision: str = "fp32"
@@ -365,7 +373,7 @@ class TrainingSpec:
     name: str = "custom"
 
     def __post_init__(self):
-        _check_limits(self, "micro_batch", "grad_accum", "prefetch")
+        _check_limits(self, "micro_batch", "grad_accum", "prefetch", "gathers_per_unit")
         _choice(self, "layout", LAYOUTS)
         _choice(self, "limiter", LIMITERS)
         _choice(self, "precision", PRECISIONS)

@@ -163,11 +163,14 @@ def _column(size: int, cluster: ClusterSpec) -> Group:
 
 def gather_phases(unit: UnitCost, group: Group, cluster: ClusterSpec, training: TrainingSpec) -> list[Phase]:
     """The phases of gathering ``unit`` over ``group``: in the compute dtype, or packed by the wire's
-    parameter codec where the group spans nodes."""
+    parameter codec where the group spans nodes; a block unit in ``gathers_per_unit`` collectives one
+    after another, each of its share of the bytes and each paying the whole latency (the root's
+    embedding and head are a module or two: one collective)."""
+    pieces = 1 if unit.name == ROOT else training.gathers_per_unit
     codec = costs.crossing_nodes(training.wire_format.param_codec, group)
     if codec is None:
-        return costs.all_gather_phases(gathered_bytes(unit, training), group, cluster)
-    return costs.quantized_all_gather_phases(unit.params, group, cluster, codec)
+        return pieces * costs.all_gather_phases(gathered_bytes(unit, training) / pieces, group, cluster)
+    return pieces * costs.quantized_all_gather_phases(unit.params / pieces, group, cluster, codec)
 
 
 def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> list[tuple[str, float, Group]]:
