@@ -139,6 +139,13 @@ PUBLISHED = [
           dict(micro_batch=3, grad_accum=21, **COMPOSER, **FULL), 916),
     Point("llm-foundry", "mpt-13b", "a100-40gb-rdma-1600", 128, dict(micro_batch=16, reduce_precision="bf16", **FULL),
           1972),
+    # The same tables' 70b (mpt-70b.yaml: FULL_SHARD, mixed precision PURE, so bf16 reductions, and
+    # activation checkpointing) on 128 A100 40GB and 64 and 32 A100 80GB.
+    *(Point("llm-foundry", "mpt-70b", cluster, gpus,
+            dict(micro_batch=batch, grad_accum=accumulation, reduce_precision="bf16", **COMPOSER, **FULL), measured)
+      for cluster, gpus, batch, accumulation, measured in (
+          ("a100-40gb-rdma-1600", 128, 4, 1, 376), ("a100-80gb-rdma-1600", 64, 8, 4, 410),
+          ("a100-80gb-rdma-1600", 32, 2, 16, 373))),
     Point("llm-foundry", "mpt-1b", "h100-rdma-3200", 8, dict(micro_batch=14), 45455),
     Point("llm-foundry", "mpt-7b", "h100-rdma-3200", 8, dict(micro_batch=6), 10643),
     # torchtitan, docs/performance.md (December 2024) and Liang et al. 2024: Grand Teton H100s.

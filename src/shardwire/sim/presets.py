@@ -98,6 +98,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec(name="mpt-7b", layers=32, hidden=4096, heads=32, params=6_659_000_000, **_MPT),
     ModelSpec(name="mpt-13b", layers=40, hidden=5120, heads=40, params=12_854_000_000, **_MPT),
     ModelSpec(name="mpt-30b", layers=48, hidden=7168, heads=56, params=29_975_000_000, **_MPT),
+    ModelSpec(name="mpt-70b", layers=80, hidden=8192, heads=64, **_MPT),  # mpt-70b.yaml; its table gives no count
     ModelSpec(name="t5-3b", layers=24, hidden=2048, heads=32, ffn_hidden=5120, params=2_850_000_000, **_T5),
     ModelSpec(name="t5-11b", layers=24, hidden=4096, heads=64, ffn_hidden=10240, params=11_100_000_000, **_T5),
     ModelSpec(name="llama2-7b", layers=32, hidden=4096, heads=32, ffn_hidden=11008, params=6_740_000_000, **_LLAMA2),
