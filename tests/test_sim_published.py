@@ -1,7 +1,8 @@
 """The published results the simulator must reproduce with one model (the presets' compute model and
 networks, no setting per point): measured throughput of FSDP, HSDP and FSDP2 training at scale on
-A100s, H100s and H200s (``PUBLISHED``; docs/simulator.md cites each source and what it states), and the
-scaling of T5 on IBM Cloud (../shared/seeds/000).
+A100s, H100s and H200s, and of DeepSpeed's ZeRO-3 and ZeRO++ on V100s (``PUBLISHED``;
+docs/benchmarks/simulator.md cites each source and what it states), and the scaling of T5 on IBM
+Cloud (../shared/seeds/000).
 
 Throughput: every point within ``TOLERANCE`` of its published tokens per second per GPU, most
 within ``MOST``, but those whose ``miss`` says why the simulator misses them: they are expected to,
