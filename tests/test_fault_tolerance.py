@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.training import loop
+from harness import run_workers
 from test_sync import _diloco_reference, _sgd_steps
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
@@ -53,7 +56,6 @@ def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
 @pytest.mark.parametrize("diloco, layout, group_size, message", [
     (None, "hybrid", None, r"carries DiLoCo's syncs between groups: give layout='hybrid' with diloco=\.\.\. "),
     (DiLoCo(), "full", None, "carries DiLoCo's syncs between groups"),
-    (DiLoCo(sync_every=8, fragments=2), "hybrid", None, "give diloco fragments=1"),
     (DiLoCo(sync_every=8, fragment_sync_delay=2), "hybrid", None, "give diloco fragment_sync_delay=0"),
     (DiLoCo(), "hybrid", 2, "each launched job is one group, but shard_group_size=2"),
 ])
@@ -63,6 +65,7 @@ def test_what_fault_tolerance_cannot_carry_is_refused(diloco, layout, group_size
         check_fault_tolerance(settings, diloco, layout, group_size, 4)
     check_fault_tolerance(settings, DiLoCo(), "hybrid", None, 4)
     check_fault_tolerance(settings, DiLoCo(), "hybrid", 4, 4)
+    check_fault_tolerance(settings, DiLoCo(sync_every=8, fragments=2), "hybrid", None, 4)
 
 
 def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(tmp_path, monkeypatch):
@@ -72,8 +75,8 @@ def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(
         ([*hybrid, "--fault-tolerance", "group=a"], "error: --fault-tolerance needs the lighthouse's address"),
         (["--fault-tolerance", "lighthouse=h:1"],  # the settings named as options, the library's as arguments
          r"error: fault tolerance carries DiLoCo's syncs between groups: give --layout hybrid with --diloco=\.\.\. "),
-        ([*hybrid, "--diloco", "sync_every=5,fragments=2", "--fault-tolerance", "lighthouse=h:1"],
-         "give --diloco fragments=1, not 2"),
+        ([*hybrid, "--diloco", "sync_every=8,fragments=2,fragment_sync_delay=2", "--fault-tolerance", "lighthouse=h:1"],
+         "give --diloco fragment_sync_delay=0, not 2"),
         ([*hybrid, "--shard-group-size", "1", "--fault-tolerance", "lighthouse=h:1"],
          "but --shard-group-size 1 cuts the job's 2 ranks into several: launch one job per group, and leave "
          "--shard-group-size out"),
@@ -146,13 +149,12 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
         lighthouse.shutdown()
 
 
-def _fault_tolerant_group(index: int, lighthouse: str, steps: int, every: int, results) -> None:
+def _fault_tolerant_group(index: int, lighthouse: str, steps: int, diloco: DiLoCo, results) -> None:
     """One group of one rank in a process of its own (its own world), trained as ``test_sync``'s
     DiLoCo runs are; puts the model after ``diloco_sync`` and the last sync's metrics."""
     os.environ["RUST_LOG"] = "warn"
     torch.manual_seed(0)
-    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
-                            diloco=DiLoCo(sync_every=every, wire=None),
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", diloco=diloco,
                             fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=2, timeout=60))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     _sgd_steps(model, optimizer, index, range(steps))
@@ -162,32 +164,110 @@ def _fault_tolerant_group(index: int, lighthouse: str, steps: int, every: int, r
     results.put(pickle.dumps((index, shardwire.full_state_dict(model), outer.metrics())))  # bytes: outlive the process
 
 
-@pytest.mark.slow
-def test_fault_tolerant_groups_match_the_independent_diloco_reference():
-    """Two groups, each a process of its own meeting at a lighthouse, against the single-process
-    DiLoCo reference of ``test_sync``: the same model after 7 steps with a sync every 3 and the final
-    one (the first sync, where the groups meet, averages no change), and the final sync's norm."""
+def _groups_meeting(target, *args, min_groups: int = 2, timeout: float = 240) -> dict:
+    """Run ``target(index, lighthouse, *args, results)`` for two groups, each a process of its own
+    meeting at a lighthouse; what each put, by its index."""
     import multiprocessing
 
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=60_000)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    groups = [context.Process(target=_fault_tolerant_group, args=(index, lighthouse.address(), 7, 3, results))
-              for index in range(2)]
+    groups = [context.Process(target=target, args=(index, lighthouse.address(), *args, results)) for index in range(2)]
     try:
         for group in groups:
             group.start()
-        found = dict((index, (model, metrics)) for index, model, metrics in (pickle.loads(results.get(timeout=240)) for _ in groups))
+        return dict((index, found) for index, *found in (pickle.loads(results.get(timeout=timeout)) for _ in groups))
     finally:
         for group in groups:
             group.join(timeout=30)
             if group.is_alive():
                 group.kill()
         lighthouse.shutdown()
+
+
+@pytest.mark.slow
+def test_fault_tolerant_groups_match_the_independent_diloco_reference():
+    """Two groups, each a process of its own meeting at a lighthouse, against the single-process
+    DiLoCo reference of ``test_sync``: the same model after 7 steps with a sync every 3 and the final
+    one (the first sync, where the groups meet, averages no change), and the final sync's norm."""
+    pytest.importorskip("torchft")
+    found = _groups_meeting(_fault_tolerant_group, 7, DiLoCo(sync_every=3, wire=None))
     expected, (norm, _) = _diloco_reference(2, 1, 7, 3)
     for model, metrics in found.values():
         for key, value in expected.items():
             torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
         assert metrics["groups"] == 2 and metrics["outer_grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+def _hybrid_groups(rank: int, world: int, diloco: DiLoCo, steps: int) -> dict:
+    """The same training as ``_fault_tolerant_group``'s, the groups ranks of one job (no lighthouse)."""
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, diloco=diloco)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _sgd_steps(model, optimizer, rank, range(steps))
+    shardwire.diloco_sync(model)
+    return shardwire.full_state_dict(model)
+
+
+@pytest.mark.slow
+def test_fault_tolerant_groups_sync_in_fragments_as_the_groups_of_one_job_do():
+    """Streaming DiLoCo between fault-tolerant groups: two fragments, each synced every 4 steps (the
+    quorum agreeing on each sync's fragment), train as two groups of one job do."""
+    pytest.importorskip("torchft")
+    diloco = DiLoCo(sync_every=4, fragments=2, wire=None)
+    found = _groups_meeting(_fault_tolerant_group, 9, diloco)
+    expected = run_workers(2, _hybrid_groups, diloco, 9)[0]
+    for model, _ in found.values():
+        for key, value in expected.items():
+            torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _late_group(index: int, lighthouse: str, directory: str, results) -> None:
+    """Group 0 trains 10 steps, syncing in 2 fragments every 4 (fragment 0 after steps 2 and 6,
+    fragment 1 after 4 and 8); group 1 starts once group 0 has done 4 steps, which then waits for it:
+    group 1 joins at fragment 1's sync, behind."""
+    os.environ["RUST_LOG"] = "warn"
+    ready, started = pathlib.Path(directory, "ready"), pathlib.Path(directory, "started")
+
+    def wait_for(path: pathlib.Path) -> None:
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert time.monotonic() < deadline, f"{path.name} never came"
+            time.sleep(0.1)
+
+    if index == 1:
+        wait_for(ready)
+        started.touch()
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
+                            diloco=DiLoCo(sync_every=4, fragments=2, wire=None),
+                            fault_tolerance=FaultTolerance(lighthouse, f"g{index}", timeout=60))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    shardwire.recover_with(model, optimizer=optimizer)
+    outer = engine_of(model).outer
+    outer.join()
+
+    def wait_for_group_1(step: int) -> None:
+        if index == 0 and step == 3:
+            ready.touch()
+            wait_for(started)
+            time.sleep(5)  # its request reaches the lighthouse before this group's next sync does
+
+    _sgd_steps(model, optimizer, index, range(outer.steps, 10), after_step=wait_for_group_1)
+    metrics = outer.metrics()
+    shardwire.diloco_sync(model)
+    results.put(pickle.dumps((index, shardwire.full_state_dict(model), metrics)))
+
+
+@pytest.mark.slow
+def test_a_group_that_joins_at_a_later_fragment_syncs_that_fragment_and_ends_with_the_others(tmp_path):
+    """A group joining while the others sync fragment 1 takes part in that fragment's sync (the
+    quorum agrees on it), receives every fragment's anchor and the step, and the two end alike."""
+    pytest.importorskip("torchft")
+    found = _groups_meeting(_late_group, str(tmp_path), min_groups=1)
+    (first, _), (late, metrics) = found[0], found[1]
+    assert metrics["recovered"] == 1 and metrics["skipped_steps"] == 4, metrics
+    for key, value in first.items():
+        assert torch.equal(late[key], value), key

@@ -104,9 +104,8 @@ def test_what_a_checkpoint_and_a_recovery_move_comes_from_the_memory_model():
     (on_nodes(1), DILOCO, "one node is one group"),
     (on_nodes(2), TrainingSpec(layout="hybrid", shard_group_size=4, diloco="sync_every=20"),
      "give groups of a node's 8 GPUs, not 4"),
-    (on_nodes(2), TrainingSpec(layout="hybrid", diloco="sync_every=20,fragments=4"), "give diloco fragments=1, not 4"),
     (on_nodes(2), TrainingSpec(layout="hybrid", diloco="sync_every=20,fragments=4,fragment_sync_delay=4"),
-     "fragments=1"),
+     "give diloco fragment_sync_delay=0, not 4"),
     (on_nodes(2), TrainingSpec(layout="hybrid", diloco="sync_every=20,fragment_sync_delay=2"),
      "give diloco fragment_sync_delay=0, not 2"),
 ])
@@ -114,6 +113,12 @@ def test_live_recovery_only_where_fault_tolerance_runs(cluster, training, why):
     assert why in failures.why_no_live_recovery(cluster, training)
     costs = price(predict(MODELS["gpt2-125m"], cluster, training), FailureRate(100))
     assert costs.live_recovery is None and why in costs.no_live_recovery
+
+
+def test_fragments_recover_live():
+    streaming = TrainingSpec(layout="hybrid", diloco="sync_every=20,fragments=4")
+    costs = price(predict(MODELS["gpt2-125m"], on_nodes(2), streaming), FailureRate(100))
+    assert costs.no_live_recovery is None and costs.live_recovery is not None
 
 
 def test_a_given_interval_is_kept_and_costs_more_than_young():

@@ -89,6 +89,7 @@ class Quorum:
         port = group.all_gather_values([self._store.port if self._store is not None else 0],
                                        tag="fault tolerance store")[0][0]
         self.settings = settings
+        self._device = group.device
         # Rank 0's manager talks to the lighthouse, the others to rank 0's: where rank 0 cannot reach
         # it, every rank says so alike, instead of the others failing on a manager that went away.
         reached = [1]
@@ -143,6 +144,15 @@ class Quorum:
     @property
     def world(self) -> int:
         return max(self.participants, 1)
+
+    def agree(self, value: int) -> int:
+        """The largest ``value`` (a count from 0) the groups of the quorum taking part give, which
+        every group then acts on: a recovering group's is not counted (it learns the others'); where
+        the quorum fails, this group's own ``value`` (the sync is dropped at ``commit`` anyway)."""
+        tensor = torch.tensor([value + 1.0], device=self._device)
+        self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.MAX).wait()
+        agreed = int(tensor.item()) - 1
+        return agreed if agreed >= 0 and not self._manager.errored() else value
 
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "avg", codec=None, residual=None,
                    after=None) -> QuorumPending:

@@ -19,13 +19,15 @@ their next sync (up to its ``--join_timeout_ms``), and in that quorum the new gr
 receives from a live peer at its position what the groups agree on: the anchor and outer momentum
 of its shard, the schedule's step, and whatever was registered with ``shardwire.recover_with`` (the
 optimizer's state, the learning-rate schedule). It takes part in that sync with no change of its
-own and leaves it holding the same model as the others. The syncs' participants and what a
-recovery received are logged.
+own and leaves it holding the same model as the others. Syncing in fragments, the groups of each
+quorum first agree on the fragment it syncs (the one their schedule has come to), so that a group
+that joins meets the others at whichever comes; it receives the anchor of every fragment and
+trains on from those. The syncs' participants and what a recovery received are logged.
 
 What does not carry over: hybrid's per-step reduction between groups (fault-tolerant HSDP) is not
 built (a sync every step, ``sync_every=1``, is the nearest); a sync's change travels in fp32
 (torchft's quantized all-reduce needs CUDA and Triton), whatever ``DiLoCo.wire`` says; a sync runs
-in the step (``fragment_sync_delay=0``).
+in the step (``fragment_sync_delay=0``: a group may leave while it would run behind the steps).
 
 Torch-free, so that the launcher checks the settings before starting a worker.
 """
@@ -107,16 +109,12 @@ class FaultTolerance:
 def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout: str, shard_group_size: int | None,
                           world: int) -> None:
     """A ``ValueError`` where ``fault_tolerance`` cannot run: it carries DiLoCo's syncs between jobs,
-    each job (its ``world`` ranks) one group of the hybrid layout, syncing the whole model in the step."""
+    each job (its ``world`` ranks) one group of the hybrid layout, each sync in its step."""
     if fault_tolerance is None:
         return
     if diloco is None or layout != "hybrid":
         raise SettingError("fault tolerance carries DiLoCo's syncs between groups: give {hybrid} with {diloco}=... "
                            "(sync_every=1 syncs every step)", hybrid=("layout", "hybrid"), diloco=("diloco",))
-    if diloco.fragments != 1:
-        raise SettingError(f"under fault tolerance the whole model syncs at once (a group that joins meets the "
-                           f"others at whichever sync comes): give {{diloco}} fragments=1, not {diloco.fragments}",
-                           diloco=("diloco",))
     if shard_group_size not in (None, world):
         raise SettingError(f"under fault tolerance each launched job is one group, but {{size}} cuts the job's "
                            f"{world} ranks into several: launch one job per group, and leave {{name}} out",

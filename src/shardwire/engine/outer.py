@@ -197,7 +197,7 @@ class OuterLoop:
         if self._joined:
             return
         self._joined = True
-        self._send(0, eager=False, applied_after=self.steps)
+        self._send(self.diloco.due(self.steps) or 0, eager=False, applied_after=self.steps)
         self._apply()
         self.checked = self.steps
 
@@ -240,13 +240,18 @@ class OuterLoop:
                 flat.outer.wait()
 
     def _send(self, fragment: int, *, eager: bool, applied_after: int) -> None:
-        flats = self.fragments[fragment]
+        """Send ``fragment``'s sync. Fault-tolerant groups syncing in fragments first agree on which
+        the quorum syncs: a group that joins (or is behind) meets the others at whichever fragment
+        their schedule has come to, and takes theirs."""
         with record_function(f"shardwire::sync(fragment {fragment})"):
             for comm in self._spanning:
                 comm.verify_order("the syncs before this one")
             if self.quorum is not None:
                 with record_function("shardwire::quorum"):
                     self.quorum.start()
+                    if len(self.fragments) > 1:
+                        fragment = self.quorum.agree(fragment)
+            flats = self.fragments[fragment]
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)
         self.in_flight = (flats, applied_after)
@@ -302,6 +307,10 @@ class OuterLoop:
                                    f"peer's {anchor.numel()}: every group must have as many ranks")
             flat.outer.anchor.copy_(anchor)
             flat.outer.momentum.copy_(momentum)
+            # What the groups last agreed on, for every fragment: the one this sync averages
+            # becomes its new anchor at the outer step, the others train on from their anchor.
+            with torch.no_grad():
+                flat.shard.copy_(anchor)
         self._skipped += state["schedule"][0] - self.steps
         self.steps, self.checked = state["schedule"]
 

@@ -248,8 +248,6 @@ def why_no_live_recovery(cluster: ClusterSpec, training: TrainingSpec) -> str | 
     if (group := layout_plan(cluster, training).group) != cluster.gpus_per_node:
         return (f"--fault-tolerance runs a group per node here: give groups of a node's {cluster.gpus_per_node} GPUs, "
                 f"not {group}")
-    if diloco.fragments != 1:
-        return f"--fault-tolerance syncs the whole model at once: give diloco fragments=1, not {diloco.fragments}"
     if diloco.fragment_sync_delay:
         return (f"--fault-tolerance runs a sync in its step: give diloco fragment_sync_delay=0, not "
                 f"{diloco.fragment_sync_delay}")
