@@ -32,7 +32,7 @@ def cluster(nodes=2, gpus=4, *, intra=100.0, inter=10.0, latency_us=0.0, tflops=
 def test_specs_name_missing_and_unknown_keys():
     with pytest.raises(SpecError, match="missing key.*hidden"):
         parse("model", {"layers": 2, "heads": 2, "vocab": 10, "seq_len": 8})
-    with pytest.raises(SpecError, match="unknown key.*hiden.*known keys"):
+    with pytest.raises(SpecError, match=r"unknown key\(s\) 'hiden' \(did you mean hidden\?\); known keys"):
         parse("model", {"layers": 2, "hiden": 2, "hidden": 4, "heads": 2, "vocab": 10, "seq_len": 8})
     with pytest.raises(SpecError, match="inter_node: missing key.*busbw_GBps"):
         parse("cluster", {"nodes": 1, "gpus_per_node": 1, "peak_tflops": 1, "gpu_memory_gb": 1,

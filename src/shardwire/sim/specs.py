@@ -18,6 +18,7 @@ events in proportion to units x micro-batches).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -474,9 +475,13 @@ def _build(cls, label: str, mapping: Any):
         raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
     mapping = _renamed(cls, label, mapping)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(shown(key) for key in set(mapping) - set(fields))
+    unknown = sorted(set(mapping) - set(fields), key=shown)
     if unknown:
-        raise SpecError(f"{label}: unknown key(s) {', '.join(unknown[:5])}; known keys: {', '.join(fields)}")
+        nearest = [close[0] for key in unknown[:5] if isinstance(key, str)
+                   and (close := difflib.get_close_matches(key, fields, n=1, cutoff=0.75))]
+        meant = f" (did you mean {', '.join(nearest[:5])}?)" if nearest else ""
+        raise SpecError(f"{label}: unknown key(s) {', '.join(shown(key) for key in unknown[:5])}{meant}; known keys: "
+                        f"{', '.join(fields)}")
     missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]
     if missing:
         raise SpecError(f"{label}: missing key(s) {', '.join(missing)}")
