@@ -149,7 +149,9 @@ def _failed_save(rank, directory):
 
 def _prune_among_strangers(rank, directory):
     """keep=1 in a series that also holds a user's directory named like an older checkpoint, with a
-    manifest.json of its own, one without any, and a checkpoint the user then exported into."""
+    manifest.json of its own, one without any, a checkpoint the user then exported into, and two
+    directories holding a copy of its manifest: made step 3's, beside files of the user's under the
+    names it lists, and beside a copy of its files (a manifest of step 2 under step 4's name)."""
     def plant():
         (directory / "step_00000000").mkdir(parents=True)
         (directory / "step_00000000" / "manifest.json").write_text('{"my": "notes"}')
@@ -160,12 +162,25 @@ def _prune_among_strangers(rank, directory):
     model, optimizer = make_model(seed=0)
     save_step(directory, model, optimizer, 2, keep=1)
     on_rank_0(rank, lambda: (directory / "step_00000002" / "exported.pt").write_bytes(b"the user's"))
+
+    def forge():
+        saved = directory / "step_00000002"
+        for name in ("step_00000003", "step_00000004"):
+            (directory / name).mkdir()
+            shutil.copy(saved / "manifest.json", directory / name)
+        for record in json.loads((saved / "manifest.json").read_text())["files"]:
+            (directory / "step_00000003" / record["name"]).write_bytes(b"the user's")
+            shutil.copy(saved / record["name"], directory / "step_00000004")
+        rewrite_manifest(directory / "step_00000003", lambda manifest: manifest.update(step=3))  # of its step
+
+    on_rank_0(rank, forge)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        for step in (3, 4):
+        for step in (5, 6):
             save_step(directory, model, optimizer, step, keep=1)
     return {"after": listing(directory), "warned": [str(w.message) for w in warned],
-            "export": (directory / "step_00000002" / "exported.pt").read_bytes()}
+            "export": (directory / "step_00000002" / "exported.pt").read_bytes(),
+            "forged": (directory / "step_00000003" / "rank_00000.safetensors").read_bytes()}
 
 
 BAD_MANIFESTS = {
@@ -343,12 +358,15 @@ def test_a_save_that_fails_and_lives_on_leaves_nothing_of_itself(scenarios):
 
 def test_prune_deletes_only_complete_checkpoints(scenarios):
     # The user's step_00000000 (a manifest.json of its own) and step_00000001 (none) are not counted,
-    # not deleted; nor is checkpoint 2, once the user exported into it: keep=1 deletes checkpoint 3.
+    # not deleted; nor is checkpoint 2, once the user exported into it, nor the copies of its manifest
+    # in 3 (beside the user's files) and 4 (of another step): keep=1 deletes checkpoint 5.
     outcome = result(scenarios, "prune")
-    assert outcome["after"] == ["step_00000000", "step_00000001", "step_00000002", "step_00000004"]
-    assert outcome["export"] == b"the user's"
-    assert any("kept" in message and "step_00000002 also holds what no save wrote (exported.pt)" in message
-               for message in outcome["warned"]), outcome["warned"]
+    assert outcome["after"] == [f"step_0000000{step}" for step in (0, 1, 2, 3, 4, 6)]
+    assert outcome["export"] == b"the user's" and outcome["forged"] == b"the user's"
+    for kept in ("step_00000002 also holds what no save wrote (exported.pt)",
+                 "step_00000003/rank_00000.safetensors holds 10 bytes where its manifest records",
+                 "step_00000004 holds the manifest of step 2, not of the step its name says"):
+        assert any("kept" in message and kept in message for message in outcome["warned"]), (kept, outcome["warned"])
 
 
 @pytest.mark.parametrize("case, reason", [

@@ -92,6 +92,15 @@ def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, k
     assert message in refused and len(refused) < 1000
 
 
+def test_an_optimizer_step_faster_than_the_gpus_memory_is_refused(tmp_path, capsys):
+    def change(document):
+        document["summary"]["figures"]["optimizer_s"]["median"] = 1e-6
+
+    refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
+    assert "its optimizer step streams 3.683e+07 GB/s, more than cluster" in refused, refused
+    assert "memory bandwidth (4800 GB/s) allows" in refused
+
+
 @pytest.mark.parametrize("where, value, message", [
     ("metadata", [], "its metadata is a list, not a mapping, unlike a profile of `shardwire train --profile`"),
     ("summary", None, "its summary is null, not a mapping, unlike a profile"),
@@ -116,6 +125,13 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
     (lambda d: d["context"].update(ranks_per_node=None), "its context.ranks_per_node is None, not a whole number"),
     (lambda d: d.update(context=None), "its context is null, not a mapping"),
     (lambda d: d.update(fit=[]), "its fit is [], not a mapping"),
+    (lambda d: d["fit"]["inter"]["all_gather"].update(beta_Bps=-1.0),
+     "its fit.inter.all_gather.beta_Bps is -1.0, not a positive rate in bytes per second"),
+    (lambda d: d["fit"]["inter"]["all_gather"].update(alpha_s=-1.0),
+     "its fit.inter.all_gather.alpha_s is -1.0, not a fitted latency in seconds"),
+    (lambda d: d["fit"]["inter"]["all_gather"].update(alpha_s=float("nan")), "alpha_s is nan, not a fitted latency"),
+    (lambda d: d["fit"]["inter"]["all_gather"].update(ranks=0), "ranks is 0, not a whole number from 1 to the 2 ranks"),
+    (lambda d: d["fit"]["inter"]["reduce_scatter"].update(ranks=10**9), "ranks is 1000000000, not a whole number"),
 ])
 def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, message):
     with open(BENCH) as f:

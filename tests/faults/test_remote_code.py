@@ -46,8 +46,12 @@ def test_a_known_architecture_with_an_auto_map_trains_on_transformers_own_code(t
         "model_type": "gpt2", **GPT2, "auto_map": {"AutoModelForCausalLM": "custom.Model"}})
     from shardwire.models.choice import choose
 
-    assert choose(f"hf:{tmp_path / 'model'}").name == "hf:GPT2LMHeadModel"
-    assert not marker.exists()
+    choice = choose(f"hf:{tmp_path / 'model'}")
+    assert choice.name == "hf:GPT2LMHeadModel" and not marker.exists()
+    # said as the run starts: the class trained is not the one the auto_map names
+    assert choice.note == (f"hf:{tmp_path / 'model'} names custom code (auto_map {{'AutoModelForCausalLM': "
+                           f"'custom.Model'}}), which shardwire never runs: it builds transformers' own "
+                           f"GPT2LMHeadModel for model_type 'gpt2'")
 
 
 def test_a_tokenizer_needing_custom_code_is_refused_and_its_code_never_runs(tmp_path, yes_on_stdin):

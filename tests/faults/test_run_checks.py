@@ -261,6 +261,30 @@ def test_an_hf_checkpoint_records_its_config_and_refuses_another(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mounts a small tmpfs")
+def test_an_export_that_fills_the_disk_is_one_line_naming_where_the_model_is(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                  "vocab_size": 256}))
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        done = train("--model", f"hf:{config}", "--seq-len", "32", "--steps", "2", "--checkpoint-dir", "ckpt",
+                     "--export-hf", str(full / "out"), cwd=tmp_path, check=False)
+        left = os.listdir(full)
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --export-hf {full / 'out'}: No space left on device; the trained model is in ckpt/step_00000002: "
+        f"`shardwire export ckpt/step_00000002 DIR` writes it where there is room")
+    assert left == []  # nothing half-written is left
+
+
+@pytest.mark.slow
 def test_a_resume_at_another_seq_len_names_the_one_the_checkpoint_was_trained_at(tmp_path):
     """A GPT preset's position table has a row per token: its checkpoint fits only a model made at the
     --seq-len it was trained at, which the refusal names."""

@@ -74,6 +74,8 @@ class ModelChoice:
     runs_on_meta: bool = True
     # the units that hold parameters, the root included: what ``shard`` makes and DiLoCo's fragments are dealt
     units_with_parameters: int = 1
+    # what the user should know of the model chosen, said once before any worker starts (or None)
+    note: str | None = None
 
 
 def recorded_name(name: str) -> str:
@@ -160,7 +162,8 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
                        held_whole=(_parameters(skeleton) if weights is not None and not by_slice
                                    else _held_while_made(skeleton, chosen)),
                        load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None,
-                       units_with_parameters=_units_with_parameters(skeleton, chosen))
+                       units_with_parameters=_units_with_parameters(skeleton, chosen),
+                       note=_custom_code_not_run(config, source, type(skeleton).__name__))
 
 
 def _parameters(model: nn.Module) -> int:
@@ -231,7 +234,8 @@ def config_from_fields(transformers, fields: dict):
 
 
 # The sizes every causal LM's config has (under transformers' common names), and the least each can be.
-_SIZES = {"num_hidden_layers": 0, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1}
+_SIZES = {"num_hidden_layers": 0, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1,
+          "max_position_embeddings": 1}
 
 
 def _buildable(config):
@@ -293,6 +297,17 @@ def custom_code(config: pathlib.Path) -> str | None:
         return None
     return (f"it needs custom code (the auto_map of {config.name} names {shown(fields['auto_map'], 60)}), which "
             f"shardwire never runs: use a model whose architecture transformers itself implements")
+
+
+def _custom_code_not_run(config, source: str, built: str) -> str | None:
+    """Where a config names custom code (an ``auto_map``) but its ``model_type`` is one transformers
+    implements, transformers builds its own class, not the one the code defines: say so, since the
+    two may differ (a model upstreamed from such code is usually the same)."""
+    auto_map = getattr(config, "auto_map", None)
+    if not auto_map:
+        return None
+    return (f"hf:{cut(source)} names custom code (auto_map {shown(auto_map, 60)}), which shardwire never runs: it "
+            f"builds transformers' own {built} for model_type {config.model_type!r}")
 
 
 def first_line(err: Exception) -> str:

@@ -76,6 +76,10 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
     if max(fitted.values()) > 1:
         raise SpecError(f"{source}: its compute runs faster than cluster {cluster.name!r}'s peak allows "
                         f"({max(fitted.values()):.2f} of it): give the peak_tflops of the GPU it was measured on")
+    if cluster.memory_bandwidth_GBps is not None and optimizer > cluster.memory_bandwidth_GBps * 1e9:
+        raise SpecError(f"{source}: its optimizer step streams {optimizer / 1e9:.4g} GB/s, more than cluster "
+                        f"{cluster.name!r}'s memory bandwidth ({cluster.memory_bandwidth_GBps:g} GB/s) allows: was "
+                        f"the profile taken on this GPU, of the job it names?")
     return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
                              "name": f"{cluster.name} (calibrated by {os.path.basename(source)})"})
 

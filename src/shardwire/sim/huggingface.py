@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from shardwire.mappings import MAX_TEXT_BYTES, cut, read_file
+from shardwire.mappings import MAX_TEXT_BYTES, cut, read_file, shown
 from shardwire.sim.specs import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -73,7 +73,10 @@ def _parsed(text: str, what: str):
 def seq_len_of(fields: Mapping, seq_len: int | None) -> int:
     """Tokens per sequence: as asked, else the model's positions up to ``DEFAULT_SEQ_LEN``; raises
     ``ValueError`` when asked for more than the model has."""
-    positions = fields.get("max_position_embeddings") or fields.get("n_positions") or DEFAULT_SEQ_LEN
+    key = next((key for key in ("max_position_embeddings", "n_positions") if fields.get(key) is not None), None)
+    positions = DEFAULT_SEQ_LEN if key is None else fields[key]
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise ValueError(f"{key} must be a whole number of at least 1, got {shown(positions)}")
     length = seq_len or min(positions, DEFAULT_SEQ_LEN)
     if length > positions:
         raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")

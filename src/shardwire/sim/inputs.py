@@ -28,11 +28,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.mappings import MappingError, Missing, field, read_file, read_mapping, shown
+from shardwire.mappings import MappingError, Missing, field, is_number, read_file, read_mapping, shown
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.failures import FailureRate
@@ -40,6 +41,7 @@ from shardwire.sim.presets import GPUS, PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
+_LEAST_INTERCEPT_S = -0.1  # a fit's intercept below this is no fit of measured times
 # Bench results: a thousand sizes of every operation on every group, in both forms, are a few MB.
 MAX_BENCH_BYTES = 64 << 20
 
@@ -133,7 +135,7 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
             raise Missing(f"its context.{key} is {shown(value)}, not a whole number of at least 1")
     levels = {}
     for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
-        link = _link_from_fits(fits.get(group) or {})
+        link = _link_from_fits(fits.get(group) or {}, group, nodes * per_node)
         if link is None and needed:
             raise SpecError(
                 f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
@@ -164,13 +166,26 @@ def _contention(contention: Mapping, group: str) -> Mapping:
     return {}
 
 
-def _link_from_fits(fits: Mapping) -> LinkSpec | None:
+def _link_from_fits(fits: Mapping, group: str, world: int) -> LinkSpec | None:
+    """The link the all-gather and reduce-scatter fits of ``group`` describe (of ``world`` ranks at
+    most), or None where no fit says it (a group of one rank; a time that did not grow with size).
+    A value no fit has is ``Missing``: the document was edited or damaged."""
     links = []
     for op in _LINK_OPS:
         fit = fits.get(op)
-        if fit and fit.get("beta_Bps") and fit["ranks"] > 1:
-            k = fit["ranks"]
-            links.append((fit["beta_Bps"] * (k - 1) / k / 1e9, max(0.0, fit["alpha_s"]) / (k - 1) * 1e6))
+        if not fit:
+            continue
+        k, alpha, beta = field(fit, "ranks"), field(fit, "alpha_s"), field(fit, "beta_Bps")
+        where = f"fit.{group}.{op}"
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= world:
+            raise Missing(f"its {where}.ranks is {shown(k)}, not a whole number from 1 to the {world} ranks it ran")
+        # a least-squares intercept may fall a little below zero (read as none), never seconds below
+        if not (is_number(alpha) and _LEAST_INTERCEPT_S <= alpha < math.inf):
+            raise Missing(f"its {where}.alpha_s is {shown(alpha)}, not a fitted latency in seconds")
+        if beta is not None and not (is_number(beta) and 0 < beta < math.inf):
+            raise Missing(f"its {where}.beta_Bps is {shown(beta)}, not a positive rate in bytes per second (or null)")
+        if beta and k > 1:
+            links.append((beta * (k - 1) / k / 1e9, max(0.0, alpha) / (k - 1) * 1e6))
     if not links:
         return None
     return LinkSpec(busbw_GBps=sum(b for b, _ in links) / len(links),

@@ -239,6 +239,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
               f"{job.precision}; data: {corpus.description}", flush=True)
+        if choice.note is not None:
+            print(f"note: {choice.note}", file=sys.stderr, flush=True)
     start = _resume(config, model, optimizer, scheduler, trained_on, choice.seq_len) if config.checkpoint_dir else 0
     if quorum is not None:  # meet the other groups: one that is behind takes their state and step here
         engine.outer.join()
@@ -301,10 +303,22 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         weights = weights_by_unit(model)  # gathered a unit at a time, every rank taking part
         try:
             if rank == 0:
-                print(f"exported to {save_pretrained(config.model, weights, export)} (from_pretrained "
-                      f"loads it)", flush=True)
+                try:
+                    written = save_pretrained(config.model, weights, export)
+                except OSError as err:  # a full disk, a quota: the run's other results stand
+                    raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
+                                     f"{_where_the_model_is(config)}") from None
+                print(f"exported to {written} (from_pretrained loads it)", flush=True)
         finally:
             weights.take_part()  # the gathers the writer did not reach, so that no rank waits for ever
+
+
+def _where_the_model_is(config: TrainConfig) -> str:
+    """Where the trained model is kept, when its export could not be written."""
+    saved = list_checkpoints(config.checkpoint_dir) if config.checkpoint_dir else []
+    if not saved:
+        return "the trained model was not kept (no --checkpoint-dir)"
+    return f"the trained model is in {saved[-1]}: `shardwire export {saved[-1]} DIR` writes it where there is room"
 
 
 def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, device: torch.device) -> None:

@@ -37,10 +37,13 @@ def unmark(checkpoint: pathlib.Path) -> None:
     (checkpoint / MARKER).unlink(missing_ok=True)
 
 
-def not_a_checkpoint(path: pathlib.Path) -> str | None:
+def not_a_checkpoint(path: pathlib.Path, step: int | None = None) -> str | None:
     """Why ``path`` is not a complete checkpoint (a real directory with a valid manifest, holding only
-    the files it lists); None if it is. A file put in it since (an export, the user's notes) makes it
-    more than a checkpoint, which no save may delete."""
+    the files it lists, each of the size it records, and, where its name says its ``step``, a manifest
+    of that step); None if it is. A file put in it since (an export, the user's notes), or a manifest
+    copied in beside files of the user's, makes it other than a save's checkpoint, which no save may
+    delete. (Sizes, not checksums: reading a whole checkpoint back before each prune would cost a
+    save as much again; a loader checks the checksums of what it reads.)"""
     if path.is_symlink():
         return f"{path} is a symbolic link"
     try:
@@ -50,16 +53,16 @@ def not_a_checkpoint(path: pathlib.Path) -> str | None:
     if unsaved := _unlisted(path, manifest):
         shown = ", ".join(unsaved[:3]) + (f" and {len(unsaved) - 3} more" if len(unsaved) > 3 else "")
         return f"{path} also holds what no save wrote ({shown})"
+    if step is not None and manifest.step != step:
+        return f"{path} holds the manifest of step {manifest.step}, not of the step its name says"
+    for record in manifest.files:
+        try:
+            size = (path / record.name).stat().st_size
+        except OSError:
+            return f"{path / record.name} is missing"
+        if size != record.nbytes:
+            return f"{path / record.name} holds {size:,} bytes where its manifest records {record.nbytes:,}"
     return None
-
-
-def unsaved_files(path: pathlib.Path) -> list[str]:
-    """The names in checkpoint ``path`` that its manifest does not list (none where it has no valid
-    manifest: what is not a checkpoint holds nothing foreign to one)."""
-    try:
-        return _unlisted(path, Manifest.read(path))
-    except CheckpointError:
-        return []
 
 
 def _unlisted(path: pathlib.Path, manifest: Manifest) -> list[str]:
@@ -70,11 +73,11 @@ def _unlisted(path: pathlib.Path, manifest: Manifest) -> list[str]:
     return sorted(held - {MANIFEST, MARKER, *(record.name for record in manifest.files)})
 
 
-def not_made_by_a_save(path: pathlib.Path) -> str | None:
-    """Why ``path`` cannot be proven a save's (to replace it); None for a complete checkpoint, or an
-    incomplete one that still carries the marker naming it."""
+def not_made_by_a_save(path: pathlib.Path, step: int | None = None) -> str | None:
+    """Why ``path`` (of ``step``, where its name is a series') cannot be proven a save's (to replace
+    it); None for a complete checkpoint, or an incomplete one that still carries the marker naming it."""
     names = _marked_as(path)
-    return None if names is not None and path.name == names.final else not_a_checkpoint(path)
+    return None if names is not None and path.name == names.final else not_a_checkpoint(path, step)
 
 
 def hide(path: pathlib.Path) -> pathlib.Path:

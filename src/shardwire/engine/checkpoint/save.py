@@ -343,7 +343,7 @@ def _make_way(target: pathlib.Path) -> None:
     checkpoint must save this step again, it is set aside under a name of its own with a warning;
     elsewhere the save is refused.
     """
-    reason = ownership.not_made_by_a_save(target)
+    reason = ownership.not_made_by_a_save(target, series.step_of(target))
     if reason is None:
         ownership.hide(target)
     elif series.step_of(target) is not None:
