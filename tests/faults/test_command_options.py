@@ -105,3 +105,26 @@ def test_an_abbreviated_option_works_for_a_release_with_a_warning(capsys):
     assert said == "error: ambiguous option: --clus could match --cluster, --cluster-from (see shardwire simulate " \
                    "--help)\n", said
 
+
+def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
+    """A peer that refused (data changed under it) or crashed leaves the others' collectives failing:
+    each says what it was waiting for in one line, not a traceback, before the launcher stops it."""
+    import argparse
+    import types
+
+    from shardwire.cli import _run
+    from shardwire.comm.errors import CollectiveError
+
+    def run(args, argv):
+        raise CollectiveError("rank 1: all_gather of 'blocks.0'\nfailed (Connection closed by peer). Another rank "
+                              "has probably stopped")
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == 1
+    assert capsys.readouterr().err == ("error: rank 1: all_gather of 'blocks.0' failed (Connection closed by peer). "
+                                       "Another rank has probably stopped\n")
+    monkeypatch.delenv("LOCAL_RANK")  # a library call outside a launcher raises as ever
+    with pytest.raises(CollectiveError):
+        _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), [])
+

@@ -25,7 +25,9 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse below runs in this p
 torchft = pytest.importorskip("torchft", reason="fault-tolerant groups need torchft (pip install 'shardwire[ft]')")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
+# Each test bounds its own run (``run_groups``' deadline, 600 s at most): pytest's limit is above it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 STEPS, EVERY, TIMEOUT = 1000, 5, 5  # TIMEOUT: seconds a sync waits for a group that stopped mid-sync
 HEARTBEAT_MS = 1500  # the lighthouse leaves out a group silent for this long

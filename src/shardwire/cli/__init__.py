@@ -21,6 +21,7 @@ from types import ModuleType
 
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
+from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
 from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, under_launcher
 from shardwire.renamed import RenamedWarning
@@ -144,6 +145,13 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
             raise
         print(err.code, file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
         return REFUSED
+    except CollectiveError as err:
+        if not under_launcher():
+            raise
+        # A peer stopped (refused, crashed, was killed) while this worker waited on it: its message says
+        # why, this one only what it was waiting for, in one line, before the launcher stops it too.
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return _interrupted()
     except BrokenPipeError:  # the reader went away (| head): what is left to print has no one to read it
