@@ -130,7 +130,8 @@ SWEEPABLE = {
     "cluster": ("nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb", "matmul_efficiency", "attention_efficiency",
                 "memory_efficiency"),
     "training": ("micro_batch", "grad_accum", "reduce_each_micro_batch", "prefetch", "layout", "shard_group_size",
-                 "limiter", "precision", "reduce_precision", "fp8_all_gather", "compile", "activation_checkpointing"),
+                 "limiter", "gathers_per_unit", "precision", "reduce_precision", "fp8_all_gather", "compile",
+                 "activation_checkpointing"),
 }
 
 

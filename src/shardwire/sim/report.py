@@ -129,6 +129,9 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
     layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     reducing = " (each reduced)" if t.reduce_each_micro_batch else ""
+    gathers = ""
+    if t.gathers_per_unit != 1 or swept == "gathers_per_unit":
+        gathers = ", " + setting("gathers_per_unit", f"{t.gathers_per_unit} gathers per unit")
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
         f"cluster   {c.name}: {setting('nodes', f'{c.nodes} nodes')} x "
@@ -140,8 +143,7 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
         f"{setting('grad_accum', str(t.grad_accum))} per GPU{reducing}, {setting('layout', layout)}, "
-        f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}"
-        f"{'' if t.gathers_per_unit == 1 else ', ' + setting('gathers_per_unit', f'{t.gathers_per_unit} gathers per unit')}), "
+        f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}{gathers}), "
         f"{setting('precision', t.precision)}{' (fp8 gathers)' if t.fp8_all_gather else ''} "
         f"(reduce {setting('reduce_precision', t.reduce_precision)}), wire {t.wire}"
         f"{'' if t.diloco == 'none' else f', diloco {t.diloco}'}, "
