@@ -447,3 +447,28 @@ def test_an_optimizer_with_other_param_groups_is_refused_naming_the_difference(t
     with pytest.raises(shardwire.CheckpointError, match="param group 0 holds other parameters than when saved: "
                                                         "'norm.bias' is in it only now"):
         shardwire.load_checkpoint(tmp_path / "groups", model, moved)
+
+
+def _saved_as_another_step(rank, world, directory):
+    model, optimizer = make_model(seed=0)
+    named = shardwire.checkpoint_path(directory, 3)
+    refusals = []
+    for step, keep in ((2, None), (None, 2)):
+        try:
+            shardwire.save_checkpoint(named, model, optimizer, step=step, keep=keep)
+        except shardwire.CheckpointError as err:
+            refusals.append(str(err))
+    shardwire.save_checkpoint(named, model, optimizer, step=3, keep=2)
+    return refusals, [path.name for path in list_checkpoints(directory)]
+
+
+@pytest.mark.slow
+def test_a_series_checkpoint_records_the_step_its_name_says(tmp_path):
+    """What keep prunes is a checkpoint of the step its name says: a save naming another is refused
+    before anything is written."""
+    refusals, saved = run_workers(1, _saved_as_another_step, str(tmp_path))[0]
+    named = tmp_path / "step_00000003"
+    assert refusals == [f"saving checkpoint {named} failed on rank 0: {named} is named for step 3, but step={step!r} "
+                        f"was given: give step=3" for step in (2, None)]
+    assert saved == ["step_00000003"]
+

@@ -115,10 +115,19 @@ def test_live_recovery_only_where_fault_tolerance_runs(cluster, training, why):
     assert costs.live_recovery is None and why in costs.no_live_recovery
 
 
-def test_fragments_recover_live():
-    streaming = TrainingSpec(layout="hybrid", diloco="sync_every=20,fragments=4")
-    costs = price(predict(MODELS["gpt2-125m"], on_nodes(2), streaming), FailureRate(100))
-    assert costs.no_live_recovery is None and costs.live_recovery is not None
+def test_fragments_recover_live_sooner_and_lose_a_fragments_sync():
+    """Syncing in F fragments, a lost group rejoins at the next fragment's sync (H / 2F steps away on
+    average, not H / 2), and a failure drops a fragment's sync, not the whole model's."""
+    recoveries = {}
+    for fragments in (1, 4):
+        training = TrainingSpec(layout="hybrid", diloco=f"sync_every=20,fragments={fragments}")
+        priced_ = price(predict(MODELS["gpt2-125m"], on_nodes(2), training), FailureRate(100))
+        assert priced_.no_live_recovery is None
+        recoveries[fragments] = live = priced_.live_recovery
+        fixed = failures.RELAUNCH_S + live.recovery_bytes / (on_nodes(2).inter_node.busbw_GBps * 1e9)
+        assert live.lost_group_s == pytest.approx(10 * (1 + 1 / fragments) * live.step_time_s + fixed)
+    dropped = {f: r.other_group_s - failures.HEARTBEAT_S for f, r in recoveries.items()}
+    assert dropped[4] < dropped[1]
 
 
 def test_a_given_interval_is_kept_and_costs_more_than_young():

@@ -14,7 +14,8 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9, "fp8": 1979.0},  # SXM: "NVIDIA H100 80GB HBM3"
     "H200": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9, "fp8": 1979.0},
     "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},  # SXM and PCIe alike
-    "V100": {"bf16": 125.0, "fp32": 15.7},  # SXM2 and SXM3; fp16 only: Volta's tensor cores have no bf16
+    # SXM2 and SXM3. Its 16-bit peak is fp16's: Volta's tensor cores have no bf16, which runs far slower.
+    "V100": {"bf16": 125.0, "fp32": 15.7},
 }
 
 

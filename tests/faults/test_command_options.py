@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import types
+import warnings
+
 import pytest
 
-from shardwire.cli import main
+from shardwire.cli import _run, command, main
+from shardwire.comm.errors import CollectiveError
+from shardwire.launch import REFUSED
 
 
 @pytest.mark.parametrize("args, message", [
@@ -104,27 +110,27 @@ def test_an_abbreviated_option_works_for_a_release_with_a_warning(capsys):
     said = capsys.readouterr().err
     assert said == "error: ambiguous option: --clus could match --cluster, --cluster-from (see shardwire simulate " \
                    "--help)\n", said
+    with warnings.catch_warnings():  # the words of the command testbed exec runs are that command's
+        warnings.simplefilter("error")
+        exec_args = command("testbed")[1].parse_args(["exec", "node0", "echo", "--nam", "x", "--h"])
+    assert exec_args.command == ["echo", "--nam", "x", "--h"]
+    with pytest.raises(SystemExit):  # --config is written in full, abbreviated or not
+        main(["train", "--conf", "x"])
+    assert capsys.readouterr().err.startswith("error: unrecognized arguments: --conf x; did you mean --config?")
 
 
 def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
     """A peer that refused (data changed under it) or crashed leaves the others' collectives failing:
     each says what it was waiting for in one line, not a traceback, before the launcher stops it."""
-    import argparse
-    import types
-
-    from shardwire.cli import _run
-    from shardwire.comm.errors import CollectiveError
-
     def run(args, argv):
         raise CollectiveError("rank 1: all_gather of 'blocks.0'\nfailed (Connection closed by peer). Another rank "
                               "has probably stopped")
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == 1
+    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == REFUSED
     assert capsys.readouterr().err == ("error: rank 1: all_gather of 'blocks.0' failed (Connection closed by peer). "
                                        "Another rank has probably stopped\n")
     monkeypatch.delenv("LOCAL_RANK")  # a library call outside a launcher raises as ever
     with pytest.raises(CollectiveError):
         _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), [])
-

@@ -49,20 +49,23 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        return super().parse_known_args(None if args is None else self._spelled_out(args), namespace)
+        return super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
 
     def _spelled_out(self, args: list[str]) -> list[str]:
-        """``args`` with each abbreviated option written whole (its warning given)."""
+        """``args`` with each abbreviated option written whole (its warning given). Where a positional
+        takes the rest of the line (``testbed exec NODE COMMAND...``, a subcommand's arguments), the
+        words from the first positional on are not this parser's to read, and stay as they are."""
         whole = []
+        rest_is_not_ours = any(action.nargs in (argparse.REMAINDER, argparse.PARSER) for action in self._actions)
         for k, word in enumerate(args):
-            if word == "--":  # what follows is not options
+            if word == "--" or (rest_is_not_ours and not word.startswith("-")):
                 return whole + list(args[k:])
             name, equals, value = word.partition("=")
             if name.startswith("--") and name not in self._option_string_actions:
                 options = sorted(flag for flag in self._option_string_actions if flag.startswith(name))
                 if len(options) > 1:
                     self.error(f"ambiguous option: {name} could match {', '.join(options)}")
-                if options:
+                if options and not getattr(self._option_string_actions[options[0]], "written_in_full", False):
                     warnings.warn(f"{name} is read as {options[0]}: write it whole, as abbreviated options are "
                                   f"refused from the next release", RenamedWarning, stacklevel=2)
                     word = options[0] + equals + value
@@ -151,7 +154,7 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
         # A peer stopped (refused, crashed, was killed) while this worker waited on it: its message says
         # why, this one only what it was waiting for, in one line, before the launcher stops it too.
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        return REFUSED
     except KeyboardInterrupt:
         return _interrupted()
     except BrokenPipeError:  # the reader went away (| head): what is left to print has no one to read it

@@ -52,6 +52,8 @@ def add_help(parser: argparse.ArgumentParser) -> None:
 
 
 class _WrittenInFull(argparse.Action):
+    written_in_full = True  # an abbreviation is not read as it (shardwire.cli._Parser)
+
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"write {self.option_strings[0]} in full")
 

@@ -251,6 +251,9 @@ class OuterLoop:
                     self.quorum.start()
                     if len(self.fragments) > 1:
                         fragment = self.quorum.agree(fragment)
+            if fragment >= len(self.fragments):
+                raise RuntimeError(f"another group syncs fragment {fragment} of more than this group's "
+                                   f"{len(self.fragments)}: give every group the same diloco fragments")
             flats = self.fragments[fragment]
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)

@@ -74,7 +74,7 @@ class ModelChoice:
     runs_on_meta: bool = True
     # the units that hold parameters, the root included: what ``shard`` makes and DiLoCo's fragments are dealt
     units_with_parameters: int = 1
-    # what the user should know of the model chosen, said once before any worker starts (or None)
+    # what the user should know of the model chosen, said once as the run starts (rank 0's start line), or None
     note: str | None = None
 
 
@@ -233,7 +233,8 @@ def config_from_fields(transformers, fields: dict):
     return _buildable(config)
 
 
-# The sizes every causal LM's config has (under transformers' common names), and the least each can be.
+# The sizes of a causal LM's config (under transformers' common names), each checked where it has it, and
+# the least each can be.
 _SIZES = {"num_hidden_layers": 0, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1,
           "max_position_embeddings": 1}
 

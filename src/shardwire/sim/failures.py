@@ -24,15 +24,15 @@ Unless the interval is given, it is the one that maximises this to that order, Y
 **Live recovery** (``--fault-tolerance``, ``shardwire.engine.fault_tolerance``: layout hybrid with
 DiLoCo, a group per node). A failure costs the lost group its steps since its last sync (``H / 2``
 steps of ``t`` on average: it takes the others' state instead), its relaunch, the wait for the
-others' next sync, where the lighthouse lets it in (``H / 2`` steps on average), and the transfer
-of its recovery state, ``R`` bytes at its node's ``inter_node`` rate (torchft sends it over HTTP,
-which may not reach that rate). Each other group waits for the lighthouse's heartbeat timeout,
-loses the sync the failure dropped (its progress is kept for the next) and waits at the returning
-group's first sync for its transfer: each at its bound, as the failure may have struck just before
-a sync or within one. In node-seconds per failure, for a node's MTBF ``m`` (failures come ``N / m``
-a second, over ``N`` nodes' time)::
+others' next sync, where the lighthouse lets it in (``H / 2F`` steps on average, syncing in ``F``
+fragments), and the transfer of its recovery state, ``R`` bytes at its node's ``inter_node`` rate
+(torchft sends it over HTTP, which may not reach that rate). Each other group waits for the
+lighthouse's heartbeat timeout, loses the sync the failure dropped (a fragment's: ``sync / F``; its
+progress is kept for the next) and waits at the returning group's first sync for its transfer: each
+at its bound, as the failure may have struck just before a sync or within one. In node-seconds per
+failure, for a node's MTBF ``m`` (failures come ``N / m`` a second, over ``N`` nodes' time)::
 
-    L = (H t + RELAUNCH_S + R / link) + (N - 1) (HEARTBEAT_S + sync + R / link)
+    L = ((H / 2) (1 + 1 / F) t + RELAUNCH_S + R / link) + (N - 1) (HEARTBEAT_S + sync / F + R / link)
     goodput = 1 - L / m
 
 Under fault tolerance the sync's change crosses in fp32, whatever the DiLoCo wire says, so ``t``
@@ -175,11 +175,13 @@ def restart(p: Prediction, rate: FailureRate) -> Restart:
 def live_recovery(p: Prediction, node_mtbf_h: float) -> LiveRecovery:
     """Recovering the lost group from a live one, for ``p`` as fault tolerance runs it
     (``fault_tolerant``)."""
-    sync_every = p.training.diloco_settings.sync_every
+    diloco = p.training.diloco_settings
     received = recovery_bytes(p)
     transfer_s = received / (p.cluster.inter_node.busbw_GBps * 1e9)
-    lost_group_s = sync_every * p.step_time_s + RELAUNCH_S + transfer_s
-    other_group_s = HEARTBEAT_S + sync_every * costs.isolated_s(_sync(p), p.cluster) + transfer_s
+    lost_group_s = diloco.sync_every / 2 * (1 + 1 / diloco.fragments) * p.step_time_s + RELAUNCH_S + transfer_s
+    # a dropped sync is a fragment's: ``_sync`` is the step's share, 1/H of all the fragments' syncs
+    dropped_s = diloco.sync_every / diloco.fragments * costs.isolated_s(_sync(p), p.cluster)
+    other_group_s = HEARTBEAT_S + dropped_s + transfer_s
     goodput = live_goodput(lost_group_s, other_group_s, p.cluster.nodes, node_mtbf_h * HOUR_S)
     return LiveRecovery(p.step_time_s, goodput, received, lost_group_s, other_group_s)
 

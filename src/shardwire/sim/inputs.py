@@ -135,7 +135,10 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
             raise Missing(f"its context.{key} is {shown(value)}, not a whole number of at least 1")
     levels = {}
     for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
-        link = _link_from_fits(fits.get(group) or {}, group, nodes * per_node)
+        group_fits = fits.get(group) or {}
+        if not isinstance(group_fits, Mapping):
+            raise Missing(f"its fit.{group} is {shown(group_fits)}, not a mapping")
+        link = _link_from_fits(group_fits, group, nodes * per_node)
         if link is None and needed:
             raise SpecError(
                 f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
@@ -172,11 +175,14 @@ def _link_from_fits(fits: Mapping, group: str, world: int) -> LinkSpec | None:
     A value no fit has is ``Missing``: the document was edited or damaged."""
     links = []
     for op in _LINK_OPS:
-        fit = fits.get(op)
+        fit, where = fits.get(op), f"fit.{group}.{op}"
         if not fit:
             continue
-        k, alpha, beta = field(fit, "ranks"), field(fit, "alpha_s"), field(fit, "beta_Bps")
-        where = f"fit.{group}.{op}"
+        if not isinstance(fit, Mapping):
+            raise Missing(f"its {where} is {shown(fit)}, not a mapping")
+        if missing := [key for key in ("ranks", "alpha_s", "beta_Bps") if key not in fit]:
+            raise Missing(f"its {where} has no {', '.join(missing)}")
+        k, alpha, beta = fit["ranks"], fit["alpha_s"], fit["beta_Bps"]
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= world:
             raise Missing(f"its {where}.ranks is {shown(k)}, not a whole number from 1 to the {world} ranks it ran")
         # a least-squares intercept may fall a little below zero (read as none), never seconds below

@@ -1,5 +1,6 @@
 """Named models, GPUs, clusters and training configurations, with where each figure comes from
-(docs/simulator.md, "Presets and their sources", has the same with the published runs they meet).
+(docs/simulator.md, "Presets and their sources", has the same; docs/benchmarks/simulator.md the published runs
+they meet).
 
 Models: the published configurations (layers, hidden, heads, MLP width, vocabulary, context).
 Biases are left out of parameter counts (under 0.2% of any of these models).
@@ -59,11 +60,12 @@ links), and eight 100 Gb/s InfiniBand NICs. Assumed, not measured:
   channel, over the GPU's. Within a node, NCCL's ring runs 2 channels per NVLink (24 channels for
   the A100's 12 NVLinks, as NCCL's maintainers describe DGX A100 in NVIDIA/nccl#1225: 24 of 108
   SMs, 0.22); on the H100's 18 NVLinks that rule gives 36, capped at NCCL's 32 channels (32 of 132,
-  0.24), and on the V100's 6 NVLinks 12 (12 of 80 SMs, 0.15). Across nodes a ring's channels follow the NICs, 2 per NIC (NVIDIA/nccl#689: "2 is the
-  minimum" for a single NIC). Memory bandwidth the kernels take is left out.
+  0.24), and on the V100's 6 NVLinks 12 (12 of 80 SMs, 0.15). Across nodes a ring's channels follow
+  the NICs, 2 per NIC (NVIDIA/nccl#689: "2 is the minimum" for a single NIC), and are never more
+  than the node's NVLinks carry. Memory bandwidth the kernels take is left out.
 
-Training: the four T5 runs of the document (see docs/simulator.md for what it states and what is
-assumed), torchtitan's Llama 3.1 8B runs with FSDP2 (its docs/performance.md, tables 1 and 3: local
+Training: the four T5 runs of the document (see docs/benchmarks/simulator.md for what it states and
+what is assumed), torchtitan's Llama 3.1 8B runs with FSDP2 (its docs/performance.md, tables 1 and 3: local
 batch 2, selective activation checkpointing; eager, with torch.compile, and with both and float8,
 its weights gathered in fp8), and ``default``. torchtitan's selective policy ("op") keeps the
 outputs of attention and of every other matrix multiplication, so backward recomputes half of a

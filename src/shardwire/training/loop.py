@@ -314,11 +314,12 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
 
 
 def _where_the_model_is(config: TrainConfig) -> str:
-    """Where the trained model is kept, when its export could not be written."""
-    saved = list_checkpoints(config.checkpoint_dir) if config.checkpoint_dir else []
-    if not saved:
+    """Where the trained model is kept, when its export could not be written: the checkpoint of the
+    last step, which every run with --checkpoint-dir saves."""
+    last = config.checkpoint_dir and shardwire.checkpoint_path(config.checkpoint_dir, config.steps)
+    if not last or not last.is_dir():
         return "the trained model was not kept (no --checkpoint-dir)"
-    return f"the trained model is in {saved[-1]}: `shardwire export {saved[-1]} DIR` writes it where there is room"
+    return f"the trained model is in {last}: `shardwire export {last} DIR` writes it where there is room"
 
 
 def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, device: torch.device) -> None:
@@ -568,7 +569,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
     except shardwire.CheckpointError as err:
-        raise _agreed(f"error: {err}{_trained_at_another_length(config.checkpoint_dir, seq_len)}") from None
+        raise _agreed(f"error: {err}{_trained_at_another_length(config, seq_len)}") from None
     if info is None:
         return 0
     if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
@@ -603,21 +604,24 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     return info.step
 
 
-def _trained_at_another_length(directory: str, seq_len: int) -> str:
-    """Why no checkpoint of ``directory`` fits this run's model, where the newest was trained at
-    another ``--seq-len``: a GPT preset's position table has a row per token, so its weights fit only
-    a model made at that length (an ``hf:`` model's do not depend on it, and load)."""
-    for path in reversed(list_checkpoints(directory)):
+def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str:
+    """Why no checkpoint of --checkpoint-dir fits this run's model, where the newest was trained as
+    this GPT preset at another ``--seq-len``: a preset's position table has a row per token, so its
+    weights fit only a model made at that length (an ``hf:`` model's do not depend on it)."""
+    if config.model.startswith(HF_PREFIX):
+        return ""
+    for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
             with CheckpointReader(path) as reader:
                 extra = reader.manifest.extra
         except shardwire.CheckpointError:
             continue
-        recorded = recorded_seq_len(extra) if isinstance(extra, dict) else None
-        if recorded is None or recorded == seq_len:
+        extra = extra if isinstance(extra, dict) else {}
+        recorded = recorded_seq_len(extra)
+        if extra.get("model") != config.model or recorded is None or recorded == seq_len:
             return ""
-        return f"; {path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len {recorded} " \
-               f"to resume it"
+        return (f"; {path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
+                f"{recorded} to resume it")
     return ""
 
 

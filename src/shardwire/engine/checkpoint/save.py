@@ -248,6 +248,11 @@ class _Snapshot:
     @classmethod
     def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
         _check_target(target, keep)
+        named = series.step_of(target)
+        if named is not None and step != named and (step is not None or keep is not None):
+            # what keep prunes is a checkpoint of the step its name says (ownership.not_a_checkpoint)
+            raise CheckpointError(f"{target} is named for step {named}, but step={step!r} was given: give "
+                                  f"step={named}")
         if step is not None:
             try:
                 schema.integer(step, "step")  # what a loader accepts

@@ -15,7 +15,7 @@ import re
 import warnings
 
 from shardwire.engine.checkpoint import ownership
-from shardwire.engine.checkpoint.format import MANIFEST
+from shardwire.engine.checkpoint.format import CheckpointError, Manifest
 
 _STEP_NAME = re.compile(r"step_(\d+)")
 _DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system writer names its metadata
@@ -54,13 +54,22 @@ def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=step_of)
 
 
+def _holds_a_manifest(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds a valid checkpoint manifest (a user's own manifest.json is none)."""
+    try:
+        Manifest.read(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def prune(newest: pathlib.Path, keep: int) -> None:
     """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it.
 
     Only what is provably a checkpoint, a real directory whose manifest is valid, of its step, and
     lists all it holds at their sizes, counts and is deleted; anything else named like one is left
-    alone, with a warning where it holds a manifest (an export put inside a checkpoint, a manifest
-    copied beside files of the user's). Checkpoints of later steps (left by a run
+    alone, with a warning where it holds a checkpoint's manifest (an export put inside a checkpoint,
+    a manifest copied beside files of the user's). Checkpoints of later steps (left by a run
     that resumed from an earlier one) are not counted or touched. Each is hidden under a temporary
     name before deletion, so a crash while deleting never leaves a half-deleted checkpoint under a
     checkpoint's name.
@@ -71,7 +80,7 @@ def prune(newest: pathlib.Path, keep: int) -> None:
             continue
         if (reason := ownership.not_a_checkpoint(path, step_of(path))) is None:
             older.append(path)
-        elif (path / MANIFEST).is_file():  # a checkpoint's manifest beside what may be the user's
+        elif _holds_a_manifest(path):  # a checkpoint's manifest beside what may be the user's
             warnings.warn(f"kept {path}, never deleting what it holds: {reason}; move what is yours out and "
                           f"delete it yourself", stacklevel=2)
     for path in older[: max(0, len(older) - (keep - 1))]:
