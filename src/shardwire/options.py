@@ -141,7 +141,7 @@ def add_options(parser: argparse.ArgumentParser, config_class: type) -> None:
             if typing.get_origin(kind) is list:
                 kwargs["nargs"] = "+"
                 kind = typing.get_args(kind)[0]
-            kwargs["type"] = spec.parse or (None if kind is str else kind)
+            kwargs["type"] = spec.parse or (text if kind is str else kind)
             kwargs["choices"] = spec.choices
             kwargs["metavar"] = spec.metavar
         parser.add_argument(*spec.flags, flag(field.name), **kwargs)
@@ -160,6 +160,14 @@ class Renamed(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         warn_renamed(f"{option_string} is renamed {flag(self.dest)}")
         setattr(namespace, self.dest, values)
+
+
+def text(value: str) -> str:
+    """A text option's value, which must name something: an empty one (``--checkpoint-dir ""``, a
+    variable that was not set) would be taken for the current directory, or for no option at all."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty value names nothing: give one, or leave the option out")
+    return value
 
 
 def config_from(args: argparse.Namespace, config_class: type, **others):

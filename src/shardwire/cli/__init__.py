@@ -65,9 +65,10 @@ class _Parser(argparse.ArgumentParser):
                 options = sorted(flag for flag in self._option_string_actions if flag.startswith(name))
                 if len(options) > 1:
                     self.error(f"ambiguous option: {name} could match {', '.join(options)}")
-                if options and not getattr(self._option_string_actions[options[0]], "written_in_full", False):
-                    warnings.warn(f"{name} is read as {options[0]}: write it whole, as abbreviated options are "
-                                  f"refused from the next release", RenamedWarning, stacklevel=2)
+                if options:  # an option to be written in full says so itself when it is not
+                    if not getattr(self._option_string_actions[options[0]], "written_in_full", False):
+                        warnings.warn(f"{name} is read as {options[0]}: write it whole, as abbreviated options "
+                                      f"are refused from the next release", RenamedWarning, stacklevel=2)
                     word = options[0] + equals + value
             whole.append(word)
         return whole

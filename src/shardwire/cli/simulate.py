@@ -15,7 +15,7 @@ import json
 import sys
 
 from shardwire.extras import require
-from shardwire.options import OptionError, check_output_file
+from shardwire.options import OptionError, check_output_file, text
 from shardwire.sim import inputs, report
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.specs import SpecError
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="predict each value of one cluster or training setting, e.g. nodes=1,2,4,8 "
                              "(with scaling efficiency against 1 node for nodes)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    parser.add_argument("--plot", metavar="PNG", help="with --sweep: plot step time and scaling to this file")
+    parser.add_argument("--plot", metavar="PNG", type=text, help="with --sweep: plot step time and scaling to this file")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -145,14 +145,15 @@ class Quorum:
     def world(self) -> int:
         return max(self.participants, 1)
 
-    def agree(self, value: int) -> int:
-        """The largest ``value`` (a count from 0) the groups of the quorum taking part give, which
-        every group then acts on: a recovering group's is not counted (it learns the others'); where
-        the quorum fails, this group's own ``value`` (the sync is dropped at ``commit`` anyway)."""
-        tensor = torch.tensor([value + 1.0], device=self._device)
+    def agree(self, values: list[int]) -> list[int]:
+        """The largest of each of ``values`` (counts from 0, under 2^24) that the groups of the quorum
+        taking part give, which every group then acts on: a recovering group's are not counted (it
+        learns the others'); where the quorum fails, this group's own (the sync is dropped at
+        ``commit`` anyway)."""
+        tensor = torch.tensor([value + 1.0 for value in values], device=self._device)
         self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.MAX).wait()
-        agreed = int(tensor.item()) - 1
-        return agreed if agreed >= 0 and not self._manager.errored() else value
+        agreed = [int(value) - 1 for value in tensor.tolist()]
+        return agreed if min(agreed) >= 0 and not self._manager.errored() else list(values)
 
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "avg", codec=None, residual=None,
                    after=None) -> QuorumPending:

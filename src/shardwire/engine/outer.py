@@ -29,6 +29,10 @@ from torch.profiler import record_function
 from shardwire.comm.communicator import Communicator, Pending
 from shardwire.comm.quorum import Quorum
 from shardwire.engine.diloco import DiLoCo
+from shardwire.options import SettingError
+
+
+_MAX_FRAGMENTS = 1 << 20  # above any group's fragment count: what ``_agreed_fragment`` counts down from
 
 
 class OuterState:
@@ -249,15 +253,25 @@ class OuterLoop:
             if self.quorum is not None:
                 with record_function("shardwire::quorum"):
                     self.quorum.start()
-                    if len(self.fragments) > 1:
-                        fragment = self.quorum.agree(fragment)
-            if fragment >= len(self.fragments):
-                raise RuntimeError(f"another group syncs fragment {fragment} of more than this group's "
-                                   f"{len(self.fragments)}: give every group the same diloco fragments")
+                    fragment = self._agreed_fragment(fragment)
             flats = self.fragments[fragment]
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)
         self.in_flight = (flats, applied_after)
+
+    def _agreed_fragment(self, fragment: int) -> int:
+        """The fragment the quorum syncs: the one the groups' schedule has come to (a group that joins
+        takes the others'). Groups that sync in different numbers of fragments cannot average one: a
+        group whose count is not every other's says so (a group that joins compares its own with
+        theirs)."""
+        count = len(self.fragments)
+        agreed, most, fewest = self.quorum.agree([fragment, count, _MAX_FRAGMENTS - count])
+        fewest = _MAX_FRAGMENTS - fewest
+        if not most == fewest == count:
+            others = f"{most}" if most == fewest else f"{fewest} to {most}"
+            raise SettingError(f"the other fault-tolerant groups sync in {others} fragments, this one in {count}: "
+                               f"give every group the same {{diloco}} fragments", diloco=("diloco",))
+        return agreed
 
     def _apply(self) -> None:
         flats, _ = self.in_flight

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
 from shardwire.mappings import MappingError, Missing, field, is_number, read_file, read_mapping, shown
+from shardwire.options import text
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.failures import FailureRate
@@ -229,9 +230,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--training", default="default",
                         help=f"preset ({', '.join(PRESETS['training'])}), JSON/YAML, or a file (default: default)")
     parser.add_argument("--nodes", type=int, help="number of nodes (overrides the cluster's)")
-    parser.add_argument("--cluster-from", metavar="BENCH_JSON",
+    parser.add_argument("--cluster-from", metavar="BENCH_JSON", type=text,
                         help="take nodes, GPUs per node and both network levels from `shardwire bench --json` output")
-    parser.add_argument("--calibrate", metavar="PROFILE_JSON",
+    parser.add_argument("--calibrate", metavar="PROFILE_JSON", type=text,
                         help="fit the GPU's compute model to a profile of one GPU of that kind (the profile.json of "
                              "`shardwire train --profile` or its --run-dir, or of benchmarks/gpu_single.py --trace)")
     parser.add_argument("--node-mtbf", type=float, metavar="HOURS",

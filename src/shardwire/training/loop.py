@@ -53,7 +53,7 @@ from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
-from shardwire.options import flag
+from shardwire.options import SettingError, flag
 from shardwire.training import autoplan
 from shardwire.training.config import TrainConfig, changed_settings, recorded_seq_len, training_settings
 from shardwire.training.data import (
@@ -105,6 +105,8 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
             raise SystemExit(f"error: --data: {err}") from None
+        except SettingError as err:  # settings only the groups of a quorum can compare (fault tolerance)
+            raise SystemExit(f"error: {err.as_options()}") from None
         except autoplan.PlanError as err:
             raise _agreed(f"error: {err}") from None
 
