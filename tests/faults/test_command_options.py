@@ -136,3 +136,14 @@ def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.delenv("LOCAL_RANK")  # a library call outside a launcher raises as ever
     with pytest.raises(CollectiveError):
         _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), [])
+
+
+def test_shardwires_own_warnings_are_one_line_and_others_as_ever():
+    from shardwire.cli import _warnings_in_one_line
+    from shardwire.engine.checkpoint import series
+
+    with _warnings_in_one_line():
+        ours = warnings.formatwarning("kept step_1", UserWarning, series.__file__, 80)
+        theirs = warnings.formatwarning("deprecated", DeprecationWarning, argparse.__file__, 10)
+    assert ours == "warning: kept step_1\n"
+    assert theirs.startswith(f"{argparse.__file__}:10: DeprecationWarning: deprecated")

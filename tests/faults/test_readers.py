@@ -133,6 +133,7 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
     (lambda d: d["fit"]["inter"]["all_gather"].update(ranks=0), "ranks is 0, not a whole number from 1 to the 2 ranks"),
     (lambda d: d["fit"]["inter"]["reduce_scatter"].update(ranks=10**9), "ranks is 1000000000, not a whole number"),
     (lambda d: d["fit"].update(inter=[1]), "its fit.inter is [1], not a mapping"),
+    (lambda d: d.update(contention={"inter": "x"}), "its contention.inter is 'x', not a mapping"),
     (lambda d: d["fit"]["inter"].update(all_gather="fast"), "its fit.inter.all_gather is 'fast', not a mapping"),
     (lambda d: d["fit"]["inter"]["all_gather"].pop("ranks"), "its fit.inter.all_gather has no ranks"),
 ])

@@ -295,6 +295,13 @@ def test_a_resume_at_another_seq_len_names_the_one_the_checkpoint_was_trained_at
                                         f"{PRESETS['tiny'].seq_len}: give --seq-len 16 to resume it"), done.stderr
     assert "4/4" in train("--model", "tiny", "--seq-len", "16", "--steps", "4", "--checkpoint-dir", "ckpt",
                           cwd=tmp_path).stdout
+    # trained at the preset's own length, resumed at another: the preset's is named
+    train("--model", "tiny", "--steps", "2", "--checkpoint-dir", "own", cwd=tmp_path)
+    done = train("--model", "tiny", "--seq-len", "16", "--steps", "4", "--checkpoint-dir", "own", cwd=tmp_path,
+                 check=False)
+    assert done.stderr.strip().endswith(f"own/step_00000002 was trained at --seq-len {PRESETS['tiny'].seq_len}, and "
+                                        f"this run's is 16: give --seq-len {PRESETS['tiny'].seq_len} to resume it"), \
+        done.stderr
 
 
 @pytest.mark.slow

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         module, parser = command(name)  # imports torch: seconds, in which Ctrl-C must be one line too
     except KeyboardInterrupt:
         return _interrupted()
-    with _renamed_in_one_line():
+    with _warnings_in_one_line():
         return _run(module, parser, rest)
 
 
@@ -164,13 +164,15 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
 
 
 @contextlib.contextmanager
-def _renamed_in_one_line():
-    """Show a ``RenamedWarning`` as one line, "warning: ...", rather than as the warning and the
-    line of shardwire's source that raised it; other warnings as ever."""
+def _warnings_in_one_line():
+    """Show shardwire's own warnings (a ``RenamedWarning``, a checkpoint kept) as one line,
+    "warning: ...", rather than as the warning and the line of shardwire's source that raised it,
+    which says nothing to the user; other libraries' warnings as ever."""
     form = warnings.formatwarning  # what shows a warning uses; one recorded (by a test) is not formatted
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
     def formatted(message, category, filename, lineno, line=None):
-        if issubclass(category, RenamedWarning):
+        if issubclass(category, RenamedWarning) or os.path.abspath(filename).startswith(ours):
             return f"warning: {message}\n"
         return form(message, category, filename, lineno, line)
 

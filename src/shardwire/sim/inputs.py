@@ -165,8 +165,10 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
 def _contention(contention: Mapping, group: str) -> Mapping:
     """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing."""
     for name in (group, "world"):
-        if contention.get(name):
-            return contention[name]
+        if measured := contention.get(name):
+            if not isinstance(measured, Mapping):
+                raise Missing(f"its contention.{name} is {shown(measured)}, not a mapping")
+            return measured
     return {}
 
 

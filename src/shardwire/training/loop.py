@@ -48,7 +48,7 @@ from shardwire.models.choice import (
     tokenizer_directory,
 )
 from shardwire.models.export import save_pretrained
-from shardwire.models.gpt import loss_fn
+from shardwire.models.gpt import PRESETS, loss_fn
 from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
@@ -620,6 +620,8 @@ def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str:
             continue
         extra = extra if isinstance(extra, dict) else {}
         recorded = recorded_seq_len(extra)
+        if recorded is None and isinstance(extra.get("settings"), dict) and config.model in PRESETS:
+            recorded = PRESETS[config.model].seq_len  # trained at the preset's own length
         if extra.get("model") != config.model or recorded is None or recorded == seq_len:
             return ""
         return (f"; {path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
