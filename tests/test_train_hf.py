@@ -72,6 +72,8 @@ def test_a_directory_with_weights_loads_them(tmp_path):
     ("hf:" + json.dumps(LLAMA), ["--seq-len", "512"], "--seq-len 512 is longer than the 128 positions"),
     ("hf:" + json.dumps({**LLAMA, "max_position_embeddings": 0}), [],
      "max_position_embeddings must be a whole number of at least 1, got 0"),
+    ("hf:" + json.dumps({**LLAMA, "num_attention_heads": 0}), [], "num_attention_heads must be a whole number of at least 1"),
+    ("hf:" + json.dumps({**LLAMA, "vocab_size": 10**20}), [], "vocab_size is 100,000,000,000,000,000,000, more than 16,777,216"),
     ("small", ["--units", "Block"], "--units is for hf: models"),
 ])
 def test_bad_models_are_refused_before_any_worker_starts(model, extra, message):
