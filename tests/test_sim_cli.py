@@ -483,3 +483,11 @@ def test_calibration_refuses_a_profile_that_cannot_be_this_gpus(capsys, tmp_path
     status, out, err = run(capsys, "simulate", "--model", "gpt-1.3b", "--cluster", "h100-ib-400",
                            "--calibrate", str(path))
     assert status == 2 and out == "" and message in err
+
+
+def test_a_preset_with_learned_positions_at_another_seq_len_is_not_held_to_its_stated_count(capsys):
+    """The count a preset states is at its own context: a table of learned positions grows with the
+    sequence, so a long --seq-len must not be blamed on the preset's parameters."""
+    status, out, _ = run(capsys, "simulate", "--model", "gpt2-1.5b", "--cluster", "a100-100gbe", "--seq-len", "1000000")
+    assert "params says" not in out
+    assert out.startswith("model     gpt2-1.5b: 3.16B parameters")
