@@ -19,6 +19,7 @@ bound of its own: such a document grows with the steps and ranks it records.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -142,6 +143,13 @@ def _json_kind(value) -> str:
     kinds = ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
              (list, "a list"))
     return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def nearest(word: str, known, *, cutoff: float = 0.75) -> str | None:
+    """The one of ``known`` (names of options, settings or keys) that ``word`` is likely a slip of, or
+    None: what every "did you mean ...?" of a refusal names."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
 
 
 def cut(text: str, limit: int = 120) -> str:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
 from shardwire.files import directory_problem, rewrite_problem
+from shardwire.mappings import nearest
 from shardwire.renamed import warn_renamed
 
 
@@ -247,8 +247,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             old_names.append(key)
             key = renamed[key]
         if not sep or key not in types:
-            nearest = difflib.get_close_matches(key, [*types, *(renamed or ())], n=1, cutoff=0.75) if sep else []
-            raise setting_error(setting, f"{not_understood}{f' (did you mean {nearest[0]}?)' if nearest else ''}")
+            meant = nearest(key, [*types, *(renamed or ())]) if sep else None
+            raise setting_error(setting, f"{not_understood}{f' (did you mean {meant}?)' if meant else ''}")
         if key in fields:  # the last would win silently, over a value the user also meant
             raise setting_error(setting, twice(key))
         try:

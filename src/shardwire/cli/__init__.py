@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import importlib
 import os
 import sys
@@ -24,6 +23,7 @@ from shardwire.cli.config_file import ConfigError
 from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
 from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, under_launcher
+from shardwire.mappings import nearest
 from shardwire.renamed import RenamedWarning
 
 COMMANDS = {
@@ -84,8 +84,8 @@ class _Parser(argparse.ArgumentParser):
             return ""
         unknown = next((word.split("=")[0] for word in message[len(prefix):].split() if word.startswith("--")), None)
         known = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
-        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.75) if unknown else []
-        return f"; did you mean {close[0]}?" if close else ""
+        meant = nearest(unknown, known) if unknown else None
+        return f"; did you mean {meant}?" if meant else ""
 
 
 def command(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:

@@ -27,10 +27,9 @@ to them with the rest.
 from __future__ import annotations
 
 import argparse
-import difflib
 
 from shardwire.extras import require
-from shardwire.mappings import MappingError, read_file, read_mapping, shown
+from shardwire.mappings import MappingError, nearest, read_file, read_mapping, shown
 from shardwire.options import Renamed
 from shardwire.renamed import warn_renamed
 
@@ -138,8 +137,8 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, list[tuple[argparse.A
 
 
 def _nearest(key: str, options) -> str:
-    nearest = difflib.get_close_matches(key, options, n=1)
-    return f"; did you mean {nearest[0]!r}?" if nearest else f"; its options are {', '.join(options)}"
+    meant = nearest(key, options, cutoff=0.6)
+    return f"; did you mean {meant!r}?" if meant else f"; its options are {', '.join(options)}"
 
 
 def _converted(action: argparse.Action, value, where: str):

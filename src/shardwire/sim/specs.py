@@ -18,7 +18,6 @@ events in proportion to units x micro-batches).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
@@ -28,7 +27,7 @@ from typing import Any
 from shardwire.comm.wire import Wire
 from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
 from shardwire.engine.layout_plan import LAYOUTS as ENGINE_LAYOUTS
-from shardwire.mappings import shown
+from shardwire.mappings import nearest, shown
 from shardwire.renamed import warn_renamed
 
 
@@ -477,9 +476,8 @@ def _build(cls, label: str, mapping: Any):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(mapping) - set(fields), key=shown)
     if unknown:
-        nearest = [close[0] for key in unknown[:5] if isinstance(key, str)
-                   and (close := difflib.get_close_matches(key, fields, n=1, cutoff=0.75))]
-        meant = f" (did you mean {', '.join(nearest[:5])}?)" if nearest else ""
+        meant = [close for key in unknown[:5] if isinstance(key, str) and (close := nearest(key, fields))]
+        meant = f" (did you mean {', '.join(meant)}?)" if meant else ""
         raise SpecError(f"{label}: unknown key(s) {', '.join(shown(key) for key in unknown[:5])}{meant}; known keys: "
                         f"{', '.join(fields)}")
     missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]

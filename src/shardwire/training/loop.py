@@ -30,7 +30,7 @@ import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.checkpoint.reader import CheckpointReader
+from shardwire.engine.checkpoint.format import Manifest
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
@@ -614,8 +614,7 @@ def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str:
         return ""
     for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
-            with CheckpointReader(path) as reader:
-                extra = reader.manifest.extra
+            extra = Manifest.read(path).extra
         except shardwire.CheckpointError:
             continue
         extra = extra if isinstance(extra, dict) else {}

@@ -247,12 +247,7 @@ class _Snapshot:
 
     @classmethod
     def take(cls, target, engine, model, optimizer, step, extra, keep) -> "_Snapshot":
-        _check_target(target, keep)
-        named = series.step_of(target)
-        if named is not None and step != named and (step is not None or keep is not None):
-            # what keep prunes is a checkpoint of the step its name says (ownership.not_a_checkpoint)
-            raise CheckpointError(f"{target} is named for step {named}, but step={step!r} was given: give "
-                                  f"step={named}")
+        _check_target(target, keep, step)
         if step is not None:
             try:
                 schema.integer(step, "step")  # what a loader accepts
@@ -325,13 +320,17 @@ class _Snapshot:
         return records
 
 
-def _check_target(target: pathlib.Path, keep: int | None) -> None:
-    if series.step_of(target) is None and (target.exists() or target.is_symlink()):
+def _check_target(target: pathlib.Path, keep: int | None, step: int | None) -> None:
+    named = series.step_of(target)
+    if named is not None and step != named and (step is not None or keep is not None):
+        # what keep prunes is a checkpoint of the step its name says (ownership.not_a_checkpoint)
+        raise CheckpointError(f"{target} is named for step {named}, but step={step!r} was given: give step={named}")
+    if named is None and (target.exists() or target.is_symlink()):
         reason = ownership.not_made_by_a_save(target)
         if reason is not None:
             raise _not_replaceable(target, reason)
     if keep is not None:
-        if series.step_of(target) is None:
+        if named is None:
             raise CheckpointError(
                 f"keep applies to a series of checkpoints, and {target} is not named like one: "
                 f"save to shardwire.checkpoint_path(directory, step)"
