@@ -225,6 +225,24 @@ def test_fault_tolerant_groups_sync_in_fragments_as_the_groups_of_one_job_do():
             torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.slow
+def test_fault_tolerant_groups_quantize_their_sync_as_the_groups_of_one_job_on_two_nodes_do():
+    """A quantized sync between fault-tolerant groups: it quantizes as the sync between two groups
+    of one job on two nodes does (the engine's quantized all-reduce, with its error feedback), so
+    the groups train as those do (to fp32's last bits: the one job's outer steps add up in another
+    order), unlike the same run with an exact sync, and every group decodes the same bytes."""
+    pytest.importorskip("torchft")
+    diloco = DiLoCo(sync_every=3, wire="int4")
+    found = _groups_meeting(_fault_tolerant_group, 7, diloco)
+    expected = run_workers(2, _hybrid_groups, diloco, 7, env={"LOCAL_WORLD_SIZE": "1"})[0]
+    exact = run_workers(2, _hybrid_groups, DiLoCo(sync_every=3, wire=None), 7)[0]
+    (first, _), (second, _) = found.values()
+    for key, value in expected.items():
+        torch.testing.assert_close(first[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(first[key], second[key]), key
+    assert max((value - exact[key]).abs().max().item() for key, value in expected.items()) > 1e-3
+
+
 def _late_group(index: int, lighthouse: str, directory: str, results) -> None:
     """Group 0 trains 10 steps, syncing in 2 fragments every 4 (fragment 0 after steps 2 and 6,
     fragment 1 after 4 and 8); group 1 starts once group 0 has done 4 steps, which then waits for it:

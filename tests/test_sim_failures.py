@@ -78,14 +78,16 @@ def test_more_nodes_fail_more_often_and_a_restart_keeps_less(training):
 
 
 def test_live_recovery_beats_a_restart_when_failures_are_frequent():
-    """It always keeps more of the cluster's time; it costs less per kept step once failures are
-    frequent enough to outweigh its slower step (the sync crosses in fp32 under fault tolerance)."""
+    """It keeps more of the cluster's time at the same step (the sync crosses as the DiLoCo wire
+    says under fault tolerance too), so it costs less per kept step, by more as failures come more
+    often."""
     rare, frequent = priced(DILOCO, 16, 100_000), priced(DILOCO, 16, 2)
     for costs in (rare, frequent):
         assert costs.live_recovery.goodput > costs.restart.goodput
-        assert costs.live_recovery.step_time_s > costs.restart.step_time_s
-    assert rare.live_recovery.effective_step_time_s > rare.restart.effective_step_time_s
-    assert frequent.live_recovery.effective_step_time_s < frequent.restart.effective_step_time_s
+        assert costs.live_recovery.step_time_s == costs.restart.step_time_s
+        assert costs.live_recovery.effective_step_time_s < costs.restart.effective_step_time_s
+    gain = [costs.restart.effective_step_time_s / costs.live_recovery.effective_step_time_s for costs in (rare, frequent)]
+    assert 1 < gain[0] < gain[1]
 
 
 def test_what_a_checkpoint_and_a_recovery_move_comes_from_the_memory_model():
@@ -181,7 +183,7 @@ def test_plan_prices_its_choice_and_the_diloco_one(capsys):
     assert tail[2].startswith("  best    restart from checkpoint  goodput ") and "every 1,000 steps" in tail[2]
     assert tail[3].startswith("          live recovery            not possible: synchronous training")
     assert tail[4].startswith("  diloco  restart from checkpoint  goodput ")
-    assert tail[5].startswith("          live recovery            goodput ") and "syncs in fp32" in tail[5]
+    assert tail[5].startswith("          live recovery            goodput ") and "sent to it" in tail[5]
     assert tail[6].startswith("  assumed   a restart relaunches in 60 s")
     status, out, _ = run(capsys, *PLAN)
     assert status == 0 and "failures" not in out

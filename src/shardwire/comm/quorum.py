@@ -4,6 +4,13 @@ Every rank of a group holds one; the group's rank 0 runs torchft's manager serve
 lighthouse for each quorum and tells the group's ranks. The averaging of a sync runs on torchft's
 process group, remade for each new quorum, between the ranks at this rank's position in the groups
 of the quorum; a failure on it is not raised but noted, and makes the quorum's commit vote fail.
+
+A quantized sync (the DiLoCo ``wire``) runs as the engine's quantized all-reduce between nodes
+does (``Communicator.all_reduce``), on torchft's process group: each rank sends every other its
+slot of the change quantized (an all-to-all), adds up the decoded ones with its own slot exact, and
+the averaged slots go round quantized once more (an all-gather), so every group decodes the same
+bytes. torchft's own quantized all-reduce needs CUDA and Triton; this one runs wherever the
+process group does, with the engine's codec and error feedback.
 """
 
 from __future__ import annotations
@@ -17,9 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torch.utils._pytree import tree_leaves
 
 from shardwire.comm.communicator import Communicator
+from shardwire.comm.quantize import decode, encode
+from shardwire.comm.wire import Codec
 
 if TYPE_CHECKING:  # its settings, from the layer above (torch-free)
     from shardwire.engine.fault_tolerance import FaultTolerance
@@ -100,6 +111,7 @@ class Quorum:
                 reached = [0]
         if not group.all_gather_values(reached, tag="fault tolerance lighthouse")[0][0]:
             raise ConnectionError(_unreachable(settings))
+        self._across = across
         try:
             self._manager = torchft.Manager(
                 pg=across, load_state_dict=None, state_dict=None, min_replica_size=settings.min_groups,
@@ -121,6 +133,7 @@ class Quorum:
         # Since the last ``take_costs``: what failures cost this rank, for the log.
         self._waited_s = 0.0  # waiting for quorums and commit votes
         self._received_bytes = 0  # the others' state received in recoveries
+        self._rounded: list[torch.Tensor] = []  # the error feedback this sync's quantization updated
 
     def register(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]) -> None:
         """What a group that is behind receives from a live peer at its position, under ``key``."""
@@ -135,6 +148,7 @@ class Quorum:
         registered state of a live peer at its position meanwhile, takes part in the sync's
         all-reduces with nothing of its own, and loads that state at ``commit``."""
         start = time.perf_counter()
+        self._rounded = []
         self._manager.start_quorum()
         self._manager.wait_quorum()
         self._waited_s += time.perf_counter() - start
@@ -155,25 +169,74 @@ class Quorum:
         agreed = [int(value) - 1 for value in tensor.tolist()]
         return agreed if min(agreed) >= 0 and not self._manager.errored() else list(values)
 
-    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "avg", codec=None, residual=None,
-                   after=None) -> QuorumPending:
+    def all_reduce(self, tensor: torch.Tensor, *, tag: str, op: str = "avg", codec: Codec | None = None,
+                   residual: torch.Tensor | None = None, after=None) -> QuorumPending:
         """The average of ``tensor`` over the groups of the quorum taking part (a recovering group's
-        is zeroed and not counted). In fp32: ``codec`` and ``residual`` are not carried (see the module
-        ``shardwire.engine.fault_tolerance``)."""
+        is zeroed and not counted). With ``codec``, quantized both ways (see the module's
+        docstring); ``residual`` (from ``residual_for``) feeds back what quantizing lost. It runs in
+        the call (a sync under fault tolerance is applied in its step)."""
         if op != "avg":
             raise ValueError(f"a quorum averages: op must be 'avg', got {op!r}")
         if after is not None:
             after.wait()
-        return QuorumPending(self._manager.allreduce(tensor))
+        if codec is None:
+            return QuorumPending(self._manager.allreduce(tensor))
+        if not self._manager.errored():
+            try:
+                self._average_quantized(tensor, codec, residual)
+            except (RuntimeError, OSError) as err:  # a peer's failure: the commit vote fails, as torchft's
+                self._manager.report_error(err)     # all-reduce would have it
+        return QuorumPending(None)
+
+    def _average_quantized(self, tensor: torch.Tensor, codec: Codec, residual: torch.Tensor | None) -> None:
+        """``Communicator.all_reduce``'s quantized average between nodes, over the groups of the
+        quorum. ``residual``'s two rows hold, by element of ``tensor``, what quantizing the slots
+        sent to others lost and what quantizing the averaged slot this rank owns lost: kept by
+        element, not by slot, as each new quorum deals the slots anew."""
+        pg = self._across
+        rank, world = pg.parent.rank(), pg.size()
+        flat, numel = tensor.view(-1), tensor.numel()
+        if not self._manager.is_participating():  # behind: its change and its rounding are not the others'
+            flat.zero_()
+            if residual is not None:
+                residual.zero_()
+        if world == 1:
+            return
+        size = -(-numel // world)
+        slots = F.pad(flat, (0, size * world - numel)).view(world, size)
+        others = [peer for peer in range(world) if peer != rank]
+        lost = None if residual is None else F.pad(residual, (0, size * world - numel)).view(2, world, size)
+        sent_lost = None if lost is None else lost[0, others]
+        packed = torch.zeros(world, codec.packed_numel(size), dtype=torch.uint8, device=flat.device)
+        packed[others] = encode(codec, slots[others], sent_lost)
+        received = torch.empty_like(packed)
+        pg.alltoall_base(received, packed, [], [], AllToAllOptions()).wait()
+        mine = decode(codec, received[others], size).sum(dim=0).add_(slots[rank])
+        mine.div_(self._manager.num_participants())
+        mine_lost = None if lost is None else lost[1, rank : rank + 1]
+        packed = encode(codec, mine.view(1, -1), mine_lost)
+        gathered = [torch.empty_like(packed.view(-1)) for _ in range(world)]
+        pg.allgather([gathered], [packed.view(-1)], AllgatherOptions()).wait()
+        decode(codec, torch.stack(gathered), size, out=slots)
+        flat.copy_(slots.view(-1)[:numel])
+        if lost is not None:
+            lost[0, others] = sent_lost
+            residual.copy_(lost.view(2, -1)[:, :numel])
+            self._rounded.append(residual)
 
     def commit(self) -> bool:
         """Whether every group of the quorum completed the sync (all vote the same): if not, the sync
         is dropped everywhere. A recovering group loads the state it received first."""
         start = time.perf_counter()
         try:
-            return self._manager.should_commit()
+            committed = self._manager.should_commit()
         finally:
             self._waited_s += time.perf_counter() - start
+        if not committed:  # a dropped sync forgets its rounding, as a group starting afresh has none
+            for residual in self._rounded:
+                residual.zero_()
+        self._rounded = []
+        return committed
 
     def state(self) -> list[int]:
         """torchft's count of the syncs this group committed and of the batches they averaged, for a
@@ -197,5 +260,7 @@ class Quorum:
     def verify_order(self, what: str) -> None:
         """Nothing to compare: a quorum carries only its syncs, in the schedule every group shares."""
 
-    def residual_for(self, numel: int, *, all_reduce: bool = False) -> None:
-        return None  # nothing is quantized between the groups
+    def residual_for(self, numel: int, *, all_reduce: bool = False) -> torch.Tensor:
+        """A zeroed error-feedback residual for a quantized sync of ``numel`` elements: two rows
+        by element (see ``_average_quantized``), as the groups are nodes of their own."""
+        return torch.zeros(2, numel, device=self._device)

@@ -25,9 +25,10 @@ that joins meets the others at whichever comes; it receives the anchor of every 
 trains on from those. The syncs' participants and what a recovery received are logged.
 
 What does not carry over: hybrid's per-step reduction between groups (fault-tolerant HSDP) is not
-built (a sync every step, ``sync_every=1``, is the nearest); a sync's change travels in fp32
-(torchft's quantized all-reduce needs CUDA and Triton), whatever ``DiLoCo.wire`` says; a sync runs
-in the step (``fragment_sync_delay=0``: a group may leave while it would run behind the steps).
+built (a sync every step, ``sync_every=1``, is the nearest); a sync runs in the step
+(``fragment_sync_delay=0``: a group may leave while it would run behind the steps). A sync's change
+travels as ``DiLoCo.wire`` says, quantized by shardwire's codec (``shardwire.comm.quorum``), as
+between the groups of one job on several nodes.
 
 Torch-free, so that the launcher checks the settings before starting a worker.
 """

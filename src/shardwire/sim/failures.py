@@ -35,9 +35,8 @@ failure, for a node's MTBF ``m`` (failures come ``N / m`` a second, over ``N`` n
     L = ((H / 2) (1 + 1 / F) t + RELAUNCH_S + R / link) + (N - 1) (HEARTBEAT_S + sync / F + R / link)
     goodput = 1 - L / m
 
-Under fault tolerance the sync's change crosses in fp32, whatever the DiLoCo wire says, so ``t``
-and the sync are those of the step with an fp32 sync; no checkpoint is saved, the live groups
-holding the state. Torch-free, as the rest of the simulator.
+Under fault tolerance the sync's change crosses as the DiLoCo wire says, as it does between the
+groups of one job; no checkpoint is saved, the live groups holding the state. Torch-free, as the rest of the simulator.
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ import dataclasses
 import math
 
 from shardwire.sim import costs
-from shardwire.sim.predict import Prediction, predict
-from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.predict import Prediction
+from shardwire.sim.specs import ClusterSpec, SpecError, TrainingSpec
 from shardwire.sim.step import layout_plan, sync_phases
 
 # An assumption, not a measurement: the seconds from a failure to every worker stepping again,
@@ -156,7 +155,7 @@ def price(p: Prediction, rate: FailureRate) -> FailureCosts:
     blocker = why_no_live_recovery(p.cluster, p.training)
     live = None
     if blocker is None:
-        live = live_recovery(predict(p.model, p.cluster, fault_tolerant(p.training)), rate.node_mtbf_h)
+        live = live_recovery(p, rate.node_mtbf_h)
     return FailureCosts(rate, p.cluster.nodes, restart(p, rate), live, blocker)
 
 
@@ -254,10 +253,3 @@ def why_no_live_recovery(cluster: ClusterSpec, training: TrainingSpec) -> str | 
         return (f"--fault-tolerance runs a sync in its step: give diloco fragment_sync_delay=0, not "
                 f"{diloco.fragment_sync_delay}")
     return None
-
-
-def fault_tolerant(training: TrainingSpec) -> TrainingSpec:
-    """``training`` as ``--fault-tolerance`` runs it: the sync's change crosses in fp32, whatever the
-    DiLoCo wire says (torchft's quantized all-reduce needs CUDA and Triton)."""
-    diloco = dataclasses.replace(training.diloco_settings, wire=None)
-    return parse("training", {**as_dict(training), "diloco": str(diloco)})

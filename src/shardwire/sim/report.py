@@ -353,9 +353,8 @@ def _live_recovery_text(costs: FailureCosts) -> str:
     live = costs.live_recovery
     if live is None:
         return f"live recovery            not possible: {costs.no_live_recovery}"
-    return (f"live recovery            {_kept(live)} (its step {live.step_time_s:.4g} s: --fault-tolerance syncs in "
-            f"fp32); a failure costs the lost group {live.lost_group_s:.3g} s ({live.recovery_bytes / 1e9:.4g} GB "
-            f"sent to it), each other {live.other_group_s:.3g} s")
+    return (f"live recovery            {_kept(live)}; a failure costs the lost group {live.lost_group_s:.3g} s "
+            f"({live.recovery_bytes / 1e9:.4g} GB sent to it), each other {live.other_group_s:.3g} s")
 
 
 def _kept(survival: Survival) -> str:

@@ -416,10 +416,9 @@ def _agreed(message: str) -> SystemExit:
 
 def _describe_layout(engine) -> str:
     layout = engine.layout
-    if layout.quorum is not None:  # torchft's all-reduce carries the sync in fp32, whatever diloco's wire says
-        sent = dataclasses.replace(layout.diloco, wire=None)
+    if layout.quorum is not None:
         return (f"hybrid (fault-tolerant group {layout.quorum.settings.group!r} of {layout.shard.world}, diloco "
-                f"{sent})")
+                f"{layout.diloco})")
     plan = layout.plan
     if plan.replicated:
         synced = "" if layout.diloco is None else f", diloco {layout.diloco}"
