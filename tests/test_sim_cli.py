@@ -491,3 +491,31 @@ def test_a_preset_with_learned_positions_at_another_seq_len_is_not_held_to_its_s
     status, out, _ = run(capsys, "simulate", "--model", "gpt2-1.5b", "--cluster", "a100-100gbe", "--seq-len", "1000000")
     assert "params says" not in out
     assert out.startswith("model     gpt2-1.5b: 3.16B parameters")
+
+
+def test_a_gpu_without_bf16_refuses_bf16_in_one_line_and_runs_fp16(capsys):
+    """The V100's tensor cores take fp16, not bf16: a bf16 spec on it is refused, saying what to give."""
+    code, out, err = run(capsys, "simulate", "--model", "gpt-1.3b", "--cluster", "v100-dgx2-ib-800", "--nodes", "2")
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and "precision bf16 needs bf16 tensor cores" in err and "give precision fp16" in err
+    code, out, _ = run(capsys, "simulate", "--model", "gpt-1.3b", "--cluster", "v100-dgx2-ib-800", "--nodes", "2",
+                       "--training", "{precision: fp16}")
+    assert code == 0 and "step time" in out
+    with pytest.raises(SpecError, match="needs bf16 tensor cores"):
+        predict(MODELS["gpt-1.3b"], CLUSTERS["v100-dgx2-ib-800"], TrainingSpec(precision="bf16"))
+    assert all(CLUSTERS[name].bf16 for name in ("a100-100gbe", "h100-400gbe", "h200-rdma-3200"))
+
+
+def test_the_plan_for_a_gpu_without_bf16_runs_fp16(capsys):
+    """A plan for V100s trains in fp16, the 16-bit mixed precision they have, and says so."""
+    result = plan(MODELS["gpt-1.3b"], CLUSTERS["v100-dgx2-ib-800"], 384, TrainingSpec(), exact=True)
+    assert result.best.training.precision == "fp16" and "no bf16 tensor cores" in result.notes[0]
+    code, out, _ = run(capsys, "plan", "--model", "gpt-1.3b", "--cluster", "v100-dgx2-ib-800", "--nodes", "2",
+                       "--global-batch", "64", "--exact")
+    assert code == 0
+    commands = [line for line in out.splitlines() if "torchrun" in line]
+    assert commands and all("--precision fp16" in line and "bf16" not in line for line in commands)
+    assert "mixed_precision='fp16'" in out and "no bf16 tensor cores" in out
+    code, out, _ = run(capsys, "plan", "--model", "gpt-1.3b", "--cluster", "v100-dgx2-ib-800", "--nodes", "2",
+                       "--global-batch", "64", "--exact", "--json")
+    assert code == 0 and "--precision fp16" in " ".join(json.loads(out)["best"]["run"]["train_options"])

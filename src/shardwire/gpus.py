@@ -18,6 +18,10 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     "V100": {"bf16": 125.0, "fp32": 15.7},
 }
 
+# GPUs whose tensor cores take no bf16 (Volta: the V100 data sheet lists fp16 tensor-core FLOPS only;
+# bf16 arrived with Ampere): 16-bit mixed precision on them is fp16.
+NO_BF16 = frozenset({"V100"})
+
 
 def datasheet_tflops(device_name: str, kind: str) -> float | None:
     """The peak of the first table entry whose key ``device_name`` contains, or None (also for a

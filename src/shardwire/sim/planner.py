@@ -10,7 +10,7 @@ int8, or int8 parameters with int4 gradients, in blocks of the default size with
 collective crosses nodes, so the wire changes nothing and only "none" is tried). A quantized wire
 is lossy (the step computes with quantized weights or reduces quantized gradients): ``exact``
 searches exact collectives only. The precision and compilation come from the base training
-configuration; the rest is what the engine runs (its sliding window, reductions in fp32, gradient
+configuration (bf16 becomes fp16 on a GPU without bf16 tensor cores, as the V100, and ``Plan.notes`` says so); the rest is what the engine runs (its sliding window, reductions in fp32, gradient
 accumulation under ``no_sync``), so that every configuration the planner names is one ``shard()``
 and ``shardwire train`` run: ``launch`` gives the command and the arguments for both, and says why
 where the engine cannot run it (fp8 gathers, a model ``shardwire train`` does not name). Candidates
@@ -81,6 +81,7 @@ class Plan:
     candidates: int
     fitting: int
     diloco: Prediction | None = None  # the fastest that syncs every H steps (DiLoCo) instead, where offered
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the search changed in the base training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,11 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"{', '.join(str(b) for b in (lower, upper) if b > 0)}"
         )
     per_gpu = global_batch // world
+    notes = []
+    if base.precision == "bf16" and not cluster.bf16:
+        base = dataclasses.replace(base, precision="fp16")
+        notes.append(f"precision fp16: the cluster's GPU ({cluster.gpu}) has no bf16 tensor cores, so 16-bit mixed "
+                     f"precision on it is fp16")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
     if not candidates:
@@ -148,7 +154,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         syncing = [t for t in diloco_settings(per_gpu, cluster, base)
                    if _holds(t, fixed) and estimate_memory(arch, cluster, t).fits]
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
-    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco)
+    return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco,
+                notes)
 
 
 def _holds(t: TrainingSpec, fixed: Mapping[str, object] | None) -> bool:

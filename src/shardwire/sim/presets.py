@@ -25,7 +25,7 @@ Biases are left out of parameter counts (under 0.2% of any of these models).
   vocabulary and learned positions, attention unfused (no flash attention on a V100).
 
 GPUs: dense peaks per dtype from NVIDIA's data sheets (``shardwire.gpus``), memory and its bandwidth
-likewise; the fractions of them kernels reach, the compute model's (``shardwire.sim.compute``):
+likewise (the V100's tensor cores take fp16 and no bf16: its presets refuse ``precision: bf16``); the fractions of them kernels reach, the compute model's (``shardwire.sim.compute``):
 
 * matrix multiplies: one number per GPU, set against its published runs (the A100's eleven,
   MosaicML's two H100 SXM runs, torchtitan's six on Grand Teton's 500 W H100s) and, for the H200,
@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwire.gpus import DATASHEET_TFLOPS
+from shardwire.gpus import DATASHEET_TFLOPS, NO_BF16
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
 
@@ -127,6 +127,7 @@ def _gpu(name: str, sheet: str, memory_gb: float, hbm_GBps: float, *, matmul: fl
     kernels reach, and the quantization kernels' rate its bandwidth allows."""
     peaks = DATASHEET_TFLOPS[sheet]
     return dict(gpu=name, peak_tflops=peaks["bf16"], fp8_tflops=peaks.get("fp8"), fp32_tflops=peaks["fp32"],
+                bf16=sheet not in NO_BF16,
                 gpu_memory_gb=memory_gb, memory_bandwidth_GBps=hbm_GBps, matmul_efficiency=matmul,
                 attention_efficiency=attention, memory_efficiency=memory,
                 quantize_gelems=hbm_GBps / QUANTIZE_BYTES_PER_ELEMENT)

@@ -256,6 +256,7 @@ def plan_json(result: Plan, global_batch: int, model_argument: str, rate: Failur
     best = result.best.step_time_s
     return {
         "global_batch": global_batch,
+        "notes": result.notes,
         "best": {**_with_run(result.best, model_argument), **_failures_entry(result.best, rate)},
         "runner_up": None if result.runner_up is None else _with_run(result.runner_up, model_argument),
         "alternatives": [
@@ -293,6 +294,7 @@ def plan_text(result: Plan, global_batch: int, model_argument: str, rate: Failur
         *setup[:2],
         f"search    global batch {global_batch} = {t.micro_batch * t.grad_accum} per GPU; {result.candidates} "
         f"configurations, {result.fitting} fit in memory",
+        *(f"          {n}" for n in result.notes),
         "",
         f"best      {describe_settings(t)}",
         f"          step {best.step_time_s:.4g} s, {best.samples_per_step / best.step_time_s:.4g} samples/s, "

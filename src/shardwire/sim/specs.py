@@ -257,7 +257,8 @@ class ClusterSpec:
     The GPU is what the compute model (``shardwire.sim.compute``) prices kernels with: its dense
     tensor-core peaks per dtype (``peak_tflops`` for bf16 and fp16, ``fp8_tflops`` where it has fp8
     tensor cores, ``fp32_tflops`` for fp32 matrix multiplies, by default ``peak_tflops``: one rate
-    for every dtype, as a CPU), its memory and ``memory_bandwidth_GBps``, and the fractions of those
+    for every dtype, as a CPU; ``bf16`` false for a GPU whose tensor cores take fp16 only, as the
+    V100's, where ``precision: bf16`` is refused), its memory and ``memory_bandwidth_GBps``, and the fractions of those
     peaks its kernels reach: ``matmul_efficiency`` for large matrix multiplies, ``attention_efficiency``
     for a fused attention kernel, ``memory_efficiency`` for memory-bound kernels. ``gpu`` names the
     preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
@@ -282,6 +283,7 @@ class ClusterSpec:
     gpu: str = "custom"
     fp8_tflops: float | None = None
     fp32_tflops: float | None = None
+    bf16: bool = True
     matmul_efficiency: float = 0.7
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.8
@@ -304,12 +306,15 @@ class ClusterSpec:
 
     def matmul_tflops(self, precision: str) -> float:
         """The dense peak a matrix multiply in ``precision`` runs at; raises ``SpecError`` for fp8 on
-        a GPU without fp8 tensor cores."""
+        a GPU without fp8 tensor cores, and for bf16 on one without bf16 (the V100)."""
         if precision == "fp8":
             if self.fp8_tflops is None:
                 raise SpecError(f"precision fp8 needs fp8 tensor cores: cluster {self.name!r} gives no fp8_tflops "
                                 f"(H100 and later have them; A100 does not)")
             return self.fp8_tflops
+        if precision == "bf16" and not self.bf16:
+            raise SpecError(f"precision bf16 needs bf16 tensor cores: cluster {self.name!r} ({self.gpu}) has none "
+                            f"(V100 and older multiply 16-bit values in fp16 only); give precision fp16")
         if precision == "fp32":
             return self.peak_tflops if self.fp32_tflops is None else self.fp32_tflops
         return self.peak_tflops
