@@ -10,8 +10,9 @@ int8, or int8 parameters with int4 gradients, in blocks of the default size with
 collective crosses nodes, so the wire changes nothing and only "none" is tried). A quantized wire
 is lossy (the step computes with quantized weights or reduces quantized gradients): ``exact``
 searches exact collectives only. The precision and compilation come from the base training
-configuration (bf16 becomes fp16 on a GPU without bf16 tensor cores, as the V100, and ``Plan.notes`` says so); the rest is what the engine runs (its sliding window, reductions in fp32, gradient
-accumulation under ``no_sync``), so that every configuration the planner names is one ``shard()``
+configuration (bf16 becomes fp16 on a GPU without bf16 tensor cores, as the V100, and
+``Plan.notes`` says so); the rest is what the engine runs (its sliding window, reductions in fp32,
+gradient accumulation under ``no_sync``), so that every configuration the planner names is one ``shard()``
 and ``shardwire train`` run: ``launch`` gives the command and the arguments for both, and says why
 where the engine cannot run it (fp8 gathers, a model ``shardwire train`` does not name). Candidates
 whose memory does not fit are not simulated; the rest are ranked by step time, ties (within

@@ -25,7 +25,8 @@ Biases are left out of parameter counts (under 0.2% of any of these models).
   vocabulary and learned positions, attention unfused (no flash attention on a V100).
 
 GPUs: dense peaks per dtype from NVIDIA's data sheets (``shardwire.gpus``), memory and its bandwidth
-likewise (the V100's tensor cores take fp16 and no bf16: its presets refuse ``precision: bf16``); the fractions of them kernels reach, the compute model's (``shardwire.sim.compute``):
+likewise (the V100's tensor cores take fp16 and no bf16: its presets refuse ``precision: bf16``);
+the fractions of them kernels reach, the compute model's (``shardwire.sim.compute``):
 
 * matrix multiplies: one number per GPU, set against its published runs (the A100's eleven,
   MosaicML's two H100 SXM runs, torchtitan's six on Grand Teton's 500 W H100s) and, for the H200,

@@ -258,10 +258,10 @@ class ClusterSpec:
     tensor-core peaks per dtype (``peak_tflops`` for bf16 and fp16, ``fp8_tflops`` where it has fp8
     tensor cores, ``fp32_tflops`` for fp32 matrix multiplies, by default ``peak_tflops``: one rate
     for every dtype, as a CPU; ``bf16`` false for a GPU whose tensor cores take fp16 only, as the
-    V100's, where ``precision: bf16`` is refused), its memory and ``memory_bandwidth_GBps``, and the fractions of those
-    peaks its kernels reach: ``matmul_efficiency`` for large matrix multiplies, ``attention_efficiency``
-    for a fused attention kernel, ``memory_efficiency`` for memory-bound kernels. ``gpu`` names the
-    preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
+    V100's, where ``precision: bf16`` is refused), its memory and ``memory_bandwidth_GBps``, and the
+    fractions of those peaks its kernels reach: ``matmul_efficiency`` for large matrix multiplies,
+    ``attention_efficiency`` for a fused attention kernel, ``memory_efficiency`` for memory-bound
+    kernels. ``gpu`` names the preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
     memory-bound work (norms, activations, casts, the optimizer step) is left out of the prediction
     (and the report says so). ``optimizer_GBps`` is the rate the optimizer step streams its bytes
     at where it was measured (``shardwire.sim.calibrate``): a step is more than its bytes (per-tensor
