@@ -24,7 +24,7 @@ from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.training import loop
 from harness import run_workers
-from test_sync import _diloco_reference, _sgd_steps
+from test_sync import _batch, _diloco_reference, _sgd_steps
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
 
@@ -54,8 +54,8 @@ def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
 
 
 @pytest.mark.parametrize("diloco, layout, group_size, message", [
-    (None, "hybrid", None, r"carries DiLoCo's syncs between groups: give layout='hybrid' with diloco=\.\.\. "),
-    (DiLoCo(), "full", None, "carries DiLoCo's syncs between groups"),
+    (None, "full", None, r"carries the reductions between the groups of the hybrid layout: give layout='hybrid' "),
+    (DiLoCo(), "full", None, "carries the reductions between the groups of the hybrid layout"),
     (DiLoCo(sync_every=8, fragment_sync_delay=2), "hybrid", None, "give diloco fragment_sync_delay=0"),
     (DiLoCo(), "hybrid", 2, "each launched job is one group, but shard_group_size=2"),
 ])
@@ -66,6 +66,7 @@ def test_what_fault_tolerance_cannot_carry_is_refused(diloco, layout, group_size
     check_fault_tolerance(settings, DiLoCo(), "hybrid", None, 4)
     check_fault_tolerance(settings, DiLoCo(), "hybrid", 4, 4)
     check_fault_tolerance(settings, DiLoCo(sync_every=8, fragments=2), "hybrid", None, 4)
+    check_fault_tolerance(settings, None, "hybrid", None, 4)  # the groups meet at every step
 
 
 def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(tmp_path, monkeypatch):
@@ -74,7 +75,8 @@ def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(
     for args, message in [
         ([*hybrid, "--fault-tolerance", "group=a"], "error: --fault-tolerance needs the lighthouse's address"),
         (["--fault-tolerance", "lighthouse=h:1"],  # the settings named as options, the library's as arguments
-         r"error: fault tolerance carries DiLoCo's syncs between groups: give --layout hybrid with --diloco=\.\.\. "),
+         r"error: fault tolerance carries the reductions between the groups of the hybrid layout: give --layout "
+         r"hybrid \(with --diloco=\.\.\. "),
         ([*hybrid, "--diloco", "sync_every=8,fragments=2,fragment_sync_delay=2", "--fault-tolerance", "lighthouse=h:1"],
          "give --diloco fragment_sync_delay=0, not 2"),
         ([*hybrid, "--shard-group-size", "1", "--fault-tolerance", "lighthouse=h:1"],
@@ -121,8 +123,8 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
             shardwire.recover_with(model, steps=3)
         shardwire.recover_with(model, optimizer=optimizer)
         outer = engine_of(model).outer
-        assert loop._describe_layout(engine_of(model)) == (  # the start line: the sync crosses in fp32
-            "hybrid (fault-tolerant group 'solo' of 1, diloco sync_every=2,fragments=1,wire=none,outer_lr=0.7,"
+        assert loop._describe_layout(engine_of(model)) == (  # the start line: the sync crosses as its wire says
+            "hybrid (fault-tolerant group 'solo' of 1, diloco sync_every=2,fragments=1,wire=int4,outer_lr=0.7,"
             "momentum=0.9,fragment_sync_delay=0)")
         batch = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17))
         for _ in range(4):
@@ -241,6 +243,87 @@ def test_fault_tolerant_groups_quantize_their_sync_as_the_groups_of_one_job_on_t
         torch.testing.assert_close(first[key], value, rtol=1e-5, atol=1e-6, msg=key)
         assert torch.equal(first[key], second[key]), key
     assert max((value - exact[key]).abs().max().item() for key, value in expected.items()) > 1e-3
+
+
+def _fault_tolerant_steps(index: int, lighthouse: str, steps: int, results) -> None:
+    """One group of one rank in a process of its own, its gradients averaged with the other group's
+    at every step (no DiLoCo); puts the model and the metrics."""
+    os.environ["RUST_LOG"] = "warn"
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
+                            fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=2, timeout=60))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _sgd_steps(model, optimizer, index, range(steps))
+    metrics = engine_of(model).step_quorum.metrics()
+    results.put(pickle.dumps((index, shardwire.full_state_dict(model), metrics)))
+
+
+def _hybrid_steps(rank: int, world: int, steps: int) -> dict:
+    """The same training as ``_fault_tolerant_steps``'s, the groups ranks of one hybrid job."""
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _sgd_steps(model, optimizer, rank, range(steps))
+    return shardwire.full_state_dict(model)
+
+
+@pytest.mark.slow
+def test_fault_tolerant_groups_without_diloco_average_gradients_as_the_groups_of_one_hybrid_job_do():
+    """Fault-tolerant HSDP: two groups meeting at every step through a lighthouse train as the two
+    groups of one hybrid job do, each step's gradient shards averaged between them."""
+    pytest.importorskip("torchft")
+    found = _groups_meeting(_fault_tolerant_steps, 5)
+    expected = run_workers(2, _hybrid_steps, 5)[0]
+    for model, metrics in found.values():
+        assert metrics["groups"] == 2 and metrics["dropped"] == metrics["recovered"] == 0, metrics
+        for key, value in expected.items():
+            torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _late_step_group(index: int, lighthouse: str, directory: str, results) -> None:
+    """Group 0 trains 8 steps, meeting at every step; group 1 starts once group 0 has done 4, which
+    then waits for it: group 1 joins at step 5, behind, and trains the rest with group 0."""
+    os.environ["RUST_LOG"] = "warn"
+    ready, started = pathlib.Path(directory, "ready"), pathlib.Path(directory, "started")
+
+    def wait_for(path: pathlib.Path) -> None:
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert time.monotonic() < deadline, f"{path.name} never came"
+            time.sleep(0.1)
+
+    if index == 1:
+        wait_for(ready)
+        started.touch()
+    torch.manual_seed(index)  # the late group starts from other weights: it must receive the others'
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
+                            fault_tolerance=FaultTolerance(lighthouse, f"g{index}", timeout=60))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    shardwire.recover_with(model, optimizer=optimizer)
+    meeting = engine_of(model).step_quorum
+    while meeting.steps < 8:
+        step = meeting.steps
+        tokens = _batch(index, step)
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if index == 0 and meeting.steps == 4:
+            ready.touch()
+            wait_for(started)
+            time.sleep(5)  # its request reaches the lighthouse before this group's next step does
+    results.put(pickle.dumps((index, shardwire.full_state_dict(model), meeting.metrics())))
+
+
+@pytest.mark.slow
+def test_a_group_that_joins_between_steps_receives_the_model_and_steps_with_the_others(tmp_path):
+    """A group started late, from other weights, joins at the others' next step: it receives their
+    parameters, optimizer state and step there, steps with their average, and the two end alike."""
+    pytest.importorskip("torchft")
+    found = _groups_meeting(_late_step_group, str(tmp_path), min_groups=1)
+    (first, _), (late, metrics) = found[0], found[1]
+    assert metrics["recovered"] == 1 and metrics["skipped_steps"] == 4, metrics
+    for key, value in first.items():
+        assert torch.equal(late[key], value), key
 
 
 def _late_group(index: int, lighthouse: str, directory: str, results) -> None:

@@ -102,8 +102,9 @@ def test_what_a_checkpoint_and_a_recovery_move_comes_from_the_memory_model():
 
 
 @pytest.mark.parametrize("cluster, training, why", [
-    (on_nodes(2), HYBRID, "synchronous training needs every node at every step"),
+    (on_nodes(2), FULL, "layout full needs every node at every step"),
     (on_nodes(1), DILOCO, "one node is one group"),
+    (on_nodes(1), HYBRID, "one node is one group"),
     (on_nodes(2), TrainingSpec(layout="hybrid", shard_group_size=4, diloco="sync_every=20"),
      "give groups of a node's 8 GPUs, not 4"),
     (on_nodes(2), TrainingSpec(layout="hybrid", diloco="sync_every=20,fragments=4,fragment_sync_delay=4"),
@@ -115,6 +116,21 @@ def test_live_recovery_only_where_fault_tolerance_runs(cluster, training, why):
     assert why in failures.why_no_live_recovery(cluster, training)
     costs = price(predict(MODELS["gpt2-125m"], cluster, training), FailureRate(100))
     assert costs.live_recovery is None and why in costs.no_live_recovery
+
+
+def test_groups_meeting_at_every_step_lose_a_step_and_recover_the_parameters_too():
+    """Fault-tolerant HSDP (hybrid without DiLoCo): a failure drops the step it struck for every
+    group, the lost group waits half a step for the others' next, and receives its shards of the
+    parameters and Adam's moments (12 bytes a parameter, a node's GPUs holding the whole model)."""
+    p = predict(MODELS["gpt2-125m"], on_nodes(2), HYBRID)
+    assert failures.why_no_live_recovery(p.cluster, p.training) is None
+    params = architecture(MODELS["gpt2-125m"], 2).params
+    assert failures.recovery_bytes(p) == pytest.approx((4 + 8) * params)
+    live = price(p, FailureRate(10)).live_recovery
+    transfer_s = failures.recovery_bytes(p) / (p.cluster.inter_node.busbw_GBps * 1e9)
+    assert live.step_time_s == p.step_time_s
+    assert live.lost_group_s == pytest.approx(1.5 * p.step_time_s + failures.RELAUNCH_S + transfer_s)
+    assert live.other_group_s == pytest.approx(failures.HEARTBEAT_S + p.step_time_s + transfer_s)
 
 
 def test_fragments_recover_live_sooner_and_lose_a_fragments_sync():
@@ -154,7 +170,7 @@ def test_simulate_prices_failures_as_computed_by_hand(capsys):
     assert restart["save_s"] == pytest.approx(save_s) and restart["restart_s"] == pytest.approx(60 + save_s)
     assert restart["goodput"] == pytest.approx(goodput, rel=1e-9)
     assert restart["effective_step_time_s"] == pytest.approx(step / goodput, rel=1e-9)
-    assert doc["failures"]["live_recovery"] is None and "synchronous training" in doc["failures"]["no_live_recovery"]
+    assert doc["failures"]["live_recovery"] is None and "layout full needs" in doc["failures"]["no_live_recovery"]
     status, out, _ = run(capsys, *SIMULATE, "--node-mtbf", "100")
     assert status == 0
     assert "failures  a node lost every 100 h on average: the job's 2 nodes, one every 50 h" in out
@@ -175,13 +191,15 @@ def test_plan_prices_its_choice_and_the_diloco_one(capsys):
     doc = json.loads(out)
     best, diloco = doc["best"]["failures"], doc["diloco"]["failures"]
     assert status == 0 and "failures" not in doc["runner_up"]
-    assert best["live_recovery"] is None and diloco["live_recovery"]["goodput"] > diloco["restart"]["goodput"]
+    assert doc["best"]["training"]["layout"] == "hybrid"  # groups of a node's GPUs: they meet at every step
+    for costs in (best, diloco):
+        assert costs["live_recovery"]["goodput"] > costs["restart"]["goodput"]
     assert diloco["assumptions"] == {"relaunch_s": 60, "storage_GBps": 1, "heartbeat_s": 5}
     status, out, _ = run(capsys, *PLAN, "--node-mtbf", "5", "--save-every", "1000")
     tail = out.splitlines()[-7:]
     assert status == 0 and tail[1] == "failures  a node lost every 5 h on average: the job's 2 nodes, one every 2.5 h"
     assert tail[2].startswith("  best    restart from checkpoint  goodput ") and "every 1,000 steps" in tail[2]
-    assert tail[3].startswith("          live recovery            not possible: synchronous training")
+    assert tail[3].startswith("          live recovery            goodput ") and "sent to it" in tail[3]
     assert tail[4].startswith("  diloco  restart from checkpoint  goodput ")
     assert tail[5].startswith("          live recovery            goodput ") and "sent to it" in tail[5]
     assert tail[6].startswith("  assumed   a restart relaunches in 60 s")

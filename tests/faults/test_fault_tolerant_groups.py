@@ -3,7 +3,8 @@ a ``shardwire train`` job of its own meeting at a torchft lighthouse every 5 ste
 or, as root, on three nodes of an emulated cluster at 100 Mbit/s (``shardwire testbed``). One is
 killed (and a second while the first restarts), hung or cut off the network; the others train on,
 never waiting long, and torchrun's restart (the hung group waking, the link coming back) brings it
-back with the others' state. Every run ends with the three groups holding one model."""
+back with the others' state. Every run ends with the three groups holding one model. Groups that
+meet at every step instead (no DiLoCo) survive a kill the same way."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class Group:
     ``node`` of ``testbed`` (and named after it, by default) where given."""
 
     def __init__(self, name: str, lighthouse: str, tmp: pathlib.Path, *, steps: int = STEPS,
-                 testbed: spec.Testbed | None = None, node: int = 0, checkpoints: pathlib.Path | None = None):
+                 testbed: spec.Testbed | None = None, node: int = 0, checkpoints: pathlib.Path | None = None,
+                 every_step: bool = False):
         settings = f"lighthouse={lighthouse},timeout={TIMEOUT}"
         on_node = []
         if testbed is None:
@@ -81,7 +83,8 @@ class Group:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
         self.launcher = subprocess.Popen(
             [*on_node, sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", str(steps),
-             "--log-every", "5", "--layout", "hybrid", "--diloco", f"sync_every={EVERY}", "--nproc", "1",
+             "--log-every", "5", "--layout", "hybrid", *([] if every_step else ["--diloco", f"sync_every={EVERY}"]),
+             "--nproc", "1",
              "--max-restarts", "1", "--fault-tolerance", settings, "--log-jsonl", str(self.log), *saving],
             stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.seen: list[tuple[float, int]] = []  # (when, step) of each progress record, as polled
@@ -207,6 +210,23 @@ def test_a_killed_group_rejoins_and_so_does_a_second_lost_while_it_restarts(ligh
     assert any(record.get("sync_groups") == 1 for record in groups[0].records()), "group a never synced alone"
     assert any(record.get("sync_recovered", 0) >= 1 for record in groups[1].records()), \
         "group b never received the others' state"
+
+
+def test_groups_meeting_at_every_step_drop_the_step_a_group_is_killed_in_and_its_restart_rejoins(lighthouse,
+                                                                                                   tmp_path):
+    """Fault-tolerant HSDP (no DiLoCo: the groups average gradients at every step): group c's worker
+    is killed; the others drop the step it struck and train on, and its restart rejoins with their
+    parameters and optimizer state."""
+
+    def kill(groups):
+        before = groups[2].recoveries()  # a group that starts late is recovered too
+        os.kill(groups[2].worker(), signal.SIGKILL)
+        yield from wait_for(lambda: groups[2].recoveries() > before, 120, "group c's restart did not rejoin")
+
+    groups = run_groups([Group(name, lighthouse, tmp_path, steps=STEPS // 2, every_step=True)
+                         for name in ("a", "b", "c")], kill)
+    check_outcome(groups, groups[2])
+    assert any(record.get("sync_dropped", 0) for record in groups[0].records()), "group a never dropped a step"
 
 
 @pytest.mark.root

@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,11 @@ def _transport(host: str, timeout: datetime.timedelta):
     from torchft.checkpointing import HTTPTransport
 
     class Transport(HTTPTransport):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # the log says what a recovery received; the server's line per request says nothing more
+            self._server.RequestHandlerClass.log_message = lambda handler, *args: None
+
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
@@ -68,6 +74,14 @@ class QuorumPending:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+
+def _one_line(record: logging.LogRecord) -> bool:
+    """torchft logs a peer's failure with the traceback of the collective it broke: the groups go
+    on (the step or sync is dropped, and the log says so), so one line of it says enough."""
+    record.msg, record.args = record.getMessage().splitlines()[0][:300], ()
+    record.exc_info = record.exc_text = record.stack_info = None
+    return True
 
 
 def _unreachable(settings: FaultTolerance) -> str:
@@ -88,6 +102,10 @@ class Quorum:
             raise ImportError("fault tolerance needs torchft: pip install 'shardwire[ft]'") from None
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # the log's sync field says what they say
             logging.getLogger(name).setLevel(logging.ERROR)
+        for name in ("torchft.manager", "torchft.process_group", "torchft_errors"):
+            logging.getLogger(name).addFilter(_one_line)
+        # A recovery's tensors arrive in a read-only buffer; loading copies them into this group's.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         timeout = datetime.timedelta(seconds=settings.timeout)
         across = (torchft.ProcessGroupGloo(timeout=timeout) if group.device.type == "cpu"
                   else torchft.ProcessGroupNCCL(timeout=timeout))
@@ -257,8 +275,11 @@ class Quorum:
         self._waited_s, self._received_bytes = 0.0, 0
         return costs
 
+    def join(self) -> None:
+        """Nothing runs behind: each all-reduce is waited for where its result is read."""
+
     def verify_order(self, what: str) -> None:
-        """Nothing to compare: a quorum carries only its syncs, in the schedule every group shares."""
+        """Nothing to compare: a quorum carries only its syncs or steps, in the order every group shares."""
 
     def residual_for(self, numel: int, *, all_reduce: bool = False) -> torch.Tensor:
         """A zeroed error-feedback residual for a quantized sync of ``numel`` elements: two rows

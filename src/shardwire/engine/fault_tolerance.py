@@ -24,11 +24,14 @@ quorum first agree on the fragment it syncs (the one their schedule has come to)
 that joins meets the others at whichever comes; it receives the anchor of every fragment and
 trains on from those. The syncs' participants and what a recovery received are logged.
 
-What does not carry over: hybrid's per-step reduction between groups (fault-tolerant HSDP) is not
-built (a sync every step, ``sync_every=1``, is the nearest); a sync runs in the step
-(``fragment_sync_delay=0``: a group may leave while it would run behind the steps). A sync's change
-travels as ``DiLoCo.wire`` says, quantized by shardwire's codec (``shardwire.comm.quorum``), as
-between the groups of one job on several nodes.
+Without DiLoCo the groups meet at every step instead, and average each gradient shard as hybrid's
+groups do (fault-tolerant HSDP, ``shardwire.engine.step_quorum``): a failure drops the step it
+struck, for every group, and a group that comes back receives the others' parameters with the rest.
+
+A sync runs in its step (``fragment_sync_delay=0``: a group may leave while it would run behind the
+steps). A sync's change, or a step's gradient shard, travels as ``DiLoCo.wire`` (or the layout's
+``wire`` for gradients) says, quantized by shardwire's codec (``shardwire.comm.quorum``), as between
+the groups of one job on several nodes.
 
 Torch-free, so that the launcher checks the settings before starting a worker.
 """
@@ -109,18 +112,20 @@ class FaultTolerance:
 
 def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout: str, shard_group_size: int | None,
                           world: int) -> None:
-    """A ``ValueError`` where ``fault_tolerance`` cannot run: it carries DiLoCo's syncs between jobs,
-    each job (its ``world`` ranks) one group of the hybrid layout, each sync in its step."""
+    """A ``ValueError`` where ``fault_tolerance`` cannot run: it carries the hybrid layout's
+    reductions between jobs (DiLoCo's syncs, or each step's gradients), each job (its ``world``
+    ranks) one group, each sync in its step."""
     if fault_tolerance is None:
         return
-    if diloco is None or layout != "hybrid":
-        raise SettingError("fault tolerance carries DiLoCo's syncs between groups: give {hybrid} with {diloco}=... "
-                           "(sync_every=1 syncs every step)", hybrid=("layout", "hybrid"), diloco=("diloco",))
+    if layout != "hybrid":
+        raise SettingError("fault tolerance carries the reductions between the groups of the hybrid layout: give "
+                           "{hybrid} (with {diloco}=... the groups meet every H steps, without it at every step)",
+                           hybrid=("layout", "hybrid"), diloco=("diloco",))
     if shard_group_size not in (None, world):
         raise SettingError(f"under fault tolerance each launched job is one group, but {{size}} cuts the job's "
                            f"{world} ranks into several: launch one job per group, and leave {{name}} out",
                            size=("shard_group_size", shard_group_size), name=("shard_group_size",))
-    if diloco.fragment_sync_delay:
+    if diloco is not None and diloco.fragment_sync_delay:
         raise SettingError(f"under fault tolerance a sync runs in its step (a group may leave during it): give "
                            f"{{diloco}} fragment_sync_delay=0, not {diloco.fragment_sync_delay}", diloco=("diloco",))
 

@@ -41,7 +41,7 @@ class Layout:
     replicate: Communicator | None = None  # hybrid: all-reduces each gradient shard between groups
     secondary: Communicator | None = None  # hybrid_secondary: backward gathers from secondary shards
     diloco: DiLoCo | None = None  # hybrid: the groups train apart and sync every H steps over replicate
-    quorum: Quorum | None = None  # fault-tolerant groups: diloco's syncs average over it, not replicate
+    quorum: Quorum | None = None  # fault-tolerant groups: syncs (diloco) or gradients (per step) average over it
 
     @property
     def across_groups(self) -> Communicator | Quorum | None:
@@ -64,16 +64,19 @@ class Layout:
         return [comm for comm in self.communicators if comm is self.shard or all(comm is not c for c in spanning)]
 
     @property
-    def reducing(self) -> list[Communicator]:
+    def reducing(self) -> list[Communicator | Quorum]:
         """The communicators that carry gradient reductions (the end of backward waits for them; a
         sync in flight on ``replicate`` runs on past it)."""
         return [comm for comm in (self.shard, self.gradient_replicas) if comm is not None]
 
     @property
-    def gradient_replicas(self) -> Communicator | None:
+    def gradient_replicas(self) -> Communicator | Quorum | None:
         """Where each reduced gradient shard is all-reduced between the groups at every step:
-        ``replicate``, unless the groups sync every H steps instead."""
-        return self.replicate if self.diloco is None else None
+        ``replicate``, or the quorum of fault-tolerant groups (``shardwire.engine.step_quorum``),
+        unless the groups sync every H steps instead."""
+        if self.diloco is not None:
+            return None
+        return self.quorum if self.quorum is not None else self.replicate
 
     @property
     def writes_shards(self) -> bool:

@@ -21,8 +21,7 @@ def recover_with(model: nn.Module, **stateful: Any) -> None:
     fault_tolerance=...)``: ``recover_with(model, optimizer=optimizer, scheduler=scheduler)``. Every
     group names the same keys. An optimizer's state crosses as this rank's shards; other objects as
     their ``state_dict()``. Without fault tolerance it does nothing."""
-    engine = engine_of(model)
-    quorum = None if engine.outer is None else engine.outer.quorum
+    quorum = engine_of(model).layout.quorum
     if quorum is None:
         return
     for key, obj in stateful.items():

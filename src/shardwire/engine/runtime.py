@@ -28,7 +28,9 @@ backward  root post-forward already opened the backward ``Pass`` and issued its 
 sync      under ``hybrid`` with ``diloco``, the end of a backward that reduced gradients is an inner
           step, and the root pre-forward of the next training forward (one that records gradients;
           an evaluation between steps leaves them be), before its first gather, applies and issues
-          the syncs between groups that are due (``shardwire.engine.outer``).
+          the syncs between groups that are due (``shardwire.engine.outer``). Fault-tolerant groups
+          without DiLoCo meet at every step instead (``shardwire.engine.step_quorum``): the first
+          training forward of a step forms its quorum, the end of its backward takes the vote.
 
 Units and models may return anything. Torch's pytree walks the outputs (tuples, lists, dicts,
 namedtuples, registered types such as Hugging Face's ``ModelOutput``, each of which says all it holds);
@@ -80,6 +82,7 @@ from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.engine.outer import OuterLoop
+from shardwire.engine.step_quorum import StepQuorum
 from shardwire.engine.schedule import Pass
 from shardwire.engine.unit import INPUTS, Unit
 
@@ -154,6 +157,9 @@ class Engine:
         # sync every H steps across groups: the outer optimisation's schedule (None: synchronous)
         self.outer = None if layout.diloco is None else OuterLoop(
             [unit.flats for unit in self._all_units], layout.diloco, layout.world, layout.replicate, layout.quorum)
+        # fault-tolerant groups reducing gradients between them at every step: the step's quorum and vote
+        self.step_quorum = (StepQuorum(self.flats, layout.quorum)
+                            if layout.quorum is not None and layout.diloco is None else None)
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None
@@ -239,8 +245,10 @@ class Engine:
             if not recording:
                 for comm in self.layout.checked_every_step:
                     comm.verify_order("the step before this forward")
-            if self.outer is not None and torch.is_grad_enabled():  # a training forward (not an evaluation)
-                self.outer.before_forward()
+            if torch.is_grad_enabled():  # a training forward (not an evaluation)
+                for meeting in (self.outer, self.step_quorum):
+                    if meeting is not None:
+                        meeting.before_forward()
             for flat in self.flats:
                 flat.check_parameters()
             self._gather(self.root, "forward", check=recording)
@@ -411,8 +419,10 @@ class Engine:
                     flat.land(pendings, share)
             for comm in self.layout.reducing:
                 comm.join()
-        if self.outer is not None and self.sync_gradients:
-            self.outer.step_done()
+        if self.sync_gradients:
+            for meeting in (self.outer, self.step_quorum):
+                if meeting is not None:
+                    meeting.step_done()
         self._release_all()
         self.emit("backward", None, "end")
 

@@ -104,10 +104,11 @@ def shard(
             change every H steps instead of their gradients at every step (DiLoCo; Streaming DiLoCo
             with ``fragments``): a ``shardwire.DiLoCo``, or its string form ("sync_every=50,
             fragments=4,wire=int4"). It changes the optimisation. See ``shardwire.engine.diloco``.
-        fault_tolerance: with ``diloco``, make this job (all of ``process_group``'s ranks) one group
-            of many that survive each other: the groups meet at each sync through a torchft
-            lighthouse, a lost group is left out and one that comes back receives the others'
-            state. A ``shardwire.FaultTolerance`` or its string form ("lighthouse=http://head:29510,
+        fault_tolerance: under ``layout="hybrid"``, make this job (all of ``process_group``'s
+            ranks) one group of many that survive each other: the groups meet through a torchft
+            lighthouse at each sync (with ``diloco``) or at every step (averaging gradients, as
+            hybrid's groups do: fault-tolerant HSDP), a lost group is left out and one that comes
+            back receives the others' state. A ``shardwire.FaultTolerance`` or its string form ("lighthouse=http://head:29510,
             group=node-3"); ``shardwire.recover_with`` names what else a recovering group receives.
             See ``shardwire.engine.fault_tolerance``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.

@@ -36,7 +36,16 @@ failure, for a node's MTBF ``m`` (failures come ``N / m`` a second, over ``N`` n
     goodput = 1 - L / m
 
 Under fault tolerance the sync's change crosses as the DiLoCo wire says, as it does between the
-groups of one job; no checkpoint is saved, the live groups holding the state. Torch-free, as the rest of the simulator.
+groups of one job; no checkpoint is saved, the live groups holding the state.
+
+Without DiLoCo the groups of the hybrid layout meet at every step (fault-tolerant HSDP,
+``shardwire.engine.step_quorum``): the failure drops the step it struck for every group, the lost
+group relaunches and waits for the others' next step (half a step on average), and the recovery
+carries its parameters too::
+
+    L = ((3 / 2) t + RELAUNCH_S + R / link) + (N - 1) (HEARTBEAT_S + t + R / link)
+
+Torch-free, as the rest of the simulator.
 """
 
 from __future__ import annotations
@@ -172,14 +181,18 @@ def restart(p: Prediction, rate: FailureRate) -> Restart:
 
 
 def live_recovery(p: Prediction, node_mtbf_h: float) -> LiveRecovery:
-    """Recovering the lost group from a live one, for ``p`` as fault tolerance runs it
-    (``fault_tolerant``)."""
+    """Recovering the lost group from a live one, for ``p`` as fault tolerance runs it: meeting at
+    each sync under DiLoCo, else at every step (the module's docstring)."""
     diloco = p.training.diloco_settings
     received = recovery_bytes(p)
     transfer_s = received / (p.cluster.inter_node.busbw_GBps * 1e9)
-    lost_group_s = diloco.sync_every / 2 * (1 + 1 / diloco.fragments) * p.step_time_s + RELAUNCH_S + transfer_s
-    # a dropped sync is a fragment's: ``_sync`` is the step's share, 1/H of all the fragments' syncs
-    dropped_s = diloco.sync_every / diloco.fragments * costs.isolated_s(_sync(p), p.cluster)
+    if diloco is None:  # the step the failure struck is dropped everywhere; the lost group waits for the next
+        lost_group_s = 1.5 * p.step_time_s + RELAUNCH_S + transfer_s
+        dropped_s = p.step_time_s
+    else:
+        lost_group_s = diloco.sync_every / 2 * (1 + 1 / diloco.fragments) * p.step_time_s + RELAUNCH_S + transfer_s
+        # a dropped sync is a fragment's: ``_sync`` is the step's share, 1/H of all the fragments' syncs
+        dropped_s = diloco.sync_every / diloco.fragments * costs.isolated_s(_sync(p), p.cluster)
     other_group_s = HEARTBEAT_S + dropped_s + transfer_s
     goodput = live_goodput(lost_group_s, other_group_s, p.cluster.nodes, node_mtbf_h * HOUR_S)
     return LiveRecovery(p.step_time_s, goodput, received, lost_group_s, other_group_s)
@@ -218,11 +231,13 @@ def checkpoint_bytes(p: Prediction) -> float:
 
 
 def recovery_bytes(p: Prediction) -> float:
-    """Bytes a recovering group's node receives from a live one: its GPUs' shards of the anchor and
-    outer momentum and of Adam's moments (``shardwire train`` names the optimizer to recover).
-    The parameters are not sent: the sync that brings the group back sets them to the anchor. For
-    the tiny GPT, 16 bytes a parameter is 0.741 MB, of the 0.754 MB BENCHMARKS.md saw received."""
-    return p.cluster.gpus_per_node * (p.memory.optimizer_state + _outer_bytes(p))
+    """Bytes a recovering group's node receives from a live one: its GPUs' shards of Adam's moments
+    (``shardwire train`` names the optimizer to recover) and, under DiLoCo, of the anchor and outer
+    momentum (the sync that brings the group back sets the parameters to the anchor), else of the
+    parameters. For the tiny GPT under DiLoCo, 16 bytes a parameter is 0.741 MB, of the 0.754 MB
+    BENCHMARKS.md saw received."""
+    sent = _outer_bytes(p) if p.training.diloco_settings is not None else p.memory.parameter_shards
+    return p.cluster.gpus_per_node * (p.memory.optimizer_state + sent)
 
 
 def _outer_bytes(p: Prediction) -> float:
@@ -241,15 +256,15 @@ def why_no_live_recovery(cluster: ClusterSpec, training: TrainingSpec) -> str | 
     """Why fault tolerance cannot run ``training`` on ``cluster`` as a group per node (as
     ``shardwire.engine.fault_tolerance.check_fault_tolerance`` refuses it), or None where it can."""
     diloco = training.diloco_settings
-    if diloco is None:
-        return ("synchronous training needs every node at every step; live recovery (--fault-tolerance) needs layout "
-                "hybrid with DiLoCo, whose groups train apart")
+    if training.layout != "hybrid":
+        return (f"layout {training.layout} needs every node at every step; live recovery (--fault-tolerance) needs "
+                f"layout hybrid, whose groups each hold the model")
     if cluster.nodes == 1:
         return "one node is one group, with no live group to recover from"
     if (group := layout_plan(cluster, training).group) != cluster.gpus_per_node:
         return (f"--fault-tolerance runs a group per node here: give groups of a node's {cluster.gpus_per_node} GPUs, "
                 f"not {group}")
-    if diloco.fragment_sync_delay:
+    if diloco is not None and diloco.fragment_sync_delay:
         return (f"--fault-tolerance runs a sync in its step: give diloco fragment_sync_delay=0, not "
                 f"{diloco.fragment_sync_delay}")
     return None

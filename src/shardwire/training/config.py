@@ -60,10 +60,10 @@ class TrainConfig:
                 "sync_every=20,wire=int4 (also fragments, outer_lr, momentum, fragment_sync_delay)",
         renamed_from="sync")
     fault_tolerance: str = option(
-        "none", "with --diloco: make this job one group of many that survive each other, meeting at each sync "
-                "through a torchft lighthouse: none, or key=value pairs such as lighthouse=http://head:29510,"
-                "group=node-3 (also min_groups, timeout in seconds); each group checkpoints under "
-                "--checkpoint-dir/GROUP")
+        "none", "with --layout hybrid: make this job one group of many that survive each other, meeting through a "
+                "torchft lighthouse at each sync (--diloco) or at every step: none, or key=value pairs such as "
+                "lighthouse=http://head:29510,group=node-3 (also min_groups, timeout in seconds); each group "
+                "checkpoints under --checkpoint-dir/GROUP")
     plan: str = option(
         "none", "auto: before training, measure this cluster's collectives and a few steps of the job, and train "
                 "with the layout, shard group, prefetch and resharding the simulator predicts fastest (exact "

@@ -179,6 +179,8 @@ def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diver
             job.scaler.scale(loss / config.grad_accum).backward()
         loss_sum += loss.detach()
         diverged.note_loss(step, loss.detach())
+    if job.engine.step_quorum is not None and not job.engine.step_quorum.committed:
+        return  # a failure dropped the step for every fault-tolerant group: no gradients, no optimizer step
     job.scaler.unscale_(job.optimizer)
     if config.clip > 0:
         norm = shardwire.clip_grad_norm_(model, config.clip)
@@ -244,7 +246,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         if choice.note is not None:
             print(f"note: {choice.note}", file=sys.stderr, flush=True)
     start = _resume(config, model, optimizer, scheduler, trained_on, choice.seq_len) if config.checkpoint_dir else 0
-    if quorum is not None:  # meet the other groups: one that is behind takes their state and step here
+    meeting = engine.outer if engine.outer is not None else engine.step_quorum  # where groups meet, if they do
+    if engine.outer is not None and quorum is not None:  # meet the other groups: one behind takes their state here
         engine.outer.join()
         start = engine.outer.steps
     profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
@@ -262,8 +265,10 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             check.starting(step)
         with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
             _step(job, config, step, device, diverged, loss_sum)
-        if quorum is not None:  # a group that was behind took the others' step at this step's sync
-            step = min(engine.outer.steps, config.steps) - 1
+        if engine.step_quorum is not None and not engine.step_quorum.committed:
+            continue  # a failure dropped the step for every group: it runs again, on the same batch
+        if quorum is not None:  # a group that was behind took the others' step at this step's quorum
+            step = min(meeting.steps, config.steps) - 1
         interval_steps += 1
         if step + 1 == config.steps:
             shardwire.diloco_sync(model)  # groups that sync every H steps end as one model, saved as one
@@ -280,7 +285,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             diverged.logged(step + 1, losses[-1])
             loss_sum.zero_()
             step_time = (time.perf_counter() - interval_start) / interval_steps
-            synced = engine.outer.metrics() if engine.outer is not None else {}  # every rank takes part
+            synced = meeting.metrics() if meeting is not None else {}  # every rank takes part
             if log is not None:
                 log.interval(step + 1, losses[-1], val_loss, step_time, scheduler.get_last_lr()[0],
                              CommSummary.of(records, engine.comm.clock), profiler, synced)
@@ -417,8 +422,8 @@ def _agreed(message: str) -> SystemExit:
 def _describe_layout(engine) -> str:
     layout = engine.layout
     if layout.quorum is not None:
-        return (f"hybrid (fault-tolerant group {layout.quorum.settings.group!r} of {layout.shard.world}, diloco "
-                f"{layout.diloco})")
+        meeting = f"diloco {layout.diloco}" if layout.diloco is not None else "gradients averaged at every step"
+        return f"hybrid (fault-tolerant group {layout.quorum.settings.group!r} of {layout.shard.world}, {meeting})"
     plan = layout.plan
     if plan.replicated:
         synced = "" if layout.diloco is None else f", diloco {layout.diloco}"
@@ -431,6 +436,8 @@ def _describe_layout(engine) -> str:
 def _describe_wire(engine, wire: str) -> str:
     wire = Wire.parse(wire)
     if wire.quantized and engine.comm.placement.nodes == 1:
+        if engine.step_quorum is not None and wire.grads is not None:  # fault-tolerant groups are nodes apart
+            return f"wire {wire} (gradients quantized between the groups; nothing within this group's node)"
         return f"wire {wire} (unused: all ranks share a node, and only what crosses nodes is quantized)"
     return f"wire {wire}"
 

@@ -1,0 +1,98 @@
+"""Fault-tolerant groups that average their gradients at every step: torchft's fault-tolerant HSDP.
+
+Under ``layout="hybrid"`` with ``fault_tolerance`` and no DiLoCo, each job is one group that shards
+the model among its ranks, and the groups reduce each gradient shard between them at every step,
+as the groups of one hybrid job do, but over the quorum of the groups alive at that step
+(``shardwire.comm.quorum``) rather than a fixed process group. ``StepQuorum`` says when: a quorum
+at the first training forward of each step (before any collective of it), the all-reduce of each
+gradient shard over it as backward reduces the shard (``Layout.gradient_replicas``), and the
+quorum's commit vote at the end of the step's backward, before the optimizer steps.
+
+A step the vote drops (a group failed in it) leaves no gradients: they are set to None, which
+torch's optimizers skip, and the step is not counted, so ``shardwire train`` runs it again with the
+same batch; no group's parameters move. A group that is behind (restarted, or back from a cut)
+takes part in its first step's all-reduces with nothing of its own and, at the vote, receives from
+a live peer at its position the parameters of its shards, what ``recover_with`` names (the
+optimizer's state, the learning-rate schedule) and the count of steps: its optimizer then steps
+with the others' average, and it leaves the step holding the same model as they do.
+
+Per step, the link between the groups carries every gradient shard, where DiLoCo's syncs carry a
+change every H steps: this is for groups joined by links fast enough for hybrid's per-step
+reduction, which a lost group must not stop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwire.comm.quorum import Quorum
+
+
+class StepQuorum:
+    """The fault-tolerant groups' meeting at every step (see the module's docstring)."""
+
+    def __init__(self, flats: list, quorum: Quorum):
+        self.quorum = quorum
+        self.steps = 0  # steps committed (``resume``: those of a checkpoint)
+        self.committed = True  # whether the last step's vote kept it
+        self._flats = flats
+        self._open = False  # a step's quorum is formed, its vote not yet taken
+        # Since the last ``metrics``: steps dropped, steps in which this group received the
+        # others' state, and the steps those recoveries moved it forward.
+        self._dropped = self._recovered = self._skipped = 0
+        quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
+
+    def resume(self, steps: int) -> None:
+        """Count on from a checkpoint of ``steps`` steps, as torchft's manager does too: the
+        lighthouse takes a group that counts fewer steps than the others for one that is behind, so
+        a group resumed from an older checkpoint receives their state instead of averaging with it."""
+        self.steps = steps
+        self.quorum.load_state([steps, 0])
+
+    def before_forward(self) -> None:
+        """A training forward: the first of a step (of its micro-batches) forms the step's quorum."""
+        if not self._open:
+            self._open = True
+            self.quorum.start()
+
+    def step_done(self) -> None:
+        """The end of a step's backward, its gradients reduced: the vote. A group behind loads the
+        others' state in it; a dropped step's gradients are set to None."""
+        self._open = False
+        behind = self.quorum.recovered
+        self.committed = self.quorum.commit()
+        if not self.committed:
+            for flat in self._flats:
+                for param in flat.params:
+                    param.grad = None
+            self._dropped += 1
+            return
+        self._recovered += behind
+        self.steps += 1
+
+    def _recovery_state(self) -> dict:
+        """What a group that is behind receives from this one (host tensors): the steps committed
+        and this rank's shards, as they are before the step's optimizer step."""
+        return {"steps": self.steps, "shards": [flat.shard.detach().to("cpu", copy=True) for flat in self._flats]}
+
+    def _load_recovery_state(self, state: dict) -> None:
+        if len(state["shards"]) != len(self._flats):
+            raise RuntimeError(f"a recovering group holds {len(self._flats)} buffers but a live peer sent "
+                               f"{len(state['shards'])}: every group must shard the same model the same way")
+        for flat, shard in zip(self._flats, state["shards"]):
+            if shard.shape != flat.shard.shape:
+                raise RuntimeError(f"a recovering group's shard holds {flat.shard.numel()} elements but a live "
+                                   f"peer's {shard.numel()}: every group must have as many ranks")
+            with torch.no_grad():
+                flat.shard.copy_(shard)
+        self._skipped += state["steps"] - self.steps
+        self.steps = state["steps"]
+
+    def metrics(self) -> dict[str, float]:
+        """Since the last call: the groups of the last quorum, the steps dropped and recovered, the
+        steps recoveries moved this group forward, and ``Quorum.take_costs``; the same keys as
+        ``OuterLoop.metrics`` gives between fault-tolerant groups."""
+        found = {"groups": self.quorum.participants, "dropped": self._dropped, "recovered": self._recovered,
+                 "skipped_steps": self._skipped, **self.quorum.take_costs()}
+        self._dropped = self._recovered = self._skipped = 0
+        return found
