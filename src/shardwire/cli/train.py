@@ -163,7 +163,7 @@ def _validate(config: TrainConfig) -> None:
     if config.plan != "none":
         if fault_tolerance is not None:
             raise SystemExit("error: --plan with --fault-tolerance: a fault-tolerant job's layout is fixed (hybrid, "
-                             "one group, syncing every H steps); leave --plan out")
+                             "one group, meeting the others at each sync or step); leave --plan out")
         if config.wire != "none" or diloco is not None:
             raise SystemExit(f"error: --plan {config.plan} chooses the wire and the syncs itself (auto: exact "
                              f"collectives; auto-lossy also weighs quantized wires and DiLoCo): leave out --wire and "

@@ -55,7 +55,7 @@ def _transport(host: str, timeout: datetime.timedelta):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # the log says what a recovery received; the server's line per request says nothing more
-            self._server.RequestHandlerClass.log_message = lambda handler, *args: None
+            self._server.RequestHandlerClass.log_request = lambda handler, *args: None
 
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
@@ -79,7 +79,8 @@ class QuorumPending:
 def _one_line(record: logging.LogRecord) -> bool:
     """torchft logs a peer's failure with the traceback of the collective it broke: the groups go
     on (the step or sync is dropped, and the log says so), so one line of it says enough."""
-    record.msg, record.args = record.getMessage().splitlines()[0][:300], ()
+    lines = record.getMessage().splitlines()
+    record.msg, record.args = lines[0][:300] if lines else "", ()
     record.exc_info = record.exc_text = record.stack_info = None
     return True
 
@@ -102,10 +103,11 @@ class Quorum:
             raise ImportError("fault tolerance needs torchft: pip install 'shardwire[ft]'") from None
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # the log's sync field says what they say
             logging.getLogger(name).setLevel(logging.ERROR)
-        for name in ("torchft.manager", "torchft.process_group", "torchft_errors"):
+        for name in ("torchft.manager", "torchft.process_group"):
             logging.getLogger(name).addFilter(_one_line)
         # A recovery's tensors arrive in a read-only buffer; loading copies them into this group's.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                                module=r"torch\.distributed\._serialization")
         timeout = datetime.timedelta(seconds=settings.timeout)
         across = (torchft.ProcessGroupGloo(timeout=timeout) if group.device.type == "cpu"
                   else torchft.ProcessGroupNCCL(timeout=timeout))
@@ -152,6 +154,7 @@ class Quorum:
         self._waited_s = 0.0  # waiting for quorums and commit votes
         self._received_bytes = 0  # the others' state received in recoveries
         self._rounded: list[torch.Tensor] = []  # the error feedback this sync's quantization updated
+        self._registered: set[str] = set()  # the keys of what a recovering group receives
 
     def register(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]) -> None:
         """What a group that is behind receives from a live peer at its position, under ``key``."""
@@ -159,7 +162,13 @@ class Quorum:
             self._received_bytes += sum(leaf.nbytes for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor))
             load_state_dict(state)
 
-        self._manager.register_state_dict_fn(key, load, state_dict)
+        def state() -> object:
+            if self._device.type == "cuda":  # torchft's thread copies it: the kernels that wrote it go first
+                torch.cuda.synchronize(self._device)
+            return state_dict()
+
+        self._registered.add(key)
+        self._manager.register_state_dict_fn(key, load, state)
 
     def start(self) -> None:
         """Agree with the lighthouse on the groups of this sync. A group that is behind fetches the
@@ -199,11 +208,8 @@ class Quorum:
             after.wait()
         if codec is None:
             return QuorumPending(self._manager.allreduce(tensor))
-        if not self._manager.errored():
-            try:
-                self._average_quantized(tensor, codec, residual)
-            except (RuntimeError, OSError) as err:  # a peer's failure: the commit vote fails, as torchft's
-                self._manager.report_error(err)     # all-reduce would have it
+        if self._manager.errored() is None:
+            self._average_quantized(tensor, codec, residual)
         return QuorumPending(None)
 
     def _average_quantized(self, tensor: torch.Tensor, codec: Codec, residual: torch.Tensor | None) -> None:
@@ -212,6 +218,9 @@ class Quorum:
         sent to others lost and what quantizing the averaged slot this rank owns lost: kept by
         element, not by slot, as each new quorum deals the slots anew."""
         pg = self._across
+        if (failed := pg.errored()) is not None:  # aborted after a timeout: the commit vote fails
+            self._manager.report_error(failed)
+            return
         rank, world = pg.parent.rank(), pg.size()
         flat, numel = tensor.view(-1), tensor.numel()
         if not self._manager.is_participating():  # behind: its change and its rounding are not the others'
@@ -228,19 +237,31 @@ class Quorum:
         packed = torch.zeros(world, codec.packed_numel(size), dtype=torch.uint8, device=flat.device)
         packed[others] = encode(codec, slots[others], sent_lost)
         received = torch.empty_like(packed)
-        pg.alltoall_base(received, packed, [], [], AllToAllOptions()).wait()
+        if not self._collective(lambda: pg.alltoall_base(received, packed, [], [], AllToAllOptions()).wait()):
+            return
         mine = decode(codec, received[others], size).sum(dim=0).add_(slots[rank])
         mine.div_(self._manager.num_participants())
         mine_lost = None if lost is None else lost[1, rank : rank + 1]
         packed = encode(codec, mine.view(1, -1), mine_lost)
         gathered = [torch.empty_like(packed.view(-1)) for _ in range(world)]
-        pg.allgather([gathered], [packed.view(-1)], AllgatherOptions()).wait()
+        if not self._collective(lambda: pg.allgather([gathered], [packed.view(-1)], AllgatherOptions()).wait()):
+            return
         decode(codec, torch.stack(gathered), size, out=slots)
         flat.copy_(slots.view(-1)[:numel])
         if lost is not None:
             lost[0, others] = sent_lost
             residual.copy_(lost.view(2, -1)[:, :numel])
             self._rounded.append(residual)
+
+    def _collective(self, run: Callable[[], object]) -> bool:
+        """Run one of torchft's collectives; a peer's failure in it is noted, as torchft's all-reduce
+        notes it (the commit vote then fails), and False returned."""
+        try:
+            run()
+        except (RuntimeError, OSError) as err:
+            self._manager.report_error(err)
+            return False
+        return True
 
     def commit(self) -> bool:
         """Whether every group of the quorum completed the sync (all vote the same): if not, the sync
@@ -254,6 +275,10 @@ class Quorum:
             for residual in self._rounded:
                 residual.zero_()
         self._rounded = []
+        if self.recovered and self._registered <= {"shardwire"}:
+            warnings.warn("this fault-tolerant group received the others' model but no optimizer state, and trains "
+                          "on with its own: name the optimizer with shardwire.recover_with(model, optimizer=...)",
+                          stacklevel=2)
         return committed
 
     def state(self) -> list[int]:

@@ -108,8 +108,9 @@ def shard(
             ranks) one group of many that survive each other: the groups meet through a torchft
             lighthouse at each sync (with ``diloco``) or at every step (averaging gradients, as
             hybrid's groups do: fault-tolerant HSDP), a lost group is left out and one that comes
-            back receives the others' state. A ``shardwire.FaultTolerance`` or its string form ("lighthouse=http://head:29510,
-            group=node-3"); ``shardwire.recover_with`` names what else a recovering group receives.
+            back receives the others' state. A ``shardwire.FaultTolerance`` or its string form
+            ("lighthouse=http://head:29510,group=node-3"); ``shardwire.recover_with`` names what else
+            a recovering group receives.
             See ``shardwire.engine.fault_tolerance``.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them.
         compile: compile each unit's computation with ``torch.compile``, as torchtitan compiles its

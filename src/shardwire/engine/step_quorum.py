@@ -10,11 +10,13 @@ quorum's commit vote at the end of the step's backward, before the optimizer ste
 
 A step the vote drops (a group failed in it) leaves no gradients: they are set to None, which
 torch's optimizers skip, and the step is not counted, so ``shardwire train`` runs it again with the
-same batch; no group's parameters move. A group that is behind (restarted, or back from a cut)
-takes part in its first step's all-reduces with nothing of its own and, at the vote, receives from
-a live peer at its position the parameters of its shards, what ``recover_with`` names (the
-optimizer's state, the learning-rate schedule) and the count of steps: its optimizer then steps
-with the others' average, and it leaves the step holding the same model as they do.
+same batch; no group's parameters move but those of a group that is behind. That group (restarted,
+or back from a cut) takes part in its first step's all-reduces with nothing of its own and, at the
+vote, receives from a live peer at its position the parameters of its shards, what
+``recover_with`` names (the optimizer's state, the learning-rate schedule) and the count of steps:
+its optimizer then steps with the others' average, and it leaves the step holding the same model
+as they do. Steps dropped ``MAX_DROPPED`` times in a row stop the run: the groups' all-reduce
+fails whatever the quorum (say, groups of different sizes), which no retry mends.
 
 Per step, the link between the groups carries every gradient shard, where DiLoCo's syncs carry a
 change every H steps: this is for groups joined by links fast enough for hybrid's per-step
@@ -26,6 +28,9 @@ from __future__ import annotations
 import torch
 
 from shardwire.comm.quorum import Quorum
+from shardwire.options import SettingError
+
+MAX_DROPPED = 20  # steps dropped in a row before the run stops
 
 
 class StepQuorum:
@@ -37,6 +42,7 @@ class StepQuorum:
         self.committed = True  # whether the last step's vote kept it
         self._flats = flats
         self._open = False  # a step's quorum is formed, its vote not yet taken
+        self._dropped_in_a_row = 0
         # Since the last ``metrics``: steps dropped, steps in which this group received the
         # others' state, and the steps those recoveries moved it forward.
         self._dropped = self._recovered = self._skipped = 0
@@ -52,23 +58,29 @@ class StepQuorum:
     def before_forward(self) -> None:
         """A training forward: the first of a step (of its micro-batches) forms the step's quorum."""
         if not self._open:
-            self._open = True
             self.quorum.start()
+            self._open = True
 
     def step_done(self) -> None:
         """The end of a step's backward, its gradients reduced: the vote. A group behind loads the
         others' state in it; a dropped step's gradients are set to None."""
         self._open = False
-        behind = self.quorum.recovered
+        self._recovered += self.quorum.recovered  # the others' state is loaded at the vote, kept or not
         self.committed = self.quorum.commit()
-        if not self.committed:
-            for flat in self._flats:
-                for param in flat.params:
-                    param.grad = None
-            self._dropped += 1
+        if self.committed:
+            self.steps += 1
+            self._dropped_in_a_row = 0
             return
-        self._recovered += behind
-        self.steps += 1
+        for flat in self._flats:
+            for param in flat.params:
+                param.grad = None
+        self._dropped += 1
+        self._dropped_in_a_row += 1
+        if self._dropped_in_a_row == MAX_DROPPED:
+            raise SettingError(f"the fault-tolerant groups dropped {MAX_DROPPED} steps in a row (step "
+                               f"{self.steps + 1}): their all-reduce fails whichever groups meet; give every group as "
+                               f"many ranks and the same model and settings, and see the first group's log for the "
+                               f"failure")
 
     def _recovery_state(self) -> dict:
         """What a group that is behind receives from this one (host tensors): the steps committed

@@ -40,10 +40,14 @@ groups of one job; no checkpoint is saved, the live groups holding the state.
 
 Without DiLoCo the groups of the hybrid layout meet at every step (fault-tolerant HSDP,
 ``shardwire.engine.step_quorum``): the failure drops the step it struck for every group, the lost
-group relaunches and waits for the others' next step (half a step on average), and the recovery
-carries its parameters too::
+group relaunches, waits for the others' next step (half a step on average) and adds nothing of its
+own to that step, and the recovery carries its parameters too::
 
-    L = ((3 / 2) t + RELAUNCH_S + R / link) + (N - 1) (HEARTBEAT_S + t + R / link)
+    L = ((5 / 2) t + RELAUNCH_S + R / link) + (N - 1) (HEARTBEAT_S + t + R / link)
+
+Not priced there: each step's round trip to the lighthouse for its quorum and its commit vote
+(milliseconds on a LAN), and the overlap the all-reduce between groups loses by waiting for its
+reduce-scatter on the host (the engine chains the two within a job).
 
 Torch-free, as the rest of the simulator.
 """
@@ -186,8 +190,8 @@ def live_recovery(p: Prediction, node_mtbf_h: float) -> LiveRecovery:
     diloco = p.training.diloco_settings
     received = recovery_bytes(p)
     transfer_s = received / (p.cluster.inter_node.busbw_GBps * 1e9)
-    if diloco is None:  # the step the failure struck is dropped everywhere; the lost group waits for the next
-        lost_group_s = 1.5 * p.step_time_s + RELAUNCH_S + transfer_s
+    if diloco is None:  # the step struck is dropped everywhere; the lost group waits for the next, and adds nothing
+        lost_group_s = 2.5 * p.step_time_s + RELAUNCH_S + transfer_s
         dropped_s = p.step_time_s
     else:
         lost_group_s = diloco.sync_every / 2 * (1 + 1 / diloco.fragments) * p.step_time_s + RELAUNCH_S + transfer_s

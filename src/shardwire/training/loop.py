@@ -166,10 +166,12 @@ def _build(config: TrainConfig, device: torch.device) -> _Job:
 def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diverged: _Divergence,
           loss_sum: torch.Tensor) -> None:
     """One optimizer step: the micro-batches (all but the last under ``no_sync``), clipping, the
-    optimizer and the schedule; each micro-batch's loss is added to ``loss_sum``."""
+    optimizer and the schedule; each micro-batch's loss is added to ``loss_sum``, unless a failure
+    dropped the step (fault-tolerant groups meeting at every step)."""
     model, choice, world = job.model, job.choice, dist.get_world_size()
     rank, global_batch = dist.get_rank(), config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
+    losses = torch.zeros_like(loss_sum)
     for micro in range(config.grad_accum):
         batch = _to_device(job.corpus.batch(step * config.grad_accum + micro, global_batch, choice.seq_len,
                                             seed=config.seed, rows=rows), device)
@@ -177,10 +179,11 @@ def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diver
         with contextlib.nullcontext() if last else shardwire.no_sync(model):
             loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
             job.scaler.scale(loss / config.grad_accum).backward()
-        loss_sum += loss.detach()
+        losses += loss.detach()
         diverged.note_loss(step, loss.detach())
     if job.engine.step_quorum is not None and not job.engine.step_quorum.committed:
         return  # a failure dropped the step for every fault-tolerant group: no gradients, no optimizer step
+    loss_sum += losses
     job.scaler.unscale_(job.optimizer)
     if config.clip > 0:
         norm = shardwire.clip_grad_norm_(model, config.clip)
@@ -231,7 +234,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         config = dataclasses.replace(
             config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
             checkpoint_dir=config.checkpoint_dir and os.path.join(config.checkpoint_dir, quorum.settings.group))
-    shardwire.recover_with(model, optimizer=optimizer, scheduler=scheduler)
+    shardwire.recover_with(model, optimizer=optimizer, scheduler=scheduler, scaler=job.scaler)
 
     global_batch = config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch

@@ -205,7 +205,7 @@ class _Staged:
             engine.outer.load_state(self.schedule)
             if engine.outer.quorum is not None:
                 engine.outer.quorum.load_state(self.quorum)
-        if engine.step_quorum is not None:
+        if engine.step_quorum is not None and self.info.step is not None:
             engine.step_quorum.resume(self.info.step)
         if "cpu" in self.rng:
             torch.set_rng_state(self.rng["cpu"])
