@@ -14,6 +14,7 @@ from shardwire.cli import config_file
 from shardwire.bench.benchmark import BenchConfig
 from shardwire.cli import command, main
 from shardwire.options import add_options, config_from
+from shardwire.renamed import RenamedWarning
 from shardwire.training.config import TrainConfig
 
 yaml = pytest.importorskip("yaml", reason="the yaml extra is not installed")
@@ -85,12 +86,24 @@ def test_print_config_writes_a_file_that_reads_back_as_the_same_job(command, arg
     ("model: [tiny]\n", "model: give a value as the command line takes it, got ['tiny']"),
     ("- steps\n", "must be a mapping of keys to values, got list"),
     ("steps: [1\n", "is neither JSON nor YAML"),
+    ("steps: 5\nsteps: 7\n", "'steps' at line 2, column 1 is given twice (the last would win silently): give it once"),
+    ('{"steps": 5, "steps": 7}', "'steps' is given twice (the last would win silently)"),
 ])
 def test_a_bad_file_is_one_line_naming_the_file_and_the_key(text, message, tmp_path, capsys):
     path = write(tmp_path, text)
     assert main(["train", "--config", path]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --config {path}") and message in err and err.count("\n") == 1
+
+
+def test_a_yaml_merge_may_override_and_a_renamed_sync_key_is_printed_under_its_new_name(tmp_path, capsys):
+    """A key merged in (``<<``) and written again is YAML's override, not a key given twice; a
+    renamed ``--diloco`` key is read with a warning and printed under its new name."""
+    assert main(["train", "--config", write(tmp_path, "<<: {steps: 5}\nsteps: 7\n"), "--print-config"]) == 0
+    assert "steps: 7" in capsys.readouterr().out
+    with pytest.warns(RenamedWarning, match="diloco every= is renamed sync_every="):
+        assert main(["train", "--layout", "hybrid", "--diloco", "every=2", "--print-config"]) == 0
+    assert "diloco: sync_every=2,fragments=1," in capsys.readouterr().out
 
 
 def test_the_file_bounds_are_checked_as_the_command_lines_are(tmp_path, capsys):

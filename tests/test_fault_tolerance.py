@@ -46,6 +46,8 @@ def test_settings_parse_and_round_trip(monkeypatch):
     ("lighthouse=h:1,timeout=-1", "timeout must be a positive number of seconds"),
     ("lighthouse=h:1,timeout=soon", "timeout must be a number, got 'soon'"),
     ("lighthouse=h:1,speed=2", "is not understood"),
+    ("lighthouse=h:1,group=,host=", "group= has no value: give one, or leave group out"),  # group=$UNSET
+    ("lighthouse=h:1,timeout=1e300", "at most 31,536,000 \\(a year\\), got 1e\\+300"),
 ])
 def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

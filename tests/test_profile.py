@@ -12,7 +12,7 @@ import torch
 
 from harness import matmul_precision, run_workers
 from shardwire.models.gpt import GPT, PRESETS, GPTConfig, loss_fn
-from shardwire.profile import analysis, intervals
+from shardwire.profile import analysis, intervals, report
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.recorder import StepTimeline
 from shardwire.profile.report import ReportError, write_report
@@ -210,6 +210,20 @@ def test_report_writes_its_plots(profiled_run, tmp_path):
     for path in written:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_long_run_draws_its_steps_at_once(profiled_run, tmp_path):
+    """Past ``_MAX_BARS`` steps the breakdown is stacked areas, not a bar per step (20,000 bars took
+    minutes to draw)."""
+    run_dir, _ = profiled_run
+    with open(os.path.join(run_dir, "profile.json")) as f:
+        profile = json.load(f)
+    profile["steps"] = [{**profile["steps"][-1], "step": step} for step in range(report._MAX_BARS + 1)]
+    long_run = tmp_path / "long"
+    long_run.mkdir()
+    (long_run / "profile.json").write_text(json.dumps(profile))
+    written = write_report([str(long_run)], str(tmp_path / "plots"))
+    assert "breakdown.png" in [os.path.basename(p) for p in written]
 
 
 def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_path):

@@ -51,6 +51,8 @@ import tempfile
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 # The target's name kept in a temporary file's, short enough that the whole stays within NAME_MAX.
+# What a dangling link is called where a path must be read or written.
+LEADS_NOWHERE = "is a symbolic link that leads nowhere (a loop, or its target is gone)"
 _TEMPORARY_STEM = 100
 # In a staged directory: the file its writer holds locked, naming itself, until the rename.
 _CLAIM = ".shardwire-claim"
@@ -90,6 +92,8 @@ def output_problem(path: str | os.PathLike) -> str | None:
     in a message (``--json out.json is a FIFO, not a regular file; give a file name``)."""
     if (kind := _kind(path)) is not None:
         return _not_a_file(kind)
+    if _leads_nowhere(path):
+        return f"{LEADS_NOWHERE}: give a file name"
     directory = os.path.dirname(os.path.realpath(path))
     problem = directory_problem(directory)
     return None if problem is None else f"cannot be written: its directory {directory} {problem}"
@@ -125,6 +129,8 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being a directory to write in, or None: it is something else, or it is
     missing and cannot be created, or it is not writable. The words follow the path in a message."""
     path = os.path.abspath(path)
+    if _leads_nowhere(path):  # making it would make the link's target, or fail
+        return f"{LEADS_NOWHERE}: give a directory"
     if os.path.exists(path):
         if not os.path.isdir(path):
             return f"is {_kind(path) or 'a file'}; give it a directory"
@@ -139,6 +145,10 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     if not _can_write_in(existing):
         return f"cannot be created: {existing} is not writable"
     return None
+
+
+def _leads_nowhere(path: str | os.PathLike) -> bool:
+    return os.path.islink(path) and not os.path.exists(path)
 
 
 def _can_write_in(directory: str) -> bool:

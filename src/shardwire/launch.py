@@ -55,6 +55,12 @@ def launcher_problem() -> str | None:
                              ("LOCAL_WORLD_SIZE", "WORLD_SIZE", True)):
         if low in values and high in values and values[low] >= values[high] + equal:
             return f"the environment sets {low}={values[low]} and {high}={values[high]}, which no launch gives {remedy}"
+    if values.get("WORLD_SIZE", 1) > 1:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun sets
+        if not os.environ.get("MASTER_ADDR"):
+            return f"the environment sets WORLD_SIZE={values['WORLD_SIZE']} but no MASTER_ADDR {remedy}"
+        port = os.environ.get("MASTER_PORT", "")
+        if not (port.isascii() and port.isdigit() and len(port) < 6 and int(port) <= 65535):
+            return f"MASTER_PORT={port[:40]!r} in the environment is not a port, 0 to 65535 {remedy}"
     return None
 
 

@@ -91,7 +91,9 @@ def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict
         raise MappingError(f"{what} is longer than {MAX_TEXT_BYTES:,} characters, far more than any config or "
                            f"spec: give the mapping itself")
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, what))
+    except MappingError:
+        raise
     except RecursionError:
         raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
     except ValueError:
@@ -101,6 +103,18 @@ def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict
     if not isinstance(data, Mapping):
         raise MappingError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
     return dict(data)
+
+
+def _unique(pairs: list[tuple[str, object]], what: str, where: str = "") -> dict:
+    """A JSON object's (or YAML mapping's) pairs as a dict, refusing a key given twice: readers keep
+    the last silently, where the user meant one of the two."""
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise MappingError(f"{what}: {shown(key)}{where} is given twice (the last would win silently): give it "
+                               f"once")
+        found[key] = value
+    return found
 
 
 def is_number(value) -> bool:
@@ -184,6 +198,17 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool):
         loader.yaml_constructors = {**loader.yaml_constructors, **{tag: number for tag in _YAML_NUMBERS}}
         if numbers_as_text:
             loader.yaml_constructors["tag:yaml.org,2002:timestamp"] = lambda loader, node: node.value
+        mapping = loader.yaml_constructors["tag:yaml.org,2002:map"]
+
+        def unique_mapping(loader, node):  # keys written twice; a merge (<<) may override, as YAML says
+            written = [key for key, _ in node.value if isinstance(key, yaml.ScalarNode)
+                       and key.tag != "tag:yaml.org,2002:merge"]
+            for index, key in enumerate(written):
+                if any(other.value == key.value for other in written[:index]):
+                    _unique([(key.value, None)] * 2, what, _where(key.start_mark))
+            return mapping(loader, node)
+
+        loader.yaml_constructors["tag:yaml.org,2002:map"] = unique_mapping
         try:
             node = loader.get_single_node()
             if node is None:

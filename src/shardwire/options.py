@@ -36,6 +36,9 @@ from shardwire.renamed import warn_renamed
 
 # A whole number an option may be, unless it says less: past it the job's arithmetic (a step count in
 # float64, a seed or a size in int64) is no longer exact, long before any run could use it.
+# The longest timeout a command or setting takes: a collective that takes a year has hung (and a
+# timedelta, which a process group takes, holds no more than a billion days).
+MAX_TIMEOUT_S = 365 * 24 * 3600
 MAX_COUNT = 2**53
 
 
@@ -251,6 +254,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             raise setting_error(setting, f"{not_understood}{f' (did you mean {meant}?)' if meant else ''}")
         if key in fields:  # the last would win silently, over a value the user also meant
             raise setting_error(setting, twice(key))
+        if not value:  # an unset variable ($GROUP), which must not fall back to a default silently
+            raise setting_error(setting, f"{key}= has no value: give one, or leave {key} out")
         try:
             fields[key] = types[key](value)
         except ValueError:

@@ -17,11 +17,9 @@ import torch
 import torch.distributed as dist
 
 from shardwire.launch import host_memory_per_worker
+from shardwire.options import MAX_TIMEOUT_S
 
 BACKENDS = ("auto", "gloo", "nccl")
-# The longest --timeout a command takes: a collective that takes a year has hung (and a timedelta, which
-# the process group takes, holds no more than a billion days).
-MAX_TIMEOUT_S = 365 * 24 * 3600
 # The shortest --timeout of shardwire train: the workers meet within it (each imports torch first), and
 # ordinary skew between ranks (a checkpoint being written, a first step compiling) is not a hang.
 MIN_TIMEOUT_S = 10

@@ -233,6 +233,20 @@ def _step_unlike_name(rank, directory):
     return {"load_latest_checkpoint": latest, "skipped": skipped}
 
 
+def _series_in_a_file(rank, world, directory):
+    model, optimizer = make_model(seed=0)
+    (pathlib.Path(directory) / "notes.txt").write_text("the user's")
+    return outcome(lambda: shardwire.load_latest_checkpoint(pathlib.Path(directory) / "notes.txt", model, optimizer))
+
+
+def test_a_series_named_by_a_file_is_one_line_and_the_file_is_kept(tmp_path):
+    """``load_latest_checkpoint`` of a file: a ``CheckpointError`` naming it, not the claim's
+    FileExistsError."""
+    assert run_workers(1, _series_in_a_file, str(tmp_path)) == [f"{tmp_path / 'notes.txt'} is a file; give it a "
+                                                                   f"directory"]
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
+
+
 def _run_saving_steps_1_and_2(rank, directory):
     """The first run: checkpoints at steps 1 and 2; returns the state at step 2."""
     model, optimizer = make_model(seed=0)

@@ -66,6 +66,7 @@ def dcp_directory(tmp_path):
     (["--timeout", "0.001"], "error: --timeout must be a finite number of seconds, at least 10, got 0.001"),
     (["--checkpoint-dir", "/proc/shardwire-x"], "error: --checkpoint-dir /proc/shardwire-x cannot be created: /proc "
                                                 "is not writable"),  # as root too: tried, not read off its mode
+    (["--wire", "grads=int8,grads=int4"], "error: --wire grads is given twice (the last would win silently)"),
     (["--steps", str(2**63)], "error: --steps must be at most 9,007,199,254,740,992, got 9223372036854775808"),
     (["--nnodes", "2"], "error: --nnodes is for --print-launch, which prints the command for each node; to run here "
                         "give --nproc, or add --print-launch"),
@@ -80,10 +81,25 @@ def test_options_the_workers_would_fail_on_are_refused_before_they_start(args, m
         main(["train", "--model", "tiny", *args])
 
 
+@pytest.mark.parametrize("option, kind", [("--log-jsonl", "file name"), ("--tensorboard", "directory"),
+                                           ("--run-dir", "directory"), ("--checkpoint-dir", "directory")])
+def test_an_output_that_is_a_link_to_nowhere_is_refused_before_the_workers_start(option, kind, tmp_path, no_workers):
+    """Opened, the link would fail in the workers, the run directory's after the whole run (making
+    it, FileExistsError; writing through it, FileNotFoundError)."""
+    (tmp_path / "link").symlink_to(tmp_path / "gone" / "target")
+    with pytest.raises(SystemExit, match=re.escape(f"error: {option} {tmp_path / 'link'} is a symbolic link that "
+                                                   f"leads nowhere (a loop, or its target is gone): give a {kind}")):
+        main(["train", "--model", "tiny", "--profile", option, str(tmp_path / "link")])
+
+
 @pytest.mark.parametrize("environment, message", [
     ({"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0"}, "the environment sets RANK=5 and WORLD_SIZE=2, which no "
                                                           "launch gives (torchrun's variables, left from another job?)"),
     ({"WORLD_SIZE": "abc", "LOCAL_RANK": "0"}, "WORLD_SIZE='abc' in the environment is not a count of ranks"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "99999"},
+     "MASTER_PORT='99999' in the environment is not a port, 0 to 65535"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "29500"},
+     "the environment sets WORLD_SIZE=2 but no MASTER_ADDR"),
 ])
 def test_torchruns_variables_left_in_the_environment_are_one_line_not_a_wait(environment, message):
     """A world no worker can join (another job's variables in the shell) would wait out --timeout."""

@@ -19,7 +19,7 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.series import foreign_checkpoint
-from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
+from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.files import new_directory_problem
@@ -158,8 +158,6 @@ def _validate(config: TrainConfig) -> None:
         fault_tolerance = FaultTolerance.parse(config.fault_tolerance)
     except SettingError as err:
         raise SystemExit(f"error: {err.as_options()}") from None
-    if diloco is not None and uses_renamed_keys(config.diloco):
-        config.diloco = str(diloco)  # the workers get the new names, and warn no more
     if config.plan != "none":
         if fault_tolerance is not None:
             raise SystemExit("error: --plan with --fault-tolerance: a fault-tolerant job's layout is fixed (hybrid, "

@@ -113,6 +113,8 @@ class Wire:
                     "wire", f"{shown(wire)} is not understood: use 'none', 'int8', or key=value pairs of params, "
                     f"grads, block and error_feedback, e.g. 'params=int8,grads=int4'"
                 )
+            if key in fields:  # the last would win silently, over a value the user also meant
+                raise setting_error("wire", f"{key} is given twice (the last would win silently): give it once")
             if key == "block":
                 if not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_BLOCK)):
                     raise setting_error("wire", f"block must be a positive integer of at most {MAX_BLOCK:,}, "

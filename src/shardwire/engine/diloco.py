@@ -166,6 +166,19 @@ def Sync(**fields) -> DiLoCo:  # noqa: N802 (the old class's name, kept callable
     return DiLoCo(**fields)
 
 
+def current_keys(text: str) -> str:
+    """``--diloco``'s value as the workers and ``--print-config`` are given it: where it names a
+    field by its old name, read (``DiLoCo.parse`` warns) and written whole under the new names, so
+    that nothing after the command line speaks of the old one. A value that does not parse is left
+    as written, to be refused where it is checked."""
+    if not uses_renamed_keys(text):
+        return text
+    try:
+        return str(DiLoCo.parse(text))
+    except ValueError:
+        return text
+
+
 def uses_renamed_keys(text: str | None) -> bool:
     """Whether the command line's form ``text`` names a field by its name before torchft's."""
     return isinstance(text, str) and any(item.partition("=")[0].strip() in RENAMED_FIELDS

@@ -39,10 +39,9 @@ Torch-free, so that the launcher checks the settings before starting a worker.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
-from shardwire.options import SettingError, setting_error, settings_fields
+from shardwire.options import MAX_TIMEOUT_S, SettingError, setting_error, settings_fields
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read where no lighthouse is given
 
@@ -82,9 +81,9 @@ class FaultTolerance:
         object.__setattr__(self, "host", self.host or os.uname().nodename)
         if type(self.min_groups) is not int or self.min_groups < 1:
             raise setting_error("fault_tolerance", f"min_groups must be a positive integer, got {self.min_groups!r}")
-        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
-            raise setting_error("fault_tolerance",
-                                f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout <= MAX_TIMEOUT_S):
+            raise setting_error("fault_tolerance", f"timeout must be a positive number of seconds, at most "
+                                                   f"{MAX_TIMEOUT_S:,} (a year), got {self.timeout!r}")
 
     @classmethod
     def parse(cls, text: FaultTolerance | str | None) -> FaultTolerance | None:

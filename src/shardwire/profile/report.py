@@ -24,6 +24,7 @@ _OP_COLORS = {"all_gather": "#64B5CD", "reduce_scatter": "#C44E52", "all_reduce"
 _PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip"),
           ("optimizer_s", "optimizer"), ("other_s", "other compute"), ("wait_s", "waiting for communication")]
 _PART_COLORS = [*_PHASE_COLORS.values(), "#BBBBBB", "#E24A33"]
+_MAX_BARS = 400  # steps drawn a bar each in the breakdown; more are drawn as stacked areas
 
 
 class ReportError(Exception):
@@ -180,16 +181,20 @@ def _plot_breakdown(profile: dict, path: str) -> str:
     steps = profile["steps"]
     x = [s["step"] for s in steps]
     fig, ax = plt.subplots(figsize=(10, 4))
-    bottom = [0.0] * len(steps)
-    for (key, label), color in zip(_PARTS, _PART_COLORS):
-        values = [s["figures"][key]["median"] * 1e3 for s in steps]
-        ax.bar(x, values, bottom=bottom, label=label, color=color, width=0.9)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.plot(x, [s["figures"]["step_s"]["max"] * 1e3 for s in steps], "k.", label="step (slowest rank)")
+    parts = [[s["figures"][key]["median"] * 1e3 for s in steps] for key, _ in _PARTS]
+    labels = [label for _, label in _PARTS]
+    if len(steps) <= _MAX_BARS:
+        bottom = [0.0] * len(steps)
+        for values, label, color in zip(parts, labels, _PART_COLORS):
+            ax.bar(x, values, bottom=bottom, label=label, color=color, width=0.9)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    else:  # a bar each is thousands of shapes, which take minutes to draw: the same stacks as areas
+        ax.stackplot(x, *parts, labels=labels, colors=_PART_COLORS[:len(parts)])
+    ax.plot(x, [s["figures"]["step_s"]["max"] * 1e3 for s in steps], "k.", markersize=2, label="step (slowest rank)")
     ax.set_xlabel("step")
     ax.set_ylabel("ms (median over ranks)")
     ax.set_title("where each step went")
-    ax.legend(fontsize=8, ncol=4)
+    ax.legend(fontsize=8, ncol=4, loc="upper right")  # "best" searches the points for a place
     return _save(fig, path)
 
 

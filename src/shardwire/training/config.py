@@ -11,10 +11,10 @@ import dataclasses
 import warnings
 
 from shardwire import worker
-from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.diloco import DiLoCo, current_keys
 from shardwire.engine.layout_plan import LAYOUTS
 from shardwire.models.gpt import PRESETS
-from shardwire.options import option
+from shardwire.options import option, text
 from shardwire.renamed import RenamedWarning
 from shardwire.training.data import BIN_DTYPES, MAX_SEED
 
@@ -58,7 +58,7 @@ class TrainConfig:
         "none", "hybrid layout: let the groups train apart and take DiLoCo's outer step on their averaged change "
                 "every H steps (it changes the optimisation): none, or key=value pairs such as "
                 "sync_every=20,wire=int4 (also fragments, outer_lr, momentum, fragment_sync_delay)",
-        renamed_from="sync")
+        parse=lambda value: current_keys(text(value)), renamed_from="sync")
     fault_tolerance: str = option(
         "none", "with --layout hybrid: make this job one group of many that survive each other, meeting through a "
                 "torchft lighthouse at each sync (--diloco) or at every step: none, or key=value pairs such as "

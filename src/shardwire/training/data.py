@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 import torch
 
-from shardwire.files import write_atomically
+from shardwire.files import LEADS_NOWHERE, write_atomically
 from shardwire.models.choice import check_files, custom_code
 
 VALIDATION_FRACTION = 0.01
@@ -364,5 +364,5 @@ class ByteCorpus:
 def _missing(path: pathlib.Path) -> str:
     """Why ``path``, which does not exist as far as a reader can tell, cannot be read."""
     if path.is_symlink():
-        return "is a symbolic link that leads nowhere (a loop, or its target is gone)"
+        return LEADS_NOWHERE
     return "does not exist"

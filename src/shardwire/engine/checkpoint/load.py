@@ -52,6 +52,7 @@ from shardwire.engine.checkpoint.format import (
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.runtime import Engine
 from shardwire.engine.shard import engine_of
+from shardwire.files import directory_problem
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def load_latest_checkpoint(
     So does a directory that is a DCP checkpoint (``series.foreign_checkpoint``): a series there would
     not see it, and would start over beside it.
     """
-    if (problem := series.foreign_checkpoint(directory)) is not None:
+    if (problem := series.foreign_checkpoint(directory) or directory_problem(directory)) is not None:
         raise CheckpointError(f"{directory} {problem}")
     engine = engine_of(model)
     session_of(engine).finish_pending()
