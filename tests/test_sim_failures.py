@@ -107,10 +107,6 @@ def test_what_a_checkpoint_and_a_recovery_move_comes_from_the_memory_model():
     (on_nodes(1), HYBRID, "one node is one group"),
     (on_nodes(2), TrainingSpec(layout="hybrid", shard_group_size=4, diloco="sync_every=20"),
      "give groups of a node's 8 GPUs, not 4"),
-    (on_nodes(2), TrainingSpec(layout="hybrid", diloco="sync_every=20,fragments=4,fragment_sync_delay=4"),
-     "give diloco fragment_sync_delay=0, not 4"),
-    (on_nodes(2), TrainingSpec(layout="hybrid", diloco="sync_every=20,fragment_sync_delay=2"),
-     "give diloco fragment_sync_delay=0, not 2"),
 ])
 def test_live_recovery_only_where_fault_tolerance_runs(cluster, training, why):
     assert why in failures.why_no_live_recovery(cluster, training)

@@ -15,6 +15,7 @@ process group does, with the engine's codec and error feedback.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -64,16 +65,17 @@ def _transport(host: str, timeout: datetime.timedelta):
 
 
 class QuorumPending:
-    """An all-reduce between the groups of a quorum, as ``Communicator``'s ``Pending`` is waited for:
-    ``wait()`` never raises (torchft records the failure for ``Quorum.commit``)."""
+    """An all-reduce between the groups of a quorum, as ``Communicator``'s ``Pending`` is waited for
+    (``wait``: torchft's work's, or a quantized average's future's): a peer's failure is not raised
+    but recorded for ``Quorum.commit``."""
 
-    def __init__(self, work):
-        self._work = work
+    def __init__(self, wait: Callable[[], object] | None):
+        self._wait = wait
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
 
 
 def _one_line(record: logging.LogRecord) -> bool:
@@ -132,6 +134,9 @@ class Quorum:
         if not group.all_gather_values(reached, tag="fault tolerance lighthouse")[0][0]:
             raise ConnectionError(_unreachable(settings))
         self._across = across
+        # Where a quantized average runs on the CPU, one at a time, while the step goes on (gloo and
+        # the codec's kernels release the GIL), as torchft's own all-reduce runs behind it.
+        self._behind = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwire-quorum")
         try:
             self._manager = torchft.Manager(
                 pg=across, load_state_dict=None, state_dict=None, min_replica_size=settings.min_groups,
@@ -200,17 +205,20 @@ class Quorum:
                    residual: torch.Tensor | None = None, after=None) -> QuorumPending:
         """The average of ``tensor`` over the groups of the quorum taking part (a recovering group's
         is zeroed and not counted). With ``codec``, quantized both ways (see the module's
-        docstring); ``residual`` (from ``residual_for``) feeds back what quantizing lost. It runs in
-        the call (a sync under fault tolerance is applied in its step)."""
+        docstring); ``residual`` (from ``residual_for``) feeds back what quantizing lost. It runs
+        behind the call, as torchft's all-reduce does (in it on CUDA); ``wait`` for the result."""
         if op != "avg":
             raise ValueError(f"a quorum averages: op must be 'avg', got {op!r}")
         if after is not None:
             after.wait()
         if codec is None:
-            return QuorumPending(self._manager.allreduce(tensor))
-        if self._manager.errored() is None:
+            return QuorumPending(self._manager.allreduce(tensor).wait)
+        if self._manager.errored() is not None:
+            return QuorumPending(None)
+        if self._device.type != "cpu":  # on CUDA it runs in the call, on the step's stream
             self._average_quantized(tensor, codec, residual)
-        return QuorumPending(None)
+            return QuorumPending(None)
+        return QuorumPending(self._behind.submit(self._average_quantized, tensor, codec, residual).result)
 
     def _average_quantized(self, tensor: torch.Tensor, codec: Codec, residual: torch.Tensor | None) -> None:
         """``Communicator.all_reduce``'s quantized average between nodes, over the groups of the

@@ -28,8 +28,10 @@ Without DiLoCo the groups meet at every step instead, and average each gradient 
 groups do (fault-tolerant HSDP, ``shardwire.engine.step_quorum``): a failure drops the step it
 struck, for every group, and a group that comes back receives the others' parameters with the rest.
 
-A sync runs in its step (``fragment_sync_delay=0``: a group may leave while it would run behind the
-steps). A sync's change, or a step's gradient shard, travels as ``DiLoCo.wire`` (or the layout's
+A sync may run behind the steps (``fragment_sync_delay``): its commit vote is taken where it is
+applied, and a sync the vote drops undoes its eager outer step, keeping the group's progress; a
+checkpoint saved while one is in flight applies it first (its vote belongs to this quorum). A
+sync's change, or a step's gradient shard, travels as ``DiLoCo.wire`` (or the layout's
 ``wire`` for gradients) says, quantized by shardwire's codec (``shardwire.comm.quorum``), as between
 the groups of one job on several nodes.
 
@@ -113,7 +115,7 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout
                           world: int) -> None:
     """A ``ValueError`` where ``fault_tolerance`` cannot run: it carries the hybrid layout's
     reductions between jobs (DiLoCo's syncs, or each step's gradients), each job (its ``world``
-    ranks) one group, each sync in its step."""
+    ranks) one group."""
     if fault_tolerance is None:
         return
     if layout != "hybrid":
@@ -124,9 +126,6 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout
         raise SettingError(f"under fault tolerance each launched job is one group, but {{size}} cuts the job's "
                            f"{world} ranks into several: launch one job per group, and leave {{name}} out",
                            size=("shard_group_size", shard_group_size), name=("shard_group_size",))
-    if diloco is not None and diloco.fragment_sync_delay:
-        raise SettingError(f"under fault tolerance a sync runs in its step (a group may leave during it): give "
-                           f"{{diloco}} fragment_sync_delay=0, not {diloco.fragment_sync_delay}", diloco=("diloco",))
 
 
 _FIELD_TYPES = {"lighthouse": str, "group": str, "min_groups": int, "timeout": float, "host": str}

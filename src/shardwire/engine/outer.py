@@ -38,7 +38,8 @@ _MAX_FRAGMENTS = 1 << 20  # above any group's fragment count: what ``_agreed_fra
 class OuterState:
     """The outer optimizer's state of one flat buffer, and the sync in flight, if any: ``change``,
     the change since the anchor being averaged in place, and, for an overlapped sync, ``sent``, the
-    shard its eager step gave (what the inner progress made meanwhile is measured from)."""
+    shard its eager step gave (what the inner progress made meanwhile is measured from) and, between
+    fault-tolerant groups, whose quorum may drop the sync, ``before_eager``, the shard before it."""
 
     def __init__(self, name: str, shard: torch.Tensor, comm: Communicator, diloco: DiLoCo,
                  residual: torch.Tensor | None):
@@ -49,6 +50,8 @@ class OuterState:
                        "sent": shard.dtype}
         self.change: torch.Tensor | None = None
         self.sent: torch.Tensor | None = None
+        self.before_eager: torch.Tensor | None = None
+        self._droppable = isinstance(comm, Quorum)
         self.own_squared: torch.Tensor | None = None  # this group's change, squared and summed, at send
         self._tag = f"{name} (sync)"
         self._comm = comm
@@ -67,6 +70,8 @@ class OuterState:
         self.own_squared = self.change.square().sum()  # for the groups' drift (OuterLoop.metrics)
         self.sent = None
         if eager:
+            if self._droppable:  # a dropped sync's eager step is undone, its progress kept
+                self.before_eager = shard.detach().clone()
             step = self.momentum.mul(self._diloco.momentum).add_(self.change)
             step = self.change.add(step, alpha=self._diloco.momentum)
             shard.copy_(self.anchor.sub(step, alpha=self._diloco.outer_lr))
@@ -93,17 +98,20 @@ class OuterState:
         shard.copy_(self.anchor)
         if progress is not None:
             shard.add_(progress)
-        self.change = self.sent = self.own_squared = None
+        self.change = self.sent = self.before_eager = self.own_squared = None
 
     @torch.no_grad()
     def drop(self, shard: torch.Tensor, *, behind: bool) -> None:
         """Forget the sync sent (its quorum failed): the anchor and the momentum stay, and the
-        shard keeps this group's progress for the next sync to average; a group that was ``behind``
-        takes the anchor it received instead (its own progress is measured from another anchor)."""
+        shard keeps this group's progress for the next sync to average (an overlapped sync's eager
+        step undone); a group that was ``behind`` takes the anchor it received instead (its own
+        progress is measured from another anchor)."""
         self.wait()
         if behind:
             shard.copy_(self.anchor)
-        self.change = self.sent = self.own_squared = None
+        elif self.before_eager is not None:
+            shard.add_(self.before_eager - self.sent)
+        self.change = self.sent = self.before_eager = self.own_squared = None
 
     def state(self) -> dict[str, torch.Tensor]:
         """The anchor and the momentum and, for a sync in flight (``wait`` for it first), its average
@@ -117,6 +125,7 @@ class OuterState:
         sync, weights loaded into the model), start afresh from ``shard``: it is the anchor, with no
         momentum, nothing in flight and no rounding left over from the sync's quantization."""
         self.wait()
+        self.before_eager = None  # a fault-tolerant group applies its sync in flight before it saves
         if "anchor" not in state:
             self.anchor.copy_(shard)
             self.momentum.zero_()
@@ -154,6 +163,7 @@ class OuterLoop:
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
         self.steps = 0
         self.checked = 0  # the step whose due sync has been issued
+        self._sent_at = 0  # the step the last sync was sent at
         self.in_flight: tuple[list, int] | None = None  # (the flats being synced, the step they are applied after)
         # Since the last ``metrics``: the groups' own changes and their average, squared and summed
         # over this rank's shards, on the device (read where the training waits for it anyway).
@@ -238,10 +248,16 @@ class OuterLoop:
         self.in_flight = (flats, applied_after) if applied_after >= 0 and flats else None
 
     def wait(self) -> None:
-        """Let the sync in flight arrive, without applying it (before a checkpoint saves it)."""
-        if self.in_flight is not None:
-            for flat in self.in_flight[0]:
-                flat.outer.wait()
+        """Let the sync in flight arrive, without applying it (before a checkpoint saves it).
+        Between fault-tolerant groups it is applied now: its commit vote belongs to this quorum,
+        which a run resumed from the checkpoint would not be in."""
+        if self.in_flight is None:
+            return
+        if self.quorum is not None:
+            self._apply()
+            return
+        for flat in self.in_flight[0]:
+            flat.outer.wait()
 
     def _send(self, fragment: int, *, eager: bool, applied_after: int) -> None:
         """Send ``fragment``'s sync. Fault-tolerant groups syncing in fragments first agree on which
@@ -258,6 +274,7 @@ class OuterLoop:
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)
         self.in_flight = (flats, applied_after)
+        self._sent_at = self.steps
 
     def _agreed_fragment(self, fragment: int) -> int:
         """The fragment the quorum syncs: the one the groups' schedule has come to (a group that joins
@@ -325,11 +342,16 @@ class OuterLoop:
             flat.outer.anchor.copy_(anchor)
             flat.outer.momentum.copy_(momentum)
             # What the groups last agreed on, for every fragment: the one this sync averages
-            # becomes its new anchor at the outer step, the others train on from their anchor.
+            # becomes its new anchor at the outer step, the others train on from their anchor;
+            # an overlapped sync brings no progress of this group's to add.
             with torch.no_grad():
                 flat.shard.copy_(anchor)
-        self._skipped += state["schedule"][0] - self.steps
-        self.steps, self.checked = state["schedule"]
+            flat.outer.sent = flat.outer.before_eager = None
+        # The peer's schedule as it sent, moved on by the steps this group has run since it sent
+        # (an overlapped sync is applied that many steps later, as the peer's is).
+        steps = state["schedule"][0] + self.steps - self._sent_at
+        self._skipped += steps - self.steps
+        self.steps = self.checked = steps
 
     def metrics(self) -> dict[str, float]:
         """What a sync of the whole model did, on average over the syncs since the last call (every

@@ -259,7 +259,6 @@ def _sync(p: Prediction) -> list[costs.Phase]:
 def why_no_live_recovery(cluster: ClusterSpec, training: TrainingSpec) -> str | None:
     """Why fault tolerance cannot run ``training`` on ``cluster`` as a group per node (as
     ``shardwire.engine.fault_tolerance.check_fault_tolerance`` refuses it), or None where it can."""
-    diloco = training.diloco_settings
     if training.layout != "hybrid":
         return (f"layout {training.layout} needs every node at every step; live recovery (--fault-tolerance) needs "
                 f"layout hybrid, whose groups each hold the model")
@@ -268,7 +267,4 @@ def why_no_live_recovery(cluster: ClusterSpec, training: TrainingSpec) -> str | 
     if (group := layout_plan(cluster, training).group) != cluster.gpus_per_node:
         return (f"--fault-tolerance runs a group per node here: give groups of a node's {cluster.gpus_per_node} GPUs, "
                 f"not {group}")
-    if diloco is not None and diloco.fragment_sync_delay:
-        return (f"--fault-tolerance runs a sync in its step: give diloco fragment_sync_delay=0, not "
-                f"{diloco.fragment_sync_delay}")
     return None
