@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from shardwire.launch import host_memory_per_worker
-from shardwire.options import MAX_TIMEOUT_S
 
 BACKENDS = ("auto", "gloo", "nccl")
 # The shortest --timeout of shardwire train: the workers meet within it (each imports torch first), and

@@ -40,7 +40,7 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
-from shardwire.options import OptionError, SettingError, check_bounds, check_output_file, option
+from shardwire.options import MAX_TIMEOUT_S, OptionError, SettingError, check_bounds, check_output_file, option
 from shardwire.placement import Placement
 
 GROUPS = ("world", "intra", "inter")
@@ -94,7 +94,7 @@ class BenchConfig:
                                "busbw stays on the uncompressed size, the bytes sent are reported beside it")
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
     timeout: float = option(300.0, "seconds before a collective that does not complete is an error", above=0,
-                            unit="seconds", at_most=worker.MAX_TIMEOUT_S)
+                            unit="seconds", at_most=MAX_TIMEOUT_S)
     contention: bool = option(False, "also time matrix multiplies alone and beside a running all_gather of "
                                      "--max-bytes on each group: the share of compute communication takes, which "
                                      "shardwire simulate --cluster-from reads")

@@ -31,6 +31,7 @@ from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
 from shardwire.engine.unit import Unit
+from shardwire.options import MAX_TIMEOUT_S
 from shardwire.renamed import renamed_argument
 
 _ENGINE_ATTR = "_shardwire_engine"
@@ -142,8 +143,8 @@ def shard(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-            and 0 < timeout <= worker.MAX_TIMEOUT_S):
-        raise ValueError(f"timeout must be a positive number of seconds, at most {worker.MAX_TIMEOUT_S:,} (a "
+            and 0 < timeout <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:,} (a "
                          f"year), got {timeout!r}")
     wire = Wire.parse(wire)
     if sharding is not None:

@@ -261,11 +261,12 @@ class ClusterSpec:
     V100's, where ``precision: bf16`` is refused), its memory and ``memory_bandwidth_GBps``, and the
     fractions of those peaks its kernels reach: ``matmul_efficiency`` for large matrix multiplies,
     ``attention_efficiency`` for a fused attention kernel, ``memory_efficiency`` for memory-bound
-    kernels. ``gpu`` names the preset these figures came from (``shardwire.sim.presets.GPUS``). Without a memory bandwidth,
-    memory-bound work (norms, activations, casts, the optimizer step) is left out of the prediction
-    (and the report says so). ``optimizer_GBps`` is the rate the optimizer step streams its bytes
-    at where it was measured (``shardwire.sim.calibrate``): a step is more than its bytes (per-tensor
-    launches, the casts of the updated shards), so it can be slower than other memory-bound work.
+    kernels. ``gpu`` names the preset these figures came from (``shardwire.sim.presets.GPUS``).
+    Without a memory bandwidth, memory-bound work (norms, activations, casts, the optimizer step) is
+    left out of the prediction (and the report says so). ``optimizer_GBps`` is the rate the
+    optimizer step streams its bytes at where it was measured (``shardwire.sim.calibrate``): a step
+    is more than its bytes (per-tensor launches, the casts of the updated shards), so it can be
+    slower than other memory-bound work.
 
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
     ``shardwire.sim.costs``). ``quantize_gelems`` prices the kernels of a quantized wire

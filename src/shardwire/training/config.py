@@ -14,7 +14,7 @@ from shardwire import worker
 from shardwire.engine.diloco import DiLoCo, current_keys
 from shardwire.engine.layout_plan import LAYOUTS
 from shardwire.models.gpt import PRESETS
-from shardwire.options import option, text
+from shardwire.options import MAX_TIMEOUT_S, option, text
 from shardwire.renamed import RenamedWarning
 from shardwire.training.data import BIN_DTYPES, MAX_SEED
 
@@ -92,7 +92,7 @@ class TrainConfig:
     max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "
                                   "checkpoint", at_least=0)
     timeout: float = option(600.0, "seconds a collective may take before the job stops with an error naming it",
-                            at_least=worker.MIN_TIMEOUT_S, real=True, unit="seconds", at_most=worker.MAX_TIMEOUT_S)
+                            at_least=worker.MIN_TIMEOUT_S, real=True, unit="seconds", at_most=MAX_TIMEOUT_S)
     profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
     run_dir: str | None = option(None, "profile output directory (default runs/<date-time>)")
     peak_tflops: float | None = option(None, "peak TFLOP/s per worker for MFU (default: a GPU's data sheet, or a "
