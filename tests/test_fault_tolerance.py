@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ import torch
 import shardwire
 from shardwire.cli import main
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
+from shardwire.comm.quorum import Quorum, QuorumPending
 from shardwire.engine.diloco import DiLoCo
+from shardwire.engine.outer import OuterLoop, OuterState
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.training import loop
@@ -69,6 +72,87 @@ def test_what_fault_tolerance_cannot_carry_is_refused(diloco, layout, group_size
     check_fault_tolerance(settings, DiLoCo(sync_every=8, fragments=2), "hybrid", None, 4)
     check_fault_tolerance(settings, None, "hybrid", None, 4)  # the groups meet at every step
     check_fault_tolerance(settings, DiLoCo(sync_every=8, fragment_sync_delay=2), "hybrid", None, 4)
+
+
+class _ScriptedQuorum(Quorum):
+    """A quorum of this group alone whose votes and recoveries the test scripts (no torchft)."""
+
+    def __init__(self):
+        self.sent, self.keep, self.recovery, self.recovered, self.participants = 0, True, None, False, 1
+
+    def register(self, key, state_dict, load_state_dict):
+        self.load = load_state_dict
+
+    def start(self):
+        self.recovered = self.recovery is not None
+
+    def agree(self, values):
+        return list(values)
+
+    def all_reduce(self, tensor, **settings):
+        self.sent += 1
+        return QuorumPending(None)
+
+    def commit(self):
+        if self.recovered:
+            self.load(self.recovery)
+            self.recovery = None
+        return self.keep
+
+    def take_costs(self):
+        return {}
+
+
+class _Alone:
+    """The communicators that span the groups, of one rank."""
+
+    world = 1
+
+    def verify_order(self, what):
+        pass
+
+    def all_reduce(self, tensor, **settings):
+        return QuorumPending(None)
+
+
+def _synced_flat(quorum, diloco):
+    flat = types.SimpleNamespace(shard=torch.zeros(4))
+    flat.outer = OuterState("flat", flat.shard, quorum, diloco, None)
+    return flat
+
+
+def test_a_dropped_sync_that_ran_behind_undoes_its_eager_step_and_keeps_the_groups_progress():
+    quorum = _ScriptedQuorum()
+    flat = _synced_flat(quorum, DiLoCo(sync_every=2, wire=None, fragment_sync_delay=1))
+    flat.outer.anchor.fill_(1.0)
+    flat.shard.fill_(0.5)
+    flat.outer.send(flat.shard, eager=True)  # the outer step taken with this group's own change
+    assert not torch.equal(flat.shard, torch.full((4,), 0.5))
+    flat.shard.add_(0.1)  # an inner step's progress meanwhile
+    flat.outer.drop(flat.shard, behind=False)
+    torch.testing.assert_close(flat.shard, torch.full((4,), 0.6))
+    assert flat.outer.anchor.eq(1.0).all() and flat.outer.momentum.eq(0).all()
+
+
+def test_a_group_that_recovers_at_a_sync_that_ran_behind_takes_the_schedule_not_its_syncs():
+    """Behind at the quorum of the sync sent after step 4 (the peers were at step 400 there), the group
+    recovers where that sync is applied, 2 steps later: it counts on from the peer's step by the 2
+    steps it has run since, and sends none of the syncs the peer's schedule passed."""
+    diloco = DiLoCo(sync_every=4, wire=None, fragment_sync_delay=2)
+    quorum = _ScriptedQuorum()
+    flat = _synced_flat(quorum, diloco)
+    outer = OuterLoop([[flat]], diloco, _Alone(), _Alone(), quorum=quorum)
+    outer.join()
+    quorum.recovery = {"schedule": [400, 400], "outer": [(torch.ones(4), torch.zeros(4))]}
+    for _ in range(5):
+        outer.step_done()
+        outer.before_forward()  # sends after step 4 (this quorum finds the group behind)
+    sent = quorum.sent
+    outer.step_done()
+    outer.before_forward()  # step 6: that sync is applied, and the group loads the peer's state
+    assert (outer.steps, quorum.sent - sent, outer.in_flight) == (402, 0, None)
+    assert outer.metrics()["skipped_steps"] == 396
+    torch.testing.assert_close(flat.shard, flat.outer.anchor)  # the new anchor, no progress of its own
 
 
 def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(tmp_path, monkeypatch):

@@ -50,9 +50,9 @@ import tempfile
 # What a path that is not a regular file is, for messages.
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
-# The target's name kept in a temporary file's, short enough that the whole stays within NAME_MAX.
 # What a dangling link is called where a path must be read or written.
 LEADS_NOWHERE = "is a symbolic link that leads nowhere (a loop, or its target is gone)"
+# The target's name kept in a temporary file's, short enough that the whole stays within NAME_MAX.
 _TEMPORARY_STEM = 100
 # In a staged directory: the file its writer holds locked, naming itself, until the rename.
 _CLAIM = ".shardwire-claim"
@@ -92,9 +92,9 @@ def output_problem(path: str | os.PathLike) -> str | None:
     in a message (``--json out.json is a FIFO, not a regular file; give a file name``)."""
     if (kind := _kind(path)) is not None:
         return _not_a_file(kind)
-    if _leads_nowhere(path):
-        return f"{LEADS_NOWHERE}: give a file name"
     directory = os.path.dirname(os.path.realpath(path))
+    if _leads_nowhere(path) and not (os.path.isdir(directory) and _resolves(path)):
+        return f"{LEADS_NOWHERE}: give a file name"  # opening it would not make its target
     problem = directory_problem(directory)
     return None if problem is None else f"cannot be written: its directory {directory} {problem}"
 
@@ -149,6 +149,15 @@ def directory_problem(path: str | os.PathLike) -> str | None:
 
 def _leads_nowhere(path: str | os.PathLike) -> bool:
     return os.path.islink(path) and not os.path.exists(path)
+
+
+def _resolves(path: str | os.PathLike) -> bool:
+    """Whether following ``path``'s links ends somewhere (that may not exist yet): not in a loop."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno != errno.ELOOP
+    return True
 
 
 def _can_write_in(directory: str) -> bool:

@@ -82,22 +82,24 @@ def read_json(path: str, what: str, *, kind: str, remedy: str, limit: int = MAX_
     return data
 
 
-def read_mapping(text: str, what: str, *, numbers_as_text: bool = False) -> dict:
+def read_mapping(text: str, what: str, *, numbers_as_text: bool = False, unique: bool = True) -> dict:
     """A JSON mapping, or a YAML one (with the ``yaml`` extra): YAML is read only where JSON fails.
     ``what`` names the text in errors (``--config job.yaml``, ``inline cluster``). With
     ``numbers_as_text`` a YAML number stays the text it was written as, for a reader that parses
-    text itself (a config file's values go to the command line's own parsers)."""
+    text itself (a config file's values go to the command line's own parsers). ``unique``: a key
+    given twice is refused (the user's own files); without it the last wins, as other tools read
+    the files they wrote (a Hugging Face config)."""
     if len(text) > MAX_TEXT_BYTES:
         raise MappingError(f"{what} is longer than {MAX_TEXT_BYTES:,} characters, far more than any config or "
                            f"spec: give the mapping itself")
     try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, what))
+        data = json.loads(text, object_pairs_hook=(lambda pairs: _unique(pairs, what)) if unique else None)
     except MappingError:
         raise
     except RecursionError:
         raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
     except ValueError:
-        data = _read_yaml(text, what, numbers_as_text)
+        data = _read_yaml(text, what, numbers_as_text, unique)
     if data is None:
         raise MappingError(f"{what} is empty: give a mapping of keys to values")
     if not isinstance(data, Mapping):
@@ -175,7 +177,7 @@ def cut(text: str, limit: int = 120) -> str:
     return f"{text[:half]}...{text[-half:]}"
 
 
-def _read_yaml(text: str, what: str, numbers_as_text: bool):
+def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
     yaml = require("yaml", f"{what}, which is not JSON,")
 
     def number(loader, node):
@@ -201,14 +203,16 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool):
         mapping = loader.yaml_constructors["tag:yaml.org,2002:map"]
 
         def unique_mapping(loader, node):  # keys written twice; a merge (<<) may override, as YAML says
-            written = [key for key, _ in node.value if isinstance(key, yaml.ScalarNode)
-                       and key.tag != "tag:yaml.org,2002:merge"]
-            for index, key in enumerate(written):
-                if any(other.value == key.value for other in written[:index]):
-                    _unique([(key.value, None)] * 2, what, _where(key.start_mark))
+            written = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if (key.tag, key.value) in written:
+                        _unique([(key.value, None)] * 2, what, _where(key.start_mark))
+                    written.add((key.tag, key.value))
             return mapping(loader, node)
 
-        loader.yaml_constructors["tag:yaml.org,2002:map"] = unique_mapping
+        if unique:
+            loader.yaml_constructors["tag:yaml.org,2002:map"] = unique_mapping
         try:
             node = loader.get_single_node()
             if node is None:

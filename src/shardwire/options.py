@@ -34,11 +34,11 @@ from shardwire.mappings import nearest
 from shardwire.renamed import warn_renamed
 
 
-# A whole number an option may be, unless it says less: past it the job's arithmetic (a step count in
-# float64, a seed or a size in int64) is no longer exact, long before any run could use it.
 # The longest timeout a command or setting takes: a collective that takes a year has hung (and a
 # timedelta, which a process group takes, holds no more than a billion days).
 MAX_TIMEOUT_S = 365 * 24 * 3600
+# A whole number an option may be, unless it says less: past it the job's arithmetic (a step count in
+# float64, a seed or a size in int64) is no longer exact, long before any run could use it.
 MAX_COUNT = 2**53
 
 

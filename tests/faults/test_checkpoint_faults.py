@@ -242,7 +242,8 @@ def _series_in_a_file(rank, world, directory):
 def test_a_series_named_by_a_file_is_one_line_and_the_file_is_kept(tmp_path):
     """``load_latest_checkpoint`` of a file: a ``CheckpointError`` naming it, not the claim's
     FileExistsError."""
-    assert run_workers(1, _series_in_a_file, str(tmp_path)) == [f"{tmp_path / 'notes.txt'} is a file; give it a "
+    assert run_workers(1, _series_in_a_file, str(tmp_path)) == [f"claiming {tmp_path / 'notes.txt'} failed on rank 0: "
+                                                                   f"{tmp_path / 'notes.txt'} is a file; give it a "
                                                                    f"directory"]
     assert (tmp_path / "notes.txt").read_text() == "the user's"
 

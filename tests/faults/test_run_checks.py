@@ -85,11 +85,16 @@ def test_options_the_workers_would_fail_on_are_refused_before_they_start(args, m
                                            ("--run-dir", "directory"), ("--checkpoint-dir", "directory")])
 def test_an_output_that_is_a_link_to_nowhere_is_refused_before_the_workers_start(option, kind, tmp_path, no_workers):
     """Opened, the link would fail in the workers, the run directory's after the whole run (making
-    it, FileExistsError; writing through it, FileNotFoundError)."""
+    it, FileExistsError; writing through it, FileNotFoundError). A file's link into a directory that
+    exists is written through, making its target, as before."""
     (tmp_path / "link").symlink_to(tmp_path / "gone" / "target")
     with pytest.raises(SystemExit, match=re.escape(f"error: {option} {tmp_path / 'link'} is a symbolic link that "
                                                    f"leads nowhere (a loop, or its target is gone): give a {kind}")):
         main(["train", "--model", "tiny", "--profile", option, str(tmp_path / "link")])
+    if kind == "file name":
+        (tmp_path / "to-be-made").symlink_to(tmp_path / "made.jsonl")
+        with pytest.raises(AssertionError, match="workers were started"):
+            main(["train", "--model", "tiny", option, str(tmp_path / "to-be-made")])
 
 
 @pytest.mark.parametrize("environment, message", [

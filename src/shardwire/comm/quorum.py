@@ -225,6 +225,8 @@ class Quorum:
         quorum. ``residual``'s two rows hold, by element of ``tensor``, what quantizing the slots
         sent to others lost and what quantizing the averaged slot this rank owns lost: kept by
         element, not by slot, as each new quorum deals the slots anew."""
+        if self._manager.errored() is not None:  # an average before it failed: the sync is dropped anyway
+            return
         pg = self._across
         if (failed := pg.errored()) is not None:  # aborted after a timeout: the commit vote fails
             self._manager.report_error(failed)
@@ -309,7 +311,7 @@ class Quorum:
         return costs
 
     def join(self) -> None:
-        """Nothing runs behind: each all-reduce is waited for where its result is read."""
+        """Nothing to wait for here: each all-reduce is waited for where its result is read."""
 
     def verify_order(self, what: str) -> None:
         """Nothing to compare: a quorum carries only its syncs or steps, in the order every group shares."""

@@ -21,6 +21,7 @@ come and issues the one that is due, so no optimizer hook and no host synchroniz
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -193,7 +194,9 @@ class OuterLoop:
             return
         first, self.checked = self.checked + 1, self.steps
         if self.in_flight is not None and self.steps >= self.in_flight[1]:
+            moved = self.steps
             self._apply()
+            first += self.steps - moved  # a group that recovered there took the others' schedule: not its syncs
         due = [fragment for step in range(first, self.steps + 1) if (fragment := self.diloco.due(step)) is not None]
         for position, fragment in enumerate(due):
             if self.in_flight is not None:  # sent under another schedule (a resumed run that changed it)
@@ -211,6 +214,8 @@ class OuterLoop:
         if self._joined:
             return
         self._joined = True
+        if self.in_flight is not None:  # resumed with a sync in flight, saved averaged by a run that voted on it
+            self._apply(vote=False)
         self._send(self.diloco.due(self.steps) or 0, eager=False, applied_after=self.steps)
         self._apply()
         self.checked = self.steps
@@ -228,7 +233,10 @@ class OuterLoop:
     def restart(self) -> None:
         """Start the outer optimisation afresh from the parameters as they are: after weights were
         loaded into the model (``load_state_dict``, DCP), the change since the old anchor is not
-        training's. The sync in flight is dropped, the momentum zeroed, and the schedule starts again."""
+        training's. The sync in flight is dropped (between fault-tolerant groups, applied first:
+        its vote is this quorum's), the momentum zeroed, and the schedule starts again."""
+        if self.quorum is not None and self.in_flight is not None:
+            self._apply()
         for fragment in self.fragments:
             for flat in fragment:
                 flat.outer.load_state({}, flat.shard)
@@ -280,19 +288,28 @@ class OuterLoop:
         """The fragment the quorum syncs: the one the groups' schedule has come to (a group that joins
         takes the others'). Groups that sync in different numbers of fragments cannot average one: a
         group whose count is not every other's says so (a group that joins compares its own with
-        theirs)."""
+        theirs). Nor can groups whose syncs come at other steps (``sync_every``) or are applied at
+        others (``fragment_sync_delay``): compared by a 32-bit fingerprint, in two halves."""
         count = len(self.fragments)
-        agreed, most, fewest = self.quorum.agree([fragment, count, _MAX_FRAGMENTS - count])
+        schedule = zlib.crc32(f"{self.diloco.sync_every},{self.diloco.fragment_sync_delay}".encode())
+        halves = [schedule >> 16, schedule & 0xFFFF]
+        agreed, most, fewest, *highest = self.quorum.agree(
+            [fragment, count, _MAX_FRAGMENTS - count, *halves, *(0xFFFF - half for half in halves)])
         fewest = _MAX_FRAGMENTS - fewest
         if not most == fewest == count:
             others = f"{most}" if most == fewest else f"{fewest} to {most}"
             raise SettingError(f"the other fault-tolerant groups sync in {others} fragments, this one in {count}: "
                                f"give every group the same {{diloco}} fragments", diloco=("diloco",))
+        if highest != [*halves, *(0xFFFF - half for half in halves)]:
+            raise SettingError(f"the other fault-tolerant groups sync at other steps than this one's sync_every="
+                               f"{self.diloco.sync_every}, fragment_sync_delay={self.diloco.fragment_sync_delay}: "
+                               f"give every group the same {{diloco}}", diloco=("diloco",))
         return agreed
 
-    def _apply(self) -> None:
+    def _apply(self, *, vote: bool = True) -> None:
+        """Apply the sync in flight; between fault-tolerant groups, if the quorum's ``vote`` keeps it."""
         flats, _ = self.in_flight
-        if self.quorum is not None and not self._committed(flats):
+        if self.quorum is not None and vote and not self._committed(flats):
             return
         # A sync sent before a resume has no record of the groups' own changes: it goes unmeasured.
         measured = all(flat.outer.own_squared is not None for flat in flats)

@@ -299,7 +299,7 @@ def custom_code(config: pathlib.Path) -> str | None:
     ``tokenizer_config.json``) has an ``auto_map``: the Python files it names would have to run,
     which shardwire never lets them. None where the file names no code."""
     try:
-        fields = read_mapping(read_file(config, config.name), config.name)
+        fields = read_mapping(read_file(config, config.name), config.name, unique=False)
     except MappingError:
         return None
     if not fields.get("auto_map"):
@@ -333,7 +333,7 @@ def _check_weights(weights: pathlib.Path, what: str) -> None:
     if weights.name.endswith(".index.json"):
         try:
             index = read_mapping(read_file(weights, f"{what}: {weights.name}", _MAX_INDEX_BYTES),
-                                 f"{what}: {weights.name}")
+                                 f"{what}: {weights.name}", unique=False)
         except MappingError as err:
             raise ValueError(str(err)) from None
         weight_map = index.get("weight_map")

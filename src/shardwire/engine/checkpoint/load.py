@@ -94,7 +94,7 @@ def load_latest_checkpoint(
     So does a directory that is a DCP checkpoint (``series.foreign_checkpoint``): a series there would
     not see it, and would start over beside it.
     """
-    if (problem := series.foreign_checkpoint(directory) or directory_problem(directory)) is not None:
+    if (problem := series.foreign_checkpoint(directory)) is not None:
         raise CheckpointError(f"{directory} {problem}")
     engine = engine_of(model)
     session_of(engine).finish_pending()
@@ -121,6 +121,8 @@ def load_latest_checkpoint(
 def _claim_on_rank_0(directory: str | os.PathLike, engine: Engine) -> None:
     """The run that resumes from a directory saves there: it claims it first (``claim``), on rank 0."""
     if dist.get_rank(engine.group) == 0:
+        if (problem := directory_problem(directory)) is not None:  # a file, a link to nowhere: said so
+            raise CheckpointError(f"{directory} {problem}")
         session_of(engine).claim(pathlib.Path(directory))
 
 

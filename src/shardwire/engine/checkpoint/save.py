@@ -263,12 +263,13 @@ class _Snapshot:
         # Under hybrid sharding every group holds the same shards and the first group's are saved;
         # groups that sync every H steps train models of their own, and each group's are.
         writes_shards = engine.layout.writes_shards or engine.outer is not None
+        if engine.outer is not None:
+            # the sync in flight is saved as arrived, to be applied when it was due (between
+            # fault-tolerant groups, applied now); its all-reduce updates its error feedback's
+            # residual in place, so it must arrive before that, or the shards, are copied
+            engine.outer.wait()
         tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
-        if engine.outer is not None:
-            # the sync in flight is saved as arrived, to be applied when it was due; its all-reduce
-            # updates its error feedback's residual in place, so it must arrive before that is copied
-            engine.outer.wait()
         for flat in engine.flats:
             for reduction, residual in flat.residuals.items():
                 tensors[residual_key(flat.name, reduction)] = _host_copy(residual)
