@@ -99,7 +99,7 @@ class _ScriptedQuorum(Quorum):
             self.recovery = None
         return self.keep
 
-    def take_costs(self):
+    def take_metrics(self):
         return {}
 
 
@@ -367,20 +367,21 @@ def test_fault_tolerant_groups_without_diloco_average_gradients_as_the_groups_of
             torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def _wait_for(path: pathlib.Path) -> None:
+    """Until another group's process makes ``path`` (the late-joining tests' handshake)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.1)
+
+
 def _late_step_group(index: int, lighthouse: str, directory: str, results) -> None:
     """Group 0 trains 8 steps, meeting at every step; group 1 starts once group 0 has done 4, which
     then waits for it: group 1 joins at step 5, behind, and trains the rest with group 0."""
     os.environ["RUST_LOG"] = "warn"
     ready, started = pathlib.Path(directory, "ready"), pathlib.Path(directory, "started")
-
-    def wait_for(path: pathlib.Path) -> None:
-        deadline = time.monotonic() + 120
-        while not path.exists():
-            assert time.monotonic() < deadline, f"{path.name} never came"
-            time.sleep(0.1)
-
     if index == 1:
-        wait_for(ready)
+        _wait_for(ready)
         started.touch()
     torch.manual_seed(index)  # the late group starts from other weights: it must receive the others'
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
@@ -396,7 +397,7 @@ def _late_step_group(index: int, lighthouse: str, directory: str, results) -> No
         optimizer.zero_grad()
         if index == 0 and meeting.steps == 4:
             ready.touch()
-            wait_for(started)
+            _wait_for(started)
             time.sleep(5)  # its request reaches the lighthouse before this group's next step does
     results.put(pickle.dumps((index, shardwire.full_state_dict(model), meeting.metrics())))
 
@@ -470,15 +471,8 @@ def _late_group(index: int, lighthouse: str, directory: str, results) -> None:
     group 1 joins at fragment 1's sync, behind."""
     os.environ["RUST_LOG"] = "warn"
     ready, started = pathlib.Path(directory, "ready"), pathlib.Path(directory, "started")
-
-    def wait_for(path: pathlib.Path) -> None:
-        deadline = time.monotonic() + 120
-        while not path.exists():
-            assert time.monotonic() < deadline, f"{path.name} never came"
-            time.sleep(0.1)
-
     if index == 1:
-        wait_for(ready)
+        _wait_for(ready)
         started.touch()
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
@@ -495,7 +489,7 @@ def _late_group(index: int, lighthouse: str, directory: str, results) -> None:
     def wait_for_group_1(step: int) -> None:
         if index == 0 and step == 3:
             ready.touch()
-            wait_for(started)
+            _wait_for(started)
             time.sleep(5)  # its request reaches the lighthouse before this group's next sync does
 
     _sgd_steps(model, optimizer, index, range(outer.steps, 10), after_step=wait_for_group_1)

@@ -87,6 +87,18 @@ def _one_line(record: logging.LogRecord) -> bool:
     return True
 
 
+def check_received(own: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+    """Refuse a live peer's buffers for a recovering group where they are not shaped as this
+    group's: every group must shard the same model the same way, over as many ranks."""
+    if len(received) != len(own):
+        raise RuntimeError(f"a recovering group holds {len(own)} buffers but a live peer sent {len(received)}: "
+                           f"every group must shard the same model the same way")
+    for mine, theirs in zip(own, received):
+        if theirs.shape != mine.shape:
+            raise RuntimeError(f"a recovering group's shard holds {mine.numel()} elements but a live peer's "
+                               f"{theirs.numel()}: every group must have as many ranks")
+
+
 def _unreachable(settings: FaultTolerance) -> str:
     return (f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within {settings.timeout:g} s: "
             f"start torchft_lighthouse there, or give the address this node reaches it at "
@@ -155,9 +167,11 @@ class Quorum:
             raise ConnectionError(_unreachable(settings)) from None
         self.participants = 0  # groups in the current quorum
         self.recovered = False  # whether this group is behind: it receives the others' state at ``commit``
-        # Since the last ``take_costs``: what failures cost this rank, for the log.
+        # Since the last ``take_metrics``: what failures cost this rank, for the log.
         self._waited_s = 0.0  # waiting for quorums and commit votes
         self._received_bytes = 0  # the others' state received in recoveries
+        self._dropped = 0  # votes that dropped their sync or step
+        self._recovered = 0  # quorums in which this group received the others' state
         self._rounded: list[torch.Tensor] = []  # the error feedback this sync's quantization updated
         self._registered: set[str] = set()  # the keys of what a recovering group receives
 
@@ -281,7 +295,9 @@ class Quorum:
             committed = self._manager.should_commit()
         finally:
             self._waited_s += time.perf_counter() - start
+        self._recovered += self.recovered  # the others' state is loaded at the vote, kept or not
         if not committed:  # a dropped sync forgets its rounding, as a group starting afresh has none
+            self._dropped += 1
             for residual in self._rounded:
                 residual.zero_()
         self._rounded = []
@@ -302,13 +318,16 @@ class Quorum:
         step, batches = state or (0, 0)
         self._manager.load_state_dict({"step": step, "batches_committed": batches})
 
-    def take_costs(self) -> dict[str, float]:
-        """What failures cost this rank since the last call: ``wait_s``, the seconds spent waiting for
-        quorums and commit votes (for the lighthouse to leave a lost group out, for a sync that fails
-        to time out), and ``recovery_bytes``, the bytes of the others' state received."""
-        costs = {"wait_s": self._waited_s, "recovery_bytes": self._received_bytes}
-        self._waited_s, self._received_bytes = 0.0, 0
-        return costs
+    def take_metrics(self) -> dict[str, float]:
+        """The groups of the last quorum, and what failures cost this rank since the last call: the
+        syncs or steps ``dropped`` and those in which it ``recovered`` the others' state, ``wait_s``,
+        the seconds spent waiting for quorums and commit votes (for the lighthouse to leave a lost
+        group out, for a sync that fails to time out), and ``recovery_bytes``, the bytes of the
+        others' state received."""
+        found = {"groups": self.participants, "dropped": self._dropped, "recovered": self._recovered,
+                 "wait_s": self._waited_s, "recovery_bytes": self._received_bytes}
+        self._waited_s, self._received_bytes, self._dropped, self._recovered = 0.0, 0, 0, 0
+        return found
 
     def join(self) -> None:
         """Nothing to wait for here: each all-reduce is waited for where its result is read."""

@@ -28,7 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from shardwire.comm.communicator import Communicator, Pending
-from shardwire.comm.quorum import Quorum
+from shardwire.comm.quorum import Quorum, check_received
 from shardwire.engine.diloco import DiLoCo
 from shardwire.options import SettingError
 
@@ -174,9 +174,7 @@ class OuterLoop:
         # over, in place of ``replicate``; what a sync found, for the log.
         self.quorum = quorum
         self._joined = quorum is None
-        self._dropped = 0  # syncs since the last ``metrics`` that a failure in their quorum dropped
-        self._recovered = 0  # syncs since then in which this group received the others' state
-        self._skipped = 0  # steps this group's recoveries moved it forward since then
+        self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         if quorum is not None:
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
@@ -329,7 +327,6 @@ class OuterLoop:
         for flat in flats:
             flat.outer.wait()
         behind = self.quorum.recovered
-        self._recovered += behind
         with record_function("shardwire::quorum_commit"):
             committed = self.quorum.commit()
         if committed:
@@ -337,7 +334,6 @@ class OuterLoop:
         for flat in flats:
             flat.outer.drop(flat.shard, behind=behind)
         self.in_flight = None
-        self._dropped += 1
         return False
 
     def _recovery_state(self) -> dict:
@@ -349,13 +345,8 @@ class OuterLoop:
 
     def _load_recovery_state(self, state: dict) -> None:
         flats = [flat for fragment in self.fragments for flat in fragment]
-        if len(state["outer"]) != len(flats):
-            raise RuntimeError(f"a recovering group holds {len(flats)} synced buffers but a live peer sent "
-                               f"{len(state['outer'])}: every group must shard the same model the same way")
+        check_received([flat.outer.anchor for flat in flats], [anchor for anchor, _ in state["outer"]])
         for flat, (anchor, momentum) in zip(flats, state["outer"]):
-            if anchor.shape != flat.outer.anchor.shape:
-                raise RuntimeError(f"a recovering group's shard holds {flat.outer.anchor.numel()} elements but a live "
-                                   f"peer's {anchor.numel()}: every group must have as many ranks")
             flat.outer.anchor.copy_(anchor)
             flat.outer.momentum.copy_(momentum)
             # What the groups last agreed on, for every fragment: the one this sync averages
@@ -377,13 +368,12 @@ class OuterLoop:
         of the distance from each group's change to that average, which says how far apart the
         groups trained. Empty where no sync was applied since (the same on every rank: the schedule
         is shared); a fragment's sync counts as its share of one of the whole model. Between
-        fault-tolerant groups, instead of ``drift``: the groups of the last quorum, the syncs dropped
-        and recovered since, the steps recoveries moved this group forward, and ``Quorum.take_costs``."""
+        fault-tolerant groups, instead of ``drift``: ``Quorum.take_metrics`` and the steps recoveries
+        moved this group forward."""
         found = {}
         if self.quorum is not None:  # the quorum's groups and what failures cost, for the log
-            found = {"groups": self.quorum.participants, "dropped": self._dropped, "recovered": self._recovered,
-                     "skipped_steps": self._skipped, **self.quorum.take_costs()}
-            self._dropped = self._recovered = self._skipped = 0
+            found = {**self.quorum.take_metrics(), "skipped_steps": self._skipped}
+            self._skipped = 0
         if self._squares is None:
             return found
         squares, self._squares = self._squares, None

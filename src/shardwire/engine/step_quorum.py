@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwire.comm.quorum import Quorum
+from shardwire.comm.quorum import Quorum, check_received
 from shardwire.options import SettingError
 
 MAX_DROPPED = 20  # steps dropped in a row before the run stops
@@ -43,9 +43,7 @@ class StepQuorum:
         self._flats = flats
         self._open = False  # a step's quorum is formed, its vote not yet taken
         self._dropped_in_a_row = 0
-        # Since the last ``metrics``: steps dropped, steps in which this group received the
-        # others' state, and the steps those recoveries moved it forward.
-        self._dropped = self._recovered = self._skipped = 0
+        self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
     def resume(self, steps: int) -> None:
@@ -65,7 +63,6 @@ class StepQuorum:
         """The end of a step's backward, its gradients reduced: the vote. A group behind loads the
         others' state in it; a dropped step's gradients are set to None."""
         self._open = False
-        self._recovered += self.quorum.recovered  # the others' state is loaded at the vote, kept or not
         self.committed = self.quorum.commit()
         if self.committed:
             self.steps += 1
@@ -74,7 +71,6 @@ class StepQuorum:
         for flat in self._flats:
             for param in flat.params:
                 param.grad = None
-        self._dropped += 1
         self._dropped_in_a_row += 1
         if self._dropped_in_a_row == MAX_DROPPED:
             raise SettingError(f"the fault-tolerant groups dropped {MAX_DROPPED} steps in a row (step "
@@ -88,23 +84,16 @@ class StepQuorum:
         return {"steps": self.steps, "shards": [flat.shard.detach().to("cpu", copy=True) for flat in self._flats]}
 
     def _load_recovery_state(self, state: dict) -> None:
-        if len(state["shards"]) != len(self._flats):
-            raise RuntimeError(f"a recovering group holds {len(self._flats)} buffers but a live peer sent "
-                               f"{len(state['shards'])}: every group must shard the same model the same way")
+        check_received([flat.shard for flat in self._flats], state["shards"])
         for flat, shard in zip(self._flats, state["shards"]):
-            if shard.shape != flat.shard.shape:
-                raise RuntimeError(f"a recovering group's shard holds {flat.shard.numel()} elements but a live "
-                                   f"peer's {shard.numel()}: every group must have as many ranks")
             with torch.no_grad():
                 flat.shard.copy_(shard)
         self._skipped += state["steps"] - self.steps
         self.steps = state["steps"]
 
     def metrics(self) -> dict[str, float]:
-        """Since the last call: the groups of the last quorum, the steps dropped and recovered, the
-        steps recoveries moved this group forward, and ``Quorum.take_costs``; the same keys as
-        ``OuterLoop.metrics`` gives between fault-tolerant groups."""
-        found = {"groups": self.quorum.participants, "dropped": self._dropped, "recovered": self._recovered,
-                 "skipped_steps": self._skipped, **self.quorum.take_costs()}
-        self._dropped = self._recovered = self._skipped = 0
+        """Since the last call: ``Quorum.take_metrics`` and the steps recoveries moved this group
+        forward; the same keys as ``OuterLoop.metrics`` gives between fault-tolerant groups."""
+        found = {**self.quorum.take_metrics(), "skipped_steps": self._skipped}
+        self._skipped = 0
         return found
