@@ -27,6 +27,12 @@ synchronizations) and free it. Reported per system: the median step, tokens/s, M
 token, ``shardwire.profile.flops``, over the data sheet's dense bf16 peak: 989 TFLOP/s for the H100
 SXM and the H200) and the peak memory allocated while it ran.
 
+``--kernels`` profiles two more steps of each run in the last round under ``torch.profiler`` and
+sums the device time of its kernels by kind (matrix multiplies, attention, copies and casts,
+compiled elementwise kernels, the optimizer, collectives, the rest): printed per size against the
+unsharded model's, the largest differences by kernel named, so that where shardwire's step differs
+is read off the GPU rather than guessed (on the CPU, the operators' own time).
+
 ``--trace DIR`` then profiles the last size under shardwire: the engine's own breakdown over a few
 steps (``DIR/profile.json``, naming its job as ``shardwire train --profile`` does, so that
 ``shardwire simulate --calibrate`` reads it) and one step under ``torch.profiler``, the engine's collectives labelled
@@ -39,6 +45,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -60,6 +67,15 @@ SYSTEMS = ("unsharded", "shardwire", "fsdp2")
 VARIANTS = ("eager", "compiled", "fp8")
 SIZES = ("gpt-125m", "gpt-350m", "gpt-1.3b")
 BATCH = {"gpt-125m": 16, "gpt-350m": 16, "gpt-1.3b": 8}  # sequences per step; fit an 80 GB H100
+# What a kernel (on the CPU: an operator) does, read off its name; the first kind that matches.
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|aten::(?:mm|addmm|bmm|_scaled_mm)$", re.I)),
+    ("collective", re.compile(r"nccl", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|cat|chunk|split|aten::to$|aten::_to_copy", re.I)),
+    ("compiled", re.compile(r"^triton", re.I)),
+)
 
 
 def build(system: str, variant: str, size: str, batch: int, device: torch.device, dtype: torch.dtype,
@@ -92,6 +108,61 @@ def timed(step: TrainingStep, warmup: int, steps: int, device: torch.device) -> 
     return times
 
 
+def kernel_times(step: TrainingStep, device: torch.device, steps: int = 2) -> dict[str, float]:
+    """Each kernel's own device time per step, in ms, by name, over ``steps`` steps under
+    torch.profiler (on the CPU: each operator's own time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        worker.synchronize(device)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    times = {}
+    for event in prof.key_averages():
+        own_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if event.device_type == kind and own_us > 0:
+            times[event.key] = times.get(event.key, 0.0) + own_us / 1e3 / steps
+    return times
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def by_kind(kernels: dict[str, float]) -> dict[str, float]:
+    kinds: dict[str, float] = {}
+    for name, ms in kernels.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return kinds
+
+
+def kernel_table(result: dict, top: int = 10) -> str:
+    """Each profiled run's kernel time per step by kind next to the unsharded model's of the same
+    variant, then the kernels whose time differs most from it."""
+    systems = result["systems"]
+    lines = []
+    for name, row in systems.items():
+        base = systems.get(_name("unsharded", row["variant"]))
+        if "kernels_ms" not in row or row["system"] == "unsharded" or base is None or "kernels_ms" not in base:
+            continue
+        mine, theirs = by_kind(row["kernels_ms"]), by_kind(base["kernels_ms"])
+        kinds = sorted(set(mine) | set(theirs), key=lambda k: -abs(mine.get(k, 0.0) - theirs.get(k, 0.0)))
+        lines.append(f"\nkernel time per step, {name} against {_name('unsharded', row['variant'])} (ms): total "
+                     f"{sum(mine.values()):.1f} against {sum(theirs.values()):.1f}")
+        lines += [f"  {kind:<11} {mine.get(kind, 0.0):>8.2f} {theirs.get(kind, 0.0):>8.2f} "
+                  f"{mine.get(kind, 0.0) - theirs.get(kind, 0.0):>+8.2f}" for kind in kinds]
+        names = set(row["kernels_ms"]) | set(base["kernels_ms"])
+        differ = sorted(names, key=lambda k: -abs(row["kernels_ms"].get(k, 0.0) - base["kernels_ms"].get(k, 0.0)))
+        lines.append(f"  the {top} kernels whose time differs most:")
+        lines += [f"  {row['kernels_ms'].get(k, 0.0) - base['kernels_ms'].get(k, 0.0):>+8.2f} "
+                  f"{kernel_kind(k):<10} {k[:110]}" for k in differ[:top]]
+    return "\n".join(lines)
+
+
 def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: float | None) -> dict:
     batch = args.batch or BATCH.get(size, 8)
     config = PRESETS[size]
@@ -100,6 +171,7 @@ def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: flo
     runs = [(system, variant) for variant in args.variants for system in args.systems]
     times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     memory: dict[tuple[str, str], int] = {}
+    kernels: dict[tuple[str, str], dict[str, float]] = {}
     for round_ in range(args.rounds):
         for system, variant in runs if round_ % 2 == 0 else reversed(runs):
             if device.type == "cuda":
@@ -108,6 +180,8 @@ def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: flo
             times[system, variant] += timed(step, args.warmup, args.steps, device)
             if device.type == "cuda":
                 memory[system, variant] = max(memory.get((system, variant), 0), torch.cuda.max_memory_allocated(device))
+            if args.kernels and round_ == args.rounds - 1:
+                kernels[system, variant] = kernel_times(step, device)
             del step
             gc.collect()
             if device.type == "cuda":
@@ -126,6 +200,8 @@ def measure(size: str, args, device: torch.device, dtype: torch.dtype, peak: flo
             "mfu": tflops / peak if peak else None,
             "peak_memory_bytes": memory.get((system, variant)),
         }
+        if (system, variant) in kernels:
+            systems[_name(system, variant)]["kernels_ms"] = kernels[system, variant]
     return {"batch": batch, "seq_len": config.seq_len, "params": config.num_params(),
             "flops_per_token": flops, "systems": systems}
 
@@ -165,10 +241,12 @@ def trace(size: str, args, device: torch.device, dtype: torch.dtype, peak: float
 
     batch = args.batch or BATCH.get(size, 8)
     config = PRESETS[size]
-    step = build("shardwire", size, batch, device, dtype, args.optimizer == "fused")
+    variant = args.variants[-1]
+    step = build("shardwire", variant, size, batch, device, dtype, args.optimizer == "fused")
     timed(step, args.warmup, 0, device)
-    job = {"model": size, "seq_len": config.seq_len, "batch": batch, "grad_accum": 1, "precision": "bf16",
-           "activation_checkpointing": False, "compile": False}  # as `shardwire train --profile` names its job
+    job = {"model": size, "seq_len": config.seq_len, "batch": batch, "grad_accum": 1,
+           "precision": "fp8" if variant == "fp8" else "bf16", "activation_checkpointing": False,
+           "compile": variant != "eager"}  # as `shardwire train --profile` names its job
     profiler = Profiler(step.model, step.optimizer, tokens_per_step=batch * config.seq_len,
                         flops=flops_per_token(config.spec(size)), peak_tflops=peak, probe_peak=False,
                         metadata={"config": job})
@@ -207,7 +285,9 @@ def main() -> None:
                         help="AdamW's implementation, the same for every system (default fused, as torchtitan)")
     parser.add_argument("--peak-tflops", type=float, help="for MFU (default: the GPU's data sheet, bf16)")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--trace", help="profile the last size under shardwire into this directory")
+    parser.add_argument("--kernels", action="store_true",
+                        help="in the last round, each run's kernel time by kind, against the unsharded model's")
+    parser.add_argument("--trace", help="profile the last size under shardwire (the last variant) into this directory")
     args = parser.parse_args()
 
     device = worker.worker_device("auto")
@@ -222,6 +302,8 @@ def main() -> None:
     for size in args.sizes:
         results[size] = measure(size, args, device, dtype, peak)
         print(table({size: results[size]}), flush=True)
+        if args.kernels:
+            print(kernel_table(results[size]), flush=True)
     print("\n" + table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -26,7 +26,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import shardwire
 from harness import matmul_precision
-from shardwire.comm import communicator
 from shardwire.comm.communicator import Communicator
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.engine.shard import engine_of
@@ -280,21 +279,24 @@ def profiled(device, delay_cycles: int, block_backward_cycles: int):
             lambda block, args: (_SleepInBackward.apply(block_backward_cycles, args[0]), *args[1:]))
     data = batches(device, 8, grad_accum=1, batch=8)
     run_steps(model, optimizer, data[:1], sharded=True)
-    original = communicator.torch_reduce_scatter
+    original = Communicator._by_itself  # a group of one's collectives: local copies on the side streams
 
-    def delayed(*args, **kwargs):
-        torch.cuda._sleep(delay_cycles)  # on the reduce stream, inside the collective's events
-        return original(*args, **kwargs)
+    def delayed(self, which, op, tag, nbytes, tensors, body, after=None):
+        def slower():
+            if op == "reduce_scatter":
+                torch.cuda._sleep(delay_cycles)  # on the reduce stream, inside the collective's events
+            return body()
+        return original(self, which, op, tag, nbytes, tensors, slower, after)
 
     profiler = Profiler(model, optimizer, tokens_per_step=8 * CONFIG.seq_len, peak_tflops=989.0)
-    communicator.torch_reduce_scatter = delayed
+    Communicator._by_itself = delayed
     try:
         for micro_batches in data[1:]:
             with profiler.step():
                 torch.cuda._sleep(200_000_000)  # the host runs ahead of the GPU
                 run_steps(model, optimizer, [micro_batches], sharded=True)
     finally:
-        communicator.torch_reduce_scatter = original
+        Communicator._by_itself = original
     timelines = profiler._recorder.timelines()
     profiler.close()
     figures = [breakdown(t) for t in timelines[1:]]

@@ -158,10 +158,10 @@ class Communicator:
         self._cuda = device.type == "cuda"
         self._point_to_point = str(dist.get_backend(group)) == "gloo" and not torch_collectives
         self._levels: Levels | None = None  # see prepare_quantized_reductions
-        # A group of one on the CPU moves nothing: each collective is its local copy, made at once
-        # on the calling thread, where a lane's hand-off and a point-to-point exchange with no peer
-        # cost more than the copy (CUDA keeps its streams' order, so its collectives go as usual).
-        self._alone = self.world == 1 and not self._cuda
+        # A group of one moves nothing: each collective is its local copy, and no library is called
+        # (see _by_itself). Its gather's copy casts, so a caller gathers its shard without casting
+        # it first, and its reduce-scatter may be in place: each is one pass over the memory.
+        self.alone = self.world == 1
         if self._cuda:
             # high priority: a collective's kernels start ahead of queued compute kernels
             self._gather_stream = torch.cuda.Stream(device, priority=-1)
@@ -181,8 +181,8 @@ class Communicator:
         ``codec``, where the group spans nodes, the shards travel quantized and every rank, this one
         included, reads the decoded values: all ranks hold the same ``output``."""
         nbytes = output.numel() * output.element_size()
-        if self._alone:
-            return self._done_here("all_gather", tag, nbytes, lambda: output.copy_(shard))
+        if self.alone:
+            return self._by_itself("gather", "all_gather", tag, nbytes, (output, shard), lambda: output.copy_(shard))
         codec = self._across_nodes(codec)
         if codec is not None:
             wire_nbytes = self.wire_nbytes("all_gather", shard.numel(), shard.element_size(), codec)
@@ -213,8 +213,9 @@ class Communicator:
         quantized (``residual``, from ``residual_for``: error feedback) and are added up in fp32;
         within a node the sums stay exact (``shardwire.comm.levels``)."""
         nbytes = full.numel() * full.element_size()
-        if self._alone:
-            return self._done_here("reduce_scatter", tag, nbytes, lambda: output.copy_(full))
+        if self.alone:
+            return self._by_itself("reduce", "reduce_scatter", tag, nbytes, (output, full, *holding),
+                                   lambda: output.copy_(full))
         codec = self._across_nodes(codec)
         if codec is not None:
             wire_nbytes = self.wire_nbytes("reduce_scatter", output.numel(), full.element_size(), codec)
@@ -250,10 +251,8 @@ class Communicator:
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
-        if self._alone:
-            if after is not None:
-                after.wait()
-            return self._done_here("all_reduce", tag, nbytes, lambda: None)
+        if self.alone:
+            return self._by_itself("reduce", "all_reduce", tag, nbytes, (tensor,), lambda: None, after)
         codec = self._across_nodes(codec) if op != "max" else None
         if codec is not None:
             size = -(-tensor.numel() // self.world)
@@ -484,8 +483,16 @@ class Communicator:
         return Exchange(self.group, self.placement, (self._tag_space << _TAG_BITS) + offset,
                         self.timeout, encode_header(op, tag))
 
-    def _done_here(self, op: str, tag: str, nbytes: int, body: Callable[[], object]) -> Pending:
-        """Run a group of one's collective, ``body``, now: a completed ``Pending``."""
+    def _by_itself(self, which: str, op: str, tag: str, nbytes: int, tensors: Sequence[torch.Tensor],
+                   body: Callable[[], object], after: Pending | None = None) -> Pending:
+        """Run a group of one's collective, ``body`` (its local copy, or nothing), where that
+        collective would run: on CUDA on its side stream, which keeps the streams' order; on the CPU
+        at once on the calling thread, where a lane's hand-off and a point-to-point exchange with no
+        peer would cost more than the copy."""
+        if self._cuda:
+            return self._on_side(which, op, tag, nbytes, tensors, body, after, None)
+        if after is not None:
+            after.wait()
         record = self._issued(op, tag, nbytes, None)
         if record is not None:
             record.start = time.perf_counter()

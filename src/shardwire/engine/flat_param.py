@@ -210,7 +210,8 @@ class FlatParam:
             comm, source = self._comm, None
         with comm.gather_stream():
             if source is None:
-                source = self.shard.detach().to(self.compute_dtype)
+                # a group of one's gather is a copy that casts: the shard goes in as it is
+                source = self.shard.detach() if comm.alone else self.shard.detach().to(self.compute_dtype)
             self._gathered.untyped_storage().resize_(self.gathered_nbytes)
             self._copied_out = self.packing.ordered_alike
             return comm.all_gather(self._gathered, source, tag=self.name, codec=self._param_codec)
@@ -295,7 +296,9 @@ class FlatParam:
                 full = self._gathered_gradient(grads)
             if self._accumulated is not None:
                 full, self._accumulated = self._accumulated.add_(full), None
-            share = torch.empty(self.packing.shard_numel, dtype=self.reduce_dtype, device=full.device)
+            # a group of one's share is the whole buffer: reduced in place, without a copy
+            share = full if self._comm.alone else torch.empty(self.packing.shard_numel, dtype=self.reduce_dtype,
+                                                              device=full.device)
             scattered = self._comm.reduce_scatter(
                 share, full, tag=self.name, average=True, holding=grads, codec=self._grad_codec,
                 residual=self.residuals.get("reduce_scatter"))
