@@ -72,7 +72,8 @@ def fake_world(world: int, per_node: int, rank: int) -> Iterator[None]:
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield
+        with _outputs_carry_data():
+            yield
     finally:
         dist.destroy_process_group()
         _clear_sharding_prop_cache()
@@ -81,6 +82,39 @@ def fake_world(world: int, per_node: int, rank: int) -> Iterator[None]:
             del os.environ["LOCAL_WORLD_SIZE"]
         else:
             os.environ["LOCAL_WORLD_SIZE"] = saved_env
+
+
+@contextlib.contextmanager
+def _outputs_carry_data() -> Iterator[None]:
+    """Make the fake group's reduce-scatters and all-to-alls carry this rank's data, as its
+    all-gathers do, where this torch's fake group leaves their outputs as they were (torch 2.11
+    does; later versions write them): the engine would otherwise train on whatever the memory held,
+    NaN included."""
+    probe = torch.full((1,), math.nan)
+    communicator.torch_reduce_scatter(probe, torch.zeros(dist.get_world_size()), group=dist.group.WORLD)
+    if not probe.isnan().item():
+        yield
+        return
+
+    def reduce_scatter(collective: Callable) -> Callable:
+        @functools.wraps(collective)
+        def call(output, full, *args, group, **kwargs):
+            work = collective(output, full, *args, group=group, **kwargs)
+            output.copy_(full.view(-1, output.numel())[dist.get_rank(group)].view_as(output))
+            return work
+        return call
+
+    def all_to_all(output, given, *args, group, **kwargs):
+        work = dist_all_to_all(output, given, *args, group=group, **kwargs)
+        output.copy_(given.view_as(output))
+        return work
+
+    dist_all_to_all = dist.all_to_all_single
+    with contextlib.ExitStack() as stack:
+        for module, name in ((communicator, "torch_reduce_scatter"), (levels, "_torch_reduce_scatter")):
+            stack.enter_context(mock.patch.object(module, name, reduce_scatter(getattr(module, name))))
+        stack.enter_context(mock.patch.object(dist, "all_to_all_single", all_to_all))
+        yield
 
 
 @dataclasses.dataclass
