@@ -2,7 +2,8 @@
 # The checks that need a GPU, in one run from the repository root of a GPU machine that has torch,
 # most important first, each under its own time limit and all within GPU_CHECKS_SECONDS (default
 # 480): a part that would start with under 20 s left is skipped, and says so.
-#   1. the CUDA/NCCL suite (tests/gpu), on four workers where pytest-xdist is installed;
+#   1. the CUDA/NCCL suite (tests/gpu), on four workers where pytest-xdist is installed (the test
+#      that times the GPU alone, after them);
 #   2. the engine's overhead: the 350M and 1.3B GPTs on one GPU, each block compiled, shardwire
 #      against the unsharded model, 3 rounds, with each run's kernel time by kind
 #      (benchmarks/gpu_single.py --kernels);
@@ -40,8 +41,11 @@ part() {
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'NCCL', torch.cuda.nccl.version())"
 } 2>&1 | tee "$out/device.txt"
+# the one test that times the GPU runs alone, after the others, which share the GPU four at a time
+timed_test=test_profiler_reports_a_known_reduce_scatter_delay
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-TAIL=12 part tests_gpu 150 python3 -m pytest tests/gpu -q -p no:cacheprovider $workers --durations=5
+TAIL=14 part tests_gpu 150 bash -c "python3 -m pytest tests/gpu -q -p no:cacheprovider $workers --durations=5 \
+    -k 'not $timed_test'; python3 -m pytest tests/gpu -q -p no:cacheprovider -k $timed_test"
 TAIL=40 part gpu_single 190 python3 benchmarks/gpu_single.py --sizes gpt-350m gpt-1.3b --systems unsharded shardwire \
     --variants compiled --rounds 3 --warmup 3 --steps 8 --kernels --json "$out/gpu_single.json"
 TAIL=4 part meta_13b 70 python3 benchmarks/meta_13b.py --device cuda --world 64 --per-node 8 --seq-len 16 --steps 2 \

@@ -58,9 +58,9 @@ class Step:
         self.device = device
 
     def __call__(self) -> None:
-        tokens = torch.randint(0, self.vocab, (1, self.seq_len + 1), generator=self.generator, device=self.device)
+        tokens = torch.randint(0, self.vocab, (1, self.seq_len), generator=self.generator, device=self.device)
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.system == "unsharded"):
-            loss = self.model(tokens[:, :-1], labels=tokens[:, 1:]).loss
+            loss = self.model(tokens, labels=tokens).loss  # the model shifts the labels
         loss.backward()
         clip("shardwire" if self.system == "shardwire" else None, self.model, 1.0)
         self.optimizer.step()

@@ -127,12 +127,12 @@ def main() -> None:
         figures["made_peak_gib"] = meter.peak_gib() - before
         figures["shards_gib"] = sum(p.to_local().numel() * 4 for p in model.parameters()) / GIB
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        tokens = torch.randint(0, config.vocab_size, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
+        tokens = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
         losses, times = [], []
         meter.reset_peak()
         for _ in range(args.steps):
             started = time.perf_counter()
-            loss = model(tokens[:, :-1], labels=tokens[:, 1:]).loss
+            loss = model(tokens, labels=tokens).loss  # the model shifts the labels
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
