@@ -4,7 +4,7 @@
 # 480): a part that would start with under 20 s left is skipped, and says so.
 #   1. the CUDA/NCCL suite (tests/gpu), on four workers where pytest-xdist is installed (the test
 #      that times the GPU alone, after them);
-#   2. the engine's overhead: the 350M and 1.3B GPTs on one GPU, each block compiled, shardwire
+#   2. the engine's overhead: the 1.3B and 350M GPTs on one GPU, each block compiled, shardwire
 #      against the unsharded model, 3 rounds, with each run's kernel time by kind
 #      (benchmarks/gpu_single.py --kernels);
 #   3. a Llama-2-13B-shaped model built on the meta device as rank 0 of 64, its CUDA peak against the
@@ -46,7 +46,7 @@ timed_test=test_profiler_reports_a_known_reduce_scatter_delay
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 TAIL=14 part tests_gpu 150 bash -c "python3 -m pytest tests/gpu -q -p no:cacheprovider $workers --durations=5 \
     -k 'not $timed_test'; python3 -m pytest tests/gpu -q -p no:cacheprovider -k $timed_test"
-TAIL=40 part gpu_single 190 python3 benchmarks/gpu_single.py --sizes gpt-350m gpt-1.3b --systems unsharded shardwire \
+TAIL=40 part gpu_single 190 python3 benchmarks/gpu_single.py --sizes gpt-1.3b gpt-350m --systems unsharded shardwire \
     --variants compiled --rounds 3 --warmup 3 --steps 8 --kernels --json "$out/gpu_single.json"
 TAIL=4 part meta_13b 70 python3 benchmarks/meta_13b.py --device cuda --world 64 --per-node 8 --seq-len 16 --steps 2 \
     --json "$out/meta_13b.json"
