@@ -60,7 +60,8 @@ class Step:
     def __call__(self) -> None:
         tokens = torch.randint(0, self.vocab, (1, self.seq_len), generator=self.generator, device=self.device)
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.system == "unsharded"):
-            loss = self.model(tokens, labels=tokens).loss  # the model shifts the labels
+            # the model shifts the labels; training reads no KV cache (building one recompiles each layer)
+            loss = self.model(tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         clip("shardwire" if self.system == "shardwire" else None, self.model, 1.0)
         self.optimizer.step()

@@ -132,7 +132,7 @@ def main() -> None:
         meter.reset_peak()
         for _ in range(args.steps):
             started = time.perf_counter()
-            loss = model(tokens, labels=tokens).loss  # the model shifts the labels
+            loss = model(tokens, labels=tokens, use_cache=False).loss  # the model shifts the labels
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

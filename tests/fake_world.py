@@ -327,7 +327,10 @@ def host_work(fn: Callable[[], object]) -> collections.Counter:
     rank's slot, a loop over the world that a real backend leaves to the network).
 
     Counts, not times: they are the same on every run and every machine, so a test can compare two
-    worlds exactly; the times are ``benchmarks/large_world.py``'s."""
+    worlds exactly; the times are ``benchmarks/large_world.py``'s. Not counted: equality tests
+    (``__eq__``, and what they call), which are what a lookup in one of torch's caches (DTensor's
+    sharding propagation) runs on each key of the same hash: how many depends on what else the
+    cache holds, from earlier tests in the process, not on the step's work."""
     # every thread: the training thread, CUDA's autograd thread, the lanes of the CPU's quantized collectives
     with profile(activities=[ProfilerActivity.CPU], with_stack=True,
                  experimental_config=_ExperimentalConfig(profile_all_threads=True)) as profiled:
@@ -340,6 +343,8 @@ def host_work(fn: Callable[[], object]) -> collections.Counter:
 
     def count(event, in_operator: bool) -> None:
         kind = event.tag.name
+        if kind == "PyCall" and event.name.endswith(": __eq__"):
+            return
         if kind == "PyCall" and event.name.startswith(("shardwire/", "torch/")) and event.end_time_ns < stopped:
             work[event.name] += 1
         elif kind == "TorchOp" and not in_operator:

@@ -65,6 +65,24 @@ def test_a_directory_with_weights_loads_them(tmp_path):
         assert torch.equal(mine, theirs), name
 
 
+def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a_cache():
+    """A training forward asks the model for no KV cache: each layer's cache state is guarded, so a
+    model of more layers than torch's recompile limit (8) would recompile past it and fail."""
+    import torch.distributed as dist
+
+    import shardwire
+    from shardwire import worker
+
+    choice = choose("hf:" + json.dumps({**LLAMA, "num_hidden_layers": 10}))
+    worker.ensure_initialized(torch.device("cpu"))
+    try:
+        model = shardwire.shard(choice.build(), units=list(choice.units), compile={"backend": "eager"})
+        tokens = torch.randint(0, LLAMA["vocab_size"], (2, 16))
+        assert choice.logits(model, tokens).shape == (2, 16, LLAMA["vocab_size"])
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("model, extra, message", [
     ('hf:{"model_type": "nope"}', [], "Unrecognized model identifier: nope"),
     ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 GPU = torch.device("cuda", 0)
 # every step from the second sends one of two fragments and applies the one sent a step before
-DILOCO = "sync_every=2,fragments=2,wire=int4"
+DILOCO = "sync_every=2,fragments=2,wire=int4,fragment_sync_delay=1"
 
 
 @pytest.fixture(scope="module", autouse=True)

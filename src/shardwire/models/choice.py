@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import pathlib
 import pickle
@@ -157,13 +158,23 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     chosen = tuple(classes[unit] for unit in wanted)
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, chosen, length, config.vocab_size,
                        _parameters(skeleton), _hf_spec(config, skeleton, length),
-                       lambda model, tokens: model(tokens).logits, fp8_refusal=fp8.convertible(skeleton, chosen)[1],
+                       _logits_without_cache(skeleton), fp8_refusal=fp8.convertible(skeleton, chosen)[1],
                        runs_on_meta=False, init=None if weights is not None and not by_slice else lambda model: None,
                        held_whole=(_parameters(skeleton) if weights is not None and not by_slice
                                    else _held_while_made(skeleton, chosen)),
                        load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None,
                        units_with_parameters=_units_with_parameters(skeleton, chosen),
                        note=_custom_code_not_run(config, source, type(skeleton).__name__))
+
+
+def _logits_without_cache(skeleton: nn.Module) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """The model's logits for a training forward, asking it for no KV cache where its forward takes
+    ``use_cache``: training never reads one, and building it each forward holds memory and makes each
+    compiled unit recompile for every layer (the cache's state per layer is guarded), past torch's
+    limit of recompiles. The config is left as it is, so that an exported model still caches."""
+    if "use_cache" in inspect.signature(type(skeleton).forward).parameters:
+        return lambda model, tokens: model(tokens, use_cache=False).logits
+    return lambda model, tokens: model(tokens).logits
 
 
 def _parameters(model: nn.Module) -> int:
