@@ -69,12 +69,12 @@ SIZES = ("gpt-125m", "gpt-350m", "gpt-1.3b")
 BATCH = {"gpt-125m": 16, "gpt-350m": 16, "gpt-1.3b": 8}  # sequences per step; fit an 80 GB H100
 # What a kernel (on the CPU: an operator) does, read off its name; the first kind that matches.
 KERNEL_KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|aten::(?:mm|addmm|bmm|_scaled_mm)$", re.I)),
     ("collective", re.compile(r"nccl", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
-    ("copy", re.compile(r"memcpy|memset|copy|cat|chunk|split|aten::to$|aten::_to_copy", re.I)),
     ("compiled", re.compile(r"^triton", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|cat|chunk|split|aten::to$|aten::_to_copy", re.I)),
 )
 
 
@@ -121,10 +121,13 @@ def kernel_times(step: TrainingStep, device: torch.device, steps: int = 2) -> di
             step()
         worker.synchronize(device)
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = prof.key_averages()
+    # a range the host marks (record_function) shows on the GPU too, spanning the kernels inside it
+    ranges = {event.key for event in events if event.device_type == DeviceType.CPU} if cuda else set()
     times = {}
-    for event in prof.key_averages():
+    for event in events:
         own_us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if event.device_type == kind and own_us > 0:
+        if event.device_type == kind and own_us > 0 and event.key not in ranges:
             times[event.key] = times.get(event.key, 0.0) + own_us / 1e3 / steps
     return times
 

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import shardwire  # noqa: E402
+from shardwire import worker  # noqa: E402
 from fake_world import fake_world  # noqa: E402
 from shardwire.sim.architecture import architecture  # noqa: E402
 from shardwire.sim.huggingface import spec_from_config  # noqa: E402
@@ -123,6 +124,7 @@ def main() -> None:
         started = time.perf_counter()
         mixed_precision = "bf16" if args.precision == "bf16" else None
         shardwire.shard(model, units=[LlamaDecoderLayer], mixed_precision=mixed_precision, device=device)
+        worker.synchronize(device)  # the GPU's initialisation runs behind the host
         figures["make_s"] = time.perf_counter() - started
         figures["made_peak_gib"] = meter.peak_gib() - before
         figures["shards_gib"] = sum(p.to_local().numel() * 4 for p in model.parameters()) / GIB
@@ -146,7 +148,7 @@ def main() -> None:
     print(f"{figures['parameters'] / 1e9:.2f}B parameters ({figures['whole_fp32_gib']:.1f} GiB in fp32), rank 0 of "
           f"{args.world} ({args.per_node} per node), sequences of {args.seq_len}, {args.precision} compute on "
           f"{figures.get('device_name', args.device)}")
-    print(f"made in {figures['make_s']:.0f} s: peak {figures['made_peak_gib']:.2f} GiB beyond the "
+    print(f"made in {figures['make_s']:.1f} s: peak {figures['made_peak_gib']:.2f} GiB beyond the "
           f"{figures['before_gib']:.2f} GiB held before (shards {figures['shards_gib']:.2f} GiB); memory model "
           f"{figures['modelled_construction_gib']:.2f} GiB")
     print(f"{args.steps} steps ({', '.join(f'{t:.0f} s' for t in times)}; "
