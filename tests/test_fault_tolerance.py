@@ -332,15 +332,27 @@ def test_fault_tolerant_groups_quantize_their_sync_as_the_groups_of_one_job_on_t
     assert max((value - exact[key]).abs().max().item() for key, value in expected.items()) > 1e-3
 
 
+def _accumulating_steps(model, optimizer, rank: int, steps: range) -> None:
+    """Each step's batch in two micro-batches, the first backward inside ``no_sync``."""
+    for step in steps:
+        tokens = _batch(rank, step)
+        with shardwire.no_sync(model):
+            (loss_fn(model(tokens[:1, :-1]), tokens[:1, 1:]) / 2).backward()
+        (loss_fn(model(tokens[1:, :-1]), tokens[1:, 1:]) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _fault_tolerant_steps(index: int, lighthouse: str, steps: int, results) -> None:
     """One group of one rank in a process of its own, its gradients averaged with the other group's
-    at every step (no DiLoCo); puts the model and the metrics."""
+    at every step (no DiLoCo), each accumulated over two micro-batches; puts the model and the
+    metrics."""
     os.environ["RUST_LOG"] = "warn"
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
                             fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=2, timeout=60))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    _sgd_steps(model, optimizer, index, range(steps))
+    _accumulating_steps(model, optimizer, index, range(steps))
     metrics = engine_of(model).step_quorum.metrics()
     results.put(pickle.dumps((index, shardwire.full_state_dict(model), metrics)))
 
@@ -350,14 +362,15 @@ def _hybrid_steps(rank: int, world: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    _sgd_steps(model, optimizer, rank, range(steps))
+    _accumulating_steps(model, optimizer, rank, range(steps))
     return shardwire.full_state_dict(model)
 
 
 @pytest.mark.slow
 def test_fault_tolerant_groups_without_diloco_average_gradients_as_the_groups_of_one_hybrid_job_do():
     """Fault-tolerant HSDP: two groups meeting at every step through a lighthouse train as the two
-    groups of one hybrid job do, each step's gradient shards averaged between them."""
+    groups of one hybrid job do, each step's gradient shards, accumulated over two micro-batches
+    (the first reducing nothing), averaged between them."""
     pytest.importorskip("torchft")
     found = _groups_meeting(_fault_tolerant_steps, 5)
     expected = run_workers(2, _hybrid_steps, 5)[0]
