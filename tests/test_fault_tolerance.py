@@ -235,6 +235,45 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
         lighthouse.shutdown()
 
 
+def test_a_checkpoint_written_with_a_sync_in_flight_holds_the_model_with_that_sync_applied(tmp_path):
+    """Between fault-tolerant groups a sync's commit vote belongs to this quorum, which a run resumed
+    from the checkpoint would not be in: a checkpoint applies the sync in flight first, and holds the
+    model as the live group goes on with it."""
+    pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        torch.manual_seed(0)
+        model = GPT(PRESETS["tiny"])
+        shardwire.shard(model, units=[Block], layout="hybrid", diloco="sync_every=2,fragment_sync_delay=1,wire=none",
+                        fault_tolerance=f"lighthouse={lighthouse.address()},group=solo,timeout=10")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = engine_of(model).outer
+        for step in range(3):  # the sync due after step 2 is sent as step 3 starts, applied after it
+            tokens = _batch(0, step)
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert outer.in_flight is not None
+        in_flight = list(outer.in_flight[0])
+        before = {flat.name: flat.shard.clone() for flat in in_flight}
+        shardwire.save_checkpoint(tmp_path / "ckpt", model, optimizer, step=3)
+        assert outer.in_flight is None and outer.quorum.state()[0] == 2  # the join and the sync, committed
+        live = shardwire.full_state_dict(model)
+        for flat in in_flight:  # applied: the outer step moved the shards
+            assert not torch.equal(flat.shard, before[flat.name]), flat.name
+        with torch.no_grad():  # scrambled, then loaded back
+            for param in model.parameters():
+                param.to_local().fill_(0.5)
+        shardwire.load_checkpoint(tmp_path / "ckpt", model, optimizer)
+        for key, value in shardwire.full_state_dict(model).items():
+            assert torch.equal(value, live[key]), key
+    finally:
+        lighthouse.shutdown()
+
+
 def _fault_tolerant_group(index: int, lighthouse: str, steps: int, diloco: DiLoCo, results) -> None:
     """One group of one rank in a process of its own (its own world), trained as ``test_sync``'s
     DiLoCo runs are; puts the model after ``diloco_sync`` and the last sync's metrics."""
