@@ -38,8 +38,9 @@ from shardwire.extras import quietly_importing, require
 from shardwire.mappings import MappingError, cut, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.sim.huggingface import HF_PREFIX, config_file, has_tokenizer, read_config, seq_len_of, spec_from_config
-from shardwire.sim.specs import MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, ModelSpec
+from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_tokenizer, read_config, seq_len_of,
+                                       spec_from_config)
+from shardwire.sim.specs import ModelSpec
 
 # The weights from_pretrained loads, the first of these a directory holds.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -210,7 +211,7 @@ def hf_config(transformers, source: str):
     what = f"hf:{cut(source)}"
     fields = read_config(source)  # within bounds first: transformers reads /dev/zero for ever
     try:
-        _check_sizes(fields)
+        check_sizes(fields)
         if os.path.isdir(source):
             check_files(pathlib.Path(source))
         if source.lstrip().startswith("{"):
@@ -248,32 +249,9 @@ def config_from_fields(transformers, fields: dict):
 # The sizes of a causal LM's config, under transformers' common names and GPT-2's, each checked where
 # it has it: the least each can be, and the most the simulator takes (far beyond any published model;
 # a larger one overflows the sizes torch can allocate, even on the meta device).
-_SIZES = (("num_hidden_layers", "n_layer", 0, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
-          ("num_attention_heads", "n_head", 1, MAX_WIDTH), ("vocab_size", "vocab_size", 1, MAX_VOCAB),
-          ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
-
-
-def _check_sizes(fields: Mapping) -> None:
-    """Raise a ``ValueError`` naming the first size in a config's ``fields`` that no model can have:
-    checked before transformers reads them (a head count of 0 divides by zero there) and after
-    (``_buildable``). Layers are made one by one, even on the meta device, so a billion of them would
-    hang whatever builds the model (training, export)."""
-    for name, alias, least, most in _SIZES:
-        key = next((key for key in (name, alias) if fields.get(key) is not None), None)
-        if key is None:
-            continue
-        value = fields[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{key} must be a whole number of at least {least}, got {shown(value)}")
-        if value > most:
-            what = f"{value:,} layers" if name == "num_hidden_layers" else f"{key} is {value:,}"
-            raise ValueError(f"{what}, more than {most:,}, far beyond any published model: give the {key} the "
-                             f"model has")
-
-
 def _buildable(config):
-    """``config``, if a model of it can be built at all (``_check_sizes``)."""
-    _check_sizes(config.to_dict())
+    """``config``, if a model of it can be built at all (``check_sizes``)."""
+    check_sizes(config.to_dict())
     return config
 
 

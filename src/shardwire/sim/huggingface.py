@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from shardwire.mappings import MAX_TEXT_BYTES, cut, read_file, shown
-from shardwire.sim.specs import ModelSpec
+from shardwire.sim.specs import MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, ModelSpec
 
 HF_PREFIX = "hf:"
 GATED_RMSNORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite", "phi3")
@@ -70,13 +70,36 @@ def _parsed(text: str, what: str):
         raise ValueError(f"{what}: not JSON ({err})") from None
 
 
+# The sizes a config may give (Llama's name, GPT-2's), the least and the most a model can have.
+SIZES = (("num_hidden_layers", "n_layer", 0, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
+         ("num_attention_heads", "n_head", 1, MAX_WIDTH), ("vocab_size", "vocab_size", 1, MAX_VOCAB),
+         ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
+
+
+def check_sizes(fields: Mapping) -> None:
+    """Raise a ``ValueError`` naming the first size in a config's ``fields`` that no model can have:
+    checked before transformers reads them (a head count of 0 divides by zero there) and before the
+    simulator does. Layers are made one by one, even on the meta device, so a billion of them would
+    hang whatever builds the model (training, export)."""
+    for name, alias, least, most in SIZES:
+        key = next((key for key in (name, alias) if fields.get(key) is not None), None)
+        if key is None:
+            continue
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{key} must be a whole number of at least {least}, got {shown(value)}")
+        if value > most:
+            what = f"{value:,} layers" if name == "num_hidden_layers" else f"{key} is {value:,}"
+            raise ValueError(f"{what}, more than {most:,}, far beyond any published model: give the {key} the "
+                             f"model has")
+
+
 def seq_len_of(fields: Mapping, seq_len: int | None) -> int:
-    """Tokens per sequence: as asked, else the model's positions up to ``DEFAULT_SEQ_LEN``; raises
-    ``ValueError`` when asked for more than the model has."""
+    """Tokens per sequence of a model whose ``fields`` passed ``check_sizes``: as asked, else the
+    model's positions up to ``DEFAULT_SEQ_LEN``; raises ``ValueError`` when asked for more than the
+    model has."""
     key = next((key for key in ("max_position_embeddings", "n_positions") if fields.get(key) is not None), None)
     positions = DEFAULT_SEQ_LEN if key is None else fields[key]
-    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
-        raise ValueError(f"{key} must be a whole number of at least 1, got {shown(positions)}")
     length = seq_len or min(positions, DEFAULT_SEQ_LEN)
     if length > positions:
         raise ValueError(f"--seq-len {length} is longer than the {positions} positions the model has")

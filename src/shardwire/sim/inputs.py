@@ -87,6 +87,7 @@ def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
         source = text[len(huggingface.HF_PREFIX):]
         try:
             fields = huggingface.read_config(source)
+            huggingface.check_sizes(fields)
             family = fields.get("model_type") or os.path.basename(os.path.normpath(source))
             return huggingface.spec_from_config(fields, name=f"hf:{family}",
                                                 seq_len=huggingface.seq_len_of(fields, seq_len))
