@@ -27,6 +27,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from harness import peak_allocated
 import shardwire
 from shardwire.comm import communicator, levels
 from shardwire.comm.wire import Wire
@@ -419,14 +420,7 @@ def peak_nbytes(training: Training) -> int:
         training.step()
         torch.cuda.synchronize(device)
         return state + torch.cuda.memory_stats(device)["requested_bytes.all.peak"] - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
-        training.step()
-    events = profiled.profiler.kineto_results.events()
-    held = peak = 0
-    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        held += event.nbytes()
-        peak = max(peak, held)
-    return state + peak
+    return state + peak_allocated(training.step)
 
 
 def memory_model(world: int, per_node: int, layout: str, wire: str | None) -> MemoryEstimate:

@@ -1,6 +1,7 @@
 """What several test modules share: a function run on several gloo ranks in fresh processes (each
-rank's result or error collected), torch's matrix-multiply precision set for a block, a small
-Hugging Face tokenizer, and a checkpoint's manifest edited as a forger would."""
+rank's result or error collected), torch's matrix-multiply precision set for a block, the most
+memory a block's tensors held, a small Hugging Face tokenizer, and a checkpoint's manifest edited as a
+forger would."""
 
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ def matmul_precision(matmul: str, everything: str = "none"):
         yield
     finally:
         torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+
+
+def peak_allocated(fn) -> int:
+    """The most bytes ``fn()``'s tensors held at once, beyond what was held as it began, on this
+    thread, as the profiler records torch's allocations: what is allocated counts whether or not its
+    pages were written (unlike a resident set, which misses an ``empty`` buffer never filled)."""
+    from torch.profiler import ProfilerActivity, profile  # not at the top, as matmul_precision's torch
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        fn()
+    events = sorted((e for e in profiled.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
 
 
 def save_tokenizer(directory) -> None:

@@ -117,10 +117,12 @@ class FlatParam:
                     self.residuals["sync"] = residual
             self.outer = OuterState(name, shard, layout.across_groups, layout.diloco, residual)
         # The all-gather's output (rank-major), and the parameter-major buffer the modules view: one
-        # tensor where the two orders coincide.
-        self._gathered = torch.empty(packing.padded_numel, dtype=compute_dtype, device=shard.device)
+        # tensor where the two orders coincide. Each gets its memory as it is filled (_fill): a unit
+        # made on the meta device is sharded while its values are whole, and buffers allocated here
+        # would hold another unit's worth of memory at that peak.
+        self._gathered = torch.empty(0, dtype=compute_dtype, device=shard.device)
         self._by_param = (self._gathered if packing.ordered_alike
-                          else torch.empty(packing.padded_numel, dtype=compute_dtype, device=shard.device))
+                          else torch.empty(0, dtype=compute_dtype, device=shard.device))
         self._copied_out = True  # the gathered buffer's contents are in the parameter-major one
         self._secondary: torch.Tensor | None = None  # hybrid_secondary, from forward to backward
         self._placeholders = [
@@ -212,7 +214,7 @@ class FlatParam:
             if source is None:
                 # a group of one's gather is a copy that casts: the shard goes in as it is
                 source = self.shard.detach() if comm.alone else self.shard.detach().to(self.compute_dtype)
-            self._gathered.untyped_storage().resize_(self.gathered_nbytes)
+            self._fill(self._gathered)
             self._copied_out = self.packing.ordered_alike
             return comm.all_gather(self._gathered, source, tag=self.name, codec=self._param_codec)
 
@@ -225,10 +227,18 @@ class FlatParam:
         """Copy the arrived gather into the parameter-major buffer, and release the gathered one."""
         if self._copied_out:
             return
-        self._by_param.untyped_storage().resize_(self.gathered_nbytes)
+        self._fill(self._by_param)
         self.packing.copy_out(self._gathered, self._by_param)
         self._gathered.untyped_storage().resize_(0)
         self._copied_out = True
+
+    def _fill(self, buffer: torch.Tensor) -> None:
+        """Give ``buffer`` (one of the two gathered buffers, its memory released by ``free``) its
+        memory again; its first time, its shape too."""
+        storage = buffer.untyped_storage()
+        storage.resize_(self.gathered_nbytes)
+        if buffer.numel() != self.packing.padded_numel:
+            buffer.set_(storage, 0, (self.packing.padded_numel,))
 
     def keep_secondary(self) -> None:
         """Keep this rank's part of the gathered buffer within its group, for backward to gather
@@ -357,3 +367,4 @@ def _spec(slot: ParamSlot, dtype: torch.dtype, layout: Layout) -> _DTensorSpec:
     strides = tuple(math.prod(slot.shape[i + 1:]) for i in range(len(slot.shape)))
     return _DTensorSpec(layout.mesh, layout.placements(slot.replicated),
                         tensor_meta=_TensorMeta(torch.Size(slot.shape), strides, dtype))
+
