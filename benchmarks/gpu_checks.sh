@@ -45,7 +45,8 @@ part() {
 timed_test=test_profiler_reports_a_known_reduce_scatter_delay
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 TAIL=14 part tests_gpu 150 bash -c "python3 -m pytest tests/gpu -q -p no:cacheprovider $workers --durations=5 \
-    -k 'not $timed_test'; python3 -m pytest tests/gpu -q -p no:cacheprovider -k $timed_test"
+    -k 'not $timed_test'; others=\$?; python3 -m pytest tests/gpu -q -p no:cacheprovider -k $timed_test \
+    && exit \$others"
 TAIL=40 part gpu_single 190 python3 benchmarks/gpu_single.py --sizes gpt-1.3b gpt-350m --systems unsharded shardwire \
     --variants compiled --rounds 3 --warmup 3 --steps 8 --kernels --json "$out/gpu_single.json"
 TAIL=4 part meta_13b 70 python3 benchmarks/meta_13b.py --device cuda --world 64 --per-node 8 --seq-len 16 --steps 2 \

@@ -6,7 +6,7 @@ At the 1.3B GPT's width (hidden 2048) fp8's casts and scale reductions take back
 tensor cores give; torchtitan measures fp8 28% faster at Llama 3 8B. This times a Hugging Face Llama
 of Llama 3 8B's widths (hidden 4096, FFN 14336, 32 heads of which 8 for keys and values, vocabulary
 128256) with ``--layers`` decoder layers, so that it fits one GPU with its AdamW state, on one
-sequence of ``--seq-len`` random tokens a step, at world 1 (NCCL):
+sequence of ``--seq-len`` random tokens a step, at world 1:
 
 * shardwire: built on the meta device and made by ``shard`` (``units=[LlamaDecoderLayer]``,
   ``MixedPrecision(bf16, fp32)``, ``compile=True``), as ``shardwire train --model hf:...`` makes it;

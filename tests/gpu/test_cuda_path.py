@@ -1,5 +1,7 @@
 """The engine on CUDA with NCCL at world 1: every piece of the sharding machinery runs (flat buffers,
 gathers into them, prefetch, reductions, casts, side streams), with nothing to wait for on the wire.
+A group of one's collectives are local copies on the side streams; the race tests also send them
+through NCCL, as a larger world's go.
 
 What only a GPU can show: that the engine's streams are ordered by events and nothing else (no host
 synchronization after the first step), that no buffer's memory is reused while another stream still
@@ -71,9 +73,13 @@ def run_steps(model, optimizer, data, *, sharded, clip=True):
         optimizer.zero_grad(set_to_none=True)
 
 
-def sharded(device, seed=0, **kwargs):
+def sharded(device, seed=0, nccl=False, **kwargs):
+    """The GPT sharded; with ``nccl``, its collectives sent through NCCL, as a larger world's go."""
     torch.manual_seed(seed)
     model = shardwire.shard(GPT(CONFIG).to(device), units=[Block], **kwargs)
+    if nccl:
+        for comm in engine_of(model).layout.communicators:
+            comm.alone = False
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -159,14 +165,15 @@ def compute_runs_late(model, optimizer, cycles: int) -> None:
     optimizer.register_step_pre_hook(sleep)
 
 
+@pytest.mark.parametrize("nccl", [False, True], ids=["copies", "nccl"])
 @pytest.mark.parametrize("late", ["collectives", "compute"])
-def test_late_streams_change_no_bit(device, late):
+def test_late_streams_change_no_bit(device, late, nccl):
     data = batches(device, 5, grad_accum=2)
     results = []
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         for cycles in (0, 2_000_000):
-            model, optimizer = sharded(device, mixed_precision="bf16", prefetch=2)
+            model, optimizer = sharded(device, mixed_precision="bf16", prefetch=2, nccl=nccl)
             delayed = collectives_start_late(cycles) if late == "collectives" else contextlib.nullcontext()
             if late == "compute" and cycles:
                 compute_runs_late(model, optimizer, cycles)
@@ -179,8 +186,9 @@ def test_late_streams_change_no_bit(device, late):
         assert torch.equal(results[0][name], results[1][name]), name
 
 
-def test_the_first_gather_of_a_step_sees_the_optimizer_update(device):
-    model, optimizer = sharded(device, prefetch=2)
+@pytest.mark.parametrize("nccl", [False, True], ids=["copies", "nccl"])
+def test_the_first_gather_of_a_step_sees_the_optimizer_update(device, nccl):
+    model, optimizer = sharded(device, prefetch=2, nccl=nccl)
     data = batches(device, 3, grad_accum=1)
     seen = []
     model.blocks[0].register_forward_pre_hook(lambda block, args: seen.append(block.mlp.up.weight.detach().clone()))

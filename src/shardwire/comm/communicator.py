@@ -108,6 +108,15 @@ class Pending:
         self._done = done  # CUDA: an event after the collective on its stream
         self._tensors = tensors  # kept alive until the training has waited (see the module docstring)
 
+    def order_current_stream(self) -> None:
+        """Make what the current stream runs next come after this collective, without ending it: on
+        CUDA the stream waits for its event and the tensors it holds stay held until ``wait`` (another
+        stream may still read them); elsewhere this waits for it."""
+        if self._done is not None:
+            torch.cuda.current_stream(self._comm.device).wait_event(self._done)
+        else:
+            self.wait()
+
     def wait(self) -> None:
         comm, record = self._comm, self._record
         if comm is None:
@@ -158,9 +167,10 @@ class Communicator:
         self._cuda = device.type == "cuda"
         self._point_to_point = str(dist.get_backend(group)) == "gloo" and not torch_collectives
         self._levels: Levels | None = None  # see prepare_quantized_reductions
-        # A group of one moves nothing: each collective is its local copy, and no library is called
-        # (see _by_itself). Its gather's copy casts, so a caller gathers its shard without casting
-        # it first, and its reduce-scatter may be in place: each is one pass over the memory.
+        # A group of one moves nothing: its all-gathers, reduce-scatters and all-reduces are local
+        # copies, with no library called (see _by_itself). Its gather's copy casts, so a caller
+        # gathers its shard without casting it first, and its reduce-scatter may be in place: each
+        # is one pass over the memory.
         self.alone = self.world == 1
         if self._cuda:
             # high priority: a collective's kernels start ahead of queued compute kernels
@@ -179,7 +189,8 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, tag: str, codec: Codec | None = None) -> Pending:
         """Gather every rank's equal-sized ``shard`` into the flat ``output``, in rank order. With
         ``codec``, where the group spans nodes, the shards travel quantized and every rank, this one
-        included, reads the decoded values: all ranks hold the same ``output``."""
+        included, reads the decoded values: all ranks hold the same ``output``. A group of one (only)
+        takes ``shard`` in another dtype than ``output``'s, and casts it on its way."""
         nbytes = output.numel() * output.element_size()
         if self.alone:
             return self._by_itself("gather", "all_gather", tag, nbytes, (output, shard), lambda: output.copy_(shard))
@@ -207,7 +218,8 @@ class Communicator:
         """Sum (with ``average``: average) the flat ``full`` over ranks and leave this rank's equal
         share of the result in ``output``. The average is taken inside the collective (NCCL's
         ``AVG``, or a division of the one-slot result on gloo), never as an extra pass over ``full``.
-        ``holding``: tensors ``full`` was made from where reductions run, kept alive with it.
+        ``holding``: tensors ``full`` was made from where reductions run, kept alive with it. A group
+        of one (only) takes ``output`` as ``full`` itself: its share is the whole, reduced in place.
 
         With ``codec``, where the group spans nodes, the partial sums that cross nodes travel
         quantized (``residual``, from ``residual_for``: error feedback) and are added up in fp32;
@@ -494,11 +506,12 @@ class Communicator:
         if after is not None:
             after.wait()
         record = self._issued(op, tag, nbytes, None)
-        if record is not None:
-            record.start = time.perf_counter()
-        body()
-        if record is not None:
-            record.end = time.perf_counter()
+        with record_function(f"shardwire::{op}({tag})"):
+            if record is not None:
+                record.start = time.perf_counter()
+            body()
+            if record is not None:
+                record.end = time.perf_counter()
         self._announce(record)
         return Pending(None, record, op, tag)
 

@@ -224,7 +224,7 @@ class Quorum:
         if op != "avg":
             raise ValueError(f"a quorum averages: op must be 'avg', got {op!r}")
         if after is not None:
-            after.wait()
+            after.order_current_stream()
         if codec is None:
             return QuorumPending(self._manager.allreduce(tensor).wait)
         if self._manager.errored() is not None:

@@ -27,7 +27,7 @@ import os
 import pathlib
 import pickle
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -246,9 +246,6 @@ def config_from_fields(transformers, fields: dict):
     return _buildable(config)
 
 
-# The sizes of a causal LM's config, under transformers' common names and GPT-2's, each checked where
-# it has it: the least each can be, and the most the simulator takes (far beyond any published model;
-# a larger one overflows the sizes torch can allocate, even on the meta device).
 def _buildable(config):
     """``config``, if a model of it can be built at all (``check_sizes``)."""
     check_sizes(config.to_dict())

@@ -70,10 +70,12 @@ def _parsed(text: str, what: str):
         raise ValueError(f"{what}: not JSON ({err})") from None
 
 
-# The sizes a config may give (Llama's name, GPT-2's), the least and the most a model can have.
-SIZES = (("num_hidden_layers", "n_layer", 0, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
-         ("num_attention_heads", "n_head", 1, MAX_WIDTH), ("vocab_size", "vocab_size", 1, MAX_VOCAB),
-         ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
+# The sizes of a causal LM's config, under transformers' common names and GPT-2's, each checked where
+# it has it: the least each can be, and the most the simulator takes (far beyond any published model;
+# a larger one overflows the sizes torch can allocate, even on the meta device).
+_SIZES = (("num_hidden_layers", "n_layer", 0, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
+          ("num_attention_heads", "n_head", 1, MAX_WIDTH), ("vocab_size", "vocab_size", 1, MAX_VOCAB),
+          ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
 
 
 def check_sizes(fields: Mapping) -> None:
@@ -81,7 +83,7 @@ def check_sizes(fields: Mapping) -> None:
     checked before transformers reads them (a head count of 0 divides by zero there) and before the
     simulator does. Layers are made one by one, even on the meta device, so a billion of them would
     hang whatever builds the model (training, export)."""
-    for name, alias, least, most in SIZES:
+    for name, alias, least, most in _SIZES:
         key = next((key for key in (name, alias) if fields.get(key) is not None), None)
         if key is None:
             continue
