@@ -405,18 +405,35 @@ def _hybrid_steps(rank: int, world: int, steps: int) -> dict:
     return shardwire.full_state_dict(model)
 
 
+def _unsharded_steps(steps: int) -> dict[str, torch.Tensor]:
+    """The same training without shardwire: one model, each step's loss the mean over the two
+    groups' four sequences."""
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        sequences = [tokens[row:row + 1] for tokens in (_batch(0, step), _batch(1, step)) for row in (0, 1)]
+        sum(loss_fn(model(s[:, :-1]), s[:, 1:]) for s in sequences).div(len(sequences)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
 @pytest.mark.slow
 def test_fault_tolerant_groups_without_diloco_average_gradients_as_the_groups_of_one_hybrid_job_do():
     """Fault-tolerant HSDP: two groups meeting at every step through a lighthouse train as the two
     groups of one hybrid job do, each step's gradient shards, accumulated over two micro-batches
-    (the first reducing nothing), averaged between them."""
+    (the first reducing nothing), averaged between them: as one unsharded model trains on the four
+    sequences."""
     pytest.importorskip("torchft")
     found = _groups_meeting(_fault_tolerant_steps, 5)
     expected = run_workers(2, _hybrid_steps, 5)[0]
+    unsharded = _unsharded_steps(5)
     for model, metrics in found.values():
         assert metrics["groups"] == 2 and metrics["dropped"] == metrics["recovered"] == 0, metrics
         for key, value in expected.items():
             torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
+            torch.testing.assert_close(model[key], unsharded[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 def _wait_for(path: pathlib.Path) -> None:
