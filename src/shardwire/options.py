@@ -147,14 +147,30 @@ def add_options(parser: argparse.ArgumentParser, config_class: type) -> None:
             kwargs["type"] = spec.parse or (text if kind is str else kind)
             kwargs["choices"] = spec.choices
             kwargs["metavar"] = spec.metavar
-        parser.add_argument(*spec.flags, flag(field.name), **kwargs)
-        if spec.renamed_from is not None:  # hidden: the help speaks of the new name alone
-            parser.add_argument(flag(spec.renamed_from), **{**kwargs, "help": argparse.SUPPRESS,
-                                                             "default": argparse.SUPPRESS}, action=Renamed)
+        if spec.renamed_from is None:
+            parser.add_argument(*spec.flags, flag(field.name), **kwargs)
+            continue
+        parser.add_argument(*spec.flags, flag(field.name), **kwargs, action=RenamedTo)
+        # hidden: the help speaks of the new name alone
+        parser.add_argument(flag(spec.renamed_from), **{**kwargs, "help": argparse.SUPPRESS,
+                                                         "default": argparse.SUPPRESS}, action=Renamed)
+
+
+# The namespace's record of the name each renamed option was given under (its dest -> the flag).
+_SPELLED = "renamed options as given"
+
+
+class RenamedTo(argparse.Action):
+    """The new name of a renamed option: stores its value, refusing it where the old name set the
+    same option on the same command line (one of the two values would be lost silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _set_under_one_name(parser, namespace, self.dest, values, option_string)
 
 
 class Renamed(argparse.Action):
-    """An option's name before a rename: sets the option under its new name (``dest``), and warns."""
+    """An option's name before a rename: sets the option under its new name (``dest``), and warns;
+    refused beside the new name, whichever comes first."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, **kwargs)
@@ -162,7 +178,17 @@ class Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         warn_renamed(f"{option_string} is renamed {flag(self.dest)}")
-        setattr(namespace, self.dest, values)
+        _set_under_one_name(parser, namespace, self.dest, values, option_string)
+
+
+def _set_under_one_name(parser, namespace, dest: str, values, option_string: str) -> None:
+    """Set ``dest``, unless the option was given under its other name before (a one-line error)."""
+    spelled = namespace.__dict__.setdefault(_SPELLED, {})
+    earlier = spelled.setdefault(dest, option_string)
+    if earlier != option_string:
+        old, new = sorted((earlier, option_string), key=lambda name: name == flag(dest))
+        parser.error(f"{old} and {new} are the same option ({old} is its name before a rename): give {new} alone")
+    setattr(namespace, dest, values)
 
 
 def text(value: str) -> str:
