@@ -500,7 +500,7 @@ def test_the_train_job_syncs_with_accumulation_bf16_profiling_and_checkpoints(tm
               if (step["ranks"][0] if isinstance(step["ranks"], list) else step["ranks"]["0"])["all_reduce_bytes"] > 8]
     assert synced == [2, 4]  # the forwards after steps 2 and 4 sent a fragment each (0-based steps)
     manifest = json.loads((tmp_path / "ckpt" / "step_00000006" / "manifest.json").read_text())
-    assert manifest["groups"] == 2 and manifest["version"] == 6
+    assert manifest["groups"] == 2 and manifest["version"] == 7
     assert main([*job, "--steps", "8"]) == 0
     assert "resuming from" in capfd.readouterr().out
 
