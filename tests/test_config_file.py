@@ -172,3 +172,29 @@ def test_workers_started_by_the_command_get_the_files_values(tmp_path):
     settings = doc["context"]["settings"]
     assert (settings["ops"], settings["sizes"], settings["iters"]) == (["all_reduce"], [1024, 2048, 4096], 3)
     assert "--config" not in doc["context"]["command"] and "--ops all_reduce" in doc["context"]["command"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--plan", "auto", "--wire", "int8"],
+    ["--lr", "2", "--weight-decay", "0.9"],
+    ["--layout", "hybrid", "--nproc", "3", "--shard-group-size", "2"],
+    ["--nnodes", "2"],
+    ["--model", "tiny", "--layout", "hybrid", "--shard-group-size", "1", "--diloco", "fragments=64,sync_every=64"],
+    ["--export-hf", "out", "--model", "tiny"],
+])
+def test_print_config_refuses_a_combination_the_run_refuses_in_the_same_words(argv):
+    """A config printed is one that runs: what a run refuses before its workers start (the settings
+    together, and against their model) --print-config refuses too, rather than printing it."""
+    with pytest.raises(SystemExit) as run:
+        main(["train", *argv])
+    with pytest.raises(SystemExit) as printed:
+        main(["train", "--print-config", *argv])
+    assert str(run.value.code).startswith("error: ") and printed.value.code == run.value.code
+
+
+def test_print_config_refuses_what_bench_refuses(capsys):
+    assert main(["bench", "-b", "1M", "-e", "1K"]) == 2
+    refused = capsys.readouterr().err
+    with pytest.raises(SystemExit) as printed:
+        main(["bench", "--print-config", "-b", "1M", "-e", "1K"])
+    assert printed.value.code == 2 and capsys.readouterr() == ("", refused)
