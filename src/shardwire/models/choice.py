@@ -20,13 +20,15 @@ runs no code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import pathlib
 import pickle
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +36,7 @@ from torch import nn
 
 from shardwire.engine.selection import assign_params, select_units
 from shardwire.extras import quietly_importing, require
+from shardwire.launch import tells_the_user
 from shardwire.mappings import MappingError, cut, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
@@ -204,8 +207,9 @@ def hf_config(transformers, source: str):
             check_files(pathlib.Path(source))
         if source.lstrip().startswith("{"):
             return config_from_fields(transformers, fields), None
-        config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
-                                                                    trust_remote_code=False))
+        with _config_notes():
+            config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
+                                                                        trust_remote_code=False))
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(f"{what}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
     path = pathlib.Path(source)
@@ -228,10 +232,29 @@ def config_from_fields(transformers, fields: dict):
     checkpoint recorded); a ``ValueError`` saying what is wrong with it."""
     fields = dict(fields)
     try:
-        config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
+        with _config_notes():
+            config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(first_line(err)) from None
     return _buildable(config)
+
+
+@contextlib.contextmanager
+def _config_notes() -> Iterator[None]:
+    """Let transformers' warnings about a config it reads (a bos_token_id outside the vocabulary)
+    through only in the process that tells the user (``launch.tells_the_user``): every rank reads the
+    same config, and would repeat them once per rank. Within that process transformers says each one
+    once, however often the config is read."""
+    if tells_the_user():
+        yield
+        return
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # The sizes of a causal LM's config, under transformers' common names and GPT-2's, each checked where
