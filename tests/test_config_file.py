@@ -198,3 +198,14 @@ def test_print_config_refuses_what_bench_refuses(capsys):
     with pytest.raises(SystemExit) as printed:
         main(["bench", "--print-config", "-b", "1M", "-e", "1K"])
     assert printed.value.code == 2 and capsys.readouterr() == ("", refused)
+
+
+@pytest.mark.parametrize("argv", [
+    ["testbed", "up", "--nodes", "2", "--link", "1gbit"], ["export", "ckpt", "out.pt"], ["report", "run"],
+    ["simulate", "--model", "tiny", "--cluster", "h100-100gbe"],
+    ["plan", "--model", "tiny", "--cluster", "h100-100gbe", "--global-batch", "8"],
+])
+def test_print_config_prints_for_every_command(argv, capsys):
+    """A command's module may hold a name like the hook's (testbed's ``check`` action): only the hook runs."""
+    assert main([argv[0], "--print-config", *argv[1:]]) == 0
+    assert capsys.readouterr().out.startswith(f"# shardwire {argv[0]} --config FILE reads this")

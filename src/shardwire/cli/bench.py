@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, BenchConfig)
 
 
-def check(args: argparse.Namespace) -> None:
+def check_options(args: argparse.Namespace) -> None:
     """What ``--print-config`` checks before it prints: what a run refuses before its workers start,
     in its words and with its exit status."""
     config = config_from(args, BenchConfig, argv=[])

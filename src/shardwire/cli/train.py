@@ -113,7 +113,7 @@ def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
     return local, local
 
 
-def check(args: argparse.Namespace) -> None:
+def check_options(args: argparse.Namespace) -> None:
     """What ``--print-config`` checks before it prints: the settings, alone and together, and against
     the model they name, as a run checks them (a printed config runs, or fails as the command did);
     not this machine, where the config may never run."""
