@@ -105,7 +105,7 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
     if name.startswith(HF_PREFIX):
         return _hugging_face(name[len(HF_PREFIX):], units, seq_len)
     if name not in PRESETS:
-        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor hf:PATH_OR_JSON")
+        raise ValueError(f"--model {shown(name)} is neither a preset ({', '.join(sorted(PRESETS))}) nor hf:PATH_OR_JSON")
     if units is not None:
         raise ValueError("--units is for hf: models; the GPT presets shard into their blocks")
     config = PRESETS[name] if seq_len is None else dataclasses.replace(PRESETS[name], seq_len=seq_len)
