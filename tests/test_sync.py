@@ -65,10 +65,15 @@ def test_each_fragment_syncs_once_every_h_steps_at_staggered_steps():
      "diloco fragment_sync_delay must be an integer from 0 to sync_every // fragments = 4"),
     ("fast", "diloco 'fast' is not understood"),
     ("sync_every=5,speed=2", "is not understood"),
-])
+    ("sync_every=99999999999999999999", "diloco sync_every must be a positive integer of at most 9,007,199,254,740,992"),
+    # the user's text of any length is cut short in the message
+    ("k" * 100_000 + "=1", "diloco 'kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk...kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk=1' is not"),
+    ("outer_lr=x" + "9" * 100_000, "diloco outer_lr must be a positive number of at most 10, got 'x9999"),
+], ids=lambda value: value[:40])
 def test_bad_sync_settings_are_refused_in_one_line(text, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as refused:
         DiLoCo.parse(text)
+    assert len(str(refused.value)) < 400
 
 
 @pytest.mark.parametrize("layout, size, world, message", [

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 
 from shardwire.files import directory_problem, rewrite_problem
-from shardwire.mappings import nearest
+from shardwire.mappings import nearest, shown
 from shardwire.renamed import warn_renamed
 
 
@@ -260,14 +260,15 @@ def setting_error(setting: str, text: str) -> SettingError:
     return SettingError("{setting} " + text.replace("{", "{{").replace("}", "}}"), setting=(setting,))
 
 
-def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, setting: str, not_understood: str,
+def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, setting: str, remedy: str,
                     bad_value: Callable[[str, str], str], twice: Callable[[str], str],
                     renamed: Mapping[str, str] | None = None) -> tuple[dict[str, typing.Any], list[str]]:
     """The fields of ``setting`` given in the command line's form, comma-separated ``key=value`` pairs
     (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]``; and the keys given by
     an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises a
-    ``setting_error`` saying ``not_understood``, a value its type refuses one saying ``bad_value(key,
-    value)``, a key given twice (under either name) one saying ``twice(key)``."""
+    ``setting_error`` saying the text is not understood and ``remedy``, a value its type refuses one
+    saying ``bad_value(key, value)``, a key given twice (under either name) one saying ``twice(key)``.
+    The user's text and values reach the messages cut short (``shown``): they may be of any length."""
     fields: dict[str, typing.Any] = {}
     old_names = []
     for item in text.split(","):
@@ -277,7 +278,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             key = renamed[key]
         if not sep or key not in types:
             meant = nearest(key, [*types, *(renamed or ())]) if sep else None
-            raise setting_error(setting, f"{not_understood}{f' (did you mean {meant}?)' if meant else ''}")
+            raise setting_error(setting, f"{shown(text)} is not understood: {remedy}"
+                                         f"{f' (did you mean {meant}?)' if meant else ''}")
         if key in fields:  # the last would win silently, over a value the user also meant
             raise setting_error(setting, twice(key))
         if not value:  # an unset variable ($GROUP), which must not fall back to a default silently
@@ -285,5 +287,5 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
         try:
             fields[key] = types[key](value)
         except ValueError:
-            raise setting_error(setting, bad_value(key, value)) from None
+            raise setting_error(setting, bad_value(key, shown(value))) from None
     return fields, old_names
