@@ -47,6 +47,14 @@ def test_a_checkpoint_untouched_since_it_was_saved_is_still_pruned(tmp_path, mod
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
 
 
+def test_a_series_copied_without_its_times_is_pruned_as_its_contents_are_the_saves(tmp_path, model):
+    """``cp -r`` gives every file a new time: the checksums, read back then, prove them the saves'."""
+    _save_series(tmp_path / "first", (1, 2), model)
+    shutil.copytree(tmp_path / "first", tmp_path / "copy", copy_function=shutil.copyfile)  # times not kept
+    assert _save_series(tmp_path / "copy", (3,), model) == []
+    assert sorted(p.name for p in (tmp_path / "copy").glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
 @contextlib.contextmanager
 def _bind_mounted(source: pathlib.Path, target: pathlib.Path):
     target.mkdir()

@@ -14,13 +14,14 @@ and nothing is written into it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
 import pathlib
+import re
 from typing import NamedTuple
 
-from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest, new_token, temporary_name
+from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, FileRecord, Manifest, new_token, temporary_name
 from shardwire.files import empty_directory
 
 MARKER = "made-by-shardwire.json"
@@ -48,9 +49,9 @@ def not_a_checkpoint(path: pathlib.Path, step: int | None = None) -> str | None:
     of that step); None if it is. A file put in it since (an export, the user's notes), or a manifest
     copied in beside files of the user's, a file written over since it was saved (even at its
     size), or a mount in it, makes it other than a save's checkpoint, which no save may delete.
-    (Sizes and modification times, not checksums: reading a whole checkpoint back before each prune
-    would cost a save as much again; a loader checks the checksums of what it reads. A manifest of
-    before format 7 records no times: its sizes alone are checked.)"""
+    (Sizes and modification times; checksums only of a file whose time has changed, as a copy's
+    has: reading a whole checkpoint back before each prune would cost a save as much again. A
+    manifest of before format 7 records no times: its sizes alone are checked.)"""
     if path.is_symlink():
         return f"{path} is a symbolic link"
     if (mount := _mount_in(path)) is not None:
@@ -71,9 +72,25 @@ def not_a_checkpoint(path: pathlib.Path, step: int | None = None) -> str | None:
             return f"{path / record.name} is missing"
         if size != record.nbytes:
             return f"{path / record.name} holds {size:,} bytes where its manifest records {record.nbytes:,}"
-        if record.mtime_ns is not None and (path / record.name).stat().st_mtime_ns != record.mtime_ns:
+        if record.mtime_ns is not None and not _as_saved(path / record.name, record):
             return f"{path / record.name} was written since it was saved"
     return None
+
+
+def _as_saved(path: pathlib.Path, record: FileRecord) -> bool:
+    """Whether the file at ``path`` holds what its save wrote: it has the modification time its
+    writer saw (nothing wrote it since), or, where it has not (a copy of the checkpoint, a restore),
+    the sha256 its manifest records, read back only then."""
+    if path.stat().st_mtime_ns == record.mtime_ns:
+        return True
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                digest.update(piece)
+    except OSError:
+        return False
+    return digest.hexdigest() == record.sha256
 
 
 def _mount_in(path: pathlib.Path) -> str | None:
