@@ -203,9 +203,23 @@ def test_print_config_refuses_what_bench_refuses(capsys):
 @pytest.mark.parametrize("argv", [
     ["testbed", "up", "--nodes", "2", "--link", "1gbit"], ["export", "ckpt", "out.pt"], ["report", "run"],
     ["simulate", "--model", "tiny", "--cluster", "h100-100gbe"],
-    ["plan", "--model", "tiny", "--cluster", "h100-100gbe", "--global-batch", "8"],
+    ["plan", "--model", "tiny", "--cluster", "h100-100gbe", "--global-batch", "64"],
 ])
 def test_print_config_prints_for_every_command(argv, capsys):
     """A command's module may hold a name like the hook's (testbed's ``check`` action): only the hook runs."""
     assert main([argv[0], "--print-config", *argv[1:]]) == 0
     assert capsys.readouterr().out.startswith(f"# shardwire {argv[0]} --config FILE reads this")
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--model", "gpt-125m", "--cluster", "h100-100gbe", "--global-batch", "3"],
+    ["plan", "--model", "gpt-125m", "--cluster", "h100-100gbe", "--global-batch", "0"],
+    ["simulate", "--model", "gpt-125m", "--cluster", "h100-100gbe", "--plot", "x.png"],
+    ["simulate", "--model", "gpt-125m", "--cluster", "nosuch"],
+])
+def test_print_config_refuses_what_plan_and_simulate_refuse(argv, capsys):
+    assert main(argv) == 2
+    refused = capsys.readouterr().err
+    with pytest.raises(SystemExit) as printed:
+        main([argv[0], "--print-config", *argv[1:]])
+    assert printed.value.code == 2 and capsys.readouterr() == ("", refused)
