@@ -18,7 +18,7 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.checkpoint.series import foreign_checkpoint
+from shardwire.engine.checkpoint.series import series_problem
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
@@ -193,7 +193,7 @@ def _check_this_machine(config: TrainConfig) -> None:
     try:
         if config.checkpoint_dir is not None:
             check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
-            if (problem := foreign_checkpoint(config.checkpoint_dir)) is not None:
+            if (problem := series_problem(config.checkpoint_dir)) is not None:
                 raise OptionError(f"--checkpoint-dir {config.checkpoint_dir} {problem}")
         if config.profile:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
