@@ -223,3 +223,16 @@ def test_print_config_refuses_what_plan_and_simulate_refuse(argv, capsys):
     with pytest.raises(SystemExit) as printed:
         main([argv[0], "--print-config", *argv[1:]])
     assert printed.value.code == 2 and capsys.readouterr() == ("", refused)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--nodes", "0", "--link", "1gbit"], "error: --nodes must be between 1 and 64, got 0"),
+    (["--nodes", "2", "--link", "bogus"], "error: link rate 'bogus' is not a rate like 1gbit"),
+    (["--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"], "error: --nproc-per-node sets the node's compute"),
+    (["--nodes", "2"], "error: give the link rate"),
+])
+def test_print_config_refuses_what_testbed_up_refuses_before_building(argv, said, capsys):
+    with pytest.raises(SystemExit) as printed:
+        main(["testbed", "--print-config", "up", *argv])
+    out, err = capsys.readouterr()
+    assert printed.value.code == 1 and out == "" and err.startswith(said) and err.count("\n") == 1
