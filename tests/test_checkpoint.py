@@ -366,6 +366,8 @@ def _as_format_2(directory: pathlib.Path) -> None:
     body = json.loads((directory / "manifest.json").read_text())
     del body["sha256"], body["groups"]
     body["version"] = 2
+    for record in body["files"]:
+        del record["mtime_ns"]  # format 7's
     for flat in body["flats"]:
         flat["optimizer_state"] = {"exp_avg": {"kind": "per_element", "dtype": "float32"}}
     body["optimizer"] = {"class": "AdamW", "param_groups": [{"lr": 3e-3, "params": [f["name"] for f in body["flats"]]}]}
@@ -418,6 +420,7 @@ def _as_format_5(directory: pathlib.Path) -> None:
     for record in body["files"]:
         data = (directory / record["name"]).read_bytes()
         record.update(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        del record["mtime_ns"]  # format 7's
     del body["sha256"]
     body["version"] = 5
     (directory / "manifest.json").write_text(json.dumps({**body, "sha256": _body_sha256(body)}))

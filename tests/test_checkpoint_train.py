@@ -113,7 +113,9 @@ def test_running_again_resumes_past_a_corrupted_checkpoint(data, uninterrupted, 
     newest = shardwire.checkpoint_path(checkpoints, STEPS) / "rank_00000.safetensors"
     damaged = bytearray(newest.read_bytes())
     damaged[-100] ^= 0xFF
+    saved = newest.stat()
     newest.write_bytes(bytes(damaged))
+    os.utime(newest, ns=(saved.st_atime_ns, saved.st_mtime_ns))  # rot, which no write time marks
 
     output = run(train_command(data, checkpoints))
     assert f"cannot resume from {shardwire.checkpoint_path(checkpoints, STEPS)}" in output

@@ -172,3 +172,67 @@ def test_workers_started_by_the_command_get_the_files_values(tmp_path):
     settings = doc["context"]["settings"]
     assert (settings["ops"], settings["sizes"], settings["iters"]) == (["all_reduce"], [1024, 2048, 4096], 3)
     assert "--config" not in doc["context"]["command"] and "--ops all_reduce" in doc["context"]["command"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--plan", "auto", "--wire", "int8"],
+    ["--lr", "2", "--weight-decay", "0.9"],
+    ["--layout", "hybrid", "--nproc", "3", "--shard-group-size", "2"],
+    ["--nnodes", "2"],
+    ["--model", "tiny", "--layout", "hybrid", "--shard-group-size", "1", "--diloco", "fragments=64,sync_every=64"],
+    ["--export-hf", "out", "--model", "tiny"],
+])
+def test_print_config_refuses_a_combination_the_run_refuses_in_the_same_words(argv):
+    """A config printed is one that runs: what a run refuses before its workers start (the settings
+    together, and against their model) --print-config refuses too, rather than printing it."""
+    with pytest.raises(SystemExit) as run:
+        main(["train", *argv])
+    with pytest.raises(SystemExit) as printed:
+        main(["train", "--print-config", *argv])
+    assert str(run.value.code).startswith("error: ") and printed.value.code == run.value.code
+
+
+def test_print_config_refuses_what_bench_refuses(capsys):
+    assert main(["bench", "-b", "1M", "-e", "1K"]) == 2
+    refused = capsys.readouterr().err
+    with pytest.raises(SystemExit) as printed:
+        main(["bench", "--print-config", "-b", "1M", "-e", "1K"])
+    assert printed.value.code == 2 and capsys.readouterr() == ("", refused)
+
+
+@pytest.mark.parametrize("argv", [
+    ["testbed", "up", "--nodes", "2", "--link", "1gbit"], ["export", "ckpt", "out.pt"], ["report", "run"],
+    ["simulate", "--model", "tiny", "--cluster", "h100-100gbe"],
+    ["plan", "--model", "tiny", "--cluster", "h100-100gbe", "--global-batch", "64"],
+])
+def test_print_config_prints_for_every_command(argv, capsys):
+    """A command's module may hold a name like the hook's (testbed's ``check`` action): only the hook runs."""
+    assert main([argv[0], "--print-config", *argv[1:]]) == 0
+    assert capsys.readouterr().out.startswith(f"# shardwire {argv[0]} --config FILE reads this")
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--model", "gpt-125m", "--cluster", "h100-100gbe", "--global-batch", "3"],
+    ["plan", "--model", "gpt-125m", "--cluster", "h100-100gbe", "--global-batch", "0"],
+    ["simulate", "--model", "gpt-125m", "--cluster", "h100-100gbe", "--plot", "x.png"],
+    ["simulate", "--model", "gpt-125m", "--cluster", "nosuch"],
+])
+def test_print_config_refuses_what_plan_and_simulate_refuse(argv, capsys):
+    assert main(argv) == 2
+    refused = capsys.readouterr().err
+    with pytest.raises(SystemExit) as printed:
+        main([argv[0], "--print-config", *argv[1:]])
+    assert printed.value.code == 2 and capsys.readouterr() == ("", refused)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--nodes", "0", "--link", "1gbit"], "error: --nodes must be between 1 and 64, got 0"),
+    (["--nodes", "2", "--link", "bogus"], "error: link rate 'bogus' is not a rate like 1gbit"),
+    (["--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"], "error: --nproc-per-node sets the node's compute"),
+    (["--nodes", "2"], "error: give the link rate"),
+])
+def test_print_config_refuses_what_testbed_up_refuses_before_building(argv, said, capsys):
+    with pytest.raises(SystemExit) as printed:
+        main(["testbed", "--print-config", "up", *argv])
+    out, err = capsys.readouterr()
+    assert printed.value.code == 1 and out == "" and err.startswith(said) and err.count("\n") == 1

@@ -261,8 +261,25 @@ def test_shard_takes_sharding_as_layout_with_a_warning_and_refuses_both():
     with pytest.warns(FutureWarning, match=r"shard\(sharding=...\) is renamed shard\(layout=...\); the old name goes"):
         with pytest.raises(ValueError, match="layout='hybrid' shards within groups and replicates across them"):
             shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="hybrid")
-    with pytest.raises(ValueError, match="shard\\(\\) got both layout= and sharding=, its old name: give layout= alone"):
-        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", sharding="hybrid")
+    for layout in ("hybrid", "full"):  # "full" is layout's default: given, it is refused all the same
+        with pytest.raises(ValueError, match="shard\\(\\) got both layout= and sharding=, its old name: give layout= alone"):
+            shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout=layout, sharding="hybrid")
+
+
+def test_the_warning_for_an_old_keyword_points_at_the_callers_line():
+    with pytest.warns(FutureWarning) as caught, pytest.raises(ValueError):
+        shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], sharding="bogus")
+    assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("argv", [["--sharding", "hybrid", "--layout", "full"], ["--layout", "full", "--sharding", "hybrid"]])
+def test_an_option_given_under_its_old_and_new_name_is_refused_in_one_line(argv, capsys):
+    from shardwire.cli import main
+    with pytest.warns(FutureWarning), pytest.raises(SystemExit):
+        main(["train", "--print-config", *argv])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --sharding and --layout are the same option (--sharding is its name before a rename): give "
+        "--layout alone (see shardwire train --help)")
 
 
 def test_the_train_option_config_key_and_spec_key_sharding_are_read_as_layout_with_a_warning(tmp_path, capsys):

@@ -48,6 +48,49 @@ def test_a_gpt2_built_from_a_config_file_trains(tmp_path):
     assert "hf:GPT2LMHeadModel" in out and last < first
 
 
+@pytest.mark.slow
+def test_a_configs_special_tokens_outside_its_vocabulary_are_noted_once_not_once_per_rank(tmp_path):
+    """GPT-2's default bos and eos ids (50256) lie outside a vocabulary of 256: transformers notes
+    it as each process reads the config; the launcher, which reads it first, says it, its workers not."""
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps({key: value for key, value in GPT2.items() if not key.endswith("_token_id")}))
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", f"hf:{path}", "--steps", "2",
+                           "--nproc", "2", "--batch", "2", "--seq-len", "32", "--eval-batches", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("bos_token_id", "eos_token_id"):
+        assert done.stderr.count(f"{name} must be `None` or an integer within the vocabulary") == 1, done.stderr
+
+
+@pytest.mark.parametrize("environment, says", [
+    ({}, True),  # the command itself
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "2", "RANK": "0"}, True),  # rank 0 under the user's torchrun
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2", "RANK": "1"}, False),
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "2", "RANK": "0", "SHARDWIRE_NOTED_BY_LAUNCHER": "1"}, False),
+])
+def test_transformers_config_notes_come_from_one_process(monkeypatch, environment, says):
+    import logging
+
+    from shardwire.models.choice import config_from_fields
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "SHARDWIRE_NOTED_BY_LAUNCHER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.configuration_utils")  # transformers' own stops propagation
+    logger.addHandler(handler)
+    vocab = 300 + len(environment) + says  # a message of its own: transformers says each one once a process
+    try:
+        config_from_fields(transformers, {**GPT2, "vocab_size": vocab, "bos_token_id": 50256})
+    finally:
+        logger.removeHandler(handler)
+    noted = [r for r in records if f"bos_token_id must be `None` or an integer within the vocabulary (between 0 and "
+                                   f"{vocab - 1})" in r.getMessage()]
+    assert len(noted) == (1 if says else 0)
+
+
 def test_a_directory_with_weights_loads_them(tmp_path):
     config = transformers.AutoConfig.for_model(**LLAMA)
     saved = transformers.AutoModelForCausalLM.from_config(config)

@@ -21,7 +21,8 @@ which also claims it: from the moment it is staged until it is renamed into plac
 of the same target is refused, naming the first.
 
 ``output_problem`` and ``directory_problem`` say what stops a path being written, so that the
-command line (``shardwire.options``) refuses it before any work, with the same words.
+command line (``shardwire.options``) refuses it before any work, with the same words;
+``inside_problem`` what stops it where it lies inside an input being read (an export's checkpoint).
 ``rewrite_problem`` adds the rule for a result a command makes again (a plot, a bench file, a
 profile, the scalar log it appends to): it replaces or extends only an earlier result of its own
 kind (``OUTPUTS``, told by the file's first bytes), never the user's other files, be they weights,
@@ -123,6 +124,15 @@ def new_output_problem(path: str | os.PathLike) -> str | None:
     if os.path.lexists(path):
         return "exists: give a new file name (nothing is overwritten)"
     return output_problem(path)
+
+
+def inside_problem(path: str | os.PathLike, source: str | os.PathLike, doing: str = "read") -> str | None:
+    """What stops ``path`` being written while ``source`` (a file or a directory) is ``doing``, or
+    None: writing inside it (or over it) would change what is being read. The words follow the path."""
+    written, read = os.path.realpath(path), os.path.realpath(source)
+    if os.path.commonpath([written, read]) == read:
+        return f"is inside {os.fspath(source)}, which is being {doing}: give a path outside it"
+    return None
 
 
 def directory_problem(path: str | os.PathLike) -> str | None:

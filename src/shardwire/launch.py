@@ -25,11 +25,23 @@ REFUSED = 2
 _WORKER_FOOTPRINT = 128 << 20
 # torchrun's variables a worker reads its place in the world from.
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Set for the workers ``launch_local`` starts: their launcher checked the job and said what it noted.
+_NOTED_BY_LAUNCHER = "SHARDWIRE_NOTED_BY_LAUNCHER"
 
 
 def under_launcher() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets torchrun's variables)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def tells_the_user() -> bool:
+    """Whether this process is the one that says what the job's settings are like (a model config's
+    oddities, which every process meets as it reads the config): the command itself, and under a
+    launcher of the user's, rank 0; never the workers ``launch_local`` started, whose launcher said
+    it before starting them. Said once, however many ranks read the same config."""
+    if not under_launcher():
+        return True
+    return _NOTED_BY_LAUNCHER not in os.environ and os.environ.get("RANK", "0") == "0"
 
 
 def launcher_problem() -> str | None:
@@ -131,6 +143,7 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_below)
+    os.environ[_NOTED_BY_LAUNCHER] = "1"  # inherited by the workers
     try:
         run(config)
     except SignalException:
@@ -142,6 +155,8 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
         print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
         return 1
+    finally:
+        os.environ.pop(_NOTED_BY_LAUNCHER, None)
     return 0
 
 

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 
 from shardwire.files import directory_problem, rewrite_problem
-from shardwire.mappings import nearest
+from shardwire.mappings import nearest, shown
 from shardwire.renamed import warn_renamed
 
 
@@ -147,14 +147,30 @@ def add_options(parser: argparse.ArgumentParser, config_class: type) -> None:
             kwargs["type"] = spec.parse or (text if kind is str else kind)
             kwargs["choices"] = spec.choices
             kwargs["metavar"] = spec.metavar
-        parser.add_argument(*spec.flags, flag(field.name), **kwargs)
-        if spec.renamed_from is not None:  # hidden: the help speaks of the new name alone
-            parser.add_argument(flag(spec.renamed_from), **{**kwargs, "help": argparse.SUPPRESS,
-                                                             "default": argparse.SUPPRESS}, action=Renamed)
+        if spec.renamed_from is None:
+            parser.add_argument(*spec.flags, flag(field.name), **kwargs)
+            continue
+        parser.add_argument(*spec.flags, flag(field.name), **kwargs, action=RenamedTo)
+        # hidden: the help speaks of the new name alone
+        parser.add_argument(flag(spec.renamed_from), **{**kwargs, "help": argparse.SUPPRESS,
+                                                         "default": argparse.SUPPRESS}, action=Renamed)
+
+
+# The namespace's record of the name each renamed option was given under (its dest -> the flag).
+_SPELLED = "renamed options as given"
+
+
+class RenamedTo(argparse.Action):
+    """The new name of a renamed option: stores its value, refusing it where the old name set the
+    same option on the same command line (one of the two values would be lost silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _set_under_one_name(parser, namespace, self.dest, values, option_string)
 
 
 class Renamed(argparse.Action):
-    """An option's name before a rename: sets the option under its new name (``dest``), and warns."""
+    """An option's name before a rename: sets the option under its new name (``dest``), and warns;
+    refused beside the new name, whichever comes first."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, **kwargs)
@@ -162,7 +178,17 @@ class Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         warn_renamed(f"{option_string} is renamed {flag(self.dest)}")
-        setattr(namespace, self.dest, values)
+        _set_under_one_name(parser, namespace, self.dest, values, option_string)
+
+
+def _set_under_one_name(parser, namespace, dest: str, values, option_string: str) -> None:
+    """Set ``dest``, unless the option was given under its other name before (a one-line error)."""
+    spelled = namespace.__dict__.setdefault(_SPELLED, {})
+    earlier = spelled.setdefault(dest, option_string)
+    if earlier != option_string:
+        old, new = sorted((earlier, option_string), key=lambda name: name == flag(dest))
+        parser.error(f"{old} and {new} are the same option ({old} is its name before a rename): give {new} alone")
+    setattr(namespace, dest, values)
 
 
 def text(value: str) -> str:
@@ -234,14 +260,15 @@ def setting_error(setting: str, text: str) -> SettingError:
     return SettingError("{setting} " + text.replace("{", "{{").replace("}", "}}"), setting=(setting,))
 
 
-def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, setting: str, not_understood: str,
+def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]], *, setting: str, remedy: str,
                     bad_value: Callable[[str, str], str], twice: Callable[[str], str],
                     renamed: Mapping[str, str] | None = None) -> tuple[dict[str, typing.Any], list[str]]:
     """The fields of ``setting`` given in the command line's form, comma-separated ``key=value`` pairs
     (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]``; and the keys given by
     an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises a
-    ``setting_error`` saying ``not_understood``, a value its type refuses one saying ``bad_value(key,
-    value)``, a key given twice (under either name) one saying ``twice(key)``."""
+    ``setting_error`` saying the text is not understood and ``remedy``, a value its type refuses one
+    saying ``bad_value(key, value)``, a key given twice (under either name) one saying ``twice(key)``.
+    The user's text and values reach the messages cut short (``shown``): they may be of any length."""
     fields: dict[str, typing.Any] = {}
     old_names = []
     for item in text.split(","):
@@ -251,7 +278,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
             key = renamed[key]
         if not sep or key not in types:
             meant = nearest(key, [*types, *(renamed or ())]) if sep else None
-            raise setting_error(setting, f"{not_understood}{f' (did you mean {meant}?)' if meant else ''}")
+            raise setting_error(setting, f"{shown(text)} is not understood: {remedy}"
+                                         f"{f' (did you mean {meant}?)' if meant else ''}")
         if key in fields:  # the last would win silently, over a value the user also meant
             raise setting_error(setting, twice(key))
         if not value:  # an unset variable ($GROUP), which must not fall back to a default silently
@@ -259,5 +287,5 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
         try:
             fields[key] = types[key](value)
         except ValueError:
-            raise setting_error(setting, bad_value(key, value)) from None
+            raise setting_error(setting, bad_value(key, shown(value))) from None
     return fields, old_names

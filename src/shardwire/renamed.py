@@ -8,6 +8,7 @@ warning's two (the second, a line of shardwire's own source, says nothing to the
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 
@@ -20,10 +21,27 @@ def warn_renamed(what: str, *, stacklevel: int = 2) -> None:
     warnings.warn(f"{what}; the old name goes in the next release", RenamedWarning, stacklevel=stacklevel + 1)
 
 
-def renamed_argument(function: str, old: str, new: str, value, *, given_new: bool, note: str = ""):
-    """``value``, given to ``function`` as ``old=``, the argument's name before it was renamed
-    ``new``: with a warning, for a release; ``given_new`` (both names given) is a ``ValueError``."""
-    if given_new:
+def renamed_keywords(renames: dict[str, str], notes: dict[str, str] | None = None):
+    """Decorate a function whose keyword arguments were renamed (``{old: new}``): for a release a call
+    may still pass ``old=``, taken as ``new=`` with a warning (``notes[old]`` added to it). Whether
+    ``new=`` was given too is read from the call itself, never from the value: ``layout="full"``,
+    its default, given beside ``sharding=`` is as much a conflict as any other value, and is refused
+    naming both rather than losing one of them silently."""
+    def decorate(function):
+        @functools.wraps(function)
+        def called(*args, **kwargs):
+            for old, new in renames.items():
+                if old in kwargs:
+                    kwargs[new] = _renamed_value(function.__name__, old, new, kwargs, (notes or {}).get(old, ""))
+            return function(*args, **kwargs)
+        return called
+    return decorate
+
+
+def _renamed_value(function: str, old: str, new: str, kwargs: dict, note: str):
+    """The value passed as ``old=`` (taken out of ``kwargs``), with its warning; ``new=`` given as
+    well is a ``ValueError`` naming both."""
+    if new in kwargs:
         raise ValueError(f"{function}() got both {new}= and {old}=, its old name: give {new}= alone")
     warn_renamed(f"{function}({old}=...) is renamed {function}({new}=...){note}", stacklevel=3)
-    return value
+    return kwargs.pop(old)

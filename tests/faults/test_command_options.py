@@ -68,6 +68,11 @@ def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys
     (["train", "--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see shardwire train --help)"),
     (["bogus"], "error: argument COMMAND: invalid choice: 'bogus'"),
     (["plan", "--model", "gpt-125m"], "error: the following arguments are required"),
+    # an empty word (a variable that was not set) names nothing: not the current directory, not the default
+    (["export", "ckpt", ""], "error: argument OUT: an empty value names nothing"),
+    (["export", "", "out.pt"], "error: argument CHECKPOINT: an empty value names nothing"),
+    (["export", "ckpt", "out.pt", "--model", ""], "error: argument --model: an empty value names nothing"),
+    (["report", ""], "error: argument RUN_DIR: an empty value names nothing"),
 ])
 def test_a_command_line_argparse_refuses_is_one_line(argv, said, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -147,3 +152,19 @@ def test_shardwires_own_warnings_are_one_line_and_others_as_ever():
         theirs = warnings.formatwarning("deprecated", DeprecationWarning, argparse.__file__, 10)
     assert ours == "warning: kept step_1\n"
     assert theirs.startswith(f"{argparse.__file__}:10: DeprecationWarning: deprecated")
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "ckpt", "out.pt", "--model", "x" * 100_000],
+    ["report", "q" * 5_000],
+])
+def test_a_value_far_too_long_is_cut_short_in_its_message(argv, capsys, tmp_path, monkeypatch):
+    import torch
+
+    import shardwire
+    monkeypatch.chdir(tmp_path)
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    shardwire.save_checkpoint(shardwire.checkpoint_path("ckpt", 1), model, step=1, extra={"model": "tiny"}).wait()
+    main(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and len(err) < 500, err[:300]

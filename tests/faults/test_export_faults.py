@@ -100,6 +100,21 @@ def test_an_out_file_that_exists_is_never_overwritten(work, capsys):
     assert out.read_text() == "the user's"
 
 
+def test_the_library_export_refuses_a_file_that_exists_or_lies_inside_before_reading_a_weight(work, monkeypatch):
+    """``export_state_dict`` holds the command's promise itself: refused at once, in one line saying
+    what to do, the user's file as it was."""
+    out = work / "model.pt"
+    out.write_text("the user's")
+    checkpoint = shardwire.checkpoint_path(work / "gpt", 2)
+    monkeypatch.setattr("shardwire.engine.checkpoint.portable.weights_in", None)  # reading would fail
+    with pytest.raises(OutputRefused, match=r"^\S+/model.pt exists: give a new file name \(nothing is overwritten\)$"):
+        shardwire.export_state_dict(checkpoint, out)
+    assert out.read_text() == "the user's"
+    with pytest.raises(OutputRefused, match="model.pt is inside .*step_00000002, which is being exported: give a path "
+                                            "outside it$"):
+        shardwire.export_state_dict(checkpoint, checkpoint / "model.pt")
+
+
 @pytest.mark.parametrize("inside", ["gpt/step_00000002/model.safetensors", "gpt/model.pt", "gpt/out"])
 def test_an_out_inside_the_checkpoint_being_exported_is_refused(work, capsys, inside):
     before = sorted(p.relative_to(work) for p in (work / "gpt").rglob("*"))

@@ -331,3 +331,17 @@ def test_the_summary_keeps_the_typical_steps_slowest_rank():
     steps = [analysis.across_ranks([_rank(ms, forward=ms - 10), _rank(50, forward=1)]) for ms in (100, 300, 200)]
     typical = analysis.over_steps(steps)["typical_step"]
     assert typical["slowest_rank"] == 0 and typical["figures"] == steps[2]["ranks"][0]
+
+
+@pytest.mark.parametrize("kind", ["model", "cluster", "training"])
+def test_a_spec_given_as_a_device_or_a_pipe_is_read_as_a_file_within_bounds(kind, tmp_path, capsys):
+    """Not taken for an unknown preset's name: read as the file it is, bounded, as --config reads."""
+    fifo = tmp_path / "spec"
+    os.mkfifo(fifo)
+    argv = {"model": "gpt-125m", "cluster": "h100-100gbe", "training": "default"}
+    for given, said in (("/dev/zero", f"error: {kind} file /dev/zero is larger than"),
+                        (str(fifo), f"error: {kind} file {fifo} is empty")):
+        assert main(["simulate", *[arg for key, value in {**argv, kind: given}.items()
+                                   for arg in (f"--{key}", value)]]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(said) and err.count("\n") == 1, err

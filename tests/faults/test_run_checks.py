@@ -157,6 +157,20 @@ def test_a_dcp_directory_is_refused_as_a_checkpoint_directory(dcp_directory, no_
     assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
 
 
+def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_parent(tmp_path, no_workers):
+    """A series started inside a checkpoint would not resume from it, and would make it unprunable."""
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    checkpoint = shardwire.checkpoint_path(tmp_path / "ckpt", 4)
+    shardwire.save_checkpoint(checkpoint, model, step=4).wait()
+    with pytest.raises(SystemExit, match=rf"error: --checkpoint-dir {checkpoint} is a checkpoint itself, not a "
+                                         rf"directory of them: give the directory that holds it \({tmp_path}/ckpt\)"):
+        main(["train", "--model", "tiny", "--checkpoint-dir", str(checkpoint)])
+    with pytest.raises(shardwire.CheckpointError, match="is a checkpoint itself"):
+        shardwire.load_latest_checkpoint(checkpoint, model)
+    assert sorted(path.name for path in checkpoint.iterdir()) == ["manifest.json", "rank_00000.safetensors",
+                                                                  "replicated.safetensors"]
+
+
 def divergence(**settings) -> _Divergence:
     worker.ensure_initialized(torch.device("cpu"))  # a world of one
     return _Divergence(TrainConfig(**{"steps": 100, "warmup": 0, **settings}), torch.device("cpu"))

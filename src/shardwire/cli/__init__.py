@@ -2,7 +2,9 @@
 (``shardwire.cli.train`` is ``shardwire train``).
 
 A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv) -> exit status``
-(``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers).
+(``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers),
+and may provide ``check_options(args)``: the checks of its options that ``--print-config`` runs before
+it prints, so that a combination the command refuses is refused there too, in the same words.
 Modules are imported only when their command runs, so ``shardwire --help`` stays instant. Every
 command also takes ``--config FILE`` and ``--print-config`` (``shardwire.cli.config_file``). A
 name kept for a release after a rename warns in one line on stderr (``shardwire.renamed``).
@@ -138,6 +140,8 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
     try:
         args, printing = config_file.parse(parser, rest)
         if printing:
+            if hasattr(module, "check_options"):  # a config printed runs, or fails as the command would
+                module.check_options(args)
             print(config_file.dump(parser, args), end="")
             return 0
         return module.run(args, rest)

@@ -30,6 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, BenchConfig)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What ``--print-config`` checks before it prints: what a run refuses before its workers start,
+    in its words and with its exit status."""
+    config = config_from(args, BenchConfig, argv=[])
+    try:
+        validate(config, world=config.nproc)
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``shardwire bench``: check the arguments, then launch local workers or be one."""
     config = config_from(args, BenchConfig, argv=argv)

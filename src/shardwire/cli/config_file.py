@@ -17,7 +17,8 @@ YAML 1.1's octal eight, and ``1:30`` is no number, not its sexagesimal 90), a si
 switch is true or false, and a key that is no option of the command is an error naming the nearest
 one (a key that is an option's name before a rename sets the option and warns, for a release).
 ``--print-config`` prints the options the command would run with, in this form: a file to start
-from, or a record of a run.
+from, or a record of a run; first it runs the checks the command makes of them before any work
+(``check_options``, ``shardwire.cli``), so a combination a run refuses is refused here too.
 
 Both are taken out of the arguments before the command's parser reads them, so they work for every
 command and subcommand alike, and a command that relaunches itself as workers passes ``--config`` on

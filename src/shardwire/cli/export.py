@@ -22,10 +22,11 @@ import sys
 import torch
 
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
-from shardwire.engine.checkpoint.portable import weights_in
+from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.files import OutputRefused, StagedDirectory, new_output_problem
+from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.mappings import shown
+from shardwire.options import text
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
 from shardwire.training.config import recorded_seq_len
@@ -34,12 +35,12 @@ _LISTINGS = 5  # how often a series whose checkpoints a running job prunes is li
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", type=text,
                         help="a checkpoint (ckpt/step_00000400), or a --checkpoint-dir: its newest checkpoint")
-    parser.add_argument("out", metavar="OUT",
+    parser.add_argument("out", metavar="OUT", type=text,
                         help="hf: models: a new directory for save_pretrained; GPT presets: a new .safetensors or "
                              ".pt file")
-    parser.add_argument("--model", help="the model the checkpoint holds, as train's --model names it (default: "
+    parser.add_argument("--model", type=text, help="the model the checkpoint holds, as train's --model names it (default: "
                                         "what shardwire train recorded in the checkpoint)")
 
 
@@ -118,8 +119,9 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     trained = args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
     if not trained and recorded:
         notes.append(f"{checkpoint} was trained as {recorded}; exported as --model {args.model}")
-    _check_outside(args.out, given)
     if model.startswith(HF_PREFIX):
+        if (problem := inside_problem(args.out, given, "exported")) is not None:
+            raise OutputRefused(f"OUT {args.out} {problem}")
         stage = StagedDirectory(args.out, "OUT")  # claimed, and checked, before any weight is read
         try:
             with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
@@ -131,17 +133,10 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     if args.out.endswith(os.sep):  # a directory asked for, where the weights go in one file
         raise OutputRefused(f"OUT {args.out} names a directory, which is for hf: models (a save_pretrained "
                             f"directory): give {model} a file name, such as model.safetensors")
-    if (problem := new_output_problem(args.out)) is not None:
+    if (problem := export_problem(args.out, given)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
     _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None)
     return model, export_state_dict(checkpoint, args.out)
-
-
-def _check_outside(out: str, given: pathlib.Path) -> None:
-    """An OUT inside the checkpoint (or series) being exported would change what is being read."""
-    inside, outside = os.path.realpath(out), os.path.realpath(given)
-    if os.path.commonpath([inside, outside]) == outside:
-        raise OutputRefused(f"OUT {out} is inside {given}, which is being exported: give a path outside it")
 
 
 def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: list[str]) -> dict | None:

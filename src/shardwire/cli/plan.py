@@ -12,7 +12,7 @@ import json
 import sys
 
 from shardwire.sim import inputs
-from shardwire.sim.planner import plan
+from shardwire.sim.planner import check_global_batch, plan
 from shardwire.sim.report import plan_json, plan_text
 from shardwire.sim.specs import SpecError
 
@@ -33,10 +33,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "DiLoCo one: restarting from a checkpoint, and recovering the lost group live.")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What ``--print-config`` checks before it prints: the specs, the failure rate and the global
+    batch against the cluster, refused in the words and with the status of a run."""
+    try:
+        _checked(args)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _checked(args: argparse.Namespace):
+    """The specs and failure rate the arguments give, the global batch checked against the cluster."""
+    model, cluster, training = inputs.load_arguments(args)
+    rate = inputs.load_failure_rate(args)
+    check_global_batch(args.global_batch, cluster)
+    return model, cluster, training, rate
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        model, cluster, training = inputs.load_arguments(args)
-        rate = inputs.load_failure_rate(args)
+        model, cluster, training, rate = _checked(args)
         result = plan(model, cluster, args.global_batch, training, exact=args.exact)
         shown = (json.dumps(plan_json(result, args.global_batch, args.model, rate), indent=1) if args.json
                  else plan_text(result, args.global_batch, args.model, rate))

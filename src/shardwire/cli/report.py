@@ -11,7 +11,7 @@ from shardwire.profile.report import ReportError, write_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=text,
                         help="directories written by `shardwire train --profile --run-dir RUN_DIR`")
     parser.add_argument("--out", type=text, help="where to write the PNGs (default: the first RUN_DIR)")
 

@@ -30,20 +30,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", type=text, help="with --sweep: plot step time and scaling to this file")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What ``--print-config`` checks before it prints: the options together and the specs they
+    give, refused in the words and with the status of a run."""
+    try:
+        _checked(args)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _checked(args: argparse.Namespace):
+    """The specs and failure rate the arguments give, once the options are known to go together."""
+    if args.plot and not args.sweep:
+        raise SpecError("--plot draws a sweep: add --sweep KEY=V1,V2,...")
+    if args.plot:
+        require("matplotlib", "--plot")
+        try:
+            check_output_file(args.plot, "--plot", "png")
+        except OptionError as err:
+            raise SpecError(str(err)) from None
+    model, cluster, training = inputs.load_arguments(args)
+    rate = inputs.load_failure_rate(args)
+    if args.sweep and rate is not None:
+        raise SpecError("--node-mtbf prices the failures of one configuration: leave out --sweep")
+    return model, cluster, training, rate
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        if args.plot and not args.sweep:
-            raise SpecError("--plot draws a sweep: add --sweep KEY=V1,V2,...")
-        if args.plot:
-            require("matplotlib", "--plot")
-            try:
-                check_output_file(args.plot, "--plot", "png")
-            except OptionError as err:
-                raise SpecError(str(err)) from None
-        model, cluster, training = inputs.load_arguments(args)
-        rate = inputs.load_failure_rate(args)
-        if args.sweep and rate is not None:
-            raise SpecError("--node-mtbf prices the failures of one configuration: leave out --sweep")
+        model, cluster, training, rate = _checked(args)
         if args.sweep:
             key, values = parse_sweep(args.sweep)
             result = sweep(model, cluster, training, key, values)

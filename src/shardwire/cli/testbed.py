@@ -69,6 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     action("down", "stop anything still running on the nodes and remove the testbed")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What ``--print-config`` checks before it prints: the name, and for ``up`` its settings as ``up``
+    checks them before measuring or building anything, refused in the words and status of a run."""
+    try:
+        check_name(args.name)
+        if args.action == "up":
+            _up_settings(args)
+    except TestbedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         check_name(args.name)
@@ -82,16 +94,25 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 130
 
 
-def _up(args) -> int:
+def _up_settings(args) -> int | None:
+    """The link rate ``--link`` gives (None for ``--like``, which measures it), once ``up``'s options
+    are known to go together and the node count to be one a testbed can have."""
     if args.link is None and args.like is None:
         raise TestbedError("give the link rate: --link RATE (e.g. 1gbit) or --like PRESET (e.g. h100-100gbe)")
-    if args.like is None:
-        if args.nproc_per_node is not None:
-            raise TestbedError("--nproc-per-node sets the node's compute for --like; a rate given with --link "
-                               "needs none (give the ranks to `testbed run`)")
-        rate = parse_rate(args.link)
-    else:
+    if args.like is not None:
         Testbed(args.name, args.nodes, MIN_RATE)  # the node count, checked before a second of measuring
+        return None
+    if args.nproc_per_node is not None:
+        raise TestbedError("--nproc-per-node sets the node's compute for --like; a rate given with --link "
+                           "needs none (give the ranks to `testbed run`)")
+    rate = parse_rate(args.link)
+    Testbed(args.name, args.nodes, rate)
+    return rate
+
+
+def _up(args) -> int:
+    rate = _up_settings(args)
+    if rate is None:
         matched = regime.like(args.like, args.nodes, 1 if args.nproc_per_node is None else args.nproc_per_node)
         print("\n".join(matched.describe()))
         rate = matched.rate_bits

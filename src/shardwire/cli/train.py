@@ -18,7 +18,7 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.checkpoint.series import foreign_checkpoint
+from shardwire.engine.checkpoint.series import series_problem
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
@@ -113,8 +113,32 @@ def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
     return local, local
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What ``--print-config`` checks before it prints: the settings, alone and together, and against
+    the model they name, as a run checks them (a printed config runs, or fails as the command did);
+    not this machine, where the config may never run."""
+    config = config_from(args, TrainConfig)
+    diloco, _ = _check_settings(config)
+    _check_model(config, diloco)
+
+
 def _validate(config: TrainConfig) -> None:
-    """Everything that can be known wrong before a worker starts, as one line and exit status 1."""
+    """Everything that can be known wrong before a worker starts, as one line and exit status 1:
+    ``--print-launch`` checks the settings alone (the model and the machine are the cluster's)."""
+    diloco, fault_tolerance = _check_settings(config)
+    if config.print_launch:
+        return
+    if fault_tolerance is not None:  # every worker of the group the same name and lighthouse
+        config.fault_tolerance = str(fault_tolerance)
+    _check_this_machine(config)
+    choice = _check_model(config, diloco)
+    _check_memory(config, choice)
+    _check_data(config, choice)
+
+
+def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance | None]:
+    """The options' bounds and how they combine, nothing read from disk; returns --diloco and
+    --fault-tolerance parsed."""
     try:
         check_bounds(config)
         if not config.print_launch and (config.nnodes != 1 or config.nproc_per_node is not None):
@@ -125,31 +149,14 @@ def _validate(config: TrainConfig) -> None:
             raise OptionError(f"--weight-decay {config.weight_decay:g} with --lr {config.lr:g} would scale every "
                               f"weight by 1 - lr x weight decay = {1 - config.lr * config.weight_decay:.3g} at "
                               f"each step: give a weight decay below 1/lr ({1 / config.lr:.3g}), usually 0 to 0.1")
-        if not config.print_launch:  # what this job writes, on this machine
-            if config.checkpoint_dir is not None:
-                check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
-                if (problem := foreign_checkpoint(config.checkpoint_dir)) is not None:
-                    raise OptionError(f"--checkpoint-dir {config.checkpoint_dir} {problem}")
-            if config.profile:
-                check_writable_directory(config.run_dir or "runs", "--run-dir")
-                if config.run_dir is not None:  # the default one is named for the time the run ends
-                    for name, kind in ((PROFILE_FILE, "profile"), (TRACE_FILE, "trace")):
-                        check_output_file(os.path.join(config.run_dir, name), "--run-dir:", kind)
-            if config.tensorboard is not None:
-                require("tensorboard", "--tensorboard")
-                check_writable_directory(config.tensorboard, "--tensorboard")
-            if config.log_jsonl is not None:
-                check_output_file(config.log_jsonl, "--log-jsonl", "scalars")
-            if config.export_hf is not None:
-                if not config.model.startswith(HF_PREFIX):
-                    raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
-                                      f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
-                if (problem := new_directory_problem(config.export_hf)) is not None:
-                    raise OptionError(f"--export-hf {config.export_hf} {problem}")
-                if config.checkpoint_dir is not None and _overlap(config.export_hf, config.checkpoint_dir):
-                    raise OptionError(f"--export-hf {config.export_hf} and --checkpoint-dir {config.checkpoint_dir} "
-                                      f"overlap: the export would hold the checkpoints, or replace them; give each a "
-                                      f"directory of its own")
+        if config.export_hf is not None and not config.print_launch:
+            if not config.model.startswith(HF_PREFIX):
+                raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
+                                  f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
+            if config.checkpoint_dir is not None and _overlap(config.export_hf, config.checkpoint_dir):
+                raise OptionError(f"--export-hf {config.export_hf} and --checkpoint-dir {config.checkpoint_dir} "
+                                  f"overlap: the export would hold the checkpoints, or replace them; give each a "
+                                  f"directory of its own")
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     try:
@@ -166,12 +173,9 @@ def _validate(config: TrainConfig) -> None:
             raise SystemExit(f"error: --plan {config.plan} chooses the wire and the syncs itself (auto: exact "
                              f"collectives; auto-lossy also weighs quantized wires and DiLoCo): leave out --wire and "
                              f"--diloco, or --plan")
-    if fault_tolerance is not None:
-        if not config.print_launch:  # a printed command leaves each node to name itself
-            config.fault_tolerance = str(fault_tolerance)  # every worker of the group the same name and lighthouse
-        if config.export_hf:
-            raise SystemExit("error: --export-hf with --fault-tolerance: every group would write the same "
-                             "directory; export one group's last checkpoint with shardwire export instead")
+    if fault_tolerance is not None and config.export_hf:
+        raise SystemExit("error: --export-hf with --fault-tolerance: every group would write the same "
+                         "directory; export one group's last checkpoint with shardwire export instead")
     try:
         world, per_node = _world_and_node_size(config)
         check_fault_tolerance(fault_tolerance, diloco, config.layout, config.shard_group_size, world)
@@ -181,8 +185,30 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: {err.as_options()}") from None
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    if config.print_launch:
-        return  # the rest is about this machine, not the cluster the command is for
+    return diloco, fault_tolerance
+
+
+def _check_this_machine(config: TrainConfig) -> None:
+    """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
+    try:
+        if config.checkpoint_dir is not None:
+            check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
+            if (problem := series_problem(config.checkpoint_dir)) is not None:
+                raise OptionError(f"--checkpoint-dir {config.checkpoint_dir} {problem}")
+        if config.profile:
+            check_writable_directory(config.run_dir or "runs", "--run-dir")
+            if config.run_dir is not None:  # the default one is named for the time the run ends
+                for name, kind in ((PROFILE_FILE, "profile"), (TRACE_FILE, "trace")):
+                    check_output_file(os.path.join(config.run_dir, name), "--run-dir:", kind)
+        if config.tensorboard is not None:
+            require("tensorboard", "--tensorboard")
+            check_writable_directory(config.tensorboard, "--tensorboard")
+        if config.log_jsonl is not None:
+            check_output_file(config.log_jsonl, "--log-jsonl", "scalars")
+        if config.export_hf is not None and (problem := new_directory_problem(config.export_hf)) is not None:
+            raise OptionError(f"--export-hf {config.export_hf} {problem}")
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     if (problem := worker.unavailable(config.backend)) is not None:
         raise SystemExit(f"error: {problem}")
     if config.precision == "fp8" and (problem := fp8.unavailable(config.backend)) is not None:
@@ -192,12 +218,17 @@ def _validate(config: TrainConfig) -> None:
             raise SystemExit(f"error: {problem}")
     if config.compile and (problem := _compiler_problem(config.backend)) is not None:
         raise SystemExit(f"error: {problem}")
+
+
+def _check_model(config: TrainConfig, diloco: DiLoCo | None) -> ModelChoice:
+    """The settings against the model they name, which is returned: it can be built, it has the units
+    --diloco cuts into fragments, fp8 suits it, --plan can price it."""
     try:
         choice = choose(config.model, units=config.units, seq_len=config.seq_len)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     try:
-        if diloco is not None:  # the model's units are known from its choice, before any worker builds it
+        if diloco is not None:  # the units are known before any worker builds them
             diloco.check_units(choice.units_with_parameters)
     except SettingError as err:
         raise SystemExit(f"error: {err.as_options()}") from None
@@ -205,7 +236,11 @@ def _validate(config: TrainConfig) -> None:
         raise SystemExit(f"error: --precision fp8: {choice.fp8_refusal}")
     if config.plan != "none" and (problem := unplannable(config)) is not None:
         raise SystemExit(f"error: {problem}")
-    _check_memory(config, choice)
+    return choice
+
+
+def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
+    """The corpus the job trains on is there and fits the model's vocabulary."""
     memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
     try:
         if config.data is None and config.tokenizer is None and not config.model.startswith(HF_PREFIX):

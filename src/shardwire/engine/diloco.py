@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire
-from shardwire.options import setting_error, settings_fields
+from shardwire.options import MAX_COUNT, setting_error, settings_fields
 from shardwire.renamed import warn_renamed
 
 # The fields' names before torchft's, kept for a release: old -> new.
@@ -74,9 +74,9 @@ class DiLoCo:
     fragment_sync_delay: int | None = 0
 
     def __post_init__(self):
-        if type(self.sync_every) is not int or self.sync_every < 1:
-            raise setting_error("diloco", f"sync_every must be a positive integer (inner steps between syncs), "
-                                          f"got {self.sync_every!r}")
+        if type(self.sync_every) is not int or not 1 <= self.sync_every <= MAX_COUNT:
+            raise setting_error("diloco", f"sync_every must be a positive integer of at most {MAX_COUNT:,} (inner "
+                                          f"steps between syncs), got {self.sync_every!r}")
         if type(self.fragments) is not int or self.fragments < 1:
             raise setting_error("diloco", f"fragments must be a positive integer, got {self.fragments!r}")
         if self.fragments > self.sync_every:
@@ -110,9 +110,9 @@ class DiLoCo:
             return None
         fields, old_names = settings_fields(
             diloco, _FIELD_TYPES, setting="diloco", renamed=RENAMED_FIELDS,
-            not_understood=f"{diloco!r} is not understood: use 'none', or key=value pairs of "
-                           f"{', '.join(_FIELD_TYPES)}, e.g. 'sync_every=50,fragments=4,wire=int4'",
-            bad_value=lambda key, value: f"{key} must be {_FIELD_WORDS[key]}, got {value!r}",
+            remedy=f"use 'none', or key=value pairs of {', '.join(_FIELD_TYPES)}, e.g. "
+                   f"'sync_every=50,fragments=4,wire=int4'",
+            bad_value=lambda key, value: f"{key} must be {_FIELD_WORDS[key]}, got {value}",
             twice=lambda key: f"{key} is given twice (the last would win silently): give it once")
         if old_names:
             warn_renamed(f"diloco {', '.join(f'{old}= is renamed {RENAMED_FIELDS[old]}=' for old in old_names)}")

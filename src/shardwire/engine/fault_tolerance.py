@@ -100,9 +100,9 @@ class FaultTolerance:
             return None
         fields, _ = settings_fields(
             text, _FIELD_TYPES, setting="fault_tolerance",
-            not_understood=f"{text!r} is not understood: use 'none', or key=value pairs of "
-                           f"{', '.join(_FIELD_TYPES)}, e.g. 'lighthouse=http://head:29510,group=node-3'",
-            bad_value=lambda key, value: f"{key} must be a number, got {value!r}",
+            remedy=f"use 'none', or key=value pairs of {', '.join(_FIELD_TYPES)}, e.g. "
+                   f"'lighthouse=http://head:29510,group=node-3'",
+            bad_value=lambda key, value: f"{key} must be a number, got {value}",
             twice=lambda key: f"{key} is given twice (the last would win silently): give it once")
         return cls(**fields)
 

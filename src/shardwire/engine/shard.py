@@ -32,13 +32,15 @@ from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
 from shardwire.engine.unit import Unit
 from shardwire.options import MAX_TIMEOUT_S
-from shardwire.renamed import renamed_argument
+from shardwire.renamed import renamed_keywords
 
 _ENGINE_ATTR = "_shardwire_engine"
 # Set on every module of a sharded model: its parameters are no longer its own to shard again.
 _SHARDED_ATTR = "_shardwire_sharded"
 
 
+@renamed_keywords({"sync": "diloco", "sharding": "layout"},
+                  notes={"sync": " (every -> sync_every, overlap -> fragment_sync_delay)"})
 def shard(
     model: nn.Module,
     *,
@@ -57,8 +59,6 @@ def shard(
     timeout: float = 600.0,
     device: torch.device | str | None = None,
     init: Callable[[nn.Module], None] | None = None,
-    sync: DiLoCo | str | None = None,
-    sharding: str | None = None,
 ) -> nn.Module:
     """Shard ``model`` over the ranks of ``process_group`` in place, and return it.
 
@@ -126,9 +126,10 @@ def shard(
         init: what initialises each module of a model built on the meta device, ``fn(module)`` as for
             ``model.apply``: by default a Hugging Face model's own initialisation, and otherwise each
             module's ``reset_parameters()``. The package's GPT takes ``init=model.init_module``.
-        sync: ``diloco``'s name before torchft's, which read as the opposite of ``no_sync``: taken
-            as ``diloco``, with a warning, for a release.
-        sharding: ``layout``'s name before, likewise.
+
+    ``diloco`` was ``sync`` before torchft's name (``sync`` read as the opposite of ``no_sync``),
+    ``layout`` was ``sharding``: either old name is taken as the new one, with a warning, for a
+    release (``shardwire.renamed.renamed_keywords``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() takes the model, an nn.Module, got {type(model).__name__}")
@@ -147,11 +148,6 @@ def shard(
         raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:,} (a "
                          f"year), got {timeout!r}")
     wire = Wire.parse(wire)
-    if sharding is not None:
-        layout = renamed_argument("shard", "sharding", "layout", sharding, given_new=layout != "full")
-    if sync is not None:
-        diloco = renamed_argument("shard", "sync", "diloco", sync, given_new=diloco is not None,
-                                  note=" (every -> sync_every, overlap -> fragment_sync_delay)")
     diloco = DiLoCo.parse(diloco)
     fault_tolerance = FaultTolerance.parse(fault_tolerance)
     compile_options = _compile_options(compile)

@@ -20,14 +20,16 @@ runs no code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import pathlib
 import pickle
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -35,6 +37,7 @@ from torch import nn
 
 from shardwire.engine.selection import assign_params, select_units
 from shardwire.extras import quietly_importing, require
+from shardwire.launch import tells_the_user
 from shardwire.mappings import MappingError, cut, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
@@ -104,7 +107,7 @@ def choose(name: str, *, units: str | None = None, seq_len: int | None = None) -
     if name.startswith(HF_PREFIX):
         return _hugging_face(name[len(HF_PREFIX):], units, seq_len)
     if name not in PRESETS:
-        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor hf:PATH_OR_JSON")
+        raise ValueError(f"--model {shown(name)} is neither a preset ({', '.join(sorted(PRESETS))}) nor hf:PATH_OR_JSON")
     if units is not None:
         raise ValueError("--units is for hf: models; the GPT presets shard into their blocks")
     config = PRESETS[name] if seq_len is None else dataclasses.replace(PRESETS[name], seq_len=seq_len)
@@ -216,8 +219,9 @@ def hf_config(transformers, source: str):
             check_files(pathlib.Path(source))
         if source.lstrip().startswith("{"):
             return config_from_fields(transformers, fields), None
-        config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
-                                                                    trust_remote_code=False))
+        with _config_notes():
+            config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
+                                                                        trust_remote_code=False))
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(f"{what}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
     path = pathlib.Path(source)
@@ -240,10 +244,29 @@ def config_from_fields(transformers, fields: dict):
     checkpoint recorded); a ``ValueError`` saying what is wrong with it."""
     fields = dict(fields)
     try:
-        config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
+        with _config_notes():
+            config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(first_line(err)) from None
     return _buildable(config)
+
+
+@contextlib.contextmanager
+def _config_notes() -> Iterator[None]:
+    """Let transformers' warnings about a config it reads (a bos_token_id outside the vocabulary)
+    through only in the process that tells the user (``launch.tells_the_user``): every rank reads the
+    same config, and would repeat them once per rank. Within that process transformers says each one
+    once, however often the config is read."""
+    if tells_the_user():
+        yield
+        return
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _buildable(config):

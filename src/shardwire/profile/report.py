@@ -14,7 +14,7 @@ import os
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
-from shardwire.mappings import MappingError, is_number, read_json, shown
+from shardwire.mappings import MappingError, cut, is_number, read_json, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
 from shardwire.profile import PROFILE_FILE
 from shardwire.profile.profiler import FORMAT_VERSION
@@ -34,11 +34,11 @@ class ReportError(Exception):
 def load_profile(run_dir: str) -> dict:
     path = os.path.join(run_dir, PROFILE_FILE)
     if not os.path.isdir(run_dir):
-        raise ReportError(f"{run_dir} is not a directory")
+        raise ReportError(f"{cut(run_dir)} is not a directory")
     if not os.path.exists(path):
         raise ReportError(
-            f"{run_dir} has no profile data ({path} is missing): profile a run with "
-            f"`shardwire train --profile --run-dir {run_dir}` or Profiler.save({run_dir!r})"
+            f"{cut(run_dir)} has no profile data ({PROFILE_FILE} is missing): profile a run with "
+            f"`shardwire train --profile --run-dir {cut(run_dir)}` or Profiler.save({cut(run_dir)!r})"
         )
     if not os.path.isfile(path):  # a FIFO would block the report for ever, a device feed it to the bound
         raise ReportError(f"{path} is not a regular file: profile the run again")

@@ -31,6 +31,8 @@ from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward
 from shardwire.sim.specs import (
     MAX_GPUS_PER_NODE,
     MAX_NODES,
+    MIN_BANDWIDTH_GBPS,
+    MIN_EFFICIENCY,
     ClusterSpec,
     ModelSpec,
     SpecError,
@@ -76,10 +78,17 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
     if max(fitted.values()) > 1:
         raise SpecError(f"{source}: its compute runs faster than cluster {cluster.name!r}'s peak allows "
                         f"({max(fitted.values()):.2f} of it): give the peak_tflops of the GPU it was measured on")
+    if optimizer / 1e9 < MIN_BANDWIDTH_GBPS:
+        raise SpecError(f"{source}: its optimizer step ({measured.optimizer_s:.4g} s) streams {optimizer / 1e9:.3g} "
+                        f"GB/s, slower than any memory: was the profile taken on this GPU, of the job it names?")
     if cluster.memory_bandwidth_GBps is not None and optimizer > cluster.memory_bandwidth_GBps * 1e9:
         raise SpecError(f"{source}: its optimizer step streams {optimizer / 1e9:.4g} GB/s, more than cluster "
                         f"{cluster.name!r}'s memory bandwidth ({cluster.memory_bandwidth_GBps:g} GB/s) allows: was "
                         f"the profile taken on this GPU, of the job it names?")
+    if min(fitted.values()) < MIN_EFFICIENCY:  # the profile's doing, not the cluster's: blamed on it
+        raise SpecError(f"{source}: its compute runs at {min(fitted.values()):.2g} of cluster {cluster.name!r}'s "
+                        f"peak, slower than any GPU runs its kernels: was the profile taken on this GPU, of the "
+                        f"job it names?")
     return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
                              "name": f"{cluster.name} (calibrated by {os.path.basename(source)})"})
 

@@ -54,7 +54,7 @@ def load_spec(kind: str, text: str):
         return presets[text]
     if kind == "model" and text.startswith(huggingface.HF_PREFIX):
         return load_model(text)
-    if os.path.isfile(text):
+    if os.path.exists(text) and not os.path.isdir(text):  # a pipe too (<(...)), read within bounds as a file is
         with _spec_errors():
             data = read_mapping(read_file(text, f"{kind} file {text}"), f"{kind} file {text}")
         name = os.path.splitext(os.path.basename(text))[0]

@@ -100,11 +100,9 @@ class Launch:
     needs: str | None = None
 
 
-def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
-         exact: bool = False, fixed: Mapping[str, object] | None = None) -> Plan:
-    """Search the settings (``exact``: exact collectives only, and no DiLoCo offered; ``fixed``:
-    settings held at these values, as a run that plans itself holds its batch); raises
-    ``SpecError`` when the batch is out of range or does not divide, or nothing fits."""
+def check_global_batch(global_batch: int, cluster: ClusterSpec) -> None:
+    """Refuse a global batch out of range or that does not divide over ``cluster``'s GPUs, naming
+    the nearest that do (``SpecError``): before any search, and before ``--print-config`` prints."""
     if global_batch < 1:
         raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
     if global_batch > MAX_BATCH:
@@ -117,6 +115,15 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"global batch {global_batch} does not divide over {world} GPUs; the nearest that do are "
             f"{', '.join(str(b) for b in (lower, upper) if b > 0)}"
         )
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: TrainingSpec, *,
+         exact: bool = False, fixed: Mapping[str, object] | None = None) -> Plan:
+    """Search the settings (``exact``: exact collectives only, and no DiLoCo offered; ``fixed``:
+    settings held at these values, as a run that plans itself holds its batch); raises
+    ``SpecError`` when the batch is out of range or does not divide, or nothing fits."""
+    check_global_batch(global_batch, cluster)
+    world = cluster.world
     per_gpu = global_batch // world
     notes = []
     if base.precision == "bf16" and not cluster.bf16:

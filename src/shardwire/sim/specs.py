@@ -95,12 +95,15 @@ _PEAK = Limit(
     low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peaks are in TFLOP/s",
     high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peaks are in TFLOP/s (1e12 FLOP/s)",
 )
+# The least fraction of its peak a GPU's kernels are taken to reach.
+MIN_EFFICIENCY = 1e-4
 _EFFICIENCY = Limit(
-    low=1e-4, below="under 0.0001 of peak, the fraction in (0, 1] its kernels reach: lower the peak instead",
+    low=MIN_EFFICIENCY, below="under 0.0001 of peak, the fraction in (0, 1] its kernels reach: lower the peak instead",
     high=1.0, above="over 1: it is the fraction of the peak its kernels reach, in (0, 1]",
 )
+MIN_BANDWIDTH_GBPS = 1e-5
 _BANDWIDTH = Limit(
-    low=1e-5, below="under 1e-05 GB/s (10 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
+    low=MIN_BANDWIDTH_GBPS, below="under 1e-05 GB/s (10 kB/s), slower than any network: bandwidths are in GB/s (1e9 bytes/s)",
     high=1e12, above="over 1e12 GB/s, a hundred million times any memory or link: bandwidths are in GB/s "
                      "(1e9 bytes/s)",
 )

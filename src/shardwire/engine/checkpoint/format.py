@@ -52,8 +52,9 @@ FORMAT = "shardwire-checkpoint"
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
 # sharded over fewer ranks than saved (hybrid sharding); 5: groups that saved shards of their own;
 # 6: shards hold each parameter's rows (``Packing`` by rows), where earlier ones held equal runs of
-# the parameters laid end to end (read as such)
-VERSION = 6
+# the parameters laid end to end (read as such); 7: each file's modification time as its writer saw
+# it, the proof that nothing was written over it since (``ownership.not_a_checkpoint``)
+VERSION = 7
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
 
@@ -138,10 +139,12 @@ class FileRecord:
     name: str
     nbytes: int
     sha256: str
+    mtime_ns: int | None = None  # as its writer saw it once durable; None before format 7
 
     @classmethod
-    def of(cls, name: str, data: bytes) -> "FileRecord":
-        return cls(name, len(data), hashlib.sha256(data).hexdigest())
+    def of(cls, path: pathlib.Path, data: bytes) -> "FileRecord":
+        """The record of ``data``, just written durably to ``path``."""
+        return cls(path.name, len(data), hashlib.sha256(data).hexdigest(), path.stat().st_mtime_ns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +230,7 @@ class Manifest:
         step = None if raw["step"] is None else schema.integer(raw["step"], "step")
         world_size = schema.integer(raw["world_size"], "world_size", minimum=1)
         groups = schema.integer(raw["groups"], "groups", minimum=1) if version >= 5 else 1
-        files = _files_from_json(raw["files"], world_size)
+        files = _files_from_json(raw["files"], world_size, version)
         flats = [_flat_from_json(flat, f"flats[{i}]", world_size, version)
                  for i, flat in enumerate(schema.array(raw["flats"], "flats"))]
         schema.unique([flat.name for flat in flats], "the flat buffers' names")
@@ -250,7 +253,7 @@ class Manifest:
 
 # Version 1 manifests (before a manifest recorded its own sha256) are read with every other check;
 # the optimizer state of versions 1 and 2 (kept per flat buffer) is not read.
-_READABLE_VERSIONS = (1, 2, 3, 4, 5, VERSION)
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, VERSION)
 _KEYS = ("format", "version", "step", "world_size", "flats", "buffers", "state_dict_keys", "optimizer", "extra",
          "files")
 
@@ -273,15 +276,17 @@ def _flat_to_json(flat: FlatRecord) -> dict:
     }
 
 
-def _files_from_json(raw, world_size: int) -> list[FileRecord]:
+def _files_from_json(raw, world_size: int, version: int) -> list[FileRecord]:
     """The file records, which must be exactly one per saving rank and the replicated file."""
     records = []
+    keys = ("name", "nbytes", "sha256", "mtime_ns") if version >= 7 else ("name", "nbytes", "sha256")
     for i, record in enumerate(schema.array(raw, "files")):
-        record = schema.fields(record, f"files[{i}]", ("name", "nbytes", "sha256"))
+        record = schema.fields(record, f"files[{i}]", keys)
         records.append(FileRecord(
             schema.plain_name(record["name"], f"files[{i}].name"),
             schema.integer(record["nbytes"], f"files[{i}].nbytes"),
             schema.sha256(record["sha256"], f"files[{i}].sha256"),
+            schema.integer(record["mtime_ns"], f"files[{i}].mtime_ns", minimum=-2**63) if version >= 7 else None,
         ))
     if len(records) != world_size + 1:
         raise ValueError(f"files lists {len(records)} files, where a checkpoint saved by {world_size} ranks has "

@@ -5,17 +5,23 @@ output, a directory that merely looks like a temporary), so deleting by name alo
 A save therefore marks what it makes: it writes ``made-by-shardwire.json``, naming the directory (the
 checkpoint's name and the save's random token), into the temporary directory it creates, and into a
 checkpoint before hiding it under a temporary name for deletion. Clean-up deletes a temporary
-directory only if its marker names it; a complete checkpoint's proof is its valid manifest. Anything
-else is left alone, however it is named.
+directory only if its marker names it; a complete checkpoint's proof is its valid manifest, listing
+every file it holds at the size and modification time its writer saw. Anything else is left alone,
+however it is named, and so is whatever another file system is mounted on (a bind mount of the
+user's directory at a checkpoint's name): like a link, what it shows is not the directory's to give,
+and nothing is written into it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pathlib
+import re
 from typing import NamedTuple
 
-from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest, new_token, temporary_name
+from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, FileRecord, Manifest, new_token, temporary_name
 from shardwire.files import empty_directory
 
 MARKER = "made-by-shardwire.json"
@@ -41,11 +47,15 @@ def not_a_checkpoint(path: pathlib.Path, step: int | None = None) -> str | None:
     """Why ``path`` is not a complete checkpoint (a real directory with a valid manifest, holding only
     the files it lists, each of the size it records, and, where its name says its ``step``, a manifest
     of that step); None if it is. A file put in it since (an export, the user's notes), or a manifest
-    copied in beside files of the user's, makes it other than a save's checkpoint, which no save may
-    delete. (Sizes, not checksums: reading a whole checkpoint back before each prune would cost a
-    save as much again; a loader checks the checksums of what it reads.)"""
+    copied in beside files of the user's, a file written over since it was saved (even at its
+    size), or a mount in it, makes it other than a save's checkpoint, which no save may delete.
+    (Sizes and modification times; checksums only of a file whose time has changed, as a copy's
+    has: reading a whole checkpoint back before each prune would cost a save as much again. A
+    manifest of before format 7 records no times: its sizes alone are checked.)"""
     if path.is_symlink():
         return f"{path} is a symbolic link"
+    if (mount := _mount_in(path)) is not None:
+        return f"{mount} is a mount point"
     try:
         manifest = Manifest.read(path)
     except CheckpointError as err:
@@ -62,7 +72,44 @@ def not_a_checkpoint(path: pathlib.Path, step: int | None = None) -> str | None:
             return f"{path / record.name} is missing"
         if size != record.nbytes:
             return f"{path / record.name} holds {size:,} bytes where its manifest records {record.nbytes:,}"
+        if record.mtime_ns is not None and not _as_saved(path / record.name, record):
+            return f"{path / record.name} was written since it was saved"
     return None
+
+
+def _as_saved(path: pathlib.Path, record: FileRecord) -> bool:
+    """Whether the file at ``path`` holds what its save wrote: it has the modification time its
+    writer saw (nothing wrote it since), or, where it has not (a copy of the checkpoint, a restore),
+    the sha256 its manifest records, read back only then."""
+    if path.stat().st_mtime_ns == record.mtime_ns:
+        return True
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                digest.update(piece)
+    except OSError:
+        return False
+    return digest.hexdigest() == record.sha256
+
+
+def _mount_in(path: pathlib.Path) -> str | None:
+    """A mount point at ``path`` or inside it, or None. The kernel's table is read, since a bind mount
+    of a directory of the same file system has the device of its parent (``os.path.ismount`` misses
+    it); where there is no such table, ``ismount`` is what can be known."""
+    where = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+            points = [_unescaped(line.split()[4]) for line in table if len(line.split()) > 4]
+    except OSError:
+        return where if os.path.ismount(where) else None
+    return next((point for point in points if point == where or point.startswith(where + os.sep)), None)
+
+
+def _unescaped(point: str) -> str:
+    """A mount point as /proc/self/mountinfo writes it, with a space, tab, newline or backslash as
+    an octal escape (``\\040``)."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), point)
 
 
 def _unlisted(path: pathlib.Path, manifest: Manifest) -> list[str]:
@@ -119,7 +166,7 @@ def _mark(directory: pathlib.Path, name: str, token: str) -> None:
 
 def _marked_as(path: pathlib.Path) -> _Names | None:
     """The names a save gave ``path``, from the marker in it; None for anything without one, and for a
-    link (what it points to is not the link's to give)."""
+    link or a mount (what it shows is not the directory's to give)."""
     if path.is_symlink():
         return None
     try:
@@ -127,6 +174,8 @@ def _marked_as(path: pathlib.Path) -> _Names | None:
     except (OSError, ValueError):
         return None
     if not (isinstance(marker, dict) and isinstance(marker.get("name"), str) and isinstance(marker.get("token"), str)):
+        return None
+    if _mount_in(path) is not None:
         return None
     return _Names(marker["name"], temporary_name(marker["name"], marker["token"]))
 

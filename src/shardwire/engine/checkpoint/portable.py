@@ -34,7 +34,7 @@ from shardwire.engine.checkpoint.load import copy_into_model
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import WeightsByUnit, describe
-from shardwire.files import write_atomically
+from shardwire.files import OutputRefused, inside_problem, new_output_problem, write_atomically
 
 
 def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
@@ -43,9 +43,12 @@ def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) 
     ``output`` ending in ``.safetensors`` (in any case) gives a safetensors file, anything else a
     ``torch.save`` file. It runs in one process, with no process group, from a checkpoint of any world
     size; every file it reads is verified against the manifest, and ``output`` appears only once
-    complete, never over a file (``OutputRefused``). A checkpoint whose weights are not finite (a
+    complete, never over a file: an ``output`` that exists, or lies inside the checkpoint, is refused
+    (``OutputRefused``) before any weight is read. A checkpoint whose weights are not finite (a
     diverged run) is refused.
     """
+    if (problem := export_problem(output, checkpoint)) is not None:
+        raise OutputRefused(f"{os.fspath(output)} {problem}")
     with weights_in(checkpoint, finite=True) as weights:
         state = weights.state_dict()
     output = pathlib.Path(output)
@@ -57,6 +60,13 @@ def export_state_dict(checkpoint: str | os.PathLike, output: str | os.PathLike) 
         data = buffer.getvalue()
     write_atomically(output, data, durable=True, new=True)
     return output
+
+
+def export_problem(output: str | os.PathLike, checkpoint: str | os.PathLike) -> str | None:
+    """What stops ``output`` being the new file an export of ``checkpoint`` writes, or None: it lies
+    inside the checkpoint (whose files it would change while they are read), exists (a user's file
+    is never replaced) or cannot be written. The words follow the path in a message."""
+    return inside_problem(output, checkpoint, "exported") or new_output_problem(output)
 
 
 def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:

@@ -317,7 +317,7 @@ class _Snapshot:
         for name, tensors in files.items():
             data = safetensors.torch.save(tensors)
             write_durably(directory / name, data)
-            records.append(FileRecord.of(name, data))
+            records.append(FileRecord.of(directory / name, data))
         return records
 
 

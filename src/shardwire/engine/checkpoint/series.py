@@ -34,15 +34,20 @@ def step_of(path: pathlib.Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def foreign_checkpoint(directory: str | pathlib.Path) -> str | None:
-    """Why ``directory`` cannot hold a series: it is a checkpoint of torch.distributed.checkpoint
-    (DCP writes ``.metadata`` beside its ``.distcp`` files), which a series would not see, so a run
-    would start over beside it; None otherwise. Said after the directory's name."""
-    if not (pathlib.Path(directory) / _DCP_METADATA).is_file():
-        return None
-    return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
-            f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
-            f"shardwire's checkpoints a directory of their own")
+def series_problem(directory: str | pathlib.Path) -> str | None:
+    """Why ``directory`` cannot hold a series, or None: it is a checkpoint itself, one of
+    torch.distributed.checkpoint (DCP writes ``.metadata`` beside its ``.distcp`` files) or one of
+    shardwire's (a series' ``step_N``). A series would not see it and would start over inside it,
+    its own checkpoints making the one there unprunable. Said after the directory's name."""
+    directory = pathlib.Path(directory)
+    if (directory / _DCP_METADATA).is_file():
+        return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
+                f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
+                f"shardwire's checkpoints a directory of their own")
+    if _holds_a_manifest(directory):
+        return (f"is a checkpoint itself, not a directory of them: give the directory that holds it "
+                f"({directory.resolve().parent}) to resume from it, or a directory of its own")
+    return None
 
 
 def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
