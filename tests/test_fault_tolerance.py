@@ -483,13 +483,17 @@ def test_a_group_that_joins_between_steps_receives_the_model_and_steps_with_the_
         assert torch.equal(late[key], value), key
 
 
-def _dying_step_group(index: int, lighthouse: str, steps: int, results) -> None:
-    """Two groups meeting at every step; group 1's process dies in step 3, after its forward."""
+def _dying_step_group(index: int, lighthouse: str, directory: str, steps: int, results) -> None:
+    """Two groups meeting at every step; group 1's process dies in step 3, after its forward. Each
+    steps once both are heartbeating (a quorum of one may form first otherwise: the lighthouse waits
+    for every group it hears)."""
     os.environ["RUST_LOG"] = "warn"
     torch.manual_seed(0)
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid",
                             fault_tolerance=FaultTolerance(lighthouse, f"g{index}", timeout=20))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    (pathlib.Path(directory) / f"ready{index}").touch()
+    _wait_for(pathlib.Path(directory) / f"ready{1 - index}")
     meeting = engine_of(model).step_quorum
     kept, updated = [], []
     while meeting.steps < steps:
@@ -507,7 +511,7 @@ def _dying_step_group(index: int, lighthouse: str, steps: int, results) -> None:
 
 
 @pytest.mark.slow
-def test_a_step_a_group_dies_in_is_dropped_and_moves_no_parameter_then_the_others_go_on():
+def test_a_step_a_group_dies_in_is_dropped_and_moves_no_parameter_then_the_others_go_on(tmp_path):
     """Group 1 dies in the middle of step 3: group 0's all-reduce fails, the vote drops the step (no
     gradients: the optimizer moves nothing), and group 0 runs it again alone, and on to the end."""
     pytest.importorskip("torchft")
@@ -518,8 +522,8 @@ def test_a_step_a_group_dies_in_is_dropped_and_moves_no_parameter_then_the_other
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2000)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    groups = [context.Process(target=_dying_step_group, args=(index, lighthouse.address(), 6, results))
-              for index in range(2)]
+    groups = [context.Process(target=_dying_step_group,
+                              args=(index, lighthouse.address(), str(tmp_path), 6, results)) for index in range(2)]
     try:
         for group in groups:
             group.start()
