@@ -6,15 +6,18 @@
 #
 #   bash benchmarks/ft_wire.sh benchmarks/results/ft-wire
 #
+# TESTBED names the testbed it builds and removes (default: shardwire).
+#
 # Every rank shares this machine's cores: the link, not the compute, is what differs between the
 # runs of a pair.
 set -euo pipefail
 out=${1:?give the directory for the results}
 steps=${STEPS:-100}
+bed=${TESTBED:-shardwire}
 mkdir -p "$out"
-shardwire testbed up --nodes 2 --link 100mbit
-trap 'shardwire testbed down' EXIT
-shardwire testbed exec node0 -- torchft_lighthouse --min_replicas 2 --join_timeout_ms 60000 \
+shardwire testbed up --name "$bed" --nodes 2 --link 100mbit
+trap 'shardwire testbed down --name "$bed"' EXIT
+shardwire testbed exec --name "$bed" node0 -- torchft_lighthouse --min_replicas 2 --join_timeout_ms 60000 \
   > /dev/null 2>&1 &
 sleep 2
 
@@ -22,8 +25,8 @@ run() {  # NAME, then the options that differ
   local name=$1; shift
   local start=$SECONDS groups=()
   for k in 0 1; do
-    shardwire testbed exec node$k -- shardwire train --model small --steps "$steps" --log-every 20 \
-      --layout hybrid --nproc 1 --fault-tolerance lighthouse=shardwire-node0:29510 "$@" \
+    shardwire testbed exec --name "$bed" node$k -- shardwire train --model small --steps "$steps" --log-every 20 \
+      --layout hybrid --nproc 1 --fault-tolerance lighthouse="$bed-node0":29510 "$@" \
       > "$out/$name-node$k.log" 2>&1 &
     groups+=($!)
   done

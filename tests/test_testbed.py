@@ -71,6 +71,20 @@ def test_like_gives_each_rank_its_share_where_ranks_outnumber_the_cores(monkeypa
     assert torch.get_num_threads() == threads
 
 
+def test_every_node_gets_its_share_of_the_cores(monkeypatch):
+    """The nodes share this machine's cores: a job across them gives each rank cores / all ranks
+    compute threads, a command on one node (``exec``, its ranks unknown) the node's share, and a
+    choice of the user's stands."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    bed = spec.Testbed("shardwire-test", 2, RATE)
+    threads = [job.node_environment(bed, nproc)["OMP_NUM_THREADS"] for nproc in (None, 2, 8)]
+    assert threads == ["4", "2", "1"]
+    assert job.node_environment(spec.Testbed("shardwire-test", 16, RATE))["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert job.node_environment(bed)["OMP_NUM_THREADS"] == "3"
+
+
 def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
     monkeypatch.setattr(network, "require_privileges", lambda action: None)
     assert main(["testbed", "up", "--nodes", "2"]) == 1

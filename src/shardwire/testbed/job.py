@@ -41,13 +41,19 @@ def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list
 
 
 def node_environment(testbed: Testbed, nproc_per_node: int | None = None) -> dict[str, str]:
-    """The caller's environment, with collectives bound to the node's link and, where the ranks per
-    node are known and the user did not choose, one compute thread per core and rank: all the nodes
-    share this machine's cores."""
+    """The caller's environment, with collectives bound to the node's link and, unless the user
+    chose, compute threads for each rank's share of this machine's cores, which all the nodes share:
+    cores / all ranks, or for a command ``exec`` runs on one node (``nproc_per_node`` unknown), the
+    node's share, cores / nodes.
+
+    A node that took every core for its own would oversubscribe them (a ``shardwire train`` worker
+    takes cores / its node's ranks): GNU OpenMP's threads spin at the end of each parallel region
+    unless their process's threads outnumber the cores, so each node's threads spun on the cores the
+    other nodes computed on, and two fault-tolerant groups' steps on two cores took 3-4 times as long
+    (docs/benchmarks/fault-tolerance.md)."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=NODE_INTERFACE, NCCL_SOCKET_IFNAME=NODE_INTERFACE)
-    if nproc_per_node is not None:
-        ranks = testbed.nodes * nproc_per_node
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    sharing = testbed.nodes * (nproc_per_node or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // sharing)))
     return env
 
 
