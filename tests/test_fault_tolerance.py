@@ -4,6 +4,7 @@ Groups that lose and regain each other: ``tests/faults/test_fault_tolerant_group
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -191,8 +193,11 @@ def test_a_lighthouse_out_of_reach_is_one_line(tmp_path):
                             f"(--fault-tolerance lighthouse=HOST:PORT)\n")
 
 
-def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tmp_path):
-    torchft = pytest.importorskip("torchft")
+@contextlib.contextmanager
+def _alone_at_a_lighthouse(diloco: str) -> Iterator[torch.nn.Module]:
+    """The tiny GPT sharded as the one fault-tolerant group 'solo' of a lighthouse of its own,
+    syncing as ``diloco`` says; the lighthouse shut down after the block."""
+    pytest.importorskip("torchft")
     from torchft.coordination import LighthouseServer
 
     os.environ.setdefault("RUST_LOG", "warn")
@@ -200,8 +205,14 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
     try:
         torch.manual_seed(0)
         model = GPT(PRESETS["tiny"])
-        shardwire.shard(model, units=[Block], layout="hybrid", diloco="sync_every=2",
-                        fault_tolerance=f"lighthouse={lighthouse.address()},group=solo,timeout=10")
+        yield shardwire.shard(model, units=[Block], layout="hybrid", diloco=diloco,
+                              fault_tolerance=f"lighthouse={lighthouse.address()},group=solo,timeout=10")
+    finally:
+        lighthouse.shutdown()
+
+
+def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tmp_path):
+    with _alone_at_a_lighthouse("sync_every=2") as model:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with pytest.raises(TypeError, match="recover_with: steps has no state_dict"):
             shardwire.recover_with(model, steps=3)
@@ -231,24 +242,13 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
         outer.quorum.load_state([9, 9])
         shardwire.load_checkpoint(tmp_path / "ckpt", model, optimizer)
         assert outer.quorum.state()[0] == 3
-    finally:
-        lighthouse.shutdown()
 
 
 def test_a_checkpoint_written_with_a_sync_in_flight_holds_the_model_with_that_sync_applied(tmp_path):
     """Between fault-tolerant groups a sync's commit vote belongs to this quorum, which a run resumed
     from the checkpoint would not be in: a checkpoint applies the sync in flight first, and holds the
     model as the live group goes on with it."""
-    pytest.importorskip("torchft")
-    from torchft.coordination import LighthouseServer
-
-    os.environ.setdefault("RUST_LOG", "warn")
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
-    try:
-        torch.manual_seed(0)
-        model = GPT(PRESETS["tiny"])
-        shardwire.shard(model, units=[Block], layout="hybrid", diloco="sync_every=2,fragment_sync_delay=1,wire=none",
-                        fault_tolerance=f"lighthouse={lighthouse.address()},group=solo,timeout=10")
+    with _alone_at_a_lighthouse("sync_every=2,fragment_sync_delay=1,wire=none") as model:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         outer = engine_of(model).outer
         for step in range(3):  # the sync due after step 2 is sent as step 3 starts, applied after it
@@ -270,8 +270,6 @@ def test_a_checkpoint_written_with_a_sync_in_flight_holds_the_model_with_that_sy
         shardwire.load_checkpoint(tmp_path / "ckpt", model, optimizer)
         for key, value in shardwire.full_state_dict(model).items():
             assert torch.equal(value, live[key]), key
-    finally:
-        lighthouse.shutdown()
 
 
 def _fault_tolerant_group(index: int, lighthouse: str, steps: int, diloco: DiLoCo, results) -> None:
