@@ -215,6 +215,7 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
     import argparse
 
     from shardwire.cli import train as train_command
+    from shardwire.options import config_from
     from shardwire.training.config import TrainConfig
     from shardwire.sim.planner import candidate_settings, runnable
     from shardwire.sim.presets import CLUSTERS
@@ -232,8 +233,7 @@ def test_every_configuration_the_planner_can_name_runs(monkeypatch):
     for t in candidates:
         assert (t.limiter, t.reduce_precision) == ("sliding", "fp32")  # what the engine runs
         options, shard_args = runnable(t, cluster)
-        args = vars(parser.parse_args(options))
-        train_command._validate(TrainConfig(**args))  # exits with the error otherwise
+        train_command._validate(config_from(parser.parse_args(options), TrainConfig))  # exits otherwise
         if shard_args not in calls:
             calls.append(shard_args)
     assert run_workers(4, _plans_run, calls, env={"LOCAL_WORLD_SIZE": "2"})[0] == len(calls)
