@@ -1,5 +1,5 @@
-"""What several test modules share: a function run on several gloo ranks in fresh processes (each
-rank's result or error collected), torch's matrix-multiply precision set for a block, the most
+"""What several test modules share: processes that start fast, a function run on several gloo
+ranks in such processes (each rank's result or error collected), torch's matrix-multiply precision set for a block, the most
 memory a block's tensors held, a small Hugging Face tokenizer, and a checkpoint's manifest edited as a
 forger would."""
 
@@ -18,8 +18,25 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, store_path, fn, args, results, env):
-    os.environ.update(env)
+def processes():
+    """A multiprocessing context whose processes start in a tenth of a second: each is forked from a
+    server that imported torch and shardwire once, where spawn's import them again in every process
+    (seconds each on two cores, most of a short multi-process test). Start them through
+    ``in_environment`` so that each sees the caller's environment, as spawn's do."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardwire", "harness"])
+    return context
+
+
+def in_environment(environ: dict, target, *args):
+    """``target(*args)`` with ``environ`` as the process's environment: a forked process would
+    otherwise hold the environment its server started with, not its caller's at the time."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return target(*args)
+
+
+def _worker(rank, world, store_path, fn, args, results):
     import torch
     import torch.distributed as dist
 
@@ -44,13 +61,14 @@ def run_workers(world: int, fn, *args, timeout: float = 240.0, env: dict | None 
     With ``expect_errors`` a rank's exception is returned as its result (its message as a string)
     instead of failing the caller. A run that outlives ``timeout`` is killed and fails.
     """
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     results = ctx.Queue()
+    environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
-                target=_worker,
-                args=(rank, world, os.path.join(tmp, "store"), fn, args, results, env or {}),
+                target=in_environment,
+                args=(environ, _worker, rank, world, os.path.join(tmp, "store"), fn, args, results),
             )
             for rank in range(world)
         ]

@@ -28,7 +28,7 @@ from shardwire.engine.outer import OuterLoop, OuterState
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.training import loop
-from harness import run_workers
+from harness import in_environment, processes, run_workers
 from test_sync import _batch, _diloco_reference, _sgd_steps
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
@@ -290,14 +290,13 @@ def _fault_tolerant_group(index: int, lighthouse: str, steps: int, diloco: DiLoC
 def _groups_meeting(target, *args, min_groups: int = 2, timeout: float = 240) -> dict:
     """Run ``target(index, lighthouse, *args, results)`` for two groups, each a process of its own
     meeting at a lighthouse; what each put, by its index."""
-    import multiprocessing
-
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=60_000)
-    context = multiprocessing.get_context("spawn")
+    context = processes()
     results = context.Queue()
-    groups = [context.Process(target=target, args=(index, lighthouse.address(), *args, results)) for index in range(2)]
+    groups = [context.Process(target=in_environment, args=(dict(os.environ), target, index, lighthouse.address(),
+                                                           *args, results)) for index in range(2)]
     try:
         for group in groups:
             group.start()
@@ -513,15 +512,14 @@ def test_a_step_a_group_dies_in_is_dropped_and_moves_no_parameter_then_the_other
     """Group 1 dies in the middle of step 3: group 0's all-reduce fails, the vote drops the step (no
     gradients: the optimizer moves nothing), and group 0 runs it again alone, and on to the end."""
     pytest.importorskip("torchft")
-    import multiprocessing
-
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2000)
-    context = multiprocessing.get_context("spawn")
+    context = processes()
     results = context.Queue()
-    groups = [context.Process(target=_dying_step_group,
-                              args=(index, lighthouse.address(), str(tmp_path), 6, results)) for index in range(2)]
+    groups = [context.Process(target=in_environment, args=(dict(os.environ), _dying_step_group, index,
+                                                           lighthouse.address(), str(tmp_path), 6, results))
+              for index in range(2)]
     try:
         for group in groups:
             group.start()
