@@ -8,7 +8,10 @@ two fault-tolerant groups), whole and as the engine's five flat buffers issued a
 torch.distributed's own; ``torchft``, torchft's reconfigurable gloo process group, which the
 fault-tolerant groups' exact sync runs on; ``shardwire``, the engine's point-to-point transport.
 Each line gives the seconds and what the node's TCP counters moved by meanwhile (retransmitted
-segments, retransmission timeouts), so that a slow transfer shows whether the link's queue dropped.
+segments, retransmission timeouts), so that a slow transfer shows whether the link's queue dropped,
+and, for ``shardwire``, the nodes its transport placed the two ranks on: 2, one rank a node, as
+torchrun's ``LOCAL_WORLD_SIZE`` says it (these sides are started by ``testbed exec``, not torchrun,
+so each sets it; without it the transport takes every rank for one node's).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import datetime
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,7 +48,8 @@ def tcp_counters() -> dict[str, int]:
 
 
 def all_reduce_of(way: str, rank: int, master: str):
-    """A function that starts the sum of a tensor over the two nodes ``way`` says and returns its work."""
+    """A function that starts the sum of a tensor over the two nodes ``way`` says and returns its work,
+    and the nodes the way placed the ranks on (None: it does not place them)."""
     if way == "torchft":
         import torchft
 
@@ -56,20 +61,22 @@ def all_reduce_of(way: str, rank: int, master: str):
 
         def start(tensor, served=store):  # node0's store serves while the all-reduces run
             return group.allreduce([tensor], options)
-        return start
+        return start, None
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{PORT}", rank=rank, world_size=2, timeout=TIMEOUT)
     if way == "gloo":
-        return lambda tensor: dist.all_reduce(tensor, async_op=True)
+        return (lambda tensor: dist.all_reduce(tensor, async_op=True)), None
     from shardwire.comm.communicator import Communicator
 
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # this node's ranks, as torchrun would say: the transport reads it
     comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
     tags = itertools.count()
-    return lambda tensor: comm.all_reduce(tensor, tag=f"buffer {next(tags)}", op="sum")
+    return (lambda tensor: comm.all_reduce(tensor, tag=f"buffer {next(tags)}", op="sum")), comm.placement.nodes
 
 
 def node(way: str, rank: int, master: str, repeats: int) -> None:
     """One node's side: each shape ``repeats`` times, a JSON line each."""
-    start = all_reduce_of(way, rank, master)
+    start, nodes = all_reduce_of(way, rank, master)
+    placed = {} if nodes is None else {"nodes": nodes}
     for shape, sizes in (("whole", [sum(SMALL_BUFFERS)]), ("five buffers", SMALL_BUFFERS)):
         for _ in range(repeats):
             tensors = [torch.randn(n) for n in sizes]
@@ -79,7 +86,7 @@ def node(way: str, rank: int, master: str, repeats: int) -> None:
             seconds = time.perf_counter() - began
             moved = {key.split(".")[1]: value - before[key] for key, value in tcp_counters().items()}
             print(json.dumps({"way": way, "shape": shape, "mb": round(4 * sum(sizes) / 1e6, 2),
-                              "seconds": round(seconds, 3), **moved}), flush=True)
+                              "seconds": round(seconds, 3), **moved, **placed}), flush=True)
             time.sleep(0.5)
 
 

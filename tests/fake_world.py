@@ -424,13 +424,15 @@ def peak_nbytes(training: Training) -> int:
     return state + peak_allocated(training.step)
 
 
-def memory_model(world: int, per_node: int, layout: str, wire: str | None) -> MemoryEstimate:
+def memory_model(world: int, per_node: int, layout: str, wire: str | None, *, diloco: str = "none",
+                 fault_tolerance: bool = False) -> MemoryEstimate:
     """What ``shardwire.sim.memory`` says a rank holds at the peak of ``MEMORY_MODEL``'s step."""
     link = LinkSpec(busbw_GBps=1.0)  # the memory model reads the cluster's shape, not its speeds
     cluster = ClusterSpec(nodes=world // per_node, gpus_per_node=per_node, peak_tflops=1.0, gpu_memory_gb=80.0,
                           intra_node=link, inter_node=link)
     training = TrainingSpec(micro_batch=MEMORY_BATCH, layout=layout, wire=str(Wire.parse(wire)),
-                            precision=MIXED_PRECISION, reduce_precision="fp32")
+                            precision=MIXED_PRECISION, reduce_precision="fp32", diloco=diloco,
+                            fault_tolerance=fault_tolerance)
     return estimate_memory(architecture(MEMORY_MODEL.spec(), training.compute_bytes), cluster, training)
 
 

@@ -278,3 +278,26 @@ def test_a_cuda_model_binds_its_own_device_when_shardwire_creates_the_world(monk
     worker.ensure_initialized(device, TIMEOUT)
     assert calls["backend"] == "nccl" and calls["device_id"] == device and calls["current"] == device
     assert calls["timeout"] == TIMEOUT
+
+
+@pytest.mark.slow
+def test_the_bare_link_benchmark_places_its_two_ranks_on_two_nodes(monkeypatch):
+    """benchmarks/link_allreduce.py starts each node's side itself (``testbed exec``, no torchrun, so
+    no ``LOCAL_WORLD_SIZE``), from which the transport would take both ranks for one node's: each
+    side says it is its node's one rank. Its two sides here, on this machine's loopback."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "link_allreduce.py"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sides = [subprocess.Popen([sys.executable, str(script), "--rank", str(rank), "--way", "shardwire",
+                               "--master", "127.0.0.1", "--repeats", "1"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    done = [side.communicate(timeout=300) for side in sides]
+    assert [side.returncode for side in sides] == [0, 0], [err[-2000:] for _, err in done]
+    lines = [json.loads(line) for out, _ in done for line in out.splitlines()]
+    assert len(lines) == 4 and {line["nodes"] for line in lines} == {2}

@@ -462,6 +462,30 @@ def test_a_sync_the_simulator_cannot_run_is_a_spec_error():
         parse("training", {"layout": "full", "diloco": "sync_every=5"})
     with pytest.raises(SpecError, match="diloco sync_every must be a positive integer"):
         parse("training", {"layout": "hybrid", "diloco": "sync_every=0"})
+    with pytest.raises(SpecError, match="fault_tolerance carries the reductions between the groups of layout 'hybrid'"):
+        parse("training", {"layout": "full", "fault_tolerance": True})
+
+
+def test_a_sync_behind_the_steps_between_fault_tolerant_groups_holds_one_more_copy_of_its_fragment():
+    """The shards from before the eager step, fp32, while the sync is in flight: only where it runs
+    behind the steps (``test_large_world`` holds the engine to it)."""
+    from shardwire.sim.architecture import architecture
+    from shardwire.sim.memory import estimate_memory
+    from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, parse
+
+    model = ModelSpec(name="aligned", layers=2, hidden=1024, heads=8, vocab=1023, seq_len=128)
+    cluster = ClusterSpec(nodes=2, gpus_per_node=4, peak_tflops=100.0, gpu_memory_gb=80.0,
+                          intra_node=LinkSpec(100.0), inter_node=LinkSpec(1.0))
+
+    def outer(diloco, fault_tolerance):
+        training = parse("training", {"layout": "hybrid", "diloco": diloco, "fault_tolerance": fault_tolerance})
+        return estimate_memory(architecture(model, training.compute_bytes), cluster, training).outer_state
+
+    params = architecture(model, 2).params
+    behind = "sync_every=8,fragments=2,fragment_sync_delay=1"
+    assert outer(behind, False) == pytest.approx(8 * params / 4 + 8 * params / 4 / 2)
+    assert outer(behind, True) == pytest.approx(8 * params / 4 + 12 * params / 4 / 2)
+    assert outer("sync_every=8,fragments=2", True) == outer("sync_every=8,fragments=2", False)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from shardwire.cli import main
+from shardwire.launch import NODE_THREADS, share_node_threads
 from shardwire.testbed import check, job, network, spec
 from shardwire.testbed.spec import check_name, parse_rate, state_path
 
@@ -83,6 +84,45 @@ def test_every_node_gets_its_share_of_the_cores(monkeypatch):
     assert job.node_environment(spec.Testbed("shardwire-test", 16, RATE))["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert job.node_environment(bed)["OMP_NUM_THREADS"] == "3"
+    assert NODE_THREADS not in job.node_environment(bed)  # the user's choice: not the ranks' to divide
+
+
+def _worker_threads(env: dict[str, str], local_ranks: int) -> tuple[str, int]:
+    """The OMP_NUM_THREADS and torch's compute threads of a shardwire command's worker, one of
+    ``local_ranks`` on its node, started as torchrun starts it in ``env`` (``launch_local``'s
+    workers are torchrun's too): a ``simulate``, then torch imported, as every torch command does."""
+    worker = {**env, "RANK": "0", "WORLD_SIZE": str(local_ranks), "LOCAL_RANK": "0",
+              "LOCAL_WORLD_SIZE": str(local_ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    script = ("import os, sys\n"
+              "from shardwire.cli import main\n"
+              "assert main(['simulate', '--model', 'gpt-125m', '--cluster', 'a100-100gbe', '--nodes', '1']) == 0\n"
+              "import torch\n"
+              "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=worker, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    omp, threads = done.stderr.split()
+    return omp, int(threads)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_command_on_one_node_share_its_threads(monkeypatch):
+    """``exec`` gives a node's command the node's share of the cores, and torchrun passes a set
+    OMP_NUM_THREADS on to each rank as it is: each of a shardwire command's ranks takes its part of
+    that share (torchrun --nproc-per-node 2 -m shardwire ..., or shardwire train --nproc 2), not all
+    of it; a value the user set stands."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # a node's share is 2 threads, which any machine runs
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    bed = spec.Testbed("shardwire-test", 2, RATE)
+    node = job.node_environment(bed)
+    assert (node["OMP_NUM_THREADS"], node[NODE_THREADS]) == ("2", "2")
+    assert [_worker_threads(node, ranks) for ranks in (1, 2)] == [("2", 2), ("1", 1)]
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert _worker_threads(job.node_environment(bed, 2), 2) == ("2", 2)  # `run` gave each rank its part already
+    # a value the user gave the command stands
+    for name, value in (("OMP_NUM_THREADS", "3"), (NODE_THREADS, "4"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    share_node_threads()
+    assert (os.environ["OMP_NUM_THREADS"], os.environ.get(NODE_THREADS)) == ("3", None)
 
 
 def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):

@@ -27,6 +27,9 @@ _WORKER_FOOTPRINT = 128 << 20
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Set for the workers ``launch_local`` starts: their launcher checked the job and said what it noted.
 _NOTED_BY_LAUNCHER = "SHARDWIRE_NOTED_BY_LAUNCHER"
+# Set beside the OMP_NUM_THREADS a node's command was given for the whole node (``shardwire testbed
+# exec``): that value, for the ranks the command starts on the node to share (``share_node_threads``).
+NODE_THREADS = "SHARDWIRE_NODE_THREADS"
 
 
 def under_launcher() -> bool:
@@ -42,6 +45,21 @@ def tells_the_user() -> bool:
     if not under_launcher():
         return True
     return _NOTED_BY_LAUNCHER not in os.environ and os.environ.get("RANK", "0") == "0"
+
+
+def share_node_threads() -> None:
+    """Give this worker its part of its node's compute threads, where they were set for the whole
+    node (``NODE_THREADS``): that many over the node's ranks (``LOCAL_WORLD_SIZE``), at least one.
+
+    torchrun passes an OMP_NUM_THREADS it finds set to every worker as it is (it sets 1 only where
+    none is set), and so does ``launch_local``: without this, each of a node's ranks would take the
+    node's whole share. An OMP_NUM_THREADS that is no longer the value set beside it was the user's
+    choice, and stands. Called before torch is imported: its OpenMP reads the variable as it loads."""
+    share = os.environ.pop(NODE_THREADS, None)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if share is None or os.environ.get("OMP_NUM_THREADS") != share or not (share.isdigit() and local.isdigit()):
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, int(share) // max(1, int(local))))
 
 
 def launcher_problem() -> str | None:

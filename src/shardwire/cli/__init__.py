@@ -24,7 +24,7 @@ from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
 from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
-from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, under_launcher
+from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, share_node_threads, under_launcher
 from shardwire.mappings import nearest
 from shardwire.renamed import RenamedWarning
 
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if under_launcher():
         die_with_launcher()
+        share_node_threads()
     # Every C++ error a command can meet (c10d's sockets and stores, NCCL) reaches shardwire as an
     # exception, which it says in one line; torch would also log each with its stack frames.
     # TORCH_CPP_LOG_LEVEL=INFO brings them back.

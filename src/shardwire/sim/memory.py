@@ -27,9 +27,13 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            the partial sums a GPU sends across nodes lost, in fp32 (``(N-1) P / W``
                            for ``full`` over W GPUs on N nodes); an all-reduce between hybrid groups
                            keeps one more slot, for its result (``N_g P_g / n_g``)
-    outer state            8 P / s + (4 + 4) P / (s F)   sync every H steps: the anchor and the
-                           outer momentum of the shards, fp32, and while one of the F fragments
-                           syncs, its change (fp32) and, overlapped, the shards it was sent from
+    outer state            8 P / s + (4 + 4 + 4) P / (s F)   sync every H steps: the anchor and
+                           the outer momentum of the shards, fp32, and while one of the F fragments
+                           syncs, its change (fp32) and, overlapped (``fragment_sync_delay`` above
+                           0), the shards its eager step gave and, between fault-tolerant groups,
+                           the shards from before it, to undo it if the quorum drops the sync
+                           (``shardwire.engine.outer.OuterState``: each the shards' fp32 masters,
+                           held from the sync's send to its application, D steps later)
     activations            m (kept + the root's + one unit's full activations + logits), where
                            kept is every unit's boundary with activation checkpointing, every
                            unit's full activations without (under a selective policy, the
@@ -126,7 +130,10 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
     outer = 0.0
     if (diloco := training.diloco_settings) is not None:
         delayed = diloco.fragment_sync_delay > 0
-        outer = 8 * P / shard_over + (8 if delayed else 4) * P / shard_over / diloco.fragments
+        in_flight = 4  # the change being averaged
+        if delayed:  # the shards the eager step gave and, between fault-tolerant groups, those before it
+            in_flight += 8 if training.fault_tolerance else 4
+        outer = 8 * P / shard_over + in_flight * P / shard_over / diloco.fragments
     secondary = 0.0
     if plan.keeps_secondary and training.reshards:
         secondary = c * sum(u.params for u in arch.units) / plan.group

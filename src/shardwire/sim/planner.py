@@ -212,7 +212,8 @@ def diloco_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> l
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
     engine = {"limiter": "sliding", "gathers_per_unit": 1, "reduce_precision": "fp32", "shard_group_size": None,
-              "recompute_fraction": None, "reduce_each_micro_batch": False, "diloco": "none"}
+              "recompute_fraction": None, "reduce_each_micro_batch": False, "diloco": "none",
+              "fault_tolerance": False}
     return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
 
 

@@ -355,6 +355,10 @@ class TrainingSpec:
     ``shard(diloco=...)`` takes it ("none", or pairs such as "sync_every=50,fragments=4,wire=int4":
     ``shardwire.engine.diloco.DiLoCo.parse``); ``sync``, its name before, is read as ``diloco``
     with a warning, for a release.
+    ``fault_tolerance``: the groups of ``hybrid`` are jobs of their own that meet through a quorum
+    (``shard(fault_tolerance=...)``, ``shardwire train --fault-tolerance``); a DiLoCo sync that runs
+    behind the steps then keeps the shards from before its eager step, to undo it if the quorum
+    drops the sync (``shardwire.sim.memory``). Nothing else of the step changes.
     ``compile`` runs each unit's elementwise work fused (torch.compile), so it moves fewer bytes.
     ``recompute_fraction`` is the share of a block's forward FLOPs that backward recomputes under
     ``activation_checkpointing``, and of its activations forward does not keep: 1 (the default)
@@ -376,6 +380,7 @@ class TrainingSpec:
     fp8_all_gather: bool = False
     wire: str = "none"
     diloco: str = "none"
+    fault_tolerance: bool = False
     compile: bool = False
     activation_checkpointing: bool = False
     recompute_fraction: float | None = None
@@ -394,6 +399,9 @@ class TrainingSpec:
             object.__setattr__(self, "diloco", str(self.diloco_settings))
         if self.diloco_settings is not None and self.layout != "hybrid":
             raise SpecError(f"diloco applies to layout 'hybrid', whose groups train apart between syncs, not "
+                            f"{self.layout!r}")
+        if self.fault_tolerance and self.layout != "hybrid":
+            raise SpecError(f"fault_tolerance carries the reductions between the groups of layout 'hybrid', not "
                             f"{self.layout!r}")
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import IO
 
-from shardwire.launch import rendezvous_options
+from shardwire.launch import NODE_THREADS, rendezvous_options
 from shardwire.testbed.network import in_namespace
 from shardwire.testbed.spec import NODE_INTERFACE, Testbed
 
@@ -44,7 +44,9 @@ def node_environment(testbed: Testbed, nproc_per_node: int | None = None) -> dic
     """The caller's environment, with collectives bound to the node's link and, unless the user
     chose, compute threads for each rank's share of this machine's cores, which all the nodes share:
     cores / all ranks, or for a command ``exec`` runs on one node (``nproc_per_node`` unknown), the
-    node's share, cores / nodes.
+    node's share, cores / nodes, which the ranks of a shardwire command that starts several (``shardwire
+    train --nproc 2``, ``torchrun --nproc-per-node 2 -m shardwire ...``) divide among themselves
+    (``shardwire.launch.share_node_threads``: torchrun would give each the whole share).
 
     A node that took every core for its own would oversubscribe them (a ``shardwire train`` worker
     takes cores / its node's ranks): GNU OpenMP's threads spin at the end of each parallel region
@@ -52,8 +54,12 @@ def node_environment(testbed: Testbed, nproc_per_node: int | None = None) -> dic
     other nodes computed on, and two fault-tolerant groups' steps on two cores took 3-4 times as long
     (docs/benchmarks/fault-tolerance.md)."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=NODE_INTERFACE, NCCL_SOCKET_IFNAME=NODE_INTERFACE)
-    sharing = testbed.nodes * (nproc_per_node or 1)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // sharing)))
+    env.pop(NODE_THREADS, None)
+    if "OMP_NUM_THREADS" not in env:
+        threads = str(max(1, (os.cpu_count() or 1) // (testbed.nodes * (nproc_per_node or 1))))
+        env["OMP_NUM_THREADS"] = threads
+        if nproc_per_node is None:
+            env[NODE_THREADS] = threads
     return env
 
 
