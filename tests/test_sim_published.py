@@ -84,6 +84,20 @@ _ZERO3_AT_400 = ("ZeRO-3 over four of a DGX-2's eight NICs is predicted 18-31% f
                  "1.5-1.8x their throughput over one NIC where the model gives 1.8-2.5x; not yet understood")
 
 
+# InternLM's ZeRO-1 ("hybrid zero", zero1=8: optimizer states sharded within each node, parameters
+# replicated) all-reduces the bf16 gradients of the last micro-batch over every data-parallel rank, in
+# buckets of 512M elements, behind backward (InternLM/InternLM at fa7337b, hybrid_zero_optim.py,
+# configs/7B_sft.py). The model's nearest layout is HSDP in groups of a node: the same bytes through
+# each node's NICs (the node's gradient reduced within it, then its eighths all-reduced across nodes
+# side by side), with gathers over NVLink that ZeRO-1 does not make.
+_INTERNLM = dict(layout="hybrid", shard_group_size=8, reduce_precision="bf16")
+_INTERNLM_SYNC = ("InternLM's 7B at 2 sequences per GPU and 1 or 2 micro-batches on 512-1024 A100s is predicted "
+                  "17-41% faster than measured: at 1024 GPUs and one micro-batch it measured the same step with "
+                  "and without recomputation (2341 and 2346 tokens/s), so its gradient all-reduce sets it, which "
+                  "the model hides behind backward; that all-reduce spans all 1024 ranks in 1 GB buckets, with "
+                  "a device synchronize before each: not yet modelled")
+
+
 def _selective(hfu: float, mfu: float) -> dict:
     """Checkpointing that recomputes the part of the forward a run's hardware and model FLOP
     utilizations say it did: HFU counts the recomputed forward (a third of the step's model FLOPs
@@ -185,6 +199,22 @@ PUBLISHED = [
           (False, 1, 2, 14), (False, 1, 4, 26), (False, 4, 2, 25), (False, 4, 4, 40), (False, 2, 4, 37),
           (False, 8, 4, 47), (True, 1, 2, 31), (True, 1, 4, 46), (True, 4, 2, 35), (True, 4, 4, 53),
           (True, 2, 4, 50), (True, 8, 4, 54))),
+    # InternLM's performance tables (InternLM/InternLM, doc/en/train_performance.md, "FLOPS Testing",
+    # July 2023): its 7B on 8 to 1024 A100-SXM4-80GB, 4 x 100 Gb RoCE per node, sequences of 2048
+    # packed, bf16, zero1=8; micro-batch and micro-batches as the rows state them, with and without
+    # activation checkpointing (whole blocks): both tables whole, 22 runs. The runs at 1024 GPUs and a
+    # 4M-token batch have 2 sequences per GPU.
+    *(Point(f"internlm {'ckpt' if checkpointing else 'no-ckpt'} x{accumulation}", "internlm-7b",
+            "a100-80gb-roce-400", gpus,
+            dict(_INTERNLM, micro_batch=batch, grad_accum=accumulation, activation_checkpointing=checkpointing),
+            measured, miss=_INTERNLM_SYNC if (not checkpointing and accumulation < 4 and gpus >= 512) else None)
+      for checkpointing, gpus, batch, accumulation, measured in (
+          *((True, gpus, 8, 1, measured) for gpus, measured in (
+              (8, 3314), (16, 3268), (32, 3323), (64, 3217), (128, 3260), (256, 3215), (512, 3199), (1024, 3163))),
+          (True, 512, 4, 1, 2963), (True, 1024, 2, 1, 2341), (True, 1024, 4, 1, 2796),
+          *((False, gpus, 2, 4, measured) for gpus, measured in (
+              (8, 4103), (16, 3939), (32, 3919), (64, 3944), (128, 3928), (256, 3920), (512, 3900), (1024, 3625))),
+          (False, 512, 2, 2, 3084), (False, 1024, 2, 1, 2346), (False, 1024, 2, 2, 2817))),
 ]
 
 

@@ -23,6 +23,10 @@ Biases are left out of parameter counts (under 0.2% of any of these models).
 * GPT 18B: the model of DeepSpeed's ZeRO++ tutorial (docs/_tutorials/zeropp.md: Megatron-DeepSpeed's
   GPT, ``--num-layers 40 --hidden-size 6144 --num-attention-heads 32 --seq-length 512``), GPT-2's
   vocabulary and learned positions, attention unfused (no flash attention on a V100).
+* InternLM 7B (InternLM/InternLM at fa7337b, ``configs/7B_sft.py`` and ``internlm/model``): 32 blocks
+  of hidden 4096, 32 heads, MLP ratio 8/3 rounded up to a multiple of 256 (SwiGLU of 11008),
+  RMSNorm, rotary positions, 103168-token vocabulary, untied head, flash attention; 2048 tokens as
+  its performance tables ran it. No count stated: the architecture's is 7.3B.
 
 GPUs: dense peaks per dtype from NVIDIA's data sheets (``shardwire.gpus``), memory and its bandwidth
 likewise (the V100's tensor cores take fp16 and no bf16: its presets refuse ``precision: bf16``);
@@ -117,6 +121,8 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               params=70_550_000_000, **_LLAMA3),
     ModelSpec(name="gpt-18b", layers=40, hidden=6144, heads=32, vocab=50257, seq_len=512, learned_positions=True,
               attention="eager", params=18_000_000_000),
+    ModelSpec(name="internlm-7b", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=103168, seq_len=2048,
+              ffn_gated=True, tied_embeddings=False, norm="rmsnorm"),
 )}
 
 QUANTIZE_BYTES_PER_ELEMENT = 10
@@ -178,6 +184,8 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     ClusterSpec(name="ibm-a100-roce", nodes=16, inter_node=rdma_link(400, A100_SMS, nics=2), **_A100_80),
     ClusterSpec(name="ibm-h100-rdma-800", nodes=12, inter_node=rdma_link(800, H100_SMS, nics=2), **_H100),
     ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
+    # InternLM's performance tables (doc/en/train_performance.md): A100-SXM4-80GB nodes with 4 x 100 Gb RoCE.
+    ClusterSpec(name="a100-80gb-roce-400", nodes=128, inter_node=rdma_link(400, A100_SMS, nics=4), **_A100_80),
     ClusterSpec(name="a100-efa-400", nodes=8, inter_node=rdma_link(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
     ClusterSpec(name="a100-ib-200", nodes=8, inter_node=rdma_link(200, A100_SMS), **_A100_80),
     # 8 x 200 Gb/s of RDMA per node: MosaicML's A100 clusters (RoCE, stated with their throughput table).
