@@ -29,7 +29,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
-from shardwire.files import directory_problem, rewrite_problem
+from shardwire.files import checkpoint_problem, directory_problem, rewrite_problem
 from shardwire.mappings import nearest, shown
 from shardwire.renamed import warn_renamed
 
@@ -241,8 +241,8 @@ def check_bounds(config) -> None:
 
 
 def check_writable_directory(path: str, option: str) -> None:
-    """``path`` is a directory the job can write in, or one it can create."""
-    if (problem := directory_problem(path)) is not None:
+    """``path`` is a directory the job can write in, or one it can create, outside any checkpoint."""
+    if (problem := directory_problem(path) or checkpoint_problem(path)) is not None:
         raise OptionError(f"{option} {path} {problem}")
 
 
