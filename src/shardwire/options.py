@@ -194,8 +194,18 @@ def _set_under_one_name(parser, namespace, dest: str, values, option_string: str
 def text(value: str) -> str:
     """A text option's value, which must name something: an empty one (``--checkpoint-dir ""``, a
     variable that was not set) would be taken for the current directory, or for no option at all."""
+    return _named(value, "give one, or leave the option out")
+
+
+def argument_text(value: str) -> str:
+    """A positional argument's value, which must name something as ``text``'s does; there is no
+    option to leave out, so the message asks for the value alone."""
+    return _named(value, "give one (a variable that was not set?)")
+
+
+def _named(value: str, remedy: str) -> str:
     if not value:
-        raise argparse.ArgumentTypeError("an empty value names nothing: give one, or leave the option out")
+        raise argparse.ArgumentTypeError(f"an empty value names nothing: {remedy}")
     return value
 
 

@@ -76,10 +76,15 @@ def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys
     (["bogus"], "error: argument COMMAND: invalid choice: 'bogus'"),
     (["plan", "--model", "gpt-125m"], "error: the following arguments are required"),
     # an empty word (a variable that was not set) names nothing: not the current directory, not the default
-    (["export", "ckpt", ""], "error: argument OUT: an empty value names nothing"),
-    (["export", "", "out.pt"], "error: argument CHECKPOINT: an empty value names nothing"),
-    (["export", "ckpt", "out.pt", "--model", ""], "error: argument --model: an empty value names nothing"),
-    (["report", ""], "error: argument RUN_DIR: an empty value names nothing"),
+    # ... an option can be left out; an argument can only be given
+    (["export", "ckpt", ""], "error: argument OUT: an empty value names nothing: give one (a variable that was not "
+                             "set?)"),
+    (["export", "", "out.pt"], "error: argument CHECKPOINT: an empty value names nothing: give one (a variable"),
+    (["export", "ckpt", "out.pt", "--model", ""], "error: argument --model: an empty value names nothing: give one, "
+                                                  "or leave the option out"),
+    (["report", ""], "error: argument RUN_DIR: an empty value names nothing: give one (a variable"),
+    (["report", "run", "--out", ""], "error: argument --out: an empty value names nothing: give one, or leave the "
+                                     "option out"),
 ])
 def test_a_command_line_argparse_refuses_is_one_line(argv, said, capsys):
     with pytest.raises(SystemExit) as stopped:
