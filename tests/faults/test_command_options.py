@@ -72,7 +72,7 @@ def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["train", "--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see shardwire train --help)"),
+    (["train", "--steps", "abc"], "error: argument --steps: 'abc' is not an integer (see shardwire train --help)"),
     (["bogus"], "error: argument COMMAND: invalid choice: 'bogus'"),
     (["plan", "--model", "gpt-125m"], "error: the following arguments are required"),
     # an empty word (a variable that was not set) names nothing: not the current directory, not the default
