@@ -135,6 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         return _run(module, parser, rest)
 
 
+@contextlib.contextmanager
+def refused(*errors: type[Exception]):
+    """Within it, an error of the kinds ``errors`` (input the command cannot use) ends the command as
+    its run would refuse it: the error's one line, and a status of 2. What a command's
+    ``check_options`` wraps, so that ``--print-config`` refuses in the words of a run."""
+    try:
+        yield
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _interrupted() -> int:
     """Ctrl-C: a worker leaves quietly, and its launcher says what was saved."""
     if not under_launcher():
