@@ -254,6 +254,26 @@ def test_report_of_a_profile_without_steps_plots_nothing(tmp_path, capsys):
     assert not (tmp_path / "plots").exists()
 
 
+def test_report_of_two_runs_of_one_name_keeps_the_plots_of_both(tmp_path, capsys):
+    """a/run and b/run: each run's plots are named for it, never one written over the other's."""
+    with open(PROFILE) as f:
+        document = json.load(f)
+    for rank in document["timeline"]["ranks"]:  # fewer shapes to draw
+        rank.update(phases=rank["phases"][:4], comms=rank["comms"][:4], waits=rank["waits"][:4])
+    document["steps"] = document["steps"][:3]
+    wider = {**document, "world_size": 2, "tokens_per_step": 2 * document["tokens_per_step"],
+             "timeline": {**document["timeline"], "ranks": document["timeline"]["ranks"] * 2}}
+    for parent, profile in (("a", document), ("b", wider)):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "profile.json").write_text(json.dumps(profile))
+    runs = [str(tmp_path / parent / "run") for parent in ("a", "b")]
+    assert main(["report", *runs, "--out", str(tmp_path / "out")]) == 0
+    written = capsys.readouterr().out.split()
+    assert len(set(written)) == len(written) == 7 and sorted(os.listdir(tmp_path / "out")) == sorted(
+        [*(f"run-{world}-ranks-{plot}.png" for world in (1, 2) for plot in ("timeline", "breakdown", "overlap")),
+         "scaling.png"])
+
+
 HF_COMMANDS = {
     "simulate": ["simulate", "--cluster", "a100-100gbe", "--model"],
     "plan": ["plan", "--cluster", "a100-100gbe", "--global-batch", "8", "--model"],

@@ -179,8 +179,8 @@ def _not_a_measure(value, where: str) -> str | None:
 def write_report(run_dirs: list[str], out: str) -> list[str]:
     profiles = [load_profile(d) for d in run_dirs]
     plots = []  # (the runs it draws, its path, how to draw it)
-    for run_dir, profile in zip(run_dirs, profiles):
-        prefix = "" if len(profiles) == 1 else f"{os.path.basename(os.path.normpath(run_dir))}-"
+    for run_dir, profile, name in zip(run_dirs, profiles, _run_names(run_dirs, profiles)):
+        prefix = "" if len(profiles) == 1 else f"{name}-"
         plots += [([run_dir], os.path.join(out, f"{prefix}{name}.png"), functools.partial(draw, profile))
                   for name, draw in (("timeline", _plot_timeline), ("breakdown", _plot_breakdown),
                                      ("overlap", _plot_overlap))]
@@ -201,6 +201,16 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
         with _damage_reported(runs):
             written.append(draw(path))
     return written
+
+
+def _run_names(run_dirs: list[str], profiles: list[dict]) -> list[str]:
+    """What each run's plots are named for in a report of several: its directory's name, or, where
+    two share one (a/run and b/run), that and its world size, which differ between the runs of one
+    scaling report; else the second run's plots would replace the first's."""
+    names = [os.path.basename(os.path.abspath(run_dir)) for run_dir in run_dirs]  # "." by its name too
+    if len(set(names)) == len(names):
+        return names
+    return [f"{name}-{profile['world_size']}-ranks" for name, profile in zip(names, profiles)]
 
 
 @contextlib.contextmanager
