@@ -96,6 +96,8 @@ def output_problem(path: str | os.PathLike) -> str | None:
     a regular file, or its directory cannot be created or written in, or it lies in a checkpoint
     (``checkpoint_problem``). The words follow the path in a message (``--json out.json is a FIFO,
     not a regular file; give a file name``)."""
+    if (problem := _length_problem(path)) is not None:
+        return problem
     if (kind := _kind(path)) is not None:
         return _not_a_file(kind)
     directory = os.path.dirname(os.path.realpath(path))
@@ -174,6 +176,8 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being a directory to write in, or None: it is something else, or it is
     missing and cannot be created, or it is not writable. The words follow the path in a message."""
     path = os.path.abspath(path)
+    if (problem := _length_problem(path)) is not None:
+        return problem
     if _leads_nowhere(path):  # making it would make the link's target, or fail
         return f"{LEADS_NOWHERE}: give a directory"
     if os.path.exists(path):
@@ -189,6 +193,28 @@ def directory_problem(path: str | os.PathLike) -> str | None:
         return f"cannot be created: {existing} is {_kind(existing) or 'a file'}"
     if not _can_write_in(existing):
         return f"cannot be created: {existing} is not writable"
+    return None
+
+
+def _length_problem(path: str | os.PathLike) -> str | None:
+    """What stops ``path`` being made for its length, or None: a part of it longer than a name may be
+    where it would be made (NAME_MAX), or the whole longer than a path may be (PATH_MAX); each fails
+    only once the path is made, after the work, and a check of what it is fails on it too."""
+    whole = os.fsencode(os.path.abspath(path))
+    existing = os.path.dirname(whole)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    limits = []
+    for name in ("PC_NAME_MAX", "PC_PATH_MAX"):
+        try:
+            limits.append(os.pathconf(existing, name))
+        except (OSError, ValueError):
+            limits.append({"PC_NAME_MAX": 255, "PC_PATH_MAX": 4096}[name])
+    longest = max(len(part) for part in whole.split(b"/"))
+    if longest > limits[0]:
+        return f"has a name of {longest:,} bytes, where a name here is at most {limits[0]:,}: give a shorter one"
+    if len(whole) >= limits[1]:
+        return f"is {len(whole):,} bytes long, where a path here is under {limits[1]:,}: give a shorter one"
     return None
 
 

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 
 from shardwire.files import checkpoint_problem, directory_problem, rewrite_problem
-from shardwire.mappings import nearest, shown
+from shardwire.mappings import cut, nearest, shown
 from shardwire.renamed import warn_renamed
 
 
@@ -286,14 +286,14 @@ def check_bounds(config) -> None:
 def check_writable_directory(path: str, option: str) -> None:
     """``path`` is a directory the job can write in, or one it can create, outside any checkpoint."""
     if (problem := directory_problem(path) or checkpoint_problem(path)) is not None:
-        raise OptionError(f"{option} {path} {problem}")
+        raise OptionError(f"{option} {cut(path)} {problem}")
 
 
 def check_output_file(path: str, option: str, kind: str) -> None:
     """``path`` names a regular file the job can write as a result of ``kind`` (``shardwire.files``'
     policy: one it can create, or an earlier result of that kind)."""
     if (problem := rewrite_problem(path, kind)) is not None:
-        raise OptionError(f"{option} {path} {problem}")
+        raise OptionError(f"{option} {cut(path)} {problem}")
 
 
 def setting_error(setting: str, text: str) -> SettingError:

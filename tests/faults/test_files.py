@@ -177,6 +177,21 @@ def test_no_output_goes_inside_a_checkpoint_which_stays_prunable(tmp_path, capsy
     assert not checkpoint.exists()
 
 
+def test_an_output_name_too_long_for_the_file_system_is_refused_before_any_work(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    sweep = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"]
+    for command, output, said in (
+            (["report", str(run), "--out"], tmp_path / ("n" * 300), "has a name of 300 bytes, where a name here is"),
+            (["report", str(run), "--out"], tmp_path / "new" / ("n" * 300) / "plots", "has a name of 300 bytes"),
+            (sweep, tmp_path / ("n" * 300 + ".png"), "has a name of 304 bytes"),
+            (sweep, "/".join([str(tmp_path), *["d" * 200] * 30, "x.png"]), "bytes long, where a path here is under")):
+        status, message = _run(command, output, capsys)
+        assert status == 2 and said in message and message.count("\n") == 1 and len(message) < 400, message
+    assert os.listdir(tmp_path) == ["run"]
+
+
 def _save_a_checkpoint(rank, world, directory):
     model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
     shardwire.save_checkpoint(shardwire.checkpoint_path(directory, 1), model, step=1)
