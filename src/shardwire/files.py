@@ -22,7 +22,8 @@ of the same target is refused, naming the first.
 
 ``output_problem`` and ``directory_problem`` say what stops a path being written, so that the
 command line (``shardwire.options``) refuses it before any work, with the same words;
-``inside_problem`` what stops it where it lies inside an input being read (an export's checkpoint).
+``inside_problem`` what stops it where it lies inside an input being read (an export's checkpoint),
+and ``checkpoint_problem`` where it lies in any checkpoint, which must hold only what its save wrote.
 ``rewrite_problem`` adds the rule for a result a command makes again (a plot, a bench file, a
 profile, the scalar log it appends to): it replaces or extends only an earlier result of its own
 kind (``OUTPUTS``, told by the file's first bytes), never the user's other files, be they weights,
@@ -59,6 +60,9 @@ _TEMPORARY_STEM = 100
 _CLAIM = ".shardwire-claim"
 # How much of an existing output is read to tell whether a command wrote it.
 _HEAD_BYTES = 64 << 10
+# A checkpoint is a directory holding this manifest, of this format (``shardwire.engine.checkpoint.format``
+# reads and writes it); nothing a command writes at the user's word goes inside one (``checkpoint_problem``).
+CHECKPOINT_MANIFEST, CHECKPOINT_FORMAT = "manifest.json", "shardwire-checkpoint"
 
 
 def _first_line_is_scalars(head: bytes) -> bool:
@@ -89,15 +93,19 @@ class OutputRefused(OSError):
 
 def output_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being written as a regular file, or None: it names something that is not
-    a regular file, or its directory cannot be created or written in. The words follow the path
-    in a message (``--json out.json is a FIFO, not a regular file; give a file name``)."""
+    a regular file, or its directory cannot be created or written in, or it lies in a checkpoint
+    (``checkpoint_problem``). The words follow the path in a message (``--json out.json is a FIFO,
+    not a regular file; give a file name``)."""
+    if (problem := _length_problem(path)) is not None:
+        return problem
     if (kind := _kind(path)) is not None:
         return _not_a_file(kind)
     directory = os.path.dirname(os.path.realpath(path))
     if _leads_nowhere(path) and not (os.path.isdir(directory) and _resolves(path)):
         return f"{LEADS_NOWHERE}: give a file name"  # opening it would not make its target
-    problem = directory_problem(directory)
-    return None if problem is None else f"cannot be written: its directory {directory} {problem}"
+    if (problem := directory_problem(directory)) is not None:
+        return f"cannot be written: its directory {directory} {problem}"
+    return checkpoint_problem(path)
 
 
 def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
@@ -126,19 +134,50 @@ def new_output_problem(path: str | os.PathLike) -> str | None:
     return output_problem(path)
 
 
-def inside_problem(path: str | os.PathLike, source: str | os.PathLike, doing: str = "read") -> str | None:
+def inside_problem(path: str | os.PathLike, source: str | os.PathLike, doing: str = "read", *,
+                   what: str | None = None) -> str | None:
     """What stops ``path`` being written while ``source`` (a file or a directory) is ``doing``, or
-    None: writing inside it (or over it) would change what is being read. The words follow the path."""
+    None: writing inside it (or over it) would change what is being read. ``what`` says instead what
+    ``source`` is that nothing may be written in it. The words follow the path."""
     written, read = os.path.realpath(path), os.path.realpath(source)
     if os.path.commonpath([written, read]) == read:
-        return f"is inside {os.fspath(source)}, which is being {doing}: give a path outside it"
+        return f"is inside {os.fspath(source)}, {what or f'which is being {doing}'}: give a path outside it"
     return None
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """What stops ``path`` being written where it lies in a shardwire checkpoint (the checkpoint
+    itself, or anywhere below it), or None: a file a save did not write makes the checkpoint one
+    that no prune may delete (``shardwire.engine.checkpoint.ownership``), kept for ever with a
+    warning. The words follow the path."""
+    here = os.path.realpath(path)
+    while not _is_checkpoint(here):
+        if (parent := os.path.dirname(here)) == here:
+            return None
+        here = parent
+    return inside_problem(path, here, what="a checkpoint, which holds only what its save wrote (anything else "
+                                           "there keeps it from ever being pruned)")
+
+
+def _is_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a checkpoint's manifest, told by its first bytes as a save writes it."""
+    manifest = os.path.join(directory, CHECKPOINT_MANIFEST)
+    if not os.path.isfile(manifest):  # none, or none to read (a FIFO's reader would wait for a writer)
+        return False
+    try:
+        with open(manifest, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return head.startswith(b'{\n "format": "' + CHECKPOINT_FORMAT.encode() + b'"')
 
 
 def directory_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being a directory to write in, or None: it is something else, or it is
     missing and cannot be created, or it is not writable. The words follow the path in a message."""
     path = os.path.abspath(path)
+    if (problem := _length_problem(path)) is not None:
+        return problem
     if _leads_nowhere(path):  # making it would make the link's target, or fail
         return f"{LEADS_NOWHERE}: give a directory"
     if os.path.exists(path):
@@ -154,6 +193,28 @@ def directory_problem(path: str | os.PathLike) -> str | None:
         return f"cannot be created: {existing} is {_kind(existing) or 'a file'}"
     if not _can_write_in(existing):
         return f"cannot be created: {existing} is not writable"
+    return None
+
+
+def _length_problem(path: str | os.PathLike) -> str | None:
+    """What stops ``path`` being made for its length, or None: a part of it longer than a name may be
+    where it would be made (NAME_MAX), or the whole longer than a path may be (PATH_MAX); each fails
+    only once the path is made, after the work, and a check of what it is fails on it too."""
+    whole = os.fsencode(os.path.abspath(path))
+    existing = os.path.dirname(whole)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    limits = []
+    for name in ("PC_NAME_MAX", "PC_PATH_MAX"):
+        try:
+            limits.append(os.pathconf(existing, name))
+        except (OSError, ValueError):
+            limits.append({"PC_NAME_MAX": 255, "PC_PATH_MAX": 4096}[name])
+    longest = max(len(part) for part in whole.split(b"/"))
+    if longest > limits[0]:
+        return f"has a name of {longest:,} bytes, where a name here is at most {limits[0]:,}: give a shorter one"
+    if len(whole) >= limits[1]:
+        return f"is {len(whole):,} bytes long, where a path here is under {limits[1]:,}: give a shorter one"
     return None
 
 
@@ -350,8 +411,8 @@ def new_directory_problem(path: str | os.PathLike) -> str | None:
             return "is the current directory: give a new directory (it would be replaced under the shell in it)"
         if any(os.scandir(path)):
             return "is not empty: give a new directory (nothing is overwritten)"
-        return None
-    return directory_problem(path)
+        return checkpoint_problem(path)
+    return directory_problem(path) or checkpoint_problem(path)
 
 
 class ClaimHeld(OSError):

@@ -29,8 +29,8 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
-from shardwire.files import directory_problem, rewrite_problem
-from shardwire.mappings import nearest, shown
+from shardwire.files import checkpoint_problem, directory_problem, rewrite_problem
+from shardwire.mappings import cut, nearest, shown
 from shardwire.renamed import warn_renamed
 
 
@@ -194,9 +194,52 @@ def _set_under_one_name(parser, namespace, dest: str, values, option_string: str
 def text(value: str) -> str:
     """A text option's value, which must name something: an empty one (``--checkpoint-dir ""``, a
     variable that was not set) would be taken for the current directory, or for no option at all."""
+    return _named(value, "give one, or leave the option out")
+
+
+def argument_text(value: str) -> str:
+    """A positional argument's value, which must name something as ``text``'s does; there is no
+    option to leave out, so the message asks for the value alone."""
+    return _named(value, "give one (a variable that was not set?)")
+
+
+def _named(value: str, remedy: str) -> str:
     if not value:
-        raise argparse.ArgumentTypeError("an empty value names nothing: give one, or leave the option out")
+        raise argparse.ArgumentTypeError(f"an empty value names nothing: {remedy}")
     return value
+
+
+class NotANumber(argparse.ArgumentTypeError, ValueError):
+    """A number the command line cannot read; the message shows it and says what it must be. Raised as
+    argparse's error for a value (its message as it is) and as a ``ValueError`` to readers of settings."""
+
+
+def whole_number(value: str) -> int:
+    """An integer as the command line, a ``--config`` file and a setting (``--diloco sync_every=20``)
+    write it: ASCII digits, with a sign. Python's ``int`` also reads the digits of other scripts
+    (``١٠``, ``１０``), which would run a job on a value the user may not have meant, unseen."""
+    return _number(value, int, "an integer")
+
+
+def real_number(value: str) -> float:
+    """A number as ``whole_number``'s, with a fraction or an exponent (``3e-4``), or ``inf``/``nan``
+    (which bounds refuse by name): ASCII alone, as ``float`` reads more."""
+    return _number(value, float, "a number")
+
+
+def _number(value: str, kind: type, what: str):
+    digits = "" if value.isascii() else " in ASCII digits (0-9)"
+    try:
+        if digits:
+            raise ValueError(value)
+        return kind(value)
+    except ValueError:
+        raise NotANumber(f"{shown(value)} is not {what}{digits}") from None
+
+
+# What reads a number of each type from text, wherever the command line's words or a setting's values
+# become numbers: the commands' parsers, ``--config`` files and ``settings_fields``.
+NUMBER_READERS: Mapping[type, Callable[[str], typing.Any]] = {int: whole_number, float: real_number}
 
 
 def config_from(args: argparse.Namespace, config_class: type, **others):
@@ -241,16 +284,16 @@ def check_bounds(config) -> None:
 
 
 def check_writable_directory(path: str, option: str) -> None:
-    """``path`` is a directory the job can write in, or one it can create."""
-    if (problem := directory_problem(path)) is not None:
-        raise OptionError(f"{option} {path} {problem}")
+    """``path`` is a directory the job can write in, or one it can create, outside any checkpoint."""
+    if (problem := directory_problem(path) or checkpoint_problem(path)) is not None:
+        raise OptionError(f"{option} {cut(path)} {problem}")
 
 
 def check_output_file(path: str, option: str, kind: str) -> None:
     """``path`` names a regular file the job can write as a result of ``kind`` (``shardwire.files``'
     policy: one it can create, or an earlier result of that kind)."""
     if (problem := rewrite_problem(path, kind)) is not None:
-        raise OptionError(f"{option} {path} {problem}")
+        raise OptionError(f"{option} {cut(path)} {problem}")
 
 
 def setting_error(setting: str, text: str) -> SettingError:
@@ -264,7 +307,8 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
                     bad_value: Callable[[str, str], str], twice: Callable[[str], str],
                     renamed: Mapping[str, str] | None = None) -> tuple[dict[str, typing.Any], list[str]]:
     """The fields of ``setting`` given in the command line's form, comma-separated ``key=value`` pairs
-    (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]``; and the keys given by
+    (``--diloco sync_every=20,wire=int4``), each value read by ``types[key]`` (``int`` and ``float`` as
+    ``NUMBER_READERS`` read them); and the keys given by
     an old name in ``renamed`` (old -> new), read as the new one. A pair that is not one raises a
     ``setting_error`` saying the text is not understood and ``remedy``, a value its type refuses one
     saying ``bad_value(key, value)``, a key given twice (under either name) one saying ``twice(key)``.
@@ -285,7 +329,7 @@ def settings_fields(text: str, types: Mapping[str, Callable[[str], typing.Any]],
         if not value:  # an unset variable ($GROUP), which must not fall back to a default silently
             raise setting_error(setting, f"{key}= has no value: give one, or leave {key} out")
         try:
-            fields[key] = types[key](value)
+            fields[key] = NUMBER_READERS.get(types[key], types[key])(value)
         except ValueError:
             raise setting_error(setting, bad_value(key, shown(value))) from None
     return fields, old_names

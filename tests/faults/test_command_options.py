@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import types
 import warnings
 
@@ -11,6 +13,9 @@ import pytest
 from shardwire.cli import _run, command, main
 from shardwire.comm.errors import CollectiveError
 from shardwire.launch import REFUSED
+
+PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                       "results", "gpu", "h200-profiles", "gpt-1.3b-b8.json")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -53,26 +58,33 @@ def test_report_on_a_damaged_profile_or_into_a_file_is_one_line(tmp_path, capsys
     run.mkdir()
     (run / "profile.json").write_text('{"version": 1, "world_size": 1, "timeline": {}}')
     assert main(["report", str(run)]) == 2
-    assert f"{run}/profile.json is damaged (KeyError" in capsys.readouterr().err
+    said = capsys.readouterr().err  # what it lacks, in words: not the name of a Python exception
+    assert f"{run}/profile.json is damaged (the profile has no device, unlike a profile of" in said
+    assert "Error" not in said
     (run / "profile.json").write_text("[1, 2]")
     assert main(["report", str(run)]) == 2
     assert "holds a JSON list, not a profile" in capsys.readouterr().err
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    (run / "profile.json").write_text('{"version": 1, "world_size": 1}')
+    shutil.copyfile(PROFILE, run / "profile.json")
     assert main(["report", str(run), "--out", str(blocker)]) == 2
     assert f"--out {blocker} is a file; give it a directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["train", "--steps", "abc"], "error: argument --steps: invalid int value: 'abc' (see shardwire train --help)"),
+    (["train", "--steps", "abc"], "error: argument --steps: 'abc' is not an integer (see shardwire train --help)"),
     (["bogus"], "error: argument COMMAND: invalid choice: 'bogus'"),
     (["plan", "--model", "gpt-125m"], "error: the following arguments are required"),
     # an empty word (a variable that was not set) names nothing: not the current directory, not the default
-    (["export", "ckpt", ""], "error: argument OUT: an empty value names nothing"),
-    (["export", "", "out.pt"], "error: argument CHECKPOINT: an empty value names nothing"),
-    (["export", "ckpt", "out.pt", "--model", ""], "error: argument --model: an empty value names nothing"),
-    (["report", ""], "error: argument RUN_DIR: an empty value names nothing"),
+    # ... an option can be left out; an argument can only be given
+    (["export", "ckpt", ""], "error: argument OUT: an empty value names nothing: give one (a variable that was not "
+                             "set?)"),
+    (["export", "", "out.pt"], "error: argument CHECKPOINT: an empty value names nothing: give one (a variable"),
+    (["export", "ckpt", "out.pt", "--model", ""], "error: argument --model: an empty value names nothing: give one, "
+                                                  "or leave the option out"),
+    (["report", ""], "error: argument RUN_DIR: an empty value names nothing: give one (a variable"),
+    (["report", "run", "--out", ""], "error: argument --out: an empty value names nothing: give one, or leave the "
+                                     "option out"),
 ])
 def test_a_command_line_argparse_refuses_is_one_line(argv, said, capsys):
     with pytest.raises(SystemExit) as stopped:

@@ -1,6 +1,7 @@
 """A value in a YAML config file means what it means on the command line: YAML 1.1 reads ``010``
 as 8 and ``1:30`` as 90, where ``--steps 010`` is 10 and ``--save-every 1:30`` is refused. The
-simulator's specs read numbers the same way."""
+simulator's specs read numbers the same way. A number is written in ASCII digits wherever it is
+given, though Python's ``int`` and ``float`` read any script's (``١٠`` as 10)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,33 @@ def test_spec_numbers_are_decimal_or_refused(capsys):
     assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, nodes: 1:30}"]) == 2
     assert "'1:30' at line 1, column 30 is a YAML 1.1 number that the command line reads otherwise" in \
         capsys.readouterr().err
+
+
+SWEEP = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe"]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--steps", "١٠"], "argument --steps: '١٠' is not an integer in ASCII digits (0-9)"),
+    (["train", "--lr", "１e-3"], "argument --lr: '１e-3' is not a number in ASCII digits (0-9)"),
+    (["train", "--layout", "hybrid", "--diloco", "sync_every=١٠"], "--diloco sync_every must be a positive integer, "
+                                                                   "got '١٠'"),
+    (["train", "--layout", "hybrid", "--diloco", "sync_every=20,fragment_sync_delay=٣"],
+     "--diloco fragment_sync_delay must be an integer, got '٣'"),
+    (["bench", "-b", "١K"], "argument -b/--min-bytes: '١K' is not a size"),
+    (["plan", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--global-batch", "٨"],
+     "argument --global-batch: '٨' is not an integer in ASCII digits"),
+    ([*SWEEP, "--nodes", "٢"], "argument --nodes: '٢' is not an integer in ASCII digits"),
+    ([*SWEEP, "--node-mtbf", "٢٠"], "argument --node-mtbf: '٢٠' is not a number in ASCII digits"),
+])
+def test_a_number_in_other_digits_than_ascii_is_refused(argv, said, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--print-config"])
+    message = f"{stopped.value.code}{capsys.readouterr().err}"
+    assert stopped.value.code != 0 and said in message and message.count("\n") <= 1, message
+
+
+def test_a_number_in_other_digits_than_ascii_is_refused_in_a_config_file(tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text("steps: ١٠\n")  # YAML reads it as text, which the option then reads
+    assert main(["train", "--config", str(config), "--print-config"]) == 2
+    assert "steps: '١٠' is not an integer in ASCII digits (0-9)" in capsys.readouterr().err

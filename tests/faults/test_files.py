@@ -5,8 +5,10 @@ on the command line before any work), the mode a plain write would give, parent 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
+import warnings
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ import shardwire
 from harness import run_workers
 from shardwire.cli import main
 from shardwire.files import OutputRefused, write_atomically
+
+PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                       "results", "gpu", "h200-profiles", "gpt-1.3b-b8.json")
 
 
 def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary(tmp_path):
@@ -142,6 +147,49 @@ def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refuse
     os.mkfifo(tmp_path / "profile.json")
     with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json is a FIFO, not a regular file"):
         main(["train", "--profile", "--run-dir", str(tmp_path)])
+
+
+def test_no_output_goes_inside_a_checkpoint_which_stays_prunable(tmp_path, capsys):
+    """A file put in a checkpoint makes it one no prune may delete (it holds what no save wrote): a
+    command refuses an output there (the checkpoint, a directory in it, a link into it) before any
+    work, and the checkpoint is pruned in its turn."""
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    series = tmp_path / "ckpt"
+    shardwire.save_checkpoint(shardwire.checkpoint_path(series, 1), model, step=1).wait()
+    checkpoint = shardwire.checkpoint_path(series, 1)
+    held = sorted(os.listdir(checkpoint))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    (tmp_path / "link").symlink_to(checkpoint)
+    sweep = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"]
+    for command, output in ((["report", str(run), "--out"], checkpoint / "plots"),
+                            (["report", str(run), "--out"], checkpoint),
+                            (["report", str(run), "--out"], tmp_path / "link" / "plots"),
+                            (sweep, checkpoint / "sweep.png")):
+        status, message = _run(command, output, capsys)
+        assert status == 2 and f"{output} is inside {os.path.realpath(checkpoint)}, a checkpoint, which holds only " \
+                               f"what its save wrote" in message and message.count("\n") == 1, message
+    assert sorted(os.listdir(checkpoint)) == held
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "kept ..., never deleting what it holds" would fail here
+        shardwire.save_checkpoint(shardwire.checkpoint_path(series, 2), model, step=2, keep=1).wait()
+    assert not checkpoint.exists()
+
+
+def test_an_output_name_too_long_for_the_file_system_is_refused_before_any_work(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    sweep = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"]
+    for command, output, said in (
+            (["report", str(run), "--out"], tmp_path / ("n" * 300), "has a name of 300 bytes, where a name here is"),
+            (["report", str(run), "--out"], tmp_path / "new" / ("n" * 300) / "plots", "has a name of 300 bytes"),
+            (sweep, tmp_path / ("n" * 300 + ".png"), "has a name of 304 bytes"),
+            (sweep, "/".join([str(tmp_path), *["d" * 200] * 30, "x.png"]), "bytes long, where a path here is under")):
+        status, message = _run(command, output, capsys)
+        assert status == 2 and said in message and message.count("\n") == 1 and len(message) < 400, message
+    assert os.listdir(tmp_path) == ["run"]
 
 
 def _save_a_checkpoint(rank, world, directory):

@@ -212,6 +212,68 @@ def test_report_draws_no_figure_a_profiler_cannot_measure(tmp_path, capsys, chan
     assert not (tmp_path / "plots").exists()
 
 
+def _span(kind: str, index: int, value):
+    return lambda d: d["timeline"]["ranks"][0][kind].__setitem__(index, value)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda d: d.pop("timeline"), "the profile has no timeline"),
+    (lambda d: d["steps"][0].pop("figures"), "steps.0 has no figures"),
+    (lambda d: d["steps"][1].update(figures=[]), "steps.1.figures is a list, not a mapping"),
+    (lambda d: d["steps"].__setitem__(0, 3), "steps.0 is a number, not a mapping"),
+    (lambda d: d["steps"][0].update(step="x"), "steps.0.step is 'x', not a whole number"),
+    (lambda d: d.update(steps={}), "steps is a mapping, not a list"),
+    (lambda d: d["steps"][0]["figures"]["overlap_ratio"].update(median=7), "overlap_ratio.median is 7, not a ratio"),
+    (lambda d: d.update(metadata=[]), "metadata is a list, not a mapping"),
+    (_span("phases", 0, ["forward", None, 1.0]), "phases.0 is ['forward', None, 1.0], not a span of 4 values"),
+    (_span("phases", 0, [[1], None, 1.0, 2.0]), "phases.0.0 is [1], not a name"),
+    (_span("phases", 0, ["forward", None, 5.0, 1.0]), "phases.0 ends at 1 s, before it starts at 5 s"),
+    (_span("waits", 0, [1]), "waits.0 is [1], not a span of 3 values"),
+    (_span("comms", 0, ["bogus", "t", 1, 1, 1.0, 2.0]), "comms.0.0 is 'bogus', not one of all_gather, "),
+    (_span("comms", 0, ["all_gather", "t", 1, 1, "x", 2.0]), "comms.0.4 is 'x', not a finite number"),
+])
+def test_report_of_a_profile_lacking_what_its_plots_read_says_what_in_words(tmp_path, capsys, change, said):
+    """Refused before any plot is drawn, by what the profile lacks: never by the name of the Python
+    exception a plot would raise (KeyError, TypeError, ValueError)."""
+    with open(PROFILE) as f:
+        document = json.load(f)
+    change(document)
+    (tmp_path / "profile.json").write_text(json.dumps(document))
+    refused = refusal(["report", str(tmp_path), "--out", str(tmp_path / "plots")], capsys)
+    assert "is damaged (" in refused and said in refused and refused.endswith("; profile the run again"), refused
+    assert "Error" not in refused and not (tmp_path / "plots").exists()
+
+
+def test_report_of_a_profile_without_steps_plots_nothing(tmp_path, capsys):
+    with open(PROFILE) as f:
+        document = json.load(f)
+    (tmp_path / "profile.json").write_text(json.dumps({**document, "steps": []}))
+    assert refusal(["report", str(tmp_path), "--out", str(tmp_path / "plots")], capsys) == (
+        f"error: {tmp_path}/profile.json holds no step (its steps list is empty), so there is nothing to plot: "
+        f"profile a run of at least one step")
+    assert not (tmp_path / "plots").exists()
+
+
+def test_report_of_two_runs_of_one_name_keeps_the_plots_of_both(tmp_path, capsys):
+    """a/run and b/run: each run's plots are named for it, never one written over the other's."""
+    with open(PROFILE) as f:
+        document = json.load(f)
+    for rank in document["timeline"]["ranks"]:  # fewer shapes to draw
+        rank.update(phases=rank["phases"][:4], comms=rank["comms"][:4], waits=rank["waits"][:4])
+    document["steps"] = document["steps"][:3]
+    wider = {**document, "world_size": 2, "tokens_per_step": 2 * document["tokens_per_step"],
+             "timeline": {**document["timeline"], "ranks": document["timeline"]["ranks"] * 2}}
+    for parent, profile in (("a", document), ("b", wider)):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "profile.json").write_text(json.dumps(profile))
+    runs = [str(tmp_path / parent / "run") for parent in ("a", "b")]
+    assert main(["report", *runs, "--out", str(tmp_path / "out")]) == 0
+    written = capsys.readouterr().out.split()
+    assert len(set(written)) == len(written) == 7 and sorted(os.listdir(tmp_path / "out")) == sorted(
+        [*(f"run-{world}-ranks-{plot}.png" for world in (1, 2) for plot in ("timeline", "breakdown", "overlap")),
+         "scaling.png"])
+
+
 HF_COMMANDS = {
     "simulate": ["simulate", "--cluster", "a100-100gbe", "--model"],
     "plan": ["plan", "--cluster", "a100-100gbe", "--global-batch", "8", "--model"],

@@ -56,7 +56,7 @@ class BenchError(Exception):
 
 def parse_size(text: str) -> int:
     """Bytes, with an optional binary suffix as nccl-tests takes them: 8, 64K, 128M, 1G (or 1GiB)."""
-    match = re.fullmatch(r"(\d+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)
+    match = re.fullmatch(r"([0-9]+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)  # \d takes any script's digits
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes with an optional K, M, G or T, e.g. 64K")
     return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))

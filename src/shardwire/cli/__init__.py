@@ -26,6 +26,7 @@ from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
 from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, share_node_threads, under_launcher
 from shardwire.mappings import nearest
+from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
 
 COMMANDS = {
@@ -45,10 +46,15 @@ class _Parser(argparse.ArgumentParser):
 
     argparse takes any unambiguous beginning of an option for it (``--trainin`` for ``--training``),
     so a new option that begins the same way breaks a command line that ran before. An abbreviation
-    still works for a release, with a warning naming the whole option; then it is refused."""
+    still works for a release, with a warning naming the whole option; then it is refused.
+
+    An option of ``type=int`` or ``float`` is read as ``shardwire.options.NUMBER_READERS`` reads it (ASCII
+    digits only, not every script's that Python's ``int`` reads), whichever module declares it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+        for kind, reader in NUMBER_READERS.items():
+            self.register("type", kind, reader)
 
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
@@ -128,6 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted()
     with _warnings_in_one_line():
         return _run(module, parser, rest)
+
+
+@contextlib.contextmanager
+def refused(*errors: type[Exception]):
+    """Within it, an error of the kinds ``errors`` (input the command cannot use) ends the command as
+    its run would refuse it: the error's one line, and a status of 2. What a command's
+    ``check_options`` wraps, so that ``--print-config`` refuses in the words of a run."""
+    try:
+        yield
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _interrupted() -> int:

@@ -31,7 +31,7 @@ import argparse
 
 from shardwire.extras import require
 from shardwire.mappings import MappingError, nearest, read_file, read_mapping, shown
-from shardwire.options import Renamed
+from shardwire.options import NUMBER_READERS, Renamed
 from shardwire.renamed import warn_renamed
 
 CONFIG, PRINT = "--config", "--print-config"
@@ -166,13 +166,12 @@ def _converted_item(action: argparse.Action, value, where: str):
     if action.type is None:
         converted = str(value)
     else:
-        try:
-            converted = action.type(str(value))
+        try:  # a number as the command line reads it
+            converted = NUMBER_READERS.get(action.type, action.type)(str(value))
         except argparse.ArgumentTypeError as err:
             raise ConfigError(f"{where}: {err}") from None
         except ValueError:
-            kind = {int: "an integer", float: "a number"}.get(action.type, "a valid value")
-            raise ConfigError(f"{where}: {shown(value)} is not {kind}") from None
+            raise ConfigError(f"{where}: {shown(value)} is not a valid value") from None
     if action.choices is not None and converted not in action.choices:
         raise ConfigError(f"{where}: {shown(value)} is not one of {', '.join(map(str, action.choices))}")
     return converted

@@ -26,7 +26,7 @@ from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.mappings import shown
-from shardwire.options import text
+from shardwire.options import argument_text, text
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
 from shardwire.training.config import recorded_seq_len
@@ -35,9 +35,9 @@ _LISTINGS = 5  # how often a series whose checkpoints a running job prunes is li
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", type=text,
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", type=argument_text,
                         help="a checkpoint (ckpt/step_00000400), or a --checkpoint-dir: its newest checkpoint")
-    parser.add_argument("out", metavar="OUT", type=text,
+    parser.add_argument("out", metavar="OUT", type=argument_text,
                         help="hf: models: a new directory for save_pretrained; GPT presets: a new .safetensors or "
                              ".pt file")
     parser.add_argument("--model", type=text, help="the model the checkpoint holds, as train's --model names it (default: "

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from shardwire.cli import refused
 from shardwire.sim import inputs
 from shardwire.sim.planner import check_global_batch, plan
 from shardwire.sim.report import plan_json, plan_text
@@ -36,11 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """What ``--print-config`` checks before it prints: the specs, the failure rate and the global
     batch against the cluster, refused in the words and with the status of a run."""
-    try:
+    with refused(SpecError):
         _checked(args)
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def _checked(args: argparse.Namespace):

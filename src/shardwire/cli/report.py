@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwire.options import text
+from shardwire.options import argument_text, text
 from shardwire.profile.report import ReportError, write_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=text,
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=argument_text,
                         help="directories written by `shardwire train --profile --run-dir RUN_DIR`")
     parser.add_argument("--out", type=text, help="where to write the PNGs (default: the first RUN_DIR)")
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from shardwire.cli import refused
 from shardwire.extras import require
 from shardwire.options import OptionError, check_output_file, text
 from shardwire.sim import inputs, report
@@ -33,11 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """What ``--print-config`` checks before it prints: the options together and the specs they
     give, refused in the words and with the status of a run."""
-    try:
+    with refused(SpecError):
         _checked(args)
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def _checked(args: argparse.Namespace):

@@ -192,9 +192,9 @@ def _check_this_machine(config: TrainConfig) -> None:
     """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
     try:
         if config.checkpoint_dir is not None:
-            check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
-            if (problem := series_problem(config.checkpoint_dir)) is not None:
+            if (problem := series_problem(config.checkpoint_dir)) is not None:  # before: it lies in a checkpoint
                 raise OptionError(f"--checkpoint-dir {config.checkpoint_dir} {problem}")
+            check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
         if config.profile:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
             if config.run_dir is not None:  # the default one is named for the time the run ends

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire
-from shardwire.options import MAX_COUNT, setting_error, settings_fields
+from shardwire.options import MAX_COUNT, setting_error, settings_fields, whole_number
 from shardwire.renamed import warn_renamed
 
 # The fields' names before torchft's, kept for a release: old -> new.
@@ -186,7 +186,7 @@ def uses_renamed_keys(text: str | None) -> bool:
 
 
 def _fragment_sync_delay(text: str) -> int:
-    return 0 if text == "none" else int(text)  # "none" was the default's name before it was 0
+    return 0 if text == "none" else whole_number(text)  # "none" was the default's name before it was 0
 
 
 _FIELD_TYPES = {"sync_every": int, "fragments": int, "wire": lambda text: None if text == "none" else text,

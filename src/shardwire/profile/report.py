@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import os
+import typing
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
@@ -46,13 +47,19 @@ def load_profile(run_dir: str) -> dict:
         profile = read_json(path, path, kind="profile", remedy="profile the run again")
     except MappingError as err:
         raise ReportError(str(err)) from None
-    if profile.get("version") != FORMAT_VERSION:
-        raise ReportError(f"{path} has format version {shown(profile.get('version'))}; "
-                          f"this shardwire reads {FORMAT_VERSION}")
+    version = profile.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:  # true is 1 to Python
+        raise ReportError(f"{path} has format version {shown(version)}; this shardwire reads {FORMAT_VERSION}")
     world = profile.get("world_size")
     if type(world) is not int or world < 1:  # a scaling report divides by it
         raise ReportError(f"{path} is damaged (its world_size is {shown(world)}, not a count of ranks); "
                           f"profile the run again")
+    if isinstance(profile.get("steps"), list) and not profile["steps"]:
+        raise ReportError(f"{path} holds no step (its steps list is empty), so there is nothing to plot: profile "
+                          f"a run of at least one step")
+    if (where := _shape_problem(profile, _PROFILE, "")) is not None:
+        raise ReportError(f"{path} is damaged ({where}, unlike a profile of `shardwire train --profile`); profile "
+                          f"the run again")
     for part in ("tokens_per_step", "flops_per_token", "peak_tflops_per_worker", "summary", "steps", "timeline"):
         if (where := _not_a_measure(profile.get(part), part)) is not None:
             raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are finite numbers, not "
@@ -63,6 +70,88 @@ def load_profile(run_dir: str) -> dict:
         raise ReportError(f"{path} is damaged (its timeline holds {len(ranks)} ranks' steps for a world_size of "
                           f"{world}); profile the run again")
     return profile
+
+
+class _Each(typing.NamedTuple):
+    """A list of items of one shape, at least ``least`` of them."""
+    shape: object
+    least: int = 0
+
+
+class _Span(typing.NamedTuple):
+    """A span of a timeline, written as a list: its ``fields`` first, then (with ``more``, after any
+    further fields) its start and end, in seconds, the end not before the start."""
+    fields: tuple
+    more: bool = False
+
+
+_NUMBER, _RATIO, _COUNT = "a finite number", "a ratio from 0 to 1", "a whole number"
+_NAME, _ANY = "a name", "anything"
+_SPREAD = {"min": _NUMBER, "median": _NUMBER, "max": _NUMBER}  # one figure over the ranks
+_FIGURES = {**{key: _SPREAD for key in ("step_s", *(key for key, _ in _PARTS))},
+            "overlap_ratio": dict.fromkeys(_SPREAD, _RATIO)}
+# What the plots read of a profile, each value of the kind they read it as: a mapping holds the
+# keys listed (and may hold others); a tuple lists the names a value may be.
+_PROFILE = {
+    "device": _ANY,
+    "tokens_per_step": _NUMBER,
+    "metadata": {},
+    "summary": {"figures": _FIGURES, "tokens_per_s": _NUMBER},
+    "steps": _Each({"step": _COUNT, "figures": _FIGURES}, least=1),
+    "timeline": {"step": _COUNT, "ranks": _Each({
+        "start": _NUMBER,
+        "phases": _Each(_Span((_NAME, _ANY))),  # phase, unit (None for the step's own)
+        "waits": _Each(_Span((_ANY,))),  # what was waited for
+        "comms": _Each(_Span((tuple(_OP_COLORS),), more=True)),  # op, tag, bytes, bytes on the wire
+    }, least=1)},
+}
+
+
+def _shape_problem(value, shape, where: str) -> str | None:
+    """Where ``value`` is not of ``shape`` (``_PROFILE``'s kinds), in words (``steps.3.figures has no
+    step_s``), or None: a profile edited or of another tool is refused by what it lacks before any
+    plot reads it, never by the exception a plot would raise."""
+    named = where or "the profile"
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return f"{named} is {_kind(value)}, not a mapping"
+        for key, inner in shape.items():
+            if key not in value:
+                return f"{named} has no {key}"
+            if (found := _shape_problem(value[key], inner, f"{where}.{key}" if where else key)) is not None:
+                return found
+        return None
+    if isinstance(shape, _Each):
+        if not isinstance(value, list):
+            return f"{named} is {_kind(value)}, not a list"
+        if len(value) < shape.least:
+            return f"{named} is an empty list"
+        return next((found for index, item in enumerate(value)
+                     if (found := _shape_problem(item, shape.shape, f"{where}.{index}")) is not None), None)
+    if isinstance(shape, _Span):
+        least = len(shape.fields) + 2
+        if not isinstance(value, list) or len(value) < least or (len(value) > least and not shape.more):
+            return f"{named} is {shown(value)}, not a span of {least}{' or more' if shape.more else ''} values"
+        kinds = {**dict(enumerate(shape.fields)), len(value) - 2: _NUMBER, len(value) - 1: _NUMBER}
+        if (found := next((problem for index, inner in kinds.items()
+                           if (problem := _shape_problem(value[index], inner, f"{where}.{index}")) is not None),
+                          None)) is not None:
+            return found
+        start, end = value[-2:]
+        return f"{named} ends at {end:g} s, before it starts at {start:g} s" if end < start else None
+    if isinstance(shape, tuple):
+        return None if isinstance(value, str) and value in shape else \
+            f"{named} is {shown(value)}, not one of {', '.join(shape)}"
+    finite = is_number(value) and math.isfinite(value)
+    wrong = {_NUMBER: not finite,
+             _RATIO: not (finite and 0 <= value <= 1 + 1e-9),  # a quotient of two sums of one time, rounded
+             _COUNT: type(value) is not int, _NAME: not isinstance(value, str), _ANY: False}[shape]
+    return f"{named} is {shown(value)}, not {shape}" if wrong else None
+
+
+def _kind(value) -> str:
+    return {dict: "a mapping", list: "a list", str: "text", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
 
 
 # Keys whose values are measured: seconds and bytes, each a number (or its min, median and max).
@@ -90,8 +179,8 @@ def _not_a_measure(value, where: str) -> str | None:
 def write_report(run_dirs: list[str], out: str) -> list[str]:
     profiles = [load_profile(d) for d in run_dirs]
     plots = []  # (the runs it draws, its path, how to draw it)
-    for run_dir, profile in zip(run_dirs, profiles):
-        prefix = "" if len(profiles) == 1 else f"{os.path.basename(os.path.normpath(run_dir))}-"
+    for run_dir, profile, name in zip(run_dirs, profiles, _run_names(run_dirs, profiles)):
+        prefix = "" if len(profiles) == 1 else f"{name}-"
         plots += [([run_dir], os.path.join(out, f"{prefix}{name}.png"), functools.partial(draw, profile))
                   for name, draw in (("timeline", _plot_timeline), ("breakdown", _plot_breakdown),
                                      ("overlap", _plot_overlap))]
@@ -114,15 +203,27 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
     return written
 
 
+def _run_names(run_dirs: list[str], profiles: list[dict]) -> list[str]:
+    """What each run's plots are named for in a report of several: its directory's name, or, where
+    two share one (a/run and b/run), that and its world size, which differ between the runs of one
+    scaling report; else the second run's plots would replace the first's."""
+    names = [os.path.basename(os.path.abspath(run_dir)) for run_dir in run_dirs]  # "." by its name too
+    if len(set(names)) == len(names):
+        return names
+    return [f"{name}-{profile['world_size']}-ranks" for name, profile in zip(names, profiles)]
+
+
 @contextlib.contextmanager
 def _damage_reported(run_dirs: list[str]):
-    """A profile.json that parses but lacks what the plots read (edited, or from another tool) is
-    reported as damaged, naming the run, instead of failing deep inside a plot."""
+    """A profile.json whose values ``load_profile`` let through but a plot cannot draw (the shape of
+    what the plots read is checked there) is reported as damaged, naming the run, in words: never by
+    the exception a plot raised, whose name says nothing to the user."""
     try:
         yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError) as err:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError, OverflowError):
         where = " or ".join(os.path.join(d, PROFILE_FILE) for d in run_dirs)
-        raise ReportError(f"{where} is damaged ({shown(err)}); profile the run again") from None
+        raise ReportError(f"{where} is damaged (it holds values its plots cannot draw); profile the run "
+                          f"again") from None
 
 
 def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:

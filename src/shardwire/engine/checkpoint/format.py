@@ -47,15 +47,16 @@ import torch
 from shardwire.engine.checkpoint import schema
 from shardwire.engine.packing import Packing, ParamSlot
 from shardwire.engine.state_dict import TensorRecord
+from shardwire.files import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST
 
-FORMAT = "shardwire-checkpoint"
+FORMAT = CHECKPOINT_FORMAT  # by which the output policy, too, tells a checkpoint (shardwire.files)
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
 # sharded over fewer ranks than saved (hybrid sharding); 5: groups that saved shards of their own;
 # 6: shards hold each parameter's rows (``Packing`` by rows), where earlier ones held equal runs of
 # the parameters laid end to end (read as such); 7: each file's modification time as its writer saw
 # it, the proof that nothing was written over it since (``ownership.not_a_checkpoint``)
 VERSION = 7
-MANIFEST = "manifest.json"
+MANIFEST = CHECKPOINT_MANIFEST
 REPLICATED = "replicated.safetensors"
 
 # Kinds of optimizer state. Per-element state has the shape of the parameter's part and is re-sliced
