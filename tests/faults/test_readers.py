@@ -312,10 +312,10 @@ def test_an_hf_config_is_read_within_bounds_by_every_command(tmp_path, capsys, c
 def test_testbed_names_in_messages_are_cut_short(capsys):
     """As root the preset is refused; elsewhere root is asked for first: either way one short line."""
     refused = refusal(["testbed", "up", "--nodes", "2", "--like", LONG], capsys)
-    assert len(refused) < 400
+    assert "x" * 100 not in refused and "\n" not in refused.strip()  # the presets it lists are the rest
     with pytest.raises(spec.TestbedError, match=r"--like 'x+\.\.\.x+' is not a cluster preset") as refused:
         regime.like(LONG, 2, 1)
-    assert len(str(refused.value)) < 400
+    assert "x" * 100 not in str(refused.value)
     refused = refusal(["testbed", "down", "--name", f"shardwire-{LONG}"], capsys)
     assert "must start with 'shardwire'" in refused and len(refused) < 400
     with pytest.raises(spec.TestbedError, match="no node 'x+\\.\\.\\.x+' on") as refused:
