@@ -64,6 +64,7 @@ import dataclasses
 import math
 
 from shardwire.comm.wire import Codec
+from shardwire.sim.presets import COLLECTIVES
 from shardwire.sim.specs import ClusterSpec, LinkSpec
 
 INTRA, INTER = "intra", "inter"
@@ -78,6 +79,7 @@ class Phase:
     latency_s: float
     flows: tuple[tuple[str, float], ...]
     level: str
+    compute_share: float | None = None  # what it holds of the compute, where not its level's (a library's all-gather)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +97,11 @@ class Group:
 
 
 def all_gather_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
-    return _exchange(nbytes, group, cluster, inter_first=True)
+    library = COLLECTIVES[cluster.collectives]
+    phases = _exchange(nbytes, group, cluster, inter_first=True)
+    if library.all_gather_share is None:
+        return phases
+    return [dataclasses.replace(p, compute_share=library.all_gather_share) if p.level == INTER else p for p in phases]
 
 
 def reduce_scatter_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
@@ -186,6 +192,11 @@ def _kernels(elements: float, cluster: ClusterSpec) -> list[Phase]:
     if cluster.quantize_gelems is None:
         return []
     return [Phase(elements / (cluster.quantize_gelems * 1e9), (), INTER)]
+
+
+def compute_share(cluster: ClusterSpec, phase: Phase) -> float:
+    """The share of a GPU's compute ``phase`` holds while it runs."""
+    return level_spec(cluster, phase.level).compute_share if phase.compute_share is None else phase.compute_share
 
 
 def level_spec(cluster: ClusterSpec, level: str) -> LinkSpec:

@@ -85,7 +85,7 @@ import dataclasses
 
 from shardwire.gpus import DATASHEET_TFLOPS, NO_BF16
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
-from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
+from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec
 
 _GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)
 _MPT = dict(vocab=50368, seq_len=2048, learned_positions=True)
@@ -175,6 +175,57 @@ def rdma_link(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
     return LinkSpec(busbw_GBps=0.9 * gbps / 8, latency_us=14.0, compute_share=_channels(nics, sms))
 
 
+# AWS p4d.24xlarge's 4 x 100 Gbps of EFA as NCCL uses it, from "Enable faster training with Amazon SageMaker
+# data parallel library" (AWS Machine Learning Blog, December 2023; the SMDDP study): NCCL's all-gather reaches
+# about 80% of the link's bandwidth (only at large buffers) and holds up to 24 of 108 SMs. The latency per
+# ring step is NCCL's own model's for the network (14 us, as every RDMA preset's).
+P4D_LINE_GBPS = 400
+P4D_NCCL = LinkSpec(busbw_GBps=0.8 * P4D_LINE_GBPS / 8, latency_us=14.0, compute_share=24 / A100_SMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveLibrary:
+    """What a collective library changes on a cluster whose presets describe NCCL: the rate its
+    collectives reach across nodes (``inter_busbw_GBps``; none: the cluster's), and the share of a GPU's
+    compute its all-gathers across nodes hold (``all_gather_share``; none: the inter-node level's
+    ``compute_share``). Its other collectives (reduce-scatter, all-reduce) are NCCL's: they keep the
+    cluster's share. ``gpus``: the GPU presets it runs on (none: any)."""
+
+    name: str
+    inter_busbw_GBps: float | None = None
+    all_gather_share: float | None = None
+    gpus: tuple[str, ...] | None = None
+    source: str = ""
+
+
+COLLECTIVES: dict[str, CollectiveLibrary] = {c.name: c for c in (
+    CollectiveLibrary("nccl", source="every cluster preset's figures are NCCL's (see each)"),
+    # The SMDDP study (above): SMDDP's all-gather reaches about 90% of p4d's link even at small buffers and
+    # holds 9 SMs; it implements AllGather (and AllReduce), the reduce-scatters of sharded training stay
+    # NCCL's. It runs on P4 and P4de instances only (SageMaker's developer guide, "Compatibility with the
+    # SMDDP library optimized for AWS infrastructure"): A100s.
+    CollectiveLibrary("smddp", inter_busbw_GBps=0.9 * P4D_LINE_GBPS / 8, all_gather_share=9 / A100_SMS,
+                      gpus=("a100-40gb", "a100-80gb"),
+                      source="AWS Machine Learning Blog, 'Enable faster training with Amazon SageMaker data "
+                             "parallel library' (2023)"),
+)}
+
+
+def with_collectives(cluster: ClusterSpec, name: str, *, keep_busbw: bool = False) -> ClusterSpec:
+    """``cluster`` running the collective library ``name``: its figures replace the cluster's where it
+    states them (the inter-node rate, unless ``keep_busbw``: a mapping gave its own)."""
+    if name not in COLLECTIVES:
+        raise SpecError(f"unknown collective library {name!r}; known: {', '.join(COLLECTIVES)}")
+    library = COLLECTIVES[name]
+    if library.gpus is not None and cluster.gpu not in library.gpus:
+        raise SpecError(f"collectives {name} runs on {', '.join(library.gpus)} (AWS P4 and P4de instances); "
+                        f"cluster {cluster.name!r} has {cluster.gpu}")
+    inter = cluster.inter_node
+    if library.inter_busbw_GBps is not None and not keep_busbw:
+        inter = dataclasses.replace(inter, busbw_GBps=library.inter_busbw_GBps)
+    return dataclasses.replace(cluster, collectives=name, inter_node=inter)
+
+
 CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     # The T5 document's IBM Cloud system: 2 x 100 GbE per node, 120 Gbps usable (stated).
     ClusterSpec(name="ibm-a100-ethernet", nodes=8, **_A100_80, inter_node=LinkSpec(
@@ -186,7 +237,9 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
     ClusterSpec(name="a100-100gbe", nodes=8, inter_node=_tcp(100, A100_SMS), **_A100_80),
     # InternLM's performance tables (doc/en/train_performance.md): A100-SXM4-80GB nodes with 4 x 100 Gb RoCE.
     ClusterSpec(name="a100-80gb-roce-400", nodes=128, inter_node=rdma_link(400, A100_SMS, nics=4), **_A100_80),
-    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=rdma_link(400, A100_SMS, nics=4), **_A100_40),  # AWS p4d
+    # AWS p4d.24xlarge: 4 x 100 Gbps of EFA. NCCL's all-gather across its nodes, as SageMaker's SMDDP study
+    # measured it: about 80% of the link, holding up to 24 of the A100's 108 SMs (P4D_NCCL, above).
+    ClusterSpec(name="a100-efa-400", nodes=8, inter_node=P4D_NCCL, **_A100_40),
     ClusterSpec(name="a100-ib-200", nodes=8, inter_node=rdma_link(200, A100_SMS), **_A100_80),
     # 8 x 200 Gb/s of RDMA per node: MosaicML's A100 clusters (RoCE, stated with their throughput table).
     ClusterSpec(name="a100-80gb-rdma-1600", nodes=1, inter_node=rdma_link(1600, A100_SMS, nics=8), **_A100_80),

@@ -140,7 +140,8 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         f"{setting('gpu_memory_gb', f'{c.gpu_memory_gb:g} GiB')} each; "
         f"intra-node {c.intra_node.busbw_GBps:g} GB/s, "
         f"{c.intra_node.latency_us:g} us; inter-node {c.inter_node.busbw_GBps:g} GB/s, "
-        f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives",
+        f"{c.inter_node.latency_us:g} us per step; {c.algorithm} collectives"
+        + ("" if c.collectives == "nccl" else f" ({c.collectives})"),
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
         f"{setting('grad_accum', str(t.grad_accum))} per GPU{reducing}, {setting('layout', layout)}, "
         f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}{gathers}), "

@@ -44,6 +44,8 @@ LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 REDUCE_PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
+# The collective libraries a cluster can run (``shardwire.sim.presets.COLLECTIVES`` holds their figures).
+COLLECTIVE_LIBRARIES = ("nccl", "smddp")
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -274,7 +276,9 @@ class ClusterSpec:
     ``algorithm`` is how all-gathers and reduce-scatters cross the levels (see
     ``shardwire.sim.costs``). ``quantize_gelems`` prices the kernels of a quantized wire
     (``TrainingSpec.wire``): billions of elements one GPU encodes or decodes per second; without it
-    they are left out (and the report says so).
+    they are left out (and the report says so). ``collectives`` names the collective library the
+    cluster runs: ``nccl`` (every preset's figures are NCCL's) or ``smddp`` (SageMaker's, whose
+    all-gathers across nodes hold fewer SMs: ``shardwire.sim.presets.COLLECTIVES``).
     """
 
     nodes: int
@@ -295,11 +299,13 @@ class ClusterSpec:
     memory_bandwidth_GBps: float | None = None
     optimizer_GBps: float | None = None
     quantize_gelems: float | None = None
+    collectives: str = "nccl"
 
     def __post_init__(self):
         _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb", "matmul_efficiency",
                       "attention_efficiency", "memory_efficiency")
         _choice(self, "algorithm", ALGORITHMS)
+        _choice(self, "collectives", COLLECTIVE_LIBRARIES)
         for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "optimizer_GBps", "quantize_gelems"):
             if getattr(self, key) is not None:
                 _check_limits(self, key)

@@ -283,7 +283,7 @@ class _Lane:
                 yield after
             record.started = self._sim.now
             for phase in phases:
-                share = costs.level_spec(self._cluster, phase.level).compute_share
+                share = costs.compute_share(self._cluster, phase)
                 self._processor.hold(share)
                 if phase.latency_s > 0:
                     yield self._sim.timeout(phase.latency_s)
