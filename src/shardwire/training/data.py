@@ -291,11 +291,15 @@ def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, 
 
 @functools.cache
 def _standard_library_files() -> tuple[list[pathlib.Path], str]:
-    """The default corpus's files: listed once per process (a walk of the standard library takes a
-    second or more, and does not change while a process runs)."""
+    """The default corpus's files: listed once per process, and without entering site-packages,
+    where the installed packages (torch's tens of thousands of files among them) would make the walk
+    take seconds."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    return files, f"the standard library's .py files ({root})"
+    files = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [name for name in subdirectories if name != "site-packages"]
+        files += [pathlib.Path(directory, name) for name in names if name.endswith(".py")]
+    return sorted(files), f"the standard library's .py files ({root})"
 
 
 def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
