@@ -228,6 +228,8 @@ def real_number(value: str) -> float:
 
 
 def _number(value: str, kind: type, what: str):
+    if not value.strip():  # an unset variable (``--steps "$STEPS"``), which names no number
+        raise NotANumber(f"an empty value is not {what}: give one (a variable that was not set?)")
     digits = "" if value.isascii() else " in ASCII digits (0-9)"
     try:
         if digits:

@@ -55,6 +55,8 @@ SWEEP = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe"]
 
 @pytest.mark.parametrize("argv, said", [
     (["train", "--steps", "١٠"], "argument --steps: '١٠' is not an integer in ASCII digits (0-9)"),
+    (["train", "--steps", ""], "argument --steps: an empty value is not an integer: give one"),
+    (["train", "--lr", " "], "argument --lr: an empty value is not a number: give one"),
     (["train", "--lr", "１e-3"], "argument --lr: '１e-3' is not a number in ASCII digits (0-9)"),
     (["train", "--layout", "hybrid", "--diloco", "sync_every=١٠"], "--diloco sync_every must be a positive integer, "
                                                                    "got '١٠'"),
@@ -66,7 +68,7 @@ SWEEP = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe"]
     ([*SWEEP, "--nodes", "٢"], "argument --nodes: '٢' is not an integer in ASCII digits"),
     ([*SWEEP, "--node-mtbf", "٢٠"], "argument --node-mtbf: '٢٠' is not a number in ASCII digits"),
 ])
-def test_a_number_in_other_digits_than_ascii_is_refused(argv, said, capsys):
+def test_a_number_in_other_digits_than_ascii_or_an_empty_one_is_refused(argv, said, capsys):
     with pytest.raises(SystemExit) as stopped:
         main([*argv, "--print-config"])
     message = f"{stopped.value.code}{capsys.readouterr().err}"
