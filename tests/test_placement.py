@@ -1,9 +1,16 @@
 """Where ranks sit on nodes: a group's own placement, which falls back to one node, and the launch's,
-which refuses a count of ranks per node that does not divide the world."""
+which refuses a count of ranks per node that does not divide the world; the launch's ranks per node,
+from torchrun's variable or a SLURM job step's."""
+
+import re
 
 import pytest
 
-from shardwire.placement import Placement, placement
+from shardwire.placement import Placement, launch_ranks_per_node, placement
+
+# A task of `srun --nodes 2 --ntasks-per-node 4 python train.py`, as srun sets its environment.
+SLURM_STEP = {"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+              "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_TASKS_PER_NODE": "4(x2)"}
 
 
 def test_ranks_are_placed_node_by_node():
@@ -36,3 +43,77 @@ def test_the_launch_is_placed_by_the_count_given_else_torchrun_else_one_node(mon
 def test_the_launch_refuses_nodes_that_do_not_divide_the_world(ranks_per_node):
     with pytest.raises(ValueError, match=f"4 ranks do not split into nodes of {ranks_per_node} ranks each"):
         Placement.launched(4, ranks_per_node)
+
+
+def test_the_launch_s_ranks_per_node_are_torchrun_s_else_one_node():
+    assert launch_ranks_per_node(8, environ={"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert launch_ranks_per_node(8, environ={}) == 8
+
+
+@pytest.mark.parametrize("variables, per_node", [
+    ({}, 4),
+    ({"SLURM_STEP_TASKS_PER_NODE": "8"}, 8),  # one node
+    ({"SLURM_DISTRIBUTION": "block:cyclic"}, 4),  # node by node; cores within a node do not matter
+    # the step's own counts before the job's (srun --preserve-env keeps SLURM_NTASKS the job's)
+    ({"SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "8(x2)"}, 4),
+])
+def test_a_slurm_step_that_is_this_world_places_its_tasks_per_node(variables, per_node):
+    assert launch_ranks_per_node(8, 5, {**SLURM_STEP, **variables}) == per_node
+    assert launch_ranks_per_node(8, environ={**SLURM_STEP, **variables, "RANK": "5"}) == per_node
+
+
+@pytest.mark.parametrize("variables, world", [
+    ({"SLURM_TASKS_PER_NODE": "4"}, 4),
+    ({"SLURM_TASKS_PER_NODE": "4(x2)"}, 8),
+    ({"SLURM_NTASKS_PER_NODE": "4"}, 8),  # the request: a count for every node
+])
+def test_slurm_s_forms_of_its_tasks_per_node(variables, world):
+    environ = {"SLURM_NTASKS": str(world), "SLURM_PROCID": "0", **variables}
+    assert launch_ranks_per_node(world, 0, environ) == 4
+
+
+@pytest.mark.parametrize("per_node, world", [("2(x3),1", 7), ("2,1,1", 4), ("2(x2),3", 7), ("2(x3)", 8), ("0", 4)])
+def test_a_slurm_step_placed_unevenly_is_one_node_to_the_engine_and_refused_by_the_launch(
+        per_node, world, monkeypatch):
+    environ = {"SLURM_NTASKS": str(world), "SLURM_PROCID": "0", "SLURM_STEP_TASKS_PER_NODE": per_node}
+    assert launch_ranks_per_node(world, 0, environ) == world
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=fr"SLURM's job step does not place its {world} ranks evenly on nodes, "
+                                         fr"node by node \(SLURM_STEP_TASKS_PER_NODE={re.escape(per_node)}\)"):
+        Placement.launched(world)
+
+
+def test_a_slurm_step_distributed_cyclically_is_not_node_by_node():
+    environ = {**SLURM_STEP, "SLURM_DISTRIBUTION": "cyclic"}
+    assert launch_ranks_per_node(8, 5, environ) == 8
+
+
+@pytest.mark.parametrize("variables, rank", [
+    ({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2)",
+      "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, 5),  # torchrun's workers, one torchrun per node
+    ({"SLURM_PROCID": "0"}, 5),  # workers a task started itself, all with its SLURM_PROCID
+    ({"SLURM_STEP_NUM_TASKS": "eight"}, 5),
+])
+def test_a_slurm_step_that_is_not_this_world_is_ignored(variables, rank):
+    environ = {**SLURM_STEP, **variables}
+    assert launch_ranks_per_node(8, rank, environ) == 8
+    assert launch_ranks_per_node(8, rank, {**environ, "LOCAL_WORLD_SIZE": "4"}) == 4
+
+
+def test_torchrun_s_variable_wins_over_a_slurm_step():
+    """torchrun inside an sbatch allocation: torchrun's node is what its workers share, whatever the
+    step around it says, even a step whose task count happens to be the world's."""
+    assert launch_ranks_per_node(8, 5, {**SLURM_STEP, "LOCAL_WORLD_SIZE": "2"}) == 2
+    assert launch_ranks_per_node(16, 5, {**SLURM_STEP, "LOCAL_WORLD_SIZE": "8"}) == 8
+
+
+def test_the_launch_is_placed_by_a_slurm_step(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "5")
+    for name, value in SLURM_STEP.items():
+        monkeypatch.setenv(name, value)
+    assert Placement.launched(8) == Placement(8, 4)
+    assert Placement.launched(8, 2) == Placement(8, 2)
