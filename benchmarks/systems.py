@@ -76,7 +76,7 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
 
         device = next(model.parameters()).device
         world = dist.get_world_size()
-        per_node = launch_ranks_per_node(world, dist.get_rank())  # shardwire's hybrid groups
+        per_node = launch_ranks_per_node(world)  # shardwire's hybrid groups
         if system == "fsdp2-hsdp":
             mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         else:

@@ -3,10 +3,10 @@
 Launchers place ranks node by node: torchrun gives node k the ranks k * LOCAL_WORLD_SIZE onwards, and
 SLURM's srun, with its default block distribution, gives each node consecutive tasks (SLURM_PROCID).
 ``launch_ranks_per_node`` is the one reading of the launch's ranks per node: torchrun's
-``LOCAL_WORLD_SIZE``; else, in a task of a SLURM job step that is this world (a script started by
-``srun`` that makes its process group from SLURM_PROCID and SLURM_NTASKS), SLURM's tasks per node;
-else the whole world as one node. The placement is read by two rules, because the two readers risk
-different things when it is wrong:
+``LOCAL_WORLD_SIZE``; else, in a task of a SLURM job step of as many tasks as the world has ranks (a
+script started by ``srun`` that makes its process group from SLURM_PROCID and SLURM_NTASKS), SLURM's
+tasks per node; else the whole world as one node. The placement is read by two rules, because the
+two readers risk different things when it is wrong:
 
 * ``placement`` (a process group's own ranks, for the engine's transport). A subgroup (a hybrid
   layout's shard group or replica group) has the placement of its ranks: a group whose ranks, in
@@ -28,11 +28,10 @@ import os
 import re
 from collections.abc import Mapping
 
-# What a task of a SLURM job step is told (srun's output environment): the step's count of tasks and
-# its tasks on each node, the step's own first (srun --preserve-env leaves SLURM_NTASKS and
-# SLURM_TASKS_PER_NODE the job's; a batch script, no step's, has only those), and the request last.
-_SLURM_TASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-_SLURM_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+# What srun tells every task of a job step alike: the step's count of tasks and its tasks on each
+# node. A batch script runs in no step: the job's variables it holds (SLURM_NTASKS,
+# SLURM_TASKS_PER_NODE) describe the tasks srun would start, not the processes the script starts itself.
+_SLURM_TASKS, _SLURM_PER_NODE = "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE"
 # One entry of SLURM's per-node counts: a count, and "(xN)" for N consecutive nodes with it.
 _SLURM_ENTRY = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
@@ -52,7 +51,7 @@ class Placement:
         is an error, not a fallback to one node."""
         if ranks_per_node is not None:
             per_node = ranks_per_node
-        elif (per_node := _launched(world, None, os.environ)) is None:
+        elif (per_node := _launched(world, os.environ)) is None:
             raise ValueError(f"SLURM's job step does not place its {world} ranks evenly on nodes, node by node "
                              f"({_slurm_layout(os.environ)})")
         if per_node < 1 or world % per_node:
@@ -79,34 +78,30 @@ class Placement:
         return [self.rank(node, 0) for node in range(self.nodes)]
 
 
-def launch_ranks_per_node(world: int, rank: int | None = None, environ: Mapping[str, str] | None = None) -> int:
+def launch_ranks_per_node(world: int, environ: Mapping[str, str] | None = None) -> int:
     """The launch's ranks per node, for a world of ``world`` ranks: torchrun's ``LOCAL_WORLD_SIZE``
-    where it is set; else, where this process is a task of a SLURM job step that is this world (its
-    count of tasks is ``world``, and its SLURM_PROCID ``rank``, or the environment's RANK, where
-    either is known), SLURM's tasks per node; else ``world``, one node. A step whose tasks are not
-    spread evenly, node by node (``2(x3),1``, or a cyclic distribution), is one node here, the
-    lenient rule (``Placement.launched`` refuses it instead). ``environ`` defaults to the process's."""
-    per_node = _launched(world, rank, os.environ if environ is None else environ)
+    where it is set; else, where this process is a task of a SLURM job step of ``world`` tasks,
+    SLURM's tasks per node; else ``world``, one node. A step whose tasks are not spread evenly,
+    node by node (``2(x3),1``, or a cyclic distribution), is one node here, the lenient rule
+    (``Placement.launched`` refuses it instead). ``environ`` defaults to the process's.
+
+    Every rank must come to the same count, or they would form different groups and wait for each
+    other: so it reads only what the launcher tells all its ranks alike (never a rank's own
+    SLURM_PROCID, which processes a task starts itself all inherit)."""
+    per_node = _launched(world, os.environ if environ is None else environ)
     return world if per_node is None else per_node
 
 
-def _launched(world: int, rank: int | None, environ: Mapping[str, str]) -> int | None:
+def _launched(world: int, environ: Mapping[str, str]) -> int | None:
     """``launch_ranks_per_node``'s count, None for a SLURM step of this world not placed evenly."""
     if "LOCAL_WORLD_SIZE" in environ:
         return int(environ["LOCAL_WORLD_SIZE"])
-    if rank is None:
-        rank = _count(environ.get("RANK"))
-    tasks = _count(next((environ[name] for name in _SLURM_TASKS if name in environ), None))
-    procid = _count(environ.get("SLURM_PROCID"))
-    if tasks != world or procid is None or rank not in (None, procid):
-        return world  # not a SLURM step, or another world's (torchrun's workers in a batch job, say)
-    name = next((name for name in _SLURM_PER_NODE if name in environ), None)
-    if name is None:
-        return world
-    counts = _slurm_counts(environ[name])
+    if _count(environ.get(_SLURM_TASKS)) != world or _SLURM_PER_NODE not in environ:
+        return world  # not a SLURM step, or another world's (torchrun's workers in an srun step, say)
+    counts = _slurm_counts(environ[_SLURM_PER_NODE])
     distribution = environ.get("SLURM_DISTRIBUTION", "block").split(":")[0].split(",")[0]
-    if (not counts or len(set(counts)) > 1 or counts[0] < 1 or world % counts[0] or distribution != "block"
-            or (name != "SLURM_NTASKS_PER_NODE" and sum(counts) != world)):
+    if (not counts or len(set(counts)) > 1 or counts[0] < 1 or sum(counts) != world
+            or distribution != "block"):
         return None
     return counts[0]
 
@@ -129,8 +124,7 @@ def _slurm_counts(text: str) -> list[int]:
 
 def _slurm_layout(environ: Mapping[str, str]) -> str:
     """The SLURM variables that placed the step's tasks, as set, for a message."""
-    per_node = next(name for name in _SLURM_PER_NODE if name in environ)
-    shown = [per_node] + (["SLURM_DISTRIBUTION"] if "SLURM_DISTRIBUTION" in environ else [])
+    shown = [_SLURM_PER_NODE] + (["SLURM_DISTRIBUTION"] if "SLURM_DISTRIBUTION" in environ else [])
     return ", ".join(f"{name}={environ[name]}" for name in shown)
 
 

@@ -16,7 +16,7 @@ def placement_of(group: dist.ProcessGroup) -> Placement:
     """The placement of ``group``'s ranks, from the launch's ranks per node of the default group
     (torchrun's or SLURM's: ``launch_ranks_per_node``; the lenient rule: see ``shardwire.placement``)."""
     members = dist.get_process_group_ranks(group)
-    per_node = launch_ranks_per_node(dist.get_world_size(), dist.get_rank())
+    per_node = launch_ranks_per_node(dist.get_world_size())
     return placement(members, per_node)
 
 
