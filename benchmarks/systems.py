@@ -4,15 +4,15 @@ shardwire and PyTorch FSDP2 (``fully_shard``) shard the same units (the transfor
 root) with the same reshard policy; DDP replicates the model and all-reduces gradients. Each
 layout is a system of its own: shardwire's ``full``, ``hybrid`` and ``hybrid_secondary`` and FSDP2's
 full sharding and HSDP (a 2-D device mesh), the hybrid ones in groups of a node's ranks
-(torchrun's ``LOCAL_WORLD_SIZE``); so is each of shardwire's quantized wires (``full``, and
-``hybrid`` with int8/int4), and ``hybrid`` syncing every H steps at the sync's defaults.
+(``shardwire.placement.launch_ranks_per_node``: torchrun's ``LOCAL_WORLD_SIZE``, or SLURM's tasks per
+node); so is each of shardwire's quantized wires (``full``, and ``hybrid`` with int8/int4), and
+``hybrid`` syncing every H steps at the sync's defaults.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -27,6 +27,7 @@ from shardwire.comm.wire import Wire
 from shardwire.engine.shard import engine_of
 from shardwire.models import fp8 as float8
 from shardwire.models.gpt import Block, GPTConfig, loss_fn
+from shardwire.placement import launch_ranks_per_node
 
 
 class Setup(NamedTuple):
@@ -75,7 +76,7 @@ def wrap(system: str, model: nn.Module, *, reshard: bool = True, prefetch: int =
 
         device = next(model.parameters()).device
         world = dist.get_world_size()
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_node = launch_ranks_per_node(world)  # shardwire's hybrid groups
         if system == "fsdp2-hsdp":
             mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         else:

@@ -72,6 +72,26 @@ def test_all_gather_and_reduce_scatter_are_exact_on_any_placement(world, per_nod
     assert placements == [per_node] * world
 
 
+def slurm_task(rank, world):
+    """A task of the SLURM step, told its rank as srun tells each task its own."""
+    import os
+
+    os.environ["SLURM_PROCID"] = str(rank)
+    return exact_collectives(rank, world, "float32")
+
+
+@pytest.mark.slow
+def test_the_placement_of_an_srun_step_without_torchrun_is_slurm_s(monkeypatch):
+    """`srun --nodes 2 --ntasks-per-node 2 python train.py`, whose script makes its process group from
+    SLURM's variables: no torchrun, so no LOCAL_WORLD_SIZE, and the transport places its ranks on
+    SLURM's 2 nodes of 2, where its collectives are exact."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    step = {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_DISTRIBUTION": "block"}
+    assert run_workers(4, slurm_task, env=step) == [2] * 4
+
+
 def test_a_group_of_one_copies_at_once():
     """Alone in its group, a rank's collectives are local copies made on the calling thread: the
     same values, complete when issued."""

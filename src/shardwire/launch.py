@@ -16,6 +16,8 @@ import shlex
 import signal
 import sys
 
+from shardwire.placement import launch_ranks_per_node
+
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # The status of a worker that stopped the job with a message of its own (``error: ...``), as the
 # command line's refusals end: its launcher adds nothing to that line.
@@ -49,17 +51,19 @@ def tells_the_user() -> bool:
 
 def share_node_threads() -> None:
     """Give this worker its part of its node's compute threads, where they were set for the whole
-    node (``NODE_THREADS``): that many over the node's ranks (``LOCAL_WORLD_SIZE``), at least one.
+    node (``NODE_THREADS``): that many over the node's ranks (torchrun's ``LOCAL_WORLD_SIZE``, or
+    SLURM's tasks per node: ``shardwire.placement.launch_ranks_per_node``), at least one.
 
     torchrun passes an OMP_NUM_THREADS it finds set to every worker as it is (it sets 1 only where
     none is set), and so does ``launch_local``: without this, each of a node's ranks would take the
     node's whole share. An OMP_NUM_THREADS that is no longer the value set beside it was the user's
     choice, and stands. Called before torch is imported: its OpenMP reads the variable as it loads."""
     share = os.environ.pop(NODE_THREADS, None)
-    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    if share is None or os.environ.get("OMP_NUM_THREADS") != share or not (share.isdigit() and local.isdigit()):
+    world = os.environ.get("WORLD_SIZE", "1")
+    if share is None or os.environ.get("OMP_NUM_THREADS") != share or not (share.isdigit() and world.isdigit()):
         return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, int(share) // max(1, int(local))))
+    local = launch_ranks_per_node(max(1, int(world)))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, int(share) // max(1, local)))
 
 
 def launcher_problem() -> str | None:

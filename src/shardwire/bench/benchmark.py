@@ -7,7 +7,8 @@ option of the command).
 
 Groups: ``world`` is every rank; ``intra`` is each node's ranks among themselves (all nodes at
 once); ``inter`` is one rank per node, so that what crosses between nodes is measured alone. Which
-ranks share a node comes from torchrun's ``LOCAL_WORLD_SIZE``, or ``--ranks-per-node``.
+ranks share a node comes from the launch (torchrun's ``LOCAL_WORLD_SIZE``, or SLURM's tasks per node
+for an srun step of these ranks: ``shardwire.placement.launch_ranks_per_node``), or ``--ranks-per-node``.
 
 The pieces, beside this module in ``shardwire.bench``: ``metrics`` (definitions of the numbers),
 ``ops`` (the operations, their buffers and the expected results), ``sweep`` (timing and combining
@@ -41,7 +42,7 @@ from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
 from shardwire.options import MAX_TIMEOUT_S, OptionError, SettingError, check_bounds, check_output_file, option
-from shardwire.placement import Placement
+from shardwire.placement import Placement, launch_ranks_per_node
 
 GROUPS = ("world", "intra", "inter")
 # More sizes than this is a mistake (-b 1 -e 1G -i 1 is a billion), not a sweep anyone waits for.
@@ -86,7 +87,8 @@ class BenchConfig:
     combine: str = option("max", "how ranks' times combine", choices=COMBINE)
     groups: list[str] = option(factory=lambda: ["world"], help="world: all ranks; intra: each node's ranks; "
                                "inter: one rank per node (default world)", choices=GROUPS, metavar="GROUP")
-    ranks_per_node: int | None = option(None, "ranks that share a node (default: torchrun's LOCAL_WORLD_SIZE)")
+    ranks_per_node: int | None = option(None, "ranks that share a node (default: torchrun's LOCAL_WORLD_SIZE, "
+                                            "or SLURM's tasks per node)")
     impl: str = option("torch", "shardwire: time all_gather and reduce_scatter as the engine runs them "
                                 "(shardwire.comm.communicator; point-to-point on gloo)", choices=("torch", "shardwire"))
     wire: str = option("none", "with --impl shardwire: quantize what crosses nodes, as shard(wire=...) does: int8, "
@@ -172,7 +174,7 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if (problem := worker.unavailable(config.backend)) is not None:
         raise BenchError(problem)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this machine
+    local = launch_ranks_per_node(world)  # the ranks on this machine
     if (problem := worker.missing_gpus(config.backend, local)) is not None:
         raise BenchError(problem)
     # every operation holds a buffer of the whole size on each rank; the ranks of a node share its memory

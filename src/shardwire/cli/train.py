@@ -37,6 +37,7 @@ from shardwire.options import (
     command_line,
     config_from,
 )
+from shardwire.placement import launch_ranks_per_node
 from shardwire.profile import PROFILE_FILE, TRACE_FILE
 from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import activation_bytes
@@ -108,7 +109,7 @@ def _world_and_node_size(config: TrainConfig) -> tuple[int, int]:
         return config.nnodes * per_node, per_node
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
-        return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return world, launch_ranks_per_node(world)
     local = config.nproc or _local_workers(config)
     return local, local
 

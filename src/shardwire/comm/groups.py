@@ -5,19 +5,18 @@ group into (the default group itself is ``shardwire.worker``'s)."""
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
-from shardwire.placement import Placement, placement
+from shardwire.placement import Placement, launch_ranks_per_node, placement
 
 
 def placement_of(group: dist.ProcessGroup) -> Placement:
-    """The placement of ``group``'s ranks, from torchrun's ``LOCAL_WORLD_SIZE`` ranks per node of
-    the default group (the lenient rule: see ``shardwire.placement``)."""
+    """The placement of ``group``'s ranks, from the launch's ranks per node of the default group
+    (torchrun's or SLURM's: ``launch_ranks_per_node``; the lenient rule: see ``shardwire.placement``)."""
     members = dist.get_process_group_ranks(group)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    per_node = launch_ranks_per_node(dist.get_world_size())
     return placement(members, per_node)
 
 

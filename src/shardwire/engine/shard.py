@@ -96,7 +96,8 @@ def shard(
             between them) or "hybrid_secondary" (ZeRO++'s hpZ: split over all ranks, backward
             gathering from a copy split within the group). See ``shardwire.engine.layout_plan``.
         shard_group_size: the ranks of a group, a divisor of the process group's size; by default
-            the ranks of a node (the launcher's ``LOCAL_WORLD_SIZE``).
+            the ranks of a node (torchrun's ``LOCAL_WORLD_SIZE``, or SLURM's tasks per node where
+            the world is an srun job step's tasks: ``shardwire.placement.launch_ranks_per_node``).
         wire: what gathers and reductions send between nodes: ``None`` (the compute and reduce
             dtypes), "int8" (int8 parameters and gradients), or a ``shardwire.Wire`` (say,
             ``Wire(params="int8", grads="int4")``). Only collectives whose group spans nodes
@@ -163,10 +164,14 @@ def shard(
     plan = LayoutPlan.make(layout, shard_group_size, world, per_node, diloco=diloco,
                            one_group=fault_tolerance is not None)
     if layout != "full" and shard_group_size is None and plan.group == world and fault_tolerance is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        why = (f"torchrun's LOCAL_WORLD_SIZE is {local}" if local is not None else
+               "torchrun's LOCAL_WORLD_SIZE is not set, and no SLURM job step of these ranks spreads them evenly "
+               "over several nodes")
         warnings.warn(
             f"layout={layout!r} takes its groups from the ranks of a node, and here all {world} ranks "
-            f"form one (LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', 'not set')}): that is the full "
-            f"layout. Pass shard_group_size, or launch with torchrun --nnodes N --nproc-per-node M",
+            f"form one ({why}): that is the full layout. Pass shard_group_size, or launch with torchrun "
+            f"--nnodes N --nproc-per-node M, or srun --nodes N --ntasks-per-node M",
             stacklevel=2,
         )
 
