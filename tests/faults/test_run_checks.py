@@ -171,6 +171,20 @@ def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_pa
                                                                   "replicated.safetensors"]
 
 
+@pytest.mark.parametrize("directory, said", [
+    ("n" * 300, "has a name of 300 bytes, where a name here is at most"),
+    ("ckpt/step_00000004/inner", "is inside"),  # below a checkpoint, which would then never be pruned
+])
+def test_a_checkpoint_directory_the_system_or_a_checkpoint_refuses_is_one_line(directory, said, tmp_path, no_workers,
+                                                                                capsys):
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path / "ckpt", 4), model, step=4).wait()
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--model", "tiny", "--checkpoint-dir", str(tmp_path / directory)])
+    message = str(refused.value.code)
+    assert message.startswith("error: --checkpoint-dir ") and said in message and "\n" not in message, message
+
+
 def divergence(**settings) -> _Divergence:
     worker.ensure_initialized(torch.device("cpu"))  # a world of one
     return _Divergence(TrainConfig(**{"steps": 100, "warmup": 0, **settings}), torch.device("cpu"))

@@ -22,9 +22,10 @@ from shardwire.engine.checkpoint.series import series_problem
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
-from shardwire.files import new_directory_problem
+from shardwire.files import checkpoint_problem, directory_problem, new_directory_problem
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
+from shardwire.mappings import cut
 from shardwire.models import fp8
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
 from shardwire.options import (
@@ -193,9 +194,11 @@ def _check_this_machine(config: TrainConfig) -> None:
     """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
     try:
         if config.checkpoint_dir is not None:
-            if (problem := series_problem(config.checkpoint_dir)) is not None:  # before: it lies in a checkpoint
-                raise OptionError(f"--checkpoint-dir {config.checkpoint_dir} {problem}")
-            check_writable_directory(config.checkpoint_dir, "--checkpoint-dir")
+            # a checkpoint itself, or a DCP one, is named so before it is refused as lying in one
+            directory = config.checkpoint_dir
+            if (problem := directory_problem(directory) or series_problem(directory)
+                    or checkpoint_problem(directory)) is not None:
+                raise OptionError(f"--checkpoint-dir {cut(directory)} {problem}")
         if config.profile:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
             if config.run_dir is not None:  # the default one is named for the time the run ends

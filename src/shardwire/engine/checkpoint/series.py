@@ -10,6 +10,7 @@ loader says why it skips it, but ``prune`` neither counts nor deletes it.
 from __future__ import annotations
 
 import numbers
+import os
 import pathlib
 import re
 import warnings
@@ -40,7 +41,7 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
     shardwire's (a series' ``step_N``). A series would not see it and would start over inside it,
     its own checkpoints making the one there unprunable. Said after the directory's name."""
     directory = pathlib.Path(directory)
-    if (directory / _DCP_METADATA).is_file():
+    if os.path.isfile(directory / _DCP_METADATA):  # False, not an error, where it cannot be looked at
         return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
                 f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
                 f"shardwire's checkpoints a directory of their own")
@@ -63,7 +64,7 @@ def _holds_a_manifest(path: pathlib.Path) -> bool:
     """Whether ``path`` holds a valid checkpoint manifest (a user's own manifest.json is none)."""
     try:
         Manifest.read(path)
-    except CheckpointError:
+    except (CheckpointError, OSError):  # none, or none this process may read
         return False
     return True
 
