@@ -1,7 +1,7 @@
-"""What several test modules share: processes that start fast, a function run on several gloo
-ranks in such processes (each rank's result or error collected), torch's matrix-multiply precision set for a block, the most
-memory a block's tensors held, a small Hugging Face tokenizer, and a checkpoint's manifest edited as a
-forger would."""
+"""What several test modules share: processes that start fast, a function run on several gloo ranks
+in such processes (each rank's result or error collected), torch's matrix-multiply precision set for
+a block, the most memory a block's tensors held, a small Hugging Face tokenizer, and a checkpoint's
+manifest edited as a forger would."""
 
 from __future__ import annotations
 
@@ -13,31 +13,49 @@ import pathlib
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 
+import torch
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
 
 def processes():
     """A multiprocessing context whose processes start in a tenth of a second: each is forked from a
-    server that imported torch and shardwire once, where spawn's import them again in every process
-    (seconds each on two cores, most of a short multi-process test). Start them through
-    ``in_environment`` so that each sees the caller's environment, as spawn's do."""
+    server that imported torch, dynamo and shardwire's engine once, where spawn's import them again
+    in every process (seconds each on two cores, most of a short multi-process test). Start them
+    with ``process``."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardwire", "harness"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardwire.engine.shard",
+                                    "harness"])
     return context
 
 
-def in_environment(environ: dict, target, *args):
-    """``target(*args)`` with ``environ`` as the process's environment: a forked process would
-    otherwise hold the environment its server started with, not its caller's at the time."""
+def process(context, target, *args, results, env: dict | None = None):
+    """A process of ``context`` (``processes()``) that runs ``target(*args, results)`` in the
+    caller's environment as it is now, with ``env`` over it (``_in_environment``); ``results``, a
+    queue of the context, passes as only inheritance passes it."""
+    call = pickle.dumps((target, args))
+    return context.Process(target=_in_environment, args=({**os.environ, **(env or {})}, call, results))
+
+
+def _in_environment(environ: dict, call: bytes, results):
+    """The call ``process`` packed, with ``environ`` as the process's environment, set before the call
+    is unpacked (which imports the test module that defines its target). A forked process would
+    otherwise hold the environment its server started with; and torch, loaded there, read
+    OMP_NUM_THREADS there, so its thread count is set again from it. What other modules read as they
+    load (torch's logging variables, dynamo's configuration) keeps the server's values: a test that
+    sets those needs a process started afresh (``subprocess``)."""
     os.environ.clear()
     os.environ.update(environ)
-    return target(*args)
+    if (threads := environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    target, args = pickle.loads(call)
+    return target(*args, results)
 
 
 def _worker(rank, world, store_path, fn, args, results):
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -59,30 +77,34 @@ def run_workers(world: int, fn, *args, timeout: float = 240.0, env: dict | None 
     """``fn(rank, world, *args)`` on ``world`` processes; returns the results in rank order.
 
     With ``expect_errors`` a rank's exception is returned as its result (its message as a string)
-    instead of failing the caller. A run that outlives ``timeout`` is killed and fails.
+    instead of failing the caller. A run that outlives ``timeout``, or a rank that ends without a
+    result (killed, or unable to start), is killed and fails.
     """
     ctx = processes()
     results = ctx.Queue()
-    environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=in_environment,
-                args=(environ, _worker, rank, world, os.path.join(tmp, "store"), fn, args, results),
-            )
-            for rank in range(world)
-        ]
+        procs = [process(ctx, _worker, rank, world, os.path.join(tmp, "store"), fn, args, results=results, env=env)
+                 for rank in range(world)]
         for proc in procs:
             proc.start()
         outcome: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout
         try:
             while len(outcome) < world:
-                rank, ok, value = pickle.loads(results.get(timeout=timeout))
-                outcome[rank] = (ok, value)
-        except queue.Empty:
-            raise AssertionError(
-                f"ranks {sorted(set(range(world)) - set(outcome))} did not finish within {timeout}s"
-            ) from None
+                # a rank that ended had put its result before it did: one more wait finds it
+                ended = [r for r, proc in enumerate(procs) if proc.exitcode is not None and r not in outcome]
+                try:
+                    rank, ok, value = pickle.loads(results.get(timeout=1.0))
+                    outcome[rank] = (ok, value)
+                    continue
+                except queue.Empty:
+                    pass
+                if lost := [r for r in ended if r not in outcome]:
+                    codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in lost)
+                    raise AssertionError(f"ranks ended without a result (exit codes {codes})")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(outcome))} did not finish "
+                                         f"within {timeout}s")
         finally:
             for proc in procs:
                 proc.join(timeout=5)
@@ -99,8 +121,6 @@ def run_workers(world: int, fn, *args, timeout: float = 240.0, env: dict | None 
 def matmul_precision(matmul: str, everything: str = "none"):
     """torch's fp32 precision of CUDA matrix multiplies (and its global default) set for the block,
     then restored: set as users set it, through attributes pytest's monkeypatch cannot restore."""
-    import torch  # not at the top: a worker sets its environment before torch starts
-
     saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision
     torch.backends.fp32_precision = everything
     torch.backends.cuda.matmul.fp32_precision = matmul
@@ -114,8 +134,6 @@ def peak_allocated(fn) -> int:
     """The most bytes ``fn()``'s tensors held at once, beyond what was held as it began, on this
     thread, as the profiler records torch's allocations: what is allocated counts whether or not its
     pages were written (unlike a resident set, which misses an ``empty`` buffer never filled)."""
-    from torch.profiler import ProfilerActivity, profile  # not at the top, as matmul_precision's torch
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         fn()
     events = sorted((e for e in profiled.profiler.kineto_results.events() if e.name() == "[memory]"),

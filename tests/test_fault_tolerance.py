@@ -28,7 +28,7 @@ from shardwire.engine.outer import OuterLoop, OuterState
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 from shardwire.training import loop
-from harness import in_environment, processes, run_workers
+from harness import process, processes, run_workers
 from test_sync import _batch, _diloco_reference, _sgd_steps
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
@@ -295,8 +295,7 @@ def _groups_meeting(target, *args, min_groups: int = 2, timeout: float = 240) ->
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=60_000)
     context = processes()
     results = context.Queue()
-    groups = [context.Process(target=in_environment, args=(dict(os.environ), target, index, lighthouse.address(),
-                                                           *args, results)) for index in range(2)]
+    groups = [process(context, target, index, lighthouse.address(), *args, results=results) for index in range(2)]
     try:
         for group in groups:
             group.start()
@@ -517,8 +516,7 @@ def test_a_step_a_group_dies_in_is_dropped_and_moves_no_parameter_then_the_other
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2000)
     context = processes()
     results = context.Queue()
-    groups = [context.Process(target=in_environment, args=(dict(os.environ), _dying_step_group, index,
-                                                           lighthouse.address(), str(tmp_path), 6, results))
+    groups = [process(context, _dying_step_group, index, lighthouse.address(), str(tmp_path), 6, results=results)
               for index in range(2)]
     try:
         for group in groups:
