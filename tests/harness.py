@@ -21,6 +21,11 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 
+# A profile of ``shardwire train --profile`` (GPT 1.3B on an H200), for the readers of profiles.
+PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "gpu",
+                       "h200-profiles", "gpt-1.3b-b8.json")
+
+
 def processes():
     """A multiprocessing context whose processes start in a tenth of a second: each is forked from a
     server that imported torch, dynamo and shardwire's engine once, where spawn's import them again

@@ -205,11 +205,12 @@ def _length_problem(path: str | os.PathLike) -> str | None:
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing)
     limits = []
-    for name in ("PC_NAME_MAX", "PC_PATH_MAX"):
+    for name, usual in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
         try:
-            limits.append(os.pathconf(existing, name))
+            limit = os.pathconf(existing, name)
         except (OSError, ValueError):
-            limits.append({"PC_NAME_MAX": 255, "PC_PATH_MAX": 4096}[name])
+            limit = -1
+        limits.append(limit if limit > 0 else usual)  # -1: no limit stated; 0 would refuse every path
     longest = max(len(part) for part in whole.split(b"/"))
     if longest > limits[0]:
         return f"has a name of {longest:,} bytes, where a name here is at most {limits[0]:,}: give a shorter one"

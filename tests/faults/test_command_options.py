@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import types
 import warnings
@@ -13,9 +12,8 @@ import pytest
 from shardwire.cli import _run, command, main
 from shardwire.comm.errors import CollectiveError
 from shardwire.launch import REFUSED
+from harness import PROFILE
 
-PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                       "results", "gpu", "h200-profiles", "gpt-1.3b-b8.json")
 
 
 @pytest.mark.parametrize("args, message", [

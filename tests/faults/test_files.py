@@ -14,12 +14,10 @@ import pytest
 import torch
 
 import shardwire
-from harness import run_workers
+from harness import PROFILE, run_workers
 from shardwire.cli import main
 from shardwire.files import OutputRefused, write_atomically
 
-PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                       "results", "gpu", "h200-profiles", "gpt-1.3b-b8.json")
 
 
 def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary(tmp_path):

@@ -19,10 +19,10 @@ from shardwire.mappings import MAX_JSON_BYTES
 from shardwire.profile import analysis
 from shardwire.testbed import network, regime, spec
 from shardwire.training import loop
+from harness import PROFILE
 
 pytestmark = pytest.mark.timeout(60)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROFILE = os.path.join(REPO, "benchmarks", "results", "gpu", "h200-profiles", "gpt-1.3b-b8.json")
 CALIBRATE = ["simulate", "--model", "gpt-1.3b", "--cluster", "{preset: h100-rdma-3200, gpu: h200}", "--calibrate"]
 LONG = "x" * 100_000
 DEEP = "[" * 200_000 + "]" * 200_000

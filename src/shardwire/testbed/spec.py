@@ -33,7 +33,7 @@ MIN_RATE, MAX_RATE = 10**5, 10**11  # 100 kbit/s (a GPU cluster's regime for a C
 
 _NAME = re.compile(r"shardwire(-[a-z0-9]+)*")
 # tc's units (tc(8)): decimal multiples of bits per second.
-_RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)")
+_RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit|tbit)")  # ASCII digits, as tc reads them
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
