@@ -189,6 +189,8 @@ class Manifest:
             "files": [dataclasses.asdict(f) for f in self.files],
             "groups": self.groups,
         }
+        # "format" first, indented by one: ``shardwire.files.checkpoint_problem`` tells a checkpoint by
+        # these first bytes, without reading (or trusting) the rest
         return json.dumps({**body, "sha256": _body_sha256(body)}, indent=1)
 
     @classmethod
