@@ -575,3 +575,11 @@ def test_a_cluster_made_any_way_runs_all_of_its_library_or_is_refused():
     with pytest.raises(SpecError, match="another network between nodes"):
         parse("cluster", {**as_dict(CLUSTERS["a100-100gbe"]), "collectives": "smddp"})
 
+
+def test_plan_says_it_searched_without_fault_tolerance(capsys):
+    argv = ["plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2", "--global-batch", "64",
+            "--exact", "--training", "{layout: hybrid, fault_tolerance: true}"]
+    status, out, _ = run(capsys, *argv)
+    assert status == 0 and out.count("fault_tolerance: searched without it") == 1
+    status, out, _ = run(capsys, *argv[:-2])
+    assert status == 0 and "fault_tolerance" not in out
