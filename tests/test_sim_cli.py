@@ -19,7 +19,7 @@ from shardwire.sim.inputs import cluster_from_bench, load_spec
 from shardwire.sim.planner import plan
 from shardwire.sim.predict import predict
 from shardwire.sim.presets import CLUSTERS, MODELS
-from shardwire.sim.specs import SpecError, TrainingSpec
+from shardwire.sim.specs import SpecError, TrainingSpec, as_dict, parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2"]
@@ -523,3 +523,63 @@ def test_the_plan_for_a_gpu_without_bf16_runs_fp16(capsys):
     code, out, _ = run(capsys, "plan", "--model", "gpt-1.3b", "--cluster", "v100-dgx2-ib-800", "--nodes", "2",
                        "--global-batch", "64", "--exact", "--json")
     assert code == 0 and "--precision fp16" in " ".join(json.loads(out)["best"]["run"]["train_options"])
+
+
+SMDDP = "{preset: a100-efa-400, collectives: smddp}"
+
+
+def test_simulate_runs_the_collective_library_a_cluster_names(capsys):
+    """SMDDP on p4d: its rate across nodes and its all-gathers' share of the SMs, named in the report."""
+    status, out, _ = run(capsys, "simulate", "--model", "gpt2-125m", "--cluster", SMDDP)
+    assert status == 0
+    assert "inter-node 45 GB/s, 14 us per step; ring collectives (smddp)" in out
+    cluster = load_spec("cluster", SMDDP)
+    assert cluster.inter_node.busbw_GBps == 45 and cluster.inter_node.all_gather_share == pytest.approx(9 / 108)
+    assert cluster.inter_node.compute_share == CLUSTERS["a100-efa-400"].inter_node.compute_share  # NCCL's reductions
+    p4de = load_spec("cluster", "{preset: a100-efa-400, gpu: a100-80gb, collectives: smddp}")
+    assert p4de.gpu_memory_gb == 80 and p4de.inter_node == cluster.inter_node
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ("{preset: a100-efa-400, collectives: mpi}", "collectives must be one of nccl, smddp; got 'mpi'"),
+    ("{preset: h100-ib-400, collectives: smddp}", "has h100-sxm: start from preset a100-efa-400"),
+    ("{preset: a100-efa-400, gpu: h100-sxm, collectives: smddp}", "has h100-sxm: start from preset a100-efa-400"),
+    # a 100 GbE link carries 12.5 GB/s: SMDDP's 45, measured on p4d's EFA, is never set on it
+    ("{preset: a100-100gbe, collectives: smddp}", "has another network between nodes: start from preset a100-efa-400"),
+])
+def test_a_collective_library_where_it_does_not_run_is_refused_in_one_line(capsys, cluster, message):
+    status, out, err = run(capsys, "simulate", "--model", "gpt2-125m", "--cluster", cluster)
+    assert status == 2 and out == ""
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_mappings_own_figures_win_over_its_librarys():
+    """The library is set on the preset, and the mapping's keys change the result."""
+    cluster = load_spec("cluster", "{preset: a100-efa-400, collectives: smddp, inter_node: {busbw_GBps: 42, "
+                                   "compute_share: 0.1}}")
+    assert cluster.inter_node.busbw_GBps == 42 and cluster.inter_node.compute_share == 0.1
+    assert cluster.inter_node.all_gather_share == pytest.approx(9 / 108)
+    own = load_spec("cluster", "{preset: a100-efa-400, collectives: smddp, inter_node: {all_gather_share: 0.05}}")
+    assert own.inter_node.all_gather_share == 0.05 and own.inter_node.busbw_GBps == 45
+
+
+def test_a_cluster_made_any_way_runs_all_of_its_library_or_is_refused():
+    """parse and dataclasses.replace resolve the library as load_spec does, and refuse as it does."""
+    smddp = load_spec("cluster", SMDDP)
+    nccl = CLUSTERS["a100-efa-400"]
+    assert dataclasses.replace(nccl, collectives="smddp").inter_node == smddp.inter_node
+    assert parse("cluster", {**as_dict(nccl), "collectives": "smddp"}).inter_node == smddp.inter_node
+    assert parse("cluster", {**as_dict(smddp), "nodes": 64}).inter_node == smddp.inter_node  # as it reads back
+    with pytest.raises(SpecError, match="has h100-sxm: start from preset a100-efa-400"):
+        dataclasses.replace(CLUSTERS["h100-ib-400"], collectives="smddp")
+    with pytest.raises(SpecError, match="another network between nodes"):
+        parse("cluster", {**as_dict(CLUSTERS["a100-100gbe"]), "collectives": "smddp"})
+
+
+def test_plan_says_it_searched_without_fault_tolerance(capsys):
+    argv = ["plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2", "--global-batch", "64",
+            "--exact", "--training", "{layout: hybrid, fault_tolerance: true}"]
+    status, out, _ = run(capsys, *argv)
+    assert status == 0 and out.count("fault_tolerance: searched without it") == 1
+    status, out, _ = run(capsys, *argv[:-2])
+    assert status == 0 and "fault_tolerance" not in out

@@ -21,7 +21,7 @@ import pytest
 from shardwire.sim.memory import GIB
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.architecture import architecture
-from shardwire.sim.presets import CLUSTERS, MODELS, TRAININGS, V100_SMS, rdma_link, with_collectives
+from shardwire.sim.presets import CLUSTERS, MODELS, TRAININGS, V100_SMS, rdma_link
 from shardwire.sim.specs import LinkSpec, TrainingSpec, as_dict, parse
 
 # Every published figure is predicted within this, and most within ``MOST``.
@@ -219,9 +219,9 @@ PUBLISHED = [
 ]
 
 
-# ---- SageMaker's SMDDP study: one job on AWS p4d with NCCL and with SMDDP (branch smddp44) ----------------------
+# ---- SageMaker's SMDDP study: one job on AWS p4d with NCCL and with SMDDP -----------------------
 # "Enable faster training with Amazon SageMaker data parallel library" (AWS Machine Learning Blog, December 2023),
-# as issue 44 quotes it (the study is not among ../shared/seeds/, whose three documents are IBM's FSDP scaling,
+# as quoted to the project (the study is not among ../shared/seeds/, whose three documents are IBM's FSDP scaling,
 # NCCL and EFA on P3dn, and ZeRO-3 on p4d): Llama 2 13B with FSDP's full sharding on 64 p4d.24xlarge (512 A100
 # 40GB, 4 x 100 Gbps of EFA per node), a global batch of 4M tokens (1024 sequences of 4096: 2 per GPU), 97.89
 # model TFLOP/s per GPU with NCCL and 121.85 with SMDDP's all-gather. Its text says why they differ: NCCL's
@@ -245,7 +245,7 @@ class LibraryPoint(Point):
     collectives: str = "nccl"
 
     def predict(self):
-        cluster = with_collectives(CLUSTERS[self.cluster], self.collectives)
+        cluster = dataclasses.replace(CLUSTERS[self.cluster], collectives=self.collectives)
         cluster = parse("cluster", {**as_dict(cluster), "nodes": self.gpus // cluster.gpus_per_node})
         return predict(MODELS[self.model], cluster, TrainingSpec(**self.training))
 

@@ -64,7 +64,6 @@ import dataclasses
 import math
 
 from shardwire.comm.wire import Codec
-from shardwire.sim.presets import COLLECTIVES
 from shardwire.sim.specs import ClusterSpec, LinkSpec
 
 INTRA, INTER = "intra", "inter"
@@ -79,7 +78,7 @@ class Phase:
     latency_s: float
     flows: tuple[tuple[str, float], ...]
     level: str
-    compute_share: float | None = None  # what it holds of the compute, where not its level's (a library's all-gather)
+    compute_share: float | None = None  # what it holds of the compute, where not its level's (its all_gather_share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +96,11 @@ class Group:
 
 
 def all_gather_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:
-    library = COLLECTIVES[cluster.collectives]
-    phases = _exchange(nbytes, group, cluster, inter_first=True)
-    if library.all_gather_share is None:
-        return phases
-    return [dataclasses.replace(p, compute_share=library.all_gather_share) if p.level == INTER else p for p in phases]
+    """The phases of an all-gather of ``nbytes``, each holding its level's ``all_gather_share`` of
+    the compute where the level gives one (a library whose all-gathers hold fewer SMs)."""
+    return [p if (share := level_spec(cluster, p.level).all_gather_share) is None
+            else dataclasses.replace(p, compute_share=share)
+            for p in _exchange(nbytes, group, cluster, inter_first=True)]
 
 
 def reduce_scatter_phases(nbytes: float, group: Group, cluster: ClusterSpec) -> list[Phase]:

@@ -6,7 +6,8 @@ that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``)
 ``gpu`` key names a GPU preset whose figures it takes, except those the mapping gives itself
 (``{preset: a100-100gbe, gpu: h100-sxm}``); its ``collectives`` key names the collective library it runs,
 whose figures (``shardwire.sim.presets.COLLECTIVES``) it takes likewise (``{preset: a100-efa-400,
-collectives: smddp}``). ``--model`` also takes what ``shardwire train --model``
+collectives: smddp}``): the library is set on the preset first, and the mapping's own keys change the
+result. ``--model`` also takes what ``shardwire train --model``
 takes: the project's GPT sizes and ``hf:`` with a Hugging Face config (``shardwire.sim.huggingface``);
 ``--seq-len`` changes the model's sequence length. ``--calibrate profile.json`` fits the cluster's
 GPU to a profile of one GPU (``shardwire.sim.calibrate``). ``--node-mtbf`` (and ``--save-every``)
@@ -40,7 +41,7 @@ from shardwire.options import text
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.failures import FailureRate
-from shardwire.sim.presets import GPUS, PRESETS, with_collectives
+from shardwire.sim.presets import GPUS, PRESETS
 from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
@@ -76,15 +77,13 @@ def load_spec(kind: str, text: str):
         if not isinstance(base, str) or base not in presets:
             raise SpecError(f"unknown {kind} preset {shown(base)}; known presets: {', '.join(presets)}")
         changed = f"{base}, changed" if data else base
-        data = {**_merged(as_dict(presets[base]), data), "name": data.get("name") or name or changed}
+        start = as_dict(presets[base])
+        if kind == "cluster" and "collectives" in data:  # the preset as the library runs it, which the mapping changes
+            start = as_dict(parse(kind, {**start, "collectives": data["collectives"]}, name=base))
+        data = {**_merged(start, data), "name": data.get("name") or name or changed}
     if kind == "cluster" and "gpu" in given:
         data = {**data, **{key: value for key, value in _gpu(given["gpu"]).items() if key not in given}}
-    spec = parse(kind, data, name=name)
-    if kind == "cluster" and "collectives" in given:
-        inter = given.get("inter_node")
-        spec = with_collectives(spec, spec.collectives,
-                                keep_busbw=isinstance(inter, Mapping) and "busbw_GBps" in inter)
-    return spec
+    return parse(kind, data, name=name)
 
 
 def load_model(text: str, seq_len: int | None = None) -> ModelSpec:

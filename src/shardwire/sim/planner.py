@@ -12,7 +12,8 @@ is lossy (the step computes with quantized weights or reduces quantized gradient
 searches exact collectives only. The precision and compilation come from the base training
 configuration (bf16 becomes fp16 on a GPU without bf16 tensor cores, as the V100, and
 ``Plan.notes`` says so); the rest is what the engine runs (its sliding window, reductions in fp32,
-gradient accumulation under ``no_sync``), so that every configuration the planner names is one ``shard()``
+gradient accumulation under ``no_sync``; no ``fault_tolerance``, which applies to hybrid alone, and
+``Plan.notes`` says so where the base asked for it), so that every configuration the planner names is one ``shard()``
 and ``shardwire train`` run: ``launch`` gives the command and the arguments for both, and says why
 where the engine cannot run it (fp8 gathers, a model ``shardwire train`` does not name). Candidates
 whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
@@ -130,6 +131,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         base = dataclasses.replace(base, precision="fp16")
         notes.append(f"precision fp16: the cluster's GPU ({cluster.gpu}) has no bf16 tensor cores, so 16-bit mixed "
                      f"precision on it is fp16")
+    if base.fault_tolerance:  # it applies to hybrid alone, and the search tries every layout on the same footing
+        notes.append("fault_tolerance: searched without it (it changes nothing of the step but memory, and applies "
+                     "to layout hybrid alone); simulate the plan's hybrid settings with it to price it")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
     if not candidates:

@@ -44,8 +44,6 @@ LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 REDUCE_PRECISIONS = ("fp32", "bf16", "fp16")
 ALGORITHMS = ("ring", "hierarchical")
-# The collective libraries a cluster can run (``shardwire.sim.presets.COLLECTIVES`` holds their figures).
-COLLECTIVE_LIBRARIES = ("nccl", "smddp")
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -160,6 +158,8 @@ LIMITS = types.MappingProxyType({
     # A collective taking all of the compute would stop it; over 99% the share is in percent, not a fraction.
     "compute_share": Limit(0.99, "over 0.99: it is the fraction of compute a running collective takes, in [0, 1)",
                            zero=True),
+    "all_gather_share": Limit(0.99, "over 0.99: it is the fraction of compute a running all-gather takes, in [0, 1)",
+                              zero=True),
     "bandwidth_share": Limit(0.99, "over 0.99: it is the fraction of a level's bandwidth running compute takes, "
                                    "in [0, 1)", zero=True),
     # A selective checkpointing policy recomputes some of a block's forward: a fraction in (0, 1].
@@ -240,7 +240,10 @@ class LinkSpec:
     level (a ring over k members takes k - 1 steps). ``compute_share`` is the fraction of a GPU's
     compute a collective on this level takes while it runs (the SMs its kernels hold and the memory
     bandwidth they use; on CPUs, the cores its threads take): compute runs at ``1 - compute_share``
-    of its rate meanwhile (``shardwire.sim.costs``). ``bandwidth_share`` is the converse, the
+    of its rate meanwhile (``shardwire.sim.costs``); ``all_gather_share``, where given, is what its
+    all-gathers take instead, where their library's kernels differ from its other collectives'
+    (SMDDP's all-gather beside NCCL's reduce-scatter: ``shardwire.sim.presets.COLLECTIVES``).
+    ``bandwidth_share`` is the converse, the
     fraction of this level's bandwidth that running compute takes from its collectives (on CPUs, the
     cores gloo's threads need to move and sum bytes; on GPUs, where a collective's SMs are its own,
     0 unless measured): while compute runs, they move bytes at ``1 - bandwidth_share`` of the rate.
@@ -250,9 +253,12 @@ class LinkSpec:
     latency_us: float = 0.0
     compute_share: float = 0.0
     bandwidth_share: float = 0.0
+    all_gather_share: float | None = None
 
     def __post_init__(self):
         _check_limits(self, "busbw_GBps", "latency_us", "compute_share", "bandwidth_share")
+        if self.all_gather_share is not None:
+            _check_limits(self, "all_gather_share")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +283,11 @@ class ClusterSpec:
     ``shardwire.sim.costs``). ``quantize_gelems`` prices the kernels of a quantized wire
     (``TrainingSpec.wire``): billions of elements one GPU encodes or decodes per second; without it
     they are left out (and the report says so). ``collectives`` names the collective library the
-    cluster runs: ``nccl`` (every preset's figures are NCCL's) or ``smddp`` (SageMaker's, whose
-    all-gathers across nodes hold fewer SMs: ``shardwire.sim.presets.COLLECTIVES``).
+    cluster runs: ``nccl`` (every preset's figures are NCCL's) or ``smddp`` (SageMaker's, on AWS
+    p4d and p4de only, whose all-gathers across nodes are faster and hold fewer SMs). The library is
+    resolved as the spec is made, however it is made, so that the spec reads as what is simulated:
+    ``shardwire.sim.presets.CollectiveLibrary.inter_node`` refuses it where it does not run and
+    sets the inter-node level it runs.
     """
 
     nodes: int
@@ -305,10 +314,13 @@ class ClusterSpec:
         _check_limits(self, "nodes", "gpus_per_node", "peak_tflops", "gpu_memory_gb", "matmul_efficiency",
                       "attention_efficiency", "memory_efficiency")
         _choice(self, "algorithm", ALGORITHMS)
-        _choice(self, "collectives", COLLECTIVE_LIBRARIES)
         for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "optimizer_GBps", "quantize_gelems"):
             if getattr(self, key) is not None:
                 _check_limits(self, key)
+        # The libraries' figures are presets, which are built of these specs: read as a cluster is made.
+        from shardwire.sim.presets import COLLECTIVES
+        _choice(self, "collectives", tuple(COLLECTIVES))
+        _resolve(self, inter_node=COLLECTIVES[self.collectives].inter_node(self))
 
     @property
     def world(self) -> int:
