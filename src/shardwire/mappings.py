@@ -147,17 +147,18 @@ def field(document, *keys: str):
     for depth, key in enumerate(keys):
         if not isinstance(value, Mapping):
             where = ".".join(keys[:depth])
-            raise Missing(f"its {where} is {_json_kind(value)}, not a mapping" if where else
-                          f"it is {_json_kind(value)}, not a mapping")
+            raise Missing(f"its {where} is {json_kind(value)}, not a mapping" if where else
+                          f"it is {json_kind(value)}, not a mapping")
         if key not in value:
             raise Missing(f"it has no {'.'.join(keys[:depth + 1])}")
         value = value[key]
     return value
 
 
-def _json_kind(value) -> str:
+def json_kind(value) -> str:
+    """What a value read from JSON or YAML is, in words, for a message that says what was expected."""
     kinds = ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
-             (list, "a list"))
+             (list, "a list"), (Mapping, "a mapping"))
     return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 

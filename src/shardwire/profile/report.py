@@ -15,7 +15,7 @@ import typing
 
 from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
-from shardwire.mappings import MappingError, cut, is_number, read_json, shown
+from shardwire.mappings import MappingError, cut, is_number, json_kind, read_json, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
 from shardwire.profile import PROFILE_FILE
 from shardwire.profile.profiler import FORMAT_VERSION
@@ -114,7 +114,7 @@ def _shape_problem(value, shape, where: str) -> str | None:
     named = where or "the profile"
     if isinstance(shape, dict):
         if not isinstance(value, dict):
-            return f"{named} is {_kind(value)}, not a mapping"
+            return f"{named} is {json_kind(value)}, not a mapping"
         for key, inner in shape.items():
             if key not in value:
                 return f"{named} has no {key}"
@@ -123,7 +123,7 @@ def _shape_problem(value, shape, where: str) -> str | None:
         return None
     if isinstance(shape, _Each):
         if not isinstance(value, list):
-            return f"{named} is {_kind(value)}, not a list"
+            return f"{named} is {json_kind(value)}, not a list"
         if len(value) < shape.least:
             return f"{named} is an empty list"
         return next((found for index, item in enumerate(value)
@@ -147,11 +147,6 @@ def _shape_problem(value, shape, where: str) -> str | None:
              _RATIO: not (finite and 0 <= value <= 1 + 1e-9),  # a quotient of two sums of one time, rounded
              _COUNT: type(value) is not int, _NAME: not isinstance(value, str), _ANY: False}[shape]
     return f"{named} is {shown(value)}, not {shape}" if wrong else None
-
-
-def _kind(value) -> str:
-    return {dict: "a mapping", list: "a list", str: "text", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
 
 
 # Keys whose values are measured: seconds and bytes, each a number (or its min, median and max).
