@@ -22,6 +22,9 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
 # bf16 arrived with Ampere): 16-bit mixed precision on them is fp16.
 NO_BF16 = frozenset({"V100"})
 
+# Streaming multiprocessors, by the same names: a collective's kernels hold some of them from compute.
+SMS: dict[str, int] = {"H100": 132, "H200": 132, "A100": 108, "V100": 80}
+
 
 def datasheet_tflops(device_name: str, kind: str) -> float | None:
     """The peak of the first table entry whose key ``device_name`` contains, or None (also for a

@@ -5,7 +5,7 @@ written inline, or the path of a JSON or YAML file. A mapping with a ``preset`` 
 that preset and changes the keys it gives (``{preset: a100-100gbe, nodes: 16}``). A cluster's
 ``gpu`` key names a GPU preset whose figures it takes, except those the mapping gives itself
 (``{preset: a100-100gbe, gpu: h100-sxm}``); its ``collectives`` key names the collective library it runs,
-whose figures (``shardwire.sim.presets.COLLECTIVES``) it takes likewise (``{preset: a100-efa-400,
+whose figures (``shardwire.sim.specs.COLLECTIVES``) it takes likewise (``{preset: a100-efa-400,
 collectives: smddp}``): the library is set on the preset first, and the mapping's own keys change the
 result. ``--model`` also takes what ``shardwire train --model``
 takes: the project's GPT sizes and ``hf:`` with a Hugging Face config (``shardwire.sim.huggingface``);

@@ -83,9 +83,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwire.gpus import DATASHEET_TFLOPS, NO_BF16
+from shardwire.gpus import DATASHEET_TFLOPS, NO_BF16, SMS
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
-from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec
+from shardwire.sim.specs import P4D_NCCL, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec
 
 _GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)
 _MPT = dict(vocab=50368, seq_len=2048, learned_positions=True)
@@ -149,7 +149,7 @@ GPUS: dict[str, dict] = {g["gpu"]: g for g in (
     _gpu("v100-32gb", "V100", 32.0, 900.0, matmul=0.55, attention=0.50, memory=0.85),
 )}
 
-A100_SMS, H100_SMS, V100_SMS = 108, 132, 80
+A100_SMS, H100_SMS, V100_SMS = SMS["A100"], SMS["H100"], SMS["V100"]
 _NVLINK3 = LinkSpec(busbw_GBps=240.0, latency_us=3.4, compute_share=24 / A100_SMS)
 _NVLINK4 = LinkSpec(busbw_GBps=360.0, latency_us=3.4, compute_share=32 / H100_SMS)
 _A100_80 = dict(gpus_per_node=8, intra_node=_NVLINK3, **GPUS["a100-80gb"])
@@ -173,64 +173,6 @@ def _tcp(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
 def rdma_link(gbps: float, sms: int, nics: int = 1) -> LinkSpec:
     """``nics`` RDMA NICs (InfiniBand, RoCE, EFA) of ``gbps`` in all, serving GPUs of ``sms`` SMs."""
     return LinkSpec(busbw_GBps=0.9 * gbps / 8, latency_us=14.0, compute_share=_channels(nics, sms))
-
-
-# AWS p4d.24xlarge's 4 x 100 Gbps of EFA (p4de's are the same), from "Enable faster training with Amazon SageMaker
-# data parallel library" (AWS Machine Learning Blog, December 2023; the SMDDP study). NCCL's all-gather reaches about
-# 80% of the link's bandwidth (only at large buffers) and holds up to 24 of 108 SMs; SMDDP's reaches about 90% even at
-# small buffers and holds 9. SMDDP implements AllGather (and AllReduce): the reduce-scatters of sharded training stay
-# NCCL's, so they keep NCCL's 24 SMs, and one rate per level carries both (a little optimistic for the reductions).
-# The latency per ring step is NCCL's own model's for the network (14 us, as every RDMA preset's).
-P4D_LINE_GBPS = 400
-P4D_NCCL = LinkSpec(busbw_GBps=0.8 * P4D_LINE_GBPS / 8, latency_us=14.0, compute_share=24 / A100_SMS)
-P4D_SMDDP = dataclasses.replace(P4D_NCCL, busbw_GBps=0.9 * P4D_LINE_GBPS / 8, all_gather_share=9 / A100_SMS)
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveLibrary:
-    """What a collective library changes on a cluster whose presets describe NCCL, decided in one
-    place, ``inter_node``, which every ``ClusterSpec`` runs as it is made (however it is made: a
-    preset, a mapping, ``dataclasses.replace``), so that no spec can be half one library.
-
-    A library measured on one network only is refused elsewhere rather than scaled to it: its
-    figures are a rate and a share measured on that link, and set on another (a slower one, or
-    Ethernet it does not run over) they would claim more than the link carries. ``network`` is that
-    link as NCCL reaches it (the cluster preset's ``inter_node``), which the library's ``link``
-    replaces; ``gpus`` the GPU presets it runs on; its refusals say where it runs (``runs_on``) and
-    the cluster preset to start from (``preset``). An inter-node level that already names an
-    ``all_gather_share`` was described for the library (its own figures, or a mapping's changes to
-    them) and is kept: the figures a user gives win. Without a ``network`` (NCCL, whose figures
-    every preset's are), the cluster's level is kept as it is."""
-
-    name: str
-    network: LinkSpec | None = None
-    link: LinkSpec | None = None
-    gpus: tuple[str, ...] | None = None
-    runs_on: str = ""
-    preset: str = ""
-
-    def inter_node(self, cluster: ClusterSpec) -> LinkSpec:
-        """``cluster``'s inter-node level as this library runs it, or why it cannot run there."""
-        if self.gpus is not None and cluster.gpu not in self.gpus:
-            raise SpecError(f"collectives {self.name} runs on {self.runs_on}, and {cluster.name!r} has {cluster.gpu}: "
-                            f"start from preset {self.preset}")
-        if self.network is None or cluster.inter_node.all_gather_share is not None:
-            return cluster.inter_node
-        if cluster.inter_node == self.network:
-            return self.link
-        raise SpecError(f"collectives {self.name} runs on {self.runs_on}, and {cluster.name!r} has another network "
-                        f"between nodes: start from preset {self.preset}")
-
-
-# Every cluster preset's figures are NCCL's (see each). SMDDP runs on P4d and P4de instances only (SageMaker's
-# developer guide, "Compatibility with the SMDDP library optimized for AWS infrastructure"): A100s over p4d's EFA.
-# Defined before the first ClusterSpec below, which reads it as it is made.
-COLLECTIVES: dict[str, CollectiveLibrary] = {c.name: c for c in (
-    CollectiveLibrary("nccl"),
-    CollectiveLibrary("smddp", network=P4D_NCCL, link=P4D_SMDDP, gpus=("a100-40gb", "a100-80gb"),
-                      runs_on="AWS p4d and p4de only (A100s over 4 x 100 Gbps of EFA; p4de: gpu a100-80gb)",
-                      preset="a100-efa-400"),
-)}
 
 
 CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (

@@ -27,6 +27,7 @@ from typing import Any
 from shardwire.comm.wire import Wire
 from shardwire.engine.diloco import DiLoCo, uses_renamed_keys
 from shardwire.engine.layout_plan import LAYOUTS as ENGINE_LAYOUTS
+from shardwire.gpus import SMS
 from shardwire.mappings import nearest, shown
 from shardwire.renamed import warn_renamed
 
@@ -242,7 +243,7 @@ class LinkSpec:
     bandwidth they use; on CPUs, the cores its threads take): compute runs at ``1 - compute_share``
     of its rate meanwhile (``shardwire.sim.costs``); ``all_gather_share``, where given, is what its
     all-gathers take instead, where their library's kernels differ from its other collectives'
-    (SMDDP's all-gather beside NCCL's reduce-scatter: ``shardwire.sim.presets.COLLECTIVES``).
+    (SMDDP's all-gather beside NCCL's reduce-scatter: ``COLLECTIVES``).
     ``bandwidth_share`` is the converse, the
     fraction of this level's bandwidth that running compute takes from its collectives (on CPUs, the
     cores gloo's threads need to move and sum bytes; on GPUs, where a collective's SMs are its own,
@@ -286,7 +287,7 @@ class ClusterSpec:
     cluster runs: ``nccl`` (every preset's figures are NCCL's) or ``smddp`` (SageMaker's, on AWS
     p4d and p4de only, whose all-gathers across nodes are faster and hold fewer SMs). The library is
     resolved as the spec is made, however it is made, so that the spec reads as what is simulated:
-    ``shardwire.sim.presets.CollectiveLibrary.inter_node`` refuses it where it does not run and
+    ``CollectiveLibrary.inter_node`` refuses it where it does not run and
     sets the inter-node level it runs.
     """
 
@@ -317,8 +318,6 @@ class ClusterSpec:
         for key in ("fp8_tflops", "fp32_tflops", "memory_bandwidth_GBps", "optimizer_GBps", "quantize_gelems"):
             if getattr(self, key) is not None:
                 _check_limits(self, key)
-        # The libraries' figures are presets, which are built of these specs: read as a cluster is made.
-        from shardwire.sim.presets import COLLECTIVES
         _choice(self, "collectives", tuple(COLLECTIVES))
         _resolve(self, inter_node=COLLECTIVES[self.collectives].inter_node(self))
 
@@ -601,3 +600,62 @@ def _resolve(spec, **values) -> None:
     """Fill in defaults that depend on other keys (the dataclass is frozen once built)."""
     for key, value in values.items():
         object.__setattr__(spec, key, value)
+
+
+# AWS p4d.24xlarge's 4 x 100 Gbps of EFA (p4de's are the same), from "Enable faster training with Amazon SageMaker
+# data parallel library" (AWS Machine Learning Blog, December 2023; the SMDDP study). NCCL's all-gather reaches about
+# 80% of the link's bandwidth (only at large buffers) and holds up to 24 of the A100's 108 SMs; SMDDP's reaches about
+# 90% even at small buffers and holds 9. SMDDP implements AllGather (and AllReduce): the reduce-scatters of sharded
+# training stay NCCL's, so they keep NCCL's 24 SMs, and one rate per level carries both (a little optimistic for the
+# reductions). The latency per ring step is NCCL's own model's for the network (14 us, as every RDMA preset's).
+P4D_LINE_GBPS = 400
+P4D_NCCL = LinkSpec(busbw_GBps=0.8 * P4D_LINE_GBPS / 8, latency_us=14.0, compute_share=24 / SMS["A100"])
+P4D_SMDDP = dataclasses.replace(P4D_NCCL, busbw_GBps=0.9 * P4D_LINE_GBPS / 8, all_gather_share=9 / SMS["A100"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveLibrary:
+    """What a collective library changes on a cluster whose presets describe NCCL, decided in one
+    place, ``inter_node``, which every ``ClusterSpec`` runs as it is made (however it is made: a
+    preset, a mapping, ``dataclasses.replace``), so that no spec can be half one library. Its
+    figures live here, beside the spec that reads them, rather than among the presets, which are
+    built of specs.
+
+    A library measured on one network only is refused elsewhere rather than scaled to it: its
+    figures are a rate and a share measured on that link, and set on another (a slower one, or
+    Ethernet it does not run over) they would claim more than the link carries. ``network`` is that
+    link as NCCL reaches it (the cluster preset's ``inter_node``), which the library's ``link``
+    replaces; ``gpus`` the GPU presets it runs on; its refusals say where it runs (``runs_on``) and
+    the cluster preset to start from (``preset``). An inter-node level that already names an
+    ``all_gather_share`` was described for the library (its own figures, or a mapping's changes to
+    them) and is kept: the figures a user gives win. Without a ``network`` (NCCL, whose figures
+    every preset's are), the cluster's level is kept as it is."""
+
+    name: str
+    network: LinkSpec | None = None
+    link: LinkSpec | None = None
+    gpus: tuple[str, ...] | None = None
+    runs_on: str = ""
+    preset: str = ""
+
+    def inter_node(self, cluster: ClusterSpec) -> LinkSpec:
+        """``cluster``'s inter-node level as this library runs it, or why it cannot run there."""
+        if self.gpus is not None and cluster.gpu not in self.gpus:
+            raise SpecError(f"collectives {self.name} runs on {self.runs_on}, and {cluster.name!r} has {cluster.gpu}: "
+                            f"start from preset {self.preset}")
+        if self.network is None or cluster.inter_node.all_gather_share is not None:
+            return cluster.inter_node
+        if cluster.inter_node == self.network:
+            return self.link
+        raise SpecError(f"collectives {self.name} runs on {self.runs_on}, and {cluster.name!r} has another network "
+                        f"between nodes: start from preset {self.preset}")
+
+
+# Read as each ClusterSpec is made. Every cluster preset's figures are NCCL's (see each). SMDDP runs on P4d and P4de instances only (SageMaker's
+# developer guide, "Compatibility with the SMDDP library optimized for AWS infrastructure"): A100s over p4d's EFA.
+COLLECTIVES: dict[str, CollectiveLibrary] = {c.name: c for c in (
+    CollectiveLibrary("nccl"),
+    CollectiveLibrary("smddp", network=P4D_NCCL, link=P4D_SMDDP, gpus=("a100-40gb", "a100-80gb"),
+                      runs_on="AWS p4d and p4de only (A100s over 4 x 100 Gbps of EFA; p4de: gpu a100-80gb)",
+                      preset="a100-efa-400"),
+)}
