@@ -23,7 +23,8 @@ from shardwire.comm.wire import DEFAULT_BLOCK, SCALE_BYTES, Codec
 
 def encode(codec: Codec, rows: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize each row of ``rows`` (2-d, any float dtype) into a row of ``codec.packed_numel``
-    bytes: the integers (two per byte for int4, low nibble first), then the blocks' fp32 scales.
+    bytes: the integers (``8 // bits`` to a byte below 8 bits, offset to be unsigned, the first in
+    the lowest bits: int4's two nibbles, low first), then the blocks' fp32 scales.
 
     With ``residual`` (fp32, the shape of ``rows``), error feedback: it is added to the values before
     quantizing, and replaced by what quantizing them lost, so what one call drops the next sends."""
@@ -42,9 +43,13 @@ def encode(codec: Codec, rows: torch.Tensor, residual: torch.Tensor | None = Non
     integers = quantized.view(count, -1).to(torch.int8)
     if codec.bits == 8:
         packed[:, :payload_bytes] = integers.view(torch.uint8)
-    else:
-        nibbles = F.pad((integers + 8).view(torch.uint8), (0, 2 * payload_bytes - integers.shape[1]))
-        packed[:, :payload_bytes] = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+        return packed
+    per_byte = 8 // codec.bits
+    fields = F.pad((integers + codec.offset).view(torch.uint8), (0, per_byte * payload_bytes - integers.shape[1]))
+    payload = packed[:, :payload_bytes]
+    torch.bitwise_left_shift(fields[:, 0::per_byte], 0, out=payload)
+    for field in range(1, per_byte):
+        payload.bitwise_or_(fields[:, field::per_byte] << (field * codec.bits))
     return packed
 
 
@@ -62,7 +67,9 @@ def decode(codec: Codec, packed: torch.Tensor, numel: int, out: torch.Tensor | N
     if codec.bits == 8:
         integers = payload.contiguous().view(torch.int8)
     else:
-        integers = torch.stack((payload & 0xF, payload >> 4), dim=2).view(count, -1).view(torch.int8) - 8
+        mask, per_byte = (1 << codec.bits) - 1, 8 // codec.bits
+        fields = [(payload >> (field * codec.bits)) & mask for field in range(per_byte)]
+        integers = torch.stack(fields, dim=2).view(count, -1).view(torch.int8) - codec.offset
     blocked = integers[:, : blocks * block].view(count, blocks, block)
     if out is not None and numel == blocks * block:
         return torch.mul(blocked, scales, out=out.view(count, blocks, block)).view(count, numel)

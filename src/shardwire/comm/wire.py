@@ -38,17 +38,34 @@ _BITS = {"int8": 8, "int4": 4}
 SCALE_BYTES = 4  # one fp32 per block
 
 
+def formats_named(formats: tuple[str, ...], nothing: str = "None") -> str:
+    """``formats`` or ``nothing`` (full precision, as the caller's users spell it), as a message
+    offers them: "None, 'int8' or 'int4'"."""
+    *rest, last = [nothing, *(repr(name) for name in formats)]
+    return f"{', '.join(rest)} or {last}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Block-wise symmetric quantization to ``bits`` (8 or 4) with blocks of ``block`` elements."""
+    """Block-wise symmetric quantization to ``bits`` (2, 4 or 8: whole integers to a byte, and at
+    least one level either side of 0) with blocks of ``block`` elements."""
 
     bits: int
     block: int
+
+    def __post_init__(self):
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"a codec packs whole signed integers into bytes: bits must be 2, 4 or 8, got {self.bits}")
 
     @property
     def largest(self) -> int:
         """The largest integer magnitude: 127 for int8, 7 for int4 (symmetric, so -8 is unused)."""
         return (1 << (self.bits - 1)) - 1
+
+    @property
+    def offset(self) -> int:
+        """What makes an integer unsigned for packing below 8 bits: 8 for int4."""
+        return 1 << (self.bits - 1)
 
     def blocks(self, numel: int) -> int:
         return math.ceil(numel / self.block)
@@ -84,9 +101,9 @@ class Wire:
                 "every rank computes with. Use params='int8' (and grads='int4' for the smallest wire)"
             )
         if self.params not in (None, *PARAM_FORMATS):
-            raise setting_error("wire", f"params must be None or 'int8', got {self.params!r}")
+            raise setting_error("wire", f"params must be {formats_named(PARAM_FORMATS)}, got {self.params!r}")
         if self.grads not in (None, *GRAD_FORMATS):
-            raise setting_error("wire", f"grads must be None, 'int8' or 'int4', got {self.grads!r}")
+            raise setting_error("wire", f"grads must be {formats_named(GRAD_FORMATS)}, got {self.grads!r}")
         if type(self.block) is not int or not 1 <= self.block <= MAX_BLOCK:
             raise setting_error("wire", f"block must be a positive integer (elements per scale) of at most "
                                         f"{MAX_BLOCK:,}, got {shown(self.block)}")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire
+from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire, formats_named
 from shardwire.options import MAX_COUNT, setting_error, settings_fields, whole_number
 from shardwire.renamed import warn_renamed
 
@@ -83,7 +83,7 @@ class DiLoCo:
             raise setting_error("diloco", f"fragments={self.fragments} is more than sync_every={self.sync_every}: each "
                                           f"fragment syncs once every {self.sync_every} steps, and one at a time")
         if self.wire not in (None, *GRAD_FORMATS):
-            raise setting_error("diloco", f"wire must be none, 'int8' or 'int4', got {self.wire!r}")
+            raise setting_error("diloco", f"wire must be {formats_named(GRAD_FORMATS, 'none')}, got {self.wire!r}")
         if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= MAX_OUTER_LR):
             raise setting_error("diloco", f"outer_lr must be a positive number of at most {MAX_OUTER_LR:g} "
                                           f"(DiLoCo's is 0.7), got {self.outer_lr!r}")
