@@ -174,6 +174,7 @@ class Quorum:
         self._recovered = 0  # quorums in which this group received the others' state
         self._rounded: list[torch.Tensor] = []  # the error feedback this sync's quantization updated
         self._registered: set[str] = set()  # the keys of what a recovering group receives
+        self._attending: list[Callable[[], None]] = []  # run at each quorum, before anything is averaged in it
 
     def register(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]) -> None:
         """What a group that is behind receives from a live peer at its position, under ``key``."""
@@ -189,6 +190,11 @@ class Quorum:
         self._registered.add(key)
         self._manager.register_state_dict_fn(key, load, state)
 
+    def attend(self, meet: Callable[[], None]) -> None:
+        """Run ``meet`` at every quorum, once it is formed and before anything is averaged in it, so
+        that what it exchanges (``agree``) comes in the same order in every group."""
+        self._attending.append(meet)
+
     def start(self) -> None:
         """Agree with the lighthouse on the groups of this sync. A group that is behind fetches the
         registered state of a live peer at its position meanwhile, takes part in the sync's
@@ -200,6 +206,20 @@ class Quorum:
         self._waited_s += time.perf_counter() - start
         self.participants = self._manager.num_participants()
         self.recovered = not self._manager.is_participating()
+        for meet in self._attending:
+            meet()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a failure struck this quorum: its vote will drop what was done in it."""
+        return self._manager.errored() is not None
+
+    @property
+    def member(self) -> tuple[int, int]:
+        """This group's place among every group of the quorum, those behind included, and their
+        count: the same on each of its ranks (the process group at each position spans the groups
+        in one order). Only while the quorum has not ``failed``."""
+        return self._across.parent.rank(), self._across.size()
 
     @property
     def world(self) -> int:

@@ -143,6 +143,10 @@ class DiLoCo:
                 return fragment
         return None
 
+    def next_due(self, step: int) -> int:
+        """The first step after ``step`` once which a fragment's sync is due."""
+        return next(later for later in range(step + 1, step + self.sync_every + 1) if self.due(later) is not None)
+
     @property
     def codec(self) -> Codec | None:
         """How the averaged change travels between nodes: as ``Wire(grads=wire)`` quantizes gradients."""

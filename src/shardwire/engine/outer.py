@@ -175,11 +175,21 @@ class OuterLoop:
         self.quorum = quorum
         self._joined = quorum is None
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
+        self._voted_after = 0  # the steps done at the vote of the sync sent last
         if quorum is not None:
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
     def step_done(self) -> None:
         self.steps += 1
+
+    def next_meeting(self) -> int:
+        """The inner steps done at the groups' next meeting after this one: the next due sync's."""
+        return self.diloco.next_due(self.steps)
+
+    def voted_after(self) -> int:
+        """The inner steps done when the vote on the meeting forming now is taken (where the sync
+        is applied): a group behind receives the others' state there."""
+        return self._voted_after
 
     def before_forward(self) -> None:
         """Apply the sync whose time has come and send those due after the steps since the last
@@ -274,6 +284,7 @@ class OuterLoop:
                 comm.verify_order("the syncs before this one")
             if self.quorum is not None:
                 with record_function("shardwire::quorum"):
+                    self._voted_after = applied_after
                     self.quorum.start()
                     fragment = self._agreed_fragment(fragment)
             flats = self.fragments[fragment]

@@ -9,8 +9,8 @@ gradient shard over it as backward reduces the shard (``Layout.gradient_replicas
 quorum's commit vote at the end of the step's backward, before the optimizer steps.
 
 A step the vote drops (a group failed in it) leaves no gradients: they are set to None, which
-torch's optimizers skip, and the step is not counted, so ``shardwire train`` runs it again with the
-same batch; no group's parameters move but those of a group that is behind. That group (restarted,
+torch's optimizers skip, and the step is not counted, so ``shardwire train`` runs it again (its data
+dealt again, ``shardwire.training.deal``); no group's parameters move but those of a group that is behind. That group (restarted,
 or back from a cut) takes part in its first step's all-reduces with nothing of its own and, at the
 vote, receives from a live peer at its position the parameters of its shards, what
 ``recover_with`` names (the optimizer's state, the learning-rate schedule) and the count of steps:
@@ -52,6 +52,14 @@ class StepQuorum:
         a group resumed from an older checkpoint receives their state instead of averaging with it."""
         self.steps = steps
         self.quorum.load_state([steps, 0])
+
+    def next_meeting(self) -> int:
+        """The steps done at the groups' next meeting after this one: at the next step."""
+        return self.steps + 1
+
+    def voted_after(self) -> int:
+        """The steps done when the vote on the meeting forming now is taken: after its step."""
+        return self.steps + 1
 
     def before_forward(self) -> None:
         """A training forward: the first of a step (of its micro-batches) forms the step's quorum."""

@@ -8,6 +8,10 @@ past 65,536: a ``.bin`` has no header, so the run says which) or a ``.npy`` of a
 dtype (its header says which). Batches are a pure function of (seed, step):
 every rank can compute the global batch and keep its own rows, a run's data position is its step
 number, and a resumed run sees exactly the batches an uninterrupted one would have.
+
+Fault-tolerant groups, whose number changes during a run, read by position instead
+(``windows``): the train split cut into sequences, taken epoch by epoch in an order drawn from the
+seed, the positions dealt among the groups (``shardwire.training.deal``).
 """
 
 from __future__ import annotations
@@ -207,6 +211,7 @@ class TokenCorpus:
         self.splits = _splits(ids, self.name, "tokens", seq_len)
         self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
         self._file = _IdFile(file, ids)
+        self._order = EpochOrder()
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(_FINGERPRINT_BYTES)
@@ -244,8 +249,15 @@ class TokenCorpus:
               rows: slice = slice(None)) -> torch.Tensor:
         """Rows of ``seq_len + 1`` tokens (inputs and shifted targets): the global batch's ``rows``
         (a rank's share; by default all), read without the others."""
+        return self._read(_starts(len(self.splits[split]), global_batch, seq_len, seed, step, split)[rows], seq_len,
+                          split)
+
+    def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
+        """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
+        return self._read(self._order.starts(positions, len(self.splits["train"]), seq_len, seed), seq_len, "train")
+
+    def _read(self, starts: list[int], seq_len: int, split: str) -> torch.Tensor:
         begin = self._starts[split]
-        starts = _starts(len(self.splits[split]), global_batch, seq_len, seed, step, split)[rows]
         self._file.check_size()
         return torch.from_numpy(np.stack([self._file.read(begin + s, seq_len + 1) for s in starts]).astype(np.int64))
 
@@ -281,6 +293,28 @@ def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
         shape = f"a {ids.ndim}-d {ids.dtype} array" if isinstance(ids, np.ndarray) else "no array"
         raise ValueError(f"{file} holds {shape}: token ids are a flat array of unsigned integers (uint16 or uint32)")
     return ids
+
+
+class EpochOrder:
+    """Where the sequence at each position of a split's epochs starts: the split cut into
+    ``(length - 1) // seq_len`` sequences of ``seq_len + 1`` (each one's last token the next one's
+    first, as its target), each epoch a permutation of them drawn from the seed and the epoch's
+    number; the permutation of the epoch last read is kept."""
+
+    def __init__(self):
+        self._epoch: tuple[tuple[int, int, int, int], torch.Tensor] | None = None
+
+    def starts(self, positions: list[int], length: int, seq_len: int, seed: int) -> list[int]:
+        count = (length - 1) // seq_len
+        found = []
+        for position in positions:
+            epoch, index = divmod(position, count)
+            key = (epoch, count, seq_len, seed)
+            if self._epoch is None or self._epoch[0] != key:
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 2 + 1) % 2**64)
+                self._epoch = key, torch.randperm(count, generator=gen)
+            found.append(int(self._epoch[1][index]) * seq_len)
+        return found
 
 
 def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
@@ -324,6 +358,7 @@ class ByteCorpus:
         self.name = name
         self.splits = _splits(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, "bytes", seq_len)
         self.identity = identity(len(data), data[:_FINGERPRINT_BYTES], data[-_FINGERPRINT_BYTES:], name, len(data))
+        self._order = EpochOrder()
 
     @classmethod
     def load(cls, path: str | None, seq_len: int, memory: int | None = None) -> ByteCorpus:
@@ -363,6 +398,12 @@ class ByteCorpus:
         data = self.splits[split]
         starts = _starts(data.numel(), global_batch, seq_len, seed, step, split)[rows]
         return torch.stack([data[s : s + seq_len + 1] for s in starts]).long()
+
+    def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
+        """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
+        data = self.splits["train"]
+        return torch.stack([data[s : s + seq_len + 1] for s in self._order.starts(positions, data.numel(), seq_len,
+                                                                                  seed)]).long()
 
 
 def _missing(path: pathlib.Path) -> str:

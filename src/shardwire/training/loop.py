@@ -56,6 +56,7 @@ from shardwire.profile.profiler import Profiler
 from shardwire.options import SettingError, flag
 from shardwire.training import autoplan
 from shardwire.training.config import TrainConfig, changed_settings, recorded_seq_len, training_settings
+from shardwire.training.deal import Deal
 from shardwire.training.data import (
     MAX_SEED,
     TOKEN_SUFFIXES,
@@ -164,17 +165,19 @@ def _build(config: TrainConfig, device: torch.device) -> _Job:
 
 
 def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diverged: _Divergence,
-          loss_sum: torch.Tensor) -> None:
+          loss_sum: torch.Tensor, deal: Deal | None = None) -> None:
     """One optimizer step: the micro-batches (all but the last under ``no_sync``), clipping, the
     optimizer and the schedule; each micro-batch's loss is added to ``loss_sum``, unless a failure
-    dropped the step (fault-tolerant groups meeting at every step)."""
+    dropped the step (fault-tolerant groups meeting at every step). Fault-tolerant groups read the
+    blocks ``deal`` gave them, once they have met."""
     model, choice, world = job.model, job.choice, dist.get_world_size()
     rank, global_batch = dist.get_rank(), config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
     losses = torch.zeros_like(loss_sum)
     for micro in range(config.grad_accum):
-        batch = _to_device(job.corpus.batch(step * config.grad_accum + micro, global_batch, choice.seq_len,
-                                            seed=config.seed, rows=rows), device)
+        dealt = deal.batch(micro, rows) if deal is not None else None
+        batch = _to_device(dealt if dealt is not None else job.corpus.batch(
+            step * config.grad_accum + micro, global_batch, choice.seq_len, seed=config.seed, rows=rows), device)
         last = micro == config.grad_accum - 1
         with contextlib.nullcontext() if last else shardwire.no_sync(model):
             loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
@@ -229,14 +232,19 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     choice, corpus, model, optimizer, scheduler = job.choice, job.corpus, job.model, job.optimizer, job.scheduler
     engine = job.engine
     quorum = engine.layout.quorum
+    meeting = engine.outer if engine.outer is not None else engine.step_quorum  # where groups meet, if they do
+    global_batch = config.batch * world
+    deal = None
     if quorum is not None:
-        # Each group its own batches (the model's seed stays shared) and its own checkpoints.
+        # The groups' data dealt among them at each meeting, in an order drawn from the shared seed.
+        deal = Deal(quorum, meeting, corpus, batch=global_batch, grad_accum=config.grad_accum, seq_len=choice.seq_len,
+                    seed=config.seed)
+        # Each group its own random draws (only where it holds no blocks) and its own checkpoints.
         config = dataclasses.replace(
             config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
             checkpoint_dir=config.checkpoint_dir and os.path.join(config.checkpoint_dir, quorum.settings.group))
     shardwire.recover_with(model, optimizer=optimizer, scheduler=scheduler, scaler=job.scaler)
 
-    global_batch = config.batch * world
     rows = slice(rank * config.batch, (rank + 1) * config.batch)  # this rank's share of each global batch
     trained_on = _trained_on(config, corpus, global_batch)
     tokens_per_step = global_batch * config.grad_accum * choice.seq_len
@@ -248,8 +256,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
               f"{job.precision}; data: {corpus.description}", flush=True)
         if choice.note is not None:
             print(f"note: {choice.note}", file=sys.stderr, flush=True)
-    start = _resume(config, model, optimizer, scheduler, trained_on, choice.seq_len) if config.checkpoint_dir else 0
-    meeting = engine.outer if engine.outer is not None else engine.step_quorum  # where groups meet, if they do
+    start = (_resume(config, model, optimizer, scheduler, trained_on, choice.seq_len, deal) if config.checkpoint_dir
+             else 0)
     if engine.outer is not None and quorum is not None:  # meet the other groups: one behind takes their state here
         engine.outer.join()
         start = engine.outer.steps
@@ -267,9 +275,11 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         if check is not None:
             check.starting(step)
         with profiler.step() if profiler else contextlib.nullcontext(), engine.record() as records:
-            _step(job, config, step, device, diverged, loss_sum)
+            if deal is not None:  # meet before this step's data is dealt (one behind takes the others' state)
+                meeting.before_forward()
+            _step(job, config, step, device, diverged, loss_sum, deal)
         if engine.step_quorum is not None and not engine.step_quorum.committed:
-            continue  # a failure dropped the step for every group: it runs again, on the same batch
+            continue  # a failure dropped the step for every group: it runs again, its data dealt again
         if quorum is not None:  # a group that was behind took the others' step at this step's quorum
             step = min(meeting.steps, config.steps) - 1
         interval_steps += 1
@@ -296,7 +306,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             paused = time.perf_counter()
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
-            _save_checkpoint(config, model, optimizer, scheduler, step + 1, trained_on)
+            _save_checkpoint(config, model, optimizer, scheduler, step + 1,
+                             trained_on if deal is None else {**trained_on, "deal": deal.state()})
             interval_start += time.perf_counter() - paused
         step += 1
 
@@ -575,8 +586,10 @@ def _trained_on(config: TrainConfig, corpus: ByteCorpus | TokenCorpus, global_ba
     return recorded
 
 
-def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, seq_len: int) -> int:
-    """Restore the newest good checkpoint in --checkpoint-dir; returns the step to continue from."""
+def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, seq_len: int,
+            deal: Deal | None = None) -> int:
+    """Restore the newest good checkpoint in --checkpoint-dir, and the data ``deal`` of
+    fault-tolerant groups; returns the step to continue from."""
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
     except shardwire.CheckpointError as err:
@@ -596,6 +609,11 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
                          f"or is not at step {info.step}; give --checkpoint-dir a directory of its own")
     scheduler.load_state_dict(saved)
     _set_hyperparameters(config, optimizer, scheduler, info.step)
+    if deal is not None:
+        try:
+            deal.load_state(info.extra.get("deal"))
+        except ValueError as err:
+            raise _agreed(f"error: {info.path}: {err}; give --checkpoint-dir a directory of its own") from None
     _check_architecture(config, info, trained_on.get("hf_config"))
     data = data_change(info.extra.get("data"), trained_on["data"])
     if data is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:

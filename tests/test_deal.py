@@ -1,0 +1,205 @@
+"""The data of fault-tolerant groups (``shardwire.training.deal``), dealt at their meetings: groups
+that die, are dropped, come back behind or restart from checkpoints, played out with a stand-in for
+torchft's quorum, and every block of an epoch's order trained once by a step the run keeps.
+(``tests/faults/test_fault_tolerant_groups.py`` runs the same through ``shardwire train`` and torchft.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from shardwire.options import SettingError
+from shardwire.training.data import ByteCorpus, EpochOrder
+from shardwire.training.deal import Deal
+
+BATCH, ACCUM = 2, 2  # sequences per micro-batch of a group, micro-batches per step: blocks of 4
+
+
+class Positions:
+    """A corpus that reads out the positions it is asked for."""
+
+    def windows(self, positions, seq_len, *, seed):
+        return torch.tensor(positions)
+
+
+class Meeting:
+    """``OuterLoop``'s part: the steps done, a meeting every ``every`` steps, votes ``lag`` after."""
+
+    def __init__(self, every: int, lag: int):
+        self.steps, self.every, self.lag = 0, every, lag
+
+    def next_meeting(self) -> int:
+        return (self.steps // self.every + 1) * self.every
+
+    def voted_after(self) -> int:
+        return self.steps + self.lag
+
+
+class Room:
+    """One quorum: its groups give their values to ``agree`` and get the most of the participants'."""
+
+    def __init__(self, size: int):
+        self.barrier, self.given, self.lock = threading.Barrier(size), [], threading.Lock()
+
+
+class Quorum:
+    """torchft's part, as ``Deal`` sees it."""
+
+    def __init__(self):
+        self.meet, self.registered, self.failed = None, {}, False
+        self.member, self.recovered, self.room = (0, 1), False, None
+
+    def attend(self, meet):
+        self.meet = meet
+
+    def register(self, key, state, load):
+        self.registered[key] = (state, load)
+
+    def agree(self, values):
+        if not self.recovered:
+            with self.room.lock:
+                self.room.given.append(values)
+        self.room.barrier.wait()
+        return [max(column) for column in zip(*self.room.given)]
+
+
+class Group:
+    def __init__(self, name: str, every: int = 3, lag: int = 0):
+        self.name, self.meeting, self.quorum = name, Meeting(every, lag), Quorum()
+        self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0)
+        self.steps: list[tuple[int, list[int]]] = []  # (step, blocks read) of each step trained
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            positions = [int(p) for micro in range(ACCUM) for p in self.deal.batch(micro, slice(0, BATCH))]
+            assert positions[::ACCUM * BATCH] == [positions[0]] and positions[0] % (ACCUM * BATCH) == 0
+            self.steps.append((self.meeting.steps, positions))
+            self.meeting.steps += 1
+
+    def blocks(self) -> list[int]:
+        return [positions[0] // (ACCUM * BATCH) for _, positions in self.steps]
+
+
+def meet(groups: list[Group], behind: tuple[Group, ...] = ()) -> None:
+    """One quorum of ``groups``, in their order; those ``behind`` receive the first other's ledger,
+    taken as the quorum forms, and its steps at the vote."""
+    room = Room(len(groups))
+    source = next(group for group in groups if group not in behind)
+    ledger = source.quorum.registered["data"][0]()
+    for place, group in enumerate(groups):
+        group.quorum.member, group.quorum.recovered, group.quorum.room = (place, len(groups)), group in behind, room
+    threads = [threading.Thread(target=group.quorum.meet) for group in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for group in behind:
+        group.meeting.steps = source.meeting.steps
+        group.quorum.registered["data"][1](ledger)
+
+
+def test_a_lost_groups_blocks_are_dealt_again_and_a_group_back_behind_takes_its_share():
+    a, b, c = Group("a"), Group("b"), Group("c")
+    meet([a, b, c])
+    for group in (a, b, c):
+        group.train(3)
+    meet([a, b, c])
+    a.train(3), b.train(3)
+    c.train(1)  # then killed: its step is lost with it
+    lost = c.blocks()[-1:]
+    meet([a, b])  # c is gone: the others take its three blocks first
+    assert a.blocks()[-3:] + b.blocks()[-3:] == [9, 10, 11, 12, 13, 14]
+    a.train(3), b.train(3)
+    back = Group("c")  # restarted with nothing: behind at the next meeting
+    meet([a, back, b], behind=(back,))
+    for group in (a, back, b):
+        group.train(3)
+    meet([a, back, b])
+    kept = a.blocks() + b.blocks() + c.blocks()[:-1] + back.blocks()
+    assert sorted(kept) == list(range(len(kept)))  # each block once, none skipped
+    assert lost[0] in kept and back.blocks() == [24, 25, 26]
+
+
+def test_a_dropped_step_is_dealt_again_and_a_group_behind_is_dealt_from_the_vote_on():
+    """Meeting at every step (fault-tolerant HSDP): the vote comes after the step."""
+    a, b = Group("a", every=1, lag=1), Group("b", every=1, lag=1)
+    meet([a, b])
+    a.train(1), b.train(1)
+    meet([a, b])
+    dropped = [int(group.deal.batch(0, slice(0, 1))[0]) // 4 for group in (a, b)]
+    assert dropped == [2, 3]  # read, then the vote drops the step: no step is counted, and it runs again
+    meet([a, b])
+    a.train(1), b.train(1)
+    assert a.blocks()[-1:] + b.blocks()[-1:] == dropped
+    late = Group("late", every=1, lag=1)
+    meet([a, late, b], behind=(late,))  # its first step's contribution is nothing: no block for it
+    assert late.deal.state()["dealt"][1] == []
+    a.train(1), b.train(1)
+    late.meeting.steps += 1  # its step, with the others' state loaded at the vote
+    meet([a, late, b])
+    for group in (a, b, late):
+        group.train(1)
+    assert sorted(a.blocks() + b.blocks() + late.blocks()) == list(range(9))
+
+
+def test_groups_restarted_from_checkpoints_of_one_step_deal_as_they_would_have(tmp_path):
+    a, b = Group("a"), Group("b")
+    meet([a, b])
+    a.train(3), b.train(3)
+    saved = [group.deal.state() for group in (a, b)]
+    meet([a, b])
+    a.train(3), b.train(3)
+    fresh = [Group("a"), Group("b")]
+    for group, state in zip(fresh, saved):
+        group.deal.load_state(state)
+        group.meeting.steps = 3
+    meet(fresh)
+    for group in fresh:
+        group.train(3)
+    assert [g.blocks()[-3:] for g in fresh] == [g.blocks()[-3:] for g in (a, b)]
+
+
+def test_groups_that_take_other_batches_are_told_to_give_the_same():
+    a, b = Group("a"), Group("b")
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0)
+    errors = []
+
+    def meeting(group):
+        try:
+            group.quorum.meet()
+        except SettingError as err:
+            errors.append(str(err))
+
+    room = Room(2)
+    for place, group in enumerate((a, b)):
+        group.quorum.member, group.quorum.room = (place, 2), room
+    threads = [threading.Thread(target=meeting, args=(group,)) for group in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(errors) == ["the other fault-tolerant groups take 4 to 6 sequences a step, this one 4: give every group "
+                      "as many ranks and the same --batch and --grad-accum",
+                      "the other fault-tolerant groups take 4 to 6 sequences a step, this one 6: give every group "
+                      "as many ranks and the same --batch and --grad-accum"]
+
+
+@pytest.mark.parametrize("state", [{"next": -1}, {"next": 3, "first": 0, "returned": [], "dealt": [[0]], "member": 4},
+                                   "a list", {"next": 3, "first": 0, "returned": ["x"], "dealt": [], "member": None}])
+def test_a_checkpoints_deal_not_shaped_as_one_saved_is_refused(state):
+    with pytest.raises(ValueError, match="not one shardwire train saved"):
+        Group("a").deal.load_state(state)
+
+
+def test_an_epoch_is_every_sequence_of_the_split_once_in_an_order_of_the_seed():
+    corpus = ByteCorpus(bytes(range(256)) * 40, "bytes", 16)
+    count = (len(corpus.splits["train"]) - 1) // 16
+    order = EpochOrder()
+    first, second = (order.starts(list(range(epoch * count, (epoch + 1) * count)), len(corpus.splits["train"]), 16,
+                                  seed=1) for epoch in (0, 1))
+    assert sorted(first) == sorted(second) == list(range(0, count * 16, 16)) and first != second
+    assert first != EpochOrder().starts(list(range(count)), len(corpus.splits["train"]), 16, seed=2)
+    windows = corpus.windows([0, count], 16, seed=1)
+    assert windows.shape == (2, 17) and torch.equal(windows[0], corpus.splits["train"][first[0]:first[0] + 17].long())
