@@ -26,11 +26,12 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse below runs in this p
 torchft = pytest.importorskip("torchft", reason="fault-tolerant groups need torchft (pip install 'shardwire[ft]')")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-# Each test bounds its own run (``run_groups``' deadline, 600 s at most): pytest's limit is above it.
+# Each test bounds its own run (``run_groups``' deadline, 900 s at most): pytest's limit is above it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(660),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 STEPS, EVERY, TIMEOUT = 1000, 5, 5  # TIMEOUT: seconds a sync waits for a group that stopped mid-sync
+PACE_STEPS = 300  # the run that measures this machine's pace
 HEARTBEAT_MS = 1500  # the lighthouse leaves out a group silent for this long
 GAP_BOUND = 45.0  # seconds between two progress records of a live group: the faults' cost, with room for a busy CI
 CUT_S = 60.0  # how long a node's link is down
@@ -42,6 +43,26 @@ def lighthouse():
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=HEARTBEAT_MS)
     yield server.address()
     server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pace(tmp_path_factory) -> float:
+    """Steps per second of three groups syncing every ``EVERY`` steps on this machine, from a short
+    run without faults: a test's run is made long enough in time to outlast its faults (``lasting``),
+    on a fast machine as on a loaded one."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=3, join_timeout_ms=60_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    try:
+        groups = run_groups([Group(name, server.address(), tmp_path_factory.mktemp("pace"), steps=PACE_STEPS)
+                             for name in ("a", "b", "c")], lambda groups: iter(()), start_at=0)
+    finally:
+        server.shutdown()
+    step_times = [record["step_time_s"] for group in groups for record in group.records()[1:]]
+    return 1 / (sum(step_times) / len(step_times))
+
+
+def lasting(pace: float, seconds: float, steps: int = STEPS) -> int:
+    """Steps that keep groups going at ``pace`` for ``seconds`` at least, and no fewer than ``steps``."""
+    return max(steps, round(pace * seconds))
 
 
 @pytest.fixture
@@ -184,18 +205,18 @@ def pause(seconds: float):
         yield
 
 
-def test_a_hung_group_is_left_out_and_rejoins_when_it_wakes(lighthouse, tmp_path):
+def test_a_hung_group_is_left_out_and_rejoins_when_it_wakes(lighthouse, pace, tmp_path):
     def hang(groups):
         worker = groups[2].worker()
         os.kill(worker, signal.SIGSTOP)
         yield from pause(4 * HEARTBEAT_MS / 1000 + TIMEOUT)
         os.kill(worker, signal.SIGCONT)
 
-    groups = run_groups([Group(name, lighthouse, tmp_path) for name in ("a", "b", "c")], hang)
+    groups = run_groups([Group(name, lighthouse, tmp_path, steps=lasting(pace, 60)) for name in ("a", "b", "c")], hang)
     check_outcome(groups, groups[2])
 
 
-def test_a_killed_group_rejoins_and_so_does_a_second_lost_while_it_restarts(lighthouse, tmp_path):
+def test_a_killed_group_rejoins_and_so_does_a_second_lost_while_it_restarts(lighthouse, pace, tmp_path):
     """Group c's worker is killed; while torchrun restarts it, group b's is killed too: a trains on
     alone, and both restarts rejoin with its state."""
 
@@ -205,7 +226,8 @@ def test_a_killed_group_rejoins_and_so_does_a_second_lost_while_it_restarts(ligh
         yield from wait_for(lambda: groups[2].restarted(lost), 120, "group c was not restarted")
         os.kill(groups[1].worker(), signal.SIGKILL)
 
-    groups = run_groups([Group(name, lighthouse, tmp_path) for name in ("a", "b", "c")], kill_twice)
+    groups = run_groups([Group(name, lighthouse, tmp_path, steps=lasting(pace, 90)) for name in ("a", "b", "c")],
+                        kill_twice)
     check_outcome(groups, groups[2])
     assert any(record.get("sync_groups") == 1 for record in groups[0].records()), "group a never synced alone"
     assert any(record.get("sync_recovered", 0) >= 1 for record in groups[1].records()), \
@@ -229,7 +251,8 @@ def test_groups_meeting_at_every_step_drop_the_step_a_group_is_killed_in_and_its
 
 
 @pytest.mark.root
-def test_on_an_emulated_cluster_a_killed_node_and_a_cut_off_node_rejoin(cluster, tmp_path):
+@pytest.mark.timeout(960)
+def test_on_an_emulated_cluster_a_killed_node_and_a_cut_off_node_rejoin(cluster, pace, tmp_path):
     """On three nodes at 100 Mbit/s, each a group: node2's worker is killed and, once its restart has
     rejoined, node1's link is cut for a minute. The others train on through both, and each lost node
     comes back with their state."""
@@ -245,9 +268,11 @@ def test_on_an_emulated_cluster_a_killed_node_and_a_cut_off_node_rejoin(cluster,
         finally:
             network.set_link(bed, 1, up=True)
 
-    # long enough to outlast the cut: the others step on while node1 is away
-    groups = run_groups([Group(bed.namespace(k), lighthouse, tmp_path, steps=3 * STEPS, testbed=bed, node=k)
-                         for k in range(3)], kill_then_cut, deadline=600.0)
+    # long enough to outlast the restart, the cut and node1's reconnection (HTTP/2's 80 s): the others
+    # step on while node1 is away
+    steps = lasting(pace, 120 + CUT_S + 80 + 60, 3 * STEPS)
+    groups = run_groups([Group(bed.namespace(k), lighthouse, tmp_path, steps=steps, testbed=bed, node=k)
+                         for k in range(3)], kill_then_cut, deadline=900.0)
     check_outcome(groups, groups[2], groups[1])
 
 
