@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardwire.options import SettingError
-from shardwire.training.data import ByteCorpus, EpochOrder
+from shardwire.training.data import ByteCorpus, epoch_starts
 from shardwire.training.deal import Deal
 
 BATCH, ACCUM = 2, 2  # sequences per micro-batch of a group, micro-batches per step: blocks of 4
@@ -195,11 +195,17 @@ def test_a_checkpoints_deal_not_shaped_as_one_saved_is_refused(state):
 
 def test_an_epoch_is_every_sequence_of_the_split_once_in_an_order_of_the_seed():
     corpus = ByteCorpus(bytes(range(256)) * 40, "bytes", 16)
-    count = (len(corpus.splits["train"]) - 1) // 16
-    order = EpochOrder()
-    first, second = (order.starts(list(range(epoch * count, (epoch + 1) * count)), len(corpus.splits["train"]), 16,
-                                  seed=1) for epoch in (0, 1))
+    length = len(corpus.splits["train"])
+    count = (length - 1) // 16
+    first, second = (epoch_starts(list(range(epoch * count, (epoch + 1) * count)), length, 16, seed=1)
+                     for epoch in (0, 1))
     assert sorted(first) == sorted(second) == list(range(0, count * 16, 16)) and first != second
-    assert first != EpochOrder().starts(list(range(count)), len(corpus.splits["train"]), 16, seed=2)
+    assert first != epoch_starts(list(range(count)), length, 16, seed=2)
     windows = corpus.windows([0, count], 16, seed=1)
     assert windows.shape == (2, 17) and torch.equal(windows[0], corpus.splits["train"][first[0]:first[0] + 17].long())
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 1000, 4097])
+def test_every_count_of_sequences_is_permuted_whole(count):
+    """The Feistel network's cycle-walk lands on every sequence once, at any count."""
+    assert sorted(epoch_starts(list(range(count)), count * 8 + 1, 8, seed=5)) == list(range(0, count * 8, 8))

@@ -211,7 +211,6 @@ class TokenCorpus:
         self.splits = _splits(ids, self.name, "tokens", seq_len)
         self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
         self._file = _IdFile(file, ids)
-        self._order = EpochOrder()
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(_FINGERPRINT_BYTES)
@@ -254,7 +253,7 @@ class TokenCorpus:
 
     def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
         """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
-        return self._read(self._order.starts(positions, len(self.splits["train"]), seq_len, seed), seq_len, "train")
+        return self._read(epoch_starts(positions, len(self.splits["train"]), seq_len, seed), seq_len, "train")
 
     def _read(self, starts: list[int], seq_len: int, split: str) -> torch.Tensor:
         begin = self._starts[split]
@@ -295,26 +294,45 @@ def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
     return ids
 
 
-class EpochOrder:
-    """Where the sequence at each position of a split's epochs starts: the split cut into
-    ``(length - 1) // seq_len`` sequences of ``seq_len + 1`` (each one's last token the next one's
-    first, as its target), each epoch a permutation of them drawn from the seed and the epoch's
-    number; the permutation of the epoch last read is kept."""
+_FEISTEL_ROUNDS = 4  # the rounds a Feistel network needs to be a strong pseudorandom permutation (Luby-Rackoff)
 
-    def __init__(self):
-        self._epoch: tuple[tuple[int, int, int, int], torch.Tensor] | None = None
 
-    def starts(self, positions: list[int], length: int, seq_len: int, seed: int) -> list[int]:
-        count = (length - 1) // seq_len
-        found = []
-        for position in positions:
-            epoch, index = divmod(position, count)
-            key = (epoch, count, seq_len, seed)
-            if self._epoch is None or self._epoch[0] != key:
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 2 + 1) % 2**64)
-                self._epoch = key, torch.randperm(count, generator=gen)
-            found.append(int(self._epoch[1][index]) * seq_len)
-        return found
+def epoch_starts(positions: list[int], length: int, seq_len: int, seed: int) -> list[int]:
+    """Where the sequence at each of ``positions`` of a split's epochs starts: the split of
+    ``length`` cut into ``(length - 1) // seq_len`` sequences of ``seq_len + 1`` (each one's last
+    token the next one's first, as its target), each epoch a permutation of them drawn from the seed
+    and the epoch's number. The permutation is a Feistel network over the next even power of two,
+    walked until it lands among the sequences: a bijection computed a position at a time, in
+    constant memory whatever the corpus's size (a shuffled index of 50M sequences would take 400 MB
+    in every worker)."""
+    count = (length - 1) // seq_len
+    bits = max(2, (count - 1).bit_length())
+    half = (bits + bits % 2) // 2
+    mask = (1 << half) - 1
+    found = []
+    for position in positions:
+        epoch, index = divmod(position, count)
+        key = _mix(seed ^ _mix(epoch))
+        while True:  # cycle-walking: under 4 rounds of the network on average, its domain under 4 x count
+            left, right = index >> half, index & mask
+            for round_ in range(_FEISTEL_ROUNDS):
+                left, right = right, left ^ (_mix(key ^ (round_ << 56) ^ right) & mask)
+            index = left << half | right
+            if index < count:
+                break
+        found.append(index * seq_len)
+    return found
+
+
+_MASK64 = 2**64 - 1
+
+
+def _mix(value: int) -> int:
+    """SplitMix64's finaliser: 64 bits well stirred, for the epoch order's keys and rounds."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
 
 
 def _starts(length: int, global_batch: int, seq_len: int, seed: int, step: int, split: str) -> list[int]:
@@ -358,7 +376,6 @@ class ByteCorpus:
         self.name = name
         self.splits = _splits(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, "bytes", seq_len)
         self.identity = identity(len(data), data[:_FINGERPRINT_BYTES], data[-_FINGERPRINT_BYTES:], name, len(data))
-        self._order = EpochOrder()
 
     @classmethod
     def load(cls, path: str | None, seq_len: int, memory: int | None = None) -> ByteCorpus:
@@ -402,7 +419,7 @@ class ByteCorpus:
     def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
         """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
         data = self.splits["train"]
-        return torch.stack([data[s : s + seq_len + 1] for s in self._order.starts(positions, data.numel(), seq_len,
+        return torch.stack([data[s : s + seq_len + 1] for s in epoch_starts(positions, data.numel(), seq_len,
                                                                                   seed)]).long()
 
 

@@ -3,7 +3,7 @@ twice, and those of steps a failure lost dealt again.
 
 Without fault tolerance a run's batches are a pure function of the seed and the step, each group of
 a job taking its rows. Groups that come and go cannot share out such a function: how many there are
-changes at every failure. So their data is read by position instead (``data.EpochOrder``: the train
+changes at every failure. So their data is read by position instead (``data.epoch_starts``: the train
 split cut into sequences, each epoch in an order drawn from the run's seed), and the positions are
 dealt in *blocks*, one step of one group's batches each (``--grad-accum`` x ``--batch`` x its
 ranks), at every meeting of the groups: each sync's quorum under DiLoCo, each step's otherwise.
