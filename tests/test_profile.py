@@ -226,6 +226,30 @@ def test_report_of_a_long_run_draws_its_steps_at_once(profiled_run, tmp_path):
     assert "breakdown.png" in [os.path.basename(p) for p in written]
 
 
+def test_report_of_a_large_world_draws_a_few_ranks_and_each_lane_at_once(profiled_run, tmp_path, monkeypatch):
+    """A timeline of 24 ranks, one of them 20,000 spans long: rank 0 and the slowest, up to
+    ``_MAX_TIMELINES``, each lane and colour one collection (a bar per span took minutes and
+    gigabytes; a 600-rank figure was 700 inches tall)."""
+    run_dir, _ = profiled_run
+    with open(os.path.join(run_dir, "profile.json")) as f:
+        profile = json.load(f)
+    ranks = profile["timeline"]["ranks"]
+    late = {**ranks[1], "phases": [[*phase[:2], phase[2] + 1.0, phase[3] + 1.0] for phase in ranks[1]["phases"]]}
+    ranks[0] = {**ranks[0], "phases": ranks[0]["phases"] * (20_000 // len(ranks[0]["phases"]) + 1)}
+    profile["timeline"]["ranks"] = [ranks[0], *[ranks[1]] * 21, late, ranks[1]]  # rank 22 ends a second late
+    profile["world_size"] = len(profile["timeline"]["ranks"])
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "profile.json").write_text(json.dumps(profile))
+    drawn = {}
+    monkeypatch.setattr(report, "_save", lambda fig, path: drawn.setdefault(os.path.basename(path), fig) and path)
+    write_report([str(big)], str(tmp_path / "plots"))
+    axes = drawn["timeline.png"].axes[0]
+    names = [label.get_text() for label in axes.get_yticklabels()]
+    assert len(names) == 4 * report._MAX_TIMELINES and names[0] == "rank 0 compute" and "rank 22 compute" in names
+    assert len(axes.collections) <= 16 * report._MAX_TIMELINES and not axes.patches  # by lane and colour, not span
+
+
 def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_path):
     run_dir, _ = profiled_run
     with open(os.path.join(run_dir, "profile.json")) as f:

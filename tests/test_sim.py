@@ -51,6 +51,7 @@ def test_specs_name_missing_and_unknown_keys():
     ("training", {"reduce_precision": "fp8"}, "reduce_precision must be one of fp32, bf16, fp16"),
     ("training", {"layout": "grad_op", "reshard_after_forward": True}, "cannot be true"),
     ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
+    ("model", {**dataclasses.asdict(GPT), "seq_len": 1e308}, r"seq_len must be a whole number, got 1e\+308$"),
     ("training", {"activation_checkpointing": "yes"}, "true or false"),
     ("cluster", {**dataclasses.asdict(cluster()), "inter_node": {"busbw_GBps": 0}}, "busbw_GBps must be positive"),
     # NaN and infinity would never let a transfer finish: refused while parsing, before any simulation

@@ -1,3 +1,3 @@
-from shardwire.cli import main
+from shardwire.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

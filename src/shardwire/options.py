@@ -40,6 +40,9 @@ MAX_TIMEOUT_S = 365 * 24 * 3600
 # A whole number an option may be, unless it says less: past it the job's arithmetic (a step count in
 # float64, a seed or a size in int64) is no longer exact, long before any run could use it.
 MAX_COUNT = 2**53
+# float32's smallest normal number: a positive real option below it (a learning rate) is 0, or
+# next to it, in the arithmetic it feeds, so a run would train on and change nothing.
+MIN_POSITIVE = 2.0**-126
 
 
 class OptionError(ValueError):
@@ -78,6 +81,8 @@ class Bounds:
             return True
         if self.real and not math.isfinite(value):
             return False
+        if self.real and self.above == 0 and 0 < value < MIN_POSITIVE:
+            return False
         return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
                 and (self.at_most is None or value <= self.at_most))
 
@@ -85,6 +90,8 @@ class Bounds:
         """What the option must be, where ``value`` is outside the bounds."""
         if self.at_most is not None and value > self.at_most and (not self.real or math.isfinite(value)):
             return f"at most {self.at_most:,}{f' {self.unit}' if self.unit else ''}"
+        if self.real and self.above == 0 and 0 < value < MIN_POSITIVE:
+            return f"at least {MIN_POSITIVE:.3g}, float32's smallest normal number (a smaller one is 0 in its arithmetic)"
         if self.above == 0:
             text = "a positive, finite number" if self.real else "positive"
         elif self.above is not None:

@@ -248,6 +248,20 @@ def test_a_series_named_by_a_file_is_one_line_and_the_file_is_kept(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
+def test_a_manifest_larger_than_any_is_refused_unread(tmp_path):
+    """A manifest past the bound (a sparse file of gigabytes, a forged one) is refused before it is
+    read, rather than parsed for seconds in gigabytes of memory."""
+    from shardwire.engine.checkpoint.format import MAX_MANIFEST_BYTES, Manifest
+
+    checkpoint = tmp_path / "step_00000001"
+    checkpoint.mkdir()
+    with (checkpoint / "manifest.json").open("wb") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)
+    with pytest.raises(shardwire.CheckpointError, match=f"manifest.json: larger than {MAX_MANIFEST_BYTES:,} bytes, "
+                                                        f"more than any manifest holds"):
+        Manifest.read(checkpoint)
+
+
 def _run_saving_steps_1_and_2(rank, directory):
     """The first run: checkpoints at steps 1 and 2; returns the state at step 2."""
     model, optimizer = make_model(seed=0)

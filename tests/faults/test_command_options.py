@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
+import sys
 import types
 import warnings
 
@@ -24,6 +26,12 @@ from harness import PROFILE
     (["--peak-tflops", "0"], "--peak-tflops must be a positive, finite number, got 0.0"),
     (["--warmup", "-5"], "--warmup must be at least 0, got -5"),
     (["--seed", "-1"], "--seed must be at least 0, got -1"),
+    # 0 in fp32: a run that trains and changes nothing
+    (["--lr", "1e-50"], r"--lr must be at least 1.18e-38, float32's smallest normal number \(a smaller one is 0"),
+    (["--layout", "hybrid", "--diloco", "outer_lr=1e-320"], "--diloco outer_lr must be at least 1.18e-38"),
+    # a step, or a validation, that would never end
+    (["--grad-accum", "1099511627776"], "--grad-accum must be at most 65,536, got 1099511627776"),
+    (["--eval-batches", "1000000000"], "--eval-batches must be at most 65,536, got 1000000000"),
 ])
 def test_nonsensical_hyperparameters_are_refused(args, message):
     with pytest.raises(SystemExit, match=message):
@@ -44,6 +52,23 @@ def test_an_empty_data_file_says_so(tmp_path):
     empty.write_text("")
     with pytest.raises(SystemExit, match=f"--data: data path {empty} is empty"):
         main(["train", "--data", str(empty)])
+
+
+def test_an_empty_token_file_says_so(tmp_path):
+    empty = tmp_path / "tokens.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit, match=f"--data: {empty} is empty: write its token ids again"):
+        main(["train", "--data", str(empty)])
+
+
+def test_a_refusal_leaves_with_status_2_and_one_line_whatever_the_value_holds(tmp_path):
+    """The command's refusals (its own, not only the parser's) end as a refusal does, 2; a line
+    break in what the user gave is shown, not broken on."""
+    for argv, said in ((["--steps", "-1"], "error: --steps must be at least 1, got -1"),
+                       (["--data", f"{tmp_path}/no\nfile"], f"error: --data: data path {tmp_path}/no\\nfile does not")):
+        done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--nproc", "1", *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_a_bench_output_that_is_a_directory_is_refused(tmp_path, capsys):

@@ -124,6 +124,15 @@ def test_an_out_inside_the_checkpoint_being_exported_is_refused(work, capsys, in
     assert sorted(p.relative_to(work) for p in (work / "gpt").rglob("*")) == before
 
 
+def test_an_out_beside_the_checkpoint_in_its_series_is_refused(work, capsys):
+    """A run saving into the series would take OUT, named like a checkpoint, for one of its own (and
+    set it aside), or prune around it."""
+    message = refused(capsys, work / "gpt/step_00000002", work / "gpt/step_00000009")
+    assert message.endswith("gpt/step_00000009 is inside " + str(work / "gpt") + ", a series of checkpoints, which the "
+                            "runs saving into it name and prune: give a path outside it"), message
+    assert not (work / "gpt/step_00000009").exists()
+
+
 def _fifo(path: pathlib.Path) -> pathlib.Path:
     os.mkfifo(path)
     return path

@@ -136,6 +136,25 @@ def main(argv: list[str] | None = None) -> int:
         return _run(module, parser, rest)
 
 
+def entry() -> int:
+    """The ``shardwire`` command (and ``python -m shardwire``): ``main``, where a command's refusal,
+    a ``SystemExit`` carrying its one line, leaves with a refusal's status, 2, as the parser's errors
+    and every other error a user can cause do (Python's own for it is 1)."""
+    try:
+        return main()
+    except SystemExit as err:
+        if not isinstance(err.code, str):
+            raise
+        print(_one_line(err.code), file=sys.stderr)
+        return REFUSED
+
+
+def _one_line(message: str) -> str:
+    """``message`` as the one line an error is: a line break it holds came from what the user gave
+    (a path, a value), and is shown as ``\\n``."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
 @contextlib.contextmanager
 def refused(*errors: type[Exception]):
     """Within it, an error of the kinds ``errors`` (input the command cannot use) ends the command as
@@ -144,7 +163,7 @@ def refused(*errors: type[Exception]):
     try:
         yield
     except errors as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(_one_line(f"error: {err}"), file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -165,12 +184,12 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
             return 0
         return module.run(args, rest)
     except (ConfigError, MissingExtra) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(_one_line(f"error: {err}"), file=sys.stderr)
         return 2
     except SystemExit as err:
         if not (under_launcher() and isinstance(err.code, str)):
             raise
-        print(err.code, file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
+        print(_one_line(err.code), file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
         return REFUSED
     except CollectiveError as err:
         if not under_launcher():

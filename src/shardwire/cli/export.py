@@ -96,6 +96,16 @@ def _format(out: pathlib.Path, model: str) -> str:
     return " (torch.save)" if out.suffix.lower() in (".pt", ".pth") else " (torch.save: name it .safetensors for safetensors)"
 
 
+def _series_problem(out: str, given: pathlib.Path) -> str | None:
+    """What stops ``out`` being written beside a checkpoint ``given`` alone, in the series that holds
+    it (a path inside ``given`` itself is refused as it is exported): a run saving into the series
+    would take it for one of its checkpoints, or set it aside."""
+    if given == given.parent or not list_checkpoints(given.parent) or inside_problem(out, given) is not None:
+        return None
+    return inside_problem(out, given.parent, what="a series of checkpoints, which the runs saving into it name and "
+                                                  "prune")
+
+
 def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
     """``path`` itself, or the checkpoints of the series it holds, newest first."""
     if not path.is_dir() or (path / "manifest.json").exists():
@@ -110,6 +120,8 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
             notes: list[str]) -> tuple[str, pathlib.Path]:
     """Export ``checkpoint`` (of ``given``, as the user named it) to ``args.out``; returns the model it
     holds and what was written, and adds to ``notes`` what the user should know of it."""
+    if (problem := _series_problem(args.out, given)) is not None:
+        raise OutputRefused(f"OUT {args.out} {problem}")
     with CheckpointReader(checkpoint) as reader:
         extra = reader.manifest.extra if isinstance(reader.manifest.extra, dict) else {}
     recorded = extra.get("model") if isinstance(extra.get("model"), str) else None

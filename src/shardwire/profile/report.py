@@ -26,6 +26,7 @@ _PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip
           ("optimizer_s", "optimizer"), ("other_s", "other compute"), ("wait_s", "waiting for communication")]
 _PART_COLORS = [*_PHASE_COLORS.values(), "#BBBBBB", "#E24A33"]
 _MAX_BARS = 400  # steps drawn a bar each in the breakdown; more are drawn as stacked areas
+_MAX_TIMELINES = 8  # ranks whose lanes the timeline draws (a figure's height grows with each)
 
 
 class ReportError(Exception):
@@ -241,30 +242,57 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
         raise ReportError(f"two runs have the same world size ({shown(sizes)}); give one run per world size")
 
 
+def _timeline_ranks(ranks: list[dict]) -> list[int]:
+    """The ranks whose timelines are drawn: all of a small world; of a larger one rank 0 and those
+    whose step ended last (the ones the others waited for), up to ``_MAX_TIMELINES``, in rank order."""
+    if len(ranks) <= _MAX_TIMELINES:
+        return list(range(len(ranks)))
+
+    def length(rank: int) -> float:
+        timeline = ranks[rank]
+        ends = [span[-1] for part in ("phases", "waits", "comms") for span in timeline[part]]
+        return max(ends, default=timeline["start"]) - timeline["start"]
+
+    slowest = sorted(range(1, len(ranks)), key=length, reverse=True)[: _MAX_TIMELINES - 1]
+    return sorted([0, *slowest])
+
+
 def _plot_timeline(profile: dict, path: str) -> str:
+    """Each span drawn as a bar of its lane; the bars of one lane and colour drawn together
+    (``broken_barh``), so that a timeline of many thousands of spans draws in a moment."""
     import matplotlib.pyplot as plt
 
     ranks = profile["timeline"]["ranks"]
+    shown_ranks = _timeline_ranks(ranks)
     lanes = ["compute", "all_gather", "reduce_scatter", "all_reduce"]
-    fig, ax = plt.subplots(figsize=(13, 1.5 + 1.2 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(13, 1.5 + 1.2 * len(shown_ranks)))
     origin = min(r["start"] for r in ranks)
+    bars: dict[tuple, list[tuple[float, float]]] = {}  # (lane's row, height, colour, alpha): (start, width) in ms
+
+    def bar(row: float, height: float, color: str, alpha: float, start: float, end: float) -> None:
+        bars.setdefault((row, height, color, alpha), []).append(((start - origin) * 1e3, (end - start) * 1e3))
+
     labels = []
-    for rank, timeline in enumerate(ranks):
-        base = rank * (len(lanes) + 1)
+    for place, rank in enumerate(shown_ranks):
+        timeline, base = ranks[rank], place * (len(lanes) + 1)
         for phase, unit, start, end in timeline["phases"]:
-            height = 0.8 if unit is None else 0.5
-            ax.barh(base, (end - start) * 1e3, left=(start - origin) * 1e3, height=height,
-                    color=_PHASE_COLORS.get(phase, "#999999"), alpha=1.0 if unit is None else 0.6)
+            bar(base, 0.8 if unit is None else 0.5, _PHASE_COLORS.get(phase, "#999999"),
+                1.0 if unit is None else 0.6, start, end)
         for _, start, end in timeline["waits"]:
-            ax.barh(base, (end - start) * 1e3, left=(start - origin) * 1e3, height=0.8, color="#E24A33")
+            bar(base, 0.8, "#E24A33", 1.0, start, end)
         for op, *_, start, end in timeline["comms"]:
-            ax.barh(base + lanes.index(op), (end - start) * 1e3, left=(start - origin) * 1e3,
-                    height=0.6, color=_OP_COLORS.get(op, "#999999"), edgecolor="white", linewidth=0.5)
+            bar(base + lanes.index(op), 0.6, _OP_COLORS.get(op, "#999999"), 1.0, start, end)
         labels += [(base + i, f"rank {rank} {lane}") for i, lane in enumerate(lanes)]
+    for (row, height, color, alpha), spans in bars.items():
+        ax.broken_barh(spans, (row - height / 2, height), facecolors=color, alpha=alpha,
+                       edgecolor="white" if height == 0.6 else None, linewidth=0.5 if height == 0.6 else 0)
     ax.set_yticks([y for y, _ in labels], [name for _, name in labels], fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(shown_ranks) * (len(lanes) + 1) - 0.5, -0.5)
     ax.set_xlabel("ms since the step started")
-    ax.set_title(f"step {profile['timeline']['step']}: compute (phases, units lighter, waits red) and collectives")
+    which = "" if len(shown_ranks) == len(ranks) else f", {len(shown_ranks)} of {len(ranks)} ranks: 0 and the slowest"
+    ax.set_title(f"step {profile['timeline']['step']}: compute (phases, units lighter, waits red) and "
+                 f"collectives{which}")
+    ax.autoscale(axis="x")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*_PHASE_COLORS.values(), "#E24A33", *_OP_COLORS.values()]]
     ax.legend(handles, [*_PHASE_COLORS, "wait", *_OP_COLORS], fontsize=7, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))

@@ -551,7 +551,7 @@ def _coerce(where: str, hint, value):
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:  # past it, not one integer
             return int(value)
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -275,6 +275,8 @@ def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
         raise ValueError(f"{file} is not a regular file: pass a .bin or .npy file of token ids")
     if file.suffix == ".bin":
         size, width = file.stat().st_size, np.dtype(bin_dtype).itemsize
+        if not size:
+            raise ValueError(f"{file} is empty: write its token ids again (a .bin holds them flat, nanoGPT's way)")
         if size % width:
             raise ValueError(f"{file} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
                              f"another element type (--token-dtype)?")

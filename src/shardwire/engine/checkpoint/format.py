@@ -57,6 +57,10 @@ FORMAT = CHECKPOINT_FORMAT  # by which the output policy, too, tells a checkpoin
 # it, the proof that nothing was written over it since (``ownership.not_a_checkpoint``)
 VERSION = 7
 MANIFEST = CHECKPOINT_MANIFEST
+# A manifest holds about a kilobyte per flat buffer, file and tensor record: a model of tens of
+# thousands of units stays under a few MB. A larger file is read no further (it would take seconds
+# and gigabytes to parse), and is none of shardwire's.
+MAX_MANIFEST_BYTES = 64 << 20
 REPLICATED = "replicated.safetensors"
 
 # Kinds of optimizer state. Per-element state has the shape of the parameter's part and is re-sliced
@@ -203,7 +207,12 @@ class Manifest:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; {directory} is not a complete shardwire checkpoint")
         try:
-            raw = json.loads(path.read_bytes())
+            with path.open("rb") as f:
+                data = f.read(MAX_MANIFEST_BYTES + 1)
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise CheckpointError(f"{path}: larger than {MAX_MANIFEST_BYTES:,} bytes, more than any manifest "
+                                      f"holds; {directory} is not a shardwire checkpoint")
+            raw = json.loads(data)
         except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             raise CheckpointError(f"{path}: unreadable manifest ({type(err).__name__}: {err})") from None
         try:

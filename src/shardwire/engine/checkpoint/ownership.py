@@ -25,6 +25,7 @@ from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, FileRe
 from shardwire.files import empty_directory
 
 MARKER = "made-by-shardwire.json"
+_MAX_MARKER_BYTES = 1 << 16  # a marker holds a name and a token: a larger file is none
 
 
 def create_marked(directory: pathlib.Path, name: str, token: str) -> None:
@@ -170,8 +171,9 @@ def _marked_as(path: pathlib.Path) -> _Names | None:
     if path.is_symlink():
         return None
     try:
-        marker = json.loads((path / MARKER).read_bytes())
-    except (OSError, ValueError):
+        with (path / MARKER).open("rb") as f:
+            marker = json.loads(f.read(_MAX_MARKER_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
         return None
     if not (isinstance(marker, dict) and isinstance(marker.get("name"), str) and isinstance(marker.get("token"), str)):
         return None
