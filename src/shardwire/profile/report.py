@@ -1,8 +1,9 @@
 """Plots of profiled runs (``shardwire report RUN_DIR [RUN_DIR ...]``).
 
-For each run: the timeline of one typical step (every rank's compute and communication lanes), the
-breakdown of every step, and the overlap ratio per step. Given several runs of the same job at
-different world sizes: how step time and its parts scale with the number of workers.
+For each run: the timeline of one typical step (the compute and communication lanes of every rank,
+or of rank 0 and the slowest in a world of more than eight), the breakdown of every step, and the
+overlap ratio per step. Given several runs of the same job at different world sizes: how step time
+and its parts scale with the number of workers.
 """
 
 from __future__ import annotations
