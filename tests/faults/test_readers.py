@@ -323,6 +323,14 @@ def test_testbed_names_in_messages_are_cut_short(capsys):
     assert len(str(refused.value)) < 400
 
 
+def test_a_testbed_node_is_named_only_as_up_lists_it():
+    bed = spec.Testbed("shardwire-test", 3, spec.MIN_RATE)
+    assert [bed.node(name) for name in ("node0", "node2", "1")] == [0, 2, 1]
+    for name in ("node01", "node3", "node\u0661", "node-1", ""):  # node01 acted on node1
+        with pytest.raises(spec.TestbedError, match="give one of node0 to node2"):
+            bed.node(name)
+
+
 def test_a_damaged_testbed_state_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
     spec.state_path("shardwire-test").write_text(DEEP)

@@ -98,7 +98,7 @@ class Testbed:
     def node(self, text: str) -> int:
         """The node ``text`` names, as ``up`` lists them: ``node1``, or ``1``."""
         index = text.removeprefix("node")
-        if not index.isdigit() or int(index) >= self.nodes:
+        if not (index.isascii() and index.isdigit()) or int(index) >= self.nodes or index != str(int(index)):
             raise TestbedError(f"no node {shown(text)} on {self.describe()}: give one of node0 to node{self.nodes - 1}")
         return int(index)
 
