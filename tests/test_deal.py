@@ -134,14 +134,57 @@ def test_a_dropped_step_is_dealt_again_and_a_group_behind_is_dealt_from_the_vote
     a.train(1), b.train(1)
     assert a.blocks()[-1:] + b.blocks()[-1:] == dropped
     late = Group("late", every=1, lag=1)
-    meet([a, late, b], behind=(late,))  # its first step's contribution is nothing: no block for it
-    assert late.deal.state()["dealt"][1] == []
+    meet([a, late, b], behind=(late,))  # its first step's contribution is nothing: its block is not kept
+    unkept = late.deal.state()["dealt"][1]
+    assert late.deal.batch(0, slice(0, BATCH)) is None
     a.train(1), b.train(1)
     late.meeting.steps += 1  # its step, with the others' state loaded at the vote
     meet([a, late, b])
+    assert unkept == [5] and a.deal.state()["dealt"][0] == [5]  # the late group's, dealt again
     for group in (a, b, late):
         group.train(1)
     assert sorted(a.blocks() + b.blocks() + late.blocks()) == list(range(9))
+
+
+def test_a_group_back_behind_at_a_sync_applied_later_keeps_only_its_steps_after_the_vote():
+    """DiLoCo with fragment_sync_delay=2: a group behind at a meeting takes the others' state at the
+    vote 2 steps on; its steps before it are replaced, so their blocks are dealt again. One that
+    rejoins at its first step (``join``, voted at once) keeps every step."""
+    a, b = Group("a", every=5, lag=2), Group("b", every=5, lag=2)
+    meet([a, b])
+    a.train(5), b.train(5)
+    cut = Group("cut", every=5, lag=2)  # back from a cut: behind, its vote 2 steps after the meeting
+    meet([a, cut, b], behind=(cut,))
+    cut.meeting.steps += 2  # the two steps before its vote, trained on windows drawn at random
+    assert cut.deal.batch(0, slice(0, BATCH)) is not None
+    a.train(5), b.train(5), cut.train(3)
+    meet([a, cut, b])
+    assert sorted(a.blocks() + b.blocks() + cut.blocks()) == [*range(15), *range(17, 25)]
+    assert a.deal.state()["dealt"][0][:2] == [15, 16]  # cut's first two, dealt again first
+    for group in (a, cut, b):
+        group.train(5)
+    joined = Group("joined", every=5, lag=0)  # a restart meets at its first step, voted there
+    meet([a, cut, b, joined], behind=(joined,))
+    for group in (a, cut, b, joined):
+        group.train(5)
+    meet([a, cut, b, joined])
+    trained = a.blocks() + b.blocks() + cut.blocks() + joined.blocks()
+    assert sorted(trained) == list(range(len(trained))) and len(joined.blocks()) == 5
+
+
+def test_a_failed_meeting_keeps_what_was_trained_before_it():
+    a, b = Group("a", every=1, lag=1), Group("b", every=1, lag=1)
+    meet([a, b])
+    a.train(1), b.train(1)
+    for group in (a, b):  # the next meeting fails: the vote drops its step, which runs again
+        group.quorum.failed = True
+    meet([a, b])
+    assert a.deal.batch(0, slice(0, BATCH)) is None
+    for group in (a, b):
+        group.quorum.failed = False
+    meet([a, b])
+    a.train(1), b.train(1)
+    assert sorted(a.blocks() + b.blocks()) == [0, 1, 2, 3]  # blocks 0 and 1, kept, are not dealt again
 
 
 def test_groups_restarted_from_checkpoints_of_one_step_deal_as_they_would_have(tmp_path):

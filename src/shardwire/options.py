@@ -40,9 +40,16 @@ MAX_TIMEOUT_S = 365 * 24 * 3600
 # A whole number an option may be, unless it says less: past it the job's arithmetic (a step count in
 # float64, a seed or a size in int64) is no longer exact, long before any run could use it.
 MAX_COUNT = 2**53
-# float32's smallest normal number: a positive real option below it (a learning rate) is 0, or
-# next to it, in the arithmetic it feeds, so a run would train on and change nothing.
+# float32's smallest normal number: a positive rate below it (a learning rate) is 0, or next to it,
+# in the float32 arithmetic it feeds, so a run would train on and change nothing.
 MIN_POSITIVE = 2.0**-126
+
+
+def below_float32(value: float) -> str | None:
+    """What a positive ``value`` that feeds float32 arithmetic must be, where it is not."""
+    if 0 < value < MIN_POSITIVE:
+        return f"at least {MIN_POSITIVE:.3g}, float32's smallest normal number (a smaller one is 0 in its arithmetic)"
+    return None
 
 
 class OptionError(ValueError):
@@ -75,13 +82,14 @@ class Bounds:
     real: bool = False  # a float: it must also be finite
     unit: str = ""
     at_most: int | None = None  # where a larger value cannot be held (a 64-bit seed, a timedelta)
+    float32: bool = False  # it feeds float32 arithmetic, where a positive value must be a normal number
 
     def allows(self, value) -> bool:
         if value is None:  # an optional option left out
             return True
         if self.real and not math.isfinite(value):
             return False
-        if self.real and self.above == 0 and 0 < value < MIN_POSITIVE:
+        if self.float32 and below_float32(value) is not None:
             return False
         return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
                 and (self.at_most is None or value <= self.at_most))
@@ -90,8 +98,8 @@ class Bounds:
         """What the option must be, where ``value`` is outside the bounds."""
         if self.at_most is not None and value > self.at_most and (not self.real or math.isfinite(value)):
             return f"at most {self.at_most:,}{f' {self.unit}' if self.unit else ''}"
-        if self.real and self.above == 0 and 0 < value < MIN_POSITIVE:
-            return f"at least {MIN_POSITIVE:.3g}, float32's smallest normal number (a smaller one is 0 in its arithmetic)"
+        if self.float32 and (needed := below_float32(value)) is not None:
+            return needed
         if self.above == 0:
             text = "a positive, finite number" if self.real else "positive"
         elif self.above is not None:
@@ -121,14 +129,17 @@ def option(default=dataclasses.MISSING, help: str = "", *, factory: Callable[[],
            flags: Sequence[str] = (), choices: Sequence[str] | None = None,
            parse: Callable[[str], typing.Any] | None = None, metavar: str | None = None,
            at_least: float | None = None, above: float | None = None, real: bool | None = None,
-           unit: str = "", at_most: int | None = None, renamed_from: str | None = None) -> dataclasses.Field:
+           unit: str = "", at_most: int | None = None, float32: bool = False,
+           renamed_from: str | None = None) -> dataclasses.Field:
     """A configuration field that is a command-line option: ``default`` (or ``factory`` for a list),
     its ``help``, and the bounds its value must lie within (``real``: a float, also finite; by
-    default, whether ``default`` is one); ``renamed_from``: its name before a rename."""
+    default, whether ``default`` is one; ``float32``: one that feeds float32 arithmetic);
+    ``renamed_from``: its name before a rename."""
     bounds = None
     if at_least is not None or above is not None or at_most is not None:
         real = isinstance(default, float) if real is None else real
-        bounds = Bounds(at_least, above, real, unit, at_most if at_most is not None or real else MAX_COUNT)
+        bounds = Bounds(at_least, above, real, unit, at_most if at_most is not None or real else MAX_COUNT,
+                        float32)
     metadata = {"option": Option(help, tuple(flags), choices, parse, metavar, bounds, renamed_from)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)

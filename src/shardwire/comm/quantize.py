@@ -47,7 +47,7 @@ def encode(codec: Codec, rows: torch.Tensor, residual: torch.Tensor | None = Non
     per_byte = 8 // codec.bits
     fields = F.pad((integers + codec.offset).view(torch.uint8), (0, per_byte * payload_bytes - integers.shape[1]))
     payload = packed[:, :payload_bytes]
-    torch.bitwise_left_shift(fields[:, 0::per_byte], 0, out=payload)
+    payload.copy_(fields[:, 0::per_byte])
     for field in range(1, per_byte):
         payload.bitwise_or_(fields[:, field::per_byte] << (field * codec.bits))
     return packed

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire, formats_named
-from shardwire.options import MAX_COUNT, MIN_POSITIVE, setting_error, settings_fields, whole_number
+from shardwire.options import MAX_COUNT, below_float32, setting_error, settings_fields, whole_number
 from shardwire.renamed import warn_renamed
 
 # The fields' names before torchft's, kept for a release: old -> new.
@@ -87,9 +87,8 @@ class DiLoCo:
         if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= MAX_OUTER_LR):
             raise setting_error("diloco", f"outer_lr must be a positive number of at most {MAX_OUTER_LR:g} "
                                           f"(DiLoCo's is 0.7), got {self.outer_lr!r}")
-        if self.outer_lr < MIN_POSITIVE:
-            raise setting_error("diloco", f"outer_lr must be at least {MIN_POSITIVE:.3g}, float32's smallest normal "
-                                          f"number (a smaller one is 0 in its arithmetic), got {self.outer_lr!r}")
+        if (needed := below_float32(self.outer_lr)) is not None:
+            raise setting_error("diloco", f"outer_lr must be {needed}, got {self.outer_lr!r}")
         if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
             raise setting_error("diloco", f"momentum must be at least 0 and below 1, got {self.momentum!r}")
         if self.fragment_sync_delay is None:  # the default before it was 0: the same run

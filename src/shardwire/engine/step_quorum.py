@@ -10,9 +10,10 @@ quorum's commit vote at the end of the step's backward, before the optimizer ste
 
 A step the vote drops (a group failed in it) leaves no gradients: they are set to None, which
 torch's optimizers skip, and the step is not counted, so ``shardwire train`` runs it again (its data
-dealt again, ``shardwire.training.deal``); no group's parameters move but those of a group that is behind. That group (restarted,
-or back from a cut) takes part in its first step's all-reduces with nothing of its own and, at the
-vote, receives from a live peer at its position the parameters of its shards, what
+dealt again, ``shardwire.training.deal``); no group's parameters move but those of a group that is
+behind. That group (restarted, or back from a cut) takes part in its first step's all-reduces with
+nothing of its own and, at the vote, receives from a live peer at its position the parameters of
+its shards, what
 ``recover_with`` names (the optimizer's state, the learning-rate schedule) and the count of steps:
 its optimizer then steps with the others' average, and it leaves the step holding the same model
 as they do. Steps dropped ``MAX_DROPPED`` times in a row stop the run: the groups' all-reduce

@@ -268,10 +268,10 @@ def _plot_timeline(profile: dict, path: str) -> str:
     lanes = ["compute", "all_gather", "reduce_scatter", "all_reduce"]
     fig, ax = plt.subplots(figsize=(13, 1.5 + 1.2 * len(shown_ranks)))
     origin = min(r["start"] for r in ranks)
-    bars: dict[tuple, list[tuple[float, float]]] = {}  # (lane's row, height, colour, alpha): (start, width) in ms
+    bars: dict[tuple, list[tuple[float, float]]] = {}  # (row, height, colour, alpha, edged): (start, width) in ms
 
-    def bar(row: float, height: float, color: str, alpha: float, start: float, end: float) -> None:
-        bars.setdefault((row, height, color, alpha), []).append(((start - origin) * 1e3, (end - start) * 1e3))
+    def bar(row: float, height: float, color: str, alpha: float, start: float, end: float, edged: bool = False):
+        bars.setdefault((row, height, color, alpha, edged), []).append(((start - origin) * 1e3, (end - start) * 1e3))
 
     labels = []
     for place, rank in enumerate(shown_ranks):
@@ -282,11 +282,11 @@ def _plot_timeline(profile: dict, path: str) -> str:
         for _, start, end in timeline["waits"]:
             bar(base, 0.8, "#E24A33", 1.0, start, end)
         for op, *_, start, end in timeline["comms"]:
-            bar(base + lanes.index(op), 0.6, _OP_COLORS.get(op, "#999999"), 1.0, start, end)
+            bar(base + lanes.index(op), 0.6, _OP_COLORS.get(op, "#999999"), 1.0, start, end, edged=True)
         labels += [(base + i, f"rank {rank} {lane}") for i, lane in enumerate(lanes)]
-    for (row, height, color, alpha), spans in bars.items():
+    for (row, height, color, alpha, edged), spans in bars.items():  # collectives edged, to tell them apart
         ax.broken_barh(spans, (row - height / 2, height), facecolors=color, alpha=alpha,
-                       edgecolor="white" if height == 0.6 else None, linewidth=0.5 if height == 0.6 else 0)
+                       edgecolor="white" if edged else None, linewidth=0.5 if edged else 0)
     ax.set_yticks([y for y, _ in labels], [name for _, name in labels], fontsize=8)
     ax.set_ylim(len(shown_ranks) * (len(lanes) + 1) - 0.5, -0.5)
     ax.set_xlabel("ms since the step started")

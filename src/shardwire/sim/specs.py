@@ -651,8 +651,9 @@ class CollectiveLibrary:
                         f"between nodes: start from preset {self.preset}")
 
 
-# Read as each ClusterSpec is made. Every cluster preset's figures are NCCL's (see each). SMDDP runs on P4d and P4de instances only (SageMaker's
-# developer guide, "Compatibility with the SMDDP library optimized for AWS infrastructure"): A100s over p4d's EFA.
+# Read as each ClusterSpec is made. Every cluster preset's figures are NCCL's (see each). SMDDP runs on P4d and
+# P4de instances only (SageMaker's developer guide, "Compatibility with the SMDDP library optimized for AWS
+# infrastructure"): A100s over p4d's EFA.
 COLLECTIVES: dict[str, CollectiveLibrary] = {c.name: c for c in (
     CollectiveLibrary("nccl"),
     CollectiveLibrary("smddp", network=P4D_NCCL, link=P4D_SMDDP, gpus=("a100-40gb", "a100-80gb"),

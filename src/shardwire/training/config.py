@@ -20,7 +20,7 @@ from shardwire.training.data import BIN_DTYPES, MAX_SEED
 
 # Micro-batches a step accumulates, or batches a validation reads: far beyond any recipe's (a step of
 # more would take hours of any machine), so that a typo is refused rather than run for ever.
-MAX_MICRO_BATCHES = 2**16
+MAX_BATCHES = 2**16
 
 
 @dataclasses.dataclass
@@ -40,8 +40,8 @@ class TrainConfig:
     steps: int = option(400, "optimizer steps", at_least=1)
     batch: int = option(16, "sequences per rank and micro-batch", at_least=1)
     grad_accum: int = option(1, "micro-batches per step (all but the last under no_sync)", at_least=1,
-                             at_most=MAX_MICRO_BATCHES)
-    lr: float = option(3e-3, "peak learning rate (warmup, then cosine)", above=0)
+                             at_most=MAX_BATCHES)
+    lr: float = option(3e-3, "peak learning rate (warmup, then cosine)", above=0, float32=True)
     warmup: int = option(40, "warmup steps", at_least=0)
     weight_decay: float = option(0.1, "AdamW's weight decay of matrices (biases and norms get none)", at_least=0)
     clip: float = option(1.0, "max global gradient norm (0: off)", at_least=0)
@@ -86,7 +86,7 @@ class TrainConfig:
               "beside it, and train on its ids", metavar="DIR")
     seed: int = option(0, "seed of the weights and the batches", at_least=0, at_most=MAX_SEED)
     log_every: int = option(10, "steps between progress updates (reading the loss waits for the GPU)", at_least=1)
-    eval_batches: int = option(8, "validation batches per evaluation", at_least=1, at_most=MAX_MICRO_BATCHES)
+    eval_batches: int = option(8, "validation batches per evaluation", at_least=1, at_most=MAX_BATCHES)
     eval_every: int = option(0, "steps between validation losses, shown as val in the progress line "
                                 "(0: at the end only)", at_least=0)
     checkpoint_dir: str | None = option(None, "save checkpoints here; running again resumes from the newest good one")

@@ -306,6 +306,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         if config.checkpoint_dir and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             paused = time.perf_counter()
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
+            if deal is not None and engine.outer is not None:
+                engine.outer.wait()  # a sync in flight is applied and voted on first, as the save would: its deal too
             _save_checkpoint(config, model, optimizer, scheduler, step + 1,
                              trained_on if deal is None else {**trained_on, "deal": deal.state()})
             interval_start += time.perf_counter() - paused
