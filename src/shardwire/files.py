@@ -98,6 +98,8 @@ def output_problem(path: str | os.PathLike) -> str | None:
     not a regular file; give a file name``)."""
     if (problem := _length_problem(path)) is not None:
         return problem
+    if (link := _dead_link_above(path)) is not None:
+        return f"cannot be written: {link} {LEADS_NOWHERE}"
     if (kind := _kind(path)) is not None:
         return _not_a_file(kind)
     directory = os.path.dirname(os.path.realpath(path))
@@ -180,6 +182,8 @@ def directory_problem(path: str | os.PathLike) -> str | None:
         return problem
     if _leads_nowhere(path):  # making it would make the link's target, or fail
         return f"{LEADS_NOWHERE}: give a directory"
+    if (link := _dead_link_above(path)) is not None:
+        return f"cannot be created: {link} {LEADS_NOWHERE}"
     if os.path.exists(path):
         if not os.path.isdir(path):
             return f"is {_kind(path) or 'a file'}; give it a directory"
@@ -221,6 +225,13 @@ def _length_problem(path: str | os.PathLike) -> str | None:
 
 def _leads_nowhere(path: str | os.PathLike) -> bool:
     return os.path.islink(path) and not os.path.exists(path)
+
+
+def _dead_link_above(path: str | os.PathLike) -> str | None:
+    """The first directory on the way to ``path`` that is a symbolic link leading nowhere (a loop, a
+    target gone), or None: nothing can be made below it, and the system's words for it name no link."""
+    above = pathlib.PurePath(os.path.abspath(path)).parents
+    return next((os.fspath(link) for link in reversed(above) if _leads_nowhere(link)), None)
 
 
 def _resolves(path: str | os.PathLike) -> bool:

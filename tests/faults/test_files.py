@@ -206,3 +206,17 @@ def test_export_writes_into_new_directories_and_never_over_a_device(tmp_path):
         with pytest.raises(OutputRefused):
             shardwire.export_state_dict(checkpoint, tmp_path / name)
     assert unchanged(tmp_path, made)
+
+
+def test_an_output_below_a_link_that_leads_nowhere_says_so(tmp_path):
+    """A loop of links, or a link whose target is gone, on the way to an output: named as the link
+    it is, where the system says "Too many levels of symbolic links" or fails at the claim."""
+    from shardwire.files import directory_problem, output_problem
+
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    for link in ("a", "dangling"):
+        said = f"{tmp_path / link} is a symbolic link that leads nowhere (a loop, or its target is gone)"
+        assert output_problem(tmp_path / link / "out.pt") == f"cannot be written: {said}"
+        assert directory_problem(tmp_path / link / "run" / "x") == f"cannot be created: {said}"
