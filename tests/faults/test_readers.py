@@ -198,6 +198,8 @@ def _backward(value):
     (_backward(float("nan")), "summary.figures.backward_s.median is nan"),
     (_backward(-0.5), "summary.figures.backward_s.median is -0.5"),
     (_backward(float("inf")), "summary.figures.backward_s.median is inf"),
+    (_backward(1e308), "summary.figures.backward_s.median is 1e+308: times, bytes and ratios are numbers from 0 to "
+                       "1e+15"),  # finite, but a plot's arithmetic overflows on it
     (lambda d: d["steps"][0]["ranks"][0].update(step_s="x"), "steps.0.ranks.0.step_s is 'x'"),
     (lambda d: d.update(tokens_per_step=-512), "tokens_per_step is -512"),
     (lambda d: d.update(world_size=5), "its timeline holds 1 ranks' steps for a world_size of 5"),

@@ -28,6 +28,9 @@ _PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip
 _PART_COLORS = [*_PHASE_COLORS.values(), "#BBBBBB", "#E24A33"]
 _MAX_BARS = 400  # steps drawn a bar each in the breakdown; more are drawn as stacked areas
 _MAX_TIMELINES = 8  # ranks whose lanes the timeline draws (a figure's height grows with each)
+# Beyond any time (seconds since boot), byte count or rate a profile holds: a petabyte, 30 million
+# years; a larger number overflows the plots' arithmetic (milliseconds, sums) to infinity.
+_MEASURE_BOUND = 1e15
 
 
 class ReportError(Exception):
@@ -64,8 +67,8 @@ def load_profile(run_dir: str) -> dict:
                           f"the run again")
     for part in ("tokens_per_step", "flops_per_token", "peak_tflops_per_worker", "summary", "steps", "timeline"):
         if (where := _not_a_measure(profile.get(part), part)) is not None:
-            raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are finite numbers, not "
-                              f"negative); profile the run again")
+            raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are numbers from 0 to "
+                              f"{_MEASURE_BOUND:g}); profile the run again")
     timeline = profile.get("timeline")
     ranks = timeline.get("ranks") if isinstance(timeline, dict) else None
     if isinstance(ranks, list) and len(ranks) != world:  # what a plot lacks altogether is reported as it draws
@@ -157,8 +160,9 @@ _MEASURED = ("_s", "_bytes")
 
 def _not_a_measure(value, where: str) -> str | None:
     """Where in ``value`` (a part of a profile) a number is no time, byte count or ratio a profiler
-    measures: NaN, infinite or negative would be drawn as if measured, and text where a time or a
-    byte count belongs would fail the plot. None where every one is."""
+    measures: NaN, negative or past ``_MEASURE_BOUND`` would be drawn as if measured (or overflow
+    the plot's arithmetic), and text where a time or a byte count belongs would fail the plot. None
+    where every one is."""
     if isinstance(value, dict):
         for key, item in value.items():
             inside = f"{where}.{str(key)[:40]}"
@@ -170,7 +174,7 @@ def _not_a_measure(value, where: str) -> str | None:
     if isinstance(value, list):
         return next((found for index, item in enumerate(value)
                      if (found := _not_a_measure(item, f"{where}.{index}")) is not None), None)
-    return f"{where} is {shown(value)}" if is_number(value) and not 0 <= value < math.inf else None
+    return f"{where} is {shown(value)}" if is_number(value) and not 0 <= value < _MEASURE_BOUND else None
 
 
 def write_report(run_dirs: list[str], out: str) -> list[str]:
