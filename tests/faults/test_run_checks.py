@@ -155,6 +155,10 @@ def test_a_dcp_directory_is_refused_as_a_checkpoint_directory(dcp_directory, no_
     with pytest.raises(shardwire.CheckpointError, match="is a torch.distributed.checkpoint"):
         shardwire.load_latest_checkpoint(dcp_directory, model)
     assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
+    with pytest.raises(SystemExit, match=rf"error: --checkpoint-dir {dcp_directory}/runs/a is inside "
+                                         rf"{dcp_directory.resolve()}, a torch.distributed.checkpoint \(DCP\) checkpoint"):
+        main(["train", "--model", "tiny", "--checkpoint-dir", str(dcp_directory / "runs" / "a")])
+    assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
 
 
 def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_parent(tmp_path, no_workers):

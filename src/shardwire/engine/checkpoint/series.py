@@ -48,7 +48,19 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
     if _holds_a_manifest(directory):
         return (f"is a checkpoint itself, not a directory of them: give the directory that holds it "
                 f"({directory.resolve().parent}) to resume from it, or a directory of its own")
+    if (dcp := next((above for above in directory.resolve().parents if _holds_dcp(above)), None)) is not None:
+        return (f"is inside {dcp}, a torch.distributed.checkpoint (DCP) checkpoint, which a series would fill with "
+                f"its own: give shardwire's checkpoints a directory of their own")
     return None
+
+
+def _holds_dcp(directory: pathlib.Path) -> bool:
+    """Whether ``directory`` holds a DCP checkpoint: its metadata beside its ``.distcp`` files."""
+    try:
+        return os.path.isfile(directory / _DCP_METADATA) and any(name.endswith(".distcp") for name in
+                                                                  os.listdir(directory))
+    except OSError:  # a directory this process may not list holds nothing it could write beside
+        return False
 
 
 def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
