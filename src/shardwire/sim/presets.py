@@ -85,7 +85,7 @@ import dataclasses
 
 from shardwire.gpus import DATASHEET_TFLOPS, NO_BF16, SMS
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
-from shardwire.sim.specs import P4D_NCCL, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec
+from shardwire.sim.specs import P4D_NCCL, ClusterSpec, LinkSpec, ModelSpec, TrainingSpec
 
 _GPT2 = dict(vocab=50257, seq_len=1024, learned_positions=True)
 _MPT = dict(vocab=50368, seq_len=2048, learned_positions=True)
