@@ -174,15 +174,17 @@ def run_groups(groups: list[Group], fault, *, deadline: float = 400.0, start_at:
 
 
 def check_outcome(groups: list[Group], *lost: Group) -> None:
-    """The others never waited long, averaged without the lost groups at some sync, and these came
-    back with their state; every group ends with the same model (the same validation loss, on
-    batches that do not depend on the group)."""
+    """The others never waited long, averaged without the lost groups at some sync (or dropped one
+    they failed), and these came back with their state; every group ends with the same model (the
+    same validation loss, on batches that do not depend on the group)."""
     survivors = [group for group in groups if group not in lost]
     for group in survivors:
         gaps = [later - earlier for (earlier, _), (later, _) in zip(group.seen, group.seen[1:])]
         assert max(gaps) < GAP_BOUND, f"group {group.name} waited {max(gaps):.0f}s between two progress records"
-        assert any(record.get("sync_groups", 3) < 3 for record in group.records()), \
-            f"group {group.name} never synced without the lost groups"
+        # a restart quicker than the lighthouse's heartbeat timeout is back before any quorum leaves it
+        # out: the failure then shows as the sync or step it struck, dropped
+        assert any(record.get("sync_groups", 3) < 3 or record.get("sync_dropped", 0) for record in group.records()), \
+            f"group {group.name} never synced without the lost groups, nor dropped a sync they failed"
     for group in lost:
         assert group.recoveries(), f"group {group.name} never received the others' state:\n{group.out.read_text()[-3000:]}"
         # what it received: at least the anchor and outer momentum of the tiny GPT's 47,104 fp32 parameters
