@@ -202,7 +202,27 @@ class _IdFile:
                 f"checkpoint")
 
 
-class TokenCorpus:
+class _Sequences:
+    """What both corpora read their sequences by: a split's rows of ``seq_len + 1`` tokens (inputs and
+    shifted targets) starting where each reader says, in ``_read`` of each kind of storage."""
+
+    splits: dict
+
+    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train",
+              rows: slice = slice(None)) -> torch.Tensor:
+        """The global batch's ``rows`` (a rank's share; by default all), read without the others."""
+        return self._read(_starts(len(self.splits[split]), global_batch, seq_len, seed, step, split)[rows], seq_len,
+                          split)
+
+    def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
+        """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
+        return self._read(epoch_starts(positions, len(self.splits["train"]), seq_len, seed), seq_len, "train")
+
+    def _read(self, starts: list[int], seq_len: int, split: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TokenCorpus(_Sequences):
     """Pre-tokenised ids, memory-mapped to check them, read by rows (``_IdFile``) to train on."""
 
     def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int):
@@ -243,17 +263,6 @@ class TokenCorpus:
                 raise ValueError(f"{self.name} holds token id {int(self.ids[at])} at position {at:,}, but the model's "
                                  f"vocabulary has {vocab_size:,} ids: tokenise for this model, or pick a model "
                                  f"whose vocabulary covers it{hint}")
-
-    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train",
-              rows: slice = slice(None)) -> torch.Tensor:
-        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets): the global batch's ``rows``
-        (a rank's share; by default all), read without the others."""
-        return self._read(_starts(len(self.splits[split]), global_batch, seq_len, seed, step, split)[rows], seq_len,
-                          split)
-
-    def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
-        """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
-        return self._read(epoch_starts(positions, len(self.splits["train"]), seq_len, seed), seq_len, "train")
 
     def _read(self, starts: list[int], seq_len: int, split: str) -> torch.Tensor:
         begin = self._starts[split]
@@ -373,7 +382,7 @@ def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
     return sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()), str(root)
 
 
-class ByteCorpus:
+class ByteCorpus(_Sequences):
     def __init__(self, data: bytes, name: str, seq_len: int):
         self.name = name
         self.splits = _splits(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, "bytes", seq_len)
@@ -410,19 +419,9 @@ class ByteCorpus:
             raise ValueError(f"a text corpus is read as bytes, ids 0 to 255, but the model's vocabulary has "
                              f"{vocab_size} ids")
 
-    def batch(self, step: int, global_batch: int, seq_len: int, *, seed: int = 0, split: str = "train",
-              rows: slice = slice(None)) -> torch.Tensor:
-        """Rows of ``seq_len + 1`` tokens (inputs and shifted targets): the global batch's ``rows``
-        (a rank's share; by default all), read without the others."""
+    def _read(self, starts: list[int], seq_len: int, split: str) -> torch.Tensor:
         data = self.splits[split]
-        starts = _starts(data.numel(), global_batch, seq_len, seed, step, split)[rows]
         return torch.stack([data[s : s + seq_len + 1] for s in starts]).long()
-
-    def windows(self, positions: list[int], seq_len: int, *, seed: int) -> torch.Tensor:
-        """The train split's sequences at ``positions`` of its epochs (see the module's docstring)."""
-        data = self.splits["train"]
-        return torch.stack([data[s : s + seq_len + 1] for s in epoch_starts(positions, data.numel(), seq_len,
-                                                                                  seed)]).long()
 
 
 def _missing(path: pathlib.Path) -> str:

@@ -37,6 +37,7 @@ import typing
 import torch
 
 from shardwire.comm.quorum import Quorum
+from shardwire.engine.checkpoint import schema
 from shardwire.options import SettingError
 
 MAX_GROUPS = 256  # groups one meeting's agreement has room for
@@ -116,8 +117,10 @@ class Deal:
         the start of the first epoch)."""
         if state is None:
             return
-        if not _is_deal(state):
-            raise ValueError("its data deal (fault-tolerant groups) is not one shardwire train saved")
+        try:
+            _check_state(state)
+        except ValueError as err:
+            raise ValueError(f"its data deal (fault-tolerant groups) is not one shardwire train saved: {err}") from None
         self._pending = None
         self._next, self._returned = state["next"], list(state["returned"])
         self._dealt = [list(blocks) for blocks in state["dealt"]]
@@ -200,16 +203,20 @@ class Deal:
             self._deal(ledger["at"])
 
 
-def _is_deal(state: object) -> bool:
-    """Whether ``state``, read from a checkpoint, is shaped as ``Deal.state`` writes it."""
-    def counts(values: object, most: int = MAX_BLOCKS) -> bool:
-        return isinstance(values, list) and all(type(value) is int and 0 <= value <= most for value in values)
-
-    if not (isinstance(state, dict) and counts([state.get("next")]) and counts(state.get("returned"))
-            and isinstance(state.get("dealt"), list) and len(state["dealt"]) <= MAX_GROUPS
-            and all(counts(blocks) for blocks in state["dealt"])
-            and counts([state.get("first"), state.get("replaced")], most=2**63)):
-        return False
-    place, ended = state.get("place"), state.get("ended")
-    return ((place is None or counts([place]) and place < len(state["dealt"]))
-            and (ended is None or counts([ended], most=2**63)))
+def _check_state(state: object) -> None:
+    """Refuse ``state``, read from a checkpoint, unless it is shaped as ``Deal.state`` writes it."""
+    fields = schema.fields(state, "deal", ("next", "returned", "dealt", "place", "first", "replaced", "ended"))
+    for block in (fields["next"], *schema.array(fields["returned"], "deal.returned")):
+        schema.integer(block, "a block")
+    dealt = schema.array(fields["dealt"], "deal.dealt")
+    if len(dealt) > MAX_GROUPS:
+        raise ValueError(f"deal.dealt holds {len(dealt)} groups' blocks, more than {MAX_GROUPS}")
+    for blocks in dealt:
+        for block in schema.array(blocks, "deal.dealt's blocks"):
+            schema.integer(block, "a block")
+    schema.integer(fields["first"], "deal.first")
+    schema.integer(fields["replaced"], "deal.replaced")
+    if fields["ended"] is not None:
+        schema.integer(fields["ended"], "deal.ended")
+    if fields["place"] is not None and schema.integer(fields["place"], "deal.place") >= len(dealt):
+        raise ValueError(f"deal.place {fields['place']} is past the {len(dealt)} groups dealt to")
