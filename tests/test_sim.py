@@ -446,3 +446,12 @@ def test_fp8_gathers_move_a_byte_per_weight():
                if a.op == "all_gather"]
     assert all(b == (a if unit == "root" else a / 2) for a, b, unit in gathers)
     assert fp8.memory.gathered_parameters < bf16.memory.gathered_parameters
+
+
+@pytest.mark.parametrize("name", ["COLLECTIVES", "CollectiveLibrary", "P4D_LINE_GBPS", "P4D_SMDDP"])
+def test_the_collective_libraries_moved_to_specs_are_found_in_presets_for_a_release(name):
+    from shardwire import renamed
+    from shardwire.sim import presets, specs
+
+    with pytest.warns(renamed.RenamedWarning, match=f"shardwire.sim.presets.{name} is now shardwire.sim.specs.{name}"):
+        assert getattr(presets, name) is getattr(specs, name)
