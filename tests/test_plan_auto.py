@@ -24,7 +24,7 @@ def test_a_run_plans_itself_trains_with_its_choice_and_checks_the_step(tmp_path)
     done = _train("--nproc", "2", "--steps", "10", "--plan", "auto", "--layout", "full", "--prefetch", "0")
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    measured = re.search(r"plan auto: measured each node's ranks at [\d.]+ [MG]B/s \([\d,]+ us a step\); 2 of 3 "
+    measured = re.search(r"plan auto: measured each node's ranks at [\d.,]+ [MG]B/s \([\d,]+ us a step\); 2 of 3 "
                          r"probe steps of --layout full --prefetch 0 --reshard computed: forward \d+, backward \d+, "
                          r"optimizer \d+ ms", out)
     assert measured, out

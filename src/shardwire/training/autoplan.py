@@ -243,4 +243,7 @@ def _levels(cluster: ClusterSpec, launched: Placement) -> str:
 
 
 def _rate(GBps: float) -> str:
-    return f"{GBps:.3g} GB/s" if GBps >= 1 else f"{GBps * 1e3:.3g} MB/s"
+    """Three figures, never an exponent: a loopback link can measure in the thousands of GB/s."""
+    if GBps < 1:
+        return f"{GBps * 1e3:.3g} MB/s"
+    return f"{GBps:,.0f} GB/s" if GBps >= 100 else f"{GBps:.3g} GB/s"
