@@ -131,6 +131,8 @@ def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
     assert "give the link rate: --link RATE (e.g. 1gbit) or --like PRESET" in capsys.readouterr().err
     assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "0"]) == 1
     assert "--nproc-per-node must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "1000000"]) == 1
+    assert "2,000,000 workers take over" in capsys.readouterr().err  # refused before measuring, as `run` refuses
     assert main(["testbed", "up", "--nodes", "2", "--like", "h100-nvlink"]) == 1
     assert "--like 'h100-nvlink' is not a cluster preset; choose one of" in capsys.readouterr().err
     assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"]) == 1

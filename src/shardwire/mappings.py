@@ -134,6 +134,12 @@ def shown(value, limit: int = 80) -> str:
     return short if len(short) <= limit else short[:limit - 3] + "..."
 
 
+def one_line(text: str) -> str:
+    """``text`` as one line prints it: a line break it holds came from what the user gave (a path, a
+    value), and is shown as ``\\n``, so that a message, or a line naming a path, stays one line."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class Missing(LookupError):
     """A document lacks a field, or holds something else where a mapping should be; the message
     says which, by its dotted path (``summary.figures``)."""
@@ -223,7 +229,7 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
         finally:
             loader.dispose()
     except yaml.YAMLError as err:
-        raise MappingError(f"{what} is neither JSON nor YAML: {_one_line(err)}") from None
+        raise MappingError(f"{what} is neither JSON nor YAML: {_yaml_problem(err)}") from None
     except RecursionError:
         raise MappingError(f"{what} nests deeper than it can be read: flatten it") from None
 
@@ -263,7 +269,7 @@ def _where(mark) -> str:
     return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
 
 
-def _one_line(err) -> str:
+def _yaml_problem(err) -> str:
     """A YAML error, which spans several lines with a picture of where, as one line."""
     problem = " ".join((getattr(err, "problem", None) or str(err)).split())
     return problem[:200] + _where(getattr(err, "problem_mark", None))

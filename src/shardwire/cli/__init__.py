@@ -25,7 +25,7 @@ from shardwire.cli.config_file import ConfigError
 from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
 from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, share_node_threads, under_launcher
-from shardwire.mappings import nearest
+from shardwire.mappings import nearest, one_line
 from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
 
@@ -145,14 +145,8 @@ def entry() -> int:
     except SystemExit as err:
         if not isinstance(err.code, str):
             raise
-        print(_one_line(err.code), file=sys.stderr)
+        print(one_line(err.code), file=sys.stderr)
         return REFUSED
-
-
-def _one_line(message: str) -> str:
-    """``message`` as the one line an error is: a line break it holds came from what the user gave
-    (a path, a value), and is shown as ``\\n``."""
-    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 @contextlib.contextmanager
@@ -163,7 +157,7 @@ def refused(*errors: type[Exception]):
     try:
         yield
     except errors as err:
-        print(_one_line(f"error: {err}"), file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -184,12 +178,12 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
             return 0
         return module.run(args, rest)
     except (ConfigError, MissingExtra) as err:
-        print(_one_line(f"error: {err}"), file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         return 2
     except SystemExit as err:
         if not (under_launcher() and isinstance(err.code, str)):
             raise
-        print(_one_line(err.code), file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
+        print(one_line(err.code), file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
         return REFUSED
     except CollectiveError as err:
         if not under_launcher():

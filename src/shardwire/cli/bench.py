@@ -23,6 +23,7 @@ from shardwire.bench import report
 from shardwire.bench.benchmark import BenchConfig, BenchError, BenchResults, benchmark, validate
 from shardwire.files import write_atomically
 from shardwire.launch import launch_local, under_launcher
+from shardwire.mappings import one_line
 from shardwire.options import add_options, command_line, config_from
 
 
@@ -92,4 +93,4 @@ def _save(config: BenchConfig, results: BenchResults) -> None:
     for path, render in outputs:
         if path is not None:
             write_atomically(path, render())
-            print(f"# saved {path}", flush=True)
+            print(one_line(f"# saved {path}"), flush=True)

@@ -25,7 +25,7 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
-from shardwire.mappings import shown
+from shardwire.mappings import one_line, shown
 from shardwire.options import argument_text, text
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"exported {checkpoint} ({model}) to {out}{_format(out, model)}")
+    print(one_line(f"exported {checkpoint} ({model}) to {out}{_format(out, model)}"))
     return 0
 
 

@@ -101,6 +101,8 @@ def _up_settings(args) -> int | None:
         raise TestbedError("give the link rate: --link RATE (e.g. 1gbit) or --like PRESET (e.g. h100-100gbe)")
     if args.like is not None:
         Testbed(args.name, args.nodes, MIN_RATE)  # the node count, checked before a second of measuring
+        if args.nproc_per_node is not None:
+            _workers_fit(args.nodes, args.nproc_per_node)
         return None
     if args.nproc_per_node is not None:
         raise TestbedError("--nproc-per-node sets the node's compute for --like; a rate given with --link "
@@ -108,6 +110,17 @@ def _up_settings(args) -> int | None:
     rate = parse_rate(args.link)
     Testbed(args.name, args.nodes, rate)
     return rate
+
+
+def _workers_fit(nodes: int, nproc_per_node: int) -> None:
+    """Every node's workers run on this machine: refuses ranks it cannot hold, for ``run`` and for the
+    compute ``up --like`` divides among them alike."""
+    if nproc_per_node < 1:
+        raise TestbedError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+    try:
+        host_memory_per_worker(nodes * nproc_per_node)
+    except ValueError as err:
+        raise TestbedError(f"{err}: lower --nproc-per-node") from None
 
 
 def _up(args) -> int:
@@ -128,15 +141,10 @@ def _run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise TestbedError("give the job after --, e.g. `shardwire testbed run -- -m shardwire train`")
-    if args.nproc_per_node < 1:
-        raise TestbedError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     if args.max_restarts < 0:
         raise TestbedError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     testbed = _built(args.name)
-    try:  # every node's workers run on this machine
-        host_memory_per_worker(testbed.nodes * args.nproc_per_node)
-    except ValueError as err:
-        raise TestbedError(f"{err}: lower --nproc-per-node") from None
+    _workers_fit(testbed.nodes, args.nproc_per_node)
 
     def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
         raise KeyboardInterrupt

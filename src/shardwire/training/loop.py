@@ -37,6 +37,7 @@ from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
 from shardwire.files import OutputRefused, StagedDirectory
 from shardwire.launch import REFUSED, under_launcher
+from shardwire.mappings import one_line
 from shardwire.models import fp8
 from shardwire.models.choice import (
     HF_PREFIX,
@@ -253,7 +254,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
               f"({worker.backend_for(device)}, {device.type}), {len(engine.units)} block units + root, "
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
-              f"{job.precision}; data: {corpus.description}", flush=True)
+              f"{job.precision}; data: {one_line(corpus.description)}", flush=True)
         if choice.note is not None:
             print(f"note: {choice.note}", file=sys.stderr, flush=True)
     start = (_resume(config, model, optimizer, scheduler, trained_on, choice.seq_len, deal) if config.checkpoint_dir
@@ -331,7 +332,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
                 except OSError as err:  # a full disk, a quota: the run's other results stand
                     raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
                                      f"{_where_the_model_is(config)}") from None
-                print(f"exported to {written} (from_pretrained loads it)", flush=True)
+                print(one_line(f"exported to {written} (from_pretrained loads it)"), flush=True)
         finally:
             weights.take_part()  # the gathers the writer did not reach, so that no rank waits for ever
 
@@ -631,7 +632,8 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
             what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
         else:
             what = " (it records no settings to compare this run's with)"
-        print(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks){what}", flush=True)
+        print(one_line(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks){what}"),
+              flush=True)
     return info.step
 
 
@@ -741,6 +743,6 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         f"waiting for communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
         f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
         f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"
-        f"profile written to {run_dir} (shardwire report {run_dir} plots it)",
+        + one_line(f"profile written to {run_dir} (shardwire report {run_dir} plots it)"),
         flush=True,
     )

@@ -13,13 +13,9 @@ import pathlib
 import re
 from collections.abc import Collection
 
+from shardwire.mappings import shown
+
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def shown(value) -> str:
-    """``value`` for an error message, cut short: a bad field can hold a whole document."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def fields(value, what: str, keys: Collection[str], *, open_ended: bool = False) -> dict:
