@@ -207,6 +207,19 @@ def test_a_loss_spike_is_divergence_naming_the_inner_optimizer():
         diverged.check()
 
 
+@pytest.mark.parametrize("losses", [(5.5, 364.0), (3.1, 97.9)], ids=["fresh", "resumed"])
+def test_a_spike_before_any_loss_is_logged_is_bounded_by_the_first_loss(losses):
+    """A run that diverges in its first steps, or at once on resuming with another --lr, has no
+    logged losses to average yet: the model it started from bounds it."""
+    diverged = divergence(lr=5.0, warmup=5)
+    first, spike = losses
+    diverged.note_loss(0, torch.tensor(first))
+    diverged.note_loss(1, torch.tensor(spike))
+    with pytest.raises(SystemExit, match=rf"the loss was above {10 * first:.3g}, 10 times the run's first loss, "
+                                         r"at step 2 \(nothing was saved\): lower --lr \(now 5\)"):
+        diverged.check()
+
+
 def test_a_loss_in_warmup_or_below_the_bound_is_not_a_spike():
     diverged = divergence(warmup=10)
     for step in range(1, 10):

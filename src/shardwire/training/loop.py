@@ -461,14 +461,17 @@ def _describe_wire(engine, wire: str) -> str:
 
 class _Divergence:
     """The first step whose loss or gradient norm was not finite, or whose loss spiked: above
-    ``SPIKE_FACTOR`` times the mean of the last ``SPIKE_WINDOW`` losses logged after warmup (or
-    above ``SPIKE_FACTOR`` where that mean is below 1, as a loss near 0 varies by more than its
-    multiple). A loss that jumps from 5.5 to 102,258 is finite, but the model it came from no longer
-    trains, and saving it would prune the checkpoints before it. Kept on the device (a host sync per
-    step would stall a GPU) and read where the loop waits for the device anyway: before a log line
-    and before a checkpoint. Ranks see different losses, so they agree on the earliest before any
-    decides to stop. The message names the optimizer whose step came before: the outer one of
-    ``--diloco`` at the step after an outer step, else the inner one."""
+    ``SPIKE_FACTOR`` times the mean of the last ``SPIKE_WINDOW`` losses logged after warmup, and
+    until that many are, above ``SPIKE_FACTOR`` times the run's first loss, that of the model it
+    started from (fresh, or the checkpoint it resumed), so that a run diverging in its first steps,
+    or at once on resuming with another ``--lr``, is stopped too; a bound below ``SPIKE_FACTOR``
+    is raised to it, as a loss near 0 varies by more than its multiple. A loss that jumps from 5.5
+    to 102,258 is finite, but the model it came from no longer trains, and saving it would prune
+    the checkpoints before it. Kept on the device (a host sync per step would stall a GPU) and read
+    where the loop waits for the device anyway: before a log line and before a checkpoint. Ranks
+    see different losses, so they agree on the earliest before any decides to stop. The message
+    names the optimizer whose step came before: the outer one of ``--diloco`` at the step after an
+    outer step, else the inner one."""
 
     SPIKE_FACTOR = 10
     SPIKE_WINDOW = 5
@@ -478,10 +481,14 @@ class _Divergence:
         self._diloco = DiLoCo.parse(config.diloco)
         self._never = config.steps
         self._first = torch.full((2,), self._never, dtype=torch.long, device=device)  # not finite, spiked
-        self._limit = math.inf
+        self._device = device
+        self._limit: torch.Tensor | None = None  # set by the first loss, on the device
+        self._basis = "the run's first loss"
         self._recent: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)
 
     def note_loss(self, step: int, loss: torch.Tensor) -> None:
+        if self._limit is None:
+            self._limit = self.SPIKE_FACTOR * loss.clamp(min=1.0)  # not finite stays so, and never bounds
         self._note(0, step, torch.isfinite(loss))
         self._note(1, step, loss <= self._limit)
 
@@ -498,7 +505,9 @@ class _Divergence:
             return
         self._recent.append(loss)
         if len(self._recent) == self.SPIKE_WINDOW:
-            self._limit = self.SPIKE_FACTOR * max(1.0, sum(self._recent) / self.SPIKE_WINDOW)
+            mean = sum(self._recent) / self.SPIKE_WINDOW
+            self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
+            self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
 
     def check(self) -> None:
         """Stop the run, with what to change, once a step has diverged."""
@@ -511,8 +520,7 @@ class _Divergence:
             what = "the loss or the gradient norm was not finite"
             kept = f"{saved[-1]} holds the last finite model, and nothing after it was saved" if saved else ""
         else:
-            what = (f"the loss was above {self._limit:.3g}, {self.SPIKE_FACTOR} times the mean of the last "
-                    f"{self.SPIKE_WINDOW} logged losses,")
+            what = f"the loss was above {self._limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis},"
             kept = f"{saved[-1]} is the newest checkpoint, and nothing after it was saved" if saved else ""
         raise _agreed(f"error: training diverged: {what} at step {step + 1} ({kept or 'nothing was saved'}): "
                          f"{self._remedy(step)}")
