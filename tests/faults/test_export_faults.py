@@ -286,6 +286,18 @@ def test_an_hf_export_uses_the_config_it_was_trained_with(made, work, capsys, mo
     assert json.loads((work / "out" / "config.json").read_text())["activation_function"] == "gelu_new"
 
 
+def test_another_hf_directory_exports_only_the_architecture_trained(work, capsys):
+    """A model directory elsewhere (the one trained moved) is the model trained where its config builds
+    the same architecture; one whose activation differs fits the same shapes, and is refused."""
+    elsewhere = work / "gpt2-mini" / "config.json"  # a copy: not the directory the checkpoint names
+    status, _, err = export(capsys, work / "hf", work / "same", "--model", f"hf:{work / 'gpt2-mini'}")
+    assert status == 0 and "was trained as" not in err, err
+    elsewhere.write_text(json.dumps({**GPT2, "activation_function": "gelu"}))
+    message = refused(capsys, work / "hf", work / "other", "--model", f"hf:{work / 'gpt2-mini'}")
+    assert "config differs from the one" in message and "activation_function 'gelu_new' -> 'gelu'" in message
+    assert not (work / "other").exists()
+
+
 def test_a_manifest_forged_to_another_dtype_is_refused_not_cast(work, capsys):
     def bfloat16(manifest):
         for flat in manifest["flats"]:
@@ -306,6 +318,8 @@ def test_a_manifest_forged_to_another_dtype_is_refused_not_cast(work, capsys):
     ({"n_head": 3}, "divisible"),  # transformers' own refusal, as one line
 ])
 def test_a_config_no_model_can_be_built_of_is_one_line_before_it_is_built(work, capsys, change, said):
+    """Of a checkpoint that records no config (of an older shardwire), whose weights --model labels."""
+    rewrite_manifest(work / "hf" / "step_00000001", lambda manifest: manifest["extra"].pop("hf_config"))
     config = json.dumps({**GPT2, **change})
     status, out, err = export(capsys, work / "hf", work / "out", "--model", f"hf:{config}")
     assert status == 2 and err.strip().count("\n") == 0 and said in err, err  # no warning before it either

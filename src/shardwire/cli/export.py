@@ -128,7 +128,8 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     model = args.model or recorded
     if model is None:
         raise ValueError(f"{checkpoint} does not record its model (shardwire train records it): give --model")
-    trained = args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
+    trained = (args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
+               or _same_architecture(checkpoint, args.model, extra))
     if not trained and recorded:
         notes.append(f"{checkpoint} was trained as {recorded}; exported as --model {args.model}")
     if model.startswith(HF_PREFIX):
@@ -149,6 +150,20 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
         raise OutputRefused(f"OUT {args.out} {problem}")
     _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None)
     return model, export_state_dict(checkpoint, args.out)
+
+
+def _same_architecture(checkpoint: pathlib.Path, model: str, extra: dict) -> bool:
+    """Whether the ``hf:`` ``model`` given builds the architecture the checkpoint records (its config
+    moved, say); refuses one that differs from it: another activation or epsilon fits the same
+    shapes, and would label the trained weights as another model without a word."""
+    recorded = extra.get("hf_config")
+    if not (model.startswith(HF_PREFIX) and isinstance(recorded, dict)):
+        return False
+    if (change := config_difference(recorded, config_fields(model))) is not None:
+        raise ValueError(f"--model {model}'s config differs from the one {checkpoint} was trained with: {change}; "
+                         f"its weights belong to the recorded architecture: leave out --model (the checkpoint "
+                         f"records its config)")
+    return True
 
 
 def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: list[str]) -> dict | None:
