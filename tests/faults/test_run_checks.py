@@ -175,6 +175,22 @@ def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_pa
                                                                   "replicated.safetensors"]
 
 
+def test_the_groups_directory_of_a_fault_tolerant_run_is_not_started_over_in(tmp_path, no_workers, capsys):
+    """Fault-tolerant groups keep their series side by side under --checkpoint-dir: a run without
+    --fault-tolerance would find no checkpoint there and start over beside them, and an export
+    finds none to export."""
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    for group in ("a", "b"):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path / "ckpt" / group, 4), model, step=4,
+                                  extra={"model": "tiny"}).wait()
+    with pytest.raises(SystemExit, match=rf"error: --checkpoint-dir {tmp_path}/ckpt holds series of checkpoints in "
+                                         rf"its subdirectories \(a, b\), as fault-tolerant groups keep theirs"):
+        main(["train", "--model", "tiny", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "model.pt")]) == 2
+    assert "holds the series of fault-tolerant groups (a, b), whose models differ" in capsys.readouterr().err
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == ["a", "b"]
+
+
 @pytest.mark.parametrize("directory, said", [
     ("n" * 300, "has a name of 300 bytes, where a name here is at most"),
     ("ckpt/step_00000004/inner", "is inside"),  # below a checkpoint, which would then never be pruned

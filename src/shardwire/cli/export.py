@@ -24,6 +24,7 @@ import torch
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
+from shardwire.engine.checkpoint.series import group_series
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.mappings import one_line, shown
 from shardwire.options import argument_text, text
@@ -111,6 +112,10 @@ def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
     if not path.is_dir() or (path / "manifest.json").exists():
         return [path]
     series = list_checkpoints(path)
+    if not series and (groups := group_series(path)):
+        raise ValueError(f"{path} holds the series of fault-tolerant groups ({', '.join(groups[:4])}"
+                         f"{', ...' if len(groups) > 4 else ''}), whose models differ: export one group's "
+                         f"({path / groups[0]})")
     if not series:
         raise ValueError(f"{path} holds no checkpoint: give one (ckpt/step_00000400) or a --checkpoint-dir")
     return series[::-1]

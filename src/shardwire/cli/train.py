@@ -18,7 +18,7 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.checkpoint.series import series_problem
+from shardwire.engine.checkpoint.series import group_series, series_problem
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
@@ -132,7 +132,7 @@ def _validate(config: TrainConfig) -> None:
         return
     if fault_tolerance is not None:  # every worker of the group the same name and lighthouse
         config.fault_tolerance = str(fault_tolerance)
-    _check_this_machine(config)
+    _check_this_machine(config, fault_tolerant=fault_tolerance is not None)
     choice = _check_model(config, diloco)
     _check_memory(config, choice)
     _check_data(config, choice)
@@ -190,7 +190,7 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
     return diloco, fault_tolerance
 
 
-def _check_this_machine(config: TrainConfig) -> None:
+def _check_this_machine(config: TrainConfig, *, fault_tolerant: bool) -> None:
     """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
     try:
         if config.checkpoint_dir is not None:
@@ -199,6 +199,13 @@ def _check_this_machine(config: TrainConfig) -> None:
             if (problem := directory_problem(directory) or series_problem(directory)
                     or checkpoint_problem(directory)) is not None:
                 raise OptionError(f"--checkpoint-dir {cut(directory)} {problem}")
+            if not fault_tolerant and (groups := group_series(directory)) and not list_checkpoints(directory):
+                raise OptionError(
+                    f"--checkpoint-dir {cut(directory)} holds series of checkpoints in its subdirectories "
+                    f"({', '.join(cut(group) for group in groups[:4])}{', ...' if len(groups) > 4 else ''}), as "
+                    f"fault-tolerant groups keep theirs, and none of its own: resume the groups with "
+                    f"--fault-tolerance, give one series ({cut(os.path.join(directory, groups[0]))}), or give a "
+                    f"directory of its own")
         if config.profile:
             check_writable_directory(config.run_dir or "runs", "--run-dir")
             if config.run_dir is not None:  # the default one is named for the time the run ends

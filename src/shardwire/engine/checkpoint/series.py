@@ -72,6 +72,17 @@ def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=step_of)
 
 
+def group_series(directory: str | pathlib.Path) -> list[str]:
+    """The subdirectories of ``directory`` that hold a series: fault-tolerant groups keep theirs side
+    by side, each named for its group (``--checkpoint-dir ckpt`` saves ``ckpt/a/step_...``)."""
+    directory = pathlib.Path(directory)
+    try:
+        inside = sorted(path for path in directory.iterdir() if path.is_dir() and step_of(path) is None)
+    except OSError:  # none, or none this process may list
+        return []
+    return [path.name for path in inside if list_checkpoints(path)]
+
+
 def _holds_a_manifest(path: pathlib.Path) -> bool:
     """Whether ``path`` holds a valid checkpoint manifest (a user's own manifest.json is none)."""
     try:
