@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardwire.mappings import one_line
 from shardwire.options import argument_text, text
 from shardwire.profile.report import ReportError, write_report
 
@@ -20,8 +21,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         written = write_report(args.run_dirs, args.out or args.run_dirs[0])
     except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         return 2
     for path in written:
-        print(path)
+        print(one_line(str(path)))
     return 0

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import os
 
-from shardwire.mappings import MappingError, Missing, field, is_number, read_json, shown
+from shardwire.mappings import MappingError, Missing, field, is_number, one_line, read_json, shown
 from shardwire.profile import PROFILE_FILE
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
@@ -90,7 +90,7 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
                         f"peak, slower than any GPU runs its kernels: was the profile taken on this GPU, of the "
                         f"job it names?")
     return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
-                             "name": f"{cluster.name} (calibrated by {os.path.basename(source)})"})
+                             "name": f"{cluster.name} (calibrated by {one_line(os.path.basename(os.path.normpath(source)))})"})
 
 
 def read_profile(path: str, load_model) -> Measured:
