@@ -54,7 +54,7 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.
           stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 # What a dangling link is called where a path must be read or written.
 LEADS_NOWHERE = "is a symbolic link that leads nowhere (a loop, or its target is gone)"
-# The target's name kept in a temporary file's, short enough that the whole stays within NAME_MAX.
+# The bytes of the target's name kept in a temporary's, short enough that the whole stays within NAME_MAX.
 _TEMPORARY_STEM = 100
 # In a staged directory: the file its writer holds locked, naming itself, until the rename.
 _CLAIM = ".shardwire-claim"
@@ -312,7 +312,7 @@ def _temporary(target: str) -> tuple[int, str]:
     """A new file beside ``target``, open for writing, created with mode 0666 so that the kernel
     applies the umask (``tempfile.mkstemp`` makes every file 0600, whatever the umask). Those a
     killed writer of ``target`` left on this host go first."""
-    stem = f"{os.path.dirname(target)}/.{os.path.basename(target)[:_TEMPORARY_STEM]}."
+    stem = f"{os.path.dirname(target)}/.{_stem(os.path.basename(target))}."
     _remove_abandoned(stem)
     while True:
         tmp = f"{stem}{_writer()}-{secrets.token_hex(8)}.partial"
@@ -320,6 +320,15 @@ def _temporary(target: str) -> tuple[int, str]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
         except FileExistsError:  # another writer's name: draw again
             continue
+
+
+def _stem(name: str) -> str:
+    """``name`` as a temporary's name carries it: a long one cut short, with a digest of the whole, so
+    that two names alike in their first characters never share a temporary (nor a claim on one)."""
+    encoded = os.fsencode(name)  # NAME_MAX counts bytes
+    if len(encoded) <= _TEMPORARY_STEM:
+        return name
+    return f"{os.fsdecode(encoded[:_TEMPORARY_STEM])}-{hashlib.sha256(encoded).hexdigest()[:12]}"
 
 
 def _writer() -> str:
@@ -364,7 +373,7 @@ class StagedDirectory:
         self.target = pathlib.Path(os.path.abspath(target))
         if (problem := new_directory_problem(target)) is not None:
             raise OutputRefused(f"{what} {os.fspath(target)} {problem}")
-        self.path = self.target.with_name(f".{self.target.name[:_TEMPORARY_STEM]}.shardwire-partial")
+        self.path = self.target.with_name(f".{_stem(self.target.name)}.shardwire-partial")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.path.mkdir(0o777)

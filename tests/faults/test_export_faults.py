@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 import shardwire
 from harness import rewrite_manifest, run_workers
 from shardwire.cli import main
-from shardwire.files import OutputRefused, write_atomically
+from shardwire.files import OutputRefused, StagedDirectory, write_atomically
 from shardwire.models.gpt import GPT, PRESETS
 from shardwire.training import loop
 from shardwire.training.config import TrainConfig
@@ -259,6 +259,17 @@ def test_an_export_stopped_by_sigterm_removes_what_it_staged(work):
     finally:
         job.kill()
     assert not (work / ".out.shardwire-partial").exists() and not (work / "out").exists()
+
+
+def test_long_names_alike_in_their_first_bytes_are_staged_apart(tmp_path):
+    """A temporary carries a long name cut short: two outputs whose names share their first 100 bytes
+    (in any script) are written side by side, neither refused as the other's."""
+    for stem in ("p" * 100, "é" * 50):
+        first, second = (StagedDirectory(tmp_path / f"{stem}{end}", "OUT") for end in "AB")
+        assert first.path != second.path
+        for stage in (first, second):
+            stage.discard()
+    write_atomically(tmp_path / ("é" * 120), "a name of 240 bytes")
 
 
 def test_a_directory_in_the_way_of_the_stage_is_not_removed(work, capsys):
