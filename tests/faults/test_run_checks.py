@@ -373,8 +373,8 @@ def test_a_resume_at_another_seq_len_names_the_one_the_checkpoint_was_trained_at
     train("--model", "tiny", "--seq-len", "16", "--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path)
     done = train("--model", "tiny", "--steps", "4", "--checkpoint-dir", "ckpt", cwd=tmp_path, check=False)
     assert done.returncode != 0
-    assert done.stderr.strip().endswith("ckpt/step_00000002 was trained at --seq-len 16, and this run's is "
-                                        f"{PRESETS['tiny'].seq_len}: give --seq-len 16 to resume it"), done.stderr
+    assert done.stderr.strip() == ("error: ckpt/step_00000002 was trained at --seq-len 16, and this run's is "
+                                   f"{PRESETS['tiny'].seq_len}: give --seq-len 16 to resume it"), done.stderr
     assert "4/4" in train("--model", "tiny", "--seq-len", "16", "--steps", "4", "--checkpoint-dir", "ckpt",
                           cwd=tmp_path).stdout
     # trained at the preset's own length, resumed at another: the preset's is named

@@ -601,10 +601,12 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
             deal: Deal | None = None) -> int:
     """Restore the newest good checkpoint in --checkpoint-dir, and the data ``deal`` of
     fault-tolerant groups; returns the step to continue from."""
+    if (another := _trained_at_another_length(config, seq_len)) is not None:
+        raise _agreed(f"error: {another}")
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
     except shardwire.CheckpointError as err:
-        raise _agreed(f"error: {err}{_trained_at_another_length(config, seq_len)}") from None
+        raise _agreed(f"error: {err}") from None
     if info is None:
         return 0
     if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
@@ -645,12 +647,13 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     return info.step
 
 
-def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str:
+def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str | None:
     """Why no checkpoint of --checkpoint-dir fits this run's model, where the newest was trained as
-    this GPT preset at another ``--seq-len``: a preset's position table has a row per token, so its
-    weights fit only a model made at that length (an ``hf:`` model's do not depend on it)."""
+    this GPT preset at another ``--seq-len``, said before any is loaded (each would be skipped as
+    another model's): a preset's position table has a row per token, so its weights fit only a
+    model made at that length (an ``hf:`` model's do not depend on it)."""
     if config.model.startswith(HF_PREFIX):
-        return ""
+        return None
     for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
             extra = Manifest.read(path).extra
@@ -661,10 +664,10 @@ def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str:
         if recorded is None and isinstance(extra.get("settings"), dict) and config.model in PRESETS:
             recorded = PRESETS[config.model].seq_len  # trained at the preset's own length
         if extra.get("model") != config.model or recorded is None or recorded == seq_len:
-            return ""
-        return (f"; {path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
+            return None
+        return (f"{path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
                 f"{recorded} to resume it")
-    return ""
+    return None
 
 
 def _changed_scale(info, global_batch: int) -> list[str]:
