@@ -125,6 +125,11 @@ def test_the_ranks_of_a_command_on_one_node_share_its_threads(monkeypatch):
     assert (os.environ["OMP_NUM_THREADS"], os.environ.get(NODE_THREADS)) == ("3", None)
 
 
+def test_an_option_after_execs_node_is_refused_not_run_as_the_command(capsys):
+    assert main(["testbed", "exec", "node0", "--name", "shardwire-other", "--", "hostname"]) == 1
+    assert "'--name' after the node would be the command: give exec's options before the node" in capsys.readouterr().err
+
+
 def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
     monkeypatch.setattr(network, "require_privileges", lambda action: None)
     assert main(["testbed", "up", "--nodes", "2"]) == 1

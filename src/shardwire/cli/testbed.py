@@ -21,6 +21,7 @@ import signal
 import sys
 
 from shardwire.launch import host_memory_per_worker
+from shardwire.mappings import shown
 from shardwire.testbed import check, job, network, regime
 from shardwire.testbed.spec import (
     DEFAULT_NAME,
@@ -159,6 +160,10 @@ def _exec(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise TestbedError("give the command after --, e.g. `shardwire testbed exec node0 -- hostname`")
+    if command is args.command and command[0].startswith("-"):  # an option of exec's, given after NODE
+        raise TestbedError(f"{shown(command[0])} after the node would be the command: give exec's options before "
+                           f"the node and the command after --, e.g. `shardwire testbed exec --name NAME node0 -- "
+                           f"hostname`")
     testbed = _built(args.name)
     argv = network.in_namespace(testbed.namespace(testbed.node(args.node)), command)
     os.execvpe(argv[0], argv, job.node_environment(testbed))

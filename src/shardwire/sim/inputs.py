@@ -151,9 +151,10 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
             raise Missing(f"its fit.{group} is {shown(group_fits)}, not a mapping")
         link = _link_from_fits(group_fits, group, nodes * per_node)
         if link is None and needed:
+            groups = " ".join(name for name, spans in (("intra", per_node > 1), ("inter", nodes > 1)) if spans)
             raise SpecError(
                 f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
-                f"it with `shardwire bench --groups intra inter --ops all_gather reduce_scatter`"
+                f"it with `shardwire bench --groups {groups} --ops all_gather reduce_scatter`"
             )
         own = getattr(cluster, level)
         measured = _contention(doc.get("contention") or {}, group)
