@@ -337,6 +337,13 @@ def test_a_config_no_model_can_be_built_of_is_one_line_before_it_is_built(work, 
     assert not (work / "out").exists()
 
 
+def test_inline_json_longer_than_a_path_is_read_as_json(work, capsys):
+    """As train and simulate read it: a config is no file name, however long."""
+    config = json.dumps({**GPT2, "comment": "x" * 5000})
+    message = refused(capsys, work / "gpt" / "step_00000002", work / "out", "--model", f"hf:{config}")
+    assert "do not fit GPT2LMHeadModel" in message and "File name too long" not in message, message
+
+
 def test_a_directory_named_for_one_file_is_refused(work, capsys):
     assert "names a directory, which is for hf: models" in refused(capsys, work / "gpt", f"{work / 'newdir'}/")
     assert not (work / "newdir").exists()

@@ -86,9 +86,13 @@ class ModelChoice:
 def recorded_name(name: str) -> str:
     """``name`` as a checkpoint records it, to build the same model from anywhere later: an ``hf:``
     path made absolute (inline JSON and presets as they are)."""
-    if name.startswith(HF_PREFIX) and pathlib.Path(name[len(HF_PREFIX):]).exists():
-        return HF_PREFIX + str(pathlib.Path(name[len(HF_PREFIX):]).resolve())
-    return name
+    if not name.startswith(HF_PREFIX):
+        return name
+    source = pathlib.Path(name[len(HF_PREFIX):])
+    try:
+        return HF_PREFIX + str(source.resolve()) if source.exists() else name
+    except OSError:  # longer than a path may be: inline JSON
+        return name
 
 
 def tokenizer_directory(name: str) -> pathlib.Path | None:
