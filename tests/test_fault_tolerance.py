@@ -53,6 +53,9 @@ def test_settings_parse_and_round_trip(monkeypatch):
     ("lighthouse=h:1,speed=2", "is not understood"),
     ("lighthouse=h:1,group=,host=", "group= has no value: give one, or leave group out"),  # group=$UNSET
     ("lighthouse=h:1,timeout=1e300", "at most 31,536,000 \\(a year\\), got 1e\\+300"),
+    ("lighthouse=localhost:99999", "lighthouse 'http://localhost:99999' is not an address \\(Port out of range"),
+    ("lighthouse=ftp://head:29510", "is not an http:// address of a host and port"),
+    ("lighthouse=http://:29510", "is not an http:// address of a host and port"),
 ])
 def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
 import sys
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.checkpoint.series import group_series, series_problem
+from shardwire.engine.checkpoint.series import group_series, series_problem, step_of
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
@@ -132,7 +133,7 @@ def _validate(config: TrainConfig) -> None:
         return
     if fault_tolerance is not None:  # every worker of the group the same name and lighthouse
         config.fault_tolerance = str(fault_tolerance)
-    _check_this_machine(config, fault_tolerant=fault_tolerance is not None)
+    _check_this_machine(config, fault_tolerance)
     choice = _check_model(config, diloco)
     _check_memory(config, choice)
     _check_data(config, choice)
@@ -190,7 +191,7 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
     return diloco, fault_tolerance
 
 
-def _check_this_machine(config: TrainConfig, *, fault_tolerant: bool) -> None:
+def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | None) -> None:
     """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
     try:
         if config.checkpoint_dir is not None:
@@ -199,7 +200,10 @@ def _check_this_machine(config: TrainConfig, *, fault_tolerant: bool) -> None:
             if (problem := directory_problem(directory) or series_problem(directory)
                     or checkpoint_problem(directory)) is not None:
                 raise OptionError(f"--checkpoint-dir {cut(directory)} {problem}")
-            if not fault_tolerant and (groups := group_series(directory)) and not list_checkpoints(directory):
+            if fault_tolerance is not None and step_of(pathlib.Path(fault_tolerance.group)) is not None:
+                raise OptionError(f"--fault-tolerance group={fault_tolerance.group} names the group's series under "
+                                  f"--checkpoint-dir as a checkpoint of a series is named: give the group another name")
+            if fault_tolerance is None and (groups := group_series(directory)) and not list_checkpoints(directory):
                 raise OptionError(
                     f"--checkpoint-dir {cut(directory)} holds series of checkpoints in its subdirectories "
                     f"({', '.join(cut(group) for group in groups[:4])}{', ...' if len(groups) > 4 else ''}), as "

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import urllib.parse
 
+from shardwire.mappings import shown
 from shardwire.options import MAX_TIMEOUT_S, SettingError, setting_error, settings_fields
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read where no lighthouse is given
@@ -75,10 +77,13 @@ class FaultTolerance:
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
         object.__setattr__(self, "lighthouse", lighthouse)
+        if (problem := _address_problem(lighthouse)) is not None:  # refused now, not after a timeout
+            raise setting_error("fault_tolerance", f"lighthouse {shown(lighthouse)} {problem}: give "
+                                                   f"lighthouse=http://HOST:PORT")
         group = self.group or os.environ.get("SHARDWIRE_GROUP") or os.uname().nodename
         if not isinstance(group, str) or not group.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise setting_error("fault_tolerance",
-                                f"group must be a name of letters, digits, '-', '_' and '.', got {group!r}")
+                                f"group must be a name of letters, digits, '-', '_' and '.', got {shown(group)}")
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "host", self.host or os.uname().nodename)
         if type(self.min_groups) is not int or self.min_groups < 1:
@@ -129,3 +134,16 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout
 
 
 _FIELD_TYPES = {"lighthouse": str, "group": str, "min_groups": int, "timeout": float, "host": str}
+
+
+def _address_problem(url: str) -> str | None:
+    """What keeps ``url`` from being a lighthouse's address, or None."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # a port past 65535 raises
+    except ValueError as err:
+        return f"is not an address ({err})"
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        return "is not an http:// address of a host and port"
+    return None
+
