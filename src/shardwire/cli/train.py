@@ -182,12 +182,17 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
     try:
         world, per_node = _world_and_node_size(config)
         check_fault_tolerance(fault_tolerance, diloco, config.layout, config.shard_group_size, world)
-        LayoutPlan.make(config.layout, config.shard_group_size, world, per_node, diloco=diloco,
-                        one_group=fault_tolerance is not None)
+        plan = LayoutPlan.make(config.layout, config.shard_group_size, world, per_node, diloco=diloco,
+                               one_group=fault_tolerance is not None)
     except SettingError as err:  # the settings named as this command's options
         raise SystemExit(f"error: {err.as_options()}") from None
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    if (config.layout != "full" and config.shard_group_size is None and fault_tolerance is None and world > 1
+            and plan.group == world and not under_launcher()):  # before the workers start (under a launcher, shard's)
+        print(f"warning: --layout {config.layout} shards within each node and replicates across nodes, and all "
+              f"{world} ranks are on one node: it trains as --layout full; give --shard-group-size, or run on "
+              f"several nodes (--nnodes)", file=sys.stderr)
     return diloco, fault_tolerance
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwire import worker
+from shardwire.launch import tells_the_user
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
@@ -163,7 +164,8 @@ def shard(
     # A fault-tolerant job is one group, however many ranks it has.
     plan = LayoutPlan.make(layout, shard_group_size, world, per_node, diloco=diloco,
                            one_group=fault_tolerance is not None)
-    if layout != "full" and shard_group_size is None and plan.group == world and fault_tolerance is None:
+    if (layout != "full" and shard_group_size is None and plan.group == world and fault_tolerance is None
+            and tells_the_user()):  # once, not once per rank (a command says it in its own words)
         local = os.environ.get("LOCAL_WORLD_SIZE")
         why = (f"torchrun's LOCAL_WORLD_SIZE is {local}" if local is not None else
                "torchrun's LOCAL_WORLD_SIZE is not set, and no SLURM job step of these ranks spreads them evenly "
