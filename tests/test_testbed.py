@@ -127,7 +127,8 @@ def test_the_ranks_of_a_command_on_one_node_share_its_threads(monkeypatch):
 
 def test_an_option_after_execs_node_is_refused_not_run_as_the_command(capsys):
     assert main(["testbed", "exec", "node0", "--name", "shardwire-other", "--", "hostname"]) == 1
-    assert "'--name' after the node would be the command: give exec's options before the node" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "'--name' after the node would be the command: give exec's options before the node" in said
 
 
 def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):

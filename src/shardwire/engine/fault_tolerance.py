@@ -146,4 +146,3 @@ def _address_problem(url: str) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
         return "is not an http:// address of a host and port"
     return None
-

@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwire import worker
-from shardwire.launch import tells_the_user
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
@@ -32,6 +31,7 @@ from shardwire.engine.packing import Packing
 from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
 from shardwire.engine.unit import Unit
+from shardwire.launch import tells_the_user
 from shardwire.options import MAX_TIMEOUT_S
 from shardwire.renamed import renamed_keywords
 

@@ -89,8 +89,9 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
         raise SpecError(f"{source}: its compute runs at {min(fitted.values()):.2g} of cluster {cluster.name!r}'s "
                         f"peak, slower than any GPU runs its kernels: was the profile taken on this GPU, of the "
                         f"job it names?")
+    named = one_line(os.path.basename(os.path.normpath(source)))  # a run directory given as run/ is named
     return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,
-                             "name": f"{cluster.name} (calibrated by {one_line(os.path.basename(os.path.normpath(source)))})"})
+                             "name": f"{cluster.name} (calibrated by {named})"})
 
 
 def read_profile(path: str, load_model) -> Measured:
