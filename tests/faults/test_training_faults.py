@@ -98,6 +98,35 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_what_was_finite(tmp_pat
 
 
 @pytest.mark.slow
+def test_weights_that_diverge_after_a_save_never_prune_the_checkpoint_before_them(tmp_path):
+    """The loss that shows an update diverged is computed from weights already saved: that checkpoint
+    is moved out of the series, and --keep pruned nothing a loss had not vouched for."""
+    train("--steps", "6", "--checkpoint-dir", "ckpt", "--keep", "1", cwd=tmp_path)
+    done = train("--steps", "20", "--checkpoint-dir", "ckpt", "--save-every", "1", "--keep", "1", "--lr", "30",
+                 "--weight-decay", "0", cwd=tmp_path, check=False)
+    message = done.stderr.strip().splitlines()[-1]
+    step = int(re.search(r" at step (\d+) ", message)[1])
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == [f"step_{step - 2:08d}"], message
+    assert f"were moved out of the series as step_{step - 1:08d}.diverged" in message
+    assert (tmp_path / "ckpt" / f"step_{step - 1:08d}.diverged" / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_final_sync_that_diverges_is_not_saved_over_the_last_good_checkpoint(tmp_path):
+    """DiLoCo's final sync follows the last training loss: the validation loss vouches for it."""
+    diloco = ("--layout", "hybrid", "--shard-group-size", "1", "--warmup", "0", "--checkpoint-dir", "ckpt",
+              "--keep", "1")
+    train("--steps", "3", *diloco, "--diloco", "sync_every=3", cwd=tmp_path)
+    done = train("--steps", "6", *diloco, "--diloco", "sync_every=3,outer_lr=10,momentum=0.99", "--lr", "0.3",
+                 cwd=tmp_path, check=False)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("error: training diverged: the validation loss after the "
+                                                           "last step was "), done.stderr
+    assert "moved out of the series as step_00000006.diverged): the run's final sync took an outer step" in done.stderr
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000003"]
+
+
+@pytest.mark.slow
 def test_a_resumed_run_says_what_it_changes_and_trains_with_it(tmp_path):
     train("--steps", "4", "--checkpoint-dir", "ckpt", "--save-every", "4", cwd=tmp_path)
     done = train("--steps", "8", "--lr", "1e-3", "--checkpoint-dir", "ckpt", "--log-every", "1",

@@ -18,6 +18,7 @@ import datetime
 import gc
 import math
 import os
+import pathlib
 import sys
 import time
 import zlib
@@ -30,6 +31,7 @@ import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint.series import prune, step_of
 from shardwire.engine.checkpoint.format import Manifest
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
@@ -309,8 +311,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
             if deal is not None and engine.outer is not None:
                 engine.outer.wait()  # a sync in flight is applied and voted on first, as the save would: its deal too
-            _save_checkpoint(config, model, optimizer, scheduler, step + 1,
-                             trained_on if deal is None else {**trained_on, "deal": deal.state()})
+            diverged.saved(_save_checkpoint(config, model, optimizer, scheduler, step + 1,
+                                            trained_on if deal is None else {**trained_on, "deal": deal.state()}))
             interval_start += time.perf_counter() - paused
         step += 1
 
@@ -319,6 +321,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     if profiler is not None and config.steps > start:
         _save_profile(profiler, config, rank)
     val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
+    diverged.vouched(val_loss)
     if rank == 0:
         trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
         print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
@@ -471,7 +474,13 @@ class _Divergence:
     where the loop waits for the device anyway: before a log line and before a checkpoint. Ranks
     see different losses, so they agree on the earliest before any decides to stop. The message
     names the optimizer whose step came before: the outer one of ``--diloco`` at the step after an
-    outer step, else the inner one."""
+    outer step, else the inner one.
+
+    A checkpoint's weights are vouched for only by the loss computed from them, at the step after
+    it (or, for the last, by the validation loss after the run's final sync): the run keeps one
+    checkpoint more than ``--keep`` until then (``vouched``), and a checkpoint of this run saved
+    from weights that then diverged is moved out of the series, so that a resume never starts from
+    it."""
 
     SPIKE_FACTOR = 10
     SPIKE_WINDOW = 5
@@ -485,6 +494,7 @@ class _Divergence:
         self._limit: torch.Tensor | None = None  # set by the first loss, on the device
         self._basis = "the run's first loss"
         self._recent: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)
+        self._saved: list[pathlib.Path] = []  # this run's checkpoints, oldest first
 
     def note_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._limit is None:
@@ -515,15 +525,49 @@ class _Divergence:
         not_finite, spiked = self._first.tolist()
         if (step := min(not_finite, spiked)) >= self._never:
             return
-        saved = list_checkpoints(self._config.checkpoint_dir) if self._config.checkpoint_dir else []
         if not_finite <= spiked:
             what = "the loss or the gradient norm was not finite"
-            kept = f"{saved[-1]} holds the last finite model, and nothing after it was saved" if saved else ""
         else:
             what = f"the loss was above {self._limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis},"
-            kept = f"{saved[-1]} is the newest checkpoint, and nothing after it was saved" if saved else ""
-        raise _agreed(f"error: training diverged: {what} at step {step + 1} ({kept or 'nothing was saved'}): "
-                         f"{self._remedy(step)}")
+        raise _agreed(f"error: training diverged: {what} at step {step + 1} ({self._set_aside(step)}): "
+                      f"{self._remedy(step)}")
+
+    def saved(self, checkpoint: pathlib.Path) -> None:
+        """This run saved ``checkpoint``, whose weights the next loss vouches for."""
+        self._saved.append(checkpoint)
+
+    def vouched(self, val_loss: float) -> None:
+        """After the run: the validation loss of its final model (after the final sync of
+        ``--diloco``, which no training loss follows) vouches for its last checkpoint, and the
+        series is pruned to ``--keep``; or the run stops as diverged at its last step."""
+        limit = self._limit.clone() if self._limit is not None else torch.tensor(math.inf, device=self._device)
+        dist.all_reduce(limit, op=dist.ReduceOp.MAX)  # the loosest rank's bound: every rank decides alike
+        if not (math.isfinite(val_loss) and val_loss <= limit.item()):
+            remedy = (f"the run's final sync took an outer step: lower --diloco outer_lr (now "
+                      f"{self._diloco.outer_lr:g}) or momentum (now {self._diloco.momentum:g})"
+                      if self._diloco is not None else self._remedy(self._config.steps))
+            raise _agreed(f"error: training diverged: the validation loss after the last step was {val_loss:.4g}, "
+                          f"above {limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis} "
+                          f"({self._set_aside(self._config.steps)}): {remedy}")
+        if self._saved and self._config.keep and dist.get_rank() == 0:
+            prune(self._saved[-1], self._config.keep)
+
+    def _set_aside(self, step: int) -> str:
+        """Move this run's checkpoints of weights from ``step`` on (counted from 0: the weights of
+        checkpoint ``step`` gave that step's loss) out of the series, on rank 0; says what the series
+        holds now."""
+        suspect = [path for path in self._saved if step_of(path) >= step]
+        aside = [_free_name(path.with_name(f"{path.name}.diverged")) for path in suspect]
+        if dist.get_rank() == 0:
+            for path, target in zip(suspect, aside):
+                path.rename(target)  # within its directory: a rename, never a copy
+        dist.barrier()  # every rank lists the series as rank 0 left it
+        series = list_checkpoints(self._config.checkpoint_dir) if self._config.checkpoint_dir else []
+        newest = f"{series[-1]} is the newest checkpoint" if series else "no checkpoint is left in the series"
+        if not suspect:
+            return f"{newest}, and nothing after it was saved" if series else "nothing was saved"
+        return (f"{newest}: the weights saved after it had diverged, and were moved out of the series as "
+                f"{', '.join(target.name for target in aside)}")
 
     def _remedy(self, step: int) -> str:
         """What to change where ``step`` (counted from 0) diverged: the outer optimizer's settings where
@@ -534,6 +578,15 @@ class _Divergence:
             return (f"it came at the step after an outer step: lower --diloco outer_lr (now {diloco.outer_lr:g}) or "
                     f"momentum (now {diloco.momentum:g})")
         return f"lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})"
+
+
+def _free_name(path: pathlib.Path) -> pathlib.Path:
+    """``path``, or with a number added where that name is taken (a checkpoint set aside before)."""
+    candidate, n = path, 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 class _IntervalLog:
@@ -703,19 +756,23 @@ def _set_hyperparameters(config: TrainConfig, optimizer, scheduler, step: int) -
         group["weight_decay"] = weight_decay
 
 
-def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int, trained_on: dict) -> None:
+def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int,
+                     trained_on: dict) -> pathlib.Path:
     """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself, and
-    ``trained_on`` (``_trained_on``) what it trained beside the settings. A save that fails (a full
-    disk) stops the run in one line: the checkpoints before it are intact."""
+    ``trained_on`` (``_trained_on``) what it trained beside the settings. One checkpoint more than
+    --keep is kept: this one, until a loss vouches for its weights (``_Divergence``). A save that
+    fails (a full disk) stops the run in one line: the checkpoints before it are intact."""
+    path = shardwire.checkpoint_path(config.checkpoint_dir, step)
     try:
         shardwire.save_checkpoint(
-            shardwire.checkpoint_path(config.checkpoint_dir, step), model, optimizer,
+            path, model, optimizer,
             step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model),
                               "settings": training_settings(config), **trained_on},
-            keep=config.keep or None,
+            keep=config.keep + 1 if config.keep else None,
         )
     except shardwire.CheckpointError as err:
         raise _agreed(f"error: {err} (the checkpoints saved before it are intact)") from None
+    return path
 
 
 def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:
