@@ -358,10 +358,15 @@ def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeyp
     under_a_file = work / "gpt2-mini" / "config.json" / "exported"
     with pytest.raises(SystemExit, match=re.escape(f"--export-hf {under_a_file} cannot be created")):
         main(["train", "--model", model, "--export-hf", str(under_a_file)])
-    with pytest.raises(SystemExit, match="overlap: the export would hold the checkpoints"):
+    with pytest.raises(SystemExit, match="and --checkpoint-dir .* overlap: the export would hold what the run"):
         main(["train", "--model", model, "--checkpoint-dir", str(work / "x"), "--export-hf", str(work / "x")])
     with pytest.raises(SystemExit, match="overlap"):
         main(["train", "--model", model, "--checkpoint-dir", str(work / "x"), "--export-hf", str(work / "x" / "y")])
+    for flag, path in (("--run-dir", work / "x"), ("--log-jsonl", work / "x" / "log.jsonl"),
+                       ("--tensorboard", work / "x" / "tb")):  # anything else the run writes
+        with pytest.raises(SystemExit, match=f"and {flag} .* overlap"):
+            main(["train", "--model", model, *(["--profile"] if flag == "--run-dir" else []), flag, str(path),
+                  "--export-hf", str(work / "x")])
     with writing(work / "exported"):  # a run training towards it
         monkeypatch.delenv("RANK", raising=False)
         with pytest.raises(SystemExit, match=r"--export-hf .*exported is being written by another run \(process"):

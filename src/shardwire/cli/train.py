@@ -156,10 +156,13 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
             if not config.model.startswith(HF_PREFIX):
                 raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
                                   f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
-            if config.checkpoint_dir is not None and _overlap(config.export_hf, config.checkpoint_dir):
-                raise OptionError(f"--export-hf {config.export_hf} and --checkpoint-dir {config.checkpoint_dir} "
-                                  f"overlap: the export would hold the checkpoints, or replace them; give each a "
-                                  f"directory of its own")
+            # every other output the run writes: the export, a new directory, would no longer be one
+            for flag, path in (("--checkpoint-dir", config.checkpoint_dir), ("--run-dir", config.run_dir),
+                               ("--tensorboard", config.tensorboard), ("--log-jsonl", config.log_jsonl)):
+                if path is not None and _overlap(config.export_hf, path):
+                    raise OptionError(f"--export-hf {config.export_hf} and {flag} {path} overlap: the export "
+                                      f"would hold what the run writes there, or replace it; give each a place "
+                                      f"of its own")
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     try:
