@@ -303,6 +303,9 @@ def test_another_hf_directory_exports_only_the_architecture_trained(work, capsys
     elsewhere = work / "gpt2-mini" / "config.json"  # a copy: not the directory the checkpoint names
     status, _, err = export(capsys, work / "hf", work / "same", "--model", f"hf:{work / 'gpt2-mini'}")
     assert status == 0 and "was trained as" not in err, err
+    elsewhere.write_text(json.dumps({**GPT2, "layer_norm_epsilon": 1e-5}))  # GPT-2's default, spelled out
+    status, _, err = export(capsys, work / "hf", work / "spelled", "--model", f"hf:{work / 'gpt2-mini'}")
+    assert status == 0 and "was trained as" not in err, err
     elsewhere.write_text(json.dumps({**GPT2, "activation_function": "gelu"}))
     message = refused(capsys, work / "hf", work / "other", "--model", f"hf:{work / 'gpt2-mini'}")
     assert "config differs from the one" in message and "activation_function 'gelu_new' -> 'gelu'" in message

@@ -280,14 +280,17 @@ def _buildable(config):
 
 
 # Keys of an hf: model's config.json that say who wrote it, not what it builds: a directory saved
-# again by a newer transformers changes them, and the trained weights still fit it.
-_CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path")
+# again by a newer transformers changes them, and the trained weights still fit it. auto_map names
+# code that never runs here: transformers' own class of the model_type is built either way.
+_CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "auto_map")
 
 
 def config_difference(recorded: dict, now: dict) -> str | None:
     """The first difference between the config a checkpoint ``recorded`` and the one its model's
     source holds ``now`` (``config_fields``), as ``key before -> after``; None where they build the
-    same model."""
+    same model. Each is compared as transformers reads it, its defaults filled in: a config that
+    spells out a default (GPT-2's ``activation_function: gelu_new``) builds the same model."""
+    recorded, now = _as_read(recorded), _as_read(now)
     missing = object()
     for key in sorted((recorded.keys() | now.keys()) - set(_CONFIG_BOOKKEEPING), key=str):
         before, after = recorded.get(key, missing), now.get(key, missing)
@@ -295,6 +298,16 @@ def config_difference(recorded: dict, now: dict) -> str | None:
             said = [("absent" if value is missing else shown(value, 60)) for value in (before, after)]
             return f"{str(key)[:60]} {said[0]} -> {said[1]}"
     return None
+
+
+def _as_read(fields: dict) -> dict:
+    """``fields`` with the defaults transformers fills in, or as they are where it cannot read them
+    (the difference is then named in the fields' own words)."""
+    try:
+        with quietly_importing():
+            return config_from_fields(require("transformers", "--model hf:"), fields).to_dict()
+    except Exception:  # a config transformers refuses, however it says so, or no transformers
+        return fields
 
 
 def check_files(directory: pathlib.Path) -> None:
