@@ -56,6 +56,8 @@ def test_settings_parse_and_round_trip(monkeypatch):
     ("lighthouse=localhost:99999", "lighthouse 'http://localhost:99999' is not an address \\(Port out of range"),
     ("lighthouse=ftp://head:29510", "is not an http:// address of a host and port"),
     ("lighthouse=http://:29510", "is not an http:// address of a host and port"),
+    ("lighthouse=http://local host:1", "names no host \\('local host' is neither an IP address nor a host name\\)"),
+    ("lighthouse=http://256.1.1.1:80", "names no host"),
 ])
 def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

@@ -41,7 +41,9 @@ Torch-free, so that the launcher checks the settings before starting a worker.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import urllib.parse
 
 from shardwire.mappings import shown
@@ -134,6 +136,8 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout
 
 
 _FIELD_TYPES = {"lighthouse": str, "group": str, "min_groups": int, "timeout": float, "host": str}
+# One label of a host name, as /etc/hosts takes it.
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def _address_problem(url: str) -> str | None:
@@ -145,4 +149,10 @@ def _address_problem(url: str) -> str | None:
         return f"is not an address ({err})"
     if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
         return "is not an http:// address of a host and port"
+    try:
+        ipaddress.ip_address(parts.hostname)
+    except ValueError:  # a name, then: letters, digits, hyphens, underscores; not a dotted quad out of range
+        labels = parts.hostname.rstrip(".").split(".")
+        if not all(_LABEL.fullmatch(label) for label in labels) or all(label.isdigit() for label in labels):
+            return f"names no host ({shown(parts.hostname)} is neither an IP address nor a host name)"
     return None
