@@ -71,6 +71,19 @@ def test_a_refusal_leaves_with_status_2_and_one_line_whatever_the_value_holds(tm
         assert done.returncode == 2 and done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
 
 
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--model", "tiny", "--cluster", "a100-100gbe", "--cluster-from", "{dir}/no\nbench.json"],
+    ["simulate", "--model", "tiny", "--cluster", "a100-100gbe", "--calibrate", "{dir}/no\nprofile.json"],
+    ["plan", "--model", "tiny", "--cluster", "a100-100gbe", "--global-batch", "8", "--cluster-from", "{dir}/no\nb.json"],
+    ["export", "{dir}/no\nckpt", "{dir}/out.pt"],
+    ["report", "{dir}/no\nrun"],
+])
+def test_every_commands_refusal_of_a_path_with_a_line_break_is_one_line(argv, tmp_path, capsys):
+    assert main([arg.format(dir=tmp_path) for arg in argv]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("error: ") and said.count("\n") == 1 and "no\\n" in said, said
+
+
 def test_a_bench_output_that_is_a_directory_is_refused(tmp_path, capsys):
     assert main(["bench", "--nproc", "2", "--json", str(tmp_path)]) == 2
     assert f"--json {tmp_path} is a directory; give a file name" in capsys.readouterr().err

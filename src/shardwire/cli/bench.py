@@ -38,7 +38,7 @@ def check_options(args: argparse.Namespace) -> None:
     try:
         validate(config, world=config.nproc)
     except BenchError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return _worker(config)
     except BenchError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
+            print(one_line(f"error: {err}"), file=sys.stderr)
         return 2
 
 

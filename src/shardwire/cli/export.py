@@ -52,10 +52,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         checkpoint, model, out, notes = _export_newest(given, args)
     except (CheckpointError, ValueError, OutputRefused) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         return 2
     except OSError as err:  # a name too long, a full disk: what the system said, of which file
-        print(f"error: {shown(err.filename or args.out)}: {err.strerror or err}", file=sys.stderr)
+        print(one_line(f"error: {shown(err.filename or args.out)}: {err.strerror or err}"), file=sys.stderr)
         return 2
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

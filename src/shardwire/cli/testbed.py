@@ -21,7 +21,7 @@ import signal
 import sys
 
 from shardwire.launch import host_memory_per_worker
-from shardwire.mappings import shown
+from shardwire.mappings import one_line, shown
 from shardwire.testbed import check, job, network, regime
 from shardwire.testbed.spec import (
     DEFAULT_NAME,
@@ -78,7 +78,7 @@ def check_options(args: argparse.Namespace) -> None:
         if args.action == "up":
             _up_settings(args)
     except TestbedError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         network.require_privileges(args.action)
         return _ACTIONS[args.action](args)
     except TestbedError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_line(f"error: {err}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # `up` and `down` leave nothing half-built behind them
         print("interrupted", file=sys.stderr)

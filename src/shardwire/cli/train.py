@@ -26,7 +26,7 @@ from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.files import checkpoint_problem, directory_problem, new_directory_problem
 from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
-from shardwire.mappings import cut
+from shardwire.mappings import cut, one_line
 from shardwire.models import fp8
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
 from shardwire.options import (
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         try:
             return launch_local(nproc, _worker_arguments(config), max_restarts=config.max_restarts)
         except KeyboardInterrupt:
-            print(f"interrupted: {_what_was_saved(config)}", file=sys.stderr)
+            print(one_line(f"interrupted: {_what_was_saved(config)}"), file=sys.stderr)
             return 130
     train(config)
     return 0

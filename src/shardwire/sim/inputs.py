@@ -36,7 +36,7 @@ import os
 from collections.abc import Mapping
 
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.mappings import MappingError, Missing, field, is_number, read_file, read_mapping, shown
+from shardwire.mappings import MappingError, Missing, field, is_number, one_line, read_file, read_mapping, shown
 from shardwire.options import text
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
@@ -169,7 +169,7 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
         "intra_node": as_dict(levels["intra_node"]), "inter_node": as_dict(levels["inter_node"]),
         "algorithm": "hierarchical" if engine_on_gloo else "ring",
-        "name": f"{cluster.name} measured by {os.path.basename(path)}",
+        "name": f"{cluster.name} measured by {one_line(os.path.basename(path))}",
     })
 
 

@@ -434,7 +434,7 @@ def _agreed(message: str) -> SystemExit:
     if not under_launcher():
         return SystemExit(message)
     if dist.get_rank() == 0:
-        print(message, file=sys.stderr, flush=True)
+        print(one_line(message), file=sys.stderr, flush=True)
     dist.barrier()
     return SystemExit(REFUSED)
 
