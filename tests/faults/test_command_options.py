@@ -74,7 +74,8 @@ def test_a_refusal_leaves_with_status_2_and_one_line_whatever_the_value_holds(tm
 @pytest.mark.parametrize("argv", [
     ["simulate", "--model", "tiny", "--cluster", "a100-100gbe", "--cluster-from", "{dir}/no\nbench.json"],
     ["simulate", "--model", "tiny", "--cluster", "a100-100gbe", "--calibrate", "{dir}/no\nprofile.json"],
-    ["plan", "--model", "tiny", "--cluster", "a100-100gbe", "--global-batch", "8", "--cluster-from", "{dir}/no\nb.json"],
+    ["plan", "--model", "tiny", "--cluster", "a100-100gbe", "--global-batch", "8",
+     "--cluster-from", "{dir}/no\nb.json"],
     ["export", "{dir}/no\nckpt", "{dir}/out.pt"],
     ["report", "{dir}/no\nrun"],
 ])
