@@ -26,7 +26,7 @@ from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.checkpoint.series import group_series
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
-from shardwire.mappings import one_line, shown
+from shardwire.mappings import cut, one_line, shown
 from shardwire.options import argument_text, text
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    print(one_line(f"exported {checkpoint} ({model}) to {out}{_format(out, model)}"))
+    print(one_line(f"exported {checkpoint} ({cut(model)}) to {out}{_format(out, model)}"))
     return 0
 
 
@@ -136,7 +136,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     trained = (args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
                or _same_architecture(checkpoint, args.model, extra))
     if not trained and recorded:
-        notes.append(f"{checkpoint} was trained as {recorded}; exported as --model {args.model}")
+        notes.append(f"{checkpoint} was trained as {cut(recorded)}; exported as --model {cut(args.model)}")
     if model.startswith(HF_PREFIX):
         if (problem := inside_problem(args.out, given, "exported")) is not None:
             raise OutputRefused(f"OUT {args.out} {problem}")
@@ -150,7 +150,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
             raise
     if args.out.endswith(os.sep):  # a directory asked for, where the weights go in one file
         raise OutputRefused(f"OUT {args.out} names a directory, which is for hf: models (a save_pretrained "
-                            f"directory): give {model} a file name, such as model.safetensors")
+                            f"directory): give {cut(model)} a file name, such as model.safetensors")
     if (problem := export_problem(args.out, given)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
     _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None)
@@ -165,7 +165,7 @@ def _same_architecture(checkpoint: pathlib.Path, model: str, extra: dict) -> boo
     if not (model.startswith(HF_PREFIX) and isinstance(recorded, dict)):
         return False
     if (change := config_difference(recorded, config_fields(model))) is not None:
-        raise ValueError(f"--model {model}'s config differs from the one {checkpoint} was trained with: {change}; "
+        raise ValueError(f"--model {cut(model)}'s config differs from the one {checkpoint} was trained with: {change}; "
                          f"its weights belong to the recorded architecture: leave out --model (the checkpoint "
                          f"records its config)")
     return True
@@ -182,7 +182,7 @@ def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: li
     except (ValueError, OSError):  # the source is gone or damaged: the recorded config is what counts
         now = None
     if now is not None and (change := config_difference(fields, now)) is not None:
-        notes.append(f"{model}'s config has changed since {checkpoint} was trained ({change}); exported with the "
+        notes.append(f"{cut(model)}'s config has changed since {checkpoint} was trained ({change}); exported with the "
                      f"config it was trained with")
     return fields
 
@@ -196,4 +196,4 @@ def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None) -> Non
     with weights_in(checkpoint) as weights:  # its description only: no part is read
         problem = fit_problem(built, weights)
     if problem is not None:
-        raise ValueError(f"the weights of {checkpoint} do not fit --model {model}: {problem}")
+        raise ValueError(f"the weights of {checkpoint} do not fit --model {cut(model)}: {problem}")
