@@ -549,8 +549,10 @@ class _Divergence:
             raise _agreed(f"error: training diverged: the validation loss after the last step was {val_loss:.4g}, "
                           f"above {limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis} "
                           f"({self._set_aside(self._config.steps)}): {remedy}")
-        if self._saved and self._config.keep and dist.get_rank() == 0:
-            prune(self._saved[-1], self._config.keep)
+        if self._saved and self._config.keep:
+            if dist.get_rank() == 0:
+                prune(self._saved[-1], self._config.keep)
+            dist.barrier()  # the ranks end together, none left inside a collective while rank 0 deletes
 
     def _set_aside(self, step: int) -> str:
         """Move this run's checkpoints of weights from ``step`` on (counted from 0: the weights of
