@@ -1,3 +1,3 @@
 from shardwire.cli import entry
 
-raise SystemExit(entry())
+entry()

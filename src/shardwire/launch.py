@@ -9,12 +9,16 @@ command refuses more workers than it holds before starting any.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import logging
 import os
 import shlex
 import signal
 import sys
+import threading
+from typing import NoReturn
 
 from shardwire.placement import launch_ranks_per_node
 
@@ -113,6 +117,27 @@ def die_with_launcher() -> None:
         return  # not allowed here (a sandbox): nothing is lost but this safety net
     if os.getppid() != parent:
         os._exit(1)
+
+
+def end_process(status: int) -> NoReturn:
+    """End this process with ``status`` once its Python work is done, without the interpreter's
+    own teardown.
+
+    torch's C++ threads outlive the Python code that used them: gloo finishes each collective on
+    a thread of its own and lets go of the collective's tensors and callbacks there a moment after
+    the caller has returned from it, and ``destroy_process_group`` does not wait for those threads.
+    One that needs the GIL once the interpreter has begun to tear itself down is ended by Python
+    inside a C++ destructor, and the process aborts ("terminate called without an active
+    exception", status -6) after a run that succeeded; its launcher then stops the job as failed
+    (pytorch/pytorch#179291). So the process does what Python's shutdown does for Python code
+    (waits for its other threads, runs the exit handlers, flushes its streams) and then ends at
+    once, before the teardown those threads race."""
+    threading._shutdown()  # as Python's own shutdown: thread pools told to stop, then every thread joined
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (| head), a stream closed
+            stream.flush()
+    os._exit(status)
 
 
 def rendezvous_options(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str) -> list[str]:

@@ -19,12 +19,20 @@ import os
 import sys
 import warnings
 from types import ModuleType
+from typing import NoReturn
 
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
 from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
-from shardwire.launch import REFUSED, die_with_launcher, launcher_problem, share_node_threads, under_launcher
+from shardwire.launch import (
+    REFUSED,
+    die_with_launcher,
+    end_process,
+    launcher_problem,
+    share_node_threads,
+    under_launcher,
+)
 from shardwire.mappings import nearest, one_line
 from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
@@ -136,17 +144,20 @@ def main(argv: list[str] | None = None) -> int:
         return _run(module, parser, rest)
 
 
-def entry() -> int:
+def entry() -> NoReturn:
     """The ``shardwire`` command (and ``python -m shardwire``): ``main``, where a command's refusal,
     a ``SystemExit`` carrying its one line, leaves with a refusal's status, 2, as the parser's errors
-    and every other error a user can cause do (Python's own for it is 1)."""
+    and every other error a user can cause do (Python's own for it is 1). The process ends through
+    ``end_process``: a worker's gloo threads must not outlive its interpreter."""
     try:
-        return main()
+        status = main()
     except SystemExit as err:
-        if not isinstance(err.code, str):
-            raise
-        print(one_line(err.code), file=sys.stderr)
-        return REFUSED
+        if isinstance(err.code, str):
+            print(one_line(err.code), file=sys.stderr)
+            status = REFUSED
+        else:  # a status (argparse's: 0 after --help, 2 for its errors), as Python would leave with
+            status = err.code or 0
+    end_process(status)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,50 @@
+"""A command's process ends as Python's shutdown ends it (its threads waited for, thread pools
+told to stop, its exit handlers run, its output flushed) and then at once, before the teardown that
+torch's C++ threads race."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ENDING = textwrap.dedent("""
+    import atexit, concurrent.futures, pathlib, sys, threading, time
+    from shardwire.launch import end_process
+
+    def late():
+        time.sleep(0.3)
+        print("the thread's line", end="")
+
+    atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text("exit handler ran"))
+    threading.Thread(target=late).start()
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # kept: its idle worker waits to be told to stop
+    pool.submit(time.sleep, 0)
+    sys.stdout.write("buffered, ")  # no newline: still in the stream's buffer
+    end_process(int(sys.argv[2]))
+    print("never reached")
+""")
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_the_process_ends_with_its_status_after_its_threads_exit_handlers_and_output(tmp_path, status):
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-c", ENDING, str(marker), str(status)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "buffered, the thread's line"
+    assert marker.read_text() == "exit handler ran"
+
+
+@pytest.mark.parametrize("argv, status, line", [
+    (["--help"], 0, None),
+    (["train", "--steps", "0"], 2, "error: --steps must be at least 1, got 0"),
+    (["no-such-command"], 2, "error: argument COMMAND: invalid choice"),
+])
+def test_the_command_leaves_with_the_status_its_refusals_and_help_promise(argv, status, line):
+    done = subprocess.run([sys.executable, "-m", "shardwire", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr
+    if line is not None:
+        assert done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
