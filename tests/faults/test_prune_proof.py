@@ -15,6 +15,7 @@ import torch
 
 import shardwire
 from shardwire.engine.checkpoint import ownership
+from shardwire.engine.checkpoint.series import list_checkpoints, prune
 
 
 def _save_series(directory: pathlib.Path, steps, model) -> list[str]:
@@ -80,3 +81,11 @@ def test_a_bind_mounted_checkpoint_is_never_marked_or_pruned(tmp_path, model):
     assert sorted(p.name for p in users.iterdir()) == before
     assert any("step_00000002 is a mount point" in w for w in warned), warned
     assert not any("tidying its directory failed" in w for w in warned), warned
+
+
+def test_the_spared_checkpoint_is_kept_beside_the_newest(tmp_path, model):
+    """A run whose loss climbs spares its checkpoint at the lowest loss from ``keep``."""
+    for step in (1, 2, 3, 4):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, step), model, step=step).wait()
+    prune(shardwire.checkpoint_path(tmp_path, 4), 1, spare=shardwire.checkpoint_path(tmp_path, 2))
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]

@@ -111,6 +111,23 @@ def test_weights_that_diverge_after_a_save_never_prune_the_checkpoint_before_the
     assert (tmp_path / "ckpt" / f"step_{step - 1:08d}.diverged" / "manifest.json").is_file()
 
 
+def test_a_loss_that_stays_far_above_where_it_started_is_divergence_and_prunes_nothing(tmp_path):
+    """No single loss spikes 10 times its recent mean, but the resumed run's losses sit at several
+    times the loss of the checkpoint it resumed: stopped, its own checkpoints set aside, the one it
+    resumed kept."""
+    train("--steps", "6", "--checkpoint-dir", "ckpt", "--keep", "1", cwd=tmp_path)
+    done = train("--steps", "40", "--checkpoint-dir", "ckpt", "--save-every", "2", "--keep", "1", "--log-every", "1",
+                 "--lr", "0.5", "--warmup", "1", "--weight-decay", "0", cwd=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    message = done.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: training diverged: the mean of the last 5 logged losses climbed to [\d.]+ at step \d+, "
+                    r"over 2 times the loss of the model the run started from, [\d.]+ \(ckpt/step_00000006 is the "
+                    r"newest checkpoint: the weights saved after it had diverged, and were moved out of the series as "
+                    r"step_00000008.diverged, .*\): lower --lr \(now 0.5\)$", message), message
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000006"]
+    assert (tmp_path / "ckpt" / "step_00000008.diverged" / "manifest.json").is_file()
+
+
 @pytest.mark.slow
 def test_a_final_sync_that_diverges_is_not_saved_over_the_last_good_checkpoint(tmp_path):
     """DiLoCo's final sync follows the last training loss: the validation loss vouches for it."""

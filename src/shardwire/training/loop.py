@@ -21,6 +21,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 import zlib
 
 import torch
@@ -267,7 +268,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
     log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
     loss_sum = torch.zeros((), device=device)  # over the steps since the last log line
-    diverged = _Divergence(config, device)
+    diverged = _Divergence(config, device, start)
     interval_start, interval_steps, losses = time.perf_counter(), 0, []
     started = time.perf_counter()
 
@@ -331,7 +332,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         try:
             if rank == 0:
                 try:
-                    written = save_pretrained(config.model, weights, export)
+                    written = save_pretrained(config.model, weights, export, fields=trained_on.get("hf_config"))
                 except OSError as err:  # a full disk, a quota: the run's other results stand
                     raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
                                      f"{_where_the_model_is(config)}") from None
@@ -476,6 +477,14 @@ class _Divergence:
     names the optimizer whose step came before: the outer one of ``--diloco`` at the step after an
     outer step, else the inner one.
 
+    A loss can also climb or stay high without a spike, each logged mean within bounds of the last
+    (an outer learning rate of 10, an inner one of 1): the run is stopped as diverged once the mean
+    of the last ``SPIKE_WINDOW`` logged losses is over ``CLIMB_FACTOR`` times the lowest such mean
+    of the run, or the loss of the model it started from (and a nat above it, as a loss near 0
+    doubles by noise alone), and its checkpoints saved after that lowest point are moved out of the
+    series. While the loss is above its lowest, the checkpoint saved at the lowest point is spared
+    by ``--keep``.
+
     A checkpoint's weights are vouched for only by the loss computed from them, at the step after
     it (or, for the last, by the validation loss after the run's final sync): the run keeps one
     checkpoint more than ``--keep`` until then (``vouched``), and a checkpoint of this run saved
@@ -484,9 +493,11 @@ class _Divergence:
 
     SPIKE_FACTOR = 10
     SPIKE_WINDOW = 5
+    CLIMB_FACTOR = 2
 
-    def __init__(self, config: TrainConfig, device: torch.device):
+    def __init__(self, config: TrainConfig, device: torch.device, start: int = 0):
         self._config = config
+        self._start = start
         self._diloco = DiLoCo.parse(config.diloco)
         self._never = config.steps
         self._first = torch.full((2,), self._never, dtype=torch.long, device=device)  # not finite, spiked
@@ -495,9 +506,12 @@ class _Divergence:
         self._basis = "the run's first loss"
         self._recent: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)
         self._saved: list[pathlib.Path] = []  # this run's checkpoints, oldest first
+        self._start_loss: torch.Tensor | None = None  # this rank's first loss, on the device
+        self._lowest: tuple[float, int] | None = None  # the lowest loss (a windowed mean, or the first), its step
 
     def note_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._limit is None:
+            self._start_loss = loss.clone()
             self._limit = self.SPIKE_FACTOR * loss.clamp(min=1.0)  # not finite stays so, and never bounds
         self._note(0, step, torch.isfinite(loss))
         self._note(1, step, loss <= self._limit)
@@ -511,13 +525,33 @@ class _Divergence:
 
     def logged(self, step: int, loss: float) -> None:
         """The mean loss of the interval that ended at ``step`` (every rank's, after ``check``)."""
+        if self._lowest is None:  # the loss of the model the run started from, over every rank
+            start_loss = self._start_loss.clone()
+            dist.all_reduce(start_loss)
+            self._lowest = (start_loss.item() / dist.get_world_size(), self._start)
         if step <= self._config.warmup:
             return
         self._recent.append(loss)
-        if len(self._recent) == self.SPIKE_WINDOW:
-            mean = sum(self._recent) / self.SPIKE_WINDOW
-            self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
-            self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
+        if len(self._recent) < self.SPIKE_WINDOW:
+            return
+        mean = sum(self._recent) / self.SPIKE_WINDOW
+        self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
+        self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
+        if mean < self._lowest[0]:
+            self._lowest = (mean, step)
+            return
+        lowest, at = self._lowest
+        if mean > max(self.CLIMB_FACTOR * lowest, lowest + 1):
+            what = (f"their lowest, {lowest:.4g} at step {at}" if at > self._start
+                    else f"the loss of the model the run started from, {lowest:.4g}")
+            diloco = self._diloco
+            remedy = f"lower --lr (now {self._config.lr:g})"
+            if diloco is not None:
+                remedy += (f", or the outer step's --diloco outer_lr (now {diloco.outer_lr:g}) or momentum "
+                           f"(now {diloco.momentum:g})")
+            raise _agreed(f"error: training diverged: {self._basis} climbed to {mean:.4g} at step {step}, "
+                          f"over {self.CLIMB_FACTOR} times {what} "
+                          f"({self._set_aside(at + 1)}): {remedy}")
 
     def check(self) -> None:
         """Stop the run, with what to change, once a step has diverged."""
@@ -533,8 +567,21 @@ class _Divergence:
                       f"{self._remedy(step)}")
 
     def saved(self, checkpoint: pathlib.Path) -> None:
-        """This run saved ``checkpoint``, whose weights the next loss vouches for."""
+        """This run saved ``checkpoint``, whose weights the next loss vouches for: the series keeps one
+        more than ``--keep`` until it does, and the checkpoint at the lowest loss beside them."""
         self._saved.append(checkpoint)
+        if self._config.keep and dist.get_rank() == 0:
+            try:
+                prune(checkpoint, self._config.keep + 1, spare=self._at_lowest(checkpoint.parent))
+            except OSError as err:  # the checkpoint itself is saved
+                warnings.warn(f"checkpoint {checkpoint} is saved, but pruning its series failed: {err}", stacklevel=2)
+
+    def _at_lowest(self, series: pathlib.Path) -> pathlib.Path | None:
+        """The newest checkpoint in ``series`` of weights from no later than the run's lowest loss (the
+        one it resumed, where its loss has only been higher since)."""
+        if self._lowest is None:
+            return None
+        return next((path for path in reversed(list_checkpoints(series)) if step_of(path) <= self._lowest[1]), None)
 
     def vouched(self, val_loss: float) -> None:
         """After the run: the validation loss of its final model (after the final sync of
@@ -761,8 +808,8 @@ def _set_hyperparameters(config: TrainConfig, optimizer, scheduler, step: int) -
 def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int,
                      trained_on: dict) -> pathlib.Path:
     """Save ``step`` into the series in --checkpoint-dir; the data position is the step itself, and
-    ``trained_on`` (``_trained_on``) what it trained beside the settings. One checkpoint more than
-    --keep is kept: this one, until a loss vouches for its weights (``_Divergence``). A save that
+    ``trained_on`` (``_trained_on``) what it trained beside the settings. The series is pruned to
+    --keep by ``_Divergence``, which knows which checkpoints a loss has vouched for. A save that
     fails (a full disk) stops the run in one line: the checkpoints before it are intact."""
     path = shardwire.checkpoint_path(config.checkpoint_dir, step)
     try:
@@ -770,7 +817,6 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
             path, model, optimizer,
             step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model),
                               "settings": training_settings(config), **trained_on},
-            keep=config.keep + 1 if config.keep else None,
         )
     except shardwire.CheckpointError as err:
         raise _agreed(f"error: {err} (the checkpoints saved before it are intact)") from None

@@ -92,8 +92,9 @@ def _holds_a_manifest(path: pathlib.Path) -> bool:
     return True
 
 
-def prune(newest: pathlib.Path, keep: int) -> None:
-    """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it.
+def prune(newest: pathlib.Path, keep: int, spare: pathlib.Path | None = None) -> None:
+    """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it, and
+    ``spare`` beside them (a training run's checkpoint at its lowest loss, while its loss climbs).
 
     Only what is provably a checkpoint, a real directory whose manifest is valid, of its step, and
     lists all it holds at their sizes, counts and is deleted; anything else named like one is left
@@ -106,6 +107,8 @@ def prune(newest: pathlib.Path, keep: int) -> None:
     older = []
     for path in list_checkpoints(newest.parent):
         if step_of(path) >= step_of(newest):
+            continue
+        if path == spare:
             continue
         if (reason := ownership.not_a_checkpoint(path, step_of(path))) is None:
             older.append(path)
