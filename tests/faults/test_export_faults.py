@@ -297,6 +297,29 @@ def test_an_hf_export_uses_the_config_it_was_trained_with(made, work, capsys, mo
     assert json.loads((work / "out" / "config.json").read_text())["activation_function"] == "gelu_new"
 
 
+@pytest.mark.slow
+def test_train_export_hf_writes_the_config_the_run_trained_with(tmp_path):
+    """A config.json edited while the run trains does not label the weights it exports."""
+    (tmp_path / "m").mkdir()
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps(GPT2))
+    torch.randint(0, 64, (20_000,), dtype=torch.int16).numpy().tofile(tmp_path / "ids.bin")
+    run = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "hf:m", "--data", "ids.bin",
+                            "--steps", "40", "--log-every", "1", "--eval-batches", "1", "--export-hf", "out"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in run.stdout:
+            if line.startswith("step  2/"):
+                config.write_text(json.dumps({**GPT2, "activation_function": "relu", "layer_norm_epsilon": 0.5}))
+                break
+        out, _ = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 0, out
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["activation_function"], exported["layer_norm_epsilon"]) == ("gelu_new", 1e-5)
+
+
 def test_another_hf_directory_exports_only_the_architecture_trained(work, capsys):
     """A model directory elsewhere (the one trained moved) is the model trained where its config builds
     the same architecture; one whose activation differs fits the same shapes, and is refused."""
