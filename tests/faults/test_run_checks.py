@@ -193,6 +193,10 @@ def test_the_groups_directory_of_a_fault_tolerant_run_is_not_started_over_in(tmp
                                          r"--checkpoint-dir as a checkpoint of a series is named"):
         main(["train", "--model", "tiny", "--layout", "hybrid", "--fault-tolerance",
               "lighthouse=localhost:29510,group=step_00000004", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    with pytest.raises(SystemExit, match=r"error: --fault-tolerance group=.shardwire-claim names the group's series "
+                                         r"under --checkpoint-dir with a hidden name"):
+        main(["train", "--model", "tiny", "--layout", "hybrid", "--fault-tolerance",
+              "lighthouse=localhost:29510,group=.shardwire-claim", "--checkpoint-dir", str(tmp_path / "ckpt")])
 
 
 @pytest.mark.parametrize("directory, said", [

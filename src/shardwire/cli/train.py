@@ -211,6 +211,11 @@ def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | N
             if fault_tolerance is not None and step_of(pathlib.Path(fault_tolerance.group)) is not None:
                 raise OptionError(f"--fault-tolerance group={fault_tolerance.group} names the group's series under "
                                   f"--checkpoint-dir as a checkpoint of a series is named: give the group another name")
+            if fault_tolerance is not None and fault_tolerance.group.startswith("."):
+                # hidden names are the series' own (its claim, a save's staging)
+                raise OptionError(f"--fault-tolerance group={fault_tolerance.group} names the group's series under "
+                                  f"--checkpoint-dir with a hidden name, as a series names its own files: give the "
+                                  f"group a name that does not begin with '.'")
             if fault_tolerance is None and (groups := group_series(directory)) and not list_checkpoints(directory):
                 raise OptionError(
                     f"--checkpoint-dir {cut(directory)} holds series of checkpoints in its subdirectories "
