@@ -235,4 +235,4 @@ def test_print_config_refuses_what_testbed_up_refuses_before_building(argv, said
     with pytest.raises(SystemExit) as printed:
         main(["testbed", "--print-config", "up", *argv])
     out, err = capsys.readouterr()
-    assert printed.value.code == 1 and out == "" and err.startswith(said) and err.count("\n") == 1
+    assert printed.value.code == 2 and out == "" and err.startswith(said) and err.count("\n") == 1

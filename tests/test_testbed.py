@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,7 +15,7 @@ import time
 
 import pytest
 
-from shardwire.cli import main
+from shardwire.cli import command, main
 from shardwire.launch import NODE_THREADS, share_node_threads
 from shardwire.testbed import check, job, network, spec
 from shardwire.testbed.spec import check_name, parse_rate, state_path
@@ -126,22 +129,24 @@ def test_the_ranks_of_a_command_on_one_node_share_its_threads(monkeypatch):
 
 
 def test_an_option_after_execs_node_is_refused_not_run_as_the_command(capsys):
-    assert main(["testbed", "exec", "node0", "--name", "shardwire-other", "--", "hostname"]) == 1
+    assert main(["testbed", "exec", "node0", "--name", "shardwire-other", "--", "hostname"]) == 2
     said = capsys.readouterr().err
     assert "'--name' after the node would be the command: give exec's options before the node" in said
+    meant = _suggested(said)  # the command meant, the options before the node
+    assert (meant.name, meant.node, meant.command) == ("shardwire-other", "node0", ["hostname"])
 
 
 def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
-    monkeypatch.setattr(network, "require_privileges", lambda action: None)
-    assert main(["testbed", "up", "--nodes", "2"]) == 1
+    monkeypatch.setattr(network, "require_privileges", lambda *given: None)
+    assert main(["testbed", "up", "--nodes", "2"]) == 2
     assert "give the link rate: --link RATE (e.g. 1gbit) or --like PRESET" in capsys.readouterr().err
-    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "0"]) == 1
+    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "0"]) == 2
     assert "--nproc-per-node must be at least 1, got 0" in capsys.readouterr().err
-    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "1000000"]) == 1
+    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-100gbe", "--nproc-per-node", "1000000"]) == 2
     assert "2,000,000 workers take over" in capsys.readouterr().err  # refused before measuring, as `run` refuses
-    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-nvlink"]) == 1
+    assert main(["testbed", "up", "--nodes", "2", "--like", "h100-nvlink"]) == 2
     assert "--like 'h100-nvlink' is not a cluster preset; choose one of" in capsys.readouterr().err
-    assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"]) == 1
+    assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--nproc-per-node", "2"]) == 2
     assert "--nproc-per-node sets the node's compute for --like" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["testbed", "up", "--nodes", "2", "--link", "1gbit", "--like", "h100-100gbe"])
@@ -156,9 +161,129 @@ def test_names_must_carry_the_prefix():
 
 
 def test_without_root_it_says_what_it_needs(monkeypatch, capsys):
+    """...and the command to run instead: the user's own, as root."""
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert main(["testbed", "up", "--nodes", "2", "--link", "1gbit"]) == 1
-    assert "needs root" in capsys.readouterr().err
+    assert main(["testbed", "up", "--name", "shardwire-lab", "--nodes", "2", "--link", "1gbit"]) == 2
+    said = capsys.readouterr().err
+    assert "needs root" in said and said.endswith(
+        "Run it as root: `sudo shardwire testbed up --name shardwire-lab --nodes 2 --link 1gbit`\n"), said
+
+
+def _suggested(said: str) -> argparse.Namespace:
+    """The testbed command a message suggests (between backticks), as ``shardwire testbed`` parses it:
+    what it would act on, run as printed."""
+    words = shlex.split(re.search(r"`(shardwire testbed [^`]*)`", said)[1])
+    parsed = command("testbed")[1].parse_args(words[2:])
+    if getattr(parsed, "command", [])[:1] == ["--"]:  # as `run` and `exec` read what follows --
+        parsed.command = parsed.command[1:]
+    return parsed
+
+
+@pytest.fixture
+def recorded(monkeypatch, tmp_path):
+    """A testbed named other than the default, of an odd node count and rate, as ``up`` records it, and
+    taken for built: what ``run``, ``exec`` and ``link`` check before they act, without root."""
+    monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(network, "require_privileges", lambda *given: None)
+    monkeypatch.setattr(network, "is_up", lambda testbed: True)
+    bed = spec.Testbed("shardwire-test-named", 3, 1_234_560)  # 1.235mbit to four digits
+    bed.save()
+    return bed
+
+
+@pytest.mark.parametrize("name", [spec.DEFAULT_NAME, "shardwire-test-named"])
+def test_a_suggested_command_acts_on_the_users_testbed(name, monkeypatch, tmp_path, capsys):
+    """Each command a refusal suggests runs as printed on the testbed the user named: ``--name`` for
+    any but the default, and the nodes and rate of a testbed to build again."""
+    monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(network, "require_privileges", lambda *given: None)
+    assert main(["testbed", "run", "--name", name, "--", "job.py"]) == 2
+    said = capsys.readouterr().err
+    assert f"no testbed {name!r} is up; build one first" in said
+    up = _suggested(said)
+    assert (up.action, up.name, up.nodes, up.link) == ("up", name, 2, "1gbit")
+    assert ("--name" in said) == (name != spec.DEFAULT_NAME)
+    spec.Testbed(name, 3, 1_234_560).save()  # recorded, but its namespaces are not all there
+    monkeypatch.setattr(network, "is_up", lambda testbed: False)
+    assert main(["testbed", "run", "--name", name, "--", "job.py"]) == 2
+    up = _suggested(capsys.readouterr().err)
+    assert (up.action, up.name, up.nodes, parse_rate(up.link)) == ("up", name, 3, 1_234_560)
+    spec.state_path(name).write_text("{")
+    assert main(["testbed", "run", "--name", name, "--", "job.py"]) == 2
+    down = _suggested(capsys.readouterr().err)
+    assert (down.action, down.name) == ("down", name)
+
+
+def test_a_command_left_out_is_suggested_on_the_users_testbed(recorded, capsys):
+    assert main(["testbed", "run", "--name", recorded.name]) == 2
+    run = _suggested(capsys.readouterr().err)
+    assert (run.action, run.name, run.command[:2]) == ("run", recorded.name, ["-m", "shardwire"])
+    assert main(["testbed", "exec", "--name", recorded.name, "node2"]) == 2
+    execute = _suggested(capsys.readouterr().err)
+    assert (execute.action, execute.name, execute.node, execute.command) == ("exec", recorded.name, "node2",
+                                                                              ["hostname"])
+    assert main(["testbed", "exec", "node2", "--name", recorded.name, "hostname"]) == 2  # no --: only the form
+    assert "as in shardwire testbed exec [--name NAME] NODE -- CMD..." in capsys.readouterr().err
+
+
+def test_refusals_exit_2_and_what_the_machinery_cannot_do_1(recorded, monkeypatch, capsys):
+    """What the user gave or must do first is a refusal, 2, as every command's; an ``ip`` or ``tc``
+    command that fails, or a measurement, is not the user's input, and ends as a failed job, 1."""
+    refusals = [["up", "--name", "lab", "--nodes", "2", "--link", "1gbit"],
+                ["up", "--name", recorded.name, "--nodes", "65", "--link", "1gbit"],
+                ["up", "--name", recorded.name, "--nodes", "2", "--link", "1gb"],
+                ["link", "--name", recorded.name, "node3", "down"],
+                ["check", "--name", recorded.name, "--seconds", "0"],
+                ["run", "--name", recorded.name, "--max-restarts", "-1", "--", "job.py"],
+                ["run", "--name", recorded.name, "--nproc-per-node", "0", "--", "job.py"],
+                ["link", "--name", "shardwire-test-none", "node0", "down"]]
+    for argv in refusals:
+        assert main(["testbed", *argv]) == 2, argv
+        said = capsys.readouterr().err
+        assert said.startswith("error: ") and said.count("\n") == 1, said
+
+    def fails(*given):
+        raise spec.TestbedFailure("`ip netns delete shardwire-test-named-hub` failed: Device or resource busy")
+
+    monkeypatch.setattr(network, "down", fails)
+    monkeypatch.setattr(network, "set_link", fails)
+    for argv in (["down", "--name", recorded.name], ["link", "--name", recorded.name, "node1", "down"]):
+        assert main(["testbed", *argv]) == 1, argv
+        assert capsys.readouterr().err == ("error: `ip netns delete shardwire-test-named-hub` failed: Device or "
+                                           "resource busy\n")
+
+
+@pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2's ip")
+def test_a_failed_ip_command_is_a_failure_not_a_refusal():
+    with pytest.raises(spec.TestbedFailure, match="`ip link show shardwire-test-none` failed: .*does not exist"):
+        network._run("ip", "link", "show", "shardwire-test-none")
+
+
+def _node(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """One node's launcher (``shardwire.testbed.node``, as ``run`` starts it on each node) of a
+    one-rank job here, with its output."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run([sys.executable, "-m", "shardwire.testbed.node", "--standalone", "--nproc-per-node=1",
+                           str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_a_node_whose_worker_fails_says_it_in_one_line_not_torchruns_traceback(tmp_path):
+    """torchrun ended each node of a failed job with its ChildFailedError's traceback and table, thirty
+    lines after the worker's own one: a worker that refused (2) said why, and its node adds nothing;
+    one that failed otherwise is named in one line."""
+    refused = _node(tmp_path, """
+        import sys
+        print("error: --lr must be a positive, finite number, got -1.0", file=sys.stderr)
+        sys.exit(2)
+    """)
+    assert (refused.returncode, refused.stdout, refused.stderr) == (
+        2, "", "error: --lr must be a positive, finite number, got -1.0\n"), refused.stderr
+    failed = _node(tmp_path, "import sys; sys.exit(3)")
+    assert (failed.returncode, failed.stdout, failed.stderr) == (
+        1, "", "error: worker processes failed: rank 0 (exit 3); their messages are above\n"), failed.stderr
 
 
 def _host_network() -> tuple[set[str], str]:
@@ -279,6 +404,30 @@ def test_a_failing_node_stops_the_job(testbed, tmp_path):
     assert re.search(r"^node\d failed \(exit \d+\): stopping the other nodes$", out.getvalue(), re.MULTILINE)
     for namespace in testbed.namespaces:
         assert not subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@root_only
+def test_a_shardwire_job_refused_says_so_once_per_node_or_once_before_any_starts(testbed, tmp_path):
+    """A bad option is refused before any node starts, as ``shardwire train`` refuses it; what only a
+    worker finds (data that is not there) each node's worker says in its line, and its node adds no
+    traceback: the job ends with a refusal's status."""
+    def run(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardwire", "testbed", "run", "--name", testbed.name, "--", "-m",
+                               "shardwire", "train", "--model", "tiny", "--steps", "2", *options],
+                              capture_output=True, text=True, timeout=300)
+
+    bad = run("--lr", "-1")
+    assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", "error: --lr must be a positive, finite number, got "
+                                                               "-1.0\n")
+    missing = run("--data", str(tmp_path / "none.txt"))
+    said = missing.stdout + missing.stderr
+    # each node's worker, unless stopped first; a node whose rendezvous the first node's end took with it
+    line = (r"\[node\d\] error: (--data: data path .* does not exist: .*|the job's rendezvous at .* failed .*)"
+            r"|node\d failed \(exit 2\): stopping the other nodes")
+    assert missing.returncode == 2 and "error: --data: data path" in said, said
+    assert all(re.fullmatch(line, text) for text in said.splitlines()), said
 
 
 @pytest.mark.root

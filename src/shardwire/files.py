@@ -9,8 +9,9 @@ one policy:
   link is followed, so the file it points to is written and the link stays.
 * **Whole or untouched.** The data goes to a temporary file beside the target, which then replaces
   the target in one rename. A crash, a full disk or an error while rendering leaves the target as it
-  was and no temporary file behind. (Checkpoints are written a directory at a time, with the same
-  idea: ``shardwire.engine.checkpoint.save``.)
+  was and no temporary file behind; a write the system stops (a full disk, a quota) is a
+  ``WriteFailed``, which says in one line which file, why and what to do. (Checkpoints are written a
+  directory at a time, with the same idea: ``shardwire.engine.checkpoint.save``.)
 * **The mode a plain write would give.** A new file gets the umask's mode (the kernel applies it to
   the temporary file), one written over keeps its own; missing parent directories are created.
 * **Nothing left behind.** A temporary's name carries its writer's host and process, so that the
@@ -89,6 +90,18 @@ OUTPUTS = {
 
 class OutputRefused(OSError):
     """A path that cannot be written as a regular file; the message names it and what to give instead."""
+
+
+class WriteFailed(OutputRefused):
+    """A write the system stopped part-way (a full disk, a quota, a read-only mount, an I/O error),
+    raised by ``write_atomically`` with the system's ``errno`` and ``strerror`` and the path as it was
+    given. An ``OutputRefused``, so that each command says it as it says any output it cannot write:
+    one line naming the file, why and what to do, where Python's own words would name no remedy (and
+    escape as a traceback). The file is as it was before the write."""
+
+    def __str__(self) -> str:
+        room = "free space there, or " if self.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return f"{self.filename} could not be written: {self.strerror}; {room}choose another place for it"
 
 
 def output_problem(path: str | os.PathLike) -> str | None:
@@ -269,12 +282,23 @@ def _not_a_file(kind: str) -> str:
 
 def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: bool = False, new: bool = False) -> None:
     """Make ``path`` hold exactly ``data``, or leave it as it was; raises ``OutputRefused`` for a path
-    that is not a regular file. With ``durable`` the data and the rename are on disk, not only in the
-    page cache, before it returns (for results that must survive a power loss). With ``new`` a file
-    at ``path`` is never replaced, even one made while the data was written (another writer's, the
-    user's): the data is linked into place, which fails where a file already is."""
+    that is not a regular file, and ``WriteFailed`` where the system stops the write (a full disk).
+    With ``durable`` the data and the rename are on disk, not only in the page cache, before it
+    returns (for results that must survive a power loss). With ``new`` a file at ``path`` is never
+    replaced, even one made while the data was written (another writer's, the user's): the data is
+    linked into place, which fails where a file already is."""
     if (kind := _kind(path)) is not None:
         raise OutputRefused(f"{os.fspath(path)} {_not_a_file(kind)}")
+    try:
+        _write(path, data, durable, new)
+    except OutputRefused:
+        raise
+    except OSError as err:  # the temporary is gone: what is left to say is which file, why, what to do
+        raise WriteFailed(err.errno, err.strerror or str(err), os.fspath(path)) from None
+
+
+def _write(path: str | os.PathLike, data: str | bytes, durable: bool, new: bool) -> None:
+    """``write_atomically``'s work, once ``path`` is known to be a file or nothing."""
     target = os.path.realpath(path)
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)

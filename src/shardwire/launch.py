@@ -184,32 +184,43 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # Set the workers' arguments after parsing: torchrun's parser would otherwise read them too
     # (and take `--nproc` for an abbreviation of its own `--nproc-per-node`).
     config.training_script_args = argv
-    # The agent's warnings narrate its shutdown (a signal received, each worker sent one); what failed
-    # is said below, once.
-    for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_below)
+    quiet_agent()
     os.environ[_NOTED_BY_LAUNCHER] = "1"  # inherited by the workers
     try:
         run(config)
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as err:
-        statuses = {failure.exitcode for failure in err.failures.values()}
-        if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
-            return REFUSED  # a worker said why, in one line, and the launcher stopped the rest
-        failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
-        print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
-        return 1
+        return failed_workers(err)
     finally:
         os.environ.pop(_NOTED_BY_LAUNCHER, None)
     return 0
 
 
+def quiet_agent() -> None:
+    """Keep torch's elastic agent, run in this process, to its errors: its warnings narrate its
+    shutdown (a signal received, each worker sent one), and its line for a failed worker repeats
+    what the worker, or ``failed_workers``'s line, says once."""
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_below)
+
+
+def failed_workers(err) -> int:
+    """The status of a job whose workers failed (torch's ``ChildFailedError``): a worker's refusal,
+    which said why in one line, as it is; any other failure in one line naming the ranks."""
+    statuses = {failure.exitcode for failure in err.failures.values()}
+    if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
+        return REFUSED  # a worker said why, in one line, and the agent stopped the rest
+    failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
+    print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
+    return 1
+
+
 def _said_below(record: logging.LogRecord) -> bool:
     """Drop the agent's line for a worker that exited with an error: the worker's own message, or
-    the launcher's line naming each failed rank and its status, says it once."""
+    the line naming each failed rank and its status, says it once."""
     return not str(record.msg).startswith("failed (exitcode")
 
 

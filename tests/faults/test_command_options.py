@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import types
@@ -217,3 +219,59 @@ def test_a_value_far_too_long_is_cut_short_in_its_message(argv, capsys, tmp_path
     main(argv)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and len(err) < 500, err[:300]
+
+
+@pytest.fixture
+def testbed_jobs(monkeypatch, tmp_path):
+    """A testbed of 2 nodes as ``up`` records it, taken for built (no root, no namespaces), whose jobs
+    are recorded instead of started: what ``testbed run`` does before any node starts."""
+    from shardwire.testbed import job, network, spec
+
+    monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(network, "require_privileges", lambda *given: None)
+    monkeypatch.setattr(network, "is_up", lambda testbed: True)
+    started = []
+    monkeypatch.setattr(job, "run_job", lambda testbed, nproc_per_node, command, **options: started.append(command))
+    spec.Testbed("shardwire-test-options", 2, spec.parse_rate("100mbit")).save()
+    terminated = signal.getsignal(signal.SIGTERM)  # `run` stops its job on SIGTERM
+    yield lambda *job: main(["testbed", "run", "--name", "shardwire-test-options", "--nproc-per-node", "2", "--",
+                             "-m", "shardwire", *job])
+    signal.signal(signal.SIGTERM, terminated)
+    assert not started, started
+
+
+@pytest.mark.parametrize("job, said", [
+    (["train", "--model", "tiny", "--steps", "3", "--lr", "-1"],
+     "error: --lr must be a positive, finite number, got -1.0"),
+    (["train", "--lrr", "1"],
+     "error: unrecognized arguments: --lrr 1; did you mean --lr? (see shardwire train --help)"),
+    # the world the nodes give it: 2 nodes of 2 ranks, whatever --nproc says
+    (["train", "--nproc", "1", "--layout", "hybrid", "--shard-group-size", "3"],
+     "error: --shard-group-size 3 does not divide the 4 ranks of the process group: choose one of 1, 2, 4"),
+    (["train", "--config", "no-such.yaml"], "error: --config no-such.yaml: "),
+    (["bench", "--min-bytes", "2M", "--max-bytes", "1M"], "error: --min-bytes (2097152) is larger than --max-bytes"),
+    (["trian", "--model", "tiny"], "error: the job -m shardwire needs one of shardwire's commands (train, bench, "),
+])
+def test_a_testbed_jobs_bad_option_is_one_line_before_any_node_starts(testbed_jobs, job, said, capsys):
+    """Each node's workers refused it, and each node's torchrun added its traceback: 72 lines and a
+    status of 1 for a --lr of -1. It is checked once, as the command itself checks it, and refused."""
+    assert testbed_jobs(*job) == REFUSED
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+
+
+def test_a_testbed_job_is_checked_for_the_world_its_nodes_give_it(testbed_jobs, capsys, monkeypatch):
+    """2 nodes of 2 ranks: a group of 4, and bench's groups between nodes, are the job's to have
+    (bench's --nproc, 2 by default, is one node's count of ranks here), and its --help is said once."""
+    from shardwire.testbed import job
+
+    started = []
+    monkeypatch.setattr(job, "run_job", lambda testbed, nproc_per_node, command, **options: started.append(command)
+                        or 0)
+    for given in (["train", "--model", "tiny", "--layout", "hybrid", "--shard-group-size", "4"],
+                  ["bench", "--groups", "intra", "inter"]):
+        assert testbed_jobs(*given) == 0, capsys.readouterr().err
+        assert started.pop() == ["-m", "shardwire", *given]  # as the user gave it
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} & os.environ.keys()
+    assert testbed_jobs("train", "--help") == 0 and not started
+    assert capsys.readouterr().out.startswith("usage: shardwire train")

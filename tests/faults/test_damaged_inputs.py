@@ -1,12 +1,14 @@
 """Damaged or hostile input is one line, found before any worker starts, instead of a traceback
 from every worker: a config or spec that is not UTF-8, weights that are damaged, a pickle that
-would run code, an index naming files outside the model, units that cannot shard; at run time, a
-log that cannot be written; and a damaged token cache is tokenised again."""
+would run code, an index naming files outside the model, units that cannot shard, a file named .npy
+that is not one; at run time, a log that cannot be written; and a damaged token cache is tokenised
+again."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -116,3 +118,20 @@ def test_a_damaged_token_cache_is_tokenised_again(tmp_path):
             f.write(damage)
         again = load_corpus(str(text), seq_len=16, tokenizer=str(tmp_path / "tokenizer"))
         assert again.name == cache and np.array_equal(again.ids, ids)
+
+
+def test_a_file_named_npy_that_is_not_one_is_one_line_never_suggesting_unpickling_it(tmp_path):
+    """numpy takes a file without the .npy header for a pickle, and its message suggests loading it with
+    allow_pickle: of a file of unknown origin, running its code."""
+    path = tmp_path / "t.npy"
+    path.write_text("hello\n")
+    with pytest.raises(SystemExit) as refusal:
+        main(["train", "--model", "tiny", "--steps", "2", "--nproc", "1", "--data", str(path)])
+    assert str(refusal.value) == (f"error: --data: {path} is not a NumPy .npy array file (it does not begin with the "
+                                  f"header numpy.save writes): a .npy holds token ids saved by numpy.save, a .bin flat "
+                                  f"ids, and a file of any other name is read as text")
+    path.write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': '<u2',")  # a header cut short
+    cut_short = (f"^error: --data: {re.escape(str(path))} is not a readable .npy file \\(.*\\): write it again with "
+                 f"numpy.save$")
+    with pytest.raises(SystemExit, match=cut_short):
+        main(["train", "--model", "tiny", "--steps", "2", "--nproc", "1", "--data", str(path)])

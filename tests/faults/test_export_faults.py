@@ -133,6 +133,16 @@ def test_an_out_beside_the_checkpoint_in_its_series_is_refused(work, capsys):
     assert not (work / "gpt/step_00000009").exists()
 
 
+@pytest.mark.parametrize("out", ["gpt/step_00000009", "gpt/model.pt"])
+def test_an_out_in_another_series_is_refused(work, capsys, out):
+    """Not only the series of the checkpoint exported: any run saving into a series names and prunes
+    what is in it."""
+    message = refused(capsys, work / "short", work / out)
+    assert message.endswith(f"{out} is inside {work / 'gpt'}, a series of checkpoints, which the runs saving into it "
+                            f"name and prune: give a path outside it"), message
+    assert not (work / out).exists()
+
+
 def _fifo(path: pathlib.Path) -> pathlib.Path:
     os.mkfifo(path)
     return path
@@ -443,3 +453,56 @@ def test_a_checkpoint_pruned_while_it_is_read_is_passed_over_for_the_newest(work
     status, out, err = export(capsys, work / "gpt", work / "newest.safetensors")
     assert status == 0 and err == "", err
     assert f"exported {work / 'gpt' / 'step_00000001'}" in out
+
+
+def _byte_tokenizer(directory: pathlib.Path, shift: int) -> pathlib.Path:
+    """A tokenizer of one id per character, ``shift`` apart from another's: the same text, other ids."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {chr(c): (c + shift) % 256 for c in range(256)}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token=chr(0)))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token=chr(0)).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_the_tokenizer_trained_with_is_the_one_exported_or_none_is(tmp_path):
+    """``--tokenizer`` made the ids, not the model directory's own; a checkpoint's tokenizer changed
+    since is not written beside weights it did not train."""
+    model = tmp_path / "m"
+    _byte_tokenizer(model, 0)
+    (model / "config.json").write_text(json.dumps({**GPT2, "vocab_size": 256}))
+    _byte_tokenizer(tmp_path / "other", 7)
+    (tmp_path / "text.txt").write_text("hello world " * 2000)
+    train = [sys.executable, "-m", "shardwire", "train", "--model", "hf:m", "--data", "text.txt", "--steps", "2",
+             "--eval-batches", "1"]
+    done = subprocess.run([*train, "--tokenizer", "other", "--export-hf", "out"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out/tokenizer.json").read_bytes() == (tmp_path / "other/tokenizer.json").read_bytes()
+    done = subprocess.run([*train, "--checkpoint-dir", "ckpt"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    shutil.copy(tmp_path / "other/tokenizer.json", model / "tokenizer.json")  # the directory's tokenizer replaced
+    done = subprocess.run([sys.executable, "-m", "shardwire", "export", "ckpt", "again"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"note: the tokenizer ckpt/step_00000002 was trained with, {model}, has changed since or is gone: " \
+           f"exported without a tokenizer" in done.stderr
+    assert not (tmp_path / "again/tokenizer.json").exists()
+
+
+def test_a_tokenizer_export_hf_cannot_read_is_one_line_before_the_run(tmp_path):
+    """Token ids need no tokenizer to train, but the export writes one: read at the start, not after
+    the run."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m/config.json").write_text(json.dumps(GPT2))
+    (tmp_path / "m/tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (tmp_path / "m/tokenizer.json").write_text('{"broken": ')
+    torch.randint(0, 64, (20_000,), dtype=torch.int16).numpy().tofile(tmp_path / "ids.bin")
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "hf:m", "--data", "ids.bin",
+                           "--steps", "2", "--export-hf", "out"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines()[-1].startswith("error: --export-hf: the tokenizer in hf:m: Expecting value"), \
+        done.stderr

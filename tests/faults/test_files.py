@@ -1,22 +1,30 @@
 """Every file shardwire writes follows one policy (``shardwire.files``): whole or untouched, regular
 files only (a device, FIFO, socket or directory named as an output is refused, never replaced, and
-on the command line before any work), the mode a plain write would give, parent directories made."""
+on the command line before any work), the mode a plain write would give, parent directories made;
+a write the system stops (a full disk) is one line naming the file, with a refusal's status."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 import shardwire
-from harness import PROFILE, run_workers
+from harness import PROFILE, run_workers, save_tokenizer
 from shardwire.cli import main
-from shardwire.files import OutputRefused, write_atomically
+from shardwire.files import OutputRefused, WriteFailed, write_atomically
+from shardwire.training.data import load_corpus
+
+FULL = "could not be written: No space left on device; free space there, or choose another place for it"
 
 
 
@@ -220,3 +228,145 @@ def test_an_output_below_a_link_that_leads_nowhere_says_so(tmp_path):
         said = f"{tmp_path / link} is a symbolic link that leads nowhere (a loop, or its target is gone)"
         assert output_problem(tmp_path / link / "out.pt") == f"cannot be written: {said}"
         assert directory_problem(tmp_path / link / "run" / "x") == f"cannot be created: {said}"
+
+
+class _Filling(io.FileIO):
+    """A file on a disk that fills part-way through the write."""
+
+    def write(self, data) -> int:
+        super().write(bytes(data[:10]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """The temporary files of ``write_atomically`` meet a full disk as they are written (ENOSPC); every
+    other file is written as ever."""
+    fdopen = os.fdopen
+
+    def filling(fd, *args, **kwargs):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
+            return _Filling(fd, "wb")
+        return fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", filling)
+
+
+def test_a_write_into_a_full_disk_is_one_line_naming_the_file_and_leaves_it_as_it_was(tmp_path, full_disk):
+    path = tmp_path / "results.json"
+    path.write_text("previous")
+    for target, new in ((path, False), (tmp_path / "model.pt", True)):
+        with pytest.raises(WriteFailed) as failed:
+            write_atomically(target, "new results", durable=True, new=new)
+        assert isinstance(failed.value, OutputRefused) and failed.value.errno == errno.ENOSPC
+        assert str(failed.value) == f"{target} {FULL}"
+    assert path.read_text() == "previous"
+    assert os.listdir(tmp_path) == ["results.json"]  # no temporary left, nothing new made
+
+
+def test_a_write_the_system_refuses_otherwise_names_no_space_to_free(tmp_path, monkeypatch):
+    def read_only(source, target):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "replace", read_only)
+    with pytest.raises(WriteFailed, match=r"^\S+/out.json could not be written: Read-only file system; choose another "
+                                          r"place for it$"):
+        write_atomically(tmp_path / "out.json", "data")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_report_into_a_full_disk_is_one_line_with_a_refusals_status(tmp_path, full_disk, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    assert main(["report", str(run), "--out", str(tmp_path / "plots")]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"error: {tmp_path / 'plots'}/") and said.endswith(f".png {FULL}\n")
+    assert said.count("\n") == 1
+    assert os.listdir(tmp_path / "plots") == []
+
+
+def test_a_token_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path, full_disk):
+    """The cache is not skipped: the run reads its ids from it, memory-mapped."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    save_tokenizer(tmp_path / "tokenizer")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 500)
+    with pytest.raises(ValueError) as refused:
+        load_corpus(str(text), seq_len=16, tokenizer=str(tmp_path / "tokenizer"))
+    said = str(refused.value)
+    assert said.startswith(f"--tokenizer: the ids of {text} go to {text}.tokens-") and "\n" not in said
+    assert said.endswith(".npy, which could not be written: No space left on device; free space there, or copy the "
+                         "text where there is room")
+    assert sorted(os.listdir(tmp_path)) == ["text.txt", "tokenizer"]
+
+
+def _profile_into_a_full_disk(rank, world, run_dir):
+    """A profiled step on each rank, whose save meets a full disk on rank 0, the rank that writes."""
+    from shardwire.profile import profiler
+
+    if rank == 0:
+        def full(path, data, **kwargs):
+            raise WriteFailed(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        profiler.write_atomically = full
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    profile = profiler.Profiler(model, optimizer, tokens_per_step=4, probe_peak=False, warmup_steps=0)
+    with profile.step():
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    try:
+        profile.save(run_dir)
+    except WriteFailed as err:
+        return str(err)
+    return "saved"
+
+
+@pytest.mark.slow
+def test_a_profile_rank_0_cannot_write_fails_on_every_rank_so_none_waits_for_it(tmp_path):
+    said = run_workers(2, _profile_into_a_full_disk, str(tmp_path / "run"))
+    assert said == [f"{tmp_path / 'run' / 'profile.json'} {FULL}"] * 2
+
+
+@pytest.fixture
+def filled_file_system(tmp_path):
+    """A directory on a file system with no space left: a 100 KiB tmpfs, filled (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("a tmpfs cannot be mounted here")
+    try:
+        fd = os.open(mount / "fill", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="No space left on device"):
+                while True:
+                    os.write(fd, bytes(4096))
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, output", [
+    (["report", "RUN", "--out"], "plots"),
+    (["bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-w", "0", "-n", "1", "--json"],
+     "b.json"),
+])
+def test_commands_writing_into_a_full_file_system_say_so_in_one_line(command, output, tmp_path, filled_file_system):
+    """As a user meets it: the command itself, and bench's rank 0 under its launcher."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    command = [str(run) if word == "RUN" else word for word in command]
+    done = subprocess.run([sys.executable, "-m", "shardwire", *command, str(filled_file_system / output)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.endswith(f" {FULL}\n"), done.stderr
+    assert done.stderr.startswith(f"error: {filled_file_system / output}")
+    left = [os.path.relpath(os.path.join(d, f), filled_file_system) for d, _, files in os.walk(filled_file_system)
+            for f in files]
+    assert left == ["fill"]  # no temporary, nothing half-written

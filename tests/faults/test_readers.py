@@ -337,7 +337,7 @@ def test_a_damaged_testbed_state_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
     spec.state_path("shardwire-test").write_text(DEEP)
     with pytest.raises(spec.TestbedError, match="nests deeper than a testbed's state does; run `shardwire testbed "
-                                                "down` and up again"):
+                                                "down --name shardwire-test` and up again"):
         spec.Testbed.load("shardwire-test")
     spec.state_path("shardwire-test").write_text(json.dumps({"name": "shardwire-test", "nodes": "2", "rate_bits": 1}))
     with pytest.raises(spec.TestbedError, match="is damaged"):

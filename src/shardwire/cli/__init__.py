@@ -25,6 +25,7 @@ from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
 from shardwire.comm.errors import CollectiveError
 from shardwire.extras import MissingExtra
+from shardwire.files import OutputRefused
 from shardwire.launch import (
     REFUSED,
     die_with_launcher,
@@ -188,9 +189,11 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
             print(config_file.dump(parser, args), end="")
             return 0
         return module.run(args, rest)
-    except (ConfigError, MissingExtra) as err:
+    except (ConfigError, MissingExtra, OutputRefused) as err:
+        # OutputRefused: a result that could not be written (a full disk), said alike in a worker, where
+        # rank 0 writes the results and its launcher stops the rest at a refusal's status
         print(one_line(f"error: {err}"), file=sys.stderr)
-        return 2
+        return REFUSED
     except SystemExit as err:
         if not (under_launcher() and isinstance(err.code, str)):
             raise

@@ -28,6 +28,7 @@ from shardwire.engine.checkpoint.series import group_series
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.mappings import cut, one_line, shown
 from shardwire.options import argument_text, text
+from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
 from shardwire.training.config import recorded_seq_len
@@ -98,13 +99,17 @@ def _format(out: pathlib.Path, model: str) -> str:
 
 
 def _series_problem(out: str, given: pathlib.Path) -> str | None:
-    """What stops ``out`` being written beside a checkpoint ``given`` alone, in the series that holds
-    it (a path inside ``given`` itself is refused as it is exported): a run saving into the series
-    would take it for one of its checkpoints, or set it aside."""
-    if given == given.parent or not list_checkpoints(given.parent) or inside_problem(out, given) is not None:
+    """What stops ``out`` being written in a series of checkpoints, the one that holds ``given`` or
+    any other (a path inside ``given`` itself is refused as it is exported): a run saving into the
+    series would take it for one of its checkpoints, or set it aside."""
+    if inside_problem(out, given) is not None:
         return None
-    return inside_problem(out, given.parent, what="a series of checkpoints, which the runs saving into it name and "
-                                                  "prune")
+    for series in dict.fromkeys([given.parent, pathlib.Path(out).parent]):
+        if series != given and list_checkpoints(series):
+            if (problem := inside_problem(out, series, what="a series of checkpoints, which the runs saving into "
+                                                            "it name and prune")) is not None:
+                return problem
+    return None
 
 
 def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
@@ -144,7 +149,8 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
         try:
             with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
                 fields = _trained_config(checkpoint, model, extra, notes) if trained else None
-                return model, save_pretrained(model, weights, stage, fields=fields)
+                tokenizer = _trained_tokenizer(checkpoint, extra, args.out, notes) if trained else True
+                return model, save_pretrained(model, weights, stage, fields=fields, tokenizer=tokenizer)
         except BaseException:
             stage.discard()
             raise
@@ -185,6 +191,21 @@ def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: li
         notes.append(f"{cut(model)}'s config has changed since {checkpoint} was trained ({change}); exported with the "
                      f"config it was trained with")
     return fields
+
+
+def _trained_tokenizer(checkpoint: pathlib.Path, extra: dict, out: str, notes: list[str]) -> pathlib.Path | bool:
+    """The tokenizer the checkpoint's model trained with, where it records one and the directory still
+    holds it; none, with a note, where it has changed or is gone (another tokenizer's ids would not
+    be the model's); True, the model directory's own, where the checkpoint records none."""
+    recorded = extra.get("tokenizer")
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("path"), str)):
+        return True
+    path = pathlib.Path(recorded["path"])
+    if path.is_dir() and hf_tokenizer.digest_of(path) == recorded.get("digest"):
+        return path
+    notes.append(f"the tokenizer {checkpoint} was trained with, {cut(str(path))}, has changed since or is gone: "
+                 f"exported without a tokenizer; save the one it trained with into {cut(out)}")
+    return False
 
 
 def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None) -> None:

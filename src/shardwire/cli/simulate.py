@@ -66,8 +66,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             if args.plot:
                 try:
                     report.plot_sweep(result, args.plot)
-                except OSError as err:
-                    raise SpecError(f"cannot write the plot to {args.plot}: {err.strerror}") from None
+                except OSError as err:  # the one output policy's refusal says what to do
+                    raise SpecError(f"--plot: {err}") from None
             labelled = [(f"at {key}={v}: ", p) for v, p in zip(values, result.points, strict=True)]
         else:
             prediction = predict(model, cluster, training)

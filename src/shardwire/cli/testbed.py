@@ -9,18 +9,27 @@
     shardwire testbed down
 
 What follows ``--`` in ``run`` is what torchrun takes after its own options: a script and its
-arguments, ``-m module ...``, or ``--no-python program ...``. What follows it in ``exec`` is a
-command, run on that node as on a machine of the cluster: under the node's hostname, with its link.
+arguments, ``-m module ...``, or ``--no-python program ...``; a job of shardwire's own (``-m shardwire
+train ...``) has its options checked here first, as its command checks them, before any node starts
+it. What follows ``--`` in ``exec`` is a command, run on that node as on a machine of the cluster:
+under the node's hostname, with its link.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shlex
 import signal
 import sys
+import warnings
+from collections.abc import Iterator
 
-from shardwire.launch import host_memory_per_worker
+from shardwire import cli
+from shardwire.cli.config_file import ConfigError
+from shardwire.extras import MissingExtra
+from shardwire.launch import REFUSED, host_memory_per_worker
 from shardwire.mappings import one_line, shown
 from shardwire.testbed import check, job, network, regime
 from shardwire.testbed.spec import (
@@ -28,8 +37,10 @@ from shardwire.testbed.spec import (
     MIN_RATE,
     Testbed,
     TestbedError,
+    TestbedFailure,
     check_name,
     parse_rate,
+    testbed_command,
 )
 
 
@@ -73,23 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """What ``--print-config`` checks before it prints: the name, and for ``up`` its settings as ``up``
     checks them before measuring or building anything, refused in the words and status of a run."""
-    try:
+    with cli.refused(TestbedError):
         check_name(args.name)
         if args.action == "up":
             _up_settings(args)
-    except TestbedError as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Ends a refusal (what the user gave, or must do first) with 2, as every command's refusals end,
+    and what the machinery could not do (``TestbedFailure``) with 1, as a failed job ends."""
     try:
         check_name(args.name)
-        network.require_privileges(args.action)
+        network.require_privileges(args.action, shlex.join(["shardwire", "testbed", *argv]))
         return _ACTIONS[args.action](args)
     except TestbedError as err:
         print(one_line(f"error: {err}"), file=sys.stderr)
-        return 1
+        return 1 if isinstance(err, TestbedFailure) else REFUSED
     except KeyboardInterrupt:  # `up` and `down` leave nothing half-built behind them
         print("interrupted", file=sys.stderr)
         return 130
@@ -141,11 +151,14 @@ def _up(args) -> int:
 def _run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise TestbedError("give the job after --, e.g. `shardwire testbed run -- -m shardwire train`")
+        example = testbed_command("run", args.name, "--", "-m", "shardwire", "train")
+        raise TestbedError(f"give the job after --, e.g. `{example}`")
     if args.max_restarts < 0:
         raise TestbedError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     testbed = _built(args.name)
     _workers_fit(testbed.nodes, args.nproc_per_node)
+    if (ended := _check_job(testbed, args.nproc_per_node, command)) is not None:
+        return ended
 
     def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
         raise KeyboardInterrupt
@@ -154,19 +167,98 @@ def _run(args) -> int:
     return job.run_job(testbed, args.nproc_per_node, command, max_restarts=args.max_restarts)
 
 
+def _check_job(testbed: Testbed, nproc_per_node: int, command: list[str]) -> int | None:
+    """For a job of shardwire's own (``-m shardwire COMMAND ...``), the status it ends with before
+    any node starts it: its options refused (one line, 2), or its help shown (0); None where it may
+    start. They are checked here as the command checks them before its workers start, for the world
+    the nodes will give it, rather than by every worker, each node saying so in turn (what only a
+    worker can find, it still says itself)."""
+    given = _shardwire_arguments(command)
+    if given is None:
+        return None
+    # the options' warnings (an abbreviation) are the workers' to give, as they read the same options
+    with _in_the_jobs_first_rank(testbed.nodes, nproc_per_node), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            _check_options_of(given, world=testbed.nodes * nproc_per_node)
+        except SystemExit as err:  # argparse's (its line said), a check's (its line its code), or --help's
+            if isinstance(err.code, str):
+                print(one_line(err.code), file=sys.stderr)
+                return REFUSED
+            return err.code or 0
+    return None
+
+
+def _shardwire_arguments(command: list[str]) -> list[str] | None:
+    """What follows ``-m shardwire`` in a job that is one of shardwire's commands (refusing one that
+    names none), or None for any other job."""
+    if command[:2] not in (["-m", "shardwire"], ["--module", "shardwire"]):
+        return None
+    given = command[2:]
+    if not given or given[0] not in cli.COMMANDS:
+        raise TestbedError(f"the job -m shardwire needs one of shardwire's commands ({', '.join(cli.COMMANDS)}), "
+                           f"got {shown(given[0]) if given else 'none'}")
+    return given
+
+
+def _check_options_of(given: list[str], world: int) -> None:
+    """``shardwire GIVEN...``'s options, as the command checks them before it starts workers: its
+    parser (its ``--config`` file too), then its ``check_options`` where it has one. Its ``--nproc``,
+    local workers, is the world: under torchrun a command takes its world from the launcher."""
+    module, parser = cli.command(given[0])
+    try:
+        args, _ = cli.config_file.parse(parser, given[1:])
+        if hasattr(args, "nproc"):
+            args.nproc = world
+        if hasattr(module, "check_options"):
+            module.check_options(args)
+    except (ConfigError, MissingExtra) as err:
+        raise TestbedError(str(err)) from None
+
+
+@contextlib.contextmanager
+def _in_the_jobs_first_rank(nodes: int, nproc_per_node: int) -> Iterator[None]:
+    """torchrun's variables as the job's first worker finds them, for checks that take the world and
+    its nodes from them (``shardwire.launch.under_launcher``); the environment as it was after."""
+    given = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(nodes * nproc_per_node),
+             "LOCAL_WORLD_SIZE": str(nproc_per_node)}
+    before = {name: os.environ.get(name) for name in given}
+    os.environ.update(given)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _exec(args) -> int:
     """Replace this process with the command, so that its exit status and the signals sent to it are
     the command's own."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise TestbedError("give the command after --, e.g. `shardwire testbed exec node0 -- hostname`")
+        example = testbed_command("exec", args.name, args.node, "--", "hostname")
+        raise TestbedError(f"give the command after --, e.g. `{example}`")
     if command is args.command and command[0].startswith("-"):  # an option of exec's, given after NODE
+        meant = _options_first(args.node, command)
+        example = f"e.g. `{meant}`" if meant else "as in shardwire testbed exec [--name NAME] NODE -- CMD..."
         raise TestbedError(f"{shown(command[0])} after the node would be the command: give exec's options before "
-                           f"the node and the command after --, e.g. `shardwire testbed exec --name NAME node0 -- "
-                           f"hostname`")
+                           f"the node and the command after --, {example}")
     testbed = _built(args.name)
     argv = network.in_namespace(testbed.namespace(testbed.node(args.node)), command)
     os.execvpe(argv[0], argv, job.node_environment(testbed))
+
+
+def _options_first(node: str, words: list[str]) -> str | None:
+    """The ``exec`` the user meant by ``exec NODE WORDS...``: the words before ``--`` (exec's options,
+    given after the node) moved before it, to run as printed; None without a ``--``, where those
+    options end is not known."""
+    if "--" not in words:
+        return None
+    end = words.index("--")
+    return shlex.join(["shardwire", "testbed", "exec", *words[:end], node, *words[end:]])
 
 
 def _link(args) -> int:
@@ -181,7 +273,7 @@ def _built(name: str) -> Testbed:
     """The testbed ``up`` recorded for ``name``, refused unless all of it is there."""
     testbed = Testbed.load(name)
     if not network.is_up(testbed):
-        raise TestbedError(f"{testbed.describe()} is only partly there; rebuild it with `shardwire testbed up`")
+        raise TestbedError(f"{testbed.describe()} is only partly there; rebuild it with `{testbed.up_command()}`")
     return testbed
 
 

@@ -28,6 +28,7 @@ from shardwire.extras import require
 from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
 from shardwire.mappings import cut, one_line
 from shardwire.models import fp8
+from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import HF_PREFIX, ModelChoice, choose
 from shardwire.options import (
     OptionError,
@@ -47,7 +48,7 @@ from shardwire.sim.specs import TrainingSpec
 from shardwire.training.autoplan import unplannable
 from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
 from shardwire.training.data import check_default_corpus
-from shardwire.training.loop import train, training_corpus
+from shardwire.training.loop import run_tokenizer, train, training_corpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -268,7 +269,8 @@ def _check_model(config: TrainConfig, diloco: DiLoCo | None) -> ModelChoice:
 
 
 def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
-    """The corpus the job trains on is there and fits the model's vocabulary."""
+    """The corpus the job trains on is there and fits the model's vocabulary, and the tokenizer an
+    ``--export-hf`` writes can be read."""
     memory = host_memory_per_worker(_world_and_node_size(config)[1])  # each worker reads a text corpus whole
     try:
         if config.data is None and config.tokenizer is None and not config.model.startswith(HF_PREFIX):
@@ -276,7 +278,13 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
         else:
             training_corpus(config, choice, memory).check_vocab(choice.vocab_size)
     except (OSError, ValueError) as err:  # a message not naming its option is about --data
-        raise SystemExit(f"error: {err}" if str(err).startswith("--") else f"error: --data: {err}") from None
+        named = str(err).startswith(("--", "the tokenizer in"))  # run_tokenizer's words
+        raise SystemExit(f"error: {err}" if named else f"error: --data: {err}") from None
+    if config.export_hf and (tokenizer := run_tokenizer(config)) is not None:
+        try:
+            hf_tokenizer.load(*tokenizer)  # written beside the weights at the end, so read now
+        except ValueError as err:
+            raise SystemExit(f"error: --export-hf: {err}") from None
 
 
 def _overlap(first: str, second: str) -> bool:

@@ -34,6 +34,7 @@ from torch import nn
 from shardwire.engine.state_dict import TensorRecord, WeightsByUnit
 from shardwire.extras import quietly_importing, require
 from shardwire.files import StagedDirectory
+from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import HF_PREFIX, config_from_fields, first_line, hf_config, tokenizer_directory
 
 # save_pretrained's default: one file up to this size, several past it.
@@ -44,13 +45,15 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 
 
 def save_pretrained(model_name: str, weights: WeightsByUnit, directory: str | pathlib.Path | StagedDirectory,
-                    max_shard_size: int = MAX_SHARD_SIZE, *, fields: dict | None = None) -> pathlib.Path:
+                    max_shard_size: int = MAX_SHARD_SIZE, *, fields: dict | None = None,
+                    tokenizer: str | pathlib.Path | bool = True) -> pathlib.Path:
     """Write the ``hf:`` model ``model_name`` with ``weights`` as a ``save_pretrained`` directory, with
-    its tokenizer where its directory has one; returns the directory. ``directory`` is a new one, or
-    the stage of one claimed earlier (``shardwire train --export-hf`` claims it as the run starts).
-    ``fields``: the config the weights were trained with (a checkpoint records it), instead of the
-    one ``model_name`` holds now. Raises ``ValueError`` saying what to change (``OutputRefused``
-    for the directory), and leaves nothing behind."""
+    a tokenizer; returns the directory. ``directory`` is a new one, or the stage of one claimed
+    earlier (``shardwire train --export-hf`` claims it as the run starts). ``fields``: the config the
+    weights were trained with (a checkpoint records it), instead of the one ``model_name`` holds now.
+    ``tokenizer``: the directory of the tokenizer the model trained with, True for the model
+    directory's own where it holds one, False for none. Raises ``ValueError`` saying what to change
+    (``OutputRefused`` for the directory), and leaves nothing behind."""
     stage = directory if isinstance(directory, StagedDirectory) else StagedDirectory(directory, "export directory")
     try:
         with quietly_importing():  # transformers imports torchao, and warns of a config's defaults as it saves
@@ -73,10 +76,10 @@ def save_pretrained(model_name: str, weights: WeightsByUnit, directory: str | pa
             config.save_pretrained(stage.path)
             if model.can_generate():
                 model.generation_config.save_pretrained(stage.path)
-            tokenizer = tokenizer_directory(model_name)
-            if tokenizer is not None:
-                transformers.AutoTokenizer.from_pretrained(
-                    tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(stage.path)
+            if tokenizer is True:
+                tokenizer = tokenizer_directory(model_name) or False
+            if tokenizer is not False:
+                hf_tokenizer.load(tokenizer, f"the tokenizer in {tokenizer}").save_pretrained(stage.path)
             return stage.publish()
     except BaseException:
         stage.discard()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwire.engine.shard import engine_of
-from shardwire.files import write_atomically
+from shardwire.files import OutputRefused, write_atomically
 from shardwire.profile import PROFILE_FILE, TRACE_FILE, analysis
 from shardwire.profile.flops import FlopsPerToken, datasheet_peak_tflops, probe_peak_tflops
 from shardwire.profile.recorder import StepRecorder
@@ -114,16 +114,25 @@ class Profiler:
 
     def save(self, run_dir: str) -> dict | None:
         """Write ``run_dir/profile.json`` and ``run_dir/trace.json`` on rank 0 (every rank must
-        call this); returns the summary on rank 0 and None elsewhere."""
+        call this); returns the summary on rank 0 and None elsewhere. Where the files cannot be
+        written (a full disk) every rank raises rank 0's ``OutputRefused``: none goes on to wait in
+        its next collective for a rank 0 that stopped."""
         collected = self.collect()
-        if collected is None:
-            return None
-        profile, per_rank_timelines = collected
-        os.makedirs(run_dir, exist_ok=True)
-        write_atomically(os.path.join(run_dir, PROFILE_FILE), json.dumps(profile), durable=True)
-        write_atomically(os.path.join(run_dir, TRACE_FILE), json.dumps(chrome_trace(per_rank_timelines)),
-                         durable=True)
-        return profile["summary"]
+        refused = None
+        if collected is not None:
+            profile, per_rank_timelines = collected
+            try:
+                write_atomically(os.path.join(run_dir, PROFILE_FILE), json.dumps(profile), durable=True)
+                write_atomically(os.path.join(run_dir, TRACE_FILE), json.dumps(chrome_trace(per_rank_timelines)),
+                                 durable=True)
+            except OutputRefused as err:
+                refused = err
+        said = [refused]
+        with self._on_model_device():
+            dist.broadcast_object_list(said, src=dist.get_global_rank(self._group, 0), group=self._group)
+        if said[0] is not None:
+            raise said[0]
+        return profile["summary"] if collected is not None else None
 
     def collect(self) -> tuple[dict, list] | None:
         """The profile (what ``save`` writes as profile.json) and every rank's step timelines, on
@@ -133,9 +142,7 @@ class Profiler:
             raise ValueError("no step was profiled: run training steps inside `with profiler.step():` first")
         figures = [analysis.breakdown(t) for t in timelines]
         gathered = [None] * self._world if dist.get_rank(self._group) == 0 else None
-        device = self._engine.device
-        # NCCL stages objects on the current device: make it the model's
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with self._on_model_device():
             dist.gather_object((timelines, figures), gathered, dst=dist.get_global_rank(self._group, 0),
                                group=self._group)
         if gathered is None:
@@ -164,6 +171,12 @@ class Profiler:
                          "ranks": [dataclasses.asdict(ranks[typical]) for ranks in per_rank_timelines]},
         }
         return profile, per_rank_timelines
+
+    def _on_model_device(self):
+        """Where the objects of a collective go: NCCL stages them on the current device, which must be
+        the model's."""
+        device = self._engine.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def throughput(self, step_s: float) -> dict:
         """Tokens/s, TFLOP/s per worker and MFU/HFU for a step time (the slowest rank's)."""

@@ -6,6 +6,7 @@ shaped with a token bucket (``tc tbf``), like a server's Ethernet port. ``shardw
 up/run/check/down`` builds it, runs torchrun jobs across it, measures its link and removes it.
 
 Modules: ``spec`` (``Testbed``: names, addresses, rate, the state file), ``network`` (namespaces,
-bridge and shaping through ``ip`` and ``tc``), ``job`` (one torchrun per node), ``probe`` and
-``check`` (link measurements), ``regime`` (the rate of a GPU cluster's regime: ``--like``).
+bridge and shaping through ``ip`` and ``tc``), ``job`` (one torchrun per node), ``node`` (that
+torchrun, ending in one line), ``probe`` and ``check`` (link measurements), ``regime`` (the rate
+of a GPU cluster's regime: ``--like``).
 """

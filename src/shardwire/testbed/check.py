@@ -16,7 +16,7 @@ import sys
 
 from shardwire.testbed import probe
 from shardwire.testbed.network import burst_bytes, in_namespace
-from shardwire.testbed.spec import Testbed, TestbedError, format_rate
+from shardwire.testbed.spec import Testbed, TestbedFailure, format_rate
 
 # Payload over the wire may exceed the rate by the bucket's burst, plus timer slack.
 RATE_TOLERANCE = 1.02
@@ -64,7 +64,7 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
     try:
         ready = receiver.stdout.readline().split()
         if ready[:1] != ["ready"]:
-            raise TestbedError(f"the receiver on node{target} did not start: {receiver.stderr.read().strip()}")
+            raise TestbedFailure(f"the receiver on node{target} did not start: {receiver.stderr.read().strip()}")
         sender = subprocess.run(
             in_namespace(testbed.namespace(source),
                          [*script, "send", "--to", address, "--port", ready[1], "--bytes", str(nbytes),
@@ -72,13 +72,13 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )
         if sender.returncode != 0:
-            raise TestbedError(f"sending from node{source} to node{target} failed: {sender.stderr.strip()}")
+            raise TestbedFailure(f"sending from node{source} to node{target} failed: {sender.stderr.strip()}")
         out, err = receiver.communicate(timeout=timeout_s)
         if receiver.returncode != 0:
-            raise TestbedError(f"receiving on node{target} from node{source} failed: {err.strip()}")
+            raise TestbedFailure(f"receiving on node{target} from node{source} failed: {err.strip()}")
         result = json.loads(out)
     except subprocess.TimeoutExpired:
-        raise TestbedError(f"a transfer from node{source} to node{target} took over {timeout_s:g}s") from None
+        raise TestbedFailure(f"a transfer from node{source} to node{target} took over {timeout_s:g}s") from None
     finally:
         if receiver.poll() is None:
             receiver.kill()

@@ -3,9 +3,11 @@
 Each node runs ``torchrun --nnodes N --nproc-per-node R --rdzv-backend c10d --rdzv-endpoint
 <node0>:29400 CMD...`` inside its namespace, exactly as a job starts on a real cluster, with gloo
 (and NCCL) told to use the node's link. (No ``--node-rank``: the c10d rendezvous numbers the nodes
-itself, and torchrun ignores it there with a warning.) Their output is streamed with a node
-prefix. The job ends when every node has finished; if one node fails, or the user interrupts, the
-other nodes are stopped (torchrun first, so it can end its workers; then anything left of the job).
+itself, and torchrun ignores it there with a warning.) torchrun runs in ``shardwire.testbed.node``,
+so that a node whose worker failed adds at most one line to the worker's own, not torchrun's
+traceback. Their output is streamed with a node prefix. The job ends when every node has finished;
+if one node fails, or the user interrupts, the other nodes are stopped (torchrun first, so it can
+end its workers; then anything left of the job).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ POLL_S = 0.1
 def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list[str], job_id: str,
                  max_restarts: int = 0) -> list[str]:
     return in_namespace(testbed.namespace(node), [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "shardwire.testbed.node",  # torchrun, ending in one line (node.py)
         *rendezvous_options(testbed.nodes, nproc_per_node, f"{testbed.address(0)}:{RDZV_PORT}", job_id),
         # Said outright, not left to torchrun to infer: which node hosts the rendezvous store, and
         # each node's address for the workers' MASTER_ADDR.

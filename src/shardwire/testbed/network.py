@@ -33,6 +33,7 @@ from shardwire.testbed.spec import (
     SUBNET,
     Testbed,
     TestbedError,
+    TestbedFailure,
     check_name,
     held,
     state_path,
@@ -59,12 +60,14 @@ def burst_bytes(rate_bits: int) -> int:
     return max(bucket, int(rate_bits / 8 * TICK_SECONDS))
 
 
-def require_privileges(action: str) -> None:
-    """Fail early, and say what is needed, when this process cannot build or enter namespaces."""
+def require_privileges(action: str, command: str | None = None) -> None:
+    """Fail early, and say what is needed, when this process cannot build or enter namespaces;
+    ``command``, the user's own command line where known, is repeated under sudo, to run as printed."""
     if os.geteuid() != 0:
+        remedy = f": `sudo {command}`" if command else ""
         raise TestbedError(
             f"`shardwire testbed {action}` needs root: it creates network namespaces, virtual links and "
-            f"tc qdiscs. Run it as root, e.g. `sudo shardwire testbed {action} ...`"
+            f"tc qdiscs. Run it as root{remedy}"
         )
     for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
@@ -91,7 +94,7 @@ def set_link(testbed: Testbed, node: int, up: bool) -> None:
 def _run(*argv: str) -> str:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise TestbedError(f"`{' '.join(argv)}` failed: {result.stderr.strip() or f'exit {result.returncode}'}")
+        raise TestbedFailure(f"`{' '.join(argv)}` failed: {result.stderr.strip() or f'exit {result.returncode}'}")
     return result.stdout
 
 

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +39,14 @@ _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10
 
 
 class TestbedError(RuntimeError):
-    """A testbed command cannot go on; the message says what is wrong and what to do."""
+    """A testbed command cannot go on; the message says what is wrong and what to do. Raised as is,
+    it is a refusal (what the user gave or must do first: a bad name, no testbed up), which the
+    command ends with a status of 2, as every command's refusals end."""
+
+
+class TestbedFailure(TestbedError):
+    """What the testbed's machinery could not do (an ``ip`` or ``tc`` command, a transfer ``check``
+    timed): not the user's input, so the command ends with a status of 1, as a failed job does."""
 
 
 def check_name(name: str) -> str:
@@ -60,6 +68,21 @@ def parse_rate(text: str) -> int:
     if not MIN_RATE <= bits <= MAX_RATE:
         raise TestbedError(f"link rate {shown(text)} is outside {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}")
     return round(bits)
+
+
+def rate_option(bits: int) -> str:
+    """``bits`` per second as ``--link`` takes it back, exactly: ``format_rate``'s words where they
+    read back as ``bits``, else the bits themselves, so that a printed ``up`` builds this very rate."""
+    shown = format_rate(bits)
+    return shown if parse_rate(shown) == bits else f"{bits}bit"
+
+
+def testbed_command(action: str, name: str, *rest: str) -> str:
+    """``shardwire testbed ACTION`` on testbed ``name``, as a message suggests it: with ``--name``
+    unless it is the default (an action without it acts on the default testbed), so that it runs as
+    printed."""
+    named = ["--name", name] if name != DEFAULT_NAME else []
+    return shlex.join(["shardwire", "testbed", action, *named, *rest])
 
 
 def format_rate(bits: int) -> str:
@@ -109,6 +132,10 @@ class Testbed:
         """The hub's end of a node's link (the node's end is ``NODE_INTERFACE`` in its namespace)."""
         return f"node{node}"
 
+    def up_command(self) -> str:
+        """The command that builds this testbed, nodes and rate as they are."""
+        return testbed_command("up", self.name, "--nodes", str(self.nodes), "--link", rate_option(self.rate_bits))
+
     def describe(self) -> str:
         return f"testbed {self.name!r}: {self.nodes} node(s) on {format_rate(self.rate_bits)} links"
 
@@ -122,9 +149,9 @@ class Testbed:
         """The testbed ``up`` recorded for ``name``; an error that says how to build one if none is up."""
         path = state_path(name)
         if not path.exists():
-            raise TestbedError(
-                f"no testbed {name!r} is up; build one first, e.g. `shardwire testbed up --nodes 2 --link 1gbit`")
-        remedy = "run `shardwire testbed down` and up again"
+            example = testbed_command("up", name, "--nodes", "2", "--link", "1gbit")
+            raise TestbedError(f"no testbed {name!r} is up; build one first, e.g. `{example}`")
+        remedy = f"run `{testbed_command('down', name)}` and up again"
         try:
             return cls(**read_json(str(path), f"the state file {path}", kind="testbed's state", remedy=remedy,
                                    limit=MAX_TEXT_BYTES))

@@ -23,19 +23,23 @@ import math
 import os
 import pathlib
 import sysconfig
+import tokenize
 import weakref
 
 import numpy as np
 import torch
 
-from shardwire.files import LEADS_NOWHERE, write_atomically
-from shardwire.models.choice import check_files, custom_code
+from shardwire.files import LEADS_NOWHERE, WriteFailed, write_atomically
+from shardwire.models import tokenizer as hf_tokenizer
+from shardwire.models.choice import check_files
 
 VALIDATION_FRACTION = 0.01
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 BIN_DTYPES = ("uint16", "uint32")
+# What every .npy file begins with (numpy.lib.format.MAGIC_PREFIX).
+_NPY_MAGIC = b"\x93NUMPY"
 # Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
 _CHECK_CHUNK = 1 << 24
 # The bytes at each end of the data that its fingerprint (``identity``) reads.
@@ -45,44 +49,39 @@ MAX_SEED = 2**64 - 1
 
 
 def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
-                bin_dtype: str = "uint16", memory: int | None = None) -> "ByteCorpus | TokenCorpus":
+                bin_dtype: str = "uint16", memory: int | None = None,
+                tokenizer_label: str | None = None) -> "ByteCorpus | TokenCorpus":
     """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
     ``tokenized``); else text as bytes, refused where it needs more than ``memory`` bytes."""
     if tokenizer is not None:
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
-        return TokenCorpus.load(str(tokenized(path, tokenizer)), seq_len)
+        return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len, bin_dtype)
     return ByteCorpus.load(path, seq_len, memory)
 
 
-def tokenized(path: str | None, tokenizer_dir: str) -> pathlib.Path:
+def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None) -> pathlib.Path:
     """The ids of the text at ``path`` under the tokenizer in ``tokenizer_dir``, tokenised once, with a
     progress bar, into a ``.npy`` beside the data (the default corpus's in ``_cache_directory``), named
     for both (a digest of the tokenizer's files and the texts' sizes and times), so a changed tokenizer
     or text is tokenised again. Documents are joined with the tokenizer's end-of-text id where it has
-    one."""
+    one. ``label``: how the user gave the tokenizer, for messages (``--tokenizer DIR`` by default)."""
     from tqdm import tqdm
 
-    from shardwire.extras import require
-
+    label = label or f"--tokenizer {tokenizer_dir}"
     directory = pathlib.Path(tokenizer_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a directory: give a local Hugging Face "
-                                f"tokenizer's directory (as save_pretrained writes it)")
+        hf_tokenizer.load(directory, label)  # says what it is not
     try:
         check_files(directory)
     except ValueError as err:
-        raise ValueError(f"--tokenizer {tokenizer_dir}: {err}") from None
+        raise ValueError(f"{label}: {err}") from None
     files, name = _text_files(path)
     digest = hashlib.sha256()
-    for file in sorted(p for p in directory.iterdir() if p.is_file()):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:  # in pieces: a tokenizer's files can be large
-            for piece in iter(lambda: f.read(1 << 20), b""):
-                digest.update(piece)
+    hf_tokenizer.add_files(digest, directory)
     for file in files:
         stat = file.stat()
         digest.update(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -94,21 +93,20 @@ def tokenized(path: str | None, tokenizer_dir: str) -> pathlib.Path:
             return cache
         except ValueError:  # damaged (a full disk, a copy cut short): it is ours to make again
             pass
-    transformers = require("transformers", "--tokenizer")
-    try:  # a tokenizer directory is data: the code its auto_map names never runs
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True,
-                                                               trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        problem = custom_code(directory / "tokenizer_config.json") or custom_code(directory / "config.json")
-        raise ValueError(f"--tokenizer {tokenizer_dir}: {problem or str(err).splitlines()[0]}") from None
-    separator = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    pieces = [np.asarray(tokenizer(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
+    reader = hf_tokenizer.load(directory, label)
+    separator = [] if reader.eos_token_id is None else [reader.eos_token_id]
+    pieces = [np.asarray(reader(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
               for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
-    ids = np.concatenate(pieces).astype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
+    ids = np.concatenate(pieces).astype(np.uint16 if len(reader) <= 1 << 16 else np.uint32)
     array = io.BytesIO()
     np.save(array, ids)
     # whole or absent, and each rank's own temporary file: the ranks of a torchrun job tokenise at once
-    write_atomically(cache, array.getvalue())
+    try:
+        write_atomically(cache, array.getvalue())
+    except WriteFailed as err:  # not skipped: the run reads the ids from this file, memory-mapped
+        room = "set XDG_CACHE_HOME to a directory with room" if path is None else "copy the text where there is room"
+        raise ValueError(f"--tokenizer: the ids of {name} go to {cache}, which could not be written: "
+                         f"{err.strerror}; free space there, or {room}") from None
     return cache
 
 
@@ -295,10 +293,16 @@ def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
                              f"{min(len(ids), _CHECK_CHUNK):,} is 0): give --token-dtype uint32")
         return ids
     try:
-        ids = np.load(file, mmap_mode="r")  # never a pickle: allow_pickle stays False
-    except (ValueError, OSError, EOFError) as err:
+        with file.open("rb") as f:
+            head = f.read(len(_NPY_MAGIC))
+        ids = np.load(file, mmap_mode="r") if head == _NPY_MAGIC else None  # never a pickle: allow_pickle stays False
+    except (ValueError, OSError, EOFError, tokenize.TokenError) as err:  # TokenError: a header cut short
         raise ValueError(f"{file} is not a readable .npy file ({str(err).splitlines()[0][:200]}): write it "
                          f"again with numpy.save") from None
+    if head != _NPY_MAGIC:  # numpy would take it for a pickle, and suggest loading it unsafely
+        raise ValueError(f"{file} is not a NumPy .npy array file (it does not begin with the header numpy.save "
+                         f"writes): a .npy holds token ids saved by numpy.save, a .bin flat ids, and a file of any "
+                         f"other name is read as text")
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind != "u":
         shape = f"a {ids.ndim}-d {ids.dtype} array" if isinstance(ids, np.ndarray) else "no array"
         raise ValueError(f"{file} holds {shape}: token ids are a flat array of unsigned integers (uint16 or uint32)")

@@ -42,6 +42,7 @@ from shardwire.files import OutputRefused, StagedDirectory
 from shardwire.launch import REFUSED, under_launcher
 from shardwire.mappings import one_line
 from shardwire.models import fp8
+from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import (
     HF_PREFIX,
     ModelChoice,
@@ -332,7 +333,9 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         try:
             if rank == 0:
                 try:
-                    written = save_pretrained(config.model, weights, export, fields=trained_on.get("hf_config"))
+                    tokenizer = run_tokenizer(config)
+                    written = save_pretrained(config.model, weights, export, fields=trained_on.get("hf_config"),
+                                              tokenizer=tokenizer and tokenizer[0])
                 except OSError as err:  # a full disk, a quota: the run's other results stand
                     raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
                                      f"{_where_the_model_is(config)}") from None
@@ -370,15 +373,25 @@ def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, dev
     )
 
 
+def run_tokenizer(config: TrainConfig) -> tuple[pathlib.Path, str] | None:
+    """The tokenizer of the run's text, and of what it exports, with how the user gave it: ``--tokenizer``,
+    else the ``hf:`` model directory's own where it holds one."""
+    if config.tokenizer is not None:
+        return pathlib.Path(config.tokenizer), f"--tokenizer {config.tokenizer}"
+    if (own := tokenizer_directory(config.model)) is not None:
+        return own, f"the tokenizer in {config.model}"
+    return None
+
+
 def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None = None) -> ByteCorpus | TokenCorpus:
     """The job's data: token ids as they are; text through ``--tokenizer``, else through the ``hf:``
     model's own tokenizer where its directory holds one; text as bytes only into a model whose ids
     mean bytes (a GPT preset, or a Hugging Face model with a vocabulary of 256), and refused where it
     needs more than ``memory`` bytes."""
-    tokenizer = config.tokenizer
-    if tokenizer is None and not (config.data or "").endswith(TOKEN_SUFFIXES):
-        tokenizer = tokenizer_directory(config.model)
-    corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer), config.token_dtype, memory)
+    text = not (config.data or "").endswith(TOKEN_SUFFIXES)
+    tokenizer = run_tokenizer(config) if text or config.tokenizer is not None else None  # ids need none given
+    corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer[0]), config.token_dtype, memory,
+                         tokenizer and tokenizer[1])
     if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != BYTE_VOCAB:
         raise ValueError(f"--data is text, read as bytes (ids 0 to 255), but {choice.name}'s {choice.vocab_size:,} "
                          f"ids are its tokenizer's: give --tokenizer DIR (its tokenizer) or pre-tokenised --data")
@@ -696,6 +709,8 @@ def _trained_on(config: TrainConfig, corpus: ByteCorpus | TokenCorpus, global_ba
     recorded = {"data": corpus.identity, "global_batch": global_batch}
     if (fields := config_fields(config.model)) is not None:
         recorded["hf_config"] = fields
+    if config.model.startswith(HF_PREFIX) and (tokenizer := run_tokenizer(config)) is not None:
+        recorded["tokenizer"] = {"path": str(tokenizer[0].resolve()), "digest": hf_tokenizer.digest_of(tokenizer[0])}
     return recorded
 
 
@@ -845,7 +860,10 @@ def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens
 
 def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
     run_dir = config.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    summary = profiler.save(run_dir)
+    try:
+        summary = profiler.save(run_dir)
+    except OutputRefused as err:  # a full disk, met by every rank (Profiler.save): the checkpoints stand
+        raise _agreed(f"error: --run-dir: {err}") from None
     if rank != 0:
         return
     f = summary["typical_step"]["figures"]  # one rank's own parts, which add up to its step

@@ -1,0 +1,47 @@
+"""A Hugging Face tokenizer's directory, as shardwire reads it: loaded as data (the code an
+``auto_map`` names never runs), and known by a digest of its files, so that what was trained with it
+can tell whether the directory still holds the same tokenizer (a checkpoint records it; ``export``
+writes it beside the weights only while it does)."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+from shardwire.extras import require
+from shardwire.models.choice import check_files, custom_code
+
+
+def add_files(digest: "hashlib._Hash", directory: pathlib.Path) -> None:
+    """Add the names and contents of ``directory``'s files to ``digest``."""
+    for file in sorted(p for p in directory.iterdir() if p.is_file()):
+        digest.update(file.name.encode())
+        with file.open("rb") as f:  # in pieces: a tokenizer's files can be large
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                digest.update(piece)
+
+
+def digest_of(directory: str | pathlib.Path) -> str:
+    """A sha256 of the tokenizer's files, names and contents."""
+    digest = hashlib.sha256()
+    add_files(digest, pathlib.Path(directory))
+    return digest.hexdigest()
+
+
+def load(directory: str | pathlib.Path, label: str):
+    """The tokenizer in ``directory``; raises ``ValueError`` beginning with ``label`` (how the user
+    gave it: ``--tokenizer DIR``, or the model's own) and saying what is wrong, in one line."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{label} is not a directory: give a local Hugging Face tokenizer's directory (as "
+                         f"save_pretrained writes it)")
+    try:
+        check_files(directory)
+    except ValueError as err:
+        raise ValueError(f"{label}: {err}") from None
+    transformers = require("transformers", "a Hugging Face tokenizer")
+    try:  # a tokenizer directory is data: the code its auto_map names never runs
+        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # a tokenizer transformers cannot read, however it says so
+        problem = custom_code(directory / "tokenizer_config.json") or custom_code(directory / "config.json")
+        raise ValueError(f"{label}: {problem or str(err).splitlines()[0]}") from None

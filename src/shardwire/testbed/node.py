@@ -1,0 +1,47 @@
+"""What each node of ``shardwire testbed run`` runs: torchrun, in this process, ending as
+``shardwire train``'s own launch ends (``shardwire.launch.launch_local``).
+
+``python -m torch.distributed.run`` ends a job whose worker failed with its ``ChildFailedError``'s
+traceback and a table of the failures, some thirty lines on every node after the worker's own line
+(and a node that ``run`` stops, or that lost the rendezvous, with a traceback too). Here a worker
+that refused (status 2, ``launch.REFUSED``: it said why, in one line) ends its node with that
+status and nothing more; a worker that failed otherwise, with one line naming the ranks and their
+statuses; a node that lost the rendezvous (the node holding it ended first, or is cut off), with
+one line; and a node stopped by a signal, quietly, with 128 + its number (``job.run_job`` says
+which node stopped the job).
+
+    python -m shardwire.testbed.node TORCHRUN_ARGUMENTS...
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shardwire.launch import failed_workers, quiet_agent
+
+
+def main(argv: list[str]) -> int:
+    """Run torchrun with ``argv`` (its options, then the job); returns the node's exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import parse_args, run
+
+    quiet_agent()
+    config = parse_args(argv)
+    try:
+        run(config)
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        return failed_workers(err)
+    except RendezvousError as err:  # the nodes could not meet, or the one holding their meeting point ended
+        reason = " ".join(str(err.__cause__ or err).split())
+        print(f"error: the job's rendezvous at {config.rdzv_endpoint} failed ({reason}): the node holding it has "
+              f"stopped, or cannot be reached", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
