@@ -205,6 +205,18 @@ def test_shardwires_own_warnings_are_one_line_and_others_as_ever():
     assert theirs.startswith(f"{argparse.__file__}:10: DeprecationWarning: deprecated")
 
 
+@pytest.mark.parametrize("diloco, trains", [
+    ([], "it trains as --layout full;"),
+    (["--diloco", "sync_every=2"], "it trains as one group, sharded as --layout full, whose --diloco outer step still "
+                                   "applies at each sync with no other group to average;"),
+])
+def test_hybrid_on_one_node_says_once_what_it_trains_as(capsys, diloco, trains):
+    assert main(["train", "--model", "tiny", "--nproc", "2", "--layout", "hybrid", *diloco, "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --layout hybrid shards within each node and replicates across nodes, and all 2 "
+                          "ranks are on one node: ") and trains in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv", [
     ["export", "ckpt", "out.pt", "--model", "x" * 100_000],
     ["report", "q" * 5_000],
@@ -275,3 +287,16 @@ def test_a_testbed_job_is_checked_for_the_world_its_nodes_give_it(testbed_jobs, 
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} & os.environ.keys()
     assert testbed_jobs("train", "--help") == 0 and not started
     assert capsys.readouterr().out.startswith("usage: shardwire train")
+
+
+def test_ctrl_c_names_a_fault_tolerant_groups_own_series(tmp_path):
+    import shardwire
+    from shardwire.cli.train import _what_was_saved
+    from shardwire.models.gpt import GPT, PRESETS, Block
+    from shardwire.training.config import TrainConfig
+
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path / "g1", 4), model, step=4).wait()
+    config = TrainConfig(checkpoint_dir=str(tmp_path), fault_tolerance="lighthouse=http://localhost:29510,group=g1")
+    assert _what_was_saved(config) == (f"{tmp_path}/g1/step_00000004 is the newest checkpoint; running the same "
+                                       f"command again resumes from it")

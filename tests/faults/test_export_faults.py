@@ -506,3 +506,18 @@ def test_a_tokenizer_export_hf_cannot_read_is_one_line_before_the_run(tmp_path):
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines()[-1].startswith("error: --export-hf: the tokenizer in hf:m: Expecting value"), \
         done.stderr
+
+
+@pytest.mark.slow
+def test_a_diloco_checkpoint_between_syncs_says_which_model_is_exported(tmp_path, capsys):
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "4", "--nproc", "2",
+                           "--layout", "hybrid", "--shard-group-size", "1", "--diloco", "sync_every=3",
+                           "--checkpoint-dir", "ckpt", "--save-every", "2", "--eval-batches", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    status, _, err = export(capsys, tmp_path / "ckpt/step_00000002", tmp_path / "two.pt")
+    assert status == 0 and err == (f"note: {tmp_path}/ckpt/step_00000002 was saved at step 2, between syncs of --diloco "
+                                   f"(every 3 steps): exported is the model the groups last agreed on, without the "
+                                   f"steps each trained since\n")
+    status, _, err = export(capsys, tmp_path / "ckpt", tmp_path / "last.pt")  # the run ended with a sync
+    assert status == 0 and err == ""

@@ -18,6 +18,7 @@ import os
 import pathlib
 import signal
 import sys
+import warnings
 
 import torch
 
@@ -25,6 +26,7 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.checkpoint.series import group_series
+from shardwire.engine.diloco import DiLoCo
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.mappings import cut, one_line, shown
 from shardwire.options import argument_text, text
@@ -134,6 +136,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
         raise OutputRefused(f"OUT {args.out} {problem}")
     with CheckpointReader(checkpoint) as reader:
         extra = reader.manifest.extra if isinstance(reader.manifest.extra, dict) else {}
+        notes += _between_syncs(checkpoint, extra, reader.manifest.step)
     recorded = extra.get("model") if isinstance(extra.get("model"), str) else None
     model = args.model or recorded
     if model is None:
@@ -161,6 +164,23 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
         raise OutputRefused(f"OUT {args.out} {problem}")
     _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None)
     return model, export_state_dict(checkpoint, args.out)
+
+
+def _between_syncs(checkpoint: pathlib.Path, extra: dict, step: int | None) -> list[str]:
+    """A note where ``checkpoint`` was saved between two syncs of ``--diloco``: each group saved its own
+    parameters beside the model the groups last agreed on, and that model is the one exported (as
+    any other job loads it)."""
+    settings = extra.get("settings")
+    try:
+        with warnings.catch_warnings():  # a renamed key the run was given is not this command's to warn of
+            warnings.simplefilter("ignore")
+            diloco = DiLoCo.parse(settings.get("diloco")) if isinstance(settings, dict) else None
+    except (TypeError, ValueError):
+        return []
+    if diloco is None or not isinstance(step, int) or step % diloco.sync_every == 0 or step == settings.get("steps"):
+        return []  # synced at the step it was saved (a run's last step ends with a sync)
+    return [f"{checkpoint} was saved at step {step}, between syncs of --diloco (every {diloco.sync_every} steps): "
+            f"exported is the model the groups last agreed on, without the steps each trained since"]
 
 
 def _same_architecture(checkpoint: pathlib.Path, model: str, extra: dict) -> bool:

@@ -76,11 +76,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _what_was_saved(config: TrainConfig) -> str:
+    """The newest checkpoint of the run's series: a fault-tolerant group's is its own, below
+    --checkpoint-dir under the group's name."""
     if config.checkpoint_dir is None:
         return "nothing was saved (no --checkpoint-dir)"
-    saved = list_checkpoints(config.checkpoint_dir)
+    fault_tolerance = FaultTolerance.parse(config.fault_tolerance)  # as _validate wrote it: the group named
+    series = (config.checkpoint_dir if fault_tolerance is None
+              else os.path.join(config.checkpoint_dir, fault_tolerance.group))
+    saved = list_checkpoints(series)
     if not saved:
-        return f"no checkpoint was saved in {config.checkpoint_dir} yet"
+        return f"no checkpoint was saved in {series} yet"
     return f"{saved[-1]} is the newest checkpoint; running the same command again resumes from it"
 
 
@@ -194,8 +199,10 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
         raise SystemExit(f"error: {err}") from None
     if (config.layout != "full" and config.shard_group_size is None and fault_tolerance is None and world > 1
             and plan.group == world and not under_launcher()):  # before the workers start (under a launcher, shard's)
+        trains = ("one group, sharded as --layout full, whose --diloco outer step still applies at each sync with no "
+                  "other group to average" if diloco is not None else "--layout full")
         print(f"warning: --layout {config.layout} shards within each node and replicates across nodes, and all "
-              f"{world} ranks are on one node: it trains as --layout full; give --shard-group-size, or run on "
+              f"{world} ranks are on one node: it trains as {trains}; give --shard-group-size, or run on "
               f"several nodes (--nnodes)", file=sys.stderr)
     return diloco, fault_tolerance
 
