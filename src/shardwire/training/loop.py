@@ -335,7 +335,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
                 try:
                     tokenizer = run_tokenizer(config)
                     written = save_pretrained(config.model, weights, export, fields=trained_on.get("hf_config"),
-                                              tokenizer=tokenizer and tokenizer[0])
+                                              tokenizer=tokenizer[0] if tokenizer else False)
                 except OSError as err:  # a full disk, a quota: the run's other results stand
                     raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
                                      f"{_where_the_model_is(config)}") from None
