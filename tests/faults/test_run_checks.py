@@ -348,6 +348,12 @@ def test_an_hf_checkpoint_records_its_config_and_refuses_another(tmp_path):
             "activation_function 'gelu_new' -> 'relu'; its weights belong to the recorded "
             "architecture") in done.stderr
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
+    (model / "config.json").write_text(json.dumps(config))
+    done = train("--model", "hf:gpt2-mini", "--seq-len", "32", "--steps", "4", "--checkpoint-dir", "ckpt",
+                 "--units", "GPT2MLP", cwd=tmp_path, check=False)
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: ckpt/step_00000002 was trained with the model's own units, and this run has --units GPT2MLP: a "
+        "checkpoint holds its weights unit by unit, so give no --units to resume it"), done.stderr
 
 
 @pytest.mark.slow

@@ -718,7 +718,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
             deal: Deal | None = None) -> int:
     """Restore the newest good checkpoint in --checkpoint-dir, and the data ``deal`` of
     fault-tolerant groups; returns the step to continue from."""
-    if (another := _trained_at_another_length(config, seq_len)) is not None:
+    if (another := _trained_otherwise(config, seq_len)) is not None:
         raise _agreed(f"error: {another}")
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
@@ -764,23 +764,31 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     return info.step
 
 
-def _trained_at_another_length(config: TrainConfig, seq_len: int) -> str | None:
-    """Why no checkpoint of --checkpoint-dir fits this run's model, where the newest was trained as
-    this GPT preset at another ``--seq-len``, said before any is loaded (each would be skipped as
-    another model's): a preset's position table has a row per token, so its weights fit only a
-    model made at that length (an ``hf:`` model's do not depend on it)."""
-    if config.model.startswith(HF_PREFIX):
-        return None
+def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
+    """Why no checkpoint of --checkpoint-dir fits this run's model, where the newest was trained as this
+    model with what lays its weights out otherwise, said before any is loaded (each would be skipped
+    as another model's): other ``--units`` (a checkpoint holds a flat buffer per unit), or, for a
+    GPT preset, another ``--seq-len`` (its position table has a row per token; an ``hf:`` model's
+    weights do not depend on it)."""
     for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
             extra = Manifest.read(path).extra
         except shardwire.CheckpointError:
             continue
         extra = extra if isinstance(extra, dict) else {}
+        settings = extra.get("settings") if isinstance(extra.get("settings"), dict) else {}
+        if extra.get("model") != recorded_name(config.model):
+            return None
+        if "units" in settings and settings["units"] != config.units:
+            trained, given = (f"--units {units}" if units else "the model's own units"
+                              for units in (settings["units"], config.units))
+            remedy = f"--units {settings['units']}" if settings["units"] else "no --units"
+            return (f"{path} was trained with {trained}, and this run has {given}: a checkpoint holds its weights "
+                    f"unit by unit, so give {remedy} to resume it")
         recorded = recorded_seq_len(extra)
-        if recorded is None and isinstance(extra.get("settings"), dict) and config.model in PRESETS:
+        if recorded is None and settings and config.model in PRESETS:
             recorded = PRESETS[config.model].seq_len  # trained at the preset's own length
-        if extra.get("model") != config.model or recorded is None or recorded == seq_len:
+        if config.model.startswith(HF_PREFIX) or recorded is None or recorded == seq_len:
             return None
         return (f"{path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
                 f"{recorded} to resume it")
