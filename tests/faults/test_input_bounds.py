@@ -65,7 +65,12 @@ def test_files_are_read_up_to_a_bound_and_never_wait_for_a_writer(tmp_path, caps
     run = tmp_path / "run"
     run.mkdir()
     (run / "profile.json").symlink_to("/dev/zero")
-    assert f"{run}/profile.json is not a regular file" in refusal(["report", str(run)], capsys)
+    assert f"{run}/profile.json is larger than" in refusal(["report", str(run)], capsys)  # as calibrate reads it
+    os.unlink(run / "profile.json")
+    os.mkfifo(run / "profile.json")
+    assert f"{run}/profile.json is empty" in refusal(["report", str(run)], capsys)
+    assert (f"{run}/profile.json is not a directory: give the run directory that holds it, {run}"
+            in refusal(["report", str(run / "profile.json")], capsys))
 
 
 def test_a_hugging_face_directory_is_read_within_bounds(tmp_path, capsys):

@@ -38,16 +38,18 @@ class ReportError(Exception):
 
 
 def load_profile(run_dir: str) -> dict:
+    """The profile of ``run_dir``, read as every profile is (``mappings.read_json``: bounded in size,
+    depth and encoding; a FIFO nobody writes to is empty, a device is read to the bound)."""
     path = os.path.join(run_dir, PROFILE_FILE)
     if not os.path.isdir(run_dir):
-        raise ReportError(f"{cut(run_dir)} is not a directory")
+        given = (os.path.dirname(run_dir) or ".") if os.path.basename(run_dir) == PROFILE_FILE else None
+        raise ReportError(f"{cut(run_dir)} is not a directory: give the run directory " +
+                          (f"that holds it, {cut(given)}" if given else "that holds a profile.json"))
     if not os.path.exists(path):
         raise ReportError(
             f"{cut(run_dir)} has no profile data ({PROFILE_FILE} is missing): profile a run with "
             f"`shardwire train --profile --run-dir {cut(run_dir)}` or Profiler.save({cut(run_dir)!r})"
         )
-    if not os.path.isfile(path):  # a FIFO would block the report for ever, a device feed it to the bound
-        raise ReportError(f"{path} is not a regular file: profile the run again")
     try:
         profile = read_json(path, path, kind="profile", remedy="profile the run again")
     except MappingError as err:
