@@ -538,7 +538,7 @@ class _Divergence:
 
     def logged(self, step: int, loss: float) -> None:
         """The mean loss of the interval that ended at ``step`` (every rank's, after ``check``)."""
-        if self._lowest is None:  # the loss of the model the run started from, over every rank
+        if self._lowest is None and self._start_loss is not None:  # the start's loss, over every rank
             start_loss = self._start_loss.clone()
             dist.all_reduce(start_loss)
             self._lowest = (start_loss.item() / dist.get_world_size(), self._start)
@@ -550,7 +550,7 @@ class _Divergence:
         mean = sum(self._recent) / self.SPIKE_WINDOW
         self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
         self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
-        if mean < self._lowest[0]:
+        if self._lowest is None or mean < self._lowest[0]:
             self._lowest = (mean, step)
             return
         lowest, at = self._lowest
