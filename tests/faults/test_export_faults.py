@@ -506,6 +506,18 @@ def test_a_tokenizer_export_hf_cannot_read_is_one_line_before_the_run(tmp_path):
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines()[-1].startswith("error: --export-hf: the tokenizer in hf:m: Expecting value"), \
         done.stderr
+    # a tokenizer of custom code: transformers would load the model type's class for it, but the export would
+    # carry an auto_map naming code it does not hold
+    _byte_tokenizer(tmp_path / "m", 0)
+    config = json.loads((tmp_path / "m/tokenizer_config.json").read_text())
+    (tmp_path / "m/tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["t.T", None]}}))
+    (tmp_path / "m/config.json").write_text(json.dumps({**GPT2, "vocab_size": 256}))
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "hf:m", "--data", "ids.bin",
+                           "--steps", "2", "--export-hf", "out"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("error: --export-hf: the tokenizer in hf:m: it needs custom code"), \
+        done.stderr
 
 
 @pytest.mark.slow

@@ -244,6 +244,25 @@ def test_a_spike_before_any_loss_is_logged_is_bounded_by_the_first_loss(losses):
         diverged.check()
 
 
+@pytest.mark.parametrize("warmup", [0, 40])
+def test_a_climb_is_divergence_in_warmup_and_after_it(warmup):
+    """No loss is 10 times the last ones, but they climb to over twice the loss the run started from."""
+    diverged = divergence(lr=0.5, warmup=warmup)
+    diverged.note_loss(0, torch.tensor(5.5))
+    with pytest.raises(SystemExit, match=r"error: training diverged: the mean of the last 5 logged losses climbed to "
+                                         r"11.1 at step 9, over 2 times the loss of the model the run started from, "
+                                         r"5.5 \(nothing was saved\): lower --lr \(now 0.5\)$"):
+        for step, loss in enumerate((6, 7, 8, 9, 9.5, 10, 11, 12, 13, 18), 1):
+            diverged.logged(step, float(loss))
+
+
+def test_a_noisy_loss_that_falls_is_not_a_climb():
+    diverged = divergence(warmup=5)
+    diverged.note_loss(0, torch.tensor(5.5))
+    for step in range(1, 200):
+        diverged.logged(step, 5.5 * 0.98 ** step + (0.3 if step % 2 else -0.3))
+
+
 def test_a_loss_in_warmup_or_below_the_bound_is_not_a_spike():
     diverged = divergence(warmup=10)
     for step in range(1, 10):

@@ -39,6 +39,10 @@ def load(directory: str | pathlib.Path, label: str):
         check_files(directory)
     except ValueError as err:
         raise ValueError(f"{label}: {err}") from None
+    if (problem := custom_code(directory / "tokenizer_config.json")) is not None:
+        # refused even where transformers would load another class for it: written beside an export,
+        # its auto_map would name code the export does not hold
+        raise ValueError(f"{label}: {problem}")
     transformers = require("transformers", "a Hugging Face tokenizer")
     try:  # a tokenizer directory is data: the code its auto_map names never runs
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)

@@ -72,10 +72,12 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )
         if sender.returncode != 0:
-            raise TestbedFailure(f"sending from node{source} to node{target} failed: {sender.stderr.strip()}")
+            said = sender.stderr.strip() or f"it exited with status {sender.returncode} and said nothing"
+            raise TestbedFailure(f"sending from node{source} to node{target} failed: {said}")
         out, err = receiver.communicate(timeout=timeout_s)
         if receiver.returncode != 0:
-            raise TestbedFailure(f"receiving on node{target} from node{source} failed: {err.strip()}")
+            said = err.strip() or f"it exited with status {receiver.returncode} and said nothing"
+            raise TestbedFailure(f"receiving on node{target} from node{source} failed: {said}")
         result = json.loads(out)
     except subprocess.TimeoutExpired:
         raise TestbedFailure(f"a transfer from node{source} to node{target} took over {timeout_s:g}s") from None

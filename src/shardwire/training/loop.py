@@ -517,7 +517,8 @@ class _Divergence:
         self._device = device
         self._limit: torch.Tensor | None = None  # set by the first loss, on the device
         self._basis = "the run's first loss"
-        self._recent: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)  # after warmup
+        self._climbing: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)  # warmup's too
         self._saved: list[pathlib.Path] = []  # this run's checkpoints, oldest first
         self._start_loss: torch.Tensor | None = None  # this rank's first loss, on the device
         self._lowest: tuple[float, int] | None = None  # the lowest loss (a windowed mean, or the first), its step
@@ -542,14 +543,20 @@ class _Divergence:
             start_loss = self._start_loss.clone()
             dist.all_reduce(start_loss)
             self._lowest = (start_loss.item() / dist.get_world_size(), self._start)
+        self._climbing.append(loss)
+        if len(self._climbing) == self.SPIKE_WINDOW:
+            self._check_climb(step, sum(self._climbing) / self.SPIKE_WINDOW)
         if step <= self._config.warmup:
             return
         self._recent.append(loss)
-        if len(self._recent) < self.SPIKE_WINDOW:
-            return
-        mean = sum(self._recent) / self.SPIKE_WINDOW
-        self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
-        self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
+        if len(self._recent) == self.SPIKE_WINDOW:
+            mean = sum(self._recent) / self.SPIKE_WINDOW
+            self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
+            self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
+
+    def _check_climb(self, step: int, mean: float) -> None:
+        """Stop the run where ``mean``, of the last logged losses (warmup's too: a learning rate far too
+        high climbs there as well), has climbed far above the lowest loss of the run."""
         if self._lowest is None or mean < self._lowest[0]:
             self._lowest = (mean, step)
             return
@@ -562,7 +569,8 @@ class _Divergence:
             if diloco is not None:
                 remedy += (f", or the outer step's --diloco outer_lr (now {diloco.outer_lr:g}) or momentum "
                            f"(now {diloco.momentum:g})")
-            raise _agreed(f"error: training diverged: {self._basis} climbed to {mean:.4g} at step {step}, "
+            raise _agreed(f"error: training diverged: the mean of the last {self.SPIKE_WINDOW} logged losses climbed "
+                          f"to {mean:.4g} at step {step}, "
                           f"over {self.CLIMB_FACTOR} times {what} "
                           f"({self._set_aside(at + 1)}): {remedy}")
 
@@ -618,7 +626,7 @@ class _Divergence:
         """Move this run's checkpoints of weights from ``step`` on (counted from 0: the weights of
         checkpoint ``step`` gave that step's loss) out of the series, on rank 0; says what the series
         holds now."""
-        suspect = [path for path in self._saved if step_of(path) >= step]
+        suspect = [path for path in self._saved if step_of(path) >= step and path.is_dir()]  # not pruned since
         aside = [_free_name(path.with_name(f"{path.name}.diverged")) for path in suspect]
         if dist.get_rank() == 0:
             for path, target in zip(suspect, aside):
