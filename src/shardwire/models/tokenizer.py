@@ -28,9 +28,10 @@ def digest_of(directory: str | pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def load(directory: str | pathlib.Path, label: str):
-    """The tokenizer in ``directory``; raises ``ValueError`` beginning with ``label`` (how the user
-    gave it: ``--tokenizer DIR``, or the model's own) and saying what is wrong, in one line."""
+def check(directory: str | pathlib.Path, label: str) -> pathlib.Path:
+    """``directory`` as a tokenizer's, before any of its files is read: a directory, of regular
+    files, whose code (an ``auto_map``) is not needed; raises ``ValueError`` beginning with ``label``
+    (how the user gave it: ``--tokenizer DIR``, or the model's own) and saying what is wrong."""
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         raise ValueError(f"{label} is not a directory: give a local Hugging Face tokenizer's directory (as "
@@ -43,9 +44,16 @@ def load(directory: str | pathlib.Path, label: str):
         # refused even where transformers would load another class for it: written beside an export,
         # its auto_map would name code the export does not hold
         raise ValueError(f"{label}: {problem}")
+    return directory
+
+
+def load(directory: str | pathlib.Path, label: str):
+    """The tokenizer in ``directory`` (``check``ed first); raises ``ValueError`` as ``check`` does, in
+    one line."""
+    directory = check(directory, label)
     transformers = require("transformers", "a Hugging Face tokenizer")
     try:  # a tokenizer directory is data: the code its auto_map names never runs
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # a tokenizer transformers cannot read, however it says so
-        problem = custom_code(directory / "tokenizer_config.json") or custom_code(directory / "config.json")
+        problem = custom_code(directory / "config.json")
         raise ValueError(f"{label}: {problem or str(err).splitlines()[0]}") from None

@@ -31,7 +31,6 @@ import torch
 
 from shardwire.files import LEADS_NOWHERE, WriteFailed, write_atomically
 from shardwire.models import tokenizer as hf_tokenizer
-from shardwire.models.choice import check_files
 
 VALIDATION_FRACTION = 0.01
 
@@ -72,13 +71,7 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None) ->
     from tqdm import tqdm
 
     label = label or f"--tokenizer {tokenizer_dir}"
-    directory = pathlib.Path(tokenizer_dir)
-    if not directory.is_dir():
-        hf_tokenizer.load(directory, label)  # says what it is not
-    try:
-        check_files(directory)
-    except ValueError as err:
-        raise ValueError(f"{label}: {err}") from None
+    directory = hf_tokenizer.check(tokenizer_dir, label)
     files, name = _text_files(path)
     digest = hashlib.sha256()
     hf_tokenizer.add_files(digest, directory)
