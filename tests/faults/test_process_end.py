@@ -1,6 +1,7 @@
 """A command's process ends as Python's shutdown ends it (its threads waited for, thread pools
 told to stop, its exit handlers run, its output flushed) and then at once, before the teardown that
-torch's C++ threads race."""
+torch's C++ threads race; a script that used shardwire on gloo ends after gloo's threads have let
+go of its tensors."""
 
 from __future__ import annotations
 
@@ -48,3 +49,23 @@ def test_the_command_leaves_with_the_status_its_refusals_and_help_promise(argv, 
     assert done.returncode == status, done.stderr
     if line is not None:
         assert done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
+
+
+LEFT_IN_GLOO = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    import shardwire
+    from shardwire.models.gpt import GPT, PRESETS, Block
+
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    tensor = torch.ones(50_000_000)
+    dist.all_reduce(tensor, async_op=True)  # not waited for: gloo's thread holds the last reference
+    del tensor
+    print("leaving")
+""")
+
+
+def test_a_script_ends_cleanly_while_gloos_thread_still_holds_its_tensor():
+    """Without the wait at exit (``comm.settle``) this ends in "terminate called without an active
+    exception" nearly every time: the thread lets go of the tensor during finalization."""
+    done = subprocess.run([sys.executable, "-c", LEFT_IN_GLOO], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "leaving\n"), done.stderr

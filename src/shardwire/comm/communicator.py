@@ -67,6 +67,7 @@ from shardwire.comm.lanes import Lane
 from shardwire.comm.levels import Levels
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.records import CommRecord
+from shardwire.comm.settle import settle_gloo_at_exit
 from shardwire.comm.wire import Codec
 
 # torch's own flat all-gather and reduce-scatter, under whichever name this torch release has
@@ -165,7 +166,10 @@ class Communicator:
         self.placement = placement_of(group)
         self.clock = Clock(device)
         self._cuda = device.type == "cuda"
-        self._point_to_point = str(dist.get_backend(group)) == "gloo" and not torch_collectives
+        gloo = str(dist.get_backend(group)) == "gloo"
+        if gloo:
+            settle_gloo_at_exit()
+        self._point_to_point = gloo and not torch_collectives
         self._levels: Levels | None = None  # see prepare_quantized_reductions
         # A group of one moves nothing: its all-gathers, reduce-scatters and all-reduces are local
         # copies, with no library called (see _by_itself). Its gather's copy casts, so a caller
