@@ -84,7 +84,7 @@ def test_print_config_writes_a_file_that_reads_back_as_the_same_job(command, arg
     ("profile: yes please\n", "profile: a switch is true or false, got 'yes please'"),
     ("steps: null\n", "steps: give a value, not null"),
     ("model: [tiny]\n", "model: give a value as the command line takes it, got ['tiny']"),
-    ("- steps\n", "must be a mapping of keys to values, got list"),
+    ("- steps\n", "must be a mapping of keys to values in JSON or YAML, got list"),
     ("steps: [1\n", "is neither JSON nor YAML"),
     ("steps: 5\nsteps: 7\n", "'steps' at line 2, column 1 is given twice (the last would win silently): give it once"),
     ('{"steps": 5, "steps": 7}', "'steps' is given twice (the last would win silently)"),

@@ -237,6 +237,8 @@ def test_report_of_a_large_world_draws_a_few_ranks_and_each_lane_at_once(profile
     late = {**ranks[1], "phases": [[*phase[:2], phase[2] + 1.0, phase[3] + 1.0] for phase in ranks[1]["phases"]]}
     ranks[0] = {**ranks[0], "phases": ranks[0]["phases"] * (20_000 // len(ranks[0]["phases"]) + 1)}
     profile["timeline"]["ranks"] = [ranks[0], *[ranks[1]] * 21, late, ranks[1]]  # rank 22 ends a second late
+    for step in profile["steps"]:
+        step["ranks"] = [step["ranks"][0]] * len(profile["timeline"]["ranks"])
     profile["world_size"] = len(profile["timeline"]["ranks"])
     big = tmp_path / "big"
     big.mkdir()

@@ -13,7 +13,8 @@ one policy:
   ``WriteFailed``, which says in one line which file, why and what to do. (Checkpoints are written a
   directory at a time, with the same idea: ``shardwire.engine.checkpoint.save``.)
 * **The mode a plain write would give.** A new file gets the umask's mode (the kernel applies it to
-  the temporary file), one written over keeps its own; missing parent directories are created.
+  the temporary file), one written over keeps its own; missing parent directories are created, and
+  removed again where the write fails (only those it made, and only while empty).
 * **Nothing left behind.** A temporary's name carries its writer's host and process, so that the
   next write of the same target removes the ones whose writer was killed.
 
@@ -199,7 +200,7 @@ def directory_problem(path: str | os.PathLike) -> str | None:
         return f"cannot be created: {link} {LEADS_NOWHERE}"
     if os.path.exists(path):
         if not os.path.isdir(path):
-            return f"is {_kind(path) or 'a file'}; give it a directory"
+            return f"is {kind_of(path)}; give it a directory"
         if not _can_write_in(path):
             return "is not writable; give a directory you can write in"
         return None
@@ -207,7 +208,7 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"cannot be created: {existing} is {_kind(existing) or 'a file'}"
+        return f"cannot be created: {existing} is {kind_of(existing)}"
     if not _can_write_in(existing):
         return f"cannot be created: {existing} is not writable"
     return None
@@ -276,6 +277,11 @@ def _kind(path: str | os.PathLike) -> str | None:
     return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+def kind_of(path: str | os.PathLike) -> str:
+    """What ``path``, which exists, is, in words for a message: ``a file`` for a regular one."""
+    return _kind(path) or "a file"
+
+
 def _not_a_file(kind: str) -> str:
     return f"is {kind}{'' if kind == 'a directory' else ', not a regular file'}; give a file name"
 
@@ -298,10 +304,21 @@ def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: boo
 
 
 def _write(path: str | os.PathLike, data: str | bytes, durable: bool, new: bool) -> None:
-    """``write_atomically``'s work, once ``path`` is known to be a file or nothing."""
+    """``write_atomically``'s work, once ``path`` is known to be a file or nothing: a write that fails
+    takes away the directories it made for the file, as it takes away its temporary."""
     target = os.path.realpath(path)
+    made = _make_directories(os.path.dirname(target))
+    try:
+        _write_in_place(target, os.fspath(path), data, durable, new)
+    except BaseException:
+        _remove_directories(made)
+        raise
+
+
+def _write_in_place(target: str, given: str, data: str | bytes, durable: bool, new: bool) -> None:
+    """Write ``data`` to ``target`` (``given``, as the user named it) through a temporary beside it,
+    in a directory that exists."""
     directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
     fd, tmp = _temporary(target)
     try:
         with contextlib.suppress(FileNotFoundError):  # written over: keep the file's own mode
@@ -312,7 +329,7 @@ def _write(path: str | os.PathLike, data: str | bytes, durable: bool, new: bool)
                 f.flush()
                 os.fsync(f.fileno())
         if new:
-            _link_new(tmp, target, os.fspath(path))
+            _link_new(tmp, target, given)
         else:
             os.replace(tmp, target)
     except BaseException:
@@ -321,6 +338,40 @@ def _write(path: str | os.PathLike, data: str | bytes, durable: bool, new: bool)
         raise
     if durable:
         _sync_directory(directory)
+
+
+def _make_directories(directory: str | os.PathLike) -> list[str]:
+    """Make ``directory`` and the directories missing above it, as ``os.makedirs`` does; returns those
+    this call made, outermost first, for ``_remove_directories`` to take away where what they were
+    made for fails: a failed command leaves no directory behind it. One another writer makes
+    meanwhile is not counted, and so never removed."""
+    missing = []
+    here = os.path.abspath(directory)
+    while not os.path.isdir(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    made = []
+    try:
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # made meanwhile, or a file in the way (what comes next says so)
+                continue
+            made.append(path)
+    except BaseException:
+        _remove_directories(made)
+        raise
+    return made
+
+
+def _remove_directories(made: list[str]) -> None:
+    """Remove the directories ``_make_directories`` made, innermost first, each only while it is
+    empty: one another writer has put something in since is kept, with those above it."""
+    for path in reversed(made):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 def _link_new(tmp: str, target: str, given: str) -> None:
@@ -390,7 +441,8 @@ class StagedDirectory:
     renames into place. The stage has one name per target, holding a locked claim file: a second
     writer of the same target is refused while the first lives, and takes over, clearing it, what a
     killed one left. ``target`` must be absent or an empty directory (nothing of the user's is
-    replaced), and not the current directory."""
+    replaced), and not the current directory. The directories made above it are removed with the
+    stage where it is discarded."""
 
     def __init__(self, target: str | os.PathLike, what: str):
         self.given = pathlib.Path(target)  # as the user named it, for messages
@@ -398,21 +450,35 @@ class StagedDirectory:
         if (problem := new_directory_problem(target)) is not None:
             raise OutputRefused(f"{what} {os.fspath(target)} {problem}")
         self.path = self.target.with_name(f".{_stem(self.target.name)}.shardwire-partial")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._made = _make_directories(self.path.parent)
+        try:
+            self._fd = self._claim(target, what)
+        except BaseException:
+            _remove_directories(self._made)
+            raise
+
+    def _claim(self, target: str | os.PathLike, what: str) -> int:
+        """Make the stage, or take over a killed writer's, and hold its claim; returns the claim's
+        descriptor. A stage made here that cannot be claimed (a full disk) is removed again."""
         try:
             self.path.mkdir(0o777)
+            made = True
         except FileExistsError:
             if self.path.is_symlink() or not (self.path / _CLAIM).is_file():
                 raise OutputRefused(f"{self.path} is in the way of {what} {os.fspath(target)} and was not made by "
                                     f"shardwire: move it") from None
+            made = False
         try:
-            self._fd = claim_file(self.path / _CLAIM)
-        except ClaimHeld as err:
+            fd = claim_file(self.path / _CLAIM)
+        except ClaimHeld as err:  # another writer's, even where made here: it claimed it first
             raise OutputRefused(f"{what} {os.fspath(target)} is being written by another run ({err.owner}): give "
                                 f"this one another directory, or stop that one") from None
         except OSError as err:
+            if made:
+                shutil.rmtree(self.path, ignore_errors=True)
             raise OutputRefused(f"cannot claim {what} {os.fspath(target)}: {err.strerror}") from None
         empty_directory(self.path, keep=_CLAIM)  # what a killed writer left
+        return fd
 
     def publish(self) -> pathlib.Path:
         """Rename the stage into place as ``target`` (an empty directory there is replaced, atomically);
@@ -425,10 +491,12 @@ class StagedDirectory:
         return self.given
 
     def discard(self) -> None:
-        """Remove the stage and what was written to it, unless it was published."""
+        """Remove the stage and what was written to it, and the directories made for it, unless it was
+        published."""
         if self._fd is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             self._release()
+            _remove_directories(self._made)
 
     def _release(self) -> None:
         os.close(self._fd)
@@ -485,10 +553,14 @@ def claim_file(path: str | os.PathLike) -> int:
         if err.errno in (errno.EACCES, errno.EAGAIN):
             raise ClaimHeld(owner) from None
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                              "since": datetime.datetime.now().isoformat(timespec="seconds"),
-                              "command": " ".join(sys.argv)[:500]}).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "since": datetime.datetime.now().isoformat(timespec="seconds"),
+                                  "command": " ".join(sys.argv)[:500]}).encode(), 0)
+    except BaseException:  # a full disk: the claim is not held, by a descriptor left open or otherwise
+        os.close(fd)
+        raise
     return fd
 
 

@@ -135,8 +135,9 @@ def end_process(status: int) -> NoReturn:
     threading._shutdown()  # as Python's own shutdown: thread pools told to stop, then every thread joined
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a reader gone (| head), a stream closed
-            stream.flush()
+        if stream is not None:  # None: started without it (>&-)
+            with contextlib.suppress(OSError, ValueError):  # a reader gone (| head), a stream closed
+                stream.flush()
     os._exit(status)
 
 

@@ -103,7 +103,7 @@ def read_mapping(text: str, what: str, *, numbers_as_text: bool = False, unique:
     if data is None:
         raise MappingError(f"{what} is empty: give a mapping of keys to values")
     if not isinstance(data, Mapping):
-        raise MappingError(f"{what} must be a mapping of keys to values, got {type(data).__name__}")
+        raise MappingError(f"{what} must be a mapping of keys to values in JSON or YAML, got {type(data).__name__}")
     return dict(data)
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +45,8 @@ MAX_COUNT = 2**53
 # float32's smallest normal number: a positive rate below it (a learning rate) is 0, or next to it,
 # in the float32 arithmetic it feeds, so a run would train on and change nothing.
 MIN_POSITIVE = 2.0**-126
+# An integer as Python's ``int`` reads it: digits, a sign, underscores between digits, spaces around.
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+(?:_[0-9]+)*\s*")
 
 
 def below_float32(value: float) -> str | None:
@@ -246,15 +250,23 @@ def real_number(value: str) -> float:
 
 
 def _number(value: str, kind: type, what: str):
+    """``value`` read by ``kind``; a number too large to read is said so, as written: Python reads no
+    integer of over 4,300 digits, and ``float`` reads one past its range (``1e400``) as infinity,
+    which the user did not write."""
     if not value.strip():  # an unset variable (``--steps "$STEPS"``), which names no number
         raise NotANumber(f"an empty value is not {what}: give one (a variable that was not set?)")
-    digits = "" if value.isascii() else " in ASCII digits (0-9)"
+    if not value.isascii():
+        raise NotANumber(f"{shown(value)} is not {what} in ASCII digits (0-9)")
     try:
-        if digits:
-            raise ValueError(value)
-        return kind(value)
+        number = kind(value)
     except ValueError:
-        raise NotANumber(f"{shown(value)} is not {what}{digits}") from None
+        if _INTEGER.fullmatch(value):
+            digits = sum(map(str.isdigit, value))
+            raise NotANumber(f"{shown(value)} is too large a number ({digits:,} digits)") from None
+        raise NotANumber(f"{shown(value)} is not {what}") from None
+    if isinstance(number, float) and math.isinf(number) and "inf" not in value.lower():
+        raise NotANumber(f"{shown(value)} is too large a number (past {sys.float_info.max:.3g})")
+    return number
 
 
 # What reads a number of each type from text, wherever the command line's words or a setting's values
@@ -300,7 +312,7 @@ def check_bounds(config) -> None:
         bounds = field.metadata["option"].bounds if "option" in field.metadata else None
         value = getattr(config, field.name)
         if bounds is not None and not bounds.allows(value):
-            raise OptionError(f"{flag(field.name)} must be {bounds.describe(value)}, got {value}")
+            raise OptionError(f"{flag(field.name)} must be {bounds.describe(value)}, got {shown(value)}")
 
 
 def check_writable_directory(path: str, option: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -135,3 +136,43 @@ def test_a_file_named_npy_that_is_not_one_is_one_line_never_suggesting_unpicklin
                  f"numpy.save$")
     with pytest.raises(SystemExit, match=cut_short):
         main(["train", "--model", "tiny", "--steps", "2", "--nproc", "1", "--data", str(path)])
+
+
+@pytest.fixture
+def testbed_run(monkeypatch, tmp_path):
+    """``shardwire testbed run`` on a testbed of 2 nodes as ``up`` records it, taken for built (no root,
+    no namespaces), whose jobs are recorded instead of started."""
+    from shardwire.testbed import job, network, spec
+
+    monkeypatch.setattr(spec, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(network, "require_privileges", lambda *given: None)
+    monkeypatch.setattr(network, "is_up", lambda testbed: True)
+    started = []
+    monkeypatch.setattr(job, "run_job", lambda testbed, nproc_per_node, command, **options: started.append(command)
+                        or 0)
+    spec.Testbed("shardwire-test-inputs", 2, spec.parse_rate("100mbit")).save()
+    terminated = signal.getsignal(signal.SIGTERM)  # `run` stops its job on SIGTERM
+    yield started, lambda *job: main(["testbed", "run", "--name", "shardwire-test-inputs", "--", "-m", "shardwire",
+                                      *job])
+    signal.signal(signal.SIGTERM, terminated)
+
+
+def test_a_testbed_jobs_missing_input_is_one_line_before_any_node_starts(testbed_run, tmp_path, monkeypatch, capsys):
+    """Each node's worker found a --data that is not there as it started, and each said so: one line
+    here, before any node starts, naming the directory a relative path is read from (the nodes run
+    the job in the one ``run`` is given in)."""
+    started, run = testbed_run
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for given, said in (
+            (["--data", "some/relative/missing.bin"],
+             f"--data some/relative/missing.bin does not exist in {tmp_path}, where the nodes run the job"),
+            (["--data", "/no/such/ids.bin"], "--data /no/such/ids.bin does not exist"),
+            (["--data", "dangling"], "--data dangling is a symbolic link that leads nowhere (a loop, or its target is "
+                                     f"gone) in {tmp_path}, where the nodes run the job"),
+            (["--tokenizer", "tok"], f"--tokenizer tok does not exist in {tmp_path}, where the nodes run the job")):
+        assert run("train", *given) == 2
+        assert capsys.readouterr().err == f"error: {said}: give a path that exists\n"
+    assert not started
+    np.zeros(1000, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    assert run("train", "--data", "ids.bin") == 0 and started == [["-m", "shardwire", "train", "--data", "ids.bin"]]

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardwire
-from harness import rewrite_manifest, run_workers
+from harness import rewrite_manifest, run_workers, save_tokenizer
 from shardwire.cli import main
 from shardwire.files import OutputRefused, StagedDirectory, write_atomically
 from shardwire.models.gpt import GPT, PRESETS
@@ -156,6 +156,74 @@ def _fifo(path: pathlib.Path) -> pathlib.Path:
 ])
 def test_an_out_that_cannot_be_a_new_file_is_one_line(work, capsys, make, said):
     assert said in refused(capsys, work / "gpt", make(work))
+
+
+def test_a_file_given_as_the_checkpoint_is_named_for_what_it_is(work, capsys):
+    """Not "no such checkpoint directory" for a path that is there: what it is, and what to give; a
+    checkpoint's own file names the checkpoint. train's --checkpoint-dir says so of its own."""
+    notes = work / "notes.txt"
+    notes.write_text("the user's")
+    assert refused(capsys, notes, work / "out.safetensors") == (
+        f"error: {notes} is a file, not a checkpoint directory: give a directory a save wrote (a step_00000400 under "
+        f"`shardwire train --checkpoint-dir`)")
+    manifest = work / "gpt" / "step_00000002" / "manifest.json"
+    assert refused(capsys, manifest, work / "out.safetensors") == (
+        f"error: {manifest} is a file of a checkpoint, not a checkpoint directory: give the checkpoint that holds it, "
+        f"{manifest.parent}")
+    assert refused(capsys, "/dev/null", work / "out.safetensors").startswith(
+        "error: /dev/null is a character device, not a checkpoint directory: give a directory a save wrote")
+    assert not (work / "out.safetensors").exists() and notes.read_text() == "the user's"
+    with pytest.raises(SystemExit, match=f"^error: --checkpoint-dir {notes} is a file; give it a directory$"):
+        main(["train", "--checkpoint-dir", str(notes)])
+
+
+def _trained_from_the_copy(work: pathlib.Path) -> pathlib.Path:
+    """The directory of the hf: checkpoint's model, its copy in ``work`` recorded in its stead, for a
+    test to damage."""
+    model = work / "gpt2-mini"
+    rewrite_manifest(work / "hf" / "step_00000001", lambda manifest: manifest["extra"].update(model=f"hf:{model}"))
+    return model
+
+
+def _sparse(path: pathlib.Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)  # read whole, it would be held whole
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda config: config.symlink_to("/dev/zero"), "config.json is not a regular file"),
+    (lambda config: os.mkfifo(config), "config.json is not a regular file"),
+    (lambda config: _sparse(config, 3 << 30), "config.json is larger than 1,048,576 bytes"),
+])
+def test_an_hf_models_config_that_cannot_be_read_is_one_line_not_passed_over(work, capsys, damage, said):
+    """The checkpoint records the config it trained with, but a model directory there whose config
+    cannot be read (endless, a pipe, huge) is refused as train refuses it, naming the file, not passed
+    over without a word; one that is gone leaves the recorded config to count."""
+    model = _trained_from_the_copy(work)
+    (model / "config.json").unlink()
+    damage(model / "config.json")
+    message = refused(capsys, work / "hf", work / "out")
+    assert message.startswith(f"error: hf:{model}: {said}") and message.endswith(
+        f"({work / 'hf' / 'step_00000001'} was trained as this model: mend its directory, which export reads too)")
+    assert not (work / "out").exists()
+    (model / "config.json").unlink()
+    status, _, err = export(capsys, work / "hf", work / "out")
+    assert status == 0 and err == "", err
+    assert GPT2.items() <= json.loads((work / "out" / "config.json").read_text()).items()
+
+
+def test_a_tokenizer_file_larger_than_any_is_refused_unread_leaving_no_directory_made(work, capsys):
+    """transformers reads a tokenizer's JSON whole: one of 300 MiB (sparse) is refused naming it before
+    it is read, and the export, which had staged OUT, leaves none of the directories made for it."""
+    model = _trained_from_the_copy(work)
+    save_tokenizer(model)
+    _sparse(model / "tokenizer_config.json", 300 << 20)
+    before = sorted(os.listdir(work))
+    message = refused(capsys, work / "hf", work / "new" / "sub" / "out")
+    assert message == (f"error: the tokenizer in {model}: tokenizer_config.json is 314,572,800 bytes, more than "
+                       f"268,435,456, far more than any model's or tokenizer's .json file: is it damaged? save the "
+                       f"model or tokenizer again")
+    assert sorted(os.listdir(work)) == before
 
 
 def test_long_names_export_and_the_current_directory_is_refused(work, capsys, monkeypatch):

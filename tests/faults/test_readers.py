@@ -264,7 +264,8 @@ def test_report_of_two_runs_of_one_name_keeps_the_plots_of_both(tmp_path, capsys
         rank.update(phases=rank["phases"][:4], comms=rank["comms"][:4], waits=rank["waits"][:4])
     document["steps"] = document["steps"][:3]
     wider = {**document, "world_size": 2, "tokens_per_step": 2 * document["tokens_per_step"],
-             "timeline": {**document["timeline"], "ranks": document["timeline"]["ranks"] * 2}}
+             "timeline": {**document["timeline"], "ranks": document["timeline"]["ranks"] * 2},
+             "steps": [{**step, "ranks": step["ranks"] * 2} for step in document["steps"]]}
     for parent, profile in (("a", document), ("b", wider)):
         (tmp_path / parent / "run").mkdir(parents=True)
         (tmp_path / parent / "run" / "profile.json").write_text(json.dumps(profile))

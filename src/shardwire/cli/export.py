@@ -33,6 +33,7 @@ from shardwire.options import argument_text, text
 from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
+from shardwire.sim.huggingface import config_file
 from shardwire.training.config import recorded_seq_len
 
 _LISTINGS = 5  # how often a series whose checkpoints a running job prunes is listed again
@@ -199,15 +200,21 @@ def _same_architecture(checkpoint: pathlib.Path, model: str, extra: dict) -> boo
 
 def _trained_config(checkpoint: pathlib.Path, model: str, extra: dict, notes: list[str]) -> dict | None:
     """The config the checkpoint's ``hf:`` model was trained with, where it records one; a note names
-    how the model's source differs now."""
+    how the model's source differs now. A source whose config is gone (moved, deleted) leaves the
+    recorded config to count; one that is there and cannot be read (a config.json that is a FIFO, a device,
+    huge, not JSON) is refused, as ``train`` refuses it: its directory is read for the tokenizer too,
+    and passed over it would hide what happened to the model's files."""
     fields = extra.get("hf_config")
     if not isinstance(fields, dict):
         return None
     try:
         now = config_fields(model)
-    except (ValueError, OSError):  # the source is gone or damaged: the recorded config is what counts
-        now = None
-    if now is not None and (change := config_difference(fields, now)) is not None:
+    except ValueError as err:  # read_config's words, naming the file
+        if not os.path.lexists(config_file(model[len(HF_PREFIX):])):
+            return fields
+        raise ValueError(f"{err} ({checkpoint} was trained as this model: mend its directory, which export reads "
+                         f"too)") from None
+    if (change := config_difference(fields, now)) is not None:
         notes.append(f"{cut(model)}'s config has changed since {checkpoint} was trained ({change}); exported with the "
                      f"config it was trained with")
     return fields

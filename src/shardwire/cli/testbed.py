@@ -10,8 +10,8 @@
 
 What follows ``--`` in ``run`` is what torchrun takes after its own options: a script and its
 arguments, ``-m module ...``, or ``--no-python program ...``; a job of shardwire's own (``-m shardwire
-train ...``) has its options checked here first, as its command checks them, before any node starts
-it. What follows ``--`` in ``exec`` is a command, run on that node as on a machine of the cluster:
+train ...``) has its options checked here first, as its command checks them, and the inputs they name
+(``--data``) found where its nodes will read them, before any node starts it. What follows ``--`` in ``exec`` is a command, run on that node as on a machine of the cluster:
 under the node's hostname, with its link.
 """
 
@@ -29,8 +29,9 @@ from collections.abc import Iterator
 from shardwire import cli
 from shardwire.cli.config_file import ConfigError
 from shardwire.extras import MissingExtra
+from shardwire.files import LEADS_NOWHERE
 from shardwire.launch import REFUSED, host_memory_per_worker
-from shardwire.mappings import one_line, shown
+from shardwire.mappings import cut, one_line, shown
 from shardwire.testbed import check, job, network, regime
 from shardwire.testbed.spec import (
     DEFAULT_NAME,
@@ -42,6 +43,9 @@ from shardwire.testbed.spec import (
     parse_rate,
     testbed_command,
 )
+
+# The options of shardwire's commands that name what a job reads: each must be there before the nodes start it.
+_JOB_INPUTS = ("data", "tokenizer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,12 +184,14 @@ def _check_job(testbed: Testbed, nproc_per_node: int, command: list[str]) -> int
     with _in_the_jobs_first_rank(testbed.nodes, nproc_per_node), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            _check_options_of(given, world=testbed.nodes * nproc_per_node)
+            args = _check_options_of(given, world=testbed.nodes * nproc_per_node)
         except SystemExit as err:  # argparse's (its line said), a check's (its line its code), or --help's
             if isinstance(err.code, str):
                 print(one_line(err.code), file=sys.stderr)
                 return REFUSED
             return err.code or 0
+    if (missing := _missing_input(args)) is not None:
+        raise TestbedError(missing)
     return None
 
 
@@ -201,10 +207,11 @@ def _shardwire_arguments(command: list[str]) -> list[str] | None:
     return given
 
 
-def _check_options_of(given: list[str], world: int) -> None:
+def _check_options_of(given: list[str], world: int) -> argparse.Namespace:
     """``shardwire GIVEN...``'s options, as the command checks them before it starts workers: its
-    parser (its ``--config`` file too), then its ``check_options`` where it has one. Its ``--nproc``,
-    local workers, is the world: under torchrun a command takes its world from the launcher."""
+    parser (its ``--config`` file too), then its ``check_options`` where it has one; returns them
+    parsed. Its ``--nproc``, local workers, is the world: under torchrun a command takes its world
+    from the launcher."""
     module, parser = cli.command(given[0])
     try:
         args, _ = cli.config_file.parse(parser, given[1:])
@@ -214,6 +221,22 @@ def _check_options_of(given: list[str], world: int) -> None:
             module.check_options(args)
     except (ConfigError, MissingExtra) as err:
         raise TestbedError(str(err)) from None
+    return args
+
+
+def _missing_input(args: argparse.Namespace) -> str | None:
+    """Why an input the job names (``--data``, ``--tokenizer``) is not there for its workers, or None:
+    a command checks its inputs only as its workers start (what it reads is the machine's), where on
+    the testbed every node would say so in turn. The nodes run the job in this directory (``run``
+    starts them in it, and namespaces share the file system), so a relative path is read from here."""
+    for option in _JOB_INPUTS:
+        path = getattr(args, option, None)
+        if path is None or os.path.exists(path):
+            continue
+        why = LEADS_NOWHERE if os.path.islink(path) else "does not exist"
+        where = "" if os.path.isabs(path) else f" in {os.getcwd()}, where the nodes run the job"
+        return f"--{option} {cut(path)} {why}{where}: give a path that exists"
+    return None
 
 
 @contextlib.contextmanager

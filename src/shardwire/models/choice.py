@@ -49,6 +49,12 @@ from shardwire.sim.specs import ModelSpec
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # An index of a model's weight files: a few hundred kB for the largest published models.
 _MAX_INDEX_BYTES = 64 << 20
+# A file transformers reads whole from a model's or tokenizer's directory, by its kind: JSON (configs,
+# tokenizer.json, vocab.json), text (merges.txt) or a SentencePiece model. The largest published, a
+# tokenizer.json, is some 35 MB; a larger one is none of these, and would be read into memory whole
+# (a sparse file of terabytes, for ever) before transformers said what is wrong with it.
+_READ_WHOLE = (".json", ".txt", ".model")
+_MAX_READ_WHOLE_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,13 +317,19 @@ def _as_read(fields: dict) -> dict:
 
 
 def check_files(directory: pathlib.Path) -> None:
-    """Refuse a Hugging Face directory holding what is neither a regular file nor a directory:
-    transformers opens the files it finds, and a FIFO would block it for ever, a device feed it
-    without end."""
-    special = next((entry for entry in directory.iterdir() if not (entry.is_file() or entry.is_dir())), None)
-    if special is not None:
-        raise ValueError(f"{special.name} is not a regular file (a FIFO, a device, a broken link): a model's or "
-                         f"tokenizer's directory holds files")
+    """Refuse a Hugging Face directory holding what is neither a regular file nor a directory, or a
+    file transformers reads whole that is larger than any such file: transformers opens the files it
+    finds, and a FIFO would block it for ever, a device or a huge file feed it without end. The one
+    check before transformers reads a model's directory or a tokenizer's, naming the file."""
+    for entry in directory.iterdir():
+        if not (entry.is_file() or entry.is_dir()):
+            raise ValueError(f"{entry.name} is not a regular file (a FIFO, a device, a broken link): a model's or "
+                             f"tokenizer's directory holds files")
+        size = entry.stat().st_size if entry.suffix in _READ_WHOLE and entry.is_file() else 0
+        if size > _MAX_READ_WHOLE_BYTES:
+            raise ValueError(f"{entry.name} is {size:,} bytes, more than {_MAX_READ_WHOLE_BYTES:,}, far more than any "
+                             f"model's or tokenizer's {entry.suffix} file: is it damaged? save the model or tokenizer "
+                             f"again")
 
 
 def custom_code(config: pathlib.Path) -> str | None:

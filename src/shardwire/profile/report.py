@@ -71,12 +71,20 @@ def load_profile(run_dir: str) -> dict:
         if (where := _not_a_measure(profile.get(part), part)) is not None:
             raise ReportError(f"{path} is damaged ({where}: times, bytes and ratios are numbers from 0 to "
                               f"{_MEASURE_BOUND:g}); profile the run again")
-    timeline = profile.get("timeline")
-    ranks = timeline.get("ranks") if isinstance(timeline, dict) else None
-    if isinstance(ranks, list) and len(ranks) != world:  # what a plot lacks altogether is reported as it draws
-        raise ReportError(f"{path} is damaged (its timeline holds {len(ranks)} ranks' steps for a world_size of "
-                          f"{world}); profile the run again")
+    if (held := _rank_count_problem(profile, world)) is not None:
+        raise ReportError(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
     return profile
+
+
+def _rank_count_problem(profile: dict, world: int) -> str | None:
+    """Where a profile of the shape ``_PROFILE`` holds other than one entry per rank, in words (``its
+    step 3 holds 3 ranks' figures``), or None. The profiler gathers every rank's timeline and figures
+    of every step, so a rank missing (or one too many) is a damaged file, never a run's: drawn, the
+    plots would leave that rank out of the spread over ranks without a word."""
+    held = [("its timeline", profile["timeline"]["ranks"], "steps"),
+            *((f"its step {step['step']}", step["ranks"], "figures") for step in profile["steps"])]
+    return next((f"{where} holds {len(ranks)} ranks' {what}" for where, ranks, what in held if len(ranks) != world),
+                None)
 
 
 class _Each(typing.NamedTuple):
@@ -104,7 +112,7 @@ _PROFILE = {
     "tokens_per_step": _NUMBER,
     "metadata": {},
     "summary": {"figures": _FIGURES, "tokens_per_s": _NUMBER},
-    "steps": _Each({"step": _COUNT, "figures": _FIGURES}, least=1),
+    "steps": _Each({"step": _COUNT, "figures": _FIGURES, "ranks": _Each({})}, least=1),  # each rank's figures
     "timeline": {"step": _COUNT, "ranks": _Each({
         "start": _NUMBER,
         "phases": _Each(_Span((_NAME, _ANY))),  # phase, unit (None for the step's own)

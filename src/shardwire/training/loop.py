@@ -71,7 +71,7 @@ from shardwire.training.data import (
     data_change,
     load_corpus,
 )
-from shardwire.training.progress import ProgressBar, format_duration, format_rate
+from shardwire.training.progress import ProgressBar, format_duration, format_rate, until_closed
 from shardwire.training.scalars import ScalarLog
 
 
@@ -80,9 +80,10 @@ VALIDATION_SEED = 0  # validation batches are drawn alike in every run
 
 def train(config: TrainConfig) -> None:
     """One worker's whole job; the process group ends with it, however it ends. What stops it from
-    outside the loop (workers that cannot meet, data changed under it) is one line. Rank 0 claims
-    the ``--export-hf`` directory before anything else, so that two runs given the same one do not
-    both train to find it taken at the end."""
+    outside the loop (workers that cannot meet, data changed under it) is one line; a standard
+    output that closes (``| head``) ends what it prints, not the run (``until_closed``). Rank 0
+    claims the ``--export-hf`` directory before anything else, so that two runs given the same one
+    do not both train to find it taken at the end."""
     export = None
     if config.export_hf and int(os.environ.get("RANK", "0")) == 0:
         try:
@@ -90,7 +91,8 @@ def train(config: TrainConfig) -> None:
         except OutputRefused as err:
             raise SystemExit(f"error: {err}") from None
     try:
-        _train_in_group(config, export)
+        with until_closed():
+            _train_in_group(config, export)
     finally:
         if export is not None:
             export.discard()  # what is left of it where the run did not get to publish it
@@ -270,7 +272,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
     loss_sum = torch.zeros((), device=device)  # over the steps since the last log line
     diverged = _Divergence(config, device, start)
-    interval_start, interval_steps, losses = time.perf_counter(), 0, []
+    interval_start, interval_steps, losses, val_loss = time.perf_counter(), 0, [], None
     started = time.perf_counter()
 
     check = autoplan.StepCheck(planned, start, config.steps, device) if planned is not None else None
@@ -291,8 +293,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         if step + 1 == config.steps:
             shardwire.diloco_sync(model)  # groups that sync every H steps end as one model, saved as one
 
-        val_loss = None
-        if config.eval_every and (step + 1) % config.eval_every == 0:
+        val_loss = None  # at --eval-every, and at the last step: the run's result, recorded with it
+        if step + 1 == config.steps or (config.eval_every and (step + 1) % config.eval_every == 0):
             paused = time.perf_counter()
             val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
             interval_start += time.perf_counter() - paused  # tokens/s counts training alone
@@ -322,7 +324,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         log.close()
     if profiler is not None and config.steps > start:
         _save_profile(profiler, config, rank)
-    val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
+    if val_loss is None:  # no step trained: the model resumed is the one the run ends with
+        val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
     diverged.vouched(val_loss)
     if rank == 0:
         trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
@@ -667,6 +670,7 @@ class _IntervalLog:
         self._progress = ProgressBar(config.steps, start=start)
         self._scalars = ScalarLog(config.tensorboard, config.log_jsonl)
         self._tokens_per_step = tokens_per_step
+        self._eval_every = config.eval_every
 
     def interval(self, step: int, loss: float, val_loss: float | None, step_time: float, lr: float,
                  comm: CommSummary, profiler: Profiler | None, synced: dict[str, float]) -> None:
@@ -676,9 +680,10 @@ class _IntervalLog:
                   "comm": f"{comm.busy_s * 1e3:.0f}ms (exposed {comm.exposed_s * 1e3:.0f}ms)"}
         values = {"loss": loss, "lr": lr, "tokens_per_s": self._tokens_per_step / step_time,
                   "step_time_s": step_time, "comm_s": comm.busy_s, "exposed_comm_s": comm.exposed_s}
-        if val_loss is not None:
-            fields["val"] = f"{val_loss:.4f}"
+        if val_loss is not None:  # shown at --eval-every: the last step's is the run's last line's
             values["val_loss"] = val_loss
+            if self._eval_every and step % self._eval_every == 0:
+                fields["val"] = f"{val_loss:.4f}"
         if synced:
             fields["sync"] = _describe_syncs(synced)
             values.update({f"sync_{name}": value for name, value in synced.items()})

@@ -1,9 +1,15 @@
 """Training progress, one update per log interval: tqdm's bar, redrawn in place, on a terminal; a
 plain line per update otherwise (logs, CI, pipes), where a redrawn bar would only pile up carriage
-returns."""
+returns.
+
+Standard output is the run's log like any other (``shardwire.training.scalars``): one that can no
+longer be written (``| head``, whose reader has left; a file on a full disk) is one line on stderr
+and the end of what the run prints there, not of the run (``until_closed``)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 
@@ -54,3 +60,50 @@ class ProgressBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+@contextlib.contextmanager
+def until_closed():
+    """Within it, standard output ends at its first write that fails, with one line on stderr: what
+    is printed after, and what that write left in the stream's buffer (written again at each flush,
+    and as the process ends), goes to the null device. Python ignores SIGPIPE, so a reader that has
+    left (``| head``) is an error at the next write, whichever line of the run it is. A process
+    started with no standard output at all (``>&-``: ``sys.stdout`` is None) prints to the null
+    device from the start."""
+    if sys.stdout is None:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+            yield
+    else:
+        with contextlib.redirect_stdout(_UntilClosed(sys.stdout)):
+            yield
+
+
+class _UntilClosed:
+    """A text stream that is ``stream`` until a write or flush of it fails."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            self._end(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self._end(err)
+
+    def _end(self, err: OSError) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+        with contextlib.suppress(OSError):  # stderr the same closed pipe (2>&1 | head)
+            print(f"warning: standard output: {err.strerror or err}; training goes on without printing its "
+                  f"progress", file=sys.stderr, flush=True)

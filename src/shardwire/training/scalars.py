@@ -3,14 +3,21 @@ files (``--tensorboard DIR``, the ``tensorboard`` extra) and JSON lines (``--log
 appended to, so a resumed run goes on where it stopped). Rank 0 writes them.
 
 A log that cannot be written (a full disk, a file system gone read-only) is one line on stderr and
-the end of that log, not of the run: the model being trained, and its checkpoints, matter more."""
+the end of that log, not of the run: the model being trained, and its checkpoints, matter more. So
+each log is opened at its first record, to say the step it ends at, and each record is flushed as
+it is written, where its error surfaces. TensorBoard's event file is written here, framed as
+torch's ``SummaryWriter`` frames it, rather than through that writer: it writes on a thread of its
+own, which prints a traceback of its own when a write fails, and the error reaches the caller only
+at a later call (its constructor among them)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import socket
 import sys
+import time
 
 from shardwire.extras import require
 
@@ -37,39 +44,78 @@ TAGS = {
 
 class ScalarLog:
     def __init__(self, tensorboard: str | None = None, jsonl: str | None = None):
-        self._writer = None
+        self._logs: list[_EventFile | _JsonLines] = []
         if tensorboard is not None:
             require("tensorboard", "--tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(tensorboard)
-        self._jsonl_path = jsonl
-        if jsonl is not None:  # its directories made, as for every output (shardwire.files)
-            os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-        self._jsonl = open(jsonl, "a") if jsonl is not None else None
+            self._logs.append(_EventFile(tensorboard))
+        if jsonl is not None:
+            self._logs.append(_JsonLines(jsonl))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         """The scalars (keys of ``TAGS``) at ``step``."""
-        if self._writer is not None:
-            for name, value in scalars.items():
-                self._writer.add_scalar(TAGS[name], value, step)
-        if self._jsonl is not None:
+        for log in list(self._logs):
             try:
-                self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
-                self._jsonl.flush()
+                log.write(step, scalars)
             except OSError as err:
-                print(f"warning: --log-jsonl {self._jsonl_path}: {err.strerror or err}; training goes on without "
-                      f"this log from step {step}", file=sys.stderr, flush=True)
-                self._close_jsonl()
+                print(f"warning: {log.named}: {err.strerror or err}; training goes on without this log from step "
+                      f"{step}", file=sys.stderr, flush=True)
+                self._end(log)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._close_jsonl()
+        for log in list(self._logs):
+            self._end(log)
 
-    def _close_jsonl(self) -> None:
-        """Close the JSON lines, whatever is left unwritten (its error was reported where it arose)."""
-        if self._jsonl is not None:
-            jsonl, self._jsonl = self._jsonl, None
-            with contextlib.suppress(OSError):
-                jsonl.close()
+    def _end(self, log: _EventFile | _JsonLines) -> None:
+        """Close ``log``, whatever is left unwritten (its error was reported where it arose)."""
+        self._logs.remove(log)
+        with contextlib.suppress(OSError):
+            log.close()
+
+
+class _JsonLines:
+    """``--log-jsonl FILE``: a JSON object a record, appended."""
+
+    def __init__(self, path: str):
+        self.named = f"--log-jsonl {path}"
+        self._path = path
+        self._file = None
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if self._file is None:  # its directories made, as for every output (shardwire.files)
+            os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+            self._file = open(self._path, "a")
+        self._file.write(json.dumps({"step": step, **scalars}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class _EventFile:
+    """``--tensorboard DIR``: a TensorBoard event file in DIR, named as ``SummaryWriter`` names its
+    own (``events.out.tfevents.<time>.<host>.<pid>``), a new one each run; an event a record."""
+
+    def __init__(self, directory: str):
+        self.named = f"--tensorboard {directory}"
+        self._directory = directory
+        self._records = None
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        if self._records is None:  # its first event the format's version, which readers look for
+            os.makedirs(self._directory, exist_ok=True)
+            file = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+            # appended to: never written over, were another log of this process started in the same second
+            self._records = RecordWriter(open(os.path.join(self._directory, file), "ab"))
+            self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        values = [Summary.Value(tag=TAGS[name], simple_value=float(value)) for name, value in scalars.items()]
+        self._records.write(Event(wall_time=time.time(), step=step, summary=Summary(value=values)).SerializeToString())
+        self._records.flush()
+
+    def close(self) -> None:
+        if self._records is not None:
+            self._records.close()

@@ -47,7 +47,7 @@ import torch
 from shardwire.engine.checkpoint import schema
 from shardwire.engine.packing import Packing, ParamSlot
 from shardwire.engine.state_dict import TensorRecord
-from shardwire.files import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST
+from shardwire.files import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, kind_of
 
 FORMAT = CHECKPOINT_FORMAT  # by which the output policy, too, tells a checkpoint (shardwire.files)
 # 2: the manifest records its own sha256; 3: optimizer state per parameter; 4: buffers may be
@@ -203,7 +203,7 @@ class Manifest:
         ``CheckpointError`` naming the file and what is wrong with it otherwise."""
         path = directory / MANIFEST
         if not directory.is_dir():
-            raise CheckpointError(f"{directory}: no such checkpoint directory")
+            raise CheckpointError(_not_a_directory(directory))
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; {directory} is not a complete shardwire checkpoint")
         try:
@@ -261,6 +261,19 @@ class Manifest:
             raise ValueError(f"groups is {groups}, more than the {world_size} saving ranks hold for its flat buffers")
         return cls(step, world_size, flats, buffers, state_dict_keys, raw["optimizer"], raw["extra"], files,
                    groups=groups, version=version)
+
+
+def _not_a_directory(path: pathlib.Path) -> str:
+    """Why ``path``, which is not a directory, holds no checkpoint, and what to give instead: a
+    checkpoint is the directory its save wrote, and a file in one (its manifest, a rank's shard) is
+    named by that directory."""
+    if not path.exists():
+        return f"{path}: no such checkpoint directory"
+    if (path.parent / MANIFEST).is_file():
+        return (f"{path} is {kind_of(path)} of a checkpoint, not a checkpoint directory: give the checkpoint that "
+                f"holds it, {path.parent}")
+    return (f"{path} is {kind_of(path)}, not a checkpoint directory: give a directory a save wrote (a step_00000400 "
+            f"under `shardwire train --checkpoint-dir`)")
 
 
 # Version 1 manifests (before a manifest recorded its own sha256) are read with every other check;

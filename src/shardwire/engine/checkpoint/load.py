@@ -91,8 +91,10 @@ def load_latest_checkpoint(
     tried; so is one whose manifest records another step than its name, which would make the series'
     order a lie. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with
     each one's reason rather than return None: starting over would let new saves prune the old ones.
-    So does a directory that is a checkpoint itself, DCP's or one of a series
-    (``series.series_problem``): a series there would not see it, and would start over inside it.
+    So does a directory that is a checkpoint itself, DCP's or one of a series (a series there would
+    not see it, and would start over inside it), and one that holds only what is named as
+    checkpoints and holds no manifest (the user's, which a series would take for damaged
+    checkpoints of its own): ``series.series_problem``, before anything is written there.
     """
     if (problem := series.series_problem(directory)) is not None:
         raise CheckpointError(f"{directory} {problem}")

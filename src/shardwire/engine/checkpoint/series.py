@@ -16,7 +16,7 @@ import re
 import warnings
 
 from shardwire.engine.checkpoint import ownership
-from shardwire.engine.checkpoint.format import CheckpointError, Manifest
+from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest
 
 _STEP_NAME = re.compile(r"step_(\d+)")
 _DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system writer names its metadata
@@ -39,7 +39,8 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
     """Why ``directory`` cannot hold a series, or None: it is a checkpoint itself, one of
     torch.distributed.checkpoint (DCP writes ``.metadata`` beside its ``.distcp`` files) or one of
     shardwire's (a series' ``step_N``). A series would not see it and would start over inside it,
-    its own checkpoints making the one there unprunable. Said after the directory's name."""
+    its own checkpoints making the one there unprunable. Or it holds only what is named as a series'
+    checkpoints and is none (``_others_problem``). Said after the directory's name."""
     directory = pathlib.Path(directory)
     if os.path.isfile(directory / _DCP_METADATA):  # False, not an error, where it cannot be looked at
         return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
@@ -51,7 +52,23 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
     if (dcp := next((above for above in directory.resolve().parents if _holds_dcp(above)), None)) is not None:
         return (f"is inside {dcp}, a torch.distributed.checkpoint (DCP) checkpoint, which a series would fill with "
                 f"its own: give shardwire's checkpoints a directory of their own")
-    return None
+    return _others_problem(directory)
+
+
+def _others_problem(directory: pathlib.Path) -> str | None:
+    """Why ``directory`` holds what is no series: directories named as its checkpoints are, none of
+    which holds a manifest, which a save writes into every checkpoint before it names it so (a
+    user's own ``step_1``). A resume would try each as a damaged checkpoint and start over beside
+    them; said before anything is written there, nothing of theirs is touched."""
+    try:
+        found = list_checkpoints(directory)
+    except OSError:  # a directory this process may not list: what it holds is said where it is read
+        return None
+    if not found or any(os.path.lexists(path / MANIFEST) for path in found):
+        return None
+    names = ", ".join(path.name for path in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"holds {names}, named as checkpoints are, but without the {MANIFEST} every checkpoint holds (yours?): "
+            f"give shardwire's checkpoints a directory of their own")
 
 
 def _holds_dcp(directory: pathlib.Path) -> bool:

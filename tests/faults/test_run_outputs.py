@@ -1,0 +1,128 @@
+"""What a training run writes, and what it is given to write it with, when either is broken: a log
+on a full disk, a standard output whose reader has left, a checkpoint directory that holds the
+user's own files, a number too large to read. Each is one line on stderr, never a traceback; a
+broken log ends that log, not the run; nothing of the user's is touched."""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from shardwire.engine.checkpoint import list_checkpoints
+
+
+def train(*args: str, cwd, **kwargs) -> subprocess.CompletedProcess:
+    """``shardwire train`` of the tiny model, at its smallest, with ``args``."""
+    return subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                           *args], capture_output=True, text=True, timeout=120, cwd=cwd, **kwargs)
+
+
+def no_file_beyond(size: int):
+    """A process's limit on the size of each file it writes (RLIMIT_FSIZE): past it a write fails as on
+    a full disk (EFBIG; Python ignores the signal that comes with it), wherever the file is."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+
+@pytest.mark.slow
+def test_a_tensorboard_log_that_cannot_be_written_is_one_warning_and_training_goes_on(tmp_path):
+    """Written by torch's SummaryWriter, its thread printed a traceback and the next call raised it."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    # the event file's first event, its version, fits; the first interval's scalars do not
+    done = train("--steps", "2", "--log-every", "1", "--tensorboard", "tb", cwd=tmp_path,
+                 preexec_fn=no_file_beyond(64))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        "warning: --tensorboard tb: File too large; training goes on without this log from step 1"]
+    assert "done: 2 steps" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("eval_every", [None, 2])
+def test_the_final_validation_loss_is_the_last_point_of_the_logs(tmp_path, eval_every):
+    """Once, where the last interval computed it already (--eval-every)."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    evaluating = ["--eval-every", str(eval_every)] if eval_every else []
+    done = train("--steps", "2", "--nproc", "1", "--log-jsonl", "log.jsonl", "--tensorboard", "tb", *evaluating,
+                 cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = float(re.search(r"validation loss (\S+)", done.stdout)[1])
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["step"], round(r["val_loss"], 3)) for r in records if "val_loss" in r] == [(2, printed)]
+    assert records[-1]["step"] == 2 and "val_loss" in records[-1]
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    assert [(e.step, round(e.value, 3)) for e in board.Scalars("val/loss")] == [(2, printed)]
+
+
+@pytest.mark.slow
+def test_a_standard_output_whose_reader_leaves_ends_the_progress_not_the_run(tmp_path):
+    """``shardwire train | head -n 2``: the steps after go on, and are saved."""
+    errors = tmp_path / "stderr"
+    with errors.open("w") as stderr:
+        run = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                                "--steps", "8", "--log-every", "1", "--checkpoint-dir", "ckpt"],
+                               stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
+        try:
+            assert run.stdout.readline().startswith("shardwire train: ")
+            assert run.stdout.readline().startswith("step 1/8 ")
+            run.stdout.close()  # the reader leaves, as head does
+            assert run.wait(timeout=120) == 0, errors.read_text()[-3000:]
+        finally:
+            run.kill()
+    assert errors.read_text().splitlines() == [
+        "warning: standard output: Broken pipe; training goes on without printing its progress"]
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000008"]
+
+
+def test_a_run_started_without_standard_output_trains_and_saves(tmp_path):
+    """``shardwire train >&-``: Python's ``sys.stdout`` is None in every process."""
+    done = subprocess.run(f"{sys.executable} -m shardwire train --model tiny --eval-batches 1 --steps 2 "
+                          f"--checkpoint-dir ckpt >&-", shell=True, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
+
+
+def test_a_checkpoint_directory_of_the_users_own_named_as_one_is_refused_and_left_alone(tmp_path):
+    """A directory of the user's named ``step_N`` is no checkpoint: resuming skipped it as a damaged one
+    and stopped, naming no remedy, after claiming the directory."""
+    own = tmp_path / "ckpt" / "step_00000010"
+    own.mkdir(parents=True)
+    (own / "notes.txt").write_text("mine")
+    done = train("--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: --checkpoint-dir ckpt holds step_00000010, named as checkpoints are, but without the manifest.json "
+        "every checkpoint holds (yours?): give shardwire's checkpoints a directory of their own"]
+    assert sorted(path.name for path in (tmp_path / "ckpt").rglob("*")) == ["notes.txt", "step_00000010"]
+    assert (own / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name, text, said", [
+    # JSON reads the number itself, before the option does: past float's range, as infinity
+    ("job.json", '{"steps": 1e400}', ["--config job.json: steps: the number is too large (past 1.8e+308, which "
+                                      "JSON reads as infinity)"]),
+    ("job.json", '{"lr": 1e400}', ["--config job.json: lr: the number is too large (past 1.8e+308"]),
+    ("job.yaml", "lr: 1e400\n", ["--config job.yaml: lr: '1e400' is too large a number (past 1.8e+308)"]),
+    # more digits than Python reads an integer of
+    ("job.yaml", f"save_every: {'9' * 5000}\n", ["--config job.yaml: save_every: '99999",
+                                                 "...9", "9' is too large a number (5,000 digits)"]),
+    # read, and past the bound: shown cut short
+    ("job.yaml", f"seed: {'9' * 400}\n", ["--seed must be at most 18,446,744,073,709,551,615, got 99999",
+                                          "...9"]),
+], ids=["json-integer", "json-real", "yaml-real", "yaml-5000-digits", "yaml-400-digits"])
+def test_a_number_too_large_is_said_as_written_or_in_words_not_as_infinity(tmp_path, name, text, said):
+    pytest.importorskip("yaml", reason="the yaml extra is not installed")
+    (tmp_path / name).write_text(text)
+    done = train("--config", name, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: {said[0]}") and all(part in done.stderr for part in said), done.stderr
+    assert done.stderr.count("\n") == 1 and len(done.stderr) < 300, done.stderr
+    assert "inf" not in done.stderr.replace("infinity", "")
