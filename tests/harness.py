@@ -151,8 +151,8 @@ def peak_allocated(fn) -> int:
 
 
 def save_tokenizer(directory) -> None:
-    """A byte-level BPE tokenizer of 300 ids ("<eos>" among them), trained on one sentence and saved
-    into ``directory`` as ``save_pretrained`` writes it (needs the hf extra)."""
+    """A byte-level BPE tokenizer asked for 300 ids, of which one sentence gives about 60 ("<eos>"
+    among them), saved into ``directory`` as ``save_pretrained`` writes it (needs the hf extra)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

@@ -300,3 +300,80 @@ def test_ctrl_c_names_a_fault_tolerant_groups_own_series(tmp_path):
     config = TrainConfig(checkpoint_dir=str(tmp_path), fault_tolerance="lighthouse=http://localhost:29510,group=g1")
     assert _what_was_saved(config) == (f"{tmp_path}/g1/step_00000004 is the newest checkpoint; running the same "
                                        f"command again resumes from it")
+
+
+@pytest.fixture
+def started(monkeypatch) -> list:
+    """The worker arguments of each job the command would start, which none is."""
+    jobs = []
+    monkeypatch.setattr("shardwire.cli.train.launch_local", lambda nproc, argv, **options: jobs.append(argv) or 0)
+    return jobs
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--keep", "5"], "--keep is for --checkpoint-dir, and without it this run saves no checkpoint: give "
+                      "--checkpoint-dir DIR, or leave out --keep"),
+    (["--save-every", "10"], "--save-every is for --checkpoint-dir, and without it this run saves no checkpoint"),
+    (["--keep", "0", "--save-every", "1"], "--save-every and --keep are for --checkpoint-dir, and without it this run "
+                                           "saves no checkpoint: give --checkpoint-dir DIR, or leave out --save-every "
+                                           "and --keep"),
+    (["--run-dir", "runs/a"], "--run-dir is for --profile, and without it this run writes no profile: give --profile, "
+                              "or leave out --run-dir"),
+    (["--peak-tflops", "312"], "--peak-tflops is for --profile, and without it this run writes no profile"),
+    (["--no-profile", "--run-dir", "runs/a", "--peak-tflops", "312"], "--run-dir and --peak-tflops are for --profile"),
+])
+def test_an_option_given_without_the_one_it_acts_beside_is_said_not_ignored(args, said, started, capsys):
+    """Ignored, a --keep without --checkpoint-dir ran to the end with status 0 and saved nothing, its user
+    believing the run checkpointed; so did a --run-dir or --peak-tflops without --profile. Said at start
+    in one line, by --print-config and --print-launch too; the run goes on (a script that passes them
+    always, and what they need only at times, keeps working)."""
+    for extra in ([], ["--print-config"], ["--print-launch", "--nnodes", "2"]):
+        assert main(["train", "--model", "tiny", *args, *extra]) == 0
+        assert capsys.readouterr().err.startswith(f"warning: {said}")
+    assert len(started) == 1
+
+
+def test_a_printed_config_runs_and_the_options_beside_what_they_need_are_taken(tmp_path, started, capsys,
+                                                                                 monkeypatch):
+    """--print-config records every option, --keep's, --save-every's, --run-dir's and --peak-tflops'
+    defaults among them: the file runs, as printed; given with what they act beside, they are the run's."""
+    pytest.importorskip("yaml", reason="the yaml extra is not installed")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model", "tiny", "--steps", "2", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert all(line in printed.splitlines() for line in ("save_every: 100", "keep: 3", "run_dir: null",
+                                                          "peak_tflops: null", "checkpoint_dir: null")), printed
+    (tmp_path / "job.yaml").write_text(printed)
+    assert main(["train", "--config", "job.yaml"]) == 0
+    assert started.pop() == ["train", "--model", "tiny", "--steps", "2"]
+    given = ["--checkpoint-dir", "ckpt", "--save-every", "1", "--keep", "0", "--profile", "--run-dir", "runs/a",
+             "--peak-tflops", "312.5"]
+    assert main(["train", "--config", "job.yaml", *given]) == 0
+    assert started.pop() == ["train", "--model", "tiny", "--steps", "2", *given]
+    assert main(["train", "--config", "job.yaml", *given, "--print-config"]) == 0  # and printed again, it runs
+    (tmp_path / "again.yaml").write_text(capsys.readouterr().out)
+    assert main(["train", "--config", "again.yaml"]) == 0
+    assert started.pop() == ["train", "--model", "tiny", "--steps", "2", *given]
+    # a config file that sets one without what it acts beside is said, as the command line is
+    (tmp_path / "kept.yaml").write_text(printed.replace("keep: 3", "keep: 5"))
+    capsys.readouterr()
+    assert main(["train", "--config", "kept.yaml"]) == 0
+    assert capsys.readouterr().err.startswith("warning: --keep is for --checkpoint-dir")
+
+
+@pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])
+def test_ctrl_c_under_torchrun_is_said_by_rank_0_naming_the_newest_checkpoint(tmp_path, monkeypatch, capsys, rank,
+                                                                                said):
+    """torchrun's agent says nothing of what was saved (shardwire's own launcher does, its workers quiet)."""
+    for name, value in {"LOCAL_RANK": rank, "RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SHARDWIRE_NOTED_BY_LAUNCHER", raising=False)
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("shardwire.cli.train.train", interrupted)
+    assert main(["train", "--model", "tiny", "--checkpoint-dir", str(tmp_path)]) == 130
+    line = f"interrupted: no checkpoint was saved in {tmp_path} yet"
+    assert capsys.readouterr().err.splitlines() == ([line] if said else [])

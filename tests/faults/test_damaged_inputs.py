@@ -1,8 +1,8 @@
 """Damaged or hostile input is one line, found before any worker starts, instead of a traceback
 from every worker: a config or spec that is not UTF-8, weights that are damaged, a pickle that
 would run code, an index naming files outside the model, units that cannot shard, a file named .npy
-that is not one; at run time, a log that cannot be written; and a damaged token cache is tokenised
-again."""
+that is not one, a .bin of 64-bit ids, a tokenizer larger than the model's vocabulary; at run time, a
+log that cannot be written; and a damaged token cache is tokenised again."""
 
 from __future__ import annotations
 
@@ -176,3 +176,58 @@ def test_a_testbed_jobs_missing_input_is_one_line_before_any_node_starts(testbed
     assert not started
     np.zeros(1000, dtype=np.uint16).tofile(tmp_path / "ids.bin")
     assert run("train", "--data", "ids.bin") == 0 and started == [["-m", "shardwire", "train", "--data", "ids.bin"]]
+
+
+@pytest.mark.parametrize("token_dtype", ["uint16", "uint32"])
+@pytest.mark.parametrize("vocabulary", [256, 100_000])
+def test_64_bit_ids_are_refused_at_either_width_saying_how_to_convert_them(tmp_path, token_dtype, vocabulary):
+    """int64 ids read as uint32 have every second id 0: the uint16 refusal once advised uint32, which
+    then trained on them. Each width names 64-bit ids, and the conversion it gives, run as written,
+    makes a file the advised options train on."""
+    ids = np.random.default_rng(0).integers(0, vocabulary, 50_000)
+    path = tmp_path / "ids.bin"
+    ids.astype(np.int64).tofile(path)
+    with pytest.raises(SystemExit) as refusal:
+        main(["train", "--model", "tiny", "--steps", "2", "--nproc", "1", "--data", str(path),
+              "--token-dtype", token_dtype])
+    said = str(refusal.value)
+    assert re.fullmatch(f"error: --data: {re.escape(str(path))} looks like 64-bit ids read as {token_dtype} \\(.* "
+                        f"(is|are) 0\\), and --token-dtype takes uint16 or uint32: convert them, e.g. with (.*), and give "
+                        f"--data (.*) --token-dtype uint32", said)
+    conversion, converted = re.search(r"e\.g\. with (.*), and give --data (.*) --token-dtype", said).groups()
+    eval(conversion, {"numpy": np})
+    assert np.array_equal(load_corpus(converted, 32, bin_dtype="uint32").ids, ids)
+
+
+def _tokenizer_of(directory, size: int) -> None:
+    """``save_tokenizer``'s tokenizer grown to ``size`` ids by added tokens ``<x0>``, ``<x1>``, ...:
+    ``len`` counts them, its ``vocab_size`` does not."""
+    import transformers
+
+    save_tokenizer(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer.add_tokens([f"<x{i}>" for i in range(size - len(tokenizer))])
+    tokenizer.save_pretrained(directory)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_tokenising_leaving_nothing(tmp_path):
+    """The text was tokenised whole, into a .npy beside it, before the first id past the model's
+    vocabulary was refused; the tokenizer's size says so first, whether or not an earlier run left ids
+    there."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    _tokenizer_of(tmp_path / "tokz", 300)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox <x250> jumps over the lazy dog " * 500)
+    run = ["train", "--model", "tiny", "--steps", "2", "--nproc", "1", "--data", str(text),
+           "--tokenizer", str(tmp_path / "tokz")]
+    said = (f"error: --tokenizer {tmp_path / 'tokz'} has 300 ids, but the model's vocabulary has 256: give a model "
+            f"whose vocabulary holds them, an hf: model with a vocab_size of 300 or more, or --model gpt-125m "
+            f"(50,304 ids); or a tokenizer of at most 256 ids")
+    with pytest.raises(SystemExit) as refusal:
+        main(run)
+    assert str(refusal.value) == said
+    assert sorted(os.listdir(tmp_path)) == ["text.txt", "tokz"]
+    load_corpus(str(text), seq_len=16, tokenizer=str(tmp_path / "tokz"))  # ids cached, as for a larger model
+    with pytest.raises(SystemExit) as refusal:
+        main(run)
+    assert str(refusal.value) == said

@@ -601,3 +601,36 @@ def test_a_diloco_checkpoint_between_syncs_says_which_model_is_exported(tmp_path
                                    f"steps each trained since\n")
     status, _, err = export(capsys, tmp_path / "ckpt", tmp_path / "last.pt")  # the run ended with a sync
     assert status == 0 and err == ""
+
+
+def _a_worker_of_two(monkeypatch, rank: int) -> None:
+    """This process as torchrun's worker ``rank`` of 2, left bound to the test's parent."""
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                        "MASTER_ADDR": "localhost", "MASTER_PORT": 29500}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr("shardwire.cli.die_with_launcher", lambda: None)
+
+
+def test_under_torchrun_rank_0_exports_and_the_other_ranks_leave_done(work, capsys, monkeypatch):
+    """Every rank exported: rank 0 wrote OUT, and rank 1 then refused it as a file that exists (or
+    raced rank 0 for it), failing a job whose export had succeeded. An export is one process's work."""
+    out = work / "model.pt"
+    _a_worker_of_two(monkeypatch, 1)
+    assert export(capsys, work / "gpt", out) == (0, "", "")
+    assert not out.exists()
+    _a_worker_of_two(monkeypatch, 0)
+    status, said, _ = export(capsys, work / "gpt", out)
+    assert status == 0 and said == f"exported {work}/gpt/step_00000002 (tiny) to {out} (torch.save)\n", said
+    assert torch.load(out, weights_only=True).keys() == GPT(PRESETS["tiny"]).state_dict().keys()
+
+
+@pytest.mark.slow
+def test_torchrun_of_export_writes_out_once_and_succeeds(work):
+    """What the user ran: two workers, one export, one line, and torchrun's status 0 (not its
+    ChildFailedError traceback for the rank that found OUT written)."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "shardwire", "export", "gpt", "model.pt"], cwd=work, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "error" not in done.stderr, done.stderr
+    assert done.stdout == "exported gpt/step_00000002 (tiny) to model.pt (torch.save)\n", done.stdout
+    assert torch.load(work / "model.pt", weights_only=True).keys() == GPT(PRESETS["tiny"]).state_dict().keys()

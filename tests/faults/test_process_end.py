@@ -69,3 +69,26 @@ def test_a_script_ends_cleanly_while_gloos_thread_still_holds_its_tensor():
     exception" nearly every time: the thread lets go of the tensor during finalization."""
     done = subprocess.run([sys.executable, "-c", LEFT_IN_GLOO], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (0, "leaving\n"), done.stderr
+
+
+CTRL_C_WHILE_LOADING = textwrap.dedent("""
+    import builtins, os, runpy, signal, sys
+
+    load = builtins.__import__
+
+    def interrupted_import(name, *args, **kwargs):
+        if name == "shardwire.cli":  # Ctrl-C lands while the command's modules load
+            os.kill(os.getpid(), signal.SIGINT)
+        return load(name, *args, **kwargs)
+
+    builtins.__import__ = interrupted_import
+    sys.argv = ["shardwire", "train", "--model", "tiny", "--steps", "2"]
+    runpy.run_module("shardwire", run_name="__main__")
+""")
+
+
+def test_a_ctrl_c_while_the_modules_load_is_one_line_once_they_have():
+    """Not a KeyboardInterrupt inside a library's import, which can swallow it and leave a
+    half-made module behind."""
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_LOADING], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr, done.stdout) == (130, "interrupted\n", "")

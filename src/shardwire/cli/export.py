@@ -4,7 +4,10 @@ An ``hf:`` model becomes a ``save_pretrained`` directory that ``from_pretrained`
 (``shardwire.models.export``); a GPT preset, a plain state dict file (``OUT.safetensors``, or a
 ``torch.save`` file). The model is the one ``shardwire train`` recorded in the checkpoint, with the
 config it recorded for an ``hf:`` model, or ``--model``, whose weights must fit. It runs in one
-process, without a GPU, from a checkpoint of any world size.
+process, without a GPU, from a checkpoint of any world size. Started as several workers (under
+``torchrun --nproc-per-node N``, as a script may start every command), rank 0 exports and the other
+ranks leave at once, successfully, having nothing to do: OUT is written once, and the job's status is
+rank 0's.
 
 OUT is checked before any weight is read: new (nothing is overwritten), writable, and outside the
 checkpoint. Given a ``--checkpoint-dir``, the newest checkpoint that can be exported is, as ``train``
@@ -28,6 +31,7 @@ from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.checkpoint.series import group_series
 from shardwire.engine.diloco import DiLoCo
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
+from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, shown
 from shardwire.options import argument_text, text
 from shardwire.models import tokenizer as hf_tokenizer
@@ -50,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if _another_worker():
+        return 0  # rank 0 exports, once: another rank would find OUT written, or race it for the name
     # SIGTERM (timeout, SLURM, systemd) stops an export as Ctrl-C does: what it staged is removed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     given = pathlib.Path(args.checkpoint)
@@ -65,6 +71,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"note: {note}", file=sys.stderr)
     print(one_line(f"exported {checkpoint} ({cut(model)}) to {out}{_format(out, model)}"))
     return 0
+
+
+def _another_worker() -> bool:
+    """Whether this process is one of a launcher's workers other than rank 0 (torchrun's ``RANK`` past 0
+    of a ``WORLD_SIZE`` past 1; ``shardwire.launch.launcher_problem`` has checked both are counts)."""
+    if not under_launcher():
+        return False
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return world.isdigit() and rank.isdigit() and int(world) > 1 and int(rank) > 0
 
 
 def _export_newest(given: pathlib.Path, args: argparse.Namespace) -> tuple[pathlib.Path, str, pathlib.Path, list[str]]:

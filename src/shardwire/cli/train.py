@@ -25,7 +25,7 @@ from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_toleran
 from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.files import checkpoint_problem, directory_problem, new_directory_problem
 from shardwire.extras import require
-from shardwire.launch import host_memory_per_worker, launch_local, torchrun_command, under_launcher
+from shardwire.launch import host_memory_per_worker, launch_local, tells_the_user, torchrun_command, under_launcher
 from shardwire.mappings import cut, one_line
 from shardwire.models import fp8
 from shardwire.models import tokenizer as hf_tokenizer
@@ -39,6 +39,7 @@ from shardwire.options import (
     check_writable_directory,
     command_line,
     config_from,
+    flag,
 )
 from shardwire.placement import launch_ranks_per_node
 from shardwire.profile import PROFILE_FILE, TRACE_FILE
@@ -46,7 +47,7 @@ from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import activation_bytes
 from shardwire.sim.specs import TrainingSpec
 from shardwire.training.autoplan import unplannable
-from shardwire.training.config import LAUNCH_OPTIONS, TrainConfig
+from shardwire.training.config import LAUNCH_OPTIONS, NEEDS, TrainConfig, is_given
 from shardwire.training.data import check_default_corpus
 from shardwire.training.loop import run_tokenizer, train, training_corpus
 
@@ -71,7 +72,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         except KeyboardInterrupt:
             print(one_line(f"interrupted: {_what_was_saved(config)}"), file=sys.stderr)
             return 130
-    train(config)
+    try:
+        train(config)
+    except KeyboardInterrupt:
+        if tells_the_user():  # under torchrun, whose agent does not say what was saved
+            print(one_line(f"interrupted: {_what_was_saved(config)}"), file=sys.stderr)
+        return 130
     return 0
 
 
@@ -154,6 +160,8 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
             given = "--nnodes" if config.nnodes != 1 else "--nproc-per-node"
             raise OptionError(f"{given} is for --print-launch, which prints the command for each node; to run "
                               f"here give --nproc, or add --print-launch")
+        if (idle := _without_what_they_need(config)) is not None and tells_the_user():
+            print(f"warning: {idle}", file=sys.stderr)
         if config.lr * config.weight_decay >= 1:  # AdamW scales each weight by 1 - lr x weight decay a step
             raise OptionError(f"--weight-decay {config.weight_decay:g} with --lr {config.lr:g} would scale every "
                               f"weight by 1 - lr x weight decay = {1 - config.lr * config.weight_decay:.3g} at "
@@ -205,6 +213,25 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
               f"{world} ranks are on one node: it trains as {trains}; give --shard-group-size, or run on "
               f"several nodes (--nnodes)", file=sys.stderr)
     return diloco, fault_tolerance
+
+
+# Each option that ``NEEDS`` names, as the remedy writes it, and what a run without it does not do.
+_WITHOUT = {"checkpoint_dir": ("--checkpoint-dir DIR", "saves no checkpoint"),
+            "profile": ("--profile", "writes no profile")}
+
+
+def _without_what_they_need(config: TrainConfig) -> str | None:
+    """The options given that change nothing for want of the option they act beside (``--keep``
+    without ``--checkpoint-dir``, ``--run-dir`` without ``--profile``), in one line; or None. Said, not
+    refused: a run would otherwise end well having done nothing they asked, its user believing it
+    checkpointed; but a script that always passes them, and the option they need only at times, runs."""
+    for needed, (written, undone) in _WITHOUT.items():
+        idle = [flag(name) for name, need in NEEDS.items() if need == needed and is_given(config, name)]
+        if idle and not getattr(config, needed):
+            names = " and ".join(idle)
+            return (f"{names} {'is' if len(idle) == 1 else 'are'} for {flag(needed)}, and without it this run "
+                    f"{undone}: give {written}, or leave out {names}")
+    return None
 
 
 def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | None) -> None:

@@ -10,6 +10,7 @@ import pathlib
 
 from shardwire.extras import require
 from shardwire.models.choice import check_files, custom_code
+from shardwire.models.gpt import PRESETS
 
 
 def add_files(digest: "hashlib._Hash", directory: pathlib.Path) -> None:
@@ -57,3 +58,17 @@ def load(directory: str | pathlib.Path, label: str):
     except Exception as err:  # a tokenizer transformers cannot read, however it says so
         problem = custom_code(directory / "config.json")
         raise ValueError(f"{label}: {problem or str(err).splitlines()[0]}") from None
+
+
+def check_vocabulary(tokenizer, vocab_size: int, label: str) -> None:
+    """Refuse ``tokenizer`` (``label``: how the user gave it) where it has more ids than the model's
+    ``vocab_size``: its ids past the vocabulary index no embedding. Its length counts the tokens added
+    to it, which ``tokenizer.vocab_size`` leaves out. Asked before any text is tokenised: the text
+    would otherwise be tokenised whole only for the run to refuse the first id past the vocabulary."""
+    size = len(tokenizer)
+    if size > vocab_size:
+        preset = next((name for name, config in PRESETS.items() if config.vocab_size >= size), None)
+        or_preset = f", or --model {preset} ({PRESETS[preset].vocab_size:,} ids)" if preset else ""
+        raise ValueError(f"{label} has {size:,} ids, but the model's vocabulary has {vocab_size:,}: give a model "
+                         f"whose vocabulary holds them, an hf: model with a vocab_size of {size:,} or more{or_preset}; "
+                         f"or a tokenizer of at most {vocab_size:,} ids")

@@ -90,8 +90,9 @@ class TrainConfig:
     eval_every: int = option(0, "steps between validation losses, shown as val in the progress line "
                                 "(0: at the end only)", at_least=0)
     checkpoint_dir: str | None = option(None, "save checkpoints here; running again resumes from the newest good one")
-    save_every: int = option(100, "steps between checkpoints (the last step is always saved)", at_least=1)
-    keep: int = option(3, "newest checkpoints to keep (0: all)", at_least=0)
+    save_every: int = option(100, "with --checkpoint-dir: steps between checkpoints (the last step is always saved)",
+                             at_least=1)
+    keep: int = option(3, "with --checkpoint-dir: newest checkpoints to keep (0: all)", at_least=0)
     export_hf: str | None = option(None, "hf: models: at the end, write the trained model to this new directory as "
                                          "save_pretrained does (with the model's tokenizer)", metavar="DIR")
     max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "
@@ -99,9 +100,9 @@ class TrainConfig:
     timeout: float = option(600.0, "seconds a collective may take before the job stops with an error naming it",
                             at_least=worker.MIN_TIMEOUT_S, real=True, unit="seconds", at_most=MAX_TIMEOUT_S)
     profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
-    run_dir: str | None = option(None, "profile output directory (default runs/<date-time>)")
-    peak_tflops: float | None = option(None, "peak TFLOP/s per worker for MFU (default: a GPU's data sheet, or a "
-                                             "matmul probe)", above=0, real=True)
+    run_dir: str | None = option(None, "with --profile: its output directory (default runs/<date-time>)")
+    peak_tflops: float | None = option(None, "with --profile: peak TFLOP/s per worker for MFU (default: a GPU's data "
+                                             "sheet, or a matmul probe)", above=0, real=True)
     tensorboard: str | None = option(
         None, "write loss, learning rate, tokens/s, step time, communication and exposed communication (and MFU "
               "with --profile) as TensorBoard scalars here, each log interval", metavar="DIR")
@@ -115,9 +116,22 @@ class TrainConfig:
 
 # The options that say where and how to start the workers, not what they train.
 LAUNCH_OPTIONS = ("nproc", "max_restarts", "print_launch", "nnodes", "nproc_per_node")
+# The options that act only beside another (-> the one they need), said without it: a --keep alone
+# saves nothing while its user believes the run checkpoints. (--nnodes and --nproc-per-node, which
+# need --print-launch, are refused in words of their own, ``shardwire.cli.train``.)
+NEEDS = {"save_every": "checkpoint_dir", "keep": "checkpoint_dir", "run_dir": "profile", "peak_tflops": "profile"}
 # The options that say what the job reports and keeps, which change nothing it trains.
 _REPORTING_OPTIONS = ("log_every", "eval_batches", "eval_every", "checkpoint_dir", "save_every", "keep", "export_hf",
                       "timeout", "profile", "run_dir", "peak_tflops", "tensorboard", "log_jsonl")
+
+
+def is_given(config: TrainConfig, name: str) -> bool:
+    """Whether ``config`` sets the option ``name`` away from its default, as the user gave it on the
+    command line or in a ``--config`` file. A default is not given, however it came: a file that
+    ``--print-config`` wrote records every option, the defaults too, and runs as it was printed (so
+    the default's own value, ``--keep 3``, passes as one, changing nothing)."""
+    field = next(field for field in dataclasses.fields(TrainConfig) if field.name == name)
+    return getattr(config, name) != field.default
 
 
 def training_settings(config: TrainConfig) -> dict:

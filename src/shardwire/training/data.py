@@ -49,29 +49,37 @@ MAX_SEED = 2**64 - 1
 
 def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
                 bin_dtype: str = "uint16", memory: int | None = None,
-                tokenizer_label: str | None = None) -> "ByteCorpus | TokenCorpus":
+                tokenizer_label: str | None = None, vocab_size: int | None = None) -> "ByteCorpus | TokenCorpus":
     """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
-    ``tokenized``); else text as bytes, refused where it needs more than ``memory`` bytes."""
+    ``tokenized``; refused where it has more ids than ``vocab_size``, the model's); else text as
+    bytes, refused where it needs more than ``memory`` bytes."""
     if tokenizer is not None:
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
-        return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label)), seq_len)
+        return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label, vocab_size)), seq_len)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len, bin_dtype)
     return ByteCorpus.load(path, seq_len, memory)
 
 
-def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None) -> pathlib.Path:
+def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
+              vocab_size: int | None = None) -> pathlib.Path:
     """The ids of the text at ``path`` under the tokenizer in ``tokenizer_dir``, tokenised once, with a
     progress bar, into a ``.npy`` beside the data (the default corpus's in ``_cache_directory``), named
     for both (a digest of the tokenizer's files and the texts' sizes and times), so a changed tokenizer
     or text is tokenised again. Documents are joined with the tokenizer's end-of-text id where it has
-    one. ``label``: how the user gave the tokenizer, for messages (``--tokenizer DIR`` by default)."""
+    one. ``label``: how the user gave the tokenizer, for messages (``--tokenizer DIR`` by default).
+    A tokenizer with more ids than ``vocab_size`` is refused first, cached ids or not: nothing is
+    tokenised into a file beside the user's text for a run that cannot train on it, and the answer
+    does not depend on whether an earlier run left ids there."""
     from tqdm import tqdm
 
     label = label or f"--tokenizer {tokenizer_dir}"
-    directory = hf_tokenizer.check(tokenizer_dir, label)
+    reader = hf_tokenizer.load(tokenizer_dir, label)
+    if vocab_size is not None:
+        hf_tokenizer.check_vocabulary(reader, vocab_size, label)
+    directory = pathlib.Path(tokenizer_dir)
     files, name = _text_files(path)
     digest = hashlib.sha256()
     hf_tokenizer.add_files(digest, directory)
@@ -86,7 +94,6 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None) ->
             return cache
         except ValueError:  # damaged (a full disk, a copy cut short): it is ours to make again
             pass
-    reader = hf_tokenizer.load(directory, label)
     separator = [] if reader.eos_token_id is None else [reader.eos_token_id]
     pieces = [np.asarray(reader(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
               for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
@@ -261,11 +268,41 @@ class TokenCorpus(_Sequences):
         return torch.from_numpy(np.stack([self._file.read(begin + s, seq_len + 1) for s in starts]).astype(np.int64))
 
 
-def _uint32_read_as_uint16(ids: np.ndarray) -> bool:
-    """Whether little-endian uint32 ids of a vocabulary under 65,536 are being read as uint16: every
-    second id, the high half, is then 0, which token data of any real text never is."""
-    head = np.asarray(ids[: min(len(ids), _CHECK_CHUNK) // 2 * 2])
-    return len(head) >= 16 and not head[1::2].any() and head[0::2].any()
+def _width_held(ids: np.ndarray) -> int:
+    """The width in bytes of the ids a ``.bin`` read as ``ids``' type seems to hold: its own, or wider
+    where little-endian ids of a wider type (uint32, or 64 bits), of a vocabulary under half its width,
+    are being read as narrower ones. The high half of each wide id, the second of every two narrow ids
+    or the last two of every four, is then 0, which token data of any real text never is. Wider types
+    are asked first: 64-bit ids read as uint16 also have every second id 0."""
+    head = np.asarray(ids[: min(len(ids), _CHECK_CHUNK)])
+    for width in (8, 4):
+        parts = width // ids.dtype.itemsize
+        if parts > 1 and len(head) >= 8 * parts:
+            wide = head[: len(head) // parts * parts].reshape(-1, parts)
+            if not wide[:, parts // 2:].any() and wide[:, : parts // 2].any():
+                return width
+    return ids.dtype.itemsize
+
+
+def _wide_ids_refused(file: pathlib.Path, ids: np.ndarray) -> None:
+    """Refuse a ``.bin`` of wider ids than ``ids``' type reads it as (``_width_held``), saying what to
+    do: for uint32 ids, give ``--token-dtype uint32``; for 64-bit ids, which ``--token-dtype`` does not
+    take, convert them. 64-bit ids are named as such read at either width: told to read them as
+    uint32, a run once trained on them with every second id 0."""
+    width = _width_held(ids)
+    if width == ids.dtype.itemsize:
+        return
+    checked = f"its first {min(len(ids), _CHECK_CHUNK):,}"
+    if width == 4:
+        raise ValueError(f"{file} looks like uint32 ids read as uint16 (every second id of {checked} is 0): give "
+                         f"--token-dtype uint32")
+    zeros = (f"every second id of {checked} is 0" if ids.dtype.itemsize == 4 else
+             f"the last two of every four ids of {checked} are 0")
+    converted = file.with_suffix(".uint32.bin")
+    raise ValueError(f"{file} looks like 64-bit ids read as {ids.dtype} ({zeros}), and "
+                     f"--token-dtype takes {' or '.join(BIN_DTYPES)}: convert them, e.g. with numpy.fromfile("
+                     f"{str(file)!r}, numpy.int64).astype(numpy.uint32).tofile({str(converted)!r}), and give "
+                     f"--data {converted} --token-dtype uint32")
 
 
 def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
@@ -281,9 +318,7 @@ def _read_ids(file: pathlib.Path, bin_dtype: str = "uint16") -> np.ndarray:
             raise ValueError(f"{file} holds {size:,} bytes, not a whole number of {bin_dtype} ids: is it "
                              f"another element type (--token-dtype)?")
         ids = np.memmap(file, dtype=bin_dtype, mode="r")
-        if bin_dtype == "uint16" and _uint32_read_as_uint16(ids):
-            raise ValueError(f"{file} looks like uint32 ids read as uint16 (every second id of its first "
-                             f"{min(len(ids), _CHECK_CHUNK):,} is 0): give --token-dtype uint32")
+        _wide_ids_refused(file, ids)
         return ids
     try:
         with file.open("rb") as f:
