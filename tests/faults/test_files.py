@@ -297,7 +297,7 @@ def test_a_token_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path, fu
     said = str(refused.value)
     assert said.startswith(f"--tokenizer: the ids of {text} go to {text}.tokens-") and "\n" not in said
     assert said.endswith(".npy, which could not be written: No space left on device; free space there, or copy the "
-                         "text where there is room")
+                         "text to a directory with room")
     assert sorted(os.listdir(tmp_path)) == ["text.txt", "tokenizer"]
 
 

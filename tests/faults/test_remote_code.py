@@ -61,6 +61,7 @@ def test_a_tokenizer_needing_custom_code_is_refused_and_its_code_never_runs(tmp_
     text = tmp_path / "text.txt"
     text.write_text("some text " * 1000)
     with pytest.raises(SystemExit, match=r"--tokenizer .*: it needs custom code \(the auto_map of "
-                                         r"tokenizer_config.json names .*\), which shardwire never runs"):
+                                         r"tokenizer_config.json names .*\), which shardwire never runs: use a "
+                                         r"tokenizer whose class transformers itself implements"):
         main(["train", "--data", str(text), "--tokenizer", str(tmp_path / "tokenizer")])
     assert not marker.exists()

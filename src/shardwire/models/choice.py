@@ -342,8 +342,9 @@ def custom_code(config: pathlib.Path) -> str | None:
         return None
     if not fields.get("auto_map"):
         return None
+    implemented = "a tokenizer whose class" if config.name == "tokenizer_config.json" else "a model whose architecture"
     return (f"it needs custom code (the auto_map of {config.name} names {shown(fields['auto_map'], 60)}), which "
-            f"shardwire never runs: use a model whose architecture transformers itself implements")
+            f"shardwire never runs: use {implemented} transformers itself implements")
 
 
 def _custom_code_not_run(config, source: str, built: str) -> str | None:

@@ -16,6 +16,7 @@ seed, the positions dealt among the groups (``shardwire.training.deal``).
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import io
@@ -104,9 +105,12 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
     try:
         write_atomically(cache, array.getvalue())
     except WriteFailed as err:  # not skipped: the run reads the ids from this file, memory-mapped
-        room = "set XDG_CACHE_HOME to a directory with room" if path is None else "copy the text where there is room"
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        elsewhere = "with room" if full else "this process can write in"
+        remedy = (f"set XDG_CACHE_HOME to a directory {elsewhere}" if path is None
+                  else f"copy the text to a directory {elsewhere}")
         raise ValueError(f"--tokenizer: the ids of {name} go to {cache}, which could not be written: "
-                         f"{err.strerror}; free space there, or {room}") from None
+                         f"{err.strerror}; {'free space there, or ' if full else ''}{remedy}") from None
     return cache
 
 

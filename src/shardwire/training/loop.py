@@ -856,7 +856,8 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
                               "settings": training_settings(config), **trained_on},
         )
     except shardwire.CheckpointError as err:
-        raise _agreed(f"error: {err} (the checkpoints saved before it are intact)") from None
+        raise _agreed(f"error: {err} (the checkpoints saved before it are intact: make room there, or give another "
+                      f"--checkpoint-dir, and run the command again to resume from the newest)") from None
     return path
 
 
