@@ -307,11 +307,11 @@ def _write(path: str | os.PathLike, data: str | bytes, durable: bool, new: bool)
     """``write_atomically``'s work, once ``path`` is known to be a file or nothing: a write that fails
     takes away the directories it made for the file, as it takes away its temporary."""
     target = os.path.realpath(path)
-    made = _make_directories(os.path.dirname(target))
+    made = make_directories(os.path.dirname(target))
     try:
         _write_in_place(target, os.fspath(path), data, durable, new)
     except BaseException:
-        _remove_directories(made)
+        remove_directories(made)
         raise
 
 
@@ -340,9 +340,9 @@ def _write_in_place(target: str, given: str, data: str | bytes, durable: bool, n
         _sync_directory(directory)
 
 
-def _make_directories(directory: str | os.PathLike) -> list[str]:
+def make_directories(directory: str | os.PathLike) -> list[str]:
     """Make ``directory`` and the directories missing above it, as ``os.makedirs`` does; returns those
-    this call made, outermost first, for ``_remove_directories`` to take away where what they were
+    this call made, outermost first, for ``remove_directories`` to take away where what they were
     made for fails: a failed command leaves no directory behind it. One another writer makes
     meanwhile is not counted, and so never removed."""
     missing = []
@@ -359,13 +359,13 @@ def _make_directories(directory: str | os.PathLike) -> list[str]:
                 continue
             made.append(path)
     except BaseException:
-        _remove_directories(made)
+        remove_directories(made)
         raise
     return made
 
 
-def _remove_directories(made: list[str]) -> None:
-    """Remove the directories ``_make_directories`` made, innermost first, each only while it is
+def remove_directories(made: list[str]) -> None:
+    """Remove the directories ``make_directories`` made, innermost first, each only while it is
     empty: one another writer has put something in since is kept, with those above it."""
     for path in reversed(made):
         try:
@@ -450,11 +450,11 @@ class StagedDirectory:
         if (problem := new_directory_problem(target)) is not None:
             raise OutputRefused(f"{what} {os.fspath(target)} {problem}")
         self.path = self.target.with_name(f".{_stem(self.target.name)}.shardwire-partial")
-        self._made = _make_directories(self.path.parent)
+        self._made = make_directories(self.path.parent)
         try:
             self._fd = self._claim(target, what)
         except BaseException:
-            _remove_directories(self._made)
+            remove_directories(self._made)
             raise
 
     def _claim(self, target: str | os.PathLike, what: str) -> int:
@@ -496,7 +496,7 @@ class StagedDirectory:
         if self._fd is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             self._release()
-            _remove_directories(self._made)
+            remove_directories(self._made)
 
     def _release(self) -> None:
         os.close(self._fd)

@@ -18,6 +18,7 @@ import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 from shardwire.placement import launch_ranks_per_node
@@ -139,6 +140,42 @@ def end_process(status: int) -> NoReturn:
             with contextlib.suppress(OSError, ValueError):  # a reader gone (| head), a stream closed
                 stream.flush()
     os._exit(status)
+
+
+class UntilClosed:
+    """A text stream that is ``stream`` until a write or flush of it fails (a reader gone, ``| head``;
+    a full disk), and the null device after: ``said`` is called once, with the error, where there is
+    somewhere to say it. Python ignores SIGPIPE, so such a write raises wherever it happens, which
+    would end a run that has only lost its reader; and a failed write leaves its text in the buffer,
+    to fail again at each flush and as the process ends."""
+
+    def __init__(self, stream, said: Callable[[OSError], None] | None = None):
+        self._stream = stream
+        self._said = said
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            self._end(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self._end(err)
+
+    def _end(self, err: OSError) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+        if self._said is not None:
+            with contextlib.suppress(OSError):  # where it is said may be the same lost reader (2>&1 | head)
+                self._said(err)
 
 
 def rendezvous_options(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str) -> list[str]:

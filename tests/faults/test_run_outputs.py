@@ -6,8 +6,10 @@ broken log ends that log, not the run; nothing of the user's is touched."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
+import shlex
 import subprocess
 import sys
 
@@ -126,3 +128,58 @@ def test_a_number_too_large_is_said_as_written_or_in_words_not_as_infinity(tmp_p
     assert done.stderr.startswith(f"error: {said[0]}") and all(part in done.stderr for part in said), done.stderr
     assert done.stderr.count("\n") == 1 and len(done.stderr) < 300, done.stderr
     assert "inf" not in done.stderr.replace("infinity", "")
+
+
+@pytest.mark.parametrize("args, status", [
+    (["--steps", "2", "--log-every", "1", "--keep", "2"], 0),  # a warning to say
+    (["--steps", "0"], 2),  # a refusal to say
+])
+def test_a_standard_error_that_cannot_be_written_changes_nothing_of_the_run_or_its_status(tmp_path, args, status):
+    """Where what a command says cannot be written (``2>&-``; a reader gone, as a full disk under
+    ``2>err.log`` fails), a run died at its first warning with status 1 and no word anywhere, and a
+    refusal left with 1, not 2."""
+    command = [sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1", *args]
+    closed = subprocess.run(f"{shlex.join(command)} 2>&-", shell=True, stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path, timeout=300)
+    reader, writer = os.pipe()
+    os.close(reader)  # every write to the other end fails (EPIPE)
+    try:
+        gone = subprocess.run(command, stdout=subprocess.PIPE, stderr=writer, text=True, cwd=tmp_path, timeout=300)
+    finally:
+        os.close(writer)
+    for done in (closed, gone):
+        assert done.returncode == status, done.stdout[-2000:]
+        assert ("done: 2 steps" in done.stdout) == (status == 0)
+
+
+def test_runs_that_end_in_the_same_second_write_their_profiles_apart(tmp_path, monkeypatch):
+    """The default --run-dir is named for the second a run ends: two started together wrote one
+    profile over the other's."""
+    from shardwire.training import loop
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop.time, "strftime", lambda form: "20261130-120000")
+    assert [loop._new_run_dir() for _ in range(3)] == [
+        "runs/20261130-120000", "runs/20261130-120000-2", "runs/20261130-120000-3"]
+    assert sorted(os.listdir(tmp_path / "runs")) == ["20261130-120000", "20261130-120000-2", "20261130-120000-3"]
+
+
+def test_a_log_holds_whole_records_only_and_one_never_written_leaves_nothing(tmp_path):
+    """A full disk stopped a line part-way, and the next run appended its first line onto that half;
+    a log that failed at its first record left its new directories and an empty file."""
+    log = tmp_path / "l.jsonl"
+    before = b'{"step": 1, "loss": 4.7, "lr": 0.001, "tokens_per_s": 10.0, "step_time_s": 0.1}\n{"step": 2, "lo'
+    log.write_bytes(before)  # its last line one a killed writer left unended
+    found = log.stat().st_size
+    done = train("--steps", "6", "--log-every", "1", "--log-jsonl", "l.jsonl", cwd=tmp_path,
+                 preexec_fn=no_file_beyond(found + 400))  # room for a line or two, not for six
+    assert done.returncode == 0 and "from step" in done.stderr, done.stderr[-3000:]
+    text = log.read_bytes()
+    assert text.startswith(before + b"\n") and text.endswith(b"\n")
+    records = [json.loads(line) for line in text.splitlines()[2:]]
+    assert records and [record["step"] for record in records] == list(range(1, len(records) + 1))
+
+    done = train("--steps", "2", "--log-every", "1", "--log-jsonl", "new/deeper/l.jsonl", cwd=tmp_path,
+                 preexec_fn=no_file_beyond(64))  # not even one line
+    assert done.returncode == 0 and done.stderr.endswith("training goes on without this log from step 1\n")
+    assert not (tmp_path / "new").exists()

@@ -28,6 +28,7 @@ from shardwire.extras import MissingExtra
 from shardwire.files import OutputRefused
 from shardwire.launch import (
     REFUSED,
+    UntilClosed,
     die_with_launcher,
     end_process,
     launcher_problem,
@@ -149,7 +150,10 @@ def entry() -> NoReturn:
     """The ``shardwire`` command (and ``python -m shardwire``): ``main``, where a command's refusal,
     a ``SystemExit`` carrying its one line, leaves with a refusal's status, 2, as the parser's errors
     and every other error a user can cause do (Python's own for it is 1). The process ends through
-    ``end_process``: a worker's gloo threads must not outlive its interpreter."""
+    ``end_process``: a worker's gloo threads must not outlive its interpreter. Its standard error is
+    where it says what went wrong, so one that cannot be written (``2>full/err.log``, ``2>&-``) drops
+    what is said, never ends the command or changes its status."""
+    sys.stderr = UntilClosed(sys.stderr) if sys.stderr is not None else open(os.devnull, "w")
     try:
         status = main()
     except SystemExit as err:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
 import math
 import os
 import pathlib
@@ -881,11 +882,32 @@ def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens
                     peak_tflops=config.peak_tflops, metadata=metadata)
 
 
+def _new_run_dir() -> str:
+    """The default --run-dir, ``runs/<date-time>`` as the run ends, made here so that it is this run's
+    alone: two runs that end in the same second (started together) would write one profile over the
+    other's, so the second gets ``-2``. Where it cannot be made, its name: the profile's write then
+    fails as any would, on every rank."""
+    stem = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        os.makedirs("runs", exist_ok=True)
+        for n in itertools.count(1):
+            candidate = stem if n == 1 else f"{stem}-{n}"
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(candidate)
+                return candidate
+    except OSError:
+        return stem
+
+
 def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
-    run_dir = config.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    claimed = config.run_dir is None and rank == 0  # only rank 0 writes (Profiler.save)
+    run_dir = config.run_dir or (_new_run_dir() if claimed else "")
     try:
         summary = profiler.save(run_dir)
     except OutputRefused as err:  # a full disk, met by every rank (Profiler.save): the checkpoints stand
+        if claimed:
+            with contextlib.suppress(OSError):
+                os.rmdir(run_dir)  # made for the profile, and empty: a failed run leaves nothing it made
         raise _agreed(f"error: --run-dir: {err}") from None
     if rank != 0:
         return

@@ -15,6 +15,8 @@ import time
 
 from tqdm import tqdm
 
+from shardwire.launch import UntilClosed
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -74,36 +76,10 @@ def until_closed():
         with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
             yield
     else:
-        with contextlib.redirect_stdout(_UntilClosed(sys.stdout)):
+        with contextlib.redirect_stdout(UntilClosed(sys.stdout, _say_closed)):
             yield
 
 
-class _UntilClosed:
-    """A text stream that is ``stream`` until a write or flush of it fails."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
-        return getattr(self._stream, name)
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as err:
-            self._end(err)
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as err:
-            self._end(err)
-
-    def _end(self, err: OSError) -> None:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, self._stream.fileno())
-        os.close(null)
-        with contextlib.suppress(OSError):  # stderr the same closed pipe (2>&1 | head)
-            print(f"warning: standard output: {err.strerror or err}; training goes on without printing its "
-                  f"progress", file=sys.stderr, flush=True)
+def _say_closed(err: OSError) -> None:
+    print(f"warning: standard output: {err.strerror or err}; training goes on without printing its progress",
+          file=sys.stderr, flush=True)

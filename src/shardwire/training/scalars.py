@@ -4,8 +4,8 @@ appended to, so a resumed run goes on where it stopped). Rank 0 writes them.
 
 A log that cannot be written (a full disk, a file system gone read-only) is one line on stderr and
 the end of that log, not of the run: the model being trained, and its checkpoints, matter more. So
-each log is opened at its first record, to say the step it ends at, and each record is flushed as
-it is written, where its error surfaces. TensorBoard's event file is written here, framed as
+each log is opened at its first record, to say the step it ends at, and each record goes straight
+to its file, where its error surfaces, whole or not at all (``_AppendedFile``). TensorBoard's event file is written here, framed as
 torch's ``SummaryWriter`` frames it, rather than through that writer: it writes on a thread of its
 own, which prints a traceback of its own when a write fails, and the error reaches the caller only
 at a later call (its constructor among them)."""
@@ -13,13 +13,16 @@ at a later call (its constructor among them)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 from shardwire.extras import require
+from shardwire.files import make_directories, remove_directories
 
 # TensorBoard's tag for each scalar: grouped so that its dashboard shows one panel per group.
 TAGS = {
@@ -72,50 +75,98 @@ class ScalarLog:
             log.close()
 
 
+class _AppendedFile:
+    """A file that records are appended to, each whole or not at all: a write the disk stops part-way
+    is cut back off, so the file never ends in half a record (onto which a resumed run would append
+    its next). Made at its first record, with the directories it needs; where that first record
+    fails, what was made for it is removed again: a log that never held a record leaves nothing."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._fd: int | None = None
+        self._made: list[str] = []  # the directories made for it
+        self._new = False  # made by this run
+        self._records = 0
+
+    def append(self, record: bytes, first: Callable[[int], bytes] = lambda size: b"") -> None:
+        """Append ``record``, after ``first(size of the file found)`` where the file is opened."""
+        if self._fd is None:
+            self._made = make_directories(os.path.dirname(os.path.abspath(self._path)))
+            self._new = not os.path.lexists(self._path)
+            self._fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+            record = first(os.fstat(self._fd).st_size) + record
+        start = os.fstat(self._fd).st_size
+        try:
+            left = memoryview(record)
+            while left:
+                left = left[os.write(self._fd, left):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise
+        self._records += 1
+
+    def last_byte(self) -> bytes:
+        return os.pread(self._fd, 1, os.fstat(self._fd).st_size - 1)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        if self._new and not self._records:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+            remove_directories(self._made)
+
+
 class _JsonLines:
-    """``--log-jsonl FILE``: a JSON object a record, appended."""
+    """``--log-jsonl FILE``: a JSON object a line, appended."""
 
     def __init__(self, path: str):
         self.named = f"--log-jsonl {path}"
-        self._path = path
-        self._file = None
+        self._file = _AppendedFile(path)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        if self._file is None:  # its directories made, as for every output (shardwire.files)
-            os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
-            self._file = open(self._path, "a")
-        self._file.write(json.dumps({"step": step, **scalars}) + "\n")
-        self._file.flush()
+        line = (json.dumps({"step": step, **scalars}) + "\n").encode()
+        self._file.append(line, first=self._after_the_last_line)
+
+    def _after_the_last_line(self, size: int) -> bytes:
+        """A line break first where the file found ends in a line a killed writer left unended, so that
+        this run's first line is a line of its own (what was there is kept)."""
+        return b"\n" if size and self._file.last_byte() != b"\n" else b""
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._file.close()
 
 
 class _EventFile:
     """``--tensorboard DIR``: a TensorBoard event file in DIR, named as ``SummaryWriter`` names its
-    own (``events.out.tfevents.<time>.<host>.<pid>``), a new one each run; an event a record."""
+    own (``events.out.tfevents.<time>.<host>.<pid>``), a new one each run; an event a record, framed
+    by tensorboard's ``RecordWriter``, its first the format's version, which readers look for."""
 
     def __init__(self, directory: str):
         self.named = f"--tensorboard {directory}"
-        self._directory = directory
-        self._records = None
+        file = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        self._file = _AppendedFile(os.path.join(directory, file))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
 
-        if self._records is None:  # its first event the format's version, which readers look for
-            os.makedirs(self._directory, exist_ok=True)
-            file = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
-            # appended to: never written over, were another log of this process started in the same second
-            self._records = RecordWriter(open(os.path.join(self._directory, file), "ab"))
-            self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
         values = [Summary.Value(tag=TAGS[name], simple_value=float(value)) for name, value in scalars.items()]
-        self._records.write(Event(wall_time=time.time(), step=step, summary=Summary(value=values)).SerializeToString())
-        self._records.flush()
+        event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
+        version = Event(wall_time=time.time(), file_version="brain.Event:2")
+        self._file.append(_framed(event), first=lambda size: b"" if size else _framed(version))
 
     def close(self) -> None:
-        if self._records is not None:
-            self._records.close()
+        self._file.close()
+
+
+def _framed(event) -> bytes:
+    """``event`` as an event file holds it: length, checksums and all (tensorboard's ``RecordWriter``)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    framed = io.BytesIO()
+    RecordWriter(framed).write(event.SerializeToString())
+    return framed.getvalue()
