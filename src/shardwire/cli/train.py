@@ -171,10 +171,10 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
                 raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
                                   f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
             # every other output the run writes: the export, a new directory, would no longer be one
-            for flag, path in (("--checkpoint-dir", config.checkpoint_dir), ("--run-dir", config.run_dir),
-                               ("--tensorboard", config.tensorboard), ("--log-jsonl", config.log_jsonl)):
+            for option, path in (("--checkpoint-dir", config.checkpoint_dir), ("--run-dir", config.run_dir),
+                                 ("--tensorboard", config.tensorboard), ("--log-jsonl", config.log_jsonl)):
                 if path is not None and _overlap(config.export_hf, path):
-                    raise OptionError(f"--export-hf {config.export_hf} and {flag} {path} overlap: the export "
+                    raise OptionError(f"--export-hf {config.export_hf} and {option} {path} overlap: the export "
                                       f"would hold what the run writes there, or replace it; give each a place "
                                       f"of its own")
     except ValueError as err:
