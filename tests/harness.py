@@ -6,7 +6,9 @@ manifest edited as a forger would."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -16,6 +18,7 @@ import tempfile
 import time
 import traceback
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
@@ -174,3 +177,25 @@ def rewrite_manifest(checkpoint: pathlib.Path, change, *, reseal: bool = True) -
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         manifest["sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
     path.write_text(json.dumps(manifest, indent=1))
+
+
+class FillingFile(io.FileIO):
+    """A file on a disk that fills part-way through the write."""
+
+    def write(self, data) -> int:
+        super().write(bytes(data[:10]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """The temporary files of ``write_atomically`` meet a full disk as they are written (ENOSPC); every
+    other file is written as ever."""
+    fdopen = os.fdopen
+
+    def filling(fd, *args, **kwargs):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
+            return FillingFile(fd, "wb")
+        return fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", filling)

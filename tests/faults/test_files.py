@@ -6,7 +6,6 @@ a write the system stops (a full disk) is one line naming the file, with a refus
 from __future__ import annotations
 
 import errno
-import io
 import os
 import shutil
 import socket
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 import shardwire
-from harness import PROFILE, run_workers, save_tokenizer
+from harness import PROFILE, full_disk, run_workers, save_tokenizer  # noqa: F401 (a fixture)
 from shardwire.cli import main
 from shardwire.files import OutputRefused, WriteFailed, write_atomically
 from shardwire.training.data import load_corpus
@@ -228,28 +227,6 @@ def test_an_output_below_a_link_that_leads_nowhere_says_so(tmp_path):
         said = f"{tmp_path / link} is a symbolic link that leads nowhere (a loop, or its target is gone)"
         assert output_problem(tmp_path / link / "out.pt") == f"cannot be written: {said}"
         assert directory_problem(tmp_path / link / "run" / "x") == f"cannot be created: {said}"
-
-
-class _Filling(io.FileIO):
-    """A file on a disk that fills part-way through the write."""
-
-    def write(self, data) -> int:
-        super().write(bytes(data[:10]))
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-@pytest.fixture
-def full_disk(monkeypatch):
-    """The temporary files of ``write_atomically`` meet a full disk as they are written (ENOSPC); every
-    other file is written as ever."""
-    fdopen = os.fdopen
-
-    def filling(fd, *args, **kwargs):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
-            return _Filling(fd, "wb")
-        return fdopen(fd, *args, **kwargs)
-
-    monkeypatch.setattr(os, "fdopen", filling)
 
 
 def test_a_write_into_a_full_disk_is_one_line_naming_the_file_and_leaves_it_as_it_was(tmp_path, full_disk):

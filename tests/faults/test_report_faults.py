@@ -5,15 +5,13 @@ that was there before."""
 
 from __future__ import annotations
 
-import errno
-import io
 import json
 import os
 import shutil
 
 import pytest
 
-from harness import PROFILE
+from harness import PROFILE, FillingFile, full_disk  # noqa: F401 (a fixture)
 from shardwire.cli import main
 from shardwire.files import WriteFailed, write_atomically
 
@@ -73,28 +71,6 @@ def test_a_profile_lacking_a_ranks_entries_is_damaged_and_not_drawn(four_ranks, 
     assert os.listdir(run) == ["profile.json"]
 
 
-class _Filling(io.FileIO):
-    """A file on a disk that fills part-way through the write."""
-
-    def write(self, data) -> int:
-        super().write(bytes(data[:10]))
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-@pytest.fixture
-def full_disk(monkeypatch):
-    """The temporary files of ``write_atomically`` meet a full disk as they are written (ENOSPC); every
-    other file is written as ever."""
-    fdopen = os.fdopen
-
-    def filling(fd, *args, **kwargs):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
-            return _Filling(fd, "wb")
-        return fdopen(fd, *args, **kwargs)
-
-    monkeypatch.setattr(os, "fdopen", filling)
-
-
 def test_a_report_that_cannot_be_written_leaves_no_directory_it_made(tmp_path, full_disk, capsys):
     """``--out`` new directories deep, or a new one in a directory that was there: each made for the
     plots is removed with them, and what was there before is kept."""
@@ -117,7 +93,7 @@ def test_a_directory_made_for_a_write_that_another_writer_filled_meanwhile_is_ke
     def theirs_then_full(fd, *args, **kwargs):
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
             (tmp_path / "new" / "sub" / "theirs.txt").write_text("another writer's")
-            return _Filling(fd, "wb")
+            return FillingFile(fd, "wb")
         return fdopen(fd, *args, **kwargs)
 
     monkeypatch.setattr(os, "fdopen", theirs_then_full)
