@@ -196,9 +196,26 @@ def torchrun_command(nnodes: int, nproc_per_node: int, argv: list[str], *, max_r
     return shlex.join([*torchrun, "-m", "shardwire", *argv])
 
 
+class Stopped(KeyboardInterrupt):
+    """The launcher and its workers were stopped by a signal: Ctrl-C's SIGINT, or a scheduler's
+    SIGTERM, a closed terminal's SIGHUP. A ``KeyboardInterrupt``, handled as Ctrl-C is, that says
+    which, for the words and the status (128 + its number, as a shell reports a process it ended)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stopped(err: KeyboardInterrupt) -> tuple[str, int]:
+    """What to call a stop (``interrupted`` for Ctrl-C), and the status to end with."""
+    signum = getattr(err, "signum", signal.SIGINT)
+    said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return said, 128 + signum
+
+
 def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     """Run ``python -m shardwire <argv>`` as ``nproc`` local workers; returns the exit status. Ctrl-C
-    (or SIGTERM) stops the workers and raises ``KeyboardInterrupt`` here, for the command to say what
+    (or SIGTERM, SIGHUP) stops the workers and raises ``Stopped`` here, for the command to say what
     its job leaves behind."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -226,8 +243,8 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     os.environ[_NOTED_BY_LAUNCHER] = "1"  # inherited by the workers
     try:
         run(config)
-    except SignalException:
-        raise KeyboardInterrupt from None
+    except SignalException as err:
+        raise Stopped(int(err.sigval)) from None
     except ChildFailedError as err:
         return failed_workers(err)
     finally:

@@ -168,17 +168,20 @@ def test_a_resumed_run_says_what_it_changes_and_trains_with_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_a_run_with_one_line_saying_what_was_saved(tmp_path):
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "stopped by SIGTERM")])
+def test_ctrl_c_ends_a_run_with_one_line_saying_what_was_saved(tmp_path, signum, status, said):
+    """And a scheduler's SIGTERM, said as such, with the status a shell gives a process it ended."""
     job = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "small", "--steps", "400",
                             "--checkpoint-dir", "ckpt", "--save-every", "2"], cwd=tmp_path, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 120
     while not list_checkpoints(tmp_path / "ckpt") and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the launcher and its workers
+    os.killpg(job.pid, signum)  # as a terminal's Ctrl-C (a scheduler's stop) reaches the launcher and its workers
     _, stderr = job.communicate(timeout=60)
-    assert job.returncode == 130
+    assert job.returncode == status
     newest = list_checkpoints(tmp_path / "ckpt")[-1].relative_to(tmp_path)
-    assert stderr.splitlines() == [f"interrupted: {newest} is the newest checkpoint; running the same command "
+    assert stderr.splitlines() == [f"{said}: {newest} is the newest checkpoint; running the same command "
                                    f"again resumes from it"]
     assert pathlib.Path(tmp_path / newest / "manifest.json").is_file()

@@ -33,6 +33,7 @@ from shardwire.launch import (
     end_process,
     launcher_problem,
     share_node_threads,
+    stopped,
     under_launcher,
 )
 from shardwire.mappings import nearest, one_line
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     try:
         module, parser = command(name)  # imports torch: seconds, in which Ctrl-C must be one line too
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt as err:
+        return _interrupted(err)
     with _warnings_in_one_line():
         return _run(module, parser, rest)
 
@@ -177,11 +178,13 @@ def refused(*errors: type[Exception]):
         raise SystemExit(2) from None
 
 
-def _interrupted() -> int:
-    """Ctrl-C: a worker leaves quietly, and its launcher says what was saved."""
+def _interrupted(err: KeyboardInterrupt) -> int:
+    """Ctrl-C (or the signal that stopped a launcher, ``launch.Stopped``): a worker leaves quietly,
+    and its launcher says what was saved."""
+    said, status = stopped(err)
     if not under_launcher():
-        print("interrupted", file=sys.stderr)
-    return 130
+        print(said, file=sys.stderr)
+    return status
 
 
 def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -> int:
@@ -210,8 +213,8 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
         # why, this one only what it was waiting for, in one line, before the launcher stops it too.
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return REFUSED
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt as err:
+        return _interrupted(err)
     except BrokenPipeError:  # the reader went away (| head): what is left to print has no one to read it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -25,7 +25,14 @@ from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_toleran
 from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.files import checkpoint_problem, directory_problem, new_directory_problem
 from shardwire.extras import require
-from shardwire.launch import host_memory_per_worker, launch_local, tells_the_user, torchrun_command, under_launcher
+from shardwire.launch import (
+    host_memory_per_worker,
+    launch_local,
+    stopped,
+    tells_the_user,
+    torchrun_command,
+    under_launcher,
+)
 from shardwire.mappings import cut, one_line
 from shardwire.models import fp8
 from shardwire.models import tokenizer as hf_tokenizer
@@ -69,15 +76,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         nproc = config.nproc or _local_workers(config)
         try:
             return launch_local(nproc, _worker_arguments(config), max_restarts=config.max_restarts)
-        except KeyboardInterrupt:
-            print(one_line(f"interrupted: {_what_was_saved(config)}"), file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as err:
+            said, status = stopped(err)
+            print(one_line(f"{said}: {_what_was_saved(config)}"), file=sys.stderr)
+            return status
     try:
         train(config)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        said, status = stopped(err)
         if tells_the_user():  # under torchrun, whose agent does not say what was saved
-            print(one_line(f"interrupted: {_what_was_saved(config)}"), file=sys.stderr)
-        return 130
+            print(one_line(f"{said}: {_what_was_saved(config)}"), file=sys.stderr)
+        return status
     return 0
 
 
