@@ -153,7 +153,9 @@ def entry() -> NoReturn:
     and every other error a user can cause do (Python's own for it is 1). The process ends through
     ``end_process``: a worker's gloo threads must not outlive its interpreter. Its standard error is
     where it says what went wrong, so one that cannot be written (``2>full/err.log``, ``2>&-``) drops
-    what is said, never ends the command or changes its status."""
+    what is said, never ends the command or changes its status; a stream it was started without
+    (``>&-``: Python's is None) is the null device."""
+    sys.stdout = sys.stdout or open(os.devnull, "w")
     sys.stderr = UntilClosed(sys.stderr) if sys.stderr is not None else open(os.devnull, "w")
     try:
         status = main()

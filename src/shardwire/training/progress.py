@@ -9,7 +9,6 @@ and the end of what the run prints there, not of the run (``until_closed``)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 
@@ -69,15 +68,10 @@ def until_closed():
     """Within it, standard output ends at its first write that fails, with one line on stderr: what
     is printed after, and what that write left in the stream's buffer (written again at each flush,
     and as the process ends), goes to the null device. Python ignores SIGPIPE, so a reader that has
-    left (``| head``) is an error at the next write, whichever line of the run it is. A process
-    started with no standard output at all (``>&-``: ``sys.stdout`` is None) prints to the null
-    device from the start."""
-    if sys.stdout is None:
-        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
-            yield
-    else:
-        with contextlib.redirect_stdout(UntilClosed(sys.stdout, _say_closed)):
-            yield
+    left (``| head``) is an error at the next write, whichever line of the run it is. (A process
+    started with no standard output at all, ``>&-``, has the null device for it: ``cli.entry``.)"""
+    with contextlib.redirect_stdout(UntilClosed(sys.stdout, _say_closed)):
+        yield
 
 
 def _say_closed(err: OSError) -> None:
