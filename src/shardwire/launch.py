@@ -144,10 +144,11 @@ def end_process(status: int) -> NoReturn:
 
 class UntilClosed:
     """A text stream that is ``stream`` until a write or flush of it fails (a reader gone, ``| head``;
-    a full disk), and the null device after: ``said`` is called once, with the error, where there is
-    somewhere to say it. Python ignores SIGPIPE, so such a write raises wherever it happens, which
-    would end a run that has only lost its reader; and a failed write leaves its text in the buffer,
-    to fail again at each flush and as the process ends."""
+    a full disk), and the null device after: ``said`` is called once, with the error, and what it
+    raises reaches the writer (``OutputLost``, where the output was the command's result). Python
+    ignores SIGPIPE, so such a write raises wherever it happens, which would end a run that has only
+    lost its reader; and a failed write leaves its text in the buffer, to fail again at each flush and
+    as the process ends."""
 
     def __init__(self, stream, said: Callable[[OSError], None] | None = None):
         self._stream = stream
@@ -174,8 +175,18 @@ class UntilClosed:
         os.dup2(null, self._stream.fileno())
         os.close(null)
         if self._said is not None:
-            with contextlib.suppress(OSError):  # where it is said may be the same lost reader (2>&1 | head)
-                self._said(err)
+            self._said(err)
+
+
+class OutputLost(OSError):
+    """A command's standard output could not be written (a full disk, a reader gone): what it printed
+    is incomplete, so it ends with a failure's status, and says why unless the reader left (``| head``,
+    where the missing rest is what was asked for)."""
+
+    @classmethod
+    def raised(cls, err: OSError) -> NoReturn:
+        """``UntilClosed``'s ``said`` for a command's result."""
+        raise cls(err.errno, err.strerror or str(err))
 
 
 def rendezvous_options(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str) -> list[str]:

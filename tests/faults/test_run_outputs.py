@@ -83,6 +83,32 @@ def test_a_standard_output_whose_reader_leaves_ends_the_progress_not_the_run(tmp
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000008"]
 
 
+@pytest.mark.parametrize("args", [
+    ["simulate", "--model", "medium", "--cluster", "h100-100gbe"],
+    ["train", "--print-config"],
+    ["train", "--print-launch", "--nproc", "2"],
+    ["--help"],  # argparse's own writes say nothing of a failure
+], ids=["simulate", "print-config", "print-launch", "help"])
+def test_a_result_that_cannot_be_written_is_a_failure_in_one_line(args):
+    """A command whose output is its result, to a full disk, gave a traceback (or, where the text
+    waited in a buffer until exit, said nothing and left with 0)."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "shardwire", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (
+        1, "error: standard output: No space left on device; what the command printed is incomplete\n")
+
+
+def test_a_run_whose_standard_output_is_a_full_disk_trains_and_saves(tmp_path):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                               "--steps", "2", "--checkpoint-dir", "ckpt"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=tmp_path)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        0, ["warning: standard output: No space left on device; training goes on without printing its progress"])
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
+
+
 def test_a_run_started_without_standard_output_trains_and_saves(tmp_path):
     """``shardwire train >&-``: Python's ``sys.stdout`` is None in every process."""
     done = subprocess.run(f"{sys.executable} -m shardwire train --model tiny --eval-batches 1 --steps 2 "

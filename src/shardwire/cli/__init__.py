@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import os
 import sys
@@ -28,6 +29,7 @@ from shardwire.extras import MissingExtra
 from shardwire.files import OutputRefused
 from shardwire.launch import (
     REFUSED,
+    OutputLost,
     UntilClosed,
     die_with_launcher,
     end_process,
@@ -92,6 +94,12 @@ class _Parser(argparse.ArgumentParser):
             whole.append(word)
         return whole
 
+    def _print_message(self, message: str, file=None):
+        """argparse's, less its silence when the write fails: help that cannot be written to standard
+        output is a failed command (``OutputLost``), as any result is."""
+        if message:
+            (file or sys.stderr).write(message)
+
     def error(self, message: str):
         self.exit(2, f"error: {message}{self._nearest(message)} (see {self.prog} --help)\n")
 
@@ -154,8 +162,10 @@ def entry() -> NoReturn:
     ``end_process``: a worker's gloo threads must not outlive its interpreter. Its standard error is
     where it says what went wrong, so one that cannot be written (``2>full/err.log``, ``2>&-``) drops
     what is said, never ends the command or changes its status; a stream it was started without
-    (``>&-``: Python's is None) is the null device."""
-    sys.stdout = sys.stdout or open(os.devnull, "w")
+    (``>&-``: Python's is None) is the null device. Its standard output is its result, so one that
+    cannot be written ends the command as failed, in one line (``OutputLost``), where training only
+    stops printing its progress (``progress.until_closed``)."""
+    sys.stdout = UntilClosed(sys.stdout, OutputLost.raised) if sys.stdout is not None else open(os.devnull, "w")
     sys.stderr = UntilClosed(sys.stderr) if sys.stderr is not None else open(os.devnull, "w")
     try:
         status = main()
@@ -165,6 +175,12 @@ def entry() -> NoReturn:
             status = REFUSED
         else:  # a status (argparse's: 0 after --help, 2 for its errors), as Python would leave with
             status = err.code or 0
+    except OutputLost as err:  # in the parser's help or usage
+        status = _output_lost(err)
+    try:
+        sys.stdout.flush()  # what is left in its buffer is the end of the result
+    except OutputLost as err:
+        status = status or _output_lost(err)
     end_process(status)
 
 
@@ -217,9 +233,17 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
         return REFUSED
     except KeyboardInterrupt as err:
         return _interrupted(err)
-    except BrokenPipeError:  # the reader went away (| head): what is left to print has no one to read it
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    except OutputLost as err:
+        return _output_lost(err)
+
+
+def _output_lost(err: OutputLost) -> int:
+    """Standard output failed: a failure's status, and one line on why, unless its reader left
+    (``| head``), which asked for no more."""
+    if err.errno != errno.EPIPE:
+        print(f"error: standard output: {err.strerror}; what the command printed is incomplete",
+              file=sys.stderr)
+    return 1
 
 
 @contextlib.contextmanager

@@ -75,5 +75,6 @@ def until_closed():
 
 
 def _say_closed(err: OSError) -> None:
-    print(f"warning: standard output: {err.strerror or err}; training goes on without printing its progress",
-          file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # where it is said may be the same lost reader (2>&1 | head)
+        print(f"warning: standard output: {err.strerror or err}; training goes on without printing its progress",
+              file=sys.stderr, flush=True)
