@@ -345,14 +345,9 @@ def make_directories(directory: str | os.PathLike) -> list[str]:
     this call made, outermost first, for ``remove_directories`` to take away where what they were
     made for fails: a failed command leaves no directory behind it. One another writer makes
     meanwhile is not counted, and so never removed."""
-    missing = []
-    here = os.path.abspath(directory)
-    while not os.path.isdir(here):
-        missing.append(here)
-        here = os.path.dirname(here)
     made = []
     try:
-        for path in reversed(missing):
+        for path in missing_directories(directory):
             try:
                 os.mkdir(path)
             except FileExistsError:  # made meanwhile, or a file in the way (what comes next says so)
@@ -362,6 +357,17 @@ def make_directories(directory: str | os.PathLike) -> list[str]:
         remove_directories(made)
         raise
     return made
+
+
+def missing_directories(directory: str | os.PathLike) -> list[str]:
+    """``directory`` and those above it that do not exist, outermost first: what ``make_directories``
+    would make, for one process to note before another makes them."""
+    missing = []
+    here = os.path.abspath(directory)
+    while not os.path.isdir(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    return missing[::-1]
 
 
 def remove_directories(made: list[str]) -> None:

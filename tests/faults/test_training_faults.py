@@ -67,6 +67,54 @@ def test_a_checkpoint_directory_belongs_to_one_run_until_it_ends(tmp_path):
     assert shardwire.load_latest_checkpoint(directory, again).step == 1
 
 
+FAILS_AFTER_ITS_CLAIM = textwrap.dedent("""
+    import pathlib, sys
+    import shardwire
+    from shardwire.models.gpt import GPT, PRESETS, Block
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.load_latest_checkpoint(sys.argv[1], model)
+    for name in sys.argv[2:]:
+        pathlib.Path(sys.argv[1], name).write_text("the user's")
+    raise SystemExit("failed before its first save")
+""")
+
+
+def test_a_run_that_fails_before_its_first_save_leaves_no_directory_it_made(tmp_path):
+    """A failed run left a new --checkpoint-dir (and the directories above it) holding only its claim."""
+    def run(directory: pathlib.Path, *names: str) -> None:
+        done = subprocess.run([sys.executable, "-c", FAILS_AFTER_ITS_CLAIM, str(directory), *names],
+                              capture_output=True, text=True, timeout=120)
+        assert done.stderr.splitlines()[-1:] == ["failed before its first save"]
+
+    run(tmp_path / "new" / "ckpt")
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "given").mkdir()
+    run(tmp_path / "given")
+    assert os.listdir(tmp_path / "given") == []  # the directory the user made is theirs to keep
+    run(tmp_path / "mine", "notes.txt")
+    assert sorted(os.listdir(tmp_path / "mine")) == [".shardwire-claim", "notes.txt"]
+
+
+@pytest.mark.slow
+def test_workers_a_signal_ends_before_their_first_save_leave_no_directory(tmp_path):
+    """torchrun ends its workers with SIGTERM, so they cannot tidy what they claimed: their launcher does."""
+    run = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                            "--nproc", "2", "--steps", "5000", "--save-every", "4000", "--log-every", "1",
+                            "--checkpoint-dir", "runs/ckpt"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, cwd=tmp_path)
+    try:
+        while not run.stdout.readline().startswith("step "):
+            pass
+        assert (tmp_path / "runs" / "ckpt" / ".shardwire-claim").exists()
+        run.send_signal(signal.SIGTERM)
+        _, errors = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert (run.returncode, errors.splitlines()[-1:]) == (
+        128 + signal.SIGTERM, ["stopped by SIGTERM: no checkpoint was saved in runs/ckpt yet"])
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_diverged_model_never_prunes_a_finite_checkpoint(tmp_path):
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
     for step in (1, 2):

@@ -19,11 +19,12 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint.claim import leave_if_unused
 from shardwire.engine.checkpoint.series import group_series, series_problem, step_of
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
-from shardwire.files import checkpoint_problem, directory_problem, new_directory_problem
+from shardwire.files import checkpoint_problem, directory_problem, missing_directories, new_directory_problem
 from shardwire.extras import require
 from shardwire.launch import (
     host_memory_per_worker,
@@ -74,12 +75,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if not under_launcher():
         nproc = config.nproc or _local_workers(config)
+        series = _series(config)
+        missing = missing_directories(series) if series is not None else []
         try:
             return launch_local(nproc, _worker_arguments(config), max_restarts=config.max_restarts)
         except KeyboardInterrupt as err:
             said, status = stopped(err)
             print(one_line(f"{said}: {_what_was_saved(config)}"), file=sys.stderr)
             return status
+        finally:  # workers a signal ended could not tidy a directory they claimed and never saved in
+            if series is not None:
+                leave_if_unused(series, missing)
     try:
         train(config)
     except KeyboardInterrupt as err:
@@ -90,14 +96,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _what_was_saved(config: TrainConfig) -> str:
-    """The newest checkpoint of the run's series: a fault-tolerant group's is its own, below
+def _series(config: TrainConfig) -> str | None:
+    """The directory of the run's checkpoints: a fault-tolerant group's is its own, below
     --checkpoint-dir under the group's name."""
     if config.checkpoint_dir is None:
-        return "nothing was saved (no --checkpoint-dir)"
+        return None
     fault_tolerance = FaultTolerance.parse(config.fault_tolerance)  # as _validate wrote it: the group named
-    series = (config.checkpoint_dir if fault_tolerance is None
-              else os.path.join(config.checkpoint_dir, fault_tolerance.group))
+    return (config.checkpoint_dir if fault_tolerance is None
+            else os.path.join(config.checkpoint_dir, fault_tolerance.group))
+
+
+def _what_was_saved(config: TrainConfig) -> str:
+    """The newest checkpoint of the run's series."""
+    if (series := _series(config)) is None:
+        return "nothing was saved (no --checkpoint-dir)"
     saved = list_checkpoints(series)
     if not saved:
         return f"no checkpoint was saved in {series} yet"

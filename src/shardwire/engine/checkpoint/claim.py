@@ -9,15 +9,20 @@ naming the first. The operating system drops the lock when the process ends howe
 claim of a dead run is taken over by the next one with no cleaning up; POSIX locks are the process's
 (a process may claim again what it holds, as a second model in one program does) and are honoured
 across the machines of an NFS mount, where BSD ``flock`` may not be. The descriptor stays open for
-the process's life: closing any descriptor of the file would drop its lock.
+the process's life: closing any descriptor of the file would drop its lock. A directory the run
+never saved in is left as it was found (``leave_if_unused``): as the process ends, a claim file alone
+in it goes, with the directories the claim made; and a launcher does the same for workers that a
+signal ended.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import pathlib
 
 from shardwire.engine.checkpoint.format import CheckpointError
-from shardwire.files import ClaimHeld, claim_file
+from shardwire.files import ClaimHeld, claim_file, make_directories, remove_directories
 
 CLAIM = ".shardwire-claim"
 
@@ -29,12 +34,36 @@ def claim(directory: pathlib.Path, claimed: set[str]) -> None:
     key = str(directory.resolve())
     if key in claimed:
         return
-    directory.mkdir(parents=True, exist_ok=True)
+    made = make_directories(directory)
     try:
         claim_file(directory / CLAIM)  # held, open, for the life of the process
     except ClaimHeld as err:
         raise CheckpointError(f"{directory} belongs to another run that is still going ({err.owner}): give this run a "
                               f"--checkpoint-dir of its own, or stop that one") from None
     except OSError as err:
+        remove_directories(made)
         raise CheckpointError(f"cannot claim {directory} for this run: {err.strerror}") from None
     claimed.add(key)
+    atexit.register(leave_if_unused, directory, made)
+
+
+def leave_if_unused(directory: str | os.PathLike, made: list[str]) -> None:
+    """Where ``directory`` holds nothing but its claim file (its run failed or stopped before its first
+    save), remove the claim and the directories in ``made``, those made for it. The claim is taken
+    first, so another live run's is left alone; one holding anything else (a checkpoint, the user's
+    own file) keeps its claim file."""
+    claim_path = os.path.join(directory, CLAIM)
+    try:
+        if os.listdir(directory) != [CLAIM]:
+            return
+        fd = claim_file(claim_path)  # this process's own claim is taken again; another live one is not
+    except OSError:  # held by another run, gone, or unreadable: nothing of this run's to tidy
+        return
+    try:
+        if os.listdir(directory) == [CLAIM]:
+            os.unlink(claim_path)
+            remove_directories(made)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
