@@ -113,6 +113,53 @@ def test_text_is_tokenised_once_into_ids_beside_it(tmp_path, tokenizer_dir):
     assert again.name == corpus.name and cache.stat().st_mtime_ns == written  # read, not tokenised again
 
 
+def test_text_is_tokenised_in_pieces_whose_ids_are_the_whole_texts(tokenizer_dir):
+    """A text is given to the tokenizer a piece at a time (memory bounded whatever its size), cut only
+    where a byte-level BPE splits the whole text too, each piece after the last word of the one before
+    (this tokenizer adds a space before the first word it is given): blank lines, indents and trailing
+    spaces, runs of line ends and characters of several bytes all tokenise as they would whole."""
+    import io
+
+    import transformers
+
+    from shardwire.training.data import _ids_by_piece, _text_pieces
+
+    lines = ["def fox(x):", "    return x  ", "", "", "the quick brown fox\u00e9\u4e2d", " jumps", "\tover",
+             "lazy dogs.", "\n", "end"]
+    text = "\n".join(lines[i * 7 % len(lines)] for i in range(400))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for size in (16, 64, 1000):
+        pieces = list(_text_pieces(io.StringIO(text), size))
+        assert len(pieces) > 1 and "".join(pieces) == text
+        assert [i for ids in _ids_by_piece(tokenizer, pieces) for i in ids] == whole
+    assert list(_text_pieces(io.StringIO("x" * 100), 4)) == ["x" * 64, "x" * 36]  # no line end: cut when full
+
+
+MEASURES_TOKENISING = """
+import resource, sys
+from shardwire.models import tokenizer
+from shardwire.training.data import tokenized
+tokenizer.load(sys.argv[2], "--tokenizer")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tokenized(sys.argv[1], sys.argv[2])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_tokenising_a_text_takes_memory_of_its_size_not_of_the_tokenizers_working(tmp_path, tokenizer_dir):
+    """A file given whole to the tokenizer took 230 times its size (a 141 MB text: 32 GB, and the
+    run was killed); tokenised a piece at a time, it takes its ids and one piece's working."""
+    text = tmp_path / "text.txt"
+    line = "the quick brown fox jumps over the lazy dog, then 12345 more\n"
+    text.write_text(line * (8_000_000 // len(line)))
+    done = subprocess.run([sys.executable, "-c", MEASURES_TOKENISING, str(text), str(tokenizer_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) < 20 * text.stat().st_size
+
+
 def test_a_tokenizer_needs_a_directory_and_a_text_corpus(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("x" * 50_000)

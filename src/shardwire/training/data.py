@@ -26,6 +26,7 @@ import pathlib
 import sysconfig
 import tokenize
 import weakref
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -42,6 +43,10 @@ BIN_DTYPES = ("uint16", "uint32")
 _NPY_MAGIC = b"\x93NUMPY"
 # Token ids checked against the vocabulary at once: bounded memory whatever the corpus's size.
 _CHECK_CHUNK = 1 << 24
+# The characters of text a tokenizer is given at once (``_text_pieces``).
+_TOKENISED_AT_ONCE = 1 << 18
+# The most characters of a piece's end given again before the next (``_ids_by_piece``).
+_CONTEXT = 256
 # The bytes at each end of the data that its fingerprint (``identity``) reads.
 _FINGERPRINT_BYTES = 1 << 20
 # The largest seed of the weights and batches: torch's generators take 64-bit seeds.
@@ -96,9 +101,18 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
         except ValueError:  # damaged (a full disk, a copy cut short): it is ours to make again
             pass
     separator = [] if reader.eos_token_id is None else [reader.eos_token_id]
-    pieces = [np.asarray(reader(file.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + separator)
-              for file in tqdm(files, desc=f"tokenising {name}", unit="file")]
-    ids = np.concatenate(pieces).astype(np.uint16 if len(reader) <= 1 << 16 else np.uint32)
+    dtype = np.uint16 if len(reader) <= 1 << 16 else np.uint32
+    pieces = []
+    with tqdm(total=sum(file.stat().st_size for file in files), desc=f"tokenising {name}", unit="B",
+              unit_scale=True) as bar:
+        for file in files:
+            before = bar.n
+            with open(file, "rb") as raw, io.TextIOWrapper(raw, errors="replace") as text:
+                for ids in _ids_by_piece(reader, _text_pieces(text)):
+                    pieces.append(np.asarray(ids, dtype=dtype))
+                    bar.update(before + raw.tell() - bar.n)
+            pieces.append(np.asarray(separator, dtype=dtype))
+    ids = np.concatenate(pieces)
     array = io.BytesIO()
     np.save(array, ids)
     # whole or absent, and each rank's own temporary file: the ranks of a torchrun job tokenise at once
@@ -112,6 +126,57 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
         raise ValueError(f"--tokenizer: the ids of {name} go to {cache}, which could not be written: "
                          f"{err.strerror}; {'free space there, or ' if full else ''}{remedy}") from None
     return cache
+
+
+def _text_pieces(text: io.TextIOBase, size: int = _TOKENISED_AT_ONCE) -> Iterator[str]:
+    """The text of ``text`` in pieces of about ``size`` characters, for a tokenizer to take one at a
+    time (``_ids_by_piece``): memory bounded by the piece, whatever the file's size (a tokenizer holds
+    far more for each character it is given than the character: 230 bytes for a byte-level BPE), and
+    Ctrl-C heard between pieces. A piece ends at a line end between two characters that are not
+    spaces (``word\nword``), where the pre-tokenizers of byte-level BPE tokenizers (GPT-2's, Llama
+    3's) split the whole text too, so the ids are the whole text's. A tokenizer whose words run across
+    line ends (SentencePiece's split at spaces only) may give other ids for the word at a piece's end,
+    as tokenising a text line by line does. A file with no such line end within 16 pieces is cut where
+    its buffer is full."""
+    buffer = ""
+    while chunk := text.read(size):
+        buffer += chunk
+        cut = _line_end_between_words(buffer)
+        if cut == 0 and len(buffer) >= 16 * size:
+            cut = len(buffer)
+        if cut:
+            yield buffer[:cut]
+            buffer = buffer[cut:]
+    if buffer:
+        yield buffer
+
+
+def _ids_by_piece(reader, pieces: Iterable[str]) -> Iterator[list[int]]:
+    """The ids of each of ``pieces``, as tokenising their text whole gives them. A tokenizer may treat
+    the start of what it is given apart (a space or a SentencePiece "▁" added before its first word),
+    so each piece after the first is given after the last word of the piece before, whose own ids are
+    then dropped; where they are not the ids that begin the two together (a tokenizer whose words
+    reach across a line end), the piece is tokenised alone."""
+    context = ""
+    for piece in pieces:
+        ids = reader(context + piece, add_special_tokens=False)["input_ids"]
+        if context:
+            own = reader(context, add_special_tokens=False)["input_ids"]
+            ids = ids[len(own):] if ids[:len(own)] == own else reader(piece, add_special_tokens=False)["input_ids"]
+        yield ids
+        ends_a_word = piece.endswith("\n") and len(piece) > 1 and not piece[-2].isspace()  # not cut when full
+        context = f"{piece[-_CONTEXT:-1].split()[-1]}\n" if ends_a_word else ""
+
+
+def _line_end_between_words(text: str) -> int:
+    """The position after the last ``\n`` of ``text`` that has a character other than a space on
+    either side of it, or 0 where none has."""
+    end = len(text) - 1  # the character after the line end must be in ``text``
+    while (at := text.rfind("\n", 1, end)) > 0:
+        if not (text[at - 1].isspace() or text[at + 1].isspace()):
+            return at + 1
+        end = at
+    return 0
 
 
 def _cache_directory() -> pathlib.Path:
