@@ -24,9 +24,11 @@ import json
 import math
 import os
 import reprlib
+import stat
 from collections.abc import Mapping
 
 from shardwire.extras import require
+from shardwire.files import kind_of
 
 # A thousand times the longest config file or spec: a bound on the time and memory a typo can take.
 MAX_TEXT_BYTES = 1 << 20
@@ -50,10 +52,17 @@ def read_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
         # opened without waiting for a writer, so that a FIFO nobody writes to reads as empty instead of
         # blocking for ever; then read as usual (process substitution's pipe has its writer)
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):  # /dev/zero: no end to read to
+                raise MappingError(f"{what} is {kind_of(path)}, not a file: give the file that holds it")
             os.set_blocking(f.fileno(), True)
             data = f.read(limit + 1)
+            pipe = stat.S_ISFIFO(mode)
     except OSError as err:
         raise MappingError(f"{what}: {err.strerror or err}") from None
+    if not data and pipe:
+        raise MappingError(f"{what} is a FIFO that nothing was written to: give a file, or write the text into it "
+                           f"as it is read")
     if len(data) > limit:
         raise MappingError(f"{what} is larger than {limit:,} bytes, far more than any file of its kind: "
                            f"give the file that holds it")

@@ -51,24 +51,24 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path, capsys):
 
 
 def test_files_are_read_up_to_a_bound_and_never_wait_for_a_writer(tmp_path, capsys):
-    assert f"--config /dev/zero is larger than {MAX_TEXT_BYTES:,} bytes" in refusal(
+    assert "--config /dev/zero is a character device, not a file: give the file that holds it" in refusal(
         ["train", "--config", "/dev/zero"], capsys)
     huge = tmp_path / "cluster.yaml"
     huge.write_text("nodes: 2\n" + "#" * MAX_TEXT_BYTES)
     assert "is larger than" in refusal(["simulate", "--model", "gpt2-125m", "--cluster", str(huge)], capsys)
     os.mkfifo(tmp_path / "fifo")
-    assert f"--config {tmp_path / 'fifo'} is empty" in refusal(["bench", "--config", str(tmp_path / "fifo")], capsys)
-    assert "is larger than" in refusal(["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe",
-                                        "--cluster-from", "/dev/zero"], capsys)
+    assert f"--config {tmp_path / 'fifo'} is a FIFO that nothing was written to" in refusal(["bench", "--config", str(tmp_path / "fifo")], capsys)
+    assert "is a character device, not a file" in refusal(["simulate", "--model", "gpt2-125m", "--cluster",
+                                                            "a100-100gbe", "--cluster-from", "/dev/zero"], capsys)
     assert "--data: data path /dev/zero is neither a regular file nor a directory" in refusal(
         ["train", "--data", "/dev/zero"], capsys)
     run = tmp_path / "run"
     run.mkdir()
     (run / "profile.json").symlink_to("/dev/zero")
-    assert f"{run}/profile.json is larger than" in refusal(["report", str(run)], capsys)  # as calibrate reads it
+    assert f"{run}/profile.json is a character device, not a file" in refusal(["report", str(run)], capsys)
     os.unlink(run / "profile.json")
     os.mkfifo(run / "profile.json")
-    assert f"{run}/profile.json is empty" in refusal(["report", str(run)], capsys)
+    assert f"{run}/profile.json is a FIFO that nothing was written to" in refusal(["report", str(run)], capsys)
     assert (f"{run}/profile.json is not a directory: give the run directory that holds it, {run}"
             in refusal(["report", str(run / "profile.json")], capsys))
 

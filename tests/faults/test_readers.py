@@ -64,13 +64,19 @@ def test_calibrate_takes_a_run_directory_as_report_does(tmp_path, capsys):
 def test_an_empty_profile_or_a_pipe_nothing_was_written_to_says_so(tmp_path, capsys):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    (tmp_path / "blank").write_text("\n")
-    for path in (fifo, tmp_path / "blank"):
-        assert f"profile {path} is empty; give the profile.json" in refusal([*CALIBRATE, str(path)], capsys)
+    (tmp_path / "blank").write_text(" \n")
+    assert f"profile {tmp_path / 'blank'} is empty; give the profile.json" in refusal(
+        [*CALIBRATE, str(tmp_path / "blank")], capsys)
+    assert f"profile {fifo} is a FIFO that nothing was written to" in refusal([*CALIBRATE, str(fifo)], capsys)
 
 
-def test_calibrate_reads_a_device_up_to_a_bound(capsys):
-    assert f"profile /dev/zero is larger than {MAX_JSON_BYTES:,} bytes" in refusal([*CALIBRATE, "/dev/zero"], capsys)
+def test_calibrate_reads_a_device_never_and_a_file_up_to_a_bound(tmp_path, capsys):
+    assert "profile /dev/zero is a character device, not a file: give the file that holds it" in refusal(
+        [*CALIBRATE, "/dev/zero"], capsys)
+    huge = tmp_path / "profile.json"
+    with huge.open("wb") as f:
+        f.truncate(MAX_JSON_BYTES + 1)  # sparse: no disk taken
+    assert f"profile {huge} is larger than {MAX_JSON_BYTES:,} bytes" in refusal([*CALIBRATE, str(huge)], capsys)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -412,8 +418,8 @@ def test_a_spec_given_as_a_device_or_a_pipe_is_read_as_a_file_within_bounds(kind
     fifo = tmp_path / "spec"
     os.mkfifo(fifo)
     argv = {"model": "gpt-125m", "cluster": "h100-100gbe", "training": "default"}
-    for given, said in (("/dev/zero", f"error: {kind} file /dev/zero is larger than"),
-                        (str(fifo), f"error: {kind} file {fifo} is empty")):
+    for given, said in (("/dev/zero", f"error: {kind} file /dev/zero is a character device, not a file"),
+                        (str(fifo), f"error: {kind} file {fifo} is a FIFO that nothing was written to")):
         assert main(["simulate", *[arg for key, value in {**argv, kind: given}.items()
                                    for arg in (f"--{key}", value)]]) == 2
         err = capsys.readouterr().err
