@@ -82,7 +82,7 @@ def test_an_index_naming_files_outside_the_model_is_refused(model_dir, tmp_path)
 
 @pytest.mark.parametrize("fields, message", [
     ({"n_embd": -1}, "n_embd must be a whole number of at least 1, got -1"),
-    ({"n_layer": "two"}, "n_layer must be a whole number of at least 0, got 'two'"),
+    ({"n_layer": "two"}, "n_layer must be a whole number of at least 1, got 'two'"),
 ])
 def test_a_config_transformers_cannot_build_is_one_line(fields, message, model_dir):
     (model_dir / "config.json").write_text(json.dumps({**GPT2, **fields}))

@@ -81,6 +81,9 @@ def test_a_hugging_face_directory_is_read_within_bounds(tmp_path, capsys):
     (model / "config.json").unlink()
     (model / "config.json").symlink_to("/dev/zero")
     assert "config.json is not a regular file" in refusal(["train", "--model", f"hf:{model}"], capsys)
+    empty = '{"model_type": "gpt2", "n_layer": 0, "n_embd": 64, "n_head": 4, "vocab_size": 256}'
+    assert "n_layer must be a whole number of at least 1, got 0" in refusal(  # not a --units at fault
+        ["train", "--model", f"hf:{empty}"], capsys)
     deep = '{"model_type": "gpt2", "n_layer": 100000, "n_embd": 64, "n_head": 4, "vocab_size": 256}'
     assert "100,000 layers, more than 1,024" in refusal(["train", "--model", f"hf:{deep}"], capsys)
     wide = '{"model_type": "gpt2", "n_layer": 4, "n_embd": 65536, "n_head": 4, "vocab_size": 256}'

@@ -73,7 +73,7 @@ def _parsed(text: str, what: str):
 # The sizes of a causal LM's config, under transformers' common names and GPT-2's, each checked where
 # it has it: the least each can be, and the most the simulator takes (far beyond any published model;
 # a larger one overflows the sizes torch can allocate, even on the meta device).
-_SIZES = (("num_hidden_layers", "n_layer", 0, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
+_SIZES = (("num_hidden_layers", "n_layer", 1, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
           ("num_attention_heads", "n_head", 1, MAX_WIDTH), ("vocab_size", "vocab_size", 1, MAX_VOCAB),
           ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
 
