@@ -118,6 +118,15 @@ def test_a_run_started_without_standard_output_trains_and_saves(tmp_path):
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
 
 
+def test_a_checkpoint_kept_for_the_users_files_in_it_is_said_once_a_run(tmp_path):
+    assert train("--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path).returncode == 0
+    (tmp_path / "ckpt" / "step_00000002" / "notes.txt").write_text("the user's")
+    done = train("--steps", "6", "--save-every", "1", "--keep", "1", "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("warning: kept ckpt/step_00000002, never deleting what it holds") == 1, done.stderr
+    assert (tmp_path / "ckpt" / "step_00000002" / "notes.txt").read_text() == "the user's"
+
+
 def test_a_checkpoint_directory_of_the_users_own_named_as_one_is_refused_and_left_alone(tmp_path):
     """A directory of the user's named ``step_N`` is no checkpoint: resuming skipped it as a damaged one
     and stopped, naming no remedy, after claiming the directory."""

@@ -130,7 +130,8 @@ def prune(newest: pathlib.Path, keep: int, spare: pathlib.Path | None = None) ->
         if (reason := ownership.not_a_checkpoint(path, step_of(path))) is None:
             older.append(path)
         elif _holds_a_manifest(path):  # a checkpoint's manifest beside what may be the user's
+            # said from here, not from the caller: once a run, whichever of its saves prunes
             warnings.warn(f"kept {path}, never deleting what it holds: {reason}; move what is yours out and "
-                          f"delete it yourself", stacklevel=2)
+                          f"delete it yourself")
     for path in older[: max(0, len(older) - (keep - 1))]:
         ownership.discard(path)
