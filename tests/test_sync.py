@@ -158,8 +158,10 @@ def test_the_train_command_takes_sync_as_diloco_with_a_warning_and_its_workers_g
     command = capsys.readouterr().out
     assert "--diloco sync_every=4,fragments=1,wire=int4,outer_lr=0.7,momentum=0.9,fragment_sync_delay=2" in command
     assert "--sync" not in command and "every=4" not in command.replace("sync_every=4", "")
-    with pytest.warns(FutureWarning), pytest.raises(SystemExit, match="error: --diloco sync_every must be"):
-        main(["train", "--sync", "every=0"])
+    with pytest.warns(FutureWarning), pytest.raises(SystemExit, match="error: --sync sync_every must be"):
+        main(["train", "--sync", "every=0"])  # refused under the name it was given
+    with pytest.warns(FutureWarning), pytest.raises(SystemExit, match="error: --sync '3' is not understood"):
+        main(["train", "--sync", "3", "--print-config"])
     assert "--sync" not in command and "--sync" not in _help(capsys)  # the help speaks of --diloco alone
 
 

@@ -72,8 +72,13 @@ class SettingError(ValueError):
         self.settings = settings
         super().__init__(self._written(lambda name, *value: f"{name}={value[0]!r}" if value else name))
 
-    def as_options(self) -> str:
-        return self._written(lambda name, *value: f"{flag(name)} {value[0]}" if value else flag(name))
+    def as_options(self, given: Mapping[str, str] | None = None) -> str:
+        """The message with each setting named as an option; ``given``: the flag a renamed one was
+        given under (``given_as``), so that ``--sync 3`` is refused as ``--sync``, not ``--diloco``."""
+        def written(name, *value):
+            option = (given or {}).get(name, flag(name))
+            return f"{option} {value[0]}" if value else option
+        return self._written(written)
 
     def _written(self, write) -> str:
         return self.template.format(**{key: write(*setting) for key, setting in self.settings.items()})
@@ -201,6 +206,11 @@ class Renamed(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         warn_renamed(f"{option_string} is renamed {flag(self.dest)}")
         _set_under_one_name(parser, namespace, self.dest, values, option_string)
+
+
+def given_as(args: argparse.Namespace) -> dict[str, str]:
+    """The flag each renamed option was given under on the command line (its dest to ``--sync``)."""
+    return dict(getattr(args, _SPELLED, {}))
 
 
 def _set_under_one_name(parser, namespace, dest: str, values, option_string: str) -> None:

@@ -48,6 +48,7 @@ from shardwire.options import (
     command_line,
     config_from,
     flag,
+    given_as,
 )
 from shardwire.placement import launch_ranks_per_node
 from shardwire.profile import PROFILE_FILE, TRACE_FILE
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Launch local workers, print the launch command, or be a worker (``argv`` is not used: workers
     get the checked settings, not the command line and its config file)."""
     config = config_from(args, TrainConfig)
-    _validate(config)
+    _validate(config, given_as(args))
     if config.print_launch:
         print(f"# on each of the {config.nnodes} node(s); HEAD_ADDRESS: the first node's address, which every "
               f"node must reach\n{_launch_command(config)}")
@@ -154,25 +155,26 @@ def check_options(args: argparse.Namespace) -> None:
     the model they name, as a run checks them (a printed config runs, or fails as the command did);
     not this machine, where the config may never run."""
     config = config_from(args, TrainConfig)
-    diloco, _ = _check_settings(config)
-    _check_model(config, diloco)
+    diloco, _ = _check_settings(config, given_as(args))
+    _check_model(config, diloco, given_as(args))
 
 
-def _validate(config: TrainConfig) -> None:
+def _validate(config: TrainConfig, given: dict[str, str]) -> None:
     """Everything that can be known wrong before a worker starts, as one line and exit status 1:
-    ``--print-launch`` checks the settings alone (the model and the machine are the cluster's)."""
-    diloco, fault_tolerance = _check_settings(config)
+    ``--print-launch`` checks the settings alone (the model and the machine are the cluster's).
+    ``given``: the flags renamed options were given under, for the errors to name."""
+    diloco, fault_tolerance = _check_settings(config, given)
     if config.print_launch:
         return
     if fault_tolerance is not None:  # every worker of the group the same name and lighthouse
         config.fault_tolerance = str(fault_tolerance)
     _check_this_machine(config, fault_tolerance)
-    choice = _check_model(config, diloco)
+    choice = _check_model(config, diloco, given)
     _check_memory(config, choice)
     _check_data(config, choice)
 
 
-def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance | None]:
+def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo | None, FaultTolerance | None]:
     """The options' bounds and how they combine, nothing read from disk; returns --diloco and
     --fault-tolerance parsed."""
     try:
@@ -205,7 +207,7 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
         diloco = DiLoCo.parse(config.diloco)  # warns for the keys every= and overlap=, renamed
         fault_tolerance = FaultTolerance.parse(config.fault_tolerance)
     except SettingError as err:
-        raise SystemExit(f"error: {err.as_options()}") from None
+        raise SystemExit(f"error: {err.as_options(given)}") from None
     if config.plan != "none":
         if fault_tolerance is not None:
             raise SystemExit("error: --plan with --fault-tolerance: a fault-tolerant job's layout is fixed (hybrid, "
@@ -223,7 +225,7 @@ def _check_settings(config: TrainConfig) -> tuple[DiLoCo | None, FaultTolerance 
         plan = LayoutPlan.make(config.layout, config.shard_group_size, world, per_node, diloco=diloco,
                                one_group=fault_tolerance is not None)
     except SettingError as err:  # the settings named as this command's options
-        raise SystemExit(f"error: {err.as_options()}") from None
+        raise SystemExit(f"error: {err.as_options(given)}") from None
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     if (config.layout != "full" and config.shard_group_size is None and fault_tolerance is None and world > 1
@@ -304,7 +306,7 @@ def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | N
         raise SystemExit(f"error: {problem}")
 
 
-def _check_model(config: TrainConfig, diloco: DiLoCo | None) -> ModelChoice:
+def _check_model(config: TrainConfig, diloco: DiLoCo | None, given: dict[str, str]) -> ModelChoice:
     """The settings against the model they name, which is returned: it can be built, it has the units
     --diloco cuts into fragments, fp8 suits it, --plan can price it."""
     try:
@@ -315,7 +317,7 @@ def _check_model(config: TrainConfig, diloco: DiLoCo | None) -> ModelChoice:
         if diloco is not None:  # the units are known before any worker builds them
             diloco.check_units(choice.units_with_parameters)
     except SettingError as err:
-        raise SystemExit(f"error: {err.as_options()}") from None
+        raise SystemExit(f"error: {err.as_options(given)}") from None
     if config.precision == "fp8" and choice.fp8_refusal is not None:
         raise SystemExit(f"error: --precision fp8: {choice.fp8_refusal}")
     if config.plan != "none" and (problem := unplannable(config)) is not None:
