@@ -216,6 +216,15 @@ def test_a_resumed_run_says_what_it_changes_and_trains_with_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_resumed_without_diloco_says_each_groups_inner_steps_are_not_kept(tmp_path):
+    hybrid = ("--layout", "hybrid", "--shard-group-size", "1", "--checkpoint-dir", "ckpt")
+    train("--steps", "3", *hybrid, "--diloco", "sync_every=2", cwd=tmp_path)
+    done = train("--steps", "4", *hybrid, cwd=tmp_path)
+    assert ("this run changes --steps 3 -> 4, --diloco sync_every=2 -> none (every group goes on from the model the groups agreed on at their last "
+            "sync: the inner steps since, each group's own, are not kept)") in done.stdout, done.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
                                                   (signal.SIGTERM, 143, "stopped by SIGTERM")])
 def test_ctrl_c_ends_a_run_with_one_line_saying_what_was_saved(tmp_path, signum, status, said):

@@ -768,8 +768,12 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     if dist.get_rank() == 0:
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
-            changed = [f"{flag(name)} {before} -> {now}" for name, (before, now) in
-                       changed_settings(recorded, config).items()]
+            settings = changed_settings(recorded, config)
+            changed = [f"{flag(name)} {before} -> {now}" for name, (before, now) in settings.items()]
+            if "diloco" in settings and DiLoCo.parse(config.diloco) is None:
+                changed[list(settings).index("diloco")] += (
+                    " (every group goes on from the model the groups agreed on at their last sync: the inner steps "
+                    "since, each group's own, are not kept)")
             changed += _changed_scale(info, trained_on["global_batch"]) + ([data] if data is not None else [])
             what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
         else:
