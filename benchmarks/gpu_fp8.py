@@ -17,7 +17,12 @@ Each in bf16 and in fp8 (the decoder layers' linear layers converted by ``shardw
 head in bf16, as torchtitan leaves it); fused AdamW and gradient clipping. ``--rounds`` rounds build
 every run in turn, time ``--steps`` steps after ``--warmup`` and free it. Reported: the median step,
 tokens/s, the peak memory and each system's fp8 step over its bf16 one; with ``--kernels``, the last
-round's kernel time by kind (``gpu_single.py``'s), fp8 against bf16.
+round's kernel time by kind (``gpu_single.py``'s), fp8 against bf16; with ``--host``, whether the GPU
+waits for the host: one step's time to be issued by the host from an idle GPU against its whole time,
+the kernels it launches, and the times it makes the host wait for the GPU (a synchronization, which
+``torch.cuda.set_sync_debug_mode`` reports). A host that needs as long to issue a step as the step
+takes, with fewer kernels than CUDA's launch queue holds (1,024), sets the step; one that issues it in
+a fraction of that does not.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import json
 import os
 import statistics
 import sys
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -68,6 +75,31 @@ class Step:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def host_view(step: Step, device: torch.device) -> dict:
+    """One step from an idle GPU: the host's time to issue it, the whole step's, its kernels and the
+    synchronizations it makes (see the module's docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    worker.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter() - start
+        torch.cuda.set_sync_debug_mode(0)
+    worker.synchronize(device)
+    whole = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        worker.synchronize(device)
+    kernels = sum(event.count for event in prof.key_averages() if event.device_type == DeviceType.CUDA)
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    return {"issued_ms": issued * 1e3, "step_ms": whole * 1e3, "kernels": kernels, "synchronizations": len(syncs),
+            "first_synchronization": syncs[0] if syncs else None}
+
+
 def build(system: str, precision: str, config, seq_len: int, device: torch.device) -> Step:
     import transformers
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -95,6 +127,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run and round")
     parser.add_argument("--kernels", action="store_true", help="the last round's kernel time by kind")
+    parser.add_argument("--host", action="store_true", help="the last round's host view of one step (GPU only)")
     parser.add_argument("--hidden", type=int, help="another width, to try the script on a small machine")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -113,6 +146,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     memory: dict[tuple[str, str], int] = {}
     kernels: dict[tuple[str, str], dict[str, float]] = {}
+    hosts: dict[tuple[str, str], dict] = {}
     for round_ in range(args.rounds):
         for system, precision in runs if round_ % 2 == 0 else reversed(runs):
             if device.type == "cuda":
@@ -124,6 +158,8 @@ def main() -> None:
                 memory[system, precision] = torch.cuda.max_memory_allocated(device)
             if args.kernels and round_ == args.rounds - 1:
                 kernels[system, precision] = kernel_times(step, device)
+            if args.host and device.type == "cuda" and round_ == args.rounds - 1:
+                hosts[system, precision] = host_view(step, device)
             print(f"{system} {precision}: median {statistics.median(times[system, precision]) * 1e3:.1f} ms",
                   flush=True)
             del step
@@ -141,7 +177,8 @@ def main() -> None:
         peak = memory.get((system, precision))
         results[f"{system} {precision}"] = {"step_times_s": times[system, precision], "median_step_s": step_s,
                                             "tokens_per_s": args.seq_len / step_s, "peak_memory_bytes": peak,
-                                            "kernels_ms": kernels.get((system, precision))}
+                                            "kernels_ms": kernels.get((system, precision)),
+                                            "host": hosts.get((system, precision))}
         print(f"{system:<10} {precision:<9} {step_s * 1e3:>8.1f} {args.seq_len / step_s:>9.0f} "
               f"{peak / 2**30 if peak else float('nan'):>8.1f} {step_s / bf16_s:>8.3f}")
     for system in args.systems:
@@ -149,6 +186,10 @@ def main() -> None:
             fp8, bf16 = by_kind(kernels[system, "fp8"]), by_kind(kernels[system, "bf16"])
             print(f"{system}, kernel time per step by kind, fp8 against bf16 (ms): " + ", ".join(
                 f"{kind} {fp8.get(kind, 0.0):.1f}/{bf16.get(kind, 0.0):.1f}" for kind in sorted(set(fp8) | set(bf16))))
+    for (system, precision), host in hosts.items():
+        print(f"{system} {precision}, one step from an idle GPU: issued by the host in {host['issued_ms']:.1f} ms of "
+              f"{host['step_ms']:.1f} ms, {host['kernels']} kernels, {host['synchronizations']} synchronizations"
+              + (f" (the first: {host['first_synchronization']})" if host["synchronizations"] else ""))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"device": name, "torch": torch.__version__, "command": " ".join(sys.argv), "layers": args.layers,
