@@ -113,11 +113,23 @@ def test_text_is_tokenised_once_into_ids_beside_it(tmp_path, tokenizer_dir):
     assert again.name == corpus.name and cache.stat().st_mtime_ns == written  # read, not tokenised again
 
 
+def test_a_texts_own_line_ends_are_tokenised_as_they_are(tmp_path, tokenizer_dir):
+    """\r\n and \r were read as \n (Python's text mode), and trained on as ids the tokenizer never gives."""
+    import transformers
+
+    text = "the quick\r\nbrown fox\rjumps over\n" * 3000
+    (tmp_path / "crlf.txt").write_bytes(text.encode())
+    corpus = load_corpus(str(tmp_path / "crlf.txt"), seq_len=16, tokenizer=str(tokenizer_dir))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    assert list(corpus.ids) == [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+
+
 def test_text_is_tokenised_in_pieces_whose_ids_are_the_whole_texts(tokenizer_dir):
     """A text is given to the tokenizer a piece at a time (memory bounded whatever its size), cut only
-    where a byte-level BPE splits the whole text too, each piece after the last word of the one before
-    (this tokenizer adds a space before the first word it is given): blank lines, indents and trailing
-    spaces, runs of line ends and characters of several bytes all tokenise as they would whole."""
+    where a byte-level BPE splits the whole text too, each piece between the last word of the one
+    before (this tokenizer adds a space before the first word it is given) and the first of the one
+    after: blank lines, indents and trailing spaces, runs of line ends, \r\n and \r, and characters
+    of several bytes all tokenise as they would whole."""
     import io
 
     import transformers
@@ -125,7 +137,7 @@ def test_text_is_tokenised_in_pieces_whose_ids_are_the_whole_texts(tokenizer_dir
     from shardwire.training.data import _ids_by_piece, _text_pieces
 
     lines = ["def fox(x):", "    return x  ", "", "", "the quick brown fox\u00e9\u4e2d", " jumps", "\tover",
-             "lazy dogs.", "\n", "end"]
+             "lazy dogs.", "\n", "end\r", "crlf\r\n", "\r"]
     text = "\n".join(lines[i * 7 % len(lines)] for i in range(400))
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     whole = tokenizer(text, add_special_tokens=False)["input_ids"]

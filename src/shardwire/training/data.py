@@ -23,6 +23,7 @@ import io
 import math
 import os
 import pathlib
+import re
 import sysconfig
 import tokenize
 import weakref
@@ -45,7 +46,7 @@ _NPY_MAGIC = b"\x93NUMPY"
 _CHECK_CHUNK = 1 << 24
 # The characters of text a tokenizer is given at once (``_text_pieces``).
 _TOKENISED_AT_ONCE = 1 << 18
-# The most characters of a piece's end given again before the next (``_ids_by_piece``).
+# The most characters of a neighbouring piece given as a piece's context (``_ids_by_piece``).
 _CONTEXT = 256
 # The bytes at each end of the data that its fingerprint (``identity``) reads.
 _FINGERPRINT_BYTES = 1 << 20
@@ -107,7 +108,8 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
               unit_scale=True) as bar:
         for file in files:
             before = bar.n
-            with open(file, "rb") as raw, io.TextIOWrapper(raw, errors="replace") as text:
+            # newline="": the text's own line ends, \r\n and \r too, as the tokenizer would be given them
+            with open(file, "rb") as raw, io.TextIOWrapper(raw, errors="replace", newline="") as text:
                 for ids in _ids_by_piece(reader, _text_pieces(text)):
                     pieces.append(np.asarray(ids, dtype=dtype))
                     bar.update(before + raw.tell() - bar.n)
@@ -132,16 +134,13 @@ def _text_pieces(text: io.TextIOBase, size: int = _TOKENISED_AT_ONCE) -> Iterato
     """The text of ``text`` in pieces of about ``size`` characters, for a tokenizer to take one at a
     time (``_ids_by_piece``): memory bounded by the piece, whatever the file's size (a tokenizer holds
     far more for each character it is given than the character: 230 bytes for a byte-level BPE), and
-    Ctrl-C heard between pieces. A piece ends at a line end between two characters that are not
-    spaces (``word\nword``), where the pre-tokenizers of byte-level BPE tokenizers (GPT-2's, Llama
-    3's) split the whole text too, so the ids are the whole text's. A tokenizer whose words run across
-    line ends (SentencePiece's split at spaces only) may give other ids for the word at a piece's end,
-    as tokenising a text line by line does. A file with no such line end within 16 pieces is cut where
-    its buffer is full."""
+    Ctrl-C heard between pieces. A piece ends at a line end followed by a word, where tokenizers that
+    split words at any white space (byte-level BPE: GPT-2's, Llama 3's) split the whole text too. A
+    file with no such line end within 16 pieces is cut where its buffer is full."""
     buffer = ""
     while chunk := text.read(size):
         buffer += chunk
-        cut = _line_end_between_words(buffer)
+        cut = _last_line_start(buffer)
         if cut == 0 and len(buffer) >= 16 * size:
             cut = len(buffer)
         if cut:
@@ -152,31 +151,45 @@ def _text_pieces(text: io.TextIOBase, size: int = _TOKENISED_AT_ONCE) -> Iterato
 
 
 def _ids_by_piece(reader, pieces: Iterable[str]) -> Iterator[list[int]]:
-    """The ids of each of ``pieces``, as tokenising their text whole gives them. A tokenizer may treat
-    the start of what it is given apart (a space or a SentencePiece "▁" added before its first word),
-    so each piece after the first is given after the last word of the piece before, whose own ids are
-    then dropped; where they are not the ids that begin the two together (a tokenizer whose words
-    reach across a line end), the piece is tokenised alone."""
-    context = ""
-    for piece in pieces:
-        ids = reader(context + piece, add_special_tokens=False)["input_ids"]
-        if context:
-            own = reader(context, add_special_tokens=False)["input_ids"]
-            ids = ids[len(own):] if ids[:len(own)] == own else reader(piece, add_special_tokens=False)["input_ids"]
-        yield ids
-        ends_a_word = piece.endswith("\n") and len(piece) > 1 and not piece[-2].isspace()  # not cut when full
-        context = f"{piece[-_CONTEXT:-1].split()[-1]}\n" if ends_a_word else ""
+    """The ids of each of ``pieces``, as tokenising their text whole gives them. A tokenizer decides
+    at the ends of what it is given otherwise than inside it (a space or a SentencePiece "▁" added
+    before the first word, a run of white space taken whole at the end), so each piece is given
+    between the last word of the one before and the first word of the one after, and keeps the ids
+    whose text starts within it (by the offsets a fast tokenizer gives). The ids are the whole
+    text's where the tokenizer splits words at any white space; one whose words run across line
+    ends (SentencePiece's, split at spaces only) may differ in a word at a cut, as tokenising a text
+    line by line does. A tokenizer without offsets (a slow one) is given each piece alone."""
+    before, pieces = "", iter(pieces)
+    piece = next(pieces, None)
+    while piece is not None:
+        after = next(pieces, None)
+        left = _last_word(before[-_CONTEXT:])
+        right = re.match(r"\s*\S*", (after or "")[:_CONTEXT]).group()
+        try:
+            encoded = reader(left + piece + right, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow tokenizer: no offsets to tell the piece's ids from its context's
+            yield reader(piece, add_special_tokens=False)["input_ids"]
+        else:
+            end = len(left) + len(piece)
+            yield [i for i, (first, _) in zip(encoded["input_ids"], encoded["offset_mapping"]) if len(left) <= first < end]
+        before, piece = piece, after
 
 
-def _line_end_between_words(text: str) -> int:
-    """The position after the last ``\n`` of ``text`` that has a character other than a space on
-    either side of it, or 0 where none has."""
+def _last_line_start(text: str) -> int:
+    """The position after the last line end of ``text`` that a character other than white space
+    follows, or 0 where none does."""
     end = len(text) - 1  # the character after the line end must be in ``text``
-    while (at := text.rfind("\n", 1, end)) > 0:
-        if not (text[at - 1].isspace() or text[at + 1].isspace()):
+    while (at := text.rfind("\n", 0, end)) >= 0:
+        if not text[at + 1].isspace():
             return at + 1
         end = at
     return 0
+
+
+def _last_word(text: str) -> str:
+    """The end of ``text`` from the start of its last word (what follows white space), or all of it."""
+    match = re.search(r"(?<=\s)\S+\s*$", text)
+    return text[match.start():] if match else text
 
 
 def _cache_directory() -> pathlib.Path:
