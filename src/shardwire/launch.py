@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import shlex
@@ -153,11 +154,14 @@ class UntilClosed:
     def __init__(self, stream, said: Callable[[OSError], None] | None = None):
         self._stream = stream
         self._said = said
+        self._ended = False
 
     def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
         return getattr(self._stream, name)
 
     def write(self, text: str) -> int:
+        if self._ended:
+            return len(text)
         try:
             return self._stream.write(text)
         except OSError as err:
@@ -165,17 +169,40 @@ class UntilClosed:
             return len(text)
 
     def flush(self) -> None:
+        if self._ended:
+            return
         try:
             self._stream.flush()
         except OSError as err:
             self._end(err)
 
     def _end(self, err: OSError) -> None:
+        """The null device under the stream's descriptor too, for what its buffer holds and for the
+        processes this one starts."""
+        self._ended = True
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, self._stream.fileno())
         os.close(null)
         if self._said is not None:
             self._said(err)
+
+
+class Closed:
+    """The standard output of a process started without one (``>&-``, where Python's is None): the null
+    device holds its descriptor, so that no file the command opens takes it and receives what is
+    printed, and every write fails as on a closed descriptor, for ``UntilClosed`` to say so."""
+
+    def __init__(self):
+        self._null = open(os.devnull, "w")
+
+    def __getattr__(self, name):  # fileno, isatty, encoding: the null device's
+        return getattr(self._null, name)
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "it was closed as the command started (>&-)")
+
+    def flush(self) -> None:
+        pass
 
 
 class OutputLost(OSError):

@@ -91,12 +91,18 @@ def test_a_standard_output_whose_reader_leaves_ends_the_progress_not_the_run(tmp
 ], ids=["simulate", "print-config", "print-launch", "help"])
 def test_a_result_that_cannot_be_written_is_a_failure_in_one_line(args):
     """A command whose output is its result, to a full disk, gave a traceback (or, where the text
-    waited in a buffer until exit, said nothing and left with 0)."""
+    waited in a buffer until exit, said nothing and left with 0); to a closed one (``>&-``), said
+    nothing and left with 0."""
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "shardwire", *args], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=120)
     assert (done.returncode, done.stderr) == (
         1, "error: standard output: No space left on device; what the command printed is incomplete\n")
+    closed = subprocess.run(f"{sys.executable} -m shardwire {shlex.join(args)} >&-", shell=True,
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (closed.returncode, closed.stderr) == (
+        1, "error: standard output: it was closed as the command started (>&-); what the command printed is "
+           "incomplete\n")
 
 
 def test_a_run_whose_standard_output_is_a_full_disk_trains_and_saves(tmp_path):
@@ -114,7 +120,9 @@ def test_a_run_started_without_standard_output_trains_and_saves(tmp_path):
     done = subprocess.run(f"{sys.executable} -m shardwire train --model tiny --eval-batches 1 --steps 2 "
                           f"--checkpoint-dir ckpt >&-", shell=True, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                           timeout=300)
-    assert (done.returncode, done.stderr) == (0, "")
+    assert (done.returncode, done.stderr.splitlines()) == (0, [
+        "warning: standard output: it was closed as the command started (>&-); training goes on without printing "
+        "its progress"])
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
 
 

@@ -29,6 +29,7 @@ from shardwire.extras import MissingExtra
 from shardwire.files import OutputRefused
 from shardwire.launch import (
     REFUSED,
+    Closed,
     OutputLost,
     UntilClosed,
     die_with_launcher,
@@ -163,9 +164,9 @@ def entry() -> NoReturn:
     where it says what went wrong, so one that cannot be written (``2>full/err.log``, ``2>&-``) drops
     what is said, never ends the command or changes its status; a stream it was started without
     (``>&-``: Python's is None) is the null device. Its standard output is its result, so one that
-    cannot be written ends the command as failed, in one line (``OutputLost``), where training only
-    stops printing its progress (``progress.until_closed``)."""
-    sys.stdout = UntilClosed(sys.stdout, OutputLost.raised) if sys.stdout is not None else open(os.devnull, "w")
+    cannot be written (a full disk; closed, ``launch.Closed``) ends the command as failed, in one line
+    (``OutputLost``), where training only stops printing its progress (``progress.until_closed``)."""
+    sys.stdout = UntilClosed(sys.stdout if sys.stdout is not None else Closed(), OutputLost.raised)
     sys.stderr = UntilClosed(sys.stderr) if sys.stderr is not None else open(os.devnull, "w")
     try:
         status = main()
