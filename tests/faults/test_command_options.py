@@ -40,6 +40,22 @@ def test_nonsensical_hyperparameters_are_refused(args, message):
         main(["train", *args])
 
 
+@pytest.mark.parametrize("option, given, instead", [
+    (["--profile", "--run-dir"], "step_00000002", "profile"),
+    (["--tensorboard"], "step_00000004/tb", "tb"),
+    (["--log-jsonl"], "step_00000003.tmp-0123456789ab/log.jsonl", "log.jsonl"),
+])
+def test_a_log_where_checkpoints_are_saved_is_refused_before_training(tmp_path, option, given, instead):
+    """It was written into a checkpoint's name: kept as a checkpoint --keep never prunes, or set aside
+    by the save of that step and the log lost."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(SystemExit, match=f"{option[-1]} {ckpt}/{given} is where --checkpoint-dir saves its checkpoints "
+                                         rf"\(step_...\): a save would take it for one, or set it aside; give it a "
+                                         f"place beside them, such as {ckpt}/{instead}"):
+        main(["train", "--checkpoint-dir", str(ckpt), *option, str(ckpt / given)])
+    assert not ckpt.exists()
+
+
 def test_directories_that_cannot_be_created_are_refused_before_training(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -200,6 +200,8 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
                     raise OptionError(f"--export-hf {config.export_hf} and {option} {path} overlap: the export "
                                       f"would hold what the run writes there, or replace it; give each a place "
                                       f"of its own")
+        if (crossing := _among_checkpoints(config)) is not None:
+            raise OptionError(crossing)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     try:
@@ -342,6 +344,24 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
             hf_tokenizer.load(*tokenizer)  # written beside the weights at the end, so read now
         except ValueError as err:
             raise SystemExit(f"error: --export-hf: {err}") from None
+
+
+def _among_checkpoints(config: TrainConfig) -> str | None:
+    """Why a log or profile the run writes cannot go where it is given, or None: a path inside the
+    series of --checkpoint-dir named as its checkpoints are (``step_...``) would be taken for one, or
+    set aside by the save of that step, and lost. Beside them (``ckpt/log.jsonl``) is a place of its own."""
+    if (series := _series(config)) is None:
+        return None
+    for option, path, name in (("--run-dir", config.run_dir, "profile"), ("--tensorboard", config.tensorboard, "tb"),
+                               ("--log-jsonl", config.log_jsonl, "log.jsonl")):
+        if path is None:
+            continue
+        inside = os.path.relpath(os.path.realpath(path), os.path.realpath(series))
+        if inside.split(os.sep)[0].startswith("step_"):
+            return (f"{option} {cut(path)} is where --checkpoint-dir saves its checkpoints (step_...): a save "
+                    f"would take it for one, or set it aside; give it a place beside them, such as "
+                    f"{cut(os.path.join(series, name))}")
+    return None
 
 
 def _overlap(first: str, second: str) -> bool:
