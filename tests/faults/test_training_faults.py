@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shardwire
+from shardwire.cli import main
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.portable import read_state_dict
 from shardwire.models.gpt import GPT, PRESETS, Block
@@ -222,6 +223,28 @@ def test_a_run_resumed_without_diloco_says_each_groups_inner_steps_are_not_kept(
     done = train("--steps", "4", *hybrid, cwd=tmp_path)
     assert ("this run changes --steps 3 -> 4, --diloco sync_every=2 -> none (every group goes on from the model the groups agreed on at their last "
             "sync: the inner steps since, each group's own, are not kept)") in done.stdout, done.stdout
+
+
+def test_a_signal_as_a_finished_run_ends_leaves_it_a_success(tmp_path, monkeypatch, capsys):
+    """A signal that came as the workers were ending, their run trained, saved and exported, said
+    "stopped" with status 143 and told the user to run again, which the export then refused."""
+    from shardwire.cli import train as command
+    from shardwire.launch import Stopped
+
+    train("--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    def stopped_as_it_ends(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(command, "launch_local", stopped_as_it_ends)
+    assert main(["train", "--model", "tiny", "--steps", "2", "--checkpoint-dir", "ckpt"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "stopped by SIGTERM as the run ended: its 2 steps are trained and saved in ckpt/step_00000002")
+    assert main(["train", "--model", "tiny", "--steps", "3", "--checkpoint-dir", "ckpt"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "stopped by SIGTERM: ckpt/step_00000002 is the newest checkpoint; running the same command again resumes "
+        "from it")
 
 
 @pytest.mark.slow

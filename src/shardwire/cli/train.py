@@ -82,6 +82,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             return launch_local(nproc, _worker_arguments(config), max_restarts=config.max_restarts)
         except KeyboardInterrupt as err:
             said, status = stopped(err)
+            if (finished := _finished(config)) is not None:  # the signal came as the workers were ending
+                print(one_line(f"{said} as the run ended: {finished}"), file=sys.stderr)
+                return 0
             print(one_line(f"{said}: {_what_was_saved(config)}"), file=sys.stderr)
             return status
         finally:  # workers a signal ended could not tidy a directory they claimed and never saved in
@@ -115,6 +118,21 @@ def _what_was_saved(config: TrainConfig) -> str:
     if not saved:
         return f"no checkpoint was saved in {series} yet"
     return f"{saved[-1]} is the newest checkpoint; running the same command again resumes from it"
+
+
+def _finished(config: TrainConfig) -> str | None:
+    """What a run that a signal stopped had finished, in words, where it had done all it was asked
+    (its last step saved, its export in place), or None: such a run succeeded, and running it again
+    would be refused, its export directory taken."""
+    if (series := _series(config)) is None or not (saved := list_checkpoints(series)):
+        return None
+    if step_of(saved[-1]) != config.steps:
+        return None
+    if config.export_hf is not None:
+        if not os.path.isdir(config.export_hf) or not any(os.scandir(config.export_hf)):
+            return None
+        return f"its {config.steps} steps are trained and saved in {saved[-1]}, and exported to {config.export_hf}"
+    return f"its {config.steps} steps are trained and saved in {saved[-1]}"
 
 
 def _launch_command(config: TrainConfig) -> str:
