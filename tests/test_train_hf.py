@@ -132,6 +132,7 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
     ('hf:{"model_type": "nope"}', [], "Unrecognized model identifier: nope"),
     ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),
     ("hf:/no/such/model", [], "/no/such/model does not exist"),
+    ("hf:/etc", [], "hf:/etc is a directory without a config.json: give the model's directory"),
     ("hf:" + json.dumps(LLAMA), ["--seq-len", "512"], "--seq-len 512 is longer than the 128 positions"),
     ("hf:" + json.dumps({**LLAMA, "max_position_embeddings": 0}), [],
      "max_position_embeddings must be a whole number of at least 1, got 0"),

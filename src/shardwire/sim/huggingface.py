@@ -45,6 +45,9 @@ def read_config(source: str) -> dict:
         path = config_file(source)
         what = f"hf:{cut(source)}"
         if not os.path.lexists(path):
+            if path != source:  # a directory
+                raise ValueError(f"{what} is a directory without a config.json: give the model's directory, which "
+                                 f"holds its config.json, or a config .json")
             raise ValueError(f"{what} does not exist: hf: takes a local directory, a config .json or inline JSON")
         if not os.path.isfile(path):
             raise ValueError(f"{what}: {os.path.basename(path)} is not a regular file: give a config .json or a "
