@@ -276,6 +276,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_as_train_skips_it(work, capsys):
     assert status == 0 and "step_00000002, skipping it" in err and "step_00000001" in out
 
 
+def test_a_checkpoint_whose_manifest_is_of_another_step_is_skipped_as_train_skips_it(work, capsys):
+    """A resealed manifest that records another step than its directory's name: train refuses to
+    resume from it, and export wrote it out."""
+    newest = work / "gpt" / "step_00000002"
+    rewrite_manifest(newest, lambda manifest: manifest.update(step=2**70))
+    status, out, err = export(capsys, work / "gpt", work / "out.pt")
+    assert status == 0 and "step_00000001" in out
+    assert f"{newest}: its manifest records step {2**70}, its name step 2" in err
+    assert f"its manifest records step {2**70}, its name step 2" in refused(capsys, newest, work / "other.pt")
+    assert not (work / "other.pt").exists()
+
+
 def test_exports_get_the_umasks_mode(work, capsys):
     old = os.umask(0o022)
     try:

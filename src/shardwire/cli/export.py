@@ -28,7 +28,7 @@ import torch
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series
+from shardwire.engine.checkpoint.series import group_series, step_of
 from shardwire.engine.diloco import DiLoCo
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.launch import under_launcher
@@ -151,6 +151,9 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     if (problem := _series_problem(args.out, given)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
     with CheckpointReader(checkpoint) as reader:
+        if (named := step_of(checkpoint)) is not None and reader.manifest.step != named:  # as train's resume refuses it
+            raise CheckpointError(f"{checkpoint}: its manifest records step {reader.manifest.step}, its name step "
+                                  f"{named}")
         extra = reader.manifest.extra if isinstance(reader.manifest.extra, dict) else {}
         notes += _between_syncs(checkpoint, extra, reader.manifest.step)
     recorded = extra.get("model") if isinstance(extra.get("model"), str) else None
