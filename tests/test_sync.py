@@ -387,15 +387,16 @@ def _checkpoint_mid_interval(rank, world, root, group_size):
     model, optimizer = build(0)
     train(model, optimizer, range(3))
     in_flight = engine_of(model).outer.in_flight is not None
+    engine_of(model).outer.metrics()  # those of the syncs before the checkpoint
     shardwire.save_checkpoint(path, model, optimizer, step=3)
     saved = _group_model(model)
     train(model, optimizer, range(3, 7))
-    uninterrupted = _group_model(model)
+    uninterrupted = _group_model(model), engine_of(model).outer.metrics()
     model, optimizer = build(1)
     shardwire.load_checkpoint(path, model, optimizer)
     restored = _group_model(model)
     train(model, optimizer, range(3, 7))
-    return in_flight, saved, uninterrupted, restored, _group_model(model), str(path)
+    return in_flight, saved, uninterrupted, restored, (_group_model(model), engine_of(model).outer.metrics()), str(path)
 
 
 def _load_in_groups_of_one(rank, world, path):
@@ -410,12 +411,14 @@ def _load_in_groups_of_one(rank, world, path):
 @pytest.mark.slow
 def test_a_checkpoint_saved_while_a_sync_is_in_flight_resumes_exactly_and_reshards_within_groups(tmp_path):
     results = run_workers(4, _checkpoint_mid_interval, str(tmp_path), 2)
-    for in_flight, saved, uninterrupted, restored, resumed, path in results:
+    for in_flight, saved, (uninterrupted, measured), restored, (resumed, remeasured), path in results:
         assert in_flight
         for key, value in saved.items():
             assert torch.equal(restored[key], value), key
         for key, value in uninterrupted.items():
             assert torch.equal(resumed[key], value), key
+        # the sync in flight at the checkpoint is measured after the resume as without it
+        assert measured.keys() == {"outer_grad_norm", "drift"} and remeasured == measured
     # rank 2 leads the second group, whose model differs from the first's between syncs
     assert any(not torch.equal(results[2][1][key], value) for key, value in results[0][1].items())
     # The same checkpoint in groups of one rank: each group gets its own model back.

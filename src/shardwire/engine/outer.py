@@ -320,7 +320,7 @@ class OuterLoop:
         flats, _ = self.in_flight
         if self.quorum is not None and vote and not self._committed(flats):
             return
-        # A sync sent before a resume has no record of the groups' own changes: it goes unmeasured.
+        # A sync sent before a resume from a checkpoint that holds no measure of it goes unmeasured.
         measured = all(flat.outer.own_squared is not None for flat in flats)
         with record_function("shardwire::outer_step"):
             for flat in flats:

@@ -114,6 +114,12 @@ def residual_key(flat: str, reduction: str) -> str:
     return f"residual/{flat}/{reduction}"
 
 
+def measure_key(flat: str) -> str:
+    """This rank's own change of the sync in flight of a flat buffer, squared and summed (what
+    ``OuterLoop.metrics`` measures the groups' drift by): one number, the rank's own."""
+    return f"outer-measure/{flat}"
+
+
 def outer_key(flat: str, state: str) -> str:
     """The outer optimizer's state of a flat buffer (sync every H steps), laid out like its shard."""
     return f"outer/{flat}/{state}"

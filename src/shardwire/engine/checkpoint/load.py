@@ -43,6 +43,7 @@ from shardwire.engine.checkpoint.format import (
     buffer_key,
     buffer_records,
     first_difference,
+    measure_key,
     outer_key,
     param_key,
     rank_file,
@@ -147,6 +148,7 @@ class _Staged:
     optimizer_state: dict | None
     rng: dict[str, torch.Tensor]
     residuals: dict[str, torch.Tensor]  # error feedback, by key; restored where saved alike
+    measures: dict[str, torch.Tensor]  # the sync in flight's own change, squared and summed, by flat buffer
     outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
     schedule: list[int] | None  # and the outer optimisation's place (None: saved without DiLoCo)
     quorum: list[int] | None  # and the fault-tolerant groups' count of syncs (None: saved without)
@@ -183,14 +185,16 @@ class _Staged:
                 outer = {name: {key: kept[key] for key in ("anchor", "momentum") if key in kept}
                          for name, kept in outer.items()}
                 schedule = [schedule[0], schedule[0], -1]
-            rng, residuals = {}, {}
+            rng, residuals, measures = {}, {}, {}
             if manifest.world_size == world:
                 rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())
                 if engine.device.type == "cuda" and rng_key("cuda") in reader.keys(rank_file(rank)):
                     rng["cuda"] = _rng_state(reader, rank, "cuda", torch.cuda.get_rng_state(engine.device))
                 residuals = _residuals(reader, rank, engine)
+                if own:  # this rank's shard of its group's change, as it was: the sync in flight is measured
+                    measures = _measures(reader, rank, engine)
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
-        return cls(info, shards, buffers, state, rng, residuals, outer, schedule, quorum)
+        return cls(info, shards, buffers, state, rng, residuals, measures, outer, schedule, quorum)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
         copy_into_model(engine, model, self.shards, self.buffers)
@@ -207,6 +211,8 @@ class _Staged:
             for flat in engine.flats:
                 if flat.outer is not None:
                     flat.outer.load_state(self.outer.get(flat.name, {}), flat.shard)
+                    if flat.outer.change is not None and flat.name in self.measures:
+                        flat.outer.own_squared = self.measures[flat.name].to(flat.shard.device).reshape(())
             engine.outer.load_state(self.schedule)
             if engine.outer.quorum is not None:
                 engine.outer.quorum.load_state(self.quorum)
@@ -271,6 +277,15 @@ def _residuals(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str,
                 except CheckpointError:
                     continue
     return found
+
+
+def _measures(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str, torch.Tensor]:
+    """``rank``'s measures of the sync in flight (``measure_key``), by flat buffer, where saved: a
+    checkpoint saved before they were, or with no sync in flight, has none, and that sync goes
+    unmeasured in the metrics."""
+    saved = set(reader.keys(rank_file(rank)))
+    return {flat.name: reader.tensor(rank_file(rank), measure_key(flat.name), (1,), torch.float32)
+            for flat in engine.flats if measure_key(flat.name) in saved}
 
 
 def _rng_state(reader: CheckpointReader, rank: int, device_type: str, current: torch.Tensor) -> torch.Tensor:

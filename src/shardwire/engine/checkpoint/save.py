@@ -57,6 +57,7 @@ from shardwire.engine.checkpoint.format import (
     Manifest,
     buffer_key,
     buffer_records,
+    measure_key,
     new_token,
     outer_key,
     param_key,
@@ -277,6 +278,8 @@ class _Snapshot:
             for flat in engine.flats:
                 for key, value in ({} if flat.outer is None else flat.outer.state()).items():
                     tensors[outer_key(flat.name, key)] = _host_copy(value)
+                if flat.outer is not None and flat.outer.own_squared is not None:  # a sync in flight's measure
+                    tensors[measure_key(flat.name)] = _host_copy(flat.outer.own_squared.reshape(1))
             tensors[OUTER_SCHEDULE] = torch.tensor(engine.outer.state(), dtype=torch.int64)
             if engine.outer.quorum is not None:
                 tensors[OUTER_QUORUM] = torch.tensor(engine.outer.quorum.state(), dtype=torch.int64)
