@@ -262,6 +262,13 @@ def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_
     assert f"-m shardwire train --model hf:{config} --seq-len 2048 " in doc["best"]["run"]["command"]
     status, out, _ = run(capsys, "plan", "--model", "llama2-7b", *cluster)
     assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
+    coded = tmp_path / "coded"  # custom code for a model_type transformers does not implement: train refuses it
+    coded.mkdir()
+    (coded / "config.json").write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mine",
+                                                   "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
+    status, out, _ = run(capsys, "plan", "--model", f"hf:{coded}", *cluster)
+    assert status == 0 and "run:   torchrun" not in out
+    assert f"not run by shardwire train: hf:{coded}: it needs custom code (auto_map " in out
     status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training", "{precision: fp8}")
     assert status == 0 and "--precision fp8" in out and "run:   torchrun" in out
     assert "or:    shardwire.models.fp8.convert(model, units); shardwire.shard(model, " in out

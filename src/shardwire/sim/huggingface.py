@@ -58,6 +58,23 @@ def read_config(source: str) -> dict:
     return fields
 
 
+def custom_code_refusal(fields: Mapping) -> str | None:
+    """Why ``shardwire train`` cannot build the model a config's ``fields`` describe, where they name
+    custom code (an ``auto_map``) for a ``model_type`` transformers does not implement: the code would
+    have to run, which shardwire never lets it (one transformers implements is built as its own
+    class). None where it can be built, or where transformers, which decides, is not installed."""
+    if not fields.get("auto_map"):
+        return None
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return None
+    if fields.get("model_type") in CONFIG_MAPPING:
+        return None
+    return (f"it needs custom code (auto_map {shown(fields['auto_map'], 60)}), which shardwire never runs: use a "
+            f"model whose architecture transformers itself implements")
+
+
 def config_file(source: str) -> str:
     """The config file of ``hf:source``: the file itself, or a directory's config.json (a name too long
     for the system is neither, and is reported missing, not raised)."""
