@@ -5,9 +5,12 @@ go of its tensors."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -71,14 +74,14 @@ def test_a_script_ends_cleanly_while_gloos_thread_still_holds_its_tensor():
     assert (done.returncode, done.stdout) == (0, "leaving\n"), done.stderr
 
 
-CTRL_C_WHILE_LOADING = textwrap.dedent("""
+SIGNAL_WHILE_LOADING = textwrap.dedent("""
     import builtins, os, runpy, signal, sys
 
     load = builtins.__import__
 
     def interrupted_import(name, *args, **kwargs):
-        if name == "shardwire.cli":  # Ctrl-C lands while the command's modules load
-            os.kill(os.getpid(), signal.SIGINT)
+        if name == "shardwire.cli":  # the signal lands while the command's modules load
+            os.kill(os.getpid(), int(os.environ["SIGNAL"]))
         return load(name, *args, **kwargs)
 
     builtins.__import__ = interrupted_import
@@ -87,8 +90,24 @@ CTRL_C_WHILE_LOADING = textwrap.dedent("""
 """)
 
 
-def test_a_ctrl_c_while_the_modules_load_is_one_line_once_they_have():
+@pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"),
+                                          (signal.SIGHUP, "stopped by SIGHUP")])
+def test_a_signal_while_the_modules_load_is_one_line_once_they_have(signum, said):
     """Not a KeyboardInterrupt inside a library's import, which can swallow it and leave a
-    half-made module behind."""
-    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_LOADING], capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stderr, done.stdout) == (130, "interrupted\n", "")
+    half-made module behind; and a SIGTERM there ended the command with no word."""
+    done = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_LOADING], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SIGNAL": str(int(signum))})
+    assert (done.returncode, done.stderr, done.stdout) == (128 + signum, f"{said}\n", "")
+
+
+def test_a_sigterm_once_the_command_runs_is_one_line():
+    """Before a launcher's agent takes the signal over, and in commands with none (simulate, plan)."""
+    job = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "100000",
+                            "--eval-batches", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        job.send_signal(signal.SIGTERM)
+        _, errors = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGTERM and errors.splitlines()[-1].startswith("stopped by SIGTERM"), errors

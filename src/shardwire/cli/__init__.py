@@ -17,6 +17,7 @@ import contextlib
 import errno
 import importlib
 import os
+import signal
 import sys
 import warnings
 from types import ModuleType
@@ -31,6 +32,7 @@ from shardwire.launch import (
     REFUSED,
     Closed,
     OutputLost,
+    Stopped,
     UntilClosed,
     die_with_launcher,
     end_process,
@@ -168,6 +170,10 @@ def entry() -> NoReturn:
     (``OutputLost``), where training only stops printing its progress (``progress.until_closed``)."""
     sys.stdout = UntilClosed(sys.stdout if sys.stdout is not None else Closed(), OutputLost.raised)
     sys.stderr = UntilClosed(sys.stderr) if sys.stderr is not None else open(os.devnull, "w")
+    if not under_launcher():  # a worker is ended by its launcher's SIGTERM, which says what that stopped
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:  # not where ignored (nohup) or taken
+                signal.signal(signum, _stop)
     try:
         status = main()
     except SystemExit as err:
@@ -195,6 +201,12 @@ def refused(*errors: type[Exception]):
     except errors as err:
         print(one_line(f"error: {err}"), file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _stop(signum: int, frame) -> NoReturn:
+    """A scheduler's SIGTERM, a closed terminal's SIGHUP: stopped as Ctrl-C stops the command, in its
+    words (``launch.Stopped``)."""
+    raise Stopped(signum)
 
 
 def _interrupted(err: KeyboardInterrupt) -> int:
