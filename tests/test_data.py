@@ -82,7 +82,7 @@ def test_training_on_token_ids_lowers_the_loss(tmp_path):
                            "--nproc", "1", "--eval-batches", "1", "--data", str(path)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"data: {path}, 0.1M uint16 token ids" in done.stdout  # the start line says how it read them
+    assert f"data: {path}, 90,000 uint16 token ids" in done.stdout  # the start line says how it read them
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     assert last < first
 

@@ -242,6 +242,9 @@ def test_weights_that_do_not_fit_the_model_named_are_refused_naming_the_key_and_
     message = refused(capsys, work / "gpt", work / "out.safetensors", "--model", "small")
     assert re.search(r"do not fit --model small: 'tok_emb.weight' is \[\d+, \d+\] in them and \[\d+, \d+\] "
                      r"in the model", message), message
+    rewrite_manifest(work / "short" / "step_00000001", lambda manifest: manifest["extra"].update(model="small"))
+    message = refused(capsys, work / "short" / "step_00000001", work / "out.safetensors")  # no --model given
+    assert "do not fit the model it records, small: 'tok_emb.weight' is" in message, message
     message = refused(capsys, work / "gpt", work / "out", "--model", f"hf:{work}/gpt2-mini")
     assert re.search(r"do not fit GPT2LMHeadModel: they have no 'transformer.wte.weight' \[64, 32\]", message), message
     assert not (work / "out").exists() and not list(work.glob(".out*"))

@@ -181,7 +181,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
                             f"directory): give {cut(model)} a file name, such as model.safetensors")
     if (problem := export_problem(args.out, given)) is not None:
         raise OutputRefused(f"OUT {args.out} {problem}")
-    _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None)
+    _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None, given=args.model is not None)
     return model, export_state_dict(checkpoint, args.out)
 
 
@@ -253,13 +253,15 @@ def _trained_tokenizer(checkpoint: pathlib.Path, extra: dict, out: str, notes: l
     return False
 
 
-def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None) -> None:
+def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None, *, given: bool) -> None:
     """The checkpoint's weights fit the GPT preset ``model`` names (at ``seq_len`` tokens where the run
-    trained at other than the preset's), key for key and shape for shape."""
+    trained at other than the preset's), key for key and shape for shape; ``given``: the user named
+    ``model`` (--model), rather than the checkpoint, which recorded it."""
     choice = choose(model, seq_len=seq_len)
     with torch.device("meta"):
         built = choice.build()
     with weights_in(checkpoint) as weights:  # its description only: no part is read
         problem = fit_problem(built, weights)
     if problem is not None:
-        raise ValueError(f"the weights of {checkpoint} do not fit --model {cut(model)}: {problem}")
+        named = f"--model {cut(model)}" if given else f"the model it records, {cut(model)}"
+        raise ValueError(f"the weights of {checkpoint} do not fit {named}: {problem}")

@@ -76,7 +76,7 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
     scale = flops_bound / flops_measured
     fitted = {key: getattr(cluster, key) * scale for key in ("matmul_efficiency", "attention_efficiency")}
     if max(fitted.values()) > 1:
-        raise SpecError(f"{source}: its compute runs faster than cluster {cluster.name!r}'s peak allows "
+        raise SpecError(f"{source}: its compute runs faster than the peak of cluster {cluster.name!r} allows "
                         f"({max(fitted.values()):.2f} of it): give the peak_tflops of the GPU it was measured on")
     if optimizer / 1e9 < MIN_BANDWIDTH_GBPS:
         raise SpecError(f"{source}: its optimizer step ({measured.optimizer_s:.4g} s) streams {optimizer / 1e9:.3g} "

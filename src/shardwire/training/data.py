@@ -64,7 +64,8 @@ def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
     if tokenizer is not None:
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
-        return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label, vocab_size)), seq_len)
+        return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label, vocab_size)), seq_len,
+                                source=f"{path or 'the default corpus'}, tokenised,")
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len, bin_dtype)
     return ByteCorpus.load(path, seq_len, memory)
@@ -212,7 +213,7 @@ def check_length(length: int, name: str, unit: str, seq_len: int) -> None:
     if length - int(length * (1 - VALIDATION_FRACTION)) <= seq_len + 1:
         needed = math.ceil((seq_len + 2) / VALIDATION_FRACTION)
         raise ValueError(
-            f"corpus {name} has only {length:,} {unit}: its validation split ({VALIDATION_FRACTION:.0%}) "
+            f"corpus {name} has only {length:,} {unit if length != 1 else unit[:-1]}: its validation split ({VALIDATION_FRACTION:.0%}) "
             f"must hold a sequence of {seq_len + 1} {unit}, so give it at least {needed:,} {unit}"
         )
 
@@ -305,10 +306,10 @@ class _Sequences:
 class TokenCorpus(_Sequences):
     """Pre-tokenised ids, memory-mapped to check them, read by rows (``_IdFile``) to train on."""
 
-    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int):
+    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int, source: str | None = None):
         self.name = str(file)
         self.ids = ids
-        self.splits = _splits(ids, self.name, "tokens", seq_len)
+        self.splits = _splits(ids, source or self.name, "tokens", seq_len)
         self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
         self._file = _IdFile(file, ids)
         with file.open("rb") as f:
@@ -318,11 +319,13 @@ class TokenCorpus(_Sequences):
             self.identity = identity(size, head, f.read(_FINGERPRINT_BYTES), self.name, len(ids))
 
     @classmethod
-    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16") -> TokenCorpus:
+    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16", source: str | None = None) -> TokenCorpus:
+        """The ids in ``path``; ``source``: what they were made of, for messages (the text a tokenizer
+        made them of, not the cache it wrote)."""
         file = pathlib.Path(path)
         if not file.exists():
             raise FileNotFoundError(f"data path {path} {_missing(file)}: pass a .bin or .npy file of token ids")
-        return cls(file, _read_ids(file, bin_dtype), seq_len)
+        return cls(file, _read_ids(file, bin_dtype), seq_len, source)
 
     @property
     def num_tokens(self) -> int:
@@ -330,7 +333,8 @@ class TokenCorpus(_Sequences):
 
     @property
     def description(self) -> str:
-        return f"{self.name}, {self.num_tokens / 1e6:.1f}M {self.ids.dtype} token ids"
+        count = f"{self.num_tokens / 1e6:.1f}M" if self.num_tokens >= 100_000 else f"{self.num_tokens:,}"
+        return f"{self.name}, {count} {self.ids.dtype} token ids"
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a corpus with an id the model's vocabulary does not have, naming the first one."""
