@@ -468,6 +468,14 @@ def test_a_directory_named_for_one_file_is_refused(work, capsys):
     assert not (work / "newdir").exists()
 
 
+def test_a_file_name_for_an_hf_models_directory_is_refused(work, capsys):
+    """It made a directory named out.safetensors."""
+    message = refused(capsys, work / "hf", work / "out.safetensors")
+    assert message.startswith(f"error: OUT {work / 'out.safetensors'} is named as a file (.safetensors), and hf:")
+    assert message.endswith(f"exports a save_pretrained directory: give it a directory's name, such as {work / 'out'}")
+    assert not (work / "out.safetensors").exists()
+
+
 def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("workers were started")

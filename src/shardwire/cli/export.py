@@ -165,6 +165,10 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     if not trained and recorded:
         notes.append(f"{checkpoint} was trained as {cut(recorded)}; exported as --model {cut(args.model)}")
     if model.startswith(HF_PREFIX):
+        if (suffix := pathlib.Path(args.out).suffix.lower()) in (".safetensors", ".pt", ".pth", ".bin"):
+            raise OutputRefused(f"OUT {args.out} is named as a file ({suffix}), and {cut(model)} exports a "
+                                f"save_pretrained directory: give it a directory's name, such as "
+                                f"{pathlib.Path(args.out).with_suffix('')}")
         if (problem := inside_problem(args.out, given, "exported")) is not None:
             raise OutputRefused(f"OUT {args.out} {problem}")
         stage = StagedDirectory(args.out, "OUT")  # claimed, and checked, before any weight is read
