@@ -73,7 +73,14 @@ class _Parser(argparse.ArgumentParser):
             self.register("type", kind, reader)
 
     def parse_known_args(self, args=None, namespace=None):
-        return super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
+        """argparse's, whose warnings (an old name, an abbreviation) are said once the line is read: a
+        line refused says its one line alone."""
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            parsed = super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
+        for warning in said:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return parsed
 
     def _spelled_out(self, args: list[str]) -> list[str]:
         """``args`` with each abbreviated option written whole (its warning given). Where a positional
