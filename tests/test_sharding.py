@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-
 import warnings
 
 import pytest
