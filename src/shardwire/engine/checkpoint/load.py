@@ -88,10 +88,11 @@ def load_latest_checkpoint(
 ) -> CheckpointInfo | None:
     """Load the newest good checkpoint of the series in ``directory``; None if it holds none.
 
-    A checkpoint that cannot be loaded is skipped with a warning saying why, and the one before it is
-    tried; so is one whose manifest records another step than its name, which would make the series'
-    order a lie. If there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with
-    each one's reason rather than return None: starting over would let new saves prune the old ones.
+    A checkpoint that cannot be loaded is skipped, and the one before it is tried; so is one whose
+    manifest records another step than its name, which would make the series' order a lie. Each one
+    skipped is a warning saying why once an older one loads. If there are checkpoints and none can be
+    loaded, it raises a ``CheckpointError`` with each one's reason instead (said once) rather than
+    return None: starting over would let new saves prune the old ones.
     So does a directory that is a checkpoint itself, DCP's or one of a series (a series there would
     not see it, and would start over inside it), and one that holds only what is named as
     checkpoints and holds no manifest (the user's, which a series would take for damaged
@@ -107,17 +108,21 @@ def load_latest_checkpoint(
         raise CheckpointError(
             f"ranks see different checkpoints in {directory}: it must be on storage that every rank sees"
         )
-    reasons = []
+    skipped = []
     for name in reversed(candidates):
         path = pathlib.Path(directory) / name
         try:
-            return _load(path, engine, model, optimizer, named_step=series.step_of(path))
+            info = _load(path, engine, model, optimizer, named_step=series.step_of(path))
         except CheckpointError as err:
-            reasons.append(f"{name}: {err}")
-            if dist.get_rank(engine.group) == 0:
-                log.warning("cannot resume from %s, skipping it: %s", path, err)
-    if reasons:
-        raise CheckpointError(f"no checkpoint in {directory} can be loaded: " + "; ".join(reasons))
+            skipped.append((path, err))
+            continue
+        if dist.get_rank(engine.group) == 0:  # said once one loads: where none does, the error says each
+            for newer, err in skipped:
+                log.warning("cannot resume from %s, skipping it: %s", newer, err)
+        return info
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {directory} can be loaded: "
+                              + "; ".join(f"{path.name}: {err}" for path, err in skipped))
     return None
 
 
