@@ -480,7 +480,7 @@ def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
 
 @pytest.mark.parametrize("profile, message", [
     (profile_document(forward=0.02, backward=0.04), "take less than their memory-bound work alone"),
-    (profile_document(forward=0.03, backward=0.07), "faster than cluster 'h100-ib-400'"),
+    (profile_document(forward=0.03, backward=0.07), "faster than the peak of cluster 'h100-ib-400' allows"),
     # far slower than the GPU runs (a CPU's profile): blamed on the profile, never on the cluster given
     (profile_document(forward=800.0, backward=1700.0), "profile.json: its compute runs at 4.1e-05 of cluster "
                                                         "'h100-ib-400''s peak, slower than any GPU runs its kernels"),
