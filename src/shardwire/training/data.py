@@ -48,6 +48,9 @@ _CHECK_CHUNK = 1 << 24
 _TOKENISED_AT_ONCE = 1 << 18
 # The most characters of a neighbouring piece given as a piece's context (``_ids_by_piece``).
 _CONTEXT = 256
+# How text becomes ids, in the name of the ids' cache: ids an earlier way made (a text's \r\n read
+# as \n) are not taken for this way's.
+_TOKENISING = b"line ends as written"
 # The bytes at each end of the data that its fingerprint (``identity``) reads.
 _FINGERPRINT_BYTES = 1 << 20
 # The largest seed of the weights and batches: torch's generators take 64-bit seeds.
@@ -89,7 +92,7 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
         hf_tokenizer.check_vocabulary(reader, vocab_size, label)
     directory = pathlib.Path(tokenizer_dir)
     files, name = _text_files(path)
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_TOKENISING)
     hf_tokenizer.add_files(digest, directory)
     for file in files:
         stat = file.stat()
