@@ -3,6 +3,7 @@ ids the model's vocabulary lacks refused before any worker starts."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -122,6 +123,21 @@ def test_a_texts_own_line_ends_are_tokenised_as_they_are(tmp_path, tokenizer_dir
     corpus = load_corpus(str(tmp_path / "crlf.txt"), seq_len=16, tokenizer=str(tokenizer_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     assert list(corpus.ids) == [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+
+
+def test_text_is_read_as_utf8_whatever_the_locale(tmp_path, tokenizer_dir):
+    """Under LC_ALL=C each character of several bytes was read as U+FFFD, and the ids cached."""
+    import transformers
+
+    text = "the quick \u00fcn\u00efc\u00f8d\u00e9 fox \u65e5\u672c \U0001f600 jumps\n" * 500
+    (tmp_path / "utf8.txt").write_bytes(text.encode())
+    done = subprocess.run([sys.executable, "-c", "import sys; from shardwire.training.data import tokenized; "
+                           "print(tokenized(sys.argv[1], sys.argv[2]))", str(tmp_path / "utf8.txt"), str(tokenizer_dir)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    ids = np.load(done.stdout.strip()).tolist()
+    assert ids == [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
 
 def test_text_is_tokenised_in_pieces_whose_ids_are_the_whole_texts(tokenizer_dir):

@@ -468,6 +468,28 @@ def test_a_directory_named_for_one_file_is_refused(work, capsys):
     assert not (work / "newdir").exists()
 
 
+SIGNALLED_AS_IT_WRITES = """
+import os, runpy, signal, sys
+from shardwire.cli import export
+def stopped_as_it_writes(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's, as the weights are written
+    raise AssertionError("the signal did not stop the export")
+export.save_pretrained = stopped_as_it_writes
+sys.argv = ["shardwire", "export", *sys.argv[1:]]
+runpy.run_module("shardwire", run_name="__main__")
+"""
+
+
+def test_an_export_stopped_by_a_signal_says_so_and_leaves_nothing(work):
+    """A SIGTERM as the weights were written ended the export with status 143 and no word."""
+    import signal
+
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AS_IT_WRITES, str(work / "hf"), str(work / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGTERM, "stopped by SIGTERM\n")
+    assert not (work / "out").exists() and not list(work.glob(".out*"))
+
+
 def test_a_file_name_for_an_hf_models_directory_is_refused(work, capsys):
     """It made a directory named out.safetensors."""
     message = refused(capsys, work / "hf", work / "out.safetensors")

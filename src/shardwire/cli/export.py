@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if _another_worker():
         return 0  # rank 0 exports, once: another rank would find OUT written, or race it for the name
-    # SIGTERM (timeout, SLURM, systemd) stops an export as Ctrl-C does: what it staged is removed.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if under_launcher():  # its launcher's SIGTERM stops it as Ctrl-C does, what it staged removed (elsewhere: cli.entry)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     given = pathlib.Path(args.checkpoint)
     try:
         checkpoint, model, out, notes = _export_newest(given, args)

@@ -49,8 +49,8 @@ _TOKENISED_AT_ONCE = 1 << 18
 # The most characters of a neighbouring piece given as a piece's context (``_ids_by_piece``).
 _CONTEXT = 256
 # How text becomes ids, in the name of the ids' cache: ids an earlier way made (a text's \r\n read
-# as \n) are not taken for this way's.
-_TOKENISING = b"line ends as written"
+# as \n, or read in the locale's encoding) are not taken for this way's.
+_TOKENISING = b"utf-8, line ends as written"
 # The bytes at each end of the data that its fingerprint (``identity``) reads.
 _FINGERPRINT_BYTES = 1 << 20
 # The largest seed of the weights and batches: torch's generators take 64-bit seeds.
@@ -112,8 +112,9 @@ def tokenized(path: str | None, tokenizer_dir: str, label: str | None = None,
               unit_scale=True) as bar:
         for file in files:
             before = bar.n
+            # UTF-8 whatever the locale (whose encoding would turn each other character into U+FFFD), and
             # newline="": the text's own line ends, \r\n and \r too, as the tokenizer would be given them
-            with open(file, "rb") as raw, io.TextIOWrapper(raw, errors="replace", newline="") as text:
+            with open(file, "rb") as raw, io.TextIOWrapper(raw, "utf-8", errors="replace", newline="") as text:
                 for ids in _ids_by_piece(reader, _text_pieces(text)):
                     pieces.append(np.asarray(ids, dtype=dtype))
                     bar.update(before + raw.tell() - bar.n)
