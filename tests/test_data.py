@@ -161,7 +161,14 @@ def test_text_is_tokenised_in_pieces_whose_ids_are_the_whole_texts(tokenizer_dir
         pieces = list(_text_pieces(io.StringIO(text), size))
         assert len(pieces) > 1 and "".join(pieces) == text
         assert [i for ids in _ids_by_piece(tokenizer, pieces) for i in ids] == whole
-    assert list(_text_pieces(io.StringIO("x" * 100), 4)) == ["x" * 64, "x" * 36]  # no line end: cut when full
+    # no line start within 16 pieces: cut at a word's start; none either: not cut, whatever the length
+    for text in ("x" + "l" * 301 + " end" * 40, "\t" + " " * 300 + "y z" * 30, "a b " * 90):
+        pieces = list(_text_pieces(io.StringIO(text), 16))
+        assert len(pieces) > 1 and "".join(pieces) == text
+        assert [i for ids in _ids_by_piece(tokenizer, pieces) for i in ids] == tokenizer(
+            text, add_special_tokens=False)["input_ids"]
+    assert list(_text_pieces(io.StringIO("x" * 100), 4)) == ["x" * 100]
+    assert list(_text_pieces(io.StringIO("\t" + " " * 99), 4)) == ["\t" + " " * 99]
 
 
 MEASURES_TOKENISING = """

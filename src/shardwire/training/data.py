@@ -140,14 +140,16 @@ def _text_pieces(text: io.TextIOBase, size: int = _TOKENISED_AT_ONCE) -> Iterato
     time (``_ids_by_piece``): memory bounded by the piece, whatever the file's size (a tokenizer holds
     far more for each character it is given than the character: 230 bytes for a byte-level BPE), and
     Ctrl-C heard between pieces. A piece ends at a line end followed by a word, where tokenizers that
-    split words at any white space (byte-level BPE: GPT-2's, Llama 3's) split the whole text too. A
-    file with no such line end within 16 pieces is cut where its buffer is full."""
+    split words at any white space (byte-level BPE: GPT-2's, Llama 3's) split the whole text too; a
+    text with none within 16 pieces, at the last word's start. One with neither (a run of white space
+    or of one word, megabytes long) is not cut inside it: a token's text cut there would be tokenised
+    on both sides."""
     buffer = ""
     while chunk := text.read(size):
         buffer += chunk
         cut = _last_line_start(buffer)
         if cut == 0 and len(buffer) >= 16 * size:
-            cut = len(buffer)
+            cut = _last_word_start(buffer)
         if cut:
             yield buffer[:cut]
             buffer = buffer[cut:]
@@ -189,6 +191,13 @@ def _last_line_start(text: str) -> int:
             return at + 1
         end = at
     return 0
+
+
+def _last_word_start(text: str) -> int:
+    """The position of the last character of ``text`` other than white space that white space
+    precedes, or 0 where none is."""
+    match = re.search(r"\s\S*\Z", text.rstrip())
+    return match.start() + 1 if match else 0
 
 
 def _last_word(text: str) -> str:
