@@ -455,7 +455,7 @@ class StagedDirectory:
         self.target = pathlib.Path(os.path.abspath(target))
         if (problem := new_directory_problem(target)) is not None:
             raise OutputRefused(f"{what} {os.fspath(target)} {problem}")
-        self.path = self.target.with_name(f".{_stem(self.target.name)}.shardwire-partial")
+        self.path = stage_of(self.target)
         self._made = make_directories(self.path.parent)
         try:
             self._fd = self._claim(target, what)
@@ -507,6 +507,30 @@ class StagedDirectory:
     def _release(self) -> None:
         os.close(self._fd)
         self._fd = None
+
+
+def stage_of(target: str | os.PathLike) -> pathlib.Path:
+    """Where a ``StagedDirectory`` of ``target`` is written before it is published."""
+    target = pathlib.Path(os.path.abspath(target))
+    return target.with_name(f".{_stem(target.name)}.shardwire-partial")
+
+
+def leave_no_stage(target: str | os.PathLike, made: list[str]) -> None:
+    """Remove the stage of ``target`` that a writer a signal ended left, and the directories in
+    ``made`` (those made for it), where no live writer holds its claim: what its own ``discard``
+    would have done, for a process that watched the writer end (a launcher)."""
+    stage = stage_of(target)
+    if stage.is_symlink() or not (stage / _CLAIM).is_file():
+        return
+    try:
+        fd = claim_file(stage / _CLAIM)
+    except OSError:  # another writer's, alive
+        return
+    try:
+        shutil.rmtree(stage, ignore_errors=True)
+        remove_directories(made)
+    finally:
+        os.close(fd)
 
 
 def empty_directory(path: pathlib.Path, *, keep: str) -> None:

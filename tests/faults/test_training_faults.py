@@ -247,6 +247,39 @@ def test_a_signal_as_a_finished_run_ends_leaves_it_a_success(tmp_path, monkeypat
         "from it")
 
 
+def test_workers_a_signal_ends_mid_save_and_mid_export_leave_nothing(tmp_path, monkeypatch, capsys):
+    """torchrun ends its workers with SIGTERM, so a save's temporary directory and an export's stage
+    they were writing stayed, and with them the new --checkpoint-dir: their launcher tidies them."""
+    from shardwire.cli import train as command
+    from shardwire.engine.checkpoint import ownership
+    from shardwire.engine.checkpoint.format import new_token, temporary_name
+    from shardwire.files import claim_file
+    from shardwire.launch import Stopped
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 256}))
+
+    def stopped_mid_save(*args, **kwargs):  # what the workers leave, their processes gone
+        series = tmp_path / "runs" / "ckpt"
+        series.mkdir(parents=True)
+        os.close(claim_file(series / ".shardwire-claim"))
+        token = new_token()
+        ownership.create_marked(series / temporary_name("step_00000003", token), "step_00000003", token)
+        stage = tmp_path / "out" / ".export.shardwire-partial"
+        stage.mkdir(parents=True)
+        os.close(claim_file(stage / ".shardwire-claim"))
+        (stage / "model.safetensors").write_bytes(b"part of it")
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(command, "launch_local", stopped_mid_save)
+    assert main(["train", "--model", "hf:model", "--steps", "3", "--checkpoint-dir", "runs/ckpt",
+                 "--export-hf", "out/export"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1] == "stopped by SIGTERM: no checkpoint was saved in runs/ckpt yet"
+    assert sorted(os.listdir(tmp_path)) == ["model"], [str(p) for p in tmp_path.rglob("*")]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
                                                   (signal.SIGTERM, 143, "stopped by SIGTERM")])

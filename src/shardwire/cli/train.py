@@ -24,7 +24,8 @@ from shardwire.engine.checkpoint.series import group_series, series_problem, ste
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
-from shardwire.files import checkpoint_problem, directory_problem, missing_directories, new_directory_problem
+from shardwire.files import (checkpoint_problem, directory_problem, leave_no_stage, missing_directories,
+                             new_directory_problem)
 from shardwire.extras import require
 from shardwire.launch import (
     host_memory_per_worker,
@@ -76,8 +77,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if not under_launcher():
         nproc = config.nproc or _local_workers(config)
-        series = _series(config)
+        series, export = _series(config), config.export_hf
         missing = missing_directories(series) if series is not None else []
+        missing_export = missing_directories(os.path.dirname(os.path.abspath(export))) if export else []
         try:
             return launch_local(nproc, _worker_arguments(config), max_restarts=config.max_restarts)
         except KeyboardInterrupt as err:
@@ -87,9 +89,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 return 0
             print(one_line(f"{said}: {_what_was_saved(config)}"), file=sys.stderr)
             return status
-        finally:  # workers a signal ended could not tidy a directory they claimed and never saved in
+        finally:  # workers a signal ended could not tidy what they claimed and never finished
             if series is not None:
                 leave_if_unused(series, missing)
+            if export is not None:
+                leave_no_stage(export, missing_export)
     try:
         train(config)
     except KeyboardInterrupt as err:

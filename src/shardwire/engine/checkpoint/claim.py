@@ -21,7 +21,9 @@ import atexit
 import os
 import pathlib
 
+from shardwire.engine.checkpoint import ownership
 from shardwire.engine.checkpoint.format import CheckpointError
+from shardwire.engine.checkpoint.series import list_checkpoints
 from shardwire.files import ClaimHeld, claim_file, make_directories, remove_directories
 
 CLAIM = ".shardwire-claim"
@@ -48,18 +50,19 @@ def claim(directory: pathlib.Path, claimed: set[str]) -> None:
 
 
 def leave_if_unused(directory: str | os.PathLike, made: list[str]) -> None:
-    """Where ``directory`` holds nothing but its claim file (its run failed or stopped before its first
-    save), remove the claim and the directories in ``made``, those made for it. The claim is taken
-    first, so another live run's is left alone; one holding anything else (a checkpoint, the user's
-    own file) keeps its claim file."""
+    """Where ``directory`` holds no checkpoint (its run failed or stopped before its first save), remove
+    what saves left there part-way, and where that leaves only the claim file, it and the directories
+    in ``made``, those made for it. The claim is taken first, so another live run's is left alone;
+    one holding anything else (the user's own file) keeps its claim file."""
     claim_path = os.path.join(directory, CLAIM)
     try:
-        if os.listdir(directory) != [CLAIM]:
+        if CLAIM not in os.listdir(directory) or list_checkpoints(directory):
             return
         fd = claim_file(claim_path)  # this process's own claim is taken again; another live one is not
     except OSError:  # held by another run, gone, or unreadable: nothing of this run's to tidy
         return
     try:
+        ownership.sweep(pathlib.Path(directory))  # what a save stopped part-way left, now that none writes
         if os.listdir(directory) == [CLAIM]:
             os.unlink(claim_path)
             remove_directories(made)
