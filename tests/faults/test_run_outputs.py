@@ -105,6 +105,25 @@ def test_a_result_that_cannot_be_written_is_a_failure_in_one_line(args):
            "incomplete\n")
 
 
+@pytest.mark.slow
+def test_a_launched_commands_result_that_cannot_be_written_is_one_line_and_no_traceback():
+    """bench's rank 0 left at its first failed write, and rank 1, mid-collective, printed gloo's
+    traceback; now the ranks measure to the end and rank 0 says why, its launcher adding nothing."""
+    bench = [sys.executable, "-m", "shardwire", "bench", "--nproc", "2", "--ops", "all_reduce", "-b", "1K", "-e", "4K",
+             "-n", "2", "-w", "1"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(bench, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (
+        2, "error: standard output: No space left on device; what the command printed is incomplete\n")
+    reader, writer = os.pipe()
+    os.close(reader)  # a reader gone, as after | head: every write fails
+    try:
+        gone = subprocess.run(bench, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(writer)
+    assert (gone.returncode, gone.stderr) == (2, "")
+
+
 def test_a_run_whose_standard_output_is_a_full_disk_trains_and_saves(tmp_path):
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",

@@ -259,11 +259,11 @@ def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -
 
 def _output_lost(err: OutputLost) -> int:
     """Standard output failed: a failure's status, and one line on why, unless its reader left
-    (``| head``), which asked for no more."""
+    (``| head``), which asked for no more. A worker's is a refusal's, which its launcher adds no line to."""
     if err.errno != errno.EPIPE:
         print(f"error: standard output: {err.strerror}; what the command printed is incomplete",
               file=sys.stderr)
-    return 1
+    return REFUSED if under_launcher() else 1
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ prints the tables as they come and saves ``--json``, ``--csv`` and ``--plot``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -22,7 +23,7 @@ from shardwire import worker
 from shardwire.bench import report
 from shardwire.bench.benchmark import BenchConfig, BenchError, BenchResults, benchmark, validate
 from shardwire.files import write_atomically
-from shardwire.launch import launch_local, under_launcher
+from shardwire.launch import OutputLost, UntilClosed, launch_local, under_launcher
 from shardwire.mappings import one_line
 from shardwire.options import add_options, command_line, config_from
 
@@ -65,9 +66,17 @@ def _worker_arguments(config: BenchConfig) -> list[str]:
 
 
 def _worker(config: BenchConfig) -> int:
+    """One rank's measurement. Rank 0's table, on a standard output that cannot be written (a full
+    disk, a reader gone), goes on to the null device so that every rank measures to the end together
+    (a rank that left would stop the others mid-collective); then it fails as a command's result does."""
     device = worker.worker_device(config.backend)
-    with worker.process_group(device, datetime.timedelta(seconds=config.timeout)):
-        return measure_and_report(config, device)
+    lost: list[OSError] = []
+    with (worker.process_group(device, datetime.timedelta(seconds=config.timeout)),
+          contextlib.redirect_stdout(UntilClosed(sys.stdout, lost.append))):
+        status = measure_and_report(config, device)
+    if lost:
+        OutputLost.raised(lost[0])
+    return status
 
 
 def measure_and_report(config: BenchConfig, device: torch.device) -> int:
