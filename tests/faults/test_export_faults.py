@@ -242,6 +242,10 @@ def test_weights_that_do_not_fit_the_model_named_are_refused_naming_the_key_and_
     message = refused(capsys, work / "gpt", work / "out.safetensors", "--model", "small")
     assert re.search(r"do not fit --model small: 'tok_emb.weight' is \[\d+, \d+\] in them and \[\d+, \d+\] "
                      r"in the model", message), message
+    rewrite_manifest(work / "short" / "step_00000001", lambda manifest: manifest["extra"].update(model="x" * 5000))
+    message = refused(capsys, work / "short" / "step_00000001", work / "out.safetensors")  # not a --model given
+    assert message.startswith(f"error: {work / 'short' / 'step_00000001'} records its model as 'xxx")
+    assert message.endswith("which names no model shardwire builds: give --model") and len(message) < 300, message
     rewrite_manifest(work / "short" / "step_00000001", lambda manifest: manifest["extra"].update(model="small"))
     message = refused(capsys, work / "short" / "step_00000001", work / "out.safetensors")  # no --model given
     assert "do not fit the model it records, small: 'tok_emb.weight' is" in message, message

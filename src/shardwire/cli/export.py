@@ -261,7 +261,13 @@ def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None, *, giv
     """The checkpoint's weights fit the GPT preset ``model`` names (at ``seq_len`` tokens where the run
     trained at other than the preset's), key for key and shape for shape; ``given``: the user named
     ``model`` (--model), rather than the checkpoint, which recorded it."""
-    choice = choose(model, seq_len=seq_len)
+    try:
+        choice = choose(model, seq_len=seq_len)
+    except ValueError as err:
+        if given:
+            raise
+        raise ValueError(f"{checkpoint} records its model as {shown(model)}, which names no model shardwire "
+                         f"builds: give --model") from None
     with torch.device("meta"):
         built = choice.build()
     with weights_in(checkpoint) as weights:  # its description only: no part is read
