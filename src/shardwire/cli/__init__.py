@@ -157,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     # exception, which it says in one line; torch would also log each with its stack frames.
     # TORCH_CPP_LOG_LEVEL=INFO brings them back.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    try:
-        module, parser = command(name)  # imports torch: seconds, in which Ctrl-C must be one line too
-    except KeyboardInterrupt as err:
-        return _interrupted(err)
-    with _warnings_in_one_line():
-        return _run(module, parser, rest)
+    with _stopped_by_signals():
+        try:
+            module, parser = command(name)  # imports torch: seconds, in which Ctrl-C must be one line too
+        except KeyboardInterrupt as err:
+            return _interrupted(err)
+        with _warnings_in_one_line():
+            return _run(module, parser, rest)
 
 
 def entry() -> NoReturn:
@@ -177,10 +178,6 @@ def entry() -> NoReturn:
     (``OutputLost``), where training only stops printing its progress (``progress.until_closed``)."""
     sys.stdout = UntilClosed(sys.stdout if sys.stdout is not None else Closed(), OutputLost.raised)
     sys.stderr = UntilClosed(sys.stderr) if sys.stderr is not None else open(os.devnull, "w")
-    if not under_launcher():  # a worker is ended by its launcher's SIGTERM, which says what that stopped
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) is signal.SIG_DFL:  # not where ignored (nohup) or taken
-                signal.signal(signum, _stop)
     try:
         status = main()
     except SystemExit as err:
@@ -210,9 +207,25 @@ def refused(*errors: type[Exception]):
         raise SystemExit(2) from None
 
 
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """Within it, a scheduler's SIGTERM or a closed terminal's SIGHUP stops the command as Ctrl-C does,
+    in its words (``launch.Stopped``): what it staged is removed, and it says what was saved. Not in a
+    worker, which its launcher ends by SIGTERM and says what that stopped; not where the signal is
+    ignored (nohup) or taken. The handlers before are restored after."""
+    taken = {}
+    if not under_launcher():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                taken[signum] = signal.signal(signum, _stop)
+    try:
+        yield
+    finally:
+        for signum, before in taken.items():
+            signal.signal(signum, before)
+
+
 def _stop(signum: int, frame) -> NoReturn:
-    """A scheduler's SIGTERM, a closed terminal's SIGHUP: stopped as Ctrl-C stops the command, in its
-    words (``launch.Stopped``)."""
     raise Stopped(signum)
 
 
