@@ -263,7 +263,7 @@ def _check_fit(checkpoint: pathlib.Path, model: str, seq_len: int | None, *, giv
     ``model`` (--model), rather than the checkpoint, which recorded it."""
     try:
         choice = choose(model, seq_len=seq_len)
-    except ValueError as err:
+    except ValueError:
         if given:
             raise
         raise ValueError(f"{checkpoint} records its model as {shown(model)}, which names no model shardwire "
