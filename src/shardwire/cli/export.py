@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if _another_worker():
         return 0  # rank 0 exports, once: another rank would find OUT written, or race it for the name
-    if under_launcher():  # its launcher's SIGTERM stops it as Ctrl-C does, what it staged removed (elsewhere: cli.entry)
+    if under_launcher():  # its launcher's SIGTERM stops it as Ctrl-C does, what it staged removed (else: cli.main)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     given = pathlib.Path(args.checkpoint)
     try:

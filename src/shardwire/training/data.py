@@ -177,8 +177,8 @@ def _ids_by_piece(reader, pieces: Iterable[str]) -> Iterator[list[int]]:
         except NotImplementedError:  # a slow tokenizer: no offsets to tell the piece's ids from its context's
             yield reader(piece, add_special_tokens=False)["input_ids"]
         else:
-            end = len(left) + len(piece)
-            yield [i for i, (first, _) in zip(encoded["input_ids"], encoded["offset_mapping"]) if len(left) <= first < end]
+            start, end = len(left), len(left) + len(piece)
+            yield [i for i, (first, _) in zip(encoded["input_ids"], encoded["offset_mapping"]) if start <= first < end]
         before, piece = piece, after
 
 
@@ -226,7 +226,8 @@ def check_length(length: int, name: str, unit: str, seq_len: int) -> None:
     if length - int(length * (1 - VALIDATION_FRACTION)) <= seq_len + 1:
         needed = math.ceil((seq_len + 2) / VALIDATION_FRACTION)
         raise ValueError(
-            f"corpus {name} has only {length:,} {unit if length != 1 else unit[:-1]}: its validation split ({VALIDATION_FRACTION:.0%}) "
+            f"corpus {name} has only {length:,} {unit if length != 1 else unit[:-1]}: its validation split "
+            f"({VALIDATION_FRACTION:.0%}) "
             f"must hold a sequence of {seq_len + 1} {unit}, so give it at least {needed:,} {unit}"
         )
 
