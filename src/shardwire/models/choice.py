@@ -41,8 +41,8 @@ from shardwire.launch import tells_the_user
 from shardwire.mappings import MappingError, cut, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_tokenizer, read_config, seq_len_of,
-                                       spec_from_config)
+from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_tokenizer, needs_custom_code,
+                                       read_config, seq_len_of, spec_from_config)
 from shardwire.sim.specs import ModelSpec
 
 # The weights from_pretrained loads, the first of these a directory holds.
@@ -342,9 +342,8 @@ def custom_code(config: pathlib.Path) -> str | None:
         return None
     if not fields.get("auto_map"):
         return None
-    implemented = "a tokenizer whose class" if config.name == "tokenizer_config.json" else "a model whose architecture"
-    return (f"it needs custom code (the auto_map of {config.name} names {shown(fields['auto_map'], 60)}), which "
-            f"shardwire never runs: use {implemented} transformers itself implements")
+    instead = "a tokenizer whose class" if config.name == "tokenizer_config.json" else "a model whose architecture"
+    return needs_custom_code(fields["auto_map"], named_in=config.name, instead=instead)
 
 
 def _custom_code_not_run(config, source: str, built: str) -> str | None:

@@ -58,11 +58,19 @@ def read_config(source: str) -> dict:
     return fields
 
 
+def needs_custom_code(auto_map, *, named_in: str | None = None, instead: str = "a model whose architecture") -> str:
+    """Why what names custom code (its ``auto_map``, found in the file ``named_in``) is refused: the
+    Python files it names would have to run, which shardwire never lets them; ``instead``: what to use."""
+    named = f"the auto_map of {named_in} names" if named_in else "auto_map"
+    return (f"it needs custom code ({named} {shown(auto_map, 60)}), which shardwire never runs: use {instead} "
+            f"transformers itself implements")
+
+
 def custom_code_refusal(fields: Mapping) -> str | None:
     """Why ``shardwire train`` cannot build the model a config's ``fields`` describe, where they name
-    custom code (an ``auto_map``) for a ``model_type`` transformers does not implement: the code would
-    have to run, which shardwire never lets it (one transformers implements is built as its own
-    class). None where it can be built, or where transformers, which decides, is not installed."""
+    custom code (an ``auto_map``) for a ``model_type`` transformers does not implement (one it
+    implements is built as its own class). None where it can be built, or where transformers, which
+    decides, is not installed."""
     if not fields.get("auto_map"):
         return None
     try:
@@ -71,8 +79,7 @@ def custom_code_refusal(fields: Mapping) -> str | None:
         return None
     if fields.get("model_type") in CONFIG_MAPPING:
         return None
-    return (f"it needs custom code (auto_map {shown(fields['auto_map'], 60)}), which shardwire never runs: use a "
-            f"model whose architecture transformers itself implements")
+    return needs_custom_code(fields["auto_map"])
 
 
 def config_file(source: str) -> str:

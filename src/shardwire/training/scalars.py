@@ -5,10 +5,10 @@ appended to, so a resumed run goes on where it stopped). Rank 0 writes them.
 A log that cannot be written (a full disk, a file system gone read-only) is one line on stderr and
 the end of that log, not of the run: the model being trained, and its checkpoints, matter more. So
 each log is opened at its first record, to say the step it ends at, and each record goes straight
-to its file, where its error surfaces, whole or not at all (``_AppendedFile``). TensorBoard's event file is written here, framed as
-torch's ``SummaryWriter`` frames it, rather than through that writer: it writes on a thread of its
-own, which prints a traceback of its own when a write fails, and the error reaches the caller only
-at a later call (its constructor among them)."""
+to its file, where its error surfaces, whole or not at all (``_AppendedFile``). TensorBoard's event
+file is written here, framed as torch's ``SummaryWriter`` frames it, rather than through that
+writer: it writes on a thread of its own, which prints a traceback of its own when a write fails,
+and the error reaches the caller only at a later call (its constructor among them)."""
 
 from __future__ import annotations
 
@@ -156,8 +156,8 @@ class _EventFile:
 
         values = [Summary.Value(tag=TAGS[name], simple_value=float(value)) for name, value in scalars.items()]
         event = Event(wall_time=time.time(), step=step, summary=Summary(value=values))
-        version = Event(wall_time=time.time(), file_version="brain.Event:2")
-        self._file.append(_framed(event), first=lambda size: b"" if size else _framed(version))
+        self._file.append(_framed(event), first=lambda size: b"" if size else _framed(
+            Event(wall_time=time.time(), file_version="brain.Event:2")))
 
     def close(self) -> None:
         self._file.close()
