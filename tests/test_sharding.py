@@ -68,7 +68,7 @@ def test_a_plan_says_what_each_collective_spans(layout, size, diloco, split, bac
 
 
 def test_diloco_needs_the_hybrid_layout():
-    with pytest.raises(ValueError, match=r"diloco='sync_every=20.*' lets the groups of the hybrid layout train apart"):
+    with pytest.raises(ValueError, match=r"diloco lets the groups of the hybrid layout train apart"):
         LayoutPlan.make("full", None, 8, ranks_per_node=4, diloco=DiLoCo.parse("sync_every=20"))
 
 
@@ -276,10 +276,11 @@ def test_the_warning_for_an_old_keyword_points_at_the_callers_line():
 @pytest.mark.parametrize("argv", [["--sharding", "hybrid", "--layout", "full"], ["--layout", "full", "--sharding", "hybrid"]])
 def test_an_option_given_under_its_old_and_new_name_is_refused_in_one_line(argv, capsys):
     from shardwire.cli import main
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the line refused, no warning of the old name comes before its one line
+    with warnings.catch_warnings(record=True) as warned:  # the line refused, no warning of the old name before it
+        warnings.simplefilter("always")
         with pytest.raises(SystemExit):
             main(["train", "--print-config", *argv])
+    assert not warned
     assert capsys.readouterr().err.splitlines() == [
         "error: --sharding and --layout are the same option (--sharding is its name before a rename): give "
         "--layout alone (see shardwire train --help)"]

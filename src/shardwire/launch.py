@@ -244,6 +244,29 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+@contextlib.contextmanager
+def signals_held():
+    """Within it, Ctrl-C, SIGTERM and SIGHUP are held, then raised as ``Stopped`` once it is left: what
+    imports torch and its libraries (seconds) runs in it. A ``KeyboardInterrupt`` that lands inside a
+    library's import can be swallowed there (a bare ``except:``), leaving the command to run on as if
+    never stopped, or leave a half-made module that fails later, far from the cause (numpy's
+    ``__getattr__`` recursing). A signal ignored (nohup) stays ignored; a worker holds Ctrl-C alone, as
+    its launcher ends it by SIGTERM and says what that stopped."""
+    held: list[int] = []
+    signals = (signal.SIGINT,) if under_launcher() else (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {signum: signal.getsignal(signum) for signum in signals}
+    holding = [signum for signum, handler in before.items() if handler not in (signal.SIG_IGN, None)]
+    for signum in holding:
+        signal.signal(signum, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for signum in holding:
+            signal.signal(signum, before[signum])
+    if held:
+        raise Stopped(held[0])
+
+
 def stopped(err: KeyboardInterrupt) -> tuple[str, int]:
     """What to call a stop (``interrupted`` for Ctrl-C), and the status to end with."""
     signum = getattr(err, "signum", signal.SIGINT)

@@ -183,8 +183,10 @@ def add_options(parser: argparse.ArgumentParser, config_class: type) -> None:
                                                          "default": argparse.SUPPRESS}, action=Renamed)
 
 
-# The namespace's record of the name each renamed option was given under (its dest -> the flag).
+# The namespace's records of the name each renamed option was given under (its dest -> the flag): on
+# the command line, and as a --config file's key, which the command line overrides.
 _SPELLED = "renamed options as given"
+_SPELLED_IN_FILE = "renamed options as a config file gives them"
 
 
 class RenamedTo(argparse.Action):
@@ -209,8 +211,16 @@ class Renamed(argparse.Action):
 
 
 def given_as(args: argparse.Namespace) -> dict[str, str]:
-    """The flag each renamed option was given under on the command line (its dest to ``--sync``)."""
-    return dict(getattr(args, _SPELLED, {}))
+    """The flag each renamed option was given under (its dest to ``--sync``): on the command line, or
+    as a config file's key (``sync:``), named as the option it sets, as the file's other keys are."""
+    return {**getattr(args, _SPELLED_IN_FILE, {}), **getattr(args, _SPELLED, {})}
+
+
+def given_in_file(parser: argparse.ArgumentParser, dest: str, key: str) -> None:
+    """Record that a config file sets the renamed option ``dest`` under its old key ``key``, for
+    ``given_as`` to name it so (the file's values reach the parser as its defaults)."""
+    spelled = {**(parser.get_default(_SPELLED_IN_FILE) or {}), dest: flag(key)}
+    parser.set_defaults(**{_SPELLED_IN_FILE: spelled})
 
 
 def _set_under_one_name(parser, namespace, dest: str, values, option_string: str) -> None:

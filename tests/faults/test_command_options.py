@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -196,7 +197,7 @@ def test_an_abbreviated_option_works_for_a_release_with_a_warning(capsys):
 def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
     """A peer that refused (data changed under it) or crashed leaves the others' collectives failing:
     each says what it was waiting for in one line, not a traceback, before the launcher stops it."""
-    def run(args, argv):
+    def run(args, argv, checked):
         raise CollectiveError("rank 1: all_gather of 'blocks.0'\nfailed (Connection closed by peer). Another rank "
                               "has probably stopped")
 
@@ -227,10 +228,11 @@ def test_shardwires_own_warnings_are_one_line_and_others_as_ever():
                                    "applies at each sync with no other group to average;"),
 ])
 def test_hybrid_on_one_node_says_once_what_it_trains_as(capsys, diloco, trains):
-    assert main(["train", "--model", "tiny", "--nproc", "2", "--layout", "hybrid", *diloco, "--print-config"]) == 0
-    err = capsys.readouterr().err
-    assert err.startswith("warning: --layout hybrid shards within each node and replicates across nodes, and all 2 "
-                          "ranks are on one node: ") and trains in err and err.count("\n") == 1, err
+    with pytest.warns(UserWarning) as warned:
+        assert main(["train", "--model", "tiny", "--nproc", "2", "--layout", "hybrid", *diloco, "--print-config"]) == 0
+    said = [str(warning.message) for warning in warned]
+    assert len(said) == 1 and said[0].startswith("--layout hybrid shards within each node and replicates across "
+                                                 "nodes, and all 2 ranks are on one node: ") and trains in said[0], said
 
 
 @pytest.mark.parametrize("argv", [
@@ -344,9 +346,13 @@ def test_an_option_given_without_the_one_it_acts_beside_is_said_not_ignored(args
     in one line, by --print-config and --print-launch too; the run goes on (a script that passes them
     always, and what they need only at times, keeps working)."""
     for extra in ([], ["--print-config"], ["--print-launch", "--nnodes", "2"]):
-        assert main(["train", "--model", "tiny", *args, *extra]) == 0
-        assert capsys.readouterr().err.startswith(f"warning: {said}")
+        with pytest.warns(UserWarning, match=re.escape(said)):
+            assert main(["train", "--model", "tiny", *args, *extra]) == 0
     assert len(started) == 1
+    with warnings.catch_warnings(record=True) as warned, pytest.raises(SystemExit, match="--steps must be"):
+        warnings.simplefilter("always")  # a refusal comes alone
+        main(["train", "--model", "tiny", *args, "--steps", "0"])
+    assert not warned
 
 
 def test_a_printed_config_runs_and_the_options_beside_what_they_need_are_taken(tmp_path, started, capsys,
@@ -372,9 +378,21 @@ def test_a_printed_config_runs_and_the_options_beside_what_they_need_are_taken(t
     assert started.pop() == ["train", "--model", "tiny", "--steps", "2", *given]
     # a config file that sets one without what it acts beside is said, as the command line is
     (tmp_path / "kept.yaml").write_text(printed.replace("keep: 3", "keep: 5"))
-    capsys.readouterr()
-    assert main(["train", "--config", "kept.yaml"]) == 0
-    assert capsys.readouterr().err.startswith("warning: --keep is for --checkpoint-dir")
+    with pytest.warns(UserWarning, match="--keep is for --checkpoint-dir"):
+        assert main(["train", "--config", "kept.yaml"]) == 0
+
+
+def test_a_refusal_after_the_line_is_read_is_its_one_line_alone(tmp_path):
+    """What the options are warned of as they are read (an old name, an old key in a config file, an
+    abbreviation, an option without the one it acts beside) is held until they are checked: a refusal,
+    here by the checks after the parser's, is its one line alone, as the parser's own are."""
+    (tmp_path / "job.yaml").write_text("sync: every=5\n")
+    for argv in (["--sync", "bogus"], ["--config", "job.yaml"], ["--seq", "8", "--steps", "0"],
+                 ["--keep", "5", "--steps", "0"], ["--sync", "every=5", "--layout", "hybrid", "--data", "missing.txt"]):
+        done = subprocess.run([sys.executable, "-m", "shardwire", "train", *argv], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, \
+            (argv, done.stderr)
 
 
 @pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])

@@ -1,10 +1,13 @@
 """The ``shardwire`` command line: one subcommand per job, each in the module of its name here
 (``shardwire.cli.train`` is ``shardwire train``).
 
-A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv) -> exit status``
-(``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers),
-and may provide ``check_options(args)``: the checks of its options that ``--print-config`` runs before
-it prints, so that a combination the command refuses is refused there too, in the same words.
+A subcommand module provides ``add_arguments(parser)`` and ``run(args, argv, checked) -> exit status``
+(``argv`` is the subcommand's own arguments, for commands that re-launch themselves as workers), and
+may provide ``check_options(args)``: the checks of its options that ``--print-config`` runs before it
+prints, so that a combination the command refuses is refused there too, in the same words. The
+warnings given while a command reads and checks its options (an old name, an abbreviation) are held
+until it calls ``checked()``, before its work: a refusal is its one line alone. A command that never
+calls it has them said as it ends, unless it ends refused.
 Modules are imported only when their command runs, so ``shardwire --help`` stays instant. Every
 command also takes ``--config FILE`` and ``--print-config`` (``shardwire.cli.config_file``). A
 name kept for a release after a rename warns in one line on stderr (``shardwire.renamed``).
@@ -38,6 +41,7 @@ from shardwire.launch import (
     end_process,
     launcher_problem,
     share_node_threads,
+    signals_held,
     stopped,
     under_launcher,
 )
@@ -73,14 +77,7 @@ class _Parser(argparse.ArgumentParser):
             self.register("type", kind, reader)
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, whose warnings (an old name, an abbreviation) are said once the line is read: a
-        line refused says its one line alone."""
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            parsed = super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
-        for warning in said:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        return parsed
+        return super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
 
     def _spelled_out(self, args: list[str]) -> list[str]:
         """``args`` with each abbreviated option written whole (its warning given). Where a positional
@@ -159,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     with _stopped_by_signals():
         try:
-            module, parser = command(name)  # imports torch: seconds, in which Ctrl-C must be one line too
+            with signals_held():  # imports torch: seconds, in which a signal is held until it has
+                module, parser = command(name)
         except KeyboardInterrupt as err:
             return _interrupted(err)
         with _warnings_in_one_line():
@@ -238,15 +236,56 @@ def _interrupted(err: KeyboardInterrupt) -> int:
     return status
 
 
+class _Held:
+    """What ``warnings`` shows while a command reads and checks its options (an old name, an
+    abbreviation, a setting's old key), held until the command has checked them all: a refusal is then
+    its one line alone, as it is when the parser refuses."""
+
+    def __init__(self, show):
+        self.show = show  # warnings' own
+        self._held: list[tuple] | None = []
+
+    def shown(self, *warning) -> None:
+        if self._held is None:
+            self.show(*warning)
+        else:
+            self._held.append(warning)
+
+    def checked(self) -> None:
+        """The checks passed: say what was held, and from now on what comes."""
+        held, self._held = self._held, None
+        for warning in held or ():
+            self.show(*warning)
+
+
 def _run(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str]) -> int:
+    """``_run_held``, the warnings held until the command calls ``checked``, or said as it ends where
+    it did not end refused."""
+    held = _Held(warnings.showwarning)
+    warnings.showwarning = held.shown
+    status = None
+    try:
+        status = _run_held(module, parser, rest, held.checked)
+        return status
+    except SystemExit as err:
+        status = REFUSED if isinstance(err.code, str) else err.code
+        raise
+    finally:
+        warnings.showwarning = held.show
+        if status != REFUSED:
+            held.checked()
+
+
+def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[str], checked) -> int:
     try:
         args, printing = config_file.parse(parser, rest)
         if printing:
             if hasattr(module, "check_options"):  # a config printed runs, or fails as the command would
                 module.check_options(args)
+            checked()
             print(config_file.dump(parser, args), end="")
             return 0
-        return module.run(args, rest)
+        return module.run(args, rest, checked)
     except (ConfigError, MissingExtra, OutputRefused) as err:
         # OutputRefused: a result that could not be written (a full disk), said alike in a worker, where
         # rank 0 writes the results and its launcher stops the rest at a refusal's status

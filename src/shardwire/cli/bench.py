@@ -43,14 +43,16 @@ def check_options(args: argparse.Namespace) -> None:
         raise SystemExit(2) from None
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     """Entry point of ``shardwire bench``: check the arguments, then launch local workers or be one."""
     config = config_from(args, BenchConfig, argv=argv)
     try:
         if not under_launcher():
             validate(config, world=config.nproc)
+            checked()
             return launch_local(config.nproc, ["bench", *_worker_arguments(config)])
         validate(config, world=int(os.environ["WORLD_SIZE"]))
+        checked()
         return _worker(config)
     except BenchError as err:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -33,7 +33,7 @@ import sys
 
 from shardwire.extras import require
 from shardwire.mappings import MappingError, nearest, read_file, read_mapping, shown
-from shardwire.options import NUMBER_READERS, Renamed
+from shardwire.options import NUMBER_READERS, Renamed, given_in_file
 from shardwire.renamed import warn_renamed
 
 CONFIG, PRINT = "--config", "--print-config"
@@ -109,6 +109,7 @@ def apply(parser: argparse.ArgumentParser, path: str) -> None:
                 raise ConfigError(f"{where}: {given[action.dest]} and {key} set the same option: keep one")
             if isinstance(action, Renamed):
                 warn_renamed(f"{where}: {key} is renamed {action.dest.replace('_', '-')}")
+                given_in_file(sub, action.dest, name)
             sub.set_defaults(**{action.dest: _converted(action, value, f"{where}: {key}")})
             action.required = False
         given.update({action.dest: str(key) for _, action in options[name]})

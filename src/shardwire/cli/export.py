@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "what shardwire train recorded in the checkpoint)")
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
+    """The checkpoint and OUT are checked until the weights are read: what ``checked`` holds is said
+    once the export is written."""
     if _another_worker():
         return 0  # rank 0 exports, once: another rank would find OUT written, or race it for the name
     if under_launcher():  # its launcher's SIGTERM stops it as Ctrl-C does, what it staged removed (else: cli.main)
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     except OSError as err:  # a name too long, a full disk: what the system said, of which file
         print(one_line(f"error: {shown(err.filename or args.out)}: {err.strerror or err}"), file=sys.stderr)
         return 2
+    checked()
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(one_line(f"exported {checkpoint} ({cut(model)}) to {out}{_format(out, model)}"))

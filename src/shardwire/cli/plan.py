@@ -50,9 +50,10 @@ def _checked(args: argparse.Namespace):
     return model, cluster, training, rate
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     try:
         model, cluster, training, rate = _checked(args)
+        checked()
         result = plan(model, cluster, args.global_batch, training, exact=args.exact)
         shown = (json.dumps(plan_json(result, args.global_batch, args.model, rate), indent=1) if args.json
                  else plan_text(result, args.global_batch, args.model, rate))

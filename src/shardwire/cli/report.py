@@ -17,12 +17,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=text, help="where to write the PNGs (default: the first RUN_DIR)")
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
+    """The profiles are checked as they are read: what ``checked`` holds is said once they were."""
     try:
         written = write_report(args.run_dirs, args.out or args.run_dirs[0])
     except ReportError as err:
         print(one_line(f"error: {err}"), file=sys.stderr)
         return 2
+    checked()
     for path in written:
         print(one_line(str(path)))
     return 0

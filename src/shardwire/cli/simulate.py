@@ -56,9 +56,10 @@ def _checked(args: argparse.Namespace):
     return model, cluster, training, rate
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     try:
         model, cluster, training, rate = _checked(args)
+        checked()
         if args.sweep:
             key, values = parse_sweep(args.sweep)
             result = sweep(model, cluster, training, key, values)

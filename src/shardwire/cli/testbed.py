@@ -94,12 +94,15 @@ def check_options(args: argparse.Namespace) -> None:
             _up_settings(args)
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     """Ends a refusal (what the user gave, or must do first) with 2, as every command's refusals end,
     and what the machinery could not do (``TestbedFailure``) with 1, as a failed job ends."""
     try:
         check_name(args.name)
+        if args.action == "up":
+            _up_settings(args)
         network.require_privileges(args.action, shlex.join(["shardwire", "testbed", *argv]))
+        checked()
         return _ACTIONS[args.action](args)
     except TestbedError as err:
         print(one_line(f"error: {err}"), file=sys.stderr)

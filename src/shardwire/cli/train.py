@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pathlib
 import sys
+import warnings
 
 import torch
 
@@ -66,11 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, TrainConfig)
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     """Launch local workers, print the launch command, or be a worker (``argv`` is not used: workers
     get the checked settings, not the command line and its config file)."""
     config = config_from(args, TrainConfig)
     _validate(config, given_as(args))
+    checked()
     if config.print_launch:
         print(f"# on each of the {config.nnodes} node(s); HEAD_ADDRESS: the first node's address, which every "
               f"node must reach\n{_launch_command(config)}")
@@ -206,7 +208,7 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
             raise OptionError(f"{given} is for --print-launch, which prints the command for each node; to run "
                               f"here give --nproc, or add --print-launch")
         if (idle := _without_what_they_need(config)) is not None and tells_the_user():
-            print(f"warning: {idle}", file=sys.stderr)
+            warnings.warn(idle, stacklevel=1)
         if config.lr * config.weight_decay >= 1:  # AdamW scales each weight by 1 - lr x weight decay a step
             raise OptionError(f"--weight-decay {config.weight_decay:g} with --lr {config.lr:g} would scale every "
                               f"weight by 1 - lr x weight decay = {1 - config.lr * config.weight_decay:.3g} at "
@@ -256,9 +258,9 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
             and plan.group == world and not under_launcher()):  # before the workers start (under a launcher, shard's)
         trains = ("one group, sharded as --layout full, whose --diloco outer step still applies at each sync with no "
                   "other group to average" if diloco is not None else "--layout full")
-        print(f"warning: --layout {config.layout} shards within each node and replicates across nodes, and all "
+        warnings.warn(f"--layout {config.layout} shards within each node and replicates across nodes, and all "
               f"{world} ranks are on one node: it trains as {trains}; give --shard-group-size, or run on "
-              f"several nodes (--nnodes)", file=sys.stderr)
+              f"several nodes (--nnodes)", stacklevel=1)
     return diloco, fault_tolerance
 
 

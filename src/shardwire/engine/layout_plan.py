@@ -91,7 +91,7 @@ class LayoutPlan:
             raise SettingError(
                 f"{{diloco}} lets the groups of the hybrid layout train apart and averages them every "
                 f"{diloco.sync_every} steps; {{given}} has no groups holding a model of their own: use {{hybrid}}",
-                diloco=("diloco", str(diloco)), given=("layout", name), hybrid=("layout", "hybrid"))
+                diloco=("diloco",), given=("layout", name), hybrid=("layout", "hybrid"))
         return cls(name, world, group, diloco is not None)
 
     @property
