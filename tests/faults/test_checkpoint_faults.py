@@ -248,6 +248,25 @@ def test_a_series_named_by_a_file_is_one_line_and_the_file_is_kept(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
+def _series_of_another_model(rank, world, directory):
+    model, optimizer = make_model(seed=0)
+    for step in (1, 2, 3):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(directory, step), model, optimizer, step=step).wait()
+    other = shardwire.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
+    return outcome(lambda: shardwire.load_latest_checkpoint(directory, other))
+
+
+def test_a_series_of_another_models_checkpoints_says_its_reason_once(tmp_path):
+    """Every checkpoint of another model fails alike: the refusal says the reason once, with the
+    remedy, rather than once per checkpoint in one long line."""
+    said, = run_workers(1, _series_of_another_model, str(tmp_path))
+    newest = tmp_path / "step_00000003"
+    assert said.startswith(f"no checkpoint in {tmp_path} can be loaded: all 3 (step_00000001 to step_00000003) "
+                           f"fail as the newest does: loading checkpoint {newest} failed on rank 0: {newest} was "
+                           f"saved from a different model: "), said
+    assert said.endswith("; load it into the model it was saved from") and said.count("different model") == 1, said
+
+
 def test_a_manifest_larger_than_any_is_refused_unread(tmp_path):
     """A manifest past the bound (a sparse file of gigabytes, a forged one) is refused before it is
     read, rather than parsed for seconds in gigabytes of memory."""

@@ -417,6 +417,11 @@ def test_a_resume_at_another_seq_len_names_the_one_the_checkpoint_was_trained_at
     assert done.stderr.strip().endswith(f"own/step_00000002 was trained at --seq-len {PRESETS['tiny'].seq_len}, and "
                                         f"this run's is 16: give --seq-len {PRESETS['tiny'].seq_len} to resume it"), \
         done.stderr
+    # another preset's checkpoints: named once, with what to give, before any is loaded
+    done = train("--model", "small", "--steps", "4", "--checkpoint-dir", "own", cwd=tmp_path, check=False)
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1] == (
+        "error: own/step_00000002 was trained as --model tiny, and this run's is small: give --model tiny to resume "
+        "it, or another --checkpoint-dir to start a run of small"), done.stderr
 
 
 @pytest.mark.slow

@@ -784,11 +784,12 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
 
 
 def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
-    """Why no checkpoint of --checkpoint-dir fits this run's model, where the newest was trained as this
-    model with what lays its weights out otherwise, said before any is loaded (each would be skipped
-    as another model's): other ``--units`` (a checkpoint holds a flat buffer per unit), or, for a
-    GPT preset, another ``--seq-len`` (its position table has a row per token; an ``hf:`` model's
-    weights do not depend on it)."""
+    """Why no checkpoint of --checkpoint-dir fits this run's model, said before any is loaded (each
+    would be skipped as another model's, for one reason said once per checkpoint): the newest was
+    trained as another GPT preset, or as this model with what lays its weights out otherwise: other
+    ``--units`` (a checkpoint holds a flat buffer per unit), or, for a GPT preset, another
+    ``--seq-len`` (its position table has a row per token; an ``hf:`` model's weights do not depend on
+    it). An ``hf:`` model recorded at another path may be the same model moved: loading tells."""
     for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
             extra = Manifest.read(path).extra
@@ -796,7 +797,11 @@ def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
             continue
         extra = extra if isinstance(extra, dict) else {}
         settings = extra.get("settings") if isinstance(extra.get("settings"), dict) else {}
-        if extra.get("model") != recorded_name(config.model):
+        trained = extra.get("model")
+        if trained != recorded_name(config.model):
+            if trained in PRESETS and config.model in PRESETS:
+                return (f"{path} was trained as --model {trained}, and this run's is {config.model}: give --model "
+                        f"{trained} to resume it, or another --checkpoint-dir to start a run of {config.model}")
             return None
         if "units" in settings and settings["units"] != config.units:
             trained, given = (f"--units {units}" if units else "the model's own units"

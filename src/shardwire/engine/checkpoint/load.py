@@ -121,9 +121,17 @@ def load_latest_checkpoint(
                 log.warning("cannot resume from %s, skipping it: %s", newer, err)
         return info
     if skipped:
-        raise CheckpointError(f"no checkpoint in {directory} can be loaded: "
-                              + "; ".join(f"{path.name}: {err}" for path, err in skipped))
+        raise CheckpointError(f"no checkpoint in {directory} can be loaded: {_reasons(skipped)}")
     return None
+
+
+def _reasons(skipped: list[tuple[pathlib.Path, CheckpointError]]) -> str:
+    """Why each checkpoint ``skipped`` (newest first) could not be loaded, each reason said once: a
+    series of another model's checkpoints fails alike at every one of them."""
+    (newest, reason), *older = skipped
+    if older and all(str(err).replace(str(path), str(newest)) == str(reason) for path, err in older):
+        return f"all {len(skipped)} ({skipped[-1][0].name} to {newest.name}) fail as the newest does: {reason}"
+    return "; ".join(f"{path.name}: {err}" for path, err in skipped)
 
 
 def _claim_on_rank_0(directory: str | os.PathLike, engine: Engine) -> None:
@@ -172,7 +180,8 @@ class _Staged:
             here = [FlatRecord(flat.name, flat.packing) for flat in engine.flats]
             difference = first_difference(manifest, here, buffer_records(engine, model))
             if difference is not None:
-                raise CheckpointError(f"{path} was saved from a different model: {difference}")
+                raise CheckpointError(f"{path} was saved from a different model: {difference}; load it into the "
+                                      f"model it was saved from")
             reader.check_complete()
             saving_group = _saving_group(manifest.groups, engine)
             own = _resumes_own_group(manifest.groups, engine)
