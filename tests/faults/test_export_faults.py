@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -81,9 +82,13 @@ def work(made, tmp_path) -> pathlib.Path:
 
 
 def export(capsys, *argv: str) -> tuple[int, str, str]:
-    status = main(["export", *map(str, argv)])
+    """The export's status, standard output and standard error, its warnings in it as the command
+    writes them (here pytest records them)."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        status = main(["export", *map(str, argv)])
     out, err = capsys.readouterr()
-    return status, out, err
+    return status, out, "".join(f"warning: {warning.message}\n" for warning in warned) + err
 
 
 def refused(capsys, *argv: str) -> str:
@@ -281,6 +286,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_as_train_skips_it(work, capsys):
     weights.write_bytes(weights.read_bytes()[:-8])  # cut short
     status, out, err = export(capsys, work / "gpt", work / "out.pt")
     assert status == 0 and "step_00000002, skipping it" in err and "step_00000001" in out
+
+
+def test_a_series_damaged_alike_is_one_line_saying_why_once(work, capsys):
+    """Each checkpoint skipped was a warning, and then the refusal said each reason again, in one
+    long line: five lines for four checkpoints, each saying the same."""
+    series = work / "damaged"
+    shutil.copytree(work / "gpt", series)
+    for checkpoint in series.glob("step_*"):
+        (checkpoint / "manifest.json").write_text("damaged")
+    message = refused(capsys, series, work / "out.pt")
+    assert message.startswith(f"error: no checkpoint in {series} can be exported: all 2 (step_00000001 to "
+                              f"step_00000002) fail as the newest does: ") and message.count("unreadable") == 1, message
 
 
 def test_a_checkpoint_whose_manifest_is_of_another_step_is_skipped_as_train_skips_it(work, capsys):

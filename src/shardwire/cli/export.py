@@ -28,7 +28,7 @@ import torch
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series, step_of
+from shardwire.engine.checkpoint.series import group_series, reasons, step_of
 from shardwire.engine.diloco import DiLoCo
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.launch import under_launcher
@@ -90,9 +90,8 @@ def _export_newest(given: pathlib.Path, args: argparse.Namespace) -> tuple[pathl
     checkpoint, its model, what was written and the notes on it. A damaged one is skipped with a
     warning, as ``train`` skips it; one that a run saving in the series prunes while it is read is
     passed over for the series' newest, listed again."""
-    reasons = []
     for _ in range(_LISTINGS):
-        candidates = _checkpoints(given)
+        candidates, skipped = _checkpoints(given), []
         for checkpoint in candidates:
             notes: list[str] = []  # of the checkpoint exported only
             try:
@@ -102,10 +101,10 @@ def _export_newest(given: pathlib.Path, args: argparse.Namespace) -> tuple[pathl
                     break  # pruned under the export: list the series again
                 if candidates == [given] or not isinstance(err, CheckpointError):
                     raise
-                print(f"warning: cannot export {checkpoint}, skipping it: {err}", file=sys.stderr)
-                reasons.append(f"{checkpoint.name}: {err}")
+                warnings.warn(f"cannot export {checkpoint}, skipping it: {err}", stacklevel=1)  # said once one is
+                skipped.append((checkpoint, err))
         else:
-            raise CheckpointError(f"no checkpoint in {given} can be exported: " + "; ".join(reasons))
+            raise CheckpointError(f"no checkpoint in {given} can be exported: {reasons(skipped)}")
     raise CheckpointError(f"the checkpoints of {given} were deleted as they were read, {_LISTINGS} times (a run "
                           f"saving there with --keep prunes them): export one it keeps, or when it has ended")
 

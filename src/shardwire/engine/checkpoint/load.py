@@ -121,17 +121,8 @@ def load_latest_checkpoint(
                 log.warning("cannot resume from %s, skipping it: %s", newer, err)
         return info
     if skipped:
-        raise CheckpointError(f"no checkpoint in {directory} can be loaded: {_reasons(skipped)}")
+        raise CheckpointError(f"no checkpoint in {directory} can be loaded: {series.reasons(skipped)}")
     return None
-
-
-def _reasons(skipped: list[tuple[pathlib.Path, CheckpointError]]) -> str:
-    """Why each checkpoint ``skipped`` (newest first) could not be loaded, each reason said once: a
-    series of another model's checkpoints fails alike at every one of them."""
-    (newest, reason), *older = skipped
-    if older and all(str(err).replace(str(path), str(newest)) == str(reason) for path, err in older):
-        return f"all {len(skipped)} ({skipped[-1][0].name} to {newest.name}) fail as the newest does: {reason}"
-    return "; ".join(f"{path.name}: {err}" for path, err in skipped)
 
 
 def _claim_on_rank_0(directory: str | os.PathLike, engine: Engine) -> None:

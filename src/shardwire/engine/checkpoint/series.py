@@ -22,6 +22,15 @@ _STEP_NAME = re.compile(r"step_(\d+)")
 _DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system writer names its metadata
 
 
+def reasons(skipped: list[tuple[pathlib.Path, Exception]]) -> str:
+    """Why each checkpoint of a series ``skipped`` (newest first) could not be read, each reason said
+    once: a series of another model's checkpoints, or damaged alike, fails alike at every one."""
+    (newest, reason), *older = skipped
+    if older and all(str(err).replace(str(path), str(newest)) == str(reason) for path, err in older):
+        return f"all {len(skipped)} ({skipped[-1][0].name} to {newest.name}) fail as the newest does: {reason}"
+    return "; ".join(f"{path.name}: {err}" for path, err in skipped)
+
+
 def checkpoint_path(directory: str | pathlib.Path, step: int) -> pathlib.Path:
     """Where the series in ``directory`` keeps the checkpoint of ``step`` (a whole number from 0)."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # -1 would sort before 0
