@@ -140,8 +140,9 @@ def test_sizes_parse_like_nccl_tests():
     (["--impl", "shardwire", "--redop", "max"], "reduces by sum only"),
     (["--json", "/dev/null/out.json"], "its directory /dev/null is a character device"),
     (["-b", "1", "-e", "1G", "-i", "1"], "makes 1073741824 sizes, more than 1000: raise --step-bytes"),
-    (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
-    (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),
+    (["--timeout", "nan"], "--timeout must be a finite number of seconds, at least 10, got nan"),
+    (["--timeout", "inf"], "--timeout must be a finite number of seconds, at least 10, got inf"),
+    (["--timeout", "0.01"], "--timeout must be a finite number of seconds, at least 10, got 0.01"),  # workers' meeting
 ])
 def test_bad_arguments_are_refused_before_any_worker_starts(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2

@@ -196,6 +196,14 @@ def test_a_lighthouse_out_of_reach_is_one_line(tmp_path):
     assert found.stderr == (f"error: fault tolerance: cannot reach the lighthouse at http://localhost:{port} within "
                             f"1 s: start torchft_lighthouse there, or give the address this node reaches it at "
                             f"(--fault-tolerance lighthouse=HOST:PORT)\n")
+    # a --timeout shorter than the lighthouse's wait (60 s): the others' wait for rank 0's answer timed
+    # out first, and blamed another rank
+    found = subprocess.run(
+        [sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "2", "--nproc", "2", "--layout",
+         "hybrid", "--fault-tolerance", f"lighthouse=localhost:{port}", "--timeout", "10"],
+        capture_output=True, text=True, timeout=120)
+    assert found.stderr.startswith(f"error: fault tolerance: cannot reach the lighthouse at http://localhost:{port} "
+                                   f"within 5 s: "), found.stderr
 
 
 @contextlib.contextmanager

@@ -409,6 +409,27 @@ def test_a_failing_node_stops_the_job(testbed, tmp_path):
 @pytest.mark.root
 @pytest.mark.slow
 @root_only
+def test_a_node_done_at_its_exit_barrier_adds_nothing_when_the_node_holding_it_fails(testbed, tmp_path,
+                                                                                        monkeypatch):
+    """Node 1's worker ends at once (as export's other ranks do) and its agent waits at the exit
+    barrier that node 0 holds; node 0's worker refuses. Node 1 logged the barrier's traceback, and
+    the job's SIGTERM, landing while that log imported torch._dynamo, a second one: a hundred lines."""
+    command = _script(tmp_path, """
+        import os, sys, time
+        if os.environ["GROUP_RANK"] == "0":
+            time.sleep(3)  # the other node is at the exit barrier
+            print("error: refused", file=sys.stderr)
+            sys.exit(2)
+    """)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "FATAL")  # as the command sets it (cli.main)
+    out = io.StringIO()
+    assert job.run_job(testbed, 1, command, out=out) == 2
+    assert out.getvalue() == "[node0] error: refused\nnode0 failed (exit 2): stopping the other nodes\n"
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@root_only
 def test_a_shardwire_job_refused_says_so_once_per_node_or_once_before_any_starts(testbed, tmp_path):
     """A bad option, or data that is not there, is refused before any node starts, in one line, as
     ``shardwire train`` refuses it; the job ends with a refusal's status."""

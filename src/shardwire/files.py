@@ -65,6 +65,9 @@ _HEAD_BYTES = 64 << 10
 # A checkpoint is a directory holding this manifest, of this format (``shardwire.engine.checkpoint.format``
 # reads and writes it); nothing a command writes at the user's word goes inside one (``checkpoint_problem``).
 CHECKPOINT_MANIFEST, CHECKPOINT_FORMAT = "manifest.json", "shardwire-checkpoint"
+# The name of a series' checkpoint of step N (``shardwire.engine.checkpoint.series``), which nothing a
+# command writes at the user's word takes beside the series' checkpoints.
+CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 
 
 def _first_line_is_scalars(head: bytes) -> bool:
@@ -156,6 +159,8 @@ def inside_problem(path: str | os.PathLike, source: str | os.PathLike, doing: st
     None: writing inside it (or over it) would change what is being read. ``what`` says instead what
     ``source`` is that nothing may be written in it. The words follow the path."""
     written, read = os.path.realpath(path), os.path.realpath(source)
+    if written == read:
+        return f"is {what or f'what is being {doing}'}: give another path"
     if os.path.commonpath([written, read]) == read:
         return f"is inside {os.fspath(source)}, {what or f'which is being {doing}'}: give a path outside it"
     return None
@@ -165,14 +170,34 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being written where it lies in a shardwire checkpoint (the checkpoint
     itself, or anywhere below it), or None: a file a save did not write makes the checkpoint one
     that no prune may delete (``shardwire.engine.checkpoint.ownership``), kept for ever with a
-    warning. The words follow the path."""
+    warning. So does a name the series beside it takes for its own: a checkpoint's (``step_N``),
+    which the series would list as a damaged checkpoint and its save of that step set aside, or a
+    manifest's, which makes the series' directory a checkpoint to ``export`` and ``train``. The
+    words follow the path."""
     here = os.path.realpath(path)
     while not _is_checkpoint(here):
-        if (parent := os.path.dirname(here)) == here:
+        parent, name = os.path.split(here)
+        if parent == here:
             return None
+        if (CHECKPOINT_NAME.fullmatch(name) or (name == CHECKPOINT_MANIFEST and here == os.path.realpath(path))) \
+                and _holds_checkpoints(parent):
+            if name == CHECKPOINT_MANIFEST:
+                return (f"is named as a checkpoint's manifest, in {parent}, a series of checkpoints, which would then "
+                        f"be taken for a checkpoint itself: give it another name")
+            return (f"is {'' if here == os.path.realpath(path) else f'inside {here}, '}named as a checkpoint of the "
+                    f"series in {parent}, which would take it for one of its own: give it another name")
         here = parent
     return inside_problem(path, here, what="a checkpoint, which holds only what its save wrote (anything else "
                                            "there keeps it from ever being pruned)")
+
+
+def _holds_checkpoints(directory: str) -> bool:
+    """Whether ``directory`` holds a series' checkpoint."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(CHECKPOINT_NAME.fullmatch(name) and _is_checkpoint(os.path.join(directory, name)) for name in names)
 
 
 def _is_checkpoint(directory: str) -> bool:

@@ -253,8 +253,7 @@ def signals_held():
     ``__getattr__`` recursing). A signal ignored (nohup) stays ignored; a worker holds Ctrl-C alone, as
     its launcher ends it by SIGTERM and says what that stopped."""
     held: list[int] = []
-    signals = (signal.SIGINT,) if under_launcher() else (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    before = {signum: signal.getsignal(signum) for signum in signals}
+    before = {signum: signal.getsignal(signum) for signum in stop_signals()}
     holding = [signum for signum, handler in before.items() if handler not in (signal.SIG_IGN, None)]
     for signum in holding:
         signal.signal(signum, lambda signum, frame: held.append(signum))
@@ -264,7 +263,23 @@ def signals_held():
         for signum in holding:
             signal.signal(signum, before[signum])
     if held:
-        raise Stopped(held[0])
+        raise stopping(held[0])
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop this process as Ctrl-C does: Ctrl-C's, and a scheduler's SIGTERM and a
+    closed terminal's SIGHUP, but in a worker, whose launcher ends it by SIGTERM, Ctrl-C's alone."""
+    return (signal.SIGINT,) if under_launcher() else (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stopping(signum: int) -> Stopped:
+    """The stop by ``signum``, now under way: from here on this process ignores the other signals
+    that would stop it (``stop_signals``). A second one, a moment later (a terminal's Ctrl-C reaches
+    a wrapper such as ``timeout`` too, which passes it on), would break off what the stop says and
+    tidies with a traceback. Called in the main thread, as a signal's handler is."""
+    for other in stop_signals():
+        signal.signal(other, signal.SIG_IGN)
+    return Stopped(signum)
 
 
 def stopped(err: KeyboardInterrupt) -> tuple[str, int]:
@@ -302,25 +317,31 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     config.training_script_args = argv
     quiet_agent()
     os.environ[_NOTED_BY_LAUNCHER] = "1"  # inherited by the workers
+    handlers = {signum: signal.getsignal(signum) for signum in (*stop_signals(), signal.SIGQUIT)}
     try:
-        run(config)
+        run(config)  # its agent sets handlers of its own, which raise its SignalException
     except SignalException as err:
-        raise Stopped(int(err.sigval)) from None
+        raise stopping(int(err.sigval)) from None
     except ChildFailedError as err:
         return failed_workers(err)
     finally:
         os.environ.pop(_NOTED_BY_LAUNCHER, None)
+        for signum, handler in handlers.items():  # the agent's no longer: the command's, or stopping's
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, handler)
     return 0
 
 
 def quiet_agent() -> None:
     """Keep torch's elastic agent, run in this process, to its errors: its warnings narrate its
     shutdown (a signal received, each worker sent one), and its line for a failed worker repeats
-    what the worker, or ``failed_workers``'s line, says once."""
+    what the worker, or ``failed_workers``'s line, says once. Nor its traceback for an exit barrier
+    the node that held it left: that node failed, and the job's line names it."""
     for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_below)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_barrier_left)
 
 
 def failed_workers(err) -> int:
@@ -332,6 +353,13 @@ def failed_workers(err) -> int:
     failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
     print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
     return 1
+
+
+def _barrier_left(record: logging.LogRecord) -> bool:
+    """Drop the agent's traceback for an exit barrier that failed: this node's workers are done, and
+    the node that held the barrier ended first (its failure is the job's; formatting the traceback
+    also imports torch._dynamo, seconds in which the job's SIGTERM lands in the log's handler)."""
+    return not str(record.msg).startswith("Error waiting on exit barrier")
 
 
 def _said_below(record: logging.LogRecord) -> bool:

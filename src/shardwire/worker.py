@@ -19,8 +19,8 @@ import torch.distributed as dist
 from shardwire.launch import host_memory_per_worker
 
 BACKENDS = ("auto", "gloo", "nccl")
-# The shortest --timeout of shardwire train: the workers meet within it (each imports torch first), and
-# ordinary skew between ranks (a checkpoint being written, a first step compiling) is not a hang.
+# The shortest --timeout of shardwire train and bench: the workers meet within it (each imports torch
+# first), and ordinary skew between ranks (a checkpoint being written, a first step compiling) is not a hang.
 MIN_TIMEOUT_S = 10
 
 

@@ -57,6 +57,32 @@ def test_a_log_where_checkpoints_are_saved_is_refused_before_training(tmp_path, 
     assert not ckpt.exists()
 
 
+def test_an_output_named_as_a_series_checkpoint_or_manifest_is_refused(tmp_path, capsys):
+    """Beside a series of checkpoints, with no --checkpoint-dir given: a log named ``step_N`` was set
+    aside under a random name by the save of that step, and one named ``manifest.json`` made
+    ``export`` of the series refuse it as a damaged checkpoint."""
+    import torch
+
+    import shardwire
+    series = tmp_path / "ckpt"
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    shardwire.save_checkpoint(shardwire.checkpoint_path(series, 3), model, step=3).wait()
+    checkpoint = f"is named as a checkpoint of the series in {series}, which would take it for one of its own"
+    for argv, refusal in [
+        (["train", "--log-jsonl", f"{series}/step_00000006"], checkpoint),
+        (["train", "--profile", "--run-dir", f"{series}/step_00000009"], checkpoint),
+        (["train", "--log-jsonl", f"{series}/manifest.json"], f"is named as a checkpoint's manifest, in {series}"),
+        (["bench", "--json", f"{series}/step_00000012"], checkpoint),
+    ]:
+        try:
+            assert main(argv) == 2
+        except SystemExit as err:
+            print(err.code, file=sys.stderr)
+        assert refusal in capsys.readouterr().err, argv
+    assert [path.name for path in series.iterdir() if not path.name.startswith(".")] == ["step_00000003"]
+    assert main(["train", "--log-jsonl", f"{series}/log.jsonl", "--print-config"]) == 0  # beside them: its own place
+
+
 def test_directories_that_cannot_be_created_are_refused_before_training(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

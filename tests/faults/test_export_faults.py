@@ -300,6 +300,16 @@ def test_a_series_damaged_alike_is_one_line_saying_why_once(work, capsys):
                               f"step_00000002) fail as the newest does: ") and message.count("unreadable") == 1, message
 
 
+def test_a_series_beside_a_users_manifest_json_is_exported_as_train_resumes_it(work, capsys):
+    """A manifest.json that is no checkpoint's, beside a series' checkpoints: export took the directory
+    for a checkpoint and refused it, where train resumes the series."""
+    series = work / "beside"
+    shutil.copytree(work / "gpt", series)
+    (series / "manifest.json").write_text('{"the user\'s": 1}')
+    status, out, err = export(capsys, series, work / "out.pt")
+    assert status == 0 and "step_00000002" in out, err
+
+
 def test_a_checkpoint_whose_manifest_is_of_another_step_is_skipped_as_train_skips_it(work, capsys):
     """A resealed manifest that records another step than its directory's name: train refuses to
     resume from it, and export wrote it out."""

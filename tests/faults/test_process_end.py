@@ -80,7 +80,7 @@ SIGNAL_WHILE_LOADING = textwrap.dedent("""
     load, sent = builtins.__import__, []
 
     def interrupted_import(name, *args, **kwargs):
-        if name == "torch" and not sent:  # the signal lands while the command's modules load,
+        if name == os.environ["LANDS_IN"] and not sent:  # the signal lands while the command's modules load,
             sent.append(name)
             try:
                 os.kill(os.getpid(), int(os.environ["SIGNAL"]))
@@ -98,15 +98,16 @@ SIGNAL_WHILE_LOADING = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("entry", ["module", "script"])
+@pytest.mark.parametrize("entry, lands_in", [("module", "torch"), ("module", "shardwire.cli"), ("script", "torch")])
 @pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"),
                                           (signal.SIGHUP, "stopped by SIGHUP")])
-def test_a_signal_while_the_modules_load_is_one_line_once_they_have(signum, said, entry):
+def test_a_signal_while_the_modules_load_is_one_line_once_they_have(signum, said, entry, lands_in):
     """Not a KeyboardInterrupt inside a library's import, which can swallow it and leave a
     half-made module behind, the command running on; and a SIGTERM there ended the command with no
-    word. Alike as ``python -m shardwire`` and as the installed ``shardwire``."""
+    word. Alike as ``python -m shardwire`` (as a launcher starts its workers, whom Ctrl-C reaches
+    with it) and as the installed ``shardwire``."""
     done = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_LOADING], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SIGNAL": str(int(signum)), "ENTRY": entry})
+                          env={**os.environ, "SIGNAL": str(int(signum)), "ENTRY": entry, "LANDS_IN": lands_in})
     assert (done.returncode, done.stderr, done.stdout) == (128 + signum, f"{said}\n", "")
 
 
@@ -121,3 +122,33 @@ def test_a_sigterm_once_the_command_runs_is_one_line():
     finally:
         job.kill()
     assert job.returncode == 128 + signal.SIGTERM and errors.splitlines()[-1].startswith("stopped by SIGTERM"), errors
+
+
+SIGNAL_TWICE = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import shardwire.cli.plan as command
+
+    def twice():
+        os.kill(os.getpid(), int(os.environ["SIGNAL"]))
+        time.sleep(0.3)  # as the command ends
+        os.kill(os.getpid(), int(os.environ["SIGNAL"]))
+
+    def plan(*args, **kwargs):
+        threading.Thread(target=twice).start()
+        time.sleep(60)
+
+    command.plan = plan
+    sys.argv = ["shardwire", "plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "4",
+                "--global-batch", "64"]
+    from shardwire.cli import entry
+    entry()
+""")
+
+
+@pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM")])
+def test_a_second_signal_as_the_command_stops_changes_nothing(signum, said):
+    """A terminal's Ctrl-C reaches a wrapper such as ``timeout`` too, which passes it on: a second
+    signal a moment after the first broke off the stop with a traceback."""
+    done = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SIGNAL": str(int(signum))})
+    assert (done.returncode, done.stderr) == (128 + signum, f"{said}\n")

@@ -100,3 +100,18 @@ def test_a_directory_made_for_a_write_that_another_writer_filled_meanwhile_is_ke
     with pytest.raises(WriteFailed):
         write_atomically(tmp_path / "new" / "sub" / "plot.png", b"data")
     assert os.listdir(tmp_path / "new" / "sub") == ["theirs.txt"]
+
+
+def test_a_checkpoint_given_for_a_run_directory_is_named_not_told_to_profile_into(tmp_path, capsys):
+    """The refusal suggested `shardwire train --profile --run-dir CHECKPOINT`, which train refuses."""
+    import torch
+
+    import shardwire
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    checkpoint = shardwire.checkpoint_path(tmp_path / "ckpt", 2)
+    shardwire.save_checkpoint(checkpoint, model, step=2).wait()
+    assert main(["report", str(checkpoint)]) == 2
+    assert capsys.readouterr().err == (f"error: {checkpoint} has no profile data (profile.json is missing), and no "
+                                       f"run writes one there: it is a checkpoint, which holds only what its save "
+                                       f"wrote (anything else there keeps it from ever being pruned): give another "
+                                       f"path\n")

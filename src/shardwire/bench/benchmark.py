@@ -95,8 +95,8 @@ class BenchConfig:
                                "or params=int8,grads=int4[,block=N] (all_gather uses params, reduce_scatter grads); "
                                "busbw stays on the uncompressed size, the bytes sent are reported beside it")
     backend: str = option("auto", "auto: NCCL when CUDA is available, else gloo", choices=worker.BACKENDS)
-    timeout: float = option(300.0, "seconds before a collective that does not complete is an error", above=0,
-                            unit="seconds", at_most=MAX_TIMEOUT_S)
+    timeout: float = option(300.0, "seconds before a collective that does not complete is an error",
+                            at_least=worker.MIN_TIMEOUT_S, real=True, unit="seconds", at_most=MAX_TIMEOUT_S)
     contention: bool = option(False, "also time matrix multiplies alone and beside a running all_gather of "
                                      "--max-bytes on each group: the share of compute communication takes, which "
                                      "shardwire simulate --cluster-from reads")

@@ -35,14 +35,15 @@ from shardwire.launch import (
     REFUSED,
     Closed,
     OutputLost,
-    Stopped,
     UntilClosed,
     die_with_launcher,
     end_process,
     launcher_problem,
     share_node_threads,
     signals_held,
+    stop_signals,
     stopped,
+    stopping,
     under_launcher,
 )
 from shardwire.mappings import nearest, one_line
@@ -207,24 +208,26 @@ def refused(*errors: type[Exception]):
 
 @contextlib.contextmanager
 def _stopped_by_signals():
-    """Within it, a scheduler's SIGTERM or a closed terminal's SIGHUP stops the command as Ctrl-C does,
-    in its words (``launch.Stopped``): what it staged is removed, and it says what was saved. Not in a
-    worker, which its launcher ends by SIGTERM and says what that stopped; not where the signal is
-    ignored (nohup) or taken. The handlers before are restored after."""
-    taken = {}
-    if not under_launcher():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                taken[signum] = signal.signal(signum, _stop)
+    """Within it, Ctrl-C, a scheduler's SIGTERM or a closed terminal's SIGHUP stops the command in its
+    words (``launch.Stopped``): what it staged is removed, and it says what was saved; a second
+    signal meanwhile is ignored (``launch.stopping``). Not a worker's SIGTERM, by which its launcher
+    ends it and says what that stopped (``launch.stop_signals``); not where the signal is ignored
+    (nohup) or taken. The handlers before are restored after, unless a stop is under way, which
+    goes on ignoring them until the process has ended."""
+    before = {signum: signal.getsignal(signum) for signum in stop_signals()}
+    for signum, handler in before.items():
+        if handler in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(signum, _stop)
     try:
         yield
     finally:
-        for signum, before in taken.items():
-            signal.signal(signum, before)
+        for signum, handler in before.items():
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, handler)
 
 
 def _stop(signum: int, frame) -> NoReturn:
-    raise Stopped(signum)
+    raise stopping(signum)
 
 
 def _interrupted(err: KeyboardInterrupt) -> int:

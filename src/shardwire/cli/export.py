@@ -26,9 +26,10 @@ import warnings
 import torch
 
 from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list_checkpoints
+from shardwire.engine.checkpoint.format import MANIFEST
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series, reasons, step_of
+from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, step_of
 from shardwire.engine.diloco import DiLoCo
 from shardwire.files import OutputRefused, StagedDirectory, inside_problem
 from shardwire.launch import under_launcher
@@ -133,10 +134,13 @@ def _series_problem(out: str, given: pathlib.Path) -> str | None:
 
 
 def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
-    """``path`` itself, or the checkpoints of the series it holds, newest first."""
-    if not path.is_dir() or (path / "manifest.json").exists():
+    """``path`` itself, or the checkpoints of the series it holds, newest first: a series beside a
+    ``manifest.json`` that is no checkpoint's (the user's) is a series, as ``train`` resumes it."""
+    if not path.is_dir():
         return [path]
     series = list_checkpoints(path)
+    if (path / MANIFEST).exists() and (not series or holds_a_manifest(path)):
+        return [path]
     if not series and (groups := group_series(path)):
         raise ValueError(f"{path} holds the series of fault-tolerant groups ({', '.join(groups[:4])}"
                          f"{', ...' if len(groups) > 4 else ''}), whose models differ: export one group's "

@@ -99,8 +99,9 @@ def check_received(own: list[torch.Tensor], received: list[torch.Tensor]) -> Non
                                f"{theirs.numel()}: every group must have as many ranks")
 
 
-def _unreachable(settings: FaultTolerance) -> str:
-    return (f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within {settings.timeout:g} s: "
+def _unreachable(settings: FaultTolerance, waited: datetime.timedelta) -> str:
+    return (f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within "
+            f"{waited.total_seconds():g} s: "
             f"start torchft_lighthouse there, or give the address this node reaches it at "
             f"(--fault-tolerance lighthouse=HOST:PORT)")
 
@@ -137,14 +138,17 @@ class Quorum:
         self._device = group.device
         # Rank 0's manager talks to the lighthouse, the others to rank 0's: where rank 0 cannot reach
         # it, every rank says so alike, instead of the others failing on a manager that went away.
-        reached = [1]
+        # Rank 0 tries within half the time the others wait for its answer (--timeout), as torchft's
+        # client retries past its bound by up to half of it: rank 0's answer, not the others' timeout,
+        # says what is wrong.
+        reach, reached = min(timeout, group.timeout / 2), [1]
         if group.rank == 0:
             try:
-                LighthouseClient(settings.lighthouse, connect_timeout=timeout)
+                LighthouseClient(settings.lighthouse, connect_timeout=reach)
             except RuntimeError:
                 reached = [0]
         if not group.all_gather_values(reached, tag="fault tolerance lighthouse")[0][0]:
-            raise ConnectionError(_unreachable(settings))
+            raise ConnectionError(_unreachable(settings, reach))
         self._across = across
         # Where a quantized average runs on the CPU, one at a time, while the step goes on (gloo and
         # the codec's kernels release the GIL), as torchft's own all-reduce runs behind it.
@@ -164,7 +168,7 @@ class Quorum:
         except RuntimeError as err:  # torchft's traceback, where one line says what to check
             if settings.lighthouse not in str(err):
                 raise
-            raise ConnectionError(_unreachable(settings)) from None
+            raise ConnectionError(_unreachable(settings, timeout)) from None
         self.participants = 0  # groups in the current quorum
         self.recovered = False  # whether this group is behind: it receives the others' state at ``commit``
         # Since the last ``take_metrics``: what failures cost this rank, for the log.

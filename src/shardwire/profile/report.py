@@ -15,7 +15,7 @@ import os
 import typing
 
 from shardwire.extras import require
-from shardwire.files import figure_png, write_atomically
+from shardwire.files import checkpoint_problem, figure_png, write_atomically
 from shardwire.mappings import MappingError, cut, is_number, json_kind, read_json, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
 from shardwire.profile import PROFILE_FILE
@@ -45,6 +45,9 @@ def load_profile(run_dir: str) -> dict:
         given = (os.path.dirname(run_dir) or ".") if os.path.basename(run_dir) == PROFILE_FILE else None
         raise ReportError(f"{cut(run_dir)} is not a directory: give the run directory " +
                           (f"that holds it, {cut(given)}" if given else "that holds a profile.json"))
+    if not os.path.exists(path) and (problem := checkpoint_problem(run_dir)) is not None:
+        raise ReportError(f"{cut(run_dir)} has no profile data ({PROFILE_FILE} is missing), and no run writes one "
+                          f"there: it {problem}")
     if not os.path.exists(path):
         raise ReportError(
             f"{cut(run_dir)} has no profile data ({PROFILE_FILE} is missing): profile a run with "

@@ -762,7 +762,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     _check_architecture(config, info, trained_on.get("hf_config"))
     data = data_change(info.extra.get("data"), trained_on["data"])
     if data is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        raise _agreed(f"error: {data} since {info.path} was saved, and these workers were restarted "
+        raise _agreed(f"error: {data} changed since {info.path} was saved, and these workers were restarted "
                          f"(--max-restarts) to resume that run: restore the data, or run the command again to "
                          f"resume on this data")
     if dist.get_rank() == 0:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import numbers
 import os
 import pathlib
-import re
 import warnings
 
 from shardwire.engine.checkpoint import ownership
 from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest
+from shardwire.files import CHECKPOINT_NAME
 
-_STEP_NAME = re.compile(r"step_(\d+)")
 _DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system writer names its metadata
 
 
@@ -40,7 +39,7 @@ def checkpoint_path(directory: str | pathlib.Path, step: int) -> pathlib.Path:
 
 def step_of(path: pathlib.Path) -> int | None:
     """The step of a series checkpoint path, or None for a name outside the series."""
-    match = _STEP_NAME.fullmatch(path.name)
+    match = CHECKPOINT_NAME.fullmatch(path.name)
     return int(match.group(1)) if match else None
 
 
@@ -55,7 +54,7 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
         return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
                 f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
                 f"shardwire's checkpoints a directory of their own")
-    if _holds_a_manifest(directory):
+    if holds_a_manifest(directory):
         return (f"is a checkpoint itself, not a directory of them: give the directory that holds it "
                 f"({directory.resolve().parent}) to resume from it, or a directory of its own")
     if (dcp := next((above for above in directory.resolve().parents if _holds_dcp(above)), None)) is not None:
@@ -109,7 +108,7 @@ def group_series(directory: str | pathlib.Path) -> list[str]:
     return [path.name for path in inside if list_checkpoints(path)]
 
 
-def _holds_a_manifest(path: pathlib.Path) -> bool:
+def holds_a_manifest(path: pathlib.Path) -> bool:
     """Whether ``path`` holds a valid checkpoint manifest (a user's own manifest.json is none)."""
     try:
         Manifest.read(path)
@@ -138,7 +137,7 @@ def prune(newest: pathlib.Path, keep: int, spare: pathlib.Path | None = None) ->
             continue
         if (reason := ownership.not_a_checkpoint(path, step_of(path))) is None:
             older.append(path)
-        elif _holds_a_manifest(path):  # a checkpoint's manifest beside what may be the user's
+        elif holds_a_manifest(path):  # a checkpoint's manifest beside what may be the user's
             # said from here, not from the caller: once a run, whichever of its saves prunes
             warnings.warn(f"kept {path}, never deleting what it holds: {reason}; move what is yours out and "
                           f"delete it yourself")
