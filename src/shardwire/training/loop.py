@@ -799,7 +799,7 @@ def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
         settings = extra.get("settings") if isinstance(extra.get("settings"), dict) else {}
         trained = extra.get("model")
         if trained != recorded_name(config.model):
-            if trained in PRESETS and config.model in PRESETS:
+            if isinstance(trained, str) and trained in PRESETS and config.model in PRESETS:
                 return (f"{path} was trained as --model {trained}, and this run's is {config.model}: give --model "
                         f"{trained} to resume it, or another --checkpoint-dir to start a run of {config.model}")
             return None
