@@ -204,3 +204,22 @@ def test_a_tokenizer_needs_a_directory_and_a_text_corpus(tmp_path):
     ids.write_bytes(bytes(200_000))
     with pytest.raises(SystemExit, match="--tokenizer tokenises a text corpus: give --data a text file"):
         main(["train", "--data", str(ids), "--tokenizer", str(tmp_path)])
+
+
+def test_a_tokenizer_directory_transformers_cannot_read_is_named_in_one_whole_line(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "text.txt"
+    text.write_text("x" * 50_000)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--data", str(text), "--tokenizer", str(empty)])
+    assert str(refused.value) == (
+        f"error: --tokenizer {empty} holds none of a tokenizer's files (tokenizer.json, tokenizer_config.json, "
+        f"tokenizer.model, vocab.json): give a directory a tokenizer's save_pretrained wrote")
+    (empty / "tokenizer_config.json").write_text("{}")  # nothing to build the tokenizer from
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--data", str(text), "--tokenizer", str(empty)])
+    with pytest.raises(Exception) as theirs:
+        transformers.AutoTokenizer.from_pretrained(empty, local_files_only=True)
+    assert str(refused.value) == f"error: --tokenizer {empty}: {' '.join(str(theirs.value).split())}"  # all of it

@@ -4,6 +4,7 @@ its resume, and a DCP directory given as a checkpoint directory."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -422,6 +423,14 @@ def test_a_resume_at_another_seq_len_names_the_one_the_checkpoint_was_trained_at
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1] == (
         "error: own/step_00000002 was trained as --model tiny, and this run's is small: give --model tiny to resume "
         "it, or another --checkpoint-dir to start a run of small"), done.stderr
+    # a model of the other kind: named as one
+    if importlib.util.find_spec("transformers") is not None:
+        (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                        "n_positions": 64, "vocab_size": 256}))
+        done = train("--model", "hf:gpt2.json", "--steps", "4", "--checkpoint-dir", "own", cwd=tmp_path, check=False)
+        assert done.returncode != 0 and done.stderr.strip().splitlines()[-1] == (
+            "error: own/step_00000002 was trained as --model tiny, and this run's is hf:gpt2.json: give --model tiny "
+            "to resume it, or another --checkpoint-dir to start a run of hf:gpt2.json"), done.stderr
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pathlib
 from shardwire.extras import require
 from shardwire.models.choice import check_files, custom_code
 from shardwire.models.gpt import PRESETS
+from shardwire.sim.huggingface import TOKENIZER_FILES, has_tokenizer
 
 
 def add_files(digest: "hashlib._Hash", directory: pathlib.Path) -> None:
@@ -37,6 +38,9 @@ def check(directory: str | pathlib.Path, label: str) -> pathlib.Path:
     if not directory.is_dir():
         raise ValueError(f"{label} is not a directory: give a local Hugging Face tokenizer's directory (as "
                          f"save_pretrained writes it)")
+    if not has_tokenizer(str(directory)):
+        raise ValueError(f"{label} holds none of a tokenizer's files ({', '.join(TOKENIZER_FILES)}): give a "
+                         f"directory a tokenizer's save_pretrained wrote")
     try:
         check_files(directory)
     except ValueError as err:
@@ -50,14 +54,14 @@ def check(directory: str | pathlib.Path, label: str) -> pathlib.Path:
 
 def load(directory: str | pathlib.Path, label: str):
     """The tokenizer in ``directory`` (``check``ed first); raises ``ValueError`` as ``check`` does, in
-    one line."""
+    one line: transformers' own message, whole, its lines joined."""
     directory = check(directory, label)
     transformers = require("transformers", "a Hugging Face tokenizer")
     try:  # a tokenizer directory is data: the code its auto_map names never runs
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # a tokenizer transformers cannot read, however it says so
         problem = custom_code(directory / "config.json")
-        raise ValueError(f"{label}: {problem or str(err).splitlines()[0]}") from None
+        raise ValueError(f"{label}: {problem or ' '.join(str(err).split())}") from None
 
 
 def check_vocabulary(tokenizer, vocab_size: int, label: str) -> None:

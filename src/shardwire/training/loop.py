@@ -786,10 +786,11 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
 def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
     """Why no checkpoint of --checkpoint-dir fits this run's model, said before any is loaded (each
     would be skipped as another model's, for one reason said once per checkpoint): the newest was
-    trained as another GPT preset, or as this model with what lays its weights out otherwise: other
-    ``--units`` (a checkpoint holds a flat buffer per unit), or, for a GPT preset, another
-    ``--seq-len`` (its position table has a row per token; an ``hf:`` model's weights do not depend on
-    it). An ``hf:`` model recorded at another path may be the same model moved: loading tells."""
+    trained as another GPT preset, or as a model of the other kind (a preset, an ``hf:`` model), or as
+    this model with what lays its weights out otherwise: other ``--units`` (a checkpoint holds a flat
+    buffer per unit), or, for a GPT preset, another ``--seq-len`` (its position table has a row per
+    token; an ``hf:`` model's weights do not depend on it). An ``hf:`` model recorded at another path
+    may be the same model moved: loading tells."""
     for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
             extra = Manifest.read(path).extra
@@ -799,7 +800,8 @@ def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
         settings = extra.get("settings") if isinstance(extra.get("settings"), dict) else {}
         trained = extra.get("model")
         if trained != recorded_name(config.model):
-            if isinstance(trained, str) and trained in PRESETS and config.model in PRESETS:
+            kind = _model_kind(trained) if isinstance(trained, str) else None
+            if kind is not None and (kind != _model_kind(config.model) or kind == "preset"):
                 return (f"{path} was trained as --model {trained}, and this run's is {config.model}: give --model "
                         f"{trained} to resume it, or another --checkpoint-dir to start a run of {config.model}")
             return None
@@ -817,6 +819,12 @@ def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
         return (f"{path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
                 f"{recorded} to resume it")
     return None
+
+
+def _model_kind(model: str) -> str | None:
+    """Which kind of model ``model`` names, as ``--model`` takes it: a GPT preset, an ``hf:`` model, or
+    None for a name that is neither (a forged manifest's). Two kinds never share a checkpoint's layout."""
+    return "preset" if model in PRESETS else "hf" if model.startswith(HF_PREFIX) else None
 
 
 def _changed_scale(info, global_batch: int) -> list[str]:
