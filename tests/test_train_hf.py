@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -60,6 +61,9 @@ def test_a_configs_special_tokens_outside_its_vocabulary_are_noted_once_not_once
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("bos_token_id", "eos_token_id"):
         assert done.stderr.count(f"{name} must be `None` or an integer within the vocabulary") == 1, done.stderr
+    refused = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", f"hf:{path}", "--seq-len", "129"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.stderr == "error: --seq-len 129 is longer than the 128 positions the model has\n"  # its line alone
 
 
 @pytest.mark.parametrize("environment, says", [
@@ -68,27 +72,21 @@ def test_a_configs_special_tokens_outside_its_vocabulary_are_noted_once_not_once
     ({"LOCAL_RANK": "1", "WORLD_SIZE": "2", "RANK": "1"}, False),
     ({"LOCAL_RANK": "0", "WORLD_SIZE": "2", "RANK": "0", "SHARDWIRE_NOTED_BY_LAUNCHER": "1"}, False),
 ])
-def test_transformers_config_notes_come_from_one_process(monkeypatch, environment, says):
-    import logging
-
+def test_transformers_config_notes_come_from_one_process_as_its_warnings(monkeypatch, environment, says):
+    """Said as warnings, naming the config: the command holds them with its own until its checks pass."""
     from shardwire.models.choice import config_from_fields
     for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "SHARDWIRE_NOTED_BY_LAUNCHER"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("transformers.configuration_utils")  # transformers' own stops propagation
-    logger.addHandler(handler)
     vocab = 300 + len(environment) + says  # a message of its own: transformers says each one once a process
-    try:
-        config_from_fields(transformers, {**GPT2, "vocab_size": vocab, "bos_token_id": 50256})
-    finally:
-        logger.removeHandler(handler)
-    noted = [r for r in records if f"bos_token_id must be `None` or an integer within the vocabulary (between 0 and "
-                                   f"{vocab - 1})" in r.getMessage()]
-    assert len(noted) == (1 if says else 0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        config_from_fields(transformers, {**GPT2, "vocab_size": vocab, "bos_token_id": 50256}, "hf:gpt2.json")
+    noted = [str(w.message) for w in said if str(w.message).startswith("hf:gpt2.json: ") and
+             f"bos_token_id must be `None` or an integer within the vocabulary (between 0 and {vocab - 1})"
+             in str(w.message)]
+    assert len(noted) == (1 if says else 0), [str(w.message) for w in said]
 
 
 def test_a_directory_with_weights_loads_them(tmp_path):

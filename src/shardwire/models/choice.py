@@ -28,6 +28,7 @@ import logging
 import os
 import pathlib
 import pickle
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 
@@ -38,7 +39,7 @@ from torch import nn
 from shardwire.engine.selection import assign_params, select_units
 from shardwire.extras import quietly_importing, require
 from shardwire.launch import tells_the_user
-from shardwire.mappings import MappingError, cut, read_file, read_mapping, shown
+from shardwire.mappings import MappingError, cut, one_line, read_file, read_mapping, shown
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_tokenizer, needs_custom_code,
@@ -228,8 +229,8 @@ def hf_config(transformers, source: str):
         if os.path.isdir(source):
             check_files(pathlib.Path(source))
         if source.lstrip().startswith("{"):
-            return config_from_fields(transformers, fields), None
-        with _config_notes():
+            return config_from_fields(transformers, fields, what), None
+        with _config_notes(what):
             config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
                                                                         trust_remote_code=False))
     except Exception as err:  # transformers' errors for a config it cannot read vary
@@ -249,12 +250,13 @@ def config_fields(name: str) -> dict | None:
     return read_config(name[len(HF_PREFIX):])
 
 
-def config_from_fields(transformers, fields: dict):
+def config_from_fields(transformers, fields: dict, what: str = "the recorded config"):
     """The transformers config of ``fields``, a config.json's mapping (an inline config, or what a
-    checkpoint recorded); a ``ValueError`` saying what is wrong with it."""
+    checkpoint recorded); a ``ValueError`` saying what is wrong with it. ``what``: the config, as
+    transformers' warnings about it name it."""
     fields = dict(fields)
     try:
-        with _config_notes():
+        with _config_notes(what):
             config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(first_line(err)) from None
@@ -262,21 +264,36 @@ def config_from_fields(transformers, fields: dict):
 
 
 @contextlib.contextmanager
-def _config_notes() -> Iterator[None]:
-    """Let transformers' warnings about a config it reads (a bos_token_id outside the vocabulary)
-    through only in the process that tells the user (``launch.tells_the_user``): every rank reads the
-    same config, and would repeat them once per rank. Within that process transformers says each one
-    once, however often the config is read."""
-    if tells_the_user():
-        yield
-        return
+def _config_notes(what: str) -> Iterator[None]:
+    """Say transformers' warnings about a config it reads (a bos_token_id outside the vocabulary) as
+    shardwire's, naming the model (``what``), and only in the process that tells the user
+    (``launch.tells_the_user``): every rank reads the same config, and would repeat them once per
+    rank. As warnings they are held with the command's own until its checks pass (a refusal is its one
+    line alone). Within that process transformers says each one once, however often the config is read."""
     logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    level, handlers = logger.level, logger.handlers
+    notes = _Notes()
+    logger.handlers = [notes]
+    if not tells_the_user():
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         logger.setLevel(level)
+        logger.handlers = handlers
+        for note in notes.said:
+            warnings.warn(one_line(f"{what}: {note}"), stacklevel=1)
+
+
+class _Notes(logging.Handler):
+    """What transformers logs, kept to be said otherwise."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
 
 
 def _buildable(config):
