@@ -19,6 +19,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -35,6 +36,9 @@ _WORKER_FOOTPRINT = 128 << 20
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Set for the workers ``launch_local`` starts: their launcher checked the job and said what it noted.
 _NOTED_BY_LAUNCHER = "SHARDWIRE_NOTED_BY_LAUNCHER"
+# How long a worker whose line another worker says first leaves its launcher to stop it: torchrun's
+# agent looks at its workers every 0.1 s, and stops the rest (SIGTERM) once one has failed.
+_LAUNCHERS_STOP_S = 2.0
 # Set beside the OMP_NUM_THREADS a node's command was given for the whole node (``shardwire testbed
 # exec``): that value, for the ranks the command starts on the node to share (``share_node_threads``).
 NODE_THREADS = "SHARDWIRE_NODE_THREADS"
@@ -43,6 +47,15 @@ NODE_THREADS = "SHARDWIRE_NODE_THREADS"
 def under_launcher() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets torchrun's variables)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def leave_it_to_the_launcher() -> None:
+    """In a worker, wait a moment for the launcher to stop it before it says its own line, where
+    another worker says why the job stops: the same refusal (all ranks read the same data), or the
+    failure this worker only waited on. The user then reads one line. A launcher that does not stop
+    it (the failed rank on another node, whose own agent saw it) lets it say its line after all."""
+    if under_launcher():
+        time.sleep(_LAUNCHERS_STOP_S)
 
 
 def tells_the_user() -> bool:

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 
+from shardwire import launch
 from shardwire.cli import _run, command, main
 from shardwire.comm.errors import CollectiveError
 from shardwire.launch import REFUSED
@@ -222,14 +223,18 @@ def test_an_abbreviated_option_works_for_a_release_with_a_warning(capsys):
 
 def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
     """A peer that refused (data changed under it) or crashed leaves the others' collectives failing:
-    each says what it was waiting for in one line, not a traceback, before the launcher stops it."""
+    each says what it was waiting for in one line, not a traceback, where the launcher has not stopped
+    it first (the peer's line is then the one the user reads)."""
     def run(args, argv, checked):
         raise CollectiveError("rank 1: all_gather of 'blocks.0'\nfailed (Connection closed by peer). Another rank "
                               "has probably stopped")
 
+    waited = []
+    monkeypatch.setattr(launch.time, "sleep", waited.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == REFUSED
+    assert waited == [launch._LAUNCHERS_STOP_S]  # for the launcher, which looks at its workers every 0.1 s
     assert capsys.readouterr().err == ("error: rank 1: all_gather of 'blocks.0' failed (Connection closed by peer). "
                                        "Another rank has probably stopped\n")
     monkeypatch.delenv("LOCAL_RANK")  # a library call outside a launcher raises as ever

@@ -39,6 +39,7 @@ from shardwire.launch import (
     die_with_launcher,
     end_process,
     launcher_problem,
+    leave_it_to_the_launcher,
     share_node_threads,
     signals_held,
     stop_signals,
@@ -303,7 +304,8 @@ def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[st
         if not under_launcher():
             raise
         # A peer stopped (refused, crashed, was killed) while this worker waited on it: its message says
-        # why, this one only what it was waiting for, in one line, before the launcher stops it too.
+        # why, this one only what it was waiting for, in one line, where the launcher does not stop it first.
+        leave_it_to_the_launcher()
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return REFUSED
     except KeyboardInterrupt as err:

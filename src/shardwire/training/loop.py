@@ -40,7 +40,7 @@ from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
 from shardwire.files import OutputRefused, StagedDirectory
-from shardwire.launch import REFUSED, under_launcher
+from shardwire.launch import REFUSED, leave_it_to_the_launcher, under_launcher
 from shardwire.mappings import one_line
 from shardwire.models import fp8
 from shardwire.models import tokenizer as hf_tokenizer
@@ -113,6 +113,8 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             planned = autoplan.plan_run(config, device, _probe) if config.plan != "none" else None
             _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
+            if dist.get_rank() != 0:  # every rank reads the file: rank 0 says it, alone where it can
+                leave_it_to_the_launcher()
             raise SystemExit(f"error: --data: {err}") from None
         except SettingError as err:  # settings only the groups of a quorum can compare (fault tolerance)
             raise SystemExit(f"error: {err.as_options()}") from None
