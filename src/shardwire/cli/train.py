@@ -60,7 +60,7 @@ from shardwire.sim.specs import TrainingSpec
 from shardwire.training.autoplan import unplannable
 from shardwire.training.config import LAUNCH_OPTIONS, NEEDS, TrainConfig, is_given
 from shardwire.training.data import check_default_corpus
-from shardwire.training.loop import run_tokenizer, train, training_corpus
+from shardwire.training.loop import run_tokenizer, train, trained_otherwise, training_corpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +194,8 @@ def _validate(config: TrainConfig, given: dict[str, str]) -> None:
         config.fault_tolerance = str(fault_tolerance)
     _check_this_machine(config, fault_tolerance)
     choice = _check_model(config, diloco, given)
+    if config.checkpoint_dir is not None and (another := trained_otherwise(config, choice.seq_len)) is not None:
+        raise SystemExit(f"error: {another}")
     _check_memory(config, choice)
     _check_data(config, choice)
 

@@ -735,7 +735,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
             deal: Deal | None = None) -> int:
     """Restore the newest good checkpoint in --checkpoint-dir, and the data ``deal`` of
     fault-tolerant groups; returns the step to continue from."""
-    if (another := _trained_otherwise(config, seq_len)) is not None:
+    if (another := trained_otherwise(config, seq_len)) is not None:
         raise _agreed(f"error: {another}")
     try:
         info = shardwire.load_latest_checkpoint(config.checkpoint_dir, model, optimizer)
@@ -785,14 +785,16 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     return info.step
 
 
-def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
+def trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
     """Why no checkpoint of --checkpoint-dir fits this run's model, said before any is loaded (each
     would be skipped as another model's, for one reason said once per checkpoint): the newest was
     trained as another GPT preset, or as a model of the other kind (a preset, an ``hf:`` model), or as
     this model with what lays its weights out otherwise: other ``--units`` (a checkpoint holds a flat
     buffer per unit), or, for a GPT preset, another ``--seq-len`` (its position table has a row per
-    token; an ``hf:`` model's weights do not depend on it). An ``hf:`` model recorded at another path
-    may be the same model moved: loading tells."""
+    token; an ``hf:`` model's weights do not depend on it), or an ``hf:`` model whose config changed
+    since (``_architecture_change``). An ``hf:`` model recorded at another path may be the same model
+    moved: loading tells. ``shardwire train`` asks it before any worker starts, so that the refusal is
+    its one line alone; each worker again, as it resumes (under a torchrun of the user's)."""
     for path in reversed(list_checkpoints(config.checkpoint_dir)):
         try:
             extra = Manifest.read(path).extra
@@ -813,6 +815,9 @@ def _trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
             remedy = f"--units {settings['units']}" if settings["units"] else "no --units"
             return (f"{path} was trained with {trained}, and this run has {given}: a checkpoint holds its weights "
                     f"unit by unit, so give {remedy} to resume it")
+        if (change := _architecture_change(config.model, path, extra.get("hf_config"),
+                                           config_fields(config.model))) is not None:
+            return change
         recorded = recorded_seq_len(extra)
         if recorded is None and settings and config.model in PRESETS:
             recorded = PRESETS[config.model].seq_len  # trained at the preset's own length
@@ -842,14 +847,21 @@ def _changed_scale(info, global_batch: int) -> list[str]:
 
 
 def _check_architecture(config: TrainConfig, info, now: dict | None) -> None:
-    """Refuse to resume an ``hf:`` model whose config differs from the one the checkpoint recorded,
-    naming the first difference: the weights were trained for the recorded architecture (another
-    activation or epsilon fits the same shapes, and would pair them with another model silently)."""
-    recorded = info.extra.get("hf_config")
-    if isinstance(recorded, dict) and now is not None and (change := config_difference(recorded, now)) is not None:
-        raise _agreed(f"error: {config.model}'s config differs from the one {info.path} was trained with: "
-                         f"{change}; its weights belong to the recorded architecture: restore the config, or give "
-                         f"--checkpoint-dir a new directory")
+    """Refuse to resume an ``hf:`` model whose config differs from the one the checkpoint ``info``
+    recorded (``_architecture_change``)."""
+    if (change := _architecture_change(config.model, info.path, info.extra.get("hf_config"), now)) is not None:
+        raise _agreed(f"error: {change}")
+
+
+def _architecture_change(model: str, path, recorded: object, now: dict | None) -> str | None:
+    """Why the checkpoint at ``path``, whose ``hf:`` model's config was ``recorded``, cannot be
+    resumed into ``model``, whose config is ``now``: the first difference. The weights were trained
+    for the recorded architecture (another activation or epsilon fits the same shapes, and would pair
+    them with another model silently)."""
+    if not isinstance(recorded, dict) or now is None or (change := config_difference(recorded, now)) is None:
+        return None
+    return (f"{model}'s config differs from the one {path} was trained with: {change}; its weights belong to the "
+            f"recorded architecture: restore the config, or give --checkpoint-dir a new directory")
 
 
 def _set_hyperparameters(config: TrainConfig, optimizer, scheduler, step: int) -> None:
