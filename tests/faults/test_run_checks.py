@@ -303,6 +303,28 @@ def test_a_token_file_cut_short_under_a_run_is_one_error_naming_it(tmp_path):
         corpus.batch(1, 4, 32)
 
 
+def test_a_token_file_rewritten_in_place_under_a_run_is_one_error_naming_it(tmp_path):
+    path = token_file(tmp_path / "tokens.bin", 100_000)
+    corpus = load_corpus(str(path), 32)
+    corpus.vocab_size = 256
+    corpus.batch(0, 4, 32)
+    stat = path.stat()
+    np.zeros(100_000, dtype=np.uint16).tofile(path)  # the same size: its modification time tells
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    with pytest.raises(DataChanged, match=f"{path} changed while the run read it: it was written to since the run "
+                                          f"started \\(rewritten in place\\)"):
+        corpus.batch(1, 4, 32)
+    corpus = load_corpus(str(path), 32)
+    corpus.vocab_size = 256
+    ids = np.memmap(path, dtype=np.uint16, mode="r+")
+    ids[:] = 60_000  # written between the run's look at the file and its read: past the vocabulary
+    ids.flush()
+    corpus._file._written = path.stat().st_mtime_ns
+    with pytest.raises(DataChanged, match=f"{path} changed while the run read it: it now holds token id 60,000, past "
+                                          f"the model's vocabulary of 256"):
+        corpus.batch(1, 4, 32)
+
+
 def test_the_data_identity_tells_other_data_apart(tmp_path):
     first = load_corpus(str(token_file(tmp_path / "a.bin", 100_000)), 32).identity
     assert data_change(first, load_corpus(str(tmp_path / "a.bin"), 32).identity) is None

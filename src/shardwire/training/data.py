@@ -242,6 +242,9 @@ class DataChanged(RuntimeError):
     """The data changed under a run that reads it; its message names the file and what to do."""
 
 
+_RESTORE = "restore it, and run again to resume from the newest checkpoint"
+
+
 def identity(size: int, head: bytes, tail: bytes, name: str, tokens: int) -> dict:
     """What a checkpoint records of the data it was trained on, to name a resume on other data: its
     name, its length in tokens and a fingerprint of its size in bytes and its first and last
@@ -268,7 +271,8 @@ class _IdFile:
     """A token file's ids read by rows with ``pread``, not through the memory map: a file cut short
     while a run reads it then gives a short read, which ``DataChanged`` names in one line, where a
     memory map's read past the end kills the process with SIGBUS and no message. One ``fstat`` per
-    batch (a microsecond beside a step) also names a file rewritten in place at another size."""
+    batch (a microsecond beside a step) also names a file rewritten in place, at another size or at
+    the same (its modification time)."""
 
     def __init__(self, file: pathlib.Path, ids: np.memmap):
         self._file = file
@@ -276,12 +280,15 @@ class _IdFile:
         weakref.finalize(self, os.close, self._fd)
         self._dtype = ids.dtype
         self._offset = ids.offset
-        self._size = os.fstat(self._fd).st_size
+        stat = os.fstat(self._fd)
+        self._size, self._written = stat.st_size, stat.st_mtime_ns
 
-    def check_size(self) -> None:
-        """Raise ``DataChanged`` where the file no longer has the size it had when the run opened it."""
-        if (now := os.fstat(self._fd).st_size) != self._size:
-            raise DataChanged(self._changed(now))
+    def check_unchanged(self) -> None:
+        """Raise ``DataChanged`` where the file no longer has the size or the modification time it had
+        when the run opened it."""
+        stat = os.fstat(self._fd)
+        if (stat.st_size, stat.st_mtime_ns) != (self._size, self._written):
+            raise DataChanged(self._changed(stat.st_size))
 
     def read(self, start: int, count: int) -> np.ndarray:
         """``count`` ids from id ``start`` on."""
@@ -291,10 +298,17 @@ class _IdFile:
             raise DataChanged(self._changed(os.fstat(self._fd).st_size))
         return np.frombuffer(data, dtype=self._dtype)
 
+    def past_vocabulary(self, token: int, vocab_size: int) -> DataChanged:
+        """A batch read holds ``token``, which the file did not hold when the run checked it."""
+        return DataChanged(f"{self._file} changed while the run read it: it now holds token id {token:,}, past the "
+                           f"model's vocabulary of {vocab_size:,} (rewritten in place): {_RESTORE}")
+
     def _changed(self, size: int) -> str:
+        if size == self._size:
+            return (f"{self._file} changed while the run read it: it was written to since the run started "
+                    f"(rewritten in place): {_RESTORE}")
         return (f"{self._file} changed while the run read it: it holds {size:,} bytes, {self._size:,} when the run "
-                f"started (cut short, or rewritten in place): restore it, and run again to resume from the newest "
-                f"checkpoint")
+                f"started (cut short, or rewritten in place): {_RESTORE}")
 
 
 class _Sequences:
@@ -326,6 +340,9 @@ class TokenCorpus(_Sequences):
         self.splits = _splits(ids, source or self.name, "tokens", seq_len)
         self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
         self._file = _IdFile(file, ids)
+        # the ids a batch may hold, once the run knows its model's vocabulary: one past it was written
+        # since the run checked the file, and would end it in an IndexError inside the embedding
+        self.vocab_size: int | None = None
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(_FINGERPRINT_BYTES)
@@ -364,8 +381,11 @@ class TokenCorpus(_Sequences):
 
     def _read(self, starts: list[int], seq_len: int, split: str) -> torch.Tensor:
         begin = self._starts[split]
-        self._file.check_size()
-        return torch.from_numpy(np.stack([self._file.read(begin + s, seq_len + 1) for s in starts]).astype(np.int64))
+        self._file.check_unchanged()
+        rows = np.stack([self._file.read(begin + s, seq_len + 1) for s in starts])
+        if self.vocab_size is not None and rows.size and (token := int(rows.max())) >= self.vocab_size:
+            raise self._file.past_vocabulary(token, self.vocab_size)
+        return torch.from_numpy(rows.astype(np.int64))
 
 
 def _width_held(ids: np.ndarray) -> int:

@@ -394,7 +394,7 @@ def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None
     model's own tokenizer where its directory holds one; text as bytes only into a model whose ids
     mean bytes (a GPT preset, or a Hugging Face model with a vocabulary of 256), and refused where it
     needs more than ``memory`` bytes; a tokenizer with more ids than the model's vocabulary is refused
-    before it tokenises anything."""
+    before it tokenises anything. Its batches hold ids of the vocabulary only (``TokenCorpus.vocab_size``)."""
     text = not (config.data or "").endswith(TOKEN_SUFFIXES)
     tokenizer = run_tokenizer(config) if text or config.tokenizer is not None else None  # ids need none given
     corpus = load_corpus(config.data, choice.seq_len, tokenizer and str(tokenizer[0]), config.token_dtype, memory,
@@ -402,6 +402,8 @@ def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None
     if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != BYTE_VOCAB:
         raise ValueError(f"--data is text, read as bytes (ids 0 to 255), but {choice.name}'s {choice.vocab_size:,} "
                          f"ids are its tokenizer's: give --tokenizer DIR (its tokenizer) or pre-tokenised --data")
+    if isinstance(corpus, TokenCorpus):
+        corpus.vocab_size = choice.vocab_size
     return corpus
 
 
