@@ -242,6 +242,22 @@ def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
         _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), [])
 
 
+@pytest.mark.parametrize("rank, waits", [("0", False), ("1", True)])
+def test_a_refusal_every_rank_meets_is_rank_0s_to_say(monkeypatch, capsys, rank, waits):
+    """Every rank reads the same data and options: where each refuses alike (a file cut short as the
+    workers start), rank 0 says it at once and the others wait for the launcher to stop them."""
+    def run(args, argv, checked):
+        raise SystemExit("error: --data: t.bin changed")
+
+    waited = []
+    monkeypatch.setattr(launch.time, "sleep", waited.append)
+    for name, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == REFUSED
+    assert waited == ([launch._LAUNCHERS_STOP_S] if waits else [])
+    assert capsys.readouterr().err == "error: --data: t.bin changed\n"  # said where the launcher did not stop it
+
+
 def test_shardwires_own_warnings_are_one_line_and_others_as_ever():
     from shardwire.cli import _warnings_in_one_line
     from shardwire.engine.checkpoint import series

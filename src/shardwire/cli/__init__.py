@@ -298,6 +298,8 @@ def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[st
     except SystemExit as err:
         if not (under_launcher() and isinstance(err.code, str)):
             raise
+        if os.environ.get("RANK", "0") != "0":  # every rank may refuse alike (data changed under them): rank 0 says it
+            leave_it_to_the_launcher()
         print(one_line(err.code), file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
         return REFUSED
     except CollectiveError as err:

@@ -40,7 +40,7 @@ from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
 from shardwire.files import OutputRefused, StagedDirectory
-from shardwire.launch import REFUSED, leave_it_to_the_launcher, under_launcher
+from shardwire.launch import REFUSED, under_launcher
 from shardwire.mappings import one_line
 from shardwire.models import fp8
 from shardwire.models import tokenizer as hf_tokenizer
@@ -113,8 +113,6 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             planned = autoplan.plan_run(config, device, _probe) if config.plan != "none" else None
             _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
-            if dist.get_rank() != 0:  # every rank reads the file: rank 0 says it, alone where it can
-                leave_it_to_the_launcher()
             raise SystemExit(f"error: --data: {err}") from None
         except SettingError as err:  # settings only the groups of a quorum can compare (fault tolerance)
             raise SystemExit(f"error: {err.as_options()}") from None
@@ -144,7 +142,10 @@ def _build(config: TrainConfig, device: torch.device) -> _Job:
     """The model made from ``config.seed`` and sharded (a unit at a time where it is made on the meta
     device: no worker holds the whole model), its pretrained weights loaded, and its optimizer."""
     choice = choose(config.model, units=config.units, seq_len=config.seq_len)
-    corpus = training_corpus(config, choice)
+    try:
+        corpus = training_corpus(config, choice)
+    except (ValueError, FileNotFoundError) as err:  # what the command checked before this worker started
+        raise DataChanged(f"{err} (it changed as the run started)") from None
 
     torch.manual_seed(config.seed)
     if choice.init is not None:
