@@ -359,13 +359,32 @@ def quiet_agent() -> None:
 
 def failed_workers(err) -> int:
     """The status of a job whose workers failed (torch's ``ChildFailedError``): a worker's refusal,
-    which said why in one line, as it is; any other failure in one line naming the ranks."""
+    which said why in one line, as it is; any other failure in one line naming the ranks that failed
+    and how (an exit status, or the signal that killed one, which leaves no message of its own). The
+    ranks the launcher stopped with SIGTERM once one had failed are counted, not named."""
     statuses = {failure.exitcode for failure in err.failures.values()}
     if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
         return REFUSED  # a worker said why, in one line, and the agent stopped the rest
-    failures = ", ".join(f"rank {rank} (exit {f.exitcode})" for rank, f in sorted(err.failures.items()))
-    print(f"error: worker processes failed: {failures}; their messages are above", file=sys.stderr)
+    ended = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
+    failed = {rank: status for rank, status in ended.items() if status != -signal.SIGTERM} or ended
+    named = ", ".join(f"rank {rank} ({_how_it_ended(status)})" for rank, status in failed.items())
+    stopped = "; the launcher then stopped the rest" if len(ended) > len(failed) else ""
+    said = sum(status > 0 for status in failed.values())
+    above = "" if not said else "; its message is above" if said == 1 else "; their messages are above"
+    print(f"error: worker processes failed: {named}{stopped}{above}", file=sys.stderr)
     return 1
+
+
+def _how_it_ended(status: int) -> str:
+    """A worker's exit status in words: its exit code, or the signal that killed it (SIGKILL: the
+    system's out-of-memory killer, or a user's ``kill -9``)."""
+    if status >= 0:
+        return f"exit {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    return f"killed by {name}" + (": out of memory, or kill -9" if -status == signal.SIGKILL else "")
 
 
 def _barrier_left(record: logging.LogRecord) -> bool:

@@ -152,3 +152,21 @@ def test_a_second_signal_as_the_command_stops_changes_nothing(signum, said):
     done = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "SIGNAL": str(int(signum))})
     assert (done.returncode, done.stderr) == (128 + signum, f"{said}\n")
+
+
+@pytest.mark.parametrize("statuses, line", [
+    ({0: -signal.SIGKILL, 1: -signal.SIGTERM},
+     "rank 0 (killed by SIGKILL: out of memory, or kill -9); the launcher then stopped the rest"),
+    ({0: 1, 1: -signal.SIGTERM}, "rank 0 (exit 1); the launcher then stopped the rest; its message is above"),
+    ({0: -signal.SIGSEGV, 1: 1}, "rank 0 (killed by SIGSEGV), rank 1 (exit 1); its message is above"),
+])
+def test_workers_that_failed_are_named_with_how_they_ended(statuses, line, capsys):
+    """A worker killed by a signal says nothing itself: the line names the signal, and says a message
+    is above only where a worker that failed could write one; the ranks the launcher stopped once one
+    failed are not the failure."""
+    from types import SimpleNamespace
+
+    from shardwire.launch import failed_workers
+    failed = SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in statuses.items()})
+    assert failed_workers(failed) == 1
+    assert capsys.readouterr().err == f"error: worker processes failed: {line}\n"
