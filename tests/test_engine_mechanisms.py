@@ -470,3 +470,11 @@ def different_models(rank, world, field):
 def test_ranks_with_different_models_are_refused(field, detail):
     for message in run_workers(2, different_models, field):
         assert "rank 1's model differs from rank 0's" in message and detail in message
+
+
+def test_a_collectives_failure_says_what_the_library_said_without_its_source_location():
+    from shardwire.comm.errors import without_source_locations
+    said = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+            "15000ms for recv operation to complete")
+    assert without_source_locations(said) == "Timed out waiting 15000ms for recv operation to complete"
+    assert without_source_locations("rank [1] of [a.py:3]") == "rank [1] of [a.py:3]"  # only a C++ source's

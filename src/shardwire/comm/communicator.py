@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from shardwire.comm.clock import Clock
-from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
+from shardwire.comm.errors import CollectiveError, ScheduleMismatchError, without_source_locations
 from shardwire.comm.exchange import Exchange, encode_header
 from shardwire.comm.groups import placement_of
 from shardwire.comm.lanes import Lane
@@ -133,8 +133,8 @@ class Pending:
             except RuntimeError as err:
                 raise CollectiveError(
                     f"rank {dist.get_rank()}: {self._op} of {self._tag!r} failed or did not complete "
-                    f"within {comm.timeout.total_seconds():g}s ({err}). Another rank has probably "
-                    f"stopped, crashed, or is running a different unit: check its log."
+                    f"within {comm.timeout.total_seconds():g}s ({without_source_locations(str(err))}). Another "
+                    f"rank has probably stopped, crashed, or is running a different unit: check its log."
                 ) from err
         if record is not None:
             stall_end = comm.clock.stamp()

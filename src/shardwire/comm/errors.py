@@ -1,5 +1,16 @@
 """The two ways a collective fails: it did not complete, or the ranks were not running the same one."""
 
+import re
+
+# Where in its sources a C++ library raised what it says ("[/__w/pytorch/pytorch/third_party/gloo/gloo/
+# transport/tcp/unbound_buffer.cc:78] Timed out ..."): of use to its own developers, not to the user.
+_SOURCE_LOCATION = re.compile(r"\[[^\[\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def without_source_locations(message: str) -> str:
+    """``message`` without the source locations a C++ library puts before what it says."""
+    return _SOURCE_LOCATION.sub("", message)
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or did not complete in time; the message says which rank, op and tag."""
