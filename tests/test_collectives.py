@@ -258,6 +258,20 @@ def test_records_resolve_through_a_clock():
     assert records[0].span(clock) == pytest.approx((1.0, 3.0))
 
 
+def test_exposed_communication_is_a_part_of_communication():
+    """Waits that overlap each other (two collectives waited for at once) or outlast the collective
+    (the lane's report of its end comes later) count once, and only while a collective is in flight:
+    exposed was once larger than comm, and the overlap ratio negative."""
+    clock = Clock(torch.device("cpu"))
+    t = clock.origin
+    records = [
+        CommRecord("all_gather", "a", 8, 8, start=t + 1, end=t + 3, stalls=[(t + 2, t + 4)]),
+        CommRecord("all_gather", "b", 8, 8, start=t + 1, end=t + 3, stalls=[(t + 2, t + 3)]),
+    ]
+    summary = CommSummary.of(records, clock)
+    assert summary.busy_s == pytest.approx(2.0) and summary.exposed_s == pytest.approx(1.0)
+
+
 class FakeEvent:
     """A CUDA event's interface, recorded at a known GPU time (milliseconds)."""
 

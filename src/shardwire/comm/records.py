@@ -37,6 +37,3 @@ class CommRecord:
             return None
         return clock.seconds(self.start), clock.seconds(self.end)
 
-    def stalled_s(self, clock: Clock) -> float:
-        """Seconds the training waited for this collective."""
-        return sum(clock.seconds(end) - clock.seconds(start) for start, end in self.stalls)

@@ -13,7 +13,9 @@ from shardwire.profile import intervals
 @dataclasses.dataclass(frozen=True)
 class CommSummary:
     busy_s: float  # time with at least one collective in flight
-    exposed_s: float  # time the training waited for one (the thread on CPU, the compute stream on CUDA)
+    # the part of it the training waited through (the thread on CPU, the compute stream on CUDA): never
+    # more than busy_s, as the profile's exposed comm (``shardwire.profile.analysis``)
+    exposed_s: float
     nbytes: int  # bytes of the buffers collectives produced or consumed (nccl-tests' sizes)
     wire_nbytes: int  # the same buffers as they travelled: smaller where a wire quantized them
     count: int
@@ -22,9 +24,10 @@ class CommSummary:
     def of(cls, records: list[CommRecord], clock: Clock) -> "CommSummary":
         """Summarise the records of a step that has been waited for (on CUDA: its events are complete)."""
         spans = [span for span in (r.span(clock) for r in records) if span is not None]
+        stalls = [(clock.seconds(start), clock.seconds(end)) for r in records for start, end in r.stalls]
         return cls(
             busy_s=intervals.total(spans),
-            exposed_s=sum(r.stalled_s(clock) for r in records),
+            exposed_s=intervals.covered(stalls, spans),
             nbytes=sum(r.nbytes for r in records),
             wire_nbytes=sum(r.wire_nbytes for r in records),
             count=len(records),
