@@ -222,4 +222,6 @@ def test_a_tokenizer_directory_transformers_cannot_read_is_named_in_one_whole_li
         main(["train", "--data", str(text), "--tokenizer", str(empty)])
     with pytest.raises(Exception) as theirs:
         transformers.AutoTokenizer.from_pretrained(empty, local_files_only=True)
-    assert str(refused.value) == f"error: --tokenizer {empty}: {' '.join(str(theirs.value).split())}"  # all of it
+    assert str(refused.value) == (f"error: --tokenizer {empty}: transformers cannot read it "  # all of its message
+                                  f"({' '.join(str(theirs.value).split())}): give a directory a tokenizer's "
+                                  f"save_pretrained wrote")

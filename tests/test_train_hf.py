@@ -127,7 +127,11 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
 
 
 @pytest.mark.parametrize("model, extra, message", [
-    ('hf:{"model_type": "nope"}', [], "Unrecognized model identifier: nope"),
+    ('hf:{"model_type": "nope"}', [], f"model_type 'nope' is not one transformers {transformers.__version__} knows"),
+    ('hf:{"n_embd": 64}', [], "the config names no model_type: give the one its model is (llama, gpt2, ...)"),
+    ("hf:" + json.dumps({**LLAMA, "hidden_act": "nope"}), [], "the config names 'nope', which transformers does not know"),
+    ("hf:" + json.dumps({**LLAMA, "num_key_value_heads": 3}), [],
+     "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),
     ("hf:/no/such/model", [], "/no/such/model does not exist"),
     ("hf:/etc", [], "hf:/etc is a directory without a config.json: give the model's directory"),

@@ -255,6 +255,11 @@ def config_from_fields(transformers, fields: dict, what: str = "the recorded con
     checkpoint recorded); a ``ValueError`` saying what is wrong with it. ``what``: the config, as
     transformers' warnings about it name it."""
     fields = dict(fields)
+    if not fields.get("model_type"):
+        raise ValueError("the config names no model_type: give the one its model is (llama, gpt2, ...)")
+    if not isinstance(fields["model_type"], str) or fields["model_type"] not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"model_type {shown(fields['model_type'], 60)} is not one transformers "
+                         f"{transformers.__version__} knows: give the one its model is (llama, gpt2, ...)")
     try:
         with _config_notes(what):
             config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
@@ -375,11 +380,14 @@ def _custom_code_not_run(config, source: str, built: str) -> str | None:
 
 
 def first_line(err: Exception) -> str:
-    """An exception's message as one line of at most 300 characters (transformers' span several, and
-    some say what is wrong on the line after a colon)."""
+    """An exception's message as one line of at most 300 characters, ending in ``...`` where cut
+    (transformers' span several, and some say what is wrong on the line after a colon); a
+    ``KeyError``, which says only the key, as the name transformers does not know."""
+    if isinstance(err, KeyError) and err.args:
+        return f"the config names {shown(err.args[0], 60)}, which transformers does not know"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     said = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
-    return said[:300]
+    return said if len(said) <= 300 else f"{said[:297]}..."
 
 
 def _check_weights(weights: pathlib.Path, what: str) -> None:

@@ -54,14 +54,18 @@ def check(directory: str | pathlib.Path, label: str) -> pathlib.Path:
 
 def load(directory: str | pathlib.Path, label: str):
     """The tokenizer in ``directory`` (``check``ed first); raises ``ValueError`` as ``check`` does, in
-    one line: transformers' own message, whole, its lines joined."""
+    one line: transformers' own message, whole, its lines joined, and what to give."""
     directory = check(directory, label)
     transformers = require("transformers", "a Hugging Face tokenizer")
     try:  # a tokenizer directory is data: the code its auto_map names never runs
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # a tokenizer transformers cannot read, however it says so
         problem = custom_code(directory / "config.json")
-        raise ValueError(f"{label}: {problem or ' '.join(str(err).split())}") from None
+        if problem is not None:
+            raise ValueError(f"{label}: {problem}") from None
+        said = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(f"{label}: transformers cannot read it ({said}): give a directory a tokenizer's "
+                         f"save_pretrained wrote") from None
 
 
 def check_vocabulary(tokenizer, vocab_size: int, label: str) -> None:
