@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,6 +215,9 @@ def test_a_resumed_run_says_what_it_changes_and_trains_with_it(tmp_path):
             "--lr 0.003 -> 0.001") in done.stdout
     record = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])  # the first step after resuming
     assert record["step"] == 5 and record["lr"] == pytest.approx(1e-3 * 6 / 40)  # the new peak, 6 of 40 warmup steps
+    np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    done = train("--steps", "9", "--lr", "1e-3", "--checkpoint-dir", "ckpt", "--data", "ids.bin", cwd=tmp_path)
+    assert "this run changes --steps 8 -> 9, --data (not given) -> ids.bin" in done.stdout, done.stdout
 
 
 @pytest.mark.slow

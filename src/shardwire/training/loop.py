@@ -774,7 +774,8 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             settings = changed_settings(recorded, config)
-            changed = [f"{flag(name)} {before} -> {now}" for name, (before, now) in settings.items()]
+            changed = [f"{flag(name)} {'(not given)' if before is None else before} -> "
+                       f"{'(not given)' if now is None else now}" for name, (before, now) in settings.items()]
             if "diloco" in settings and DiLoCo.parse(config.diloco) is None:
                 changed[list(settings).index("diloco")] += (
                     " (every group goes on from the model the groups agreed on at their last sync: the inner steps "
