@@ -130,6 +130,8 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
     ('hf:{"model_type": "nope"}', [], f"model_type 'nope' is not one transformers {transformers.__version__} knows"),
     ('hf:{"n_embd": 64}', [], "the config names no model_type: give the one its model is (llama, gpt2, ...)"),
     ("hf:" + json.dumps({**LLAMA, "hidden_act": "nope"}), [], "the config names 'nope', which transformers does not know"),
+    ("hf:" + json.dumps({**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 1}), [],
+     "hidden_size (64) must be a multiple of num_attention_heads (3), or give each head's width (head_dim)"),
     ("hf:" + json.dumps({**LLAMA, "num_key_value_heads": 3}), [],
      "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),
@@ -168,3 +170,12 @@ def test_the_flop_count_describes_hugging_face_decoders():
     assert flops_per_token(choice.spec).model == pytest.approx(counted, rel=1e-6)
     llama = choose("hf:" + json.dumps(LLAMA)).spec
     assert (llama.ffn_gated, llama.kv_heads, llama.ffn_hidden, llama.tied_embeddings) == (True, 2, 128, False)
+
+
+def test_a_config_difference_names_the_model_type_first_and_no_default_of_one_side_alone():
+    from shardwire.models.choice import config_difference
+    assert config_difference(LLAMA, {**LLAMA, "rms_norm_eps": 1e-5}) == "rms_norm_eps 1e-06 -> 1e-05"
+    assert config_difference(LLAMA, {**GPT2}).startswith("model_type 'llama' -> 'gpt2'")  # not what follows from it
+    # one side transformers cannot read: both compared as written, not one with its defaults filled in
+    assert config_difference({**LLAMA, "model_type": "nonesuch"}, LLAMA) == "model_type 'nonesuch' -> 'llama'"
+    assert config_difference(LLAMA, dict(LLAMA)) is None

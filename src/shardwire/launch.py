@@ -360,31 +360,47 @@ def quiet_agent() -> None:
 def failed_workers(err) -> int:
     """The status of a job whose workers failed (torch's ``ChildFailedError``): a worker's refusal,
     which said why in one line, as it is; any other failure in one line naming the ranks that failed
-    and how (an exit status, or the signal that killed one, which leaves no message of its own). The
-    ranks the launcher stopped with SIGTERM once one had failed are counted, not named."""
+    and how (an exit status, or the signal that ended one, which leaves no message of its own). The
+    ranks the launcher stopped with SIGTERM once one had failed are not named; where every rank ended
+    by SIGTERM, which was sent it first (from outside the run) the launcher cannot tell."""
     statuses = {failure.exitcode for failure in err.failures.values()}
     if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
         return REFUSED  # a worker said why, in one line, and the agent stopped the rest
     ended = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
-    failed = {rank: status for rank, status in ended.items() if status != -signal.SIGTERM} or ended
+    failed = {rank: status for rank, status in ended.items() if status != -signal.SIGTERM}
+    if not failed:
+        print(f"error: worker processes failed: ranks {', '.join(map(str, ended))} ended by SIGTERM, sent to one "
+              f"from outside the run (the launcher then stops the rest) or by the launcher as another node's "
+              f"failed", file=sys.stderr)
+        return 1
     named = ", ".join(f"rank {rank} ({_how_it_ended(status)})" for rank, status in failed.items())
     stopped = "; the launcher then stopped the rest" if len(ended) > len(failed) else ""
-    said = sum(status > 0 for status in failed.values())
+    said = sum(_ending_signal(status) is None and status > 0 for status in failed.values())
     above = "" if not said else "; its message is above" if said == 1 else "; their messages are above"
     print(f"error: worker processes failed: {named}{stopped}{above}", file=sys.stderr)
     return 1
 
 
-def _how_it_ended(status: int) -> str:
-    """A worker's exit status in words: its exit code, or the signal that killed it (SIGKILL: the
-    system's out-of-memory killer, or a user's ``kill -9``)."""
-    if status >= 0:
-        return f"exit {status}"
+def _ending_signal(status: int) -> str | None:
+    """The signal a worker's exit ``status`` says ended it: killed by it (negative), or, having
+    handled it, leaving with the status a shell gives (128 + its number: 130 for Ctrl-C); None for
+    an exit of the worker's own."""
+    number = -status if status < 0 else status - 128 if status > 128 else None
     try:
-        name = signal.Signals(-status).name
+        return None if number is None else signal.Signals(number).name
     except ValueError:
-        name = f"signal {-status}"
-    return f"killed by {name}" + (": out of memory, or kill -9" if -status == signal.SIGKILL else "")
+        return f"signal {number}" if status < 0 else None
+
+
+def _how_it_ended(status: int) -> str:
+    """A worker's exit status in words: its exit code, or the signal that ended it (SIGKILL: the
+    system's out-of-memory killer, or a user's ``kill -9``)."""
+    name = _ending_signal(status)
+    if name is None:
+        return f"exit {status}"
+    if status > 0:
+        return f"stopped by {name}, exit {status}"
+    return f"killed by {name}" + (": out of memory, or kill -9" if name == "SIGKILL" else "")
 
 
 def _barrier_left(record: logging.LogRecord) -> bool:

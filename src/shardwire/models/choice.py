@@ -230,7 +230,7 @@ def hf_config(transformers, source: str):
             check_files(pathlib.Path(source))
         if source.lstrip().startswith("{"):
             return config_from_fields(transformers, fields, what), None
-        with _config_notes(what):
+        with transformers_notes(what):
             config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
                                                                         trust_remote_code=False))
     except Exception as err:  # transformers' errors for a config it cannot read vary
@@ -261,7 +261,7 @@ def config_from_fields(transformers, fields: dict, what: str = "the recorded con
         raise ValueError(f"model_type {shown(fields['model_type'], 60)} is not one transformers "
                          f"{transformers.__version__} knows: give the one its model is (llama, gpt2, ...)")
     try:
-        with _config_notes(what):
+        with transformers_notes(what):
             config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(first_line(err)) from None
@@ -269,25 +269,26 @@ def config_from_fields(transformers, fields: dict, what: str = "the recorded con
 
 
 @contextlib.contextmanager
-def _config_notes(what: str) -> Iterator[None]:
-    """Say transformers' warnings about a config it reads (a bos_token_id outside the vocabulary) as
-    shardwire's, naming the model (``what``), and only in the process that tells the user
-    (``launch.tells_the_user``): every rank reads the same config, and would repeat them once per
+def transformers_notes(what: str) -> Iterator[None]:
+    """Say what transformers logs while it reads a config or a tokenizer (a bos_token_id outside the
+    vocabulary; a tokenizer file it falls back from reading one way to another) as shardwire's
+    warnings, naming what it read (``what``), and only in the process that tells the user
+    (``launch.tells_the_user``): every rank reads the same files, and would repeat them once per
     rank. As warnings they are held with the command's own until its checks pass (a refusal is its one
-    line alone). Within that process transformers says each one once, however often the config is read."""
+    line alone). Within that process transformers says each one once, however often a config is read."""
     logger = logging.getLogger("transformers")
     level, handlers = logger.level, logger.handlers
-    notes = _Notes()
+    notes, telling = _Notes(), tells_the_user()
     logger.handlers = [notes]
-    if not tells_the_user():
-        logger.setLevel(logging.ERROR)
+    if not telling:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         logger.setLevel(level)
         logger.handlers = handlers
-        for note in notes.said:
-            warnings.warn(one_line(f"{what}: {note}"), stacklevel=1)
+        for note in notes.said if telling else ():
+            warnings.warn(one_line(f"{what}: {' '.join(note.split())}"), stacklevel=1)
 
 
 class _Notes(logging.Handler):
@@ -317,10 +318,15 @@ def config_difference(recorded: dict, now: dict) -> str | None:
     """The first difference between the config a checkpoint ``recorded`` and the one its model's
     source holds ``now`` (``config_fields``), as ``key before -> after``; None where they build the
     same model. Each is compared as transformers reads it, its defaults filled in: a config that
-    spells out a default (GPT-2's ``activation_function: gelu_new``) builds the same model."""
-    recorded, now = _as_read(recorded), _as_read(now)
+    spells out a default (GPT-2's ``activation_function: gelu_new``) builds the same model; both in
+    their own words where transformers cannot read one. A changed ``model_type`` is named first: the
+    other differences follow from it."""
+    read = _as_read(recorded), _as_read(now)
+    if None not in read:
+        recorded, now = read
     missing = object()
-    for key in sorted((recorded.keys() | now.keys()) - set(_CONFIG_BOOKKEEPING), key=str):
+    keys = (recorded.keys() | now.keys()) - set(_CONFIG_BOOKKEEPING)
+    for key in sorted(keys, key=lambda key: (key != "model_type", str(key))):
         before, after = recorded.get(key, missing), now.get(key, missing)
         if before != after:
             said = [("absent" if value is missing else shown(value, 60)) for value in (before, after)]
@@ -328,14 +334,13 @@ def config_difference(recorded: dict, now: dict) -> str | None:
     return None
 
 
-def _as_read(fields: dict) -> dict:
-    """``fields`` with the defaults transformers fills in, or as they are where it cannot read them
-    (the difference is then named in the fields' own words)."""
+def _as_read(fields: dict) -> dict | None:
+    """``fields`` with the defaults transformers fills in, or None where it cannot read them."""
     try:
         with quietly_importing():
             return config_from_fields(require("transformers", "--model hf:"), fields).to_dict()
     except Exception:  # a config transformers refuses, however it says so, or no transformers
-        return fields
+        return None
 
 
 def check_files(directory: pathlib.Path) -> None:
@@ -384,7 +389,7 @@ def first_line(err: Exception) -> str:
     (transformers' span several, and some say what is wrong on the line after a colon); a
     ``KeyError``, which says only the key, as the name transformers does not know."""
     if isinstance(err, KeyError) and err.args:
-        return f"the config names {shown(err.args[0], 60)}, which transformers does not know"
+        return f"the config names {shown(err.args[0], 60)}, which transformers does not know: give one it does"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     said = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
     return said if len(said) <= 300 else f"{said[:297]}..."

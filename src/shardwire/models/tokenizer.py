@@ -9,7 +9,7 @@ import hashlib
 import pathlib
 
 from shardwire.extras import require
-from shardwire.models.choice import check_files, custom_code
+from shardwire.models.choice import check_files, custom_code, transformers_notes
 from shardwire.models.gpt import PRESETS
 from shardwire.sim.huggingface import TOKENIZER_FILES, has_tokenizer
 
@@ -58,7 +58,9 @@ def load(directory: str | pathlib.Path, label: str):
     directory = check(directory, label)
     transformers = require("transformers", "a Hugging Face tokenizer")
     try:  # a tokenizer directory is data: the code its auto_map names never runs
-        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+        with transformers_notes(label):
+            return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True,
+                                                              trust_remote_code=False)
     except Exception as err:  # a tokenizer transformers cannot read, however it says so
         problem = custom_code(directory / "config.json")
         if problem is not None:

@@ -109,8 +109,10 @@ def check_sizes(fields: Mapping) -> None:
     """Raise a ``ValueError`` naming the first size in a config's ``fields`` that no model can have:
     checked before transformers reads them (a head count of 0 divides by zero there) and before the
     simulator does. Layers are made one by one, even on the meta device, so a billion of them would
-    hang whatever builds the model (training, export). Query heads that key and value heads do not
-    divide among them are refused too: transformers builds the model, which fails at its first forward."""
+    hang whatever builds the model (training, export). Heads that do not divide the width (where no
+    ``head_dim`` is given) or that key and value heads do not divide among them are refused too:
+    transformers would refuse the first in its own words, and build the second, which fails at its
+    first forward."""
     for name, alias, least, most in _SIZES:
         key = next((key for key in (name, alias) if fields.get(key) is not None), None)
         if key is None:
@@ -122,12 +124,19 @@ def check_sizes(fields: Mapping) -> None:
             what = f"{value:,} layers" if name == "num_hidden_layers" else f"{key} is {value:,}"
             raise ValueError(f"{what}, more than {most:,}, far beyond any published model: give the {key} the "
                              f"model has")
-    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    given = {name: next((key for key in (name, alias) if fields.get(key) is not None), None)
+             for name, alias, _, _ in _SIZES}
+    hidden, heads = given["hidden_size"], given["num_attention_heads"]
+    if fields.get("head_dim") is None and hidden and heads and fields[hidden] % fields[heads]:
+        # each head is hidden / heads wide unless the config says otherwise
+        raise ValueError(f"{hidden} ({fields[hidden]}) must be a multiple of {heads} ({fields[heads]}), or give "
+                         f"each head's width (head_dim)")
+    kv_heads = fields.get("num_key_value_heads")
     if kv_heads is not None and (isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1):
         raise ValueError(f"num_key_value_heads must be a whole number of at least 1, got {shown(kv_heads)}")
-    if isinstance(heads, int) and kv_heads is not None and heads % kv_heads:
+    if heads and kv_heads is not None and fields[heads] % kv_heads:
         # each key and value head serves a whole number of query heads: attention fails at its first forward
-        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        raise ValueError(f"{heads} ({fields[heads]}) must be a multiple of num_key_value_heads ({kv_heads})")
 
 
 def seq_len_of(fields: Mapping, seq_len: int | None) -> int:

@@ -242,7 +242,7 @@ class DataChanged(RuntimeError):
     """The data changed under a run that reads it; its message names the file and what to do."""
 
 
-_RESTORE = "restore it, and run again to resume from the newest checkpoint"
+_RESTORE = "restore it, and run again"
 
 
 def identity(size: int, head: bytes, tail: bytes, name: str, tokens: int) -> dict:

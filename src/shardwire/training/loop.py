@@ -113,7 +113,8 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             planned = autoplan.plan_run(config, device, _probe) if config.plan != "none" else None
             _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
-            raise SystemExit(f"error: --data: {err}") from None
+            resumed = f" (it resumes from the newest checkpoint in {config.checkpoint_dir})"
+            raise SystemExit(f"error: --data: {err}{resumed if config.checkpoint_dir else ''}") from None
         except SettingError as err:  # settings only the groups of a quorum can compare (fault tolerance)
             raise SystemExit(f"error: {err.as_options()}") from None
         except autoplan.PlanError as err:
@@ -780,11 +781,14 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
                 changed[list(settings).index("diloco")] += (
                     " (every group goes on from the model the groups agreed on at their last sync: the inner steps "
                     "since, each group's own, are not kept)")
-            changed += _changed_scale(info, trained_on["global_batch"]) + ([data] if data is not None else [])
+            # the data's change in length, unless --data itself is named changed above
+            changed += _changed_scale(info, trained_on["global_batch"]) + (
+                [data] if data is not None and "data" not in settings else [])
             what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
         else:
             what = " (it records no settings to compare this run's with)"
-        print(one_line(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} ranks){what}"),
+        print(one_line(f"resuming from {info.path} (step {info.step}, saved by {info.world_size} "
+                       f"rank{'s' if info.world_size > 1 else ''}){what}"),
               flush=True)
     return info.step
 
