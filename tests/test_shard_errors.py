@@ -149,3 +149,23 @@ def test_requires_grad_changed_after_shard_is_an_error_at_the_next_forward():
     with pytest.raises(RuntimeError, match="requires_grad of 'blocks.1.mlp.up.weight' was set to False after "
                                            "shardwire.shard: .* set requires_grad before sharding"):
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+def test_a_peer_lost_in_the_gradient_norms_all_reduce_is_a_collective_error(monkeypatch):
+    """DTensor's all-reduce of the norm raises torch's RuntimeError, which reached the user as a worker's
+    traceback from deep inside torch: it is the collective failure every other one is."""
+    import torch.distributed as dist
+
+    from shardwire.comm.errors import CollectiveError
+    model = shardwire.shard(tiny_gpt())
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lost)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    with pytest.raises(CollectiveError, match=r"^rank 1: the gradient norm's all-reduce failed \(Connection closed by "
+                                              r"peer\)\. Another rank has probably stopped"):
+        shardwire.clip_grad_norm_(model, 1.0)

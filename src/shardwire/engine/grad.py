@@ -8,8 +8,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from shardwire.comm.errors import CollectiveError, without_source_locations
 from shardwire.engine.shard import engine_of
 from shardwire.renamed import warn_renamed
 
@@ -27,7 +29,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     engine = engine_of(model)
     engine.emit("clip", None, "start")
-    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    try:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    except RuntimeError as err:  # DTensor's all-reduce of the norm: a peer that stopped fails it here
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            raise
+        said = without_source_locations(" ".join(str(err).split()))[:300]
+        raise CollectiveError(f"rank {dist.get_rank()}: the gradient norm's all-reduce failed ({said}). Another "
+                              f"rank has probably stopped or crashed: check its log.") from err
     engine.emit("clip", None, "end")
     return total
 

@@ -113,8 +113,9 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
             planned = autoplan.plan_run(config, device, _probe) if config.plan != "none" else None
             _train(planned.config if planned else config, device, export, planned)
         except DataChanged as err:
-            resumed = f" (it resumes from the newest checkpoint in {config.checkpoint_dir})"
-            raise SystemExit(f"error: --data: {err}{resumed if config.checkpoint_dir else ''}") from None
+            saved = config.checkpoint_dir is not None and list_checkpoints(config.checkpoint_dir)
+            resumed = f" (it resumes from the newest checkpoint in {config.checkpoint_dir})" if saved else ""
+            raise SystemExit(f"error: --data: {err}{resumed}") from None
         except SettingError as err:  # settings only the groups of a quorum can compare (fault tolerance)
             raise SystemExit(f"error: {err.as_options()}") from None
         except autoplan.PlanError as err:
