@@ -131,7 +131,8 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
     ('hf:{"n_embd": 64}', [], "the config names no model_type: give the one its model is (llama, gpt2, ...)"),
     ("hf:" + json.dumps({**LLAMA, "hidden_act": "nope"}), [], "the config names 'nope', which transformers does not know"),
     ("hf:" + json.dumps({**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 1}), [],
-     "hidden_size (64) must be a multiple of num_attention_heads (3), or give each head's width (head_dim)"),
+     "hidden_size (64) must be a multiple of num_attention_heads (3), or give each head's width (head_dim) where "
+     "the model takes one"),
     ("hf:" + json.dumps({**LLAMA, "num_key_value_heads": 3}), [],
      "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),

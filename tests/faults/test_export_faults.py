@@ -476,7 +476,7 @@ def test_a_manifest_forged_to_another_dtype_is_refused_not_cast(work, capsys):
     ({"n_head": 0}, "n_head must be a whole number of at least 1, got 0"),
     ({"vocab_size": 64.5}, "vocab_size"),
     ({"n_layer": -1}, "n_layer must be a whole number of at least 1, got -1"),
-    ({"n_head": 3}, "divisible"),  # transformers' own refusal, as one line
+    ({"n_head": 3}, "n_embd (32) must be a multiple of n_head (3)"),
 ])
 def test_a_config_no_model_can_be_built_of_is_one_line_before_it_is_built(work, capsys, change, said):
     """Of a checkpoint that records no config (of an older shardwire), whose weights --model labels."""

@@ -130,7 +130,7 @@ def check_sizes(fields: Mapping) -> None:
     if fields.get("head_dim") is None and hidden and heads and fields[hidden] % fields[heads]:
         # each head is hidden / heads wide unless the config says otherwise
         raise ValueError(f"{hidden} ({fields[hidden]}) must be a multiple of {heads} ({fields[heads]}), or give "
-                         f"each head's width (head_dim)")
+                         f"each head's width (head_dim) where the model takes one")
     kv_heads = fields.get("num_key_value_heads")
     if kv_heads is not None and (isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1):
         raise ValueError(f"num_key_value_heads must be a whole number of at least 1, got {shown(kv_heads)}")
