@@ -113,8 +113,10 @@ def check_sizes(fields: Mapping) -> None:
     ``head_dim`` is given) or that key and value heads do not divide among them are refused too:
     transformers would refuse the first in its own words, and build the second, which fails at its
     first forward."""
-    for name, alias, least, most in _SIZES:
-        key = next((key for key in (name, alias) if fields.get(key) is not None), None)
+    given = {name: next((key for key in (name, alias) if fields.get(key) is not None), None)
+             for name, alias, _, _ in _SIZES}
+    for name, _, least, most in _SIZES:
+        key = given[name]
         if key is None:
             continue
         value = fields[key]
@@ -124,8 +126,6 @@ def check_sizes(fields: Mapping) -> None:
             what = f"{value:,} layers" if name == "num_hidden_layers" else f"{key} is {value:,}"
             raise ValueError(f"{what}, more than {most:,}, far beyond any published model: give the {key} the "
                              f"model has")
-    given = {name: next((key for key in (name, alias) if fields.get(key) is not None), None)
-             for name, alias, _, _ in _SIZES}
     hidden, heads = given["hidden_size"], given["num_attention_heads"]
     if fields.get("head_dim") is None and hidden and heads and fields[hidden] % fields[heads]:
         # each head is hidden / heads wide unless the config says otherwise

@@ -776,8 +776,8 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             settings = changed_settings(recorded, config)
-            changed = [f"{flag(name)} {'(not given)' if before is None else before} -> "
-                       f"{'(not given)' if now is None else now}" for name, (before, now) in settings.items()]
+            changed = [f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
+                       for name, (before, now) in settings.items()]
             if "diloco" in settings and DiLoCo.parse(config.diloco) is None:
                 changed[list(settings).index("diloco")] += (
                     " (every group goes on from the model the groups agreed on at their last sync: the inner steps "
@@ -792,6 +792,11 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
                        f"rank{'s' if info.world_size > 1 else ''}){what}"),
               flush=True)
     return info.step
+
+
+def _as_given(value) -> str:
+    """A setting's value as the resume line names it: one the run was not given is "(not given)"."""
+    return "(not given)" if value is None else str(value)
 
 
 def trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
