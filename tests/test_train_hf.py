@@ -22,6 +22,8 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
 GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128,
         "bos_token_id": 0, "eos_token_id": 0}
+BERT = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
 
 
 def trained(model: str, *extra: str) -> tuple[float, float, str]:
@@ -144,10 +146,21 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
     ("hf:" + json.dumps({**LLAMA, "num_attention_heads": 0}), [], "num_attention_heads must be a whole number of at least 1"),
     ("hf:" + json.dumps({**LLAMA, "vocab_size": 10**20}), [], "vocab_size is 100,000,000,000,000,000,000, more than 16,777,216"),
     ("small", ["--units", "Block"], "--units is for hf: models"),
+    ("hf:" + json.dumps(BERT), [], 'BertLMHeadModel attends to the tokens after each one unless its config sets '
+                                   'is_decoder, and would learn to copy the token it is to predict: add "is_decoder": '
+                                   'true to the config'),
 ])
 def test_bad_models_are_refused_before_any_worker_starts(model, extra, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         main(["train", "--model", model, *extra])
+
+
+def test_an_encoder_made_a_decoder_sees_no_later_token():
+    model = choose("hf:" + json.dumps({**BERT, "is_decoder": True})).build().eval()
+    tokens = torch.randint(0, BERT["vocab_size"], (1, 12))
+    changed = torch.cat([tokens[:, :6], torch.randint(0, BERT["vocab_size"], (1, 6))], dim=1)
+    with torch.no_grad():
+        assert torch.allclose(model(tokens).logits[:, :6], model(changed).logits[:, :6], atol=1e-6)
 
 
 def test_a_model_naming_no_blocks_needs_units(monkeypatch):

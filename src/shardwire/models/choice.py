@@ -146,10 +146,14 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
             return auto.from_config(config, trust_remote_code=False)
 
     try:
-        with torch.device("meta"), quietly_importing():
+        with torch.device("meta"), quietly_importing(), _logged_by_transformers() as said:
             skeleton = auto.from_config(config, trust_remote_code=False)
     except Exception as err:  # a config transformers cannot build, however it says so
         raise ValueError(f"hf:{cut(source)}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
+    if any("is_decoder" in note for note in said):
+        raise ValueError(f"hf:{cut(source)}: {type(skeleton).__name__} attends to the tokens after each one unless "
+                         f"its config sets is_decoder, and would learn to copy the token it is to predict: add "
+                         f"\"is_decoder\": true to the config")
     classes = {type(module).__name__: type(module) for module in skeleton.modules()}
     if units is not None:
         wanted = [unit.strip() for unit in units.split(",") if unit.strip()]
@@ -276,19 +280,28 @@ def transformers_notes(what: str) -> Iterator[None]:
     (``launch.tells_the_user``): every rank reads the same files, and would repeat them once per
     rank. As warnings they are held with the command's own until its checks pass (a refusal is its one
     line alone). Within that process transformers says each one once, however often a config is read."""
+    with _logged_by_transformers() as said:
+        try:
+            yield
+        finally:
+            for note in said if tells_the_user() else ():
+                warnings.warn(one_line(f"{what}: {' '.join(note.split())}"), stacklevel=1)
+
+
+@contextlib.contextmanager
+def _logged_by_transformers() -> Iterator[list[str]]:
+    """The warnings transformers logs within the block, kept rather than printed, whatever level a
+    caller (``quietly_importing``) set."""
     logger = logging.getLogger("transformers")
     level, handlers = logger.level, logger.handlers
-    notes, telling = _Notes(), tells_the_user()
+    notes = _Notes()
     logger.handlers = [notes]
-    if not telling:
-        logger.setLevel(logging.CRITICAL)
+    logger.setLevel(logging.WARNING)
     try:
-        yield
+        yield notes.said
     finally:
         logger.setLevel(level)
         logger.handlers = handlers
-        for note in notes.said if telling else ():
-            warnings.warn(one_line(f"{what}: {' '.join(note.split())}"), stacklevel=1)
 
 
 class _Notes(logging.Handler):
