@@ -166,6 +166,19 @@ def save_tokenizer(directory) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)
 
 
+def byte_tokenizer(directory: pathlib.Path, shift: int) -> pathlib.Path:
+    """A tokenizer of one id per character, ``shift`` apart from another's: the same text, other ids
+    (needs the hf extra)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(c): (c + shift) % 256 for c in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=chr(0)))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=chr(0)).save_pretrained(directory)
+    return directory
+
+
 def rewrite_manifest(checkpoint: pathlib.Path, change, *, reseal: bool = True) -> None:
     """Edit a checkpoint's manifest; ``reseal`` records the sha256 of the edited contents (the
     canonical serialization: sorted keys, no whitespace), as a tool that forges one would."""

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardwire
-from harness import rewrite_manifest, run_workers, save_tokenizer
+from harness import byte_tokenizer, rewrite_manifest, run_workers, save_tokenizer
 from shardwire.cli import main
 from shardwire.files import OutputRefused, StagedDirectory, write_atomically
 from shardwire.models.gpt import GPT, PRESETS
@@ -599,24 +599,14 @@ def test_a_checkpoint_pruned_while_it_is_read_is_passed_over_for_the_newest(work
     assert f"exported {work / 'gpt' / 'step_00000001'}" in out
 
 
-def _byte_tokenizer(directory: pathlib.Path, shift: int) -> pathlib.Path:
-    """A tokenizer of one id per character, ``shift`` apart from another's: the same text, other ids."""
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {chr(c): (c + shift) % 256 for c in range(256)}
-    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token=chr(0)))
-    model.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token=chr(0)).save_pretrained(directory)
-    return directory
-
-
 @pytest.mark.slow
 def test_the_tokenizer_trained_with_is_the_one_exported_or_none_is(tmp_path):
     """``--tokenizer`` made the ids, not the model directory's own; a checkpoint's tokenizer changed
     since is not written beside weights it did not train."""
     model = tmp_path / "m"
-    _byte_tokenizer(model, 0)
+    byte_tokenizer(model, 0)
     (model / "config.json").write_text(json.dumps({**GPT2, "vocab_size": 256}))
-    _byte_tokenizer(tmp_path / "other", 7)
+    byte_tokenizer(tmp_path / "other", 7)
     (tmp_path / "text.txt").write_text("hello world " * 2000)
     train = [sys.executable, "-m", "shardwire", "train", "--model", "hf:m", "--data", "text.txt", "--steps", "2",
              "--eval-batches", "1"]
@@ -652,7 +642,7 @@ def test_a_tokenizer_export_hf_cannot_read_is_one_line_before_the_run(tmp_path):
         "error: --export-hf: the tokenizer in hf:m: transformers cannot read it (Expecting value"), done.stderr
     # a tokenizer of custom code: transformers would load the model type's class for it, but the export would
     # carry an auto_map naming code it does not hold
-    _byte_tokenizer(tmp_path / "m", 0)
+    byte_tokenizer(tmp_path / "m", 0)
     config = json.loads((tmp_path / "m/tokenizer_config.json").read_text())
     (tmp_path / "m/tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["t.T", None]}}))
     (tmp_path / "m/config.json").write_text(json.dumps({**GPT2, "vocab_size": 256}))

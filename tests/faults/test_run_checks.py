@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 import shardwire
+from harness import byte_tokenizer
 from shardwire import worker
 from shardwire.cli import main
 from shardwire.engine.checkpoint import list_checkpoints
@@ -333,6 +334,19 @@ def test_the_data_identity_tells_other_data_apart(tmp_path):
         f"the contents of {tmp_path / 'a.bin'} (same length)"
     smaller = load_corpus(str(token_file(tmp_path / "b.bin", 4_000)), 32).identity
     assert data_change(first, smaller) == "the data (100,000 -> 4,000 tokens)"
+
+
+@pytest.mark.slow
+def test_a_resume_names_a_tokenizer_changed_in_place_not_the_text(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    byte_tokenizer(tmp_path / "tok", 0)
+    (tmp_path / "text.txt").write_text("hello world " * 2000)
+    run = ["--model", "tiny", "--data", "text.txt", "--tokenizer", "tok", "--checkpoint-dir", "ckpt"]
+    train(*run, "--steps", "2", cwd=tmp_path)
+    byte_tokenizer(tmp_path / "tok", 7)  # the same directory, another tokenizer: the same text, other ids
+    done = train(*run, "--steps", "3", cwd=tmp_path)
+    assert (f"this run changes --steps 2 -> 3, the files of the tokenizer in {tmp_path / 'tok'}, and with it the "
+            f"ids of text.txt (same length)") in done.stdout, done.stdout
 
 
 @pytest.mark.slow

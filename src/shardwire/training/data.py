@@ -68,7 +68,7 @@ def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
         return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label, vocab_size)), seq_len,
-                                source=f"{path or 'the default corpus'}, tokenised,")
+                                text=path or "the default corpus")
     if path is not None and path.endswith(TOKEN_SUFFIXES):
         return TokenCorpus.load(path, seq_len, bin_dtype)
     return ByteCorpus.load(path, seq_len, memory)
@@ -253,15 +253,18 @@ def identity(size: int, head: bytes, tail: bytes, name: str, tokens: int) -> dic
     return {"name": name, "tokens": tokens, "fingerprint": digest}
 
 
-def data_change(recorded: object, now: dict) -> str | None:
+def data_change(recorded: object, now: dict, tokenizer: str | None = None) -> str | None:
     """How the data ``now`` differs from what a checkpoint ``recorded`` (``identity``), for the resume
     line (which names a changed ``--data`` itself); None where they match, or where the checkpoint
-    records none."""
+    records none. ``tokenizer``: how the tokenizer that made the ids changed since, where it did: the
+    ids of the same text then differ for that reason."""
     if not isinstance(recorded, dict) or recorded.get("fingerprint") == now["fingerprint"]:
         return None
     tokens = recorded.get("tokens")
     length = ("same length" if tokens == now["tokens"] else
               f"{tokens:,} -> {now['tokens']:,} tokens" if isinstance(tokens, int) else f"{now['tokens']:,} tokens")
+    if tokenizer is not None:
+        return f"{tokenizer}, and with it the ids of {now['name']} ({length})"
     if recorded.get("name") != now["name"]:
         return f"the data ({length})"
     return f"the contents of {now['name']} ({length})"
@@ -334,10 +337,10 @@ class _Sequences:
 class TokenCorpus(_Sequences):
     """Pre-tokenised ids, memory-mapped to check them, read by rows (``_IdFile``) to train on."""
 
-    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int, source: str | None = None):
+    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int, text: str | None = None):
         self.name = str(file)
         self.ids = ids
-        self.splits = _splits(ids, source or self.name, "tokens", seq_len)
+        self.splits = _splits(ids, f"{text}, tokenised," if text else self.name, "tokens", seq_len)
         self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
         self._file = _IdFile(file, ids)
         # the ids a batch may hold, once the run knows its model's vocabulary: one past it was written
@@ -347,16 +350,16 @@ class TokenCorpus(_Sequences):
             size = os.fstat(f.fileno()).st_size
             head = f.read(_FINGERPRINT_BYTES)
             f.seek(max(0, size - _FINGERPRINT_BYTES))
-            self.identity = identity(size, head, f.read(_FINGERPRINT_BYTES), self.name, len(ids))
+            self.identity = identity(size, head, f.read(_FINGERPRINT_BYTES), text or self.name, len(ids))
 
     @classmethod
-    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16", source: str | None = None) -> TokenCorpus:
-        """The ids in ``path``; ``source``: what they were made of, for messages (the text a tokenizer
-        made them of, not the cache it wrote)."""
+    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16", text: str | None = None) -> TokenCorpus:
+        """The ids in ``path``; ``text``: the text a tokenizer made them of, named in messages and in the
+        data's identity in place of the cache it wrote."""
         file = pathlib.Path(path)
         if not file.exists():
             raise FileNotFoundError(f"data path {path} {_missing(file)}: pass a .bin or .npy file of token ids")
-        return cls(file, _read_ids(file, bin_dtype), seq_len, source)
+        return cls(file, _read_ids(file, bin_dtype), seq_len, text)
 
     @property
     def num_tokens(self) -> int:

@@ -731,9 +731,18 @@ def _trained_on(config: TrainConfig, corpus: ByteCorpus | TokenCorpus, global_ba
     recorded = {"data": corpus.identity, "global_batch": global_batch}
     if (fields := config_fields(config.model)) is not None:
         recorded["hf_config"] = fields
-    if config.model.startswith(HF_PREFIX) and (tokenizer := run_tokenizer(config)) is not None:
+    if (tokenizer := run_tokenizer(config)) is not None:
         recorded["tokenizer"] = {"path": str(tokenizer[0].resolve()), "digest": hf_tokenizer.digest_of(tokenizer[0])}
     return recorded
+
+
+def _tokenizer_change(recorded: object, now: dict | None) -> str | None:
+    """How the run's tokenizer differs from the one a checkpoint ``recorded``, where its files do:
+    "the tokenizer" where the run gives another (its option is named as changed), its files where
+    the same directory's changed since."""
+    if not isinstance(recorded, dict) or now is None or recorded.get("digest") == now["digest"]:
+        return None
+    return f"the files of the tokenizer in {now['path']}" if recorded.get("path") == now["path"] else "the tokenizer"
 
 
 def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, seq_len: int,
@@ -767,11 +776,12 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         except ValueError as err:
             raise _agreed(f"error: {info.path}: {err}; give --checkpoint-dir a directory of its own") from None
     _check_architecture(config, info, trained_on.get("hf_config"))
-    data = data_change(info.extra.get("data"), trained_on["data"])
+    data = data_change(info.extra.get("data"), trained_on["data"],
+                       _tokenizer_change(info.extra.get("tokenizer"), trained_on.get("tokenizer")))
     if data is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        raise _agreed(f"error: {data} changed since {info.path} was saved, and these workers were restarted "
-                         f"(--max-restarts) to resume that run: restore the data, or run the command again to "
-                         f"resume on this data")
+        raise _agreed(f"error: the data changed since {info.path} was saved ({data}), and these workers were "
+                      f"restarted (--max-restarts) to resume that run: restore the data, or run the command again "
+                      f"to resume on this data")
     if dist.get_rank() == 0:
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
