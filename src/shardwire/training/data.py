@@ -308,8 +308,8 @@ class _IdFile:
 
     def _changed(self, size: int) -> str:
         if size == self._size:
-            return (f"{self._file} changed while the run read it: it was written to since the run started "
-                    f"(rewritten in place): {_RESTORE}")
+            return (f"{self._file} changed while the run read it: its modification time changed since the run "
+                    f"started (rewritten in place, or touched: the run cannot tell which): {_RESTORE}")
         return (f"{self._file} changed while the run read it: it holds {size:,} bytes, {self._size:,} when the run "
                 f"started (cut short, or rewritten in place): {_RESTORE}")
 
