@@ -193,3 +193,11 @@ def test_a_config_difference_names_the_model_type_first_and_no_default_of_one_si
     # one side transformers cannot read: both compared as written, not one with its defaults filled in
     assert config_difference({**LLAMA, "model_type": "nonesuch"}, LLAMA) == "model_type 'nonesuch' -> 'llama'"
     assert config_difference(LLAMA, dict(LLAMA)) is None
+    # who saved it, and in what dtype: the same model trains either way
+    assert config_difference(LLAMA, {**LLAMA, "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}) is None
+
+
+def test_a_config_saved_in_bfloat16_builds_fp32_master_weights():
+    choice = choose("hf:" + json.dumps({**LLAMA, "torch_dtype": "bfloat16"}))
+    with torch.device("meta"):
+        assert {p.dtype for p in choice.build().parameters()} == {torch.float32}

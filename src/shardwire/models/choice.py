@@ -46,6 +46,10 @@ from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_
                                        read_config, seq_len_of, spec_from_config)
 from shardwire.sim.specs import ModelSpec
 
+# The dtype an hf: model's parameters are built in, whatever its config's dtype says (a published
+# config.json names the dtype its weights were saved in, bfloat16 mostly, and transformers builds in
+# it): shardwire keeps fp32 master weights and computes in --precision, as it does for its own GPT.
+_MASTER_DTYPE = torch.float32
 # The weights from_pretrained loads, the first of these a directory holds.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # An index of a model's weight files: a few hundred kB for the largest published models.
@@ -142,12 +146,13 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     def build() -> nn.Module:
         with quietly_importing():  # transformers imports torchao where it is installed
             if weights is not None and not by_slice:
-                return auto.from_pretrained(weights, config=config, local_files_only=True, trust_remote_code=False)
-            return auto.from_config(config, trust_remote_code=False)
+                return auto.from_pretrained(weights, config=config, local_files_only=True, trust_remote_code=False,
+                                            dtype=_MASTER_DTYPE)
+            return auto.from_config(config, trust_remote_code=False, dtype=_MASTER_DTYPE)
 
     try:
         with torch.device("meta"), quietly_importing(), _logged_by_transformers() as said:
-            skeleton = auto.from_config(config, trust_remote_code=False)
+            skeleton = auto.from_config(config, trust_remote_code=False, dtype=_MASTER_DTYPE)
     except Exception as err:  # a config transformers cannot build, however it says so
         raise ValueError(f"hf:{cut(source)}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
     if any("is_decoder" in note for note in said):
@@ -323,8 +328,9 @@ def _buildable(config):
 
 # Keys of an hf: model's config.json that say who wrote it, not what it builds: a directory saved
 # again by a newer transformers changes them, and the trained weights still fit it. auto_map names
-# code that never runs here: transformers' own class of the model_type is built either way.
-_CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "auto_map")
+# code that never runs here, and architectures a class: transformers' own causal LM of the model_type
+# is built either way; the dtype its weights were saved in is not the one they train in (_MASTER_DTYPE).
+_CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "auto_map", "architectures", "dtype", "torch_dtype")
 
 
 def config_difference(recorded: dict, now: dict) -> str | None:
