@@ -137,6 +137,8 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
      "the model takes one"),
     ("hf:" + json.dumps({**LLAMA, "num_key_value_heads": 3}), [],
      "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    ('hf:{"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4}', [],
+     "num_attention_heads (4) must be a multiple of num_key_value_heads (8, its default where the config gives none)"),
     ("hf:" + json.dumps(LLAMA), ["--units", "Block"], "LlamaForCausalLM has no module of class Block"),
     ("hf:/no/such/model", [], "/no/such/model does not exist"),
     ("hf:/etc", [], "hf:/etc is a directory without a config.json: give the model's directory"),

@@ -151,7 +151,7 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
             return auto.from_config(config, trust_remote_code=False, dtype=_MASTER_DTYPE)
 
     try:
-        with torch.device("meta"), quietly_importing(), _logged_by_transformers() as said:
+        with torch.device("meta"), quietly_importing(), _logged_by_transformers(logging.WARNING) as said:
             skeleton = auto.from_config(config, trust_remote_code=False, dtype=_MASTER_DTYPE)
     except Exception as err:  # a config transformers cannot build, however it says so
         raise ValueError(f"hf:{cut(source)}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
@@ -240,8 +240,8 @@ def hf_config(transformers, source: str):
         if source.lstrip().startswith("{"):
             return config_from_fields(transformers, fields, what), None
         with transformers_notes(what):
-            config = _buildable(transformers.AutoConfig.from_pretrained(source, local_files_only=True,
-                                                                        trust_remote_code=False))
+            config = _buildable(fields, transformers.AutoConfig.from_pretrained(
+                source, local_files_only=True, trust_remote_code=False))
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(f"{what}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
     path = pathlib.Path(source)
@@ -274,7 +274,7 @@ def config_from_fields(transformers, fields: dict, what: str = "the recorded con
             config = transformers.AutoConfig.for_model(fields.pop("model_type", ""), **fields)
     except Exception as err:  # transformers' errors for a config it cannot read vary
         raise ValueError(first_line(err)) from None
-    return _buildable(config)
+    return _buildable(fields, config)
 
 
 @contextlib.contextmanager
@@ -294,18 +294,19 @@ def transformers_notes(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _logged_by_transformers() -> Iterator[list[str]]:
-    """The warnings transformers logs within the block, kept rather than printed, whatever level a
-    caller (``quietly_importing``) set."""
+def _logged_by_transformers(level: int | None = None) -> Iterator[list[str]]:
+    """What transformers logs within the block, kept rather than printed: at the level it is at (a
+    caller's ``quietly_importing`` may have raised it), or at ``level``."""
     logger = logging.getLogger("transformers")
-    level, handlers = logger.level, logger.handlers
+    before, handlers = logger.level, logger.handlers
     notes = _Notes()
     logger.handlers = [notes]
-    logger.setLevel(logging.WARNING)
+    if level is not None:
+        logger.setLevel(level)
     try:
         yield notes.said
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
         logger.handlers = handlers
 
 
@@ -320,9 +321,10 @@ class _Notes(logging.Handler):
         self.said.append(record.getMessage())
 
 
-def _buildable(config):
-    """``config``, if a model of it can be built at all (``check_sizes``)."""
-    check_sizes(config.to_dict())
+def _buildable(written: dict, config):
+    """``config``, transformers' reading of the config file's ``written`` fields, if a model of it can
+    be built at all (``check_sizes``)."""
+    check_sizes(config.to_dict(), written)
     return config
 
 

@@ -105,14 +105,15 @@ _SIZES = (("num_hidden_layers", "n_layer", 1, MAX_LAYERS), ("hidden_size", "n_em
           ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
 
 
-def check_sizes(fields: Mapping) -> None:
+def check_sizes(fields: Mapping, written: Mapping | None = None) -> None:
     """Raise a ``ValueError`` naming the first size in a config's ``fields`` that no model can have:
     checked before transformers reads them (a head count of 0 divides by zero there) and before the
     simulator does. Layers are made one by one, even on the meta device, so a billion of them would
     hang whatever builds the model (training, export). Heads that do not divide the width (where no
     ``head_dim`` is given) or that key and value heads do not divide among them are refused too:
     transformers would refuse the first in its own words, and build the second, which fails at its
-    first forward."""
+    first forward. ``written``: the config as its file gives it, where ``fields`` are transformers'
+    reading of it, so that a size the file leaves to the model's default is named as one."""
     given = {name: next((key for key in (name, alias) if fields.get(key) is not None), None)
              for name, alias, _, _ in _SIZES}
     for name, _, least, most in _SIZES:
@@ -126,17 +127,22 @@ def check_sizes(fields: Mapping) -> None:
             what = f"{value:,} layers" if name == "num_hidden_layers" else f"{key} is {value:,}"
             raise ValueError(f"{what}, more than {most:,}, far beyond any published model: give the {key} the "
                              f"model has")
+
+    def said(key: str) -> str:
+        default = written is not None and written.get(key) is None
+        return f"{key} ({fields[key]}{', its default where the config gives none' if default else ''})"
+
     hidden, heads = given["hidden_size"], given["num_attention_heads"]
     if fields.get("head_dim") is None and hidden and heads and fields[hidden] % fields[heads]:
         # each head is hidden / heads wide unless the config says otherwise
-        raise ValueError(f"{hidden} ({fields[hidden]}) must be a multiple of {heads} ({fields[heads]}), or give "
-                         f"each head's width (head_dim) where the model takes one")
+        raise ValueError(f"{said(hidden)} must be a multiple of {said(heads)}, or give each head's width (head_dim) "
+                         f"where the model takes one")
     kv_heads = fields.get("num_key_value_heads")
     if kv_heads is not None and (isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1):
         raise ValueError(f"num_key_value_heads must be a whole number of at least 1, got {shown(kv_heads)}")
     if heads and kv_heads is not None and fields[heads] % kv_heads:
         # each key and value head serves a whole number of query heads: attention fails at its first forward
-        raise ValueError(f"{heads} ({fields[heads]}) must be a multiple of num_key_value_heads ({kv_heads})")
+        raise ValueError(f"{said(heads)} must be a multiple of {said('num_key_value_heads')}")
 
 
 def seq_len_of(fields: Mapping, seq_len: int | None) -> int:
