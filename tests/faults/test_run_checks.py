@@ -24,7 +24,7 @@ from shardwire import worker
 from shardwire.cli import main
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.models.gpt import GPT, PRESETS, Block
-from shardwire.training.config import TrainConfig
+from shardwire.training.config import TrainConfig, changed_settings, training_settings
 from shardwire.training.data import DataChanged, data_change, load_corpus
 from shardwire.training.loop import _Divergence
 from shardwire.training.scalars import ScalarLog
@@ -334,6 +334,18 @@ def test_the_data_identity_tells_other_data_apart(tmp_path):
         f"the contents of {tmp_path / 'a.bin'} (same length)"
     smaller = load_corpus(str(token_file(tmp_path / "b.bin", 4_000)), 32).identity
     assert data_change(first, smaller) == "the data (100,000 -> 4,000 tokens)"
+
+
+def test_a_path_spelled_another_way_is_not_a_changed_setting(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    token_file(tmp_path / "a.bin", 1_000)
+    (tmp_path / "m").mkdir()
+    config = TrainConfig(data="a.bin", tokenizer="./m", model="hf:m")
+    recorded = {**training_settings(config), "data": str(tmp_path / "a.bin"), "tokenizer": str(tmp_path / "m"),
+                "model": f"hf:{tmp_path / 'm'}"}
+    assert changed_settings(recorded, config) == {}
+    assert changed_settings({**recorded, "data": str(tmp_path / "b.bin")}, config) == {
+        "data": (str(tmp_path / "b.bin"), "a.bin")}
 
 
 @pytest.mark.slow

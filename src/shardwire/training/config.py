@@ -8,11 +8,13 @@ file, the printed launch command and the planner's commands all speak of the sam
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 from shardwire import worker
 from shardwire.engine.diloco import DiLoCo, current_keys
 from shardwire.engine.layout_plan import LAYOUTS
+from shardwire.models.choice import recorded_name
 from shardwire.models.gpt import PRESETS
 from shardwire.options import MAX_TIMEOUT_S, option, text
 from shardwire.renamed import RenamedWarning
@@ -166,7 +168,14 @@ def recorded_seq_len(extra: dict) -> int | None:
 
 
 def _comparable(name: str, value):
-    """``value`` of the setting ``name`` as it trains: DiLoCo's settings, whatever their spelling."""
+    """``value`` of the setting ``name`` as it trains: DiLoCo's settings, whatever their spelling; a
+    file or directory (data, a tokenizer, an ``hf:`` model's), however its path is spelled, from the
+    directory the run starts in (a relative path recorded by a run started elsewhere may name
+    another file: the data's fingerprint tells)."""
+    if name in ("data", "tokenizer") and isinstance(value, str):
+        return os.path.realpath(value)
+    if name == "model" and isinstance(value, str):
+        return recorded_name(value)
     if name != "diloco" or not isinstance(value, str):
         return value
     try:
