@@ -225,3 +225,16 @@ def test_a_tokenizer_directory_transformers_cannot_read_is_named_in_one_whole_li
     assert str(refused.value) == (f"error: --tokenizer {empty}: transformers cannot read it "  # all of its message
                                   f"({' '.join(str(theirs.value).split())}): give a directory a tokenizer's "
                                   f"save_pretrained wrote")
+
+
+def test_a_tokenizer_model_of_neither_kind_is_named_so_not_a_package_to_install(tmp_path):
+    pytest.importorskip("transformers")
+    text = tmp_path / "text.txt"
+    text.write_text("x" * 50_000)
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.model").write_bytes(np.random.default_rng(0).bytes(5_000))
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--data", str(text), "--tokenizer", str(directory)])
+    assert str(refused.value) == (f"error: --tokenizer {directory}: its tokenizer.model is neither a SentencePiece "
+                                  f"model nor a tiktoken file: give a directory a tokenizer's save_pretrained wrote")

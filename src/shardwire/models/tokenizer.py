@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import re
 
 from shardwire.extras import require
 from shardwire.models.choice import check_files, custom_code, transformers_notes
@@ -66,8 +67,23 @@ def load(directory: str | pathlib.Path, label: str):
         if problem is not None:
             raise ValueError(f"{label}: {problem}") from None
         said = " ".join(str(err).split()) or type(err).__name__
+        model = directory / "tokenizer.model"
+        if "tiktoken" in said and model.is_file() and not _tiktoken_file(model):
+            # transformers tries a tokenizer.model it cannot read as SentencePiece as tiktoken's last
+            raise ValueError(f"{label}: its tokenizer.model is neither a SentencePiece model nor a tiktoken "
+                             f"file: give a directory a tokenizer's save_pretrained wrote") from None
         raise ValueError(f"{label}: transformers cannot read it ({said}): give a directory a tokenizer's "
                          f"save_pretrained wrote") from None
+
+
+def _tiktoken_file(file: pathlib.Path) -> bool:
+    """Whether ``file`` begins as a tiktoken vocabulary does: a line of a base64 token and its rank."""
+    try:
+        with file.open("rb") as f:
+            first = f.read(4096).split(b"\n", 1)[0].split(b" ")
+    except OSError:
+        return False
+    return len(first) == 2 and first[1].isdigit() and bool(re.fullmatch(rb"[A-Za-z0-9+/=]+", first[0]))
 
 
 def check_vocabulary(tokenizer, vocab_size: int, label: str) -> None:
