@@ -100,6 +100,8 @@ def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninter
         launcher.kill()
     assert launcher.returncode == 0, output
     assert f"step {STEPS}/{STEPS}" in output and "resuming from" in output, output  # it did restart
+    assert ("note: worker processes failed: rank 1 (killed by SIGKILL: out of memory, or kill -9); starting them "
+            "again (--max-restarts: restart 1 of 1)") in output, output
     expected = final_weights(uninterrupted, tmp_path / "expected.pt")
     actual = final_weights(checkpoints, tmp_path / "actual.pt")
     assert actual.keys() == expected.keys()

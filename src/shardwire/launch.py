@@ -346,15 +346,49 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
 
 def quiet_agent() -> None:
-    """Keep torch's elastic agent, run in this process, to its errors: its warnings narrate its
-    shutdown (a signal received, each worker sent one), and its line for a failed worker repeats
-    what the worker, or ``failed_workers``'s line, says once. Nor its traceback for an exit barrier
-    the node that held it left: that node failed, and the job's line names it."""
+    """Keep torch's elastic agent, run in this process, to its errors and its restarts: its warnings
+    narrate its shutdown (a signal received, each worker sent one), and its line for a failed worker
+    repeats what the worker, or ``failed_workers``'s line, says once (``_AgentLog``)."""
     for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_below)
-    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_barrier_left)
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent.setLevel(logging.INFO)  # where it says it restarts the workers
+    said = _AgentLog()
+    for logger in (agent, logging.getLogger("torch.distributed.elastic.multiprocessing.api")):
+        for old in [f for f in logger.filters if isinstance(f, _AgentLog)]:
+            logger.removeFilter(old)
+        logger.addFilter(said)
+
+
+class _AgentLog(logging.Filter):
+    """What shardwire says of the agent's log: its errors, but not its line for a failed worker (the
+    worker's own message, or ``failed_workers``'s line, says it once) nor its traceback for an exit
+    barrier the node that held it left (that node failed, and the job's line names it; formatting the
+    traceback also imports torch._dynamo, seconds in which the job's SIGTERM lands in the log's
+    handler). A restart of the workers (``--max-restarts``), which it says at INFO, is said as a note
+    naming the rank that failed first and how: the restarted workers then say where they resume."""
+
+    def __init__(self):
+        super().__init__()
+        self._failed: tuple[int, int] | None = None  # (rank, exit status) of the failure logged last
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if text.startswith("failed (exitcode"):
+            self._failed = (record.args[1], record.args[0])
+            return False
+        if "will restart worker group" in text and "attempts left" in text:
+            left, most = record.args[2], record.args[3]
+            named = ""
+            if self._failed is not None:
+                rank, status = self._failed
+                above = "; its message is above" if _ending_signal(status) is None and status > 0 else ""
+                named = f": rank {rank} ({_how_it_ended(status)}){above}"
+            print(f"note: worker processes failed{named}; starting them again (--max-restarts: restart "
+                  f"{most - left + 1} of {most})", file=sys.stderr, flush=True)
+            return False
+        return record.levelno >= logging.ERROR and not text.startswith("Error waiting on exit barrier")
 
 
 def failed_workers(err) -> int:
@@ -362,16 +396,19 @@ def failed_workers(err) -> int:
     which said why in one line, as it is; any other failure in one line naming the ranks that failed
     and how (an exit status, or the signal that ended one, which leaves no message of its own). The
     ranks the launcher stopped with SIGTERM once one had failed are not named; where every rank ended
-    by SIGTERM, which was sent it first (from outside the run) the launcher cannot tell."""
+    by SIGTERM, the one sent it from outside the run is the one the launcher found ended first."""
     statuses = {failure.exitcode for failure in err.failures.values()}
     if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
         return REFUSED  # a worker said why, in one line, and the agent stopped the rest
     ended = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
     failed = {rank: status for rank, status in ended.items() if status != -signal.SIGTERM}
     if not failed:
-        print(f"error: worker processes failed: ranks {', '.join(map(str, ended))} ended by SIGTERM, sent to one "
-              f"from outside the run (the launcher then stops the rest) or by the launcher as another node's "
-              f"failed", file=sys.stderr)
+        # The agent records the workers it finds ended before those it then stops: the first was sent
+        # SIGTERM from outside the run.
+        first = next(iter(err.failures))
+        rest = "; the launcher then stopped the rest" if len(ended) > 1 else ""
+        print(f"error: worker processes failed: rank {first} (ended by SIGTERM, sent from outside the run){rest}",
+              file=sys.stderr)
         return 1
     named = ", ".join(f"rank {rank} ({_how_it_ended(status)})" for rank, status in failed.items())
     stopped = "; the launcher then stopped the rest" if len(ended) > len(failed) else ""
@@ -401,19 +438,6 @@ def _how_it_ended(status: int) -> str:
     if status > 0:
         return f"stopped by {name}, exit {status}"
     return f"killed by {name}" + (": out of memory, or kill -9" if name == "SIGKILL" else "")
-
-
-def _barrier_left(record: logging.LogRecord) -> bool:
-    """Drop the agent's traceback for an exit barrier that failed: this node's workers are done, and
-    the node that held the barrier ended first (its failure is the job's; formatting the traceback
-    also imports torch._dynamo, seconds in which the job's SIGTERM lands in the log's handler)."""
-    return not str(record.msg).startswith("Error waiting on exit barrier")
-
-
-def _said_below(record: logging.LogRecord) -> bool:
-    """Drop the agent's line for a worker that exited with an error: the worker's own message, or
-    the line naming each failed rank and its status, says it once."""
-    return not str(record.msg).startswith("failed (exitcode")
 
 
 def host_memory_per_worker(local_workers: int) -> int:

@@ -160,9 +160,10 @@ def test_a_second_signal_as_the_command_stops_changes_nothing(signum, said):
     ({0: 1, 1: -signal.SIGTERM}, "rank 0 (exit 1); the launcher then stopped the rest; its message is above"),
     ({0: -signal.SIGSEGV, 1: 1}, "rank 0 (killed by SIGSEGV), rank 1 (exit 1); its message is above"),
     ({0: 130, 1: -signal.SIGTERM}, "rank 0 (stopped by SIGINT, exit 130); the launcher then stopped the rest"),
-    ({0: -signal.SIGTERM, 1: -signal.SIGTERM}, "ranks 0, 1 ended by SIGTERM, sent to one from outside the run (the "
-                                               "launcher then stops the rest) or by the launcher as another node's "
-                                               "failed"),
+    # the agent records first the worker it found ended, then those it stopped
+    ({1: -signal.SIGTERM, 0: -signal.SIGTERM}, "rank 1 (ended by SIGTERM, sent from outside the run); the launcher "
+                                               "then stopped the rest"),
+    ({0: -signal.SIGTERM}, "rank 0 (ended by SIGTERM, sent from outside the run)"),
 ])
 def test_workers_that_failed_are_named_with_how_they_ended(statuses, line, capsys):
     """A worker killed by a signal says nothing itself: the line names the signal, and says a message

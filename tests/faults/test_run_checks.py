@@ -393,8 +393,10 @@ def test_restarted_workers_refuse_data_cut_short_under_them(tmp_path):
     assert job.returncode != 0
     assert "error: --data: a.bin changed while the run read it: it holds 20,000 bytes, 800,000" in stderr
     assert stderr.count("changed while the run read it") == 1, stderr  # every rank reads it; one says it
-    assert ("error: the contents of a.bin (400,000 -> 10,000 tokens) changed since ckpt/step_" in stderr
-            and "and these workers were restarted (--max-restarts) to resume that run" in stderr)
+    assert ("error: the data changed since ckpt/step_" in stderr
+            and "was saved: the contents of a.bin (400,000 -> 10,000 tokens); these workers were restarted "
+                "(--max-restarts) to resume that run" in stderr)
+    assert "note: worker processes failed: rank 0 (exit 2); its message is above; starting them again" in stderr
     assert "Traceback" not in stderr and "SIGBUS" not in stderr
 
 

@@ -779,7 +779,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     data = data_change(info.extra.get("data"), trained_on["data"],
                        _tokenizer_change(info.extra.get("tokenizer"), trained_on.get("tokenizer")))
     if data is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        raise _agreed(f"error: the data changed since {info.path} was saved ({data}), and these workers were "
+        raise _agreed(f"error: the data changed since {info.path} was saved: {data}; these workers were "
                       f"restarted (--max-restarts) to resume that run: restore the data, or run the command again "
                       f"to resume on this data")
     if dist.get_rank() == 0:
