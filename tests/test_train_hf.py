@@ -165,6 +165,13 @@ def test_an_encoder_made_a_decoder_sees_no_later_token():
         assert torch.allclose(model(tokens).logits[:, :6], model(changed).logits[:, :6], atol=1e-6)
 
 
+def test_a_config_transformers_validates_is_refused_in_the_words_of_its_check():
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--model", "hf:" + json.dumps({**LLAMA, "head_dim": 15})])
+    said = str(refused.value)
+    assert ": RoPE requires an even rotary dimension, but got `head_dim`=15" in said and "validator" not in said
+
+
 def test_a_model_naming_no_blocks_needs_units(monkeypatch):
     monkeypatch.setattr(transformers.LlamaPreTrainedModel, "_no_split_modules", None)
     with pytest.raises(ValueError, match="LlamaForCausalLM names no _no_split_modules to shard into: give --units"):

@@ -28,6 +28,7 @@ import logging
 import os
 import pathlib
 import pickle
+import re
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
@@ -408,11 +409,13 @@ def _custom_code_not_run(config, source: str, built: str) -> str | None:
 def first_line(err: Exception) -> str:
     """An exception's message as one line of at most 300 characters, ending in ``...`` where cut
     (transformers' span several, and some say what is wrong on the line after a colon); a
-    ``KeyError``, which says only the key, as the name transformers does not know."""
+    ``KeyError``, which says only the key, as the name transformers does not know; a config's check
+    without the name of transformers' validator that wraps it."""
     if isinstance(err, KeyError) and err.args:
         return f"the config names {shown(err.args[0], 60)}, which transformers does not know: give one it does"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     said = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    said = re.sub(r"^Class validation error for validator '[^']*': \w+: ", "", said)
     return said if len(said) <= 300 else f"{said[:297]}..."
 
 
