@@ -306,8 +306,7 @@ def test_a_token_file_cut_short_under_a_run_is_one_error_naming_it(tmp_path):
 
 def test_a_token_file_rewritten_in_place_under_a_run_is_one_error_naming_it(tmp_path):
     path = token_file(tmp_path / "tokens.bin", 100_000)
-    corpus = load_corpus(str(path), 32)
-    corpus.vocab_size = 256
+    corpus = load_corpus(str(path), 32, vocab_size=256)
     corpus.batch(0, 4, 32)
     stat = path.stat()
     np.zeros(100_000, dtype=np.uint16).tofile(path)  # the same size: its modification time tells
@@ -315,8 +314,7 @@ def test_a_token_file_rewritten_in_place_under_a_run_is_one_error_naming_it(tmp_
     with pytest.raises(DataChanged, match=f"{path} changed while the run read it: its modification time changed "
                                           f"since the run started \\(rewritten in place, or touched"):
         corpus.batch(1, 4, 32)
-    corpus = load_corpus(str(path), 32)
-    corpus.vocab_size = 256
+    corpus = load_corpus(str(path), 32, vocab_size=256)
     ids = np.memmap(path, dtype=np.uint16, mode="r+")
     ids[:] = 60_000  # written between the run's look at the file and its read: past the vocabulary
     ids.flush()

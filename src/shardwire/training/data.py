@@ -62,15 +62,15 @@ def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
                 tokenizer_label: str | None = None, vocab_size: int | None = None) -> "ByteCorpus | TokenCorpus":
     """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
-    ``tokenized``; refused where it has more ids than ``vocab_size``, the model's); else text as
-    bytes, refused where it needs more than ``memory`` bytes."""
+    ``tokenized``; refused where it has more ids than ``vocab_size``, the model's, which ids' every
+    batch is held to); else text as bytes, refused where it needs more than ``memory`` bytes."""
     if tokenizer is not None:
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
         return TokenCorpus.load(str(tokenized(path, tokenizer, tokenizer_label, vocab_size)), seq_len,
-                                text=path or "the default corpus")
+                                text=path or "the default corpus", vocab_size=vocab_size)
     if path is not None and path.endswith(TOKEN_SUFFIXES):
-        return TokenCorpus.load(path, seq_len, bin_dtype)
+        return TokenCorpus.load(path, seq_len, bin_dtype, vocab_size=vocab_size)
     return ByteCorpus.load(path, seq_len, memory)
 
 
@@ -337,15 +337,16 @@ class _Sequences:
 class TokenCorpus(_Sequences):
     """Pre-tokenised ids, memory-mapped to check them, read by rows (``_IdFile``) to train on."""
 
-    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int, text: str | None = None):
+    def __init__(self, file: pathlib.Path, ids: np.memmap, seq_len: int, text: str | None = None,
+                 vocab_size: int | None = None):
         self.name = str(file)
         self.ids = ids
         self.splits = _splits(ids, f"{text}, tokenised," if text else self.name, "tokens", seq_len)
         self._starts = {"train": 0, "val": len(self.splits["train"])}  # where each split begins, in ids
         self._file = _IdFile(file, ids)
-        # the ids a batch may hold, once the run knows its model's vocabulary: one past it was written
-        # since the run checked the file, and would end it in an IndexError inside the embedding
-        self.vocab_size: int | None = None
+        # the ids a batch may hold, where the model's vocabulary is given: one past it was written since
+        # the run checked the file, and would end it in an IndexError inside the embedding
+        self.vocab_size = vocab_size
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(_FINGERPRINT_BYTES)
@@ -353,13 +354,15 @@ class TokenCorpus(_Sequences):
             self.identity = identity(size, head, f.read(_FINGERPRINT_BYTES), text or self.name, len(ids))
 
     @classmethod
-    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16", text: str | None = None) -> TokenCorpus:
+    def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16", text: str | None = None,
+             vocab_size: int | None = None) -> TokenCorpus:
         """The ids in ``path``; ``text``: the text a tokenizer made them of, named in messages and in the
-        data's identity in place of the cache it wrote."""
+        data's identity in place of the cache it wrote; ``vocab_size``: the model's, which every batch
+        read is held to."""
         file = pathlib.Path(path)
         if not file.exists():
             raise FileNotFoundError(f"data path {path} {_missing(file)}: pass a .bin or .npy file of token ids")
-        return cls(file, _read_ids(file, bin_dtype), seq_len, text)
+        return cls(file, _read_ids(file, bin_dtype), seq_len, text, vocab_size)
 
     @property
     def num_tokens(self) -> int:

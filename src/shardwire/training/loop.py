@@ -405,8 +405,6 @@ def training_corpus(config: TrainConfig, choice: ModelChoice, memory: int | None
     if isinstance(corpus, ByteCorpus) and config.model.startswith(HF_PREFIX) and choice.vocab_size != BYTE_VOCAB:
         raise ValueError(f"--data is text, read as bytes (ids 0 to 255), but {choice.name}'s {choice.vocab_size:,} "
                          f"ids are its tokenizer's: give --tokenizer DIR (its tokenizer) or pre-tokenised --data")
-    if isinstance(corpus, TokenCorpus):
-        corpus.vocab_size = choice.vocab_size
     return corpus
 
 
