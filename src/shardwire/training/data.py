@@ -62,8 +62,8 @@ def load_corpus(path: str | None, seq_len: int, tokenizer: str | None = None,
                 tokenizer_label: str | None = None, vocab_size: int | None = None) -> "ByteCorpus | TokenCorpus":
     """The corpus ``path`` names: pre-tokenised ids for ``.bin`` (of ``bin_dtype``) and ``.npy``
     files; text tokenised by the Hugging Face tokenizer in the directory ``tokenizer`` (see
-    ``tokenized``; refused where it has more ids than ``vocab_size``, the model's, which ids' every
-    batch is held to); else text as bytes, refused where it needs more than ``memory`` bytes."""
+    ``tokenized``; refused where it has more ids than ``vocab_size``, the model's, to which every
+    batch of ids is held); else text as bytes, refused where it needs more than ``memory`` bytes."""
     if tokenizer is not None:
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             raise ValueError("--tokenizer tokenises a text corpus: give --data a text file or directory")
