@@ -154,6 +154,38 @@ def test_a_second_signal_as_the_command_stops_changes_nothing(signum, said):
     assert (done.returncode, done.stderr) == (128 + signum, f"{said}\n")
 
 
+SIGNAL_IN_A_FINALIZER = textwrap.dedent("""
+    import os, signal, sys, time
+    import shardwire.cli.plan as command
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), int(os.environ["SIGNAL"]))
+            time.sleep(0.2)  # the stop's handler runs here, where Python drops what it raises
+
+    def plan(*args, **kwargs):
+        Dropped()
+        time.sleep(5)
+        print("ran on")
+        return 0
+
+    command.plan = plan
+    sys.argv = ["shardwire", "plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "4",
+                "--global-batch", "64"]
+    from shardwire.cli import entry
+    entry()
+""")
+
+
+@pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM")])
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(signum, said):
+    """A stop raised inside a ``__del__`` is dropped by Python, with a traceback: the command ran on
+    to status 0, ignoring every later stop signal."""
+    done = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_FINALIZER], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SIGNAL": str(int(signum))})
+    assert (done.returncode, done.stdout, done.stderr) == (128 + signum, "", f"{said}\n")
+
+
 @pytest.mark.parametrize("statuses, line", [
     ({0: -signal.SIGKILL, 1: -signal.SIGTERM},
      "rank 0 (killed by SIGKILL: out of memory, or kill -9); the launcher then stopped the rest"),

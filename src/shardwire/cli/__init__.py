@@ -22,6 +22,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import warnings
 from types import ModuleType
 from typing import NoReturn
@@ -35,6 +36,7 @@ from shardwire.launch import (
     REFUSED,
     Closed,
     OutputLost,
+    Stopped,
     UntilClosed,
     die_with_launcher,
     end_process,
@@ -50,6 +52,9 @@ from shardwire.launch import (
 from shardwire.mappings import nearest, one_line
 from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
+
+# How long after a stop dropped in a finalizer its signal is sent again (``_stop_again``).
+_STOP_AGAIN_S = 0.05
 
 COMMANDS = {
     "train": "train a model with the sharded engine (a byte-level GPT by default)",
@@ -214,14 +219,18 @@ def _stopped_by_signals():
     signal meanwhile is ignored (``launch.stopping``). Not a worker's SIGTERM, by which its launcher
     ends it and says what that stopped (``launch.stop_signals``); not where the signal is ignored
     (nohup) or taken. The handlers before are restored after, unless a stop is under way, which
-    goes on ignoring them until the process has ended."""
+    goes on ignoring them until the process has ended. A stop raised where Python drops exceptions is
+    raised again (``_stop_again``)."""
     before = {signum: signal.getsignal(signum) for signum in stop_signals()}
     for signum, handler in before.items():
         if handler in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(signum, _stop)
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: _stop_again(unraisable, hook)
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for signum, handler in before.items():
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, handler)
@@ -229,6 +238,23 @@ def _stopped_by_signals():
 
 def _stop(signum: int, frame) -> NoReturn:
     raise stopping(signum)
+
+
+def _stop_again(unraisable, hook) -> None:
+    """Send again the signal of a stop raised where Python drops the exception (a finalizer, such as
+    a ``__del__``, running in the main thread as the signal came): dropped, the command would run on
+    to its end, ignoring every later stop signal (``launch.stopping``). Sent by another thread a
+    moment later, not here, where its handler would run at once and be dropped again (``os.kill`` of
+    its own process, or a wait, runs it before returning): it runs at the next point of the main
+    thread that can raise (a finalizer still running then drops it, and it is sent again). Any other
+    exception so dropped goes to the hook before (``hook``), which says it."""
+    if not isinstance(unraisable.exc_value, Stopped):
+        hook(unraisable)
+        return
+    signal.signal(unraisable.exc_value.signum, _stop)
+    again = threading.Timer(_STOP_AGAIN_S, os.kill, (os.getpid(), unraisable.exc_value.signum))
+    again.daemon = True
+    again.start()
 
 
 def _interrupted(err: KeyboardInterrupt) -> int:
