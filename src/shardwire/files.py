@@ -579,6 +579,8 @@ def new_directory_problem(path: str | os.PathLike) -> str | None:
             return "is the current directory: give a new directory (it would be replaced under the shell in it)"
         if any(os.scandir(path)):
             return "is not empty: give a new directory (nothing is overwritten)"
+        if os.path.ismount(path):  # the directory is put in place by a rename, which a mount point refuses
+            return "is a mount point, which a directory cannot be renamed onto: give a new directory inside it"
         return checkpoint_problem(path)
     return directory_problem(path) or checkpoint_problem(path)
 

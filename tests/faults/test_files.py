@@ -20,7 +20,7 @@ import torch
 import shardwire
 from harness import PROFILE, full_disk, run_workers, save_tokenizer  # noqa: F401 (a fixture)
 from shardwire.cli import main
-from shardwire.files import OutputRefused, WriteFailed, write_atomically
+from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, write_atomically
 from shardwire.training.data import load_corpus
 
 FULL = "could not be written: No space left on device; free space there, or choose another place for it"
@@ -214,6 +214,26 @@ def test_export_writes_into_new_directories_and_never_over_a_device(tmp_path):
         with pytest.raises(OutputRefused):
             shardwire.export_state_dict(checkpoint, tmp_path / name)
     assert unchanged(tmp_path, made)
+
+
+@pytest.mark.root
+def test_an_empty_mount_point_is_refused_as_a_new_directory_before_any_work(tmp_path):
+    """A staged directory is renamed into place, which a mount point refuses (EBUSY): found at the
+    end, after the run trained, it lost a run that kept no checkpoint."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("a tmpfs cannot be mounted here")
+    try:
+        with pytest.raises(OutputRefused, match=f"export directory {mount} is a mount point, which a directory "
+                                                f"cannot be renamed onto: give a new directory inside it"):
+            StagedDirectory(mount, "export directory")
+        assert StagedDirectory(mount / "model", "export directory").publish() == mount / "model"
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert os.listdir(tmp_path) == ["mnt"]
 
 
 def test_an_output_below_a_link_that_leads_nowhere_says_so(tmp_path):

@@ -445,7 +445,7 @@ def test_an_export_that_fills_the_disk_is_one_line_naming_where_the_model_is(tmp
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: --export-hf {full / 'out'}: No space left on device; the trained model is in ckpt/step_00000002: "
-        f"`shardwire export ckpt/step_00000002 DIR` writes it where there is room")
+        f"`shardwire export ckpt/step_00000002 DIR` writes it elsewhere")
     assert left == []  # nothing half-written is left
 
 

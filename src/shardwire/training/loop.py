@@ -359,7 +359,7 @@ def _where_the_model_is(config: TrainConfig) -> str:
     last = config.checkpoint_dir and shardwire.checkpoint_path(config.checkpoint_dir, config.steps)
     if not last or not last.is_dir():
         return "the trained model was not kept (no --checkpoint-dir)"
-    return f"the trained model is in {last}: `shardwire export {last} DIR` writes it where there is room"
+    return f"the trained model is in {last}: `shardwire export {last} DIR` writes it elsewhere"
 
 
 def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, device: torch.device) -> None:
