@@ -58,6 +58,19 @@ def test_a_log_where_checkpoints_are_saved_is_refused_before_training(tmp_path, 
     assert not ckpt.exists()
 
 
+@pytest.mark.parametrize("option, instead", [(["--profile", "--run-dir"], "profile"), (["--tensorboard"], "tb"),
+                                             (["--log-jsonl"], "log.jsonl")])
+def test_a_log_named_as_the_manifest_of_a_new_series_is_refused_before_training(tmp_path, option, instead):
+    """Accepted in a series not yet begun, it made the series a checkpoint, and the same command,
+    run again to resume, was refused."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(SystemExit, match=f"{option[-1]} {ckpt}/manifest.json is named as a checkpoint's manifest, in "
+                                         f"--checkpoint-dir's series, which would then be taken for a checkpoint "
+                                         f"itself: give it another name, such as {ckpt}/{instead}"):
+        main(["train", "--checkpoint-dir", str(ckpt), *option, str(ckpt / "manifest.json")])
+    assert not ckpt.exists()
+
+
 def test_an_output_named_as_a_series_checkpoint_or_manifest_is_refused(tmp_path, capsys):
     """Beside a series of checkpoints, with no --checkpoint-dir given: a log named ``step_N`` was set
     aside under a random name by the save of that step, and one named ``manifest.json`` made

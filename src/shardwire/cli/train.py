@@ -25,8 +25,8 @@ from shardwire.engine.checkpoint.series import group_series, series_problem, ste
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
-from shardwire.files import (checkpoint_problem, directory_problem, leave_no_stage, missing_directories,
-                             new_directory_problem)
+from shardwire.files import (CHECKPOINT_MANIFEST, checkpoint_problem, directory_problem, leave_no_stage,
+                             missing_directories, new_directory_problem)
 from shardwire.extras import require
 from shardwire.launch import (
     host_memory_per_worker,
@@ -375,7 +375,9 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
 def _among_checkpoints(config: TrainConfig) -> str | None:
     """Why a log or profile the run writes cannot go where it is given, or None: a path inside the
     series of --checkpoint-dir named as its checkpoints are (``step_...``) would be taken for one, or
-    set aside by the save of that step, and lost. Beside them (``ckpt/log.jsonl``) is a place of its own."""
+    set aside by the save of that step, and lost; one named as a checkpoint's manifest would make the
+    series a checkpoint (a run's first: ``files.checkpoint_problem`` refuses it in a series that has
+    begun). Beside them (``ckpt/log.jsonl``) is a place of its own."""
     if (series := _series(config)) is None:
         return None
     for option, path, name in (("--run-dir", config.run_dir, "profile"), ("--tensorboard", config.tensorboard, "tb"),
@@ -386,6 +388,10 @@ def _among_checkpoints(config: TrainConfig) -> str | None:
         if inside.split(os.sep)[0].startswith("step_"):
             return (f"{option} {cut(path)} is where --checkpoint-dir saves its checkpoints (step_...): a save "
                     f"would take it for one, or set it aside; give it a place beside them, such as "
+                    f"{cut(os.path.join(series, name))}")
+        if inside == CHECKPOINT_MANIFEST:
+            return (f"{option} {cut(path)} is named as a checkpoint's manifest, in --checkpoint-dir's series, which "
+                    f"would then be taken for a checkpoint itself: give it another name, such as "
                     f"{cut(os.path.join(series, name))}")
     return None
 
