@@ -63,7 +63,7 @@ def test_print_launch_writes_one_command_for_every_node_that_parses_back_to_the_
     job = ["--model", "30m", "--no-reshard", "--wire", "int8", "--backend", "nccl", "--precision", "bf16"]
     assert main(["train", "--print-launch", "--nnodes", "4", "--nproc-per-node", "8", "--max-restarts", "2", *job]) == 0
     comment, command = capsys.readouterr().out.splitlines()
-    assert "on each of the 4 node(s)" in comment and "HEAD_ADDRESS" in comment
+    assert "on each of the 4 nodes" in comment and "HEAD_ADDRESS" in comment
     words = shlex.split(command)
     assert words[:8] == ["torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
                          "--rdzv-endpoint=HEAD_ADDRESS:29500", "--rdzv-id=shardwire", "--max-restarts=2", "-m"]
@@ -71,6 +71,11 @@ def test_print_launch_writes_one_command_for_every_node_that_parses_back_to_the_
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert vars(parser.parse_args(words[10:])) == vars(parser.parse_args(job))
+    # one node meets no other: no address to fill in
+    assert main(["train", "--print-launch", "--nproc-per-node", "2", *job]) == 0
+    comment, command = capsys.readouterr().out.splitlines()
+    assert comment == "# on the node" and shlex.split(command)[:4] == ["torchrun", "--standalone",
+                                                                      "--nproc-per-node=2", "-m"]
 
 
 def test_print_launch_checks_the_layout_against_the_cluster_it_is_for():

@@ -240,8 +240,9 @@ def torchrun_command(nnodes: int, nproc_per_node: int, argv: list[str], *, max_r
     """The command that runs ``python -m shardwire <argv>`` as ``nproc_per_node`` workers on each of
     ``nnodes`` nodes: the same on every node, the nodes meeting at a c10d rendezvous on the first
     one (``HEAD_ADDRESS``, for the launcher or the user to fill in), so no node needs a rank of its
-    own and a restarted node rejoins."""
-    torchrun = ["torchrun", *rendezvous_options(nnodes, nproc_per_node, "HEAD_ADDRESS:29500", "shardwire")]
+    own and a restarted node rejoins. One node meets no other: it runs as printed (``--standalone``)."""
+    torchrun = ["torchrun", "--standalone", f"--nproc-per-node={nproc_per_node}"] if nnodes == 1 else [
+        "torchrun", *rendezvous_options(nnodes, nproc_per_node, "HEAD_ADDRESS:29500", "shardwire")]
     if max_restarts:
         torchrun.append(f"--max-restarts={max_restarts}")
     return shlex.join([*torchrun, "-m", "shardwire", *argv])

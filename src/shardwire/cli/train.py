@@ -74,8 +74,9 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     _validate(config, given_as(args))
     checked()
     if config.print_launch:
-        print(f"# on each of the {config.nnodes} node(s); HEAD_ADDRESS: the first node's address, which every "
-              f"node must reach\n{_launch_command(config)}")
+        where = ("# on the node" if config.nnodes == 1 else f"# on each of the {config.nnodes} nodes; HEAD_ADDRESS: "
+                                                             f"the first node's address, which every node must reach")
+        print(f"{where}\n{_launch_command(config)}")
         return 0
     if not under_launcher():
         nproc = config.nproc or _local_workers(config)
