@@ -482,8 +482,8 @@ def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
     (profile_document(forward=0.02, backward=0.04), "take less than their memory-bound work alone"),
     (profile_document(forward=0.03, backward=0.07), "faster than the peak of cluster 'h100-ib-400' allows"),
     # far slower than the GPU runs (a CPU's profile): blamed on the profile, never on the cluster given
-    (profile_document(forward=800.0, backward=1700.0), "profile.json: its compute runs at 4.1e-05 of cluster "
-                                                        "'h100-ib-400''s peak, slower than any GPU runs its kernels"),
+    (profile_document(forward=800.0, backward=1700.0), "profile.json: its compute runs at 4.1e-05 of the peak of "
+                                                        "cluster 'h100-ib-400', slower than any GPU runs its kernels"),
     (profile_document(optimizer=1e300), "profile.json: its optimizer step (1e+300 s) streams"),
     ({"summary": {}}, "it has no summary.figures, unlike a profile of `shardwire train --profile`"),
     (profile_document(model="nope"), "unknown model preset 'nope'"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import shutil
 import warnings
@@ -478,3 +479,15 @@ def test_an_incomplete_checkpoint_a_save_made_is_replaced(scenarios):
     assert outcome["warnings"] == []  # provably a save's: replaced, not set aside
     assert outcome["after"] == ["step_00000001", "step_00000002", "step_00000003"]
     assert outcome["then resumes"] == "loaded step 3"
+
+
+@pytest.mark.parametrize("make", [lambda path: os.mkfifo(path), lambda path: path.symlink_to("/dev/zero")],
+                         ids=["fifo", "link to a device"])
+def test_a_manifest_that_is_not_a_regular_file_is_named_so_unread(tmp_path, make):
+    """It was said to be missing, where the user sees one."""
+    from shardwire.engine.checkpoint.format import Manifest
+
+    make(tmp_path / "manifest.json")
+    with pytest.raises(shardwire.CheckpointError, match=f"{tmp_path / 'manifest.json'}: not a regular file; "
+                                                        f"{tmp_path} is not a complete shardwire checkpoint"):
+        Manifest.read(tmp_path)

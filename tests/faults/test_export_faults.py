@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -402,6 +403,30 @@ def test_a_directory_in_the_way_of_the_stage_is_not_removed(work, capsys):
     (mine / "notes.txt").write_text("the user's")
     assert "was not made by shardwire: move it" in refused(capsys, work / "hf", work / "out")
     assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_a_dcp_checkpoint_given_to_export_is_named_as_one(tmp_path, capsys):
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"\x80\x04N.")  # a pickle, as DCP writes it: never read
+    (dcp / "__0_0.distcp").write_bytes(b"")
+    assert refused(capsys, dcp, tmp_path / "out.safetensors", "--model", "tiny") == (
+        f"error: {dcp} is a torch.distributed.checkpoint (DCP) checkpoint, not shardwire's: load it with dcp.load "
+        f"(docs/checkpoints.md), only from a source you trust")
+
+
+def test_an_hf_export_into_a_full_disk_names_out_and_what_to_do(work, capsys, monkeypatch):
+    """Its stage, not OUT, was named, with the system's words alone."""
+    from shardwire.models import export as writer
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer, "_write_safetensors", full)
+    assert refused(capsys, work / "hf", work / "out") == (
+        f"error: {work / 'out'} could not be written: No space left on device; free space there, or choose another "
+        f"place for it")
+    assert not (work / "out").exists() and not (work / ".out.shardwire-partial").exists()
 
 
 @pytest.mark.parametrize("spelled", [None, "{made}/./gpt2-mini/", "gpt2-mini"])

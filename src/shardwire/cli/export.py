@@ -29,9 +29,9 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.format import MANIFEST
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, step_of
+from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, holds_dcp, reasons, step_of
 from shardwire.engine.diloco import DiLoCo
-from shardwire.files import OutputRefused, StagedDirectory, inside_problem
+from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, inside_problem, stage_of
 from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, shown
 from shardwire.options import argument_text, text
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
         print(one_line(f"error: {err}"), file=sys.stderr)
         return 2
     except OSError as err:  # a name too long, a full disk: what the system said, of which file
-        print(one_line(f"error: {shown(err.filename or args.out)}: {err.strerror or err}"), file=sys.stderr)
+        print(one_line(f"error: {_failed_write(err, args.out)}"), file=sys.stderr)
         return 2
     checked()
     for note in notes:
@@ -84,6 +84,16 @@ def _another_worker() -> bool:
         return False
     world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
     return world.isdigit() and rank.isdigit() and int(world) > 1 and int(rank) > 0
+
+
+def _failed_write(err: OSError, out: str) -> str:
+    """What the system said of a file, as the command says it: a write into OUT or into its stage (a
+    full disk) as OUT's, with what to do (``files.WriteFailed``); of another file, as it was said."""
+    written = [os.path.abspath(place) for place in (out, stage_of(out))]
+    if err.filename is None or any(os.path.commonpath([os.path.abspath(err.filename), place]) == place
+                                   for place in written):
+        return str(WriteFailed(err.errno, err.strerror or str(err), out))
+    return f"{shown(err.filename)}: {err.strerror or err}"
 
 
 def _export_newest(given: pathlib.Path, args: argparse.Namespace) -> tuple[pathlib.Path, str, pathlib.Path, list[str]]:
@@ -145,6 +155,9 @@ def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
         raise ValueError(f"{path} holds the series of fault-tolerant groups ({', '.join(groups[:4])}"
                          f"{', ...' if len(groups) > 4 else ''}), whose models differ: export one group's "
                          f"({path / groups[0]})")
+    if not series and holds_dcp(path):
+        raise ValueError(f"{path} is a torch.distributed.checkpoint (DCP) checkpoint, not shardwire's: load it with "
+                         f"dcp.load (docs/checkpoints.md), only from a source you trust")
     if not series:
         raise ValueError(f"{path} holds no checkpoint: give one (ckpt/step_00000400) or a --checkpoint-dir")
     return series[::-1]

@@ -70,8 +70,8 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
     flops_measured = measured.forward_s + measured.backward_s - memory_bound
     if flops_measured <= 0:
         raise SpecError(f"{source}: its forward and backward ({measured.forward_s + measured.backward_s:.4g} s) "
-                        f"take less than their memory-bound work alone at cluster {cluster.name!r}'s memory "
-                        f"bandwidth ({memory_bound:.4g} s): was the profile taken of this model and batch, on "
+                        f"take less than their memory-bound work alone at the memory bandwidth of cluster "
+                        f"{cluster.name!r} ({memory_bound:.4g} s): was the profile taken of this model and batch, on "
                         f"this GPU?")
     scale = flops_bound / flops_measured
     fitted = {key: getattr(cluster, key) * scale for key in ("matmul_efficiency", "attention_efficiency")}
@@ -82,12 +82,12 @@ def calibrated(cluster: ClusterSpec, measured: Measured, source: str = "a profil
         raise SpecError(f"{source}: its optimizer step ({measured.optimizer_s:.4g} s) streams {optimizer / 1e9:.3g} "
                         f"GB/s, slower than any memory: was the profile taken on this GPU, of the job it names?")
     if cluster.memory_bandwidth_GBps is not None and optimizer > cluster.memory_bandwidth_GBps * 1e9:
-        raise SpecError(f"{source}: its optimizer step streams {optimizer / 1e9:.4g} GB/s, more than cluster "
-                        f"{cluster.name!r}'s memory bandwidth ({cluster.memory_bandwidth_GBps:g} GB/s) allows: was "
+        raise SpecError(f"{source}: its optimizer step streams {optimizer / 1e9:.4g} GB/s, more than the memory "
+                        f"bandwidth of cluster {cluster.name!r} ({cluster.memory_bandwidth_GBps:g} GB/s) allows: was "
                         f"the profile taken on this GPU, of the job it names?")
     if min(fitted.values()) < MIN_EFFICIENCY:  # the profile's doing, not the cluster's: blamed on it
-        raise SpecError(f"{source}: its compute runs at {min(fitted.values()):.2g} of cluster {cluster.name!r}'s "
-                        f"peak, slower than any GPU runs its kernels: was the profile taken on this GPU, of the "
+        raise SpecError(f"{source}: its compute runs at {min(fitted.values()):.2g} of the peak of cluster "
+                        f"{cluster.name!r}, slower than any GPU runs its kernels: was the profile taken on this GPU, of the "
                         f"job it names?")
     named = one_line(os.path.basename(os.path.normpath(source)))  # a run directory given as run/ is named
     return parse("cluster", {**as_dict(cluster), **fitted, "optimizer_GBps": optimizer / 1e9,

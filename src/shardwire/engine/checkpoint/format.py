@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import secrets
 from collections.abc import Iterator
@@ -211,7 +212,8 @@ class Manifest:
         if not directory.is_dir():
             raise CheckpointError(_not_a_directory(directory))
         if not path.is_file():
-            raise CheckpointError(f"{path}: missing; {directory} is not a complete shardwire checkpoint")
+            what = "not a regular file" if os.path.lexists(path) else "missing"
+            raise CheckpointError(f"{path}: {what}; {directory} is not a complete shardwire checkpoint")
         try:
             with path.open("rb") as f:
                 data = f.read(MAX_MANIFEST_BYTES + 1)

@@ -57,7 +57,7 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
     if holds_a_manifest(directory):
         return (f"is a checkpoint itself, not a directory of them: give the directory that holds it "
                 f"({directory.resolve().parent}) to resume from it, or a directory of its own")
-    if (dcp := next((above for above in directory.resolve().parents if _holds_dcp(above)), None)) is not None:
+    if (dcp := next((above for above in directory.resolve().parents if holds_dcp(above)), None)) is not None:
         return (f"is inside {dcp}, a torch.distributed.checkpoint (DCP) checkpoint, which a series would fill with "
                 f"its own: give shardwire's checkpoints a directory of their own")
     return _others_problem(directory)
@@ -79,7 +79,7 @@ def _others_problem(directory: pathlib.Path) -> str | None:
             f"give shardwire's checkpoints a directory of their own")
 
 
-def _holds_dcp(directory: pathlib.Path) -> bool:
+def holds_dcp(directory: pathlib.Path) -> bool:
     """Whether ``directory`` holds a DCP checkpoint: its metadata beside its ``.distcp`` files."""
     try:
         return os.path.isfile(directory / _DCP_METADATA) and any(name.endswith(".distcp") for name in
