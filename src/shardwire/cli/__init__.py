@@ -219,8 +219,8 @@ def _stopped_by_signals():
     signal meanwhile is ignored (``launch.stopping``). Not a worker's SIGTERM, by which its launcher
     ends it and says what that stopped (``launch.stop_signals``); not where the signal is ignored
     (nohup) or taken. The handlers before are restored after, unless a stop is under way, which
-    goes on ignoring them until the process has ended. A stop raised where Python drops exceptions is
-    raised again (``_stop_again``)."""
+    goes on ignoring them until the process has ended. A stop raised where Python drops exceptions has
+    its signal sent again (``_stop_again``)."""
     before = {signum: signal.getsignal(signum) for signum in stop_signals()}
     for signum, handler in before.items():
         if handler in (signal.SIG_DFL, signal.default_int_handler):
