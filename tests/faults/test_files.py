@@ -217,23 +217,14 @@ def test_export_writes_into_new_directories_and_never_over_a_device(tmp_path):
 
 
 @pytest.mark.root
-def test_an_empty_mount_point_is_refused_as_a_new_directory_before_any_work(tmp_path):
+def test_an_empty_mount_point_is_refused_as_a_new_directory_before_any_work(tmpfs):
     """A staged directory is renamed into place, which a mount point refuses (EBUSY): found at the
     end, after the run trained, it lost a run that kept no checkpoint."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "mnt"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("a tmpfs cannot be mounted here")
-    try:
-        with pytest.raises(OutputRefused, match=f"export directory {mount} is a mount point, which a directory "
-                                                f"cannot be renamed onto: give a new directory inside it"):
-            StagedDirectory(mount, "export directory")
-        assert StagedDirectory(mount / "model", "export directory").publish() == mount / "model"
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-    assert os.listdir(tmp_path) == ["mnt"]
+    with pytest.raises(OutputRefused, match=f"export directory {tmpfs} is a mount point, which a directory "
+                                            f"cannot be renamed onto: give a new directory inside it"):
+        StagedDirectory(tmpfs, "export directory")
+    assert StagedDirectory(tmpfs / "model", "export directory").publish() == tmpfs / "model"
+    assert os.listdir(tmpfs.parent) == [tmpfs.name]
 
 
 def test_an_output_below_a_link_that_leads_nowhere_says_so(tmp_path):
@@ -328,25 +319,31 @@ def test_a_profile_rank_0_cannot_write_fails_on_every_rank_so_none_waits_for_it(
 
 
 @pytest.fixture
-def filled_file_system(tmp_path):
-    """A directory on a file system with no space left: a 100 KiB tmpfs, filled (root only)."""
+def tmpfs(tmp_path):
+    """An empty 100 KiB tmpfs mounted on a directory of ``tmp_path`` (root only)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "full"
+    mount = tmp_path / "mnt"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("a tmpfs cannot be mounted here")
     try:
-        fd = os.open(mount / "fill", os.O_WRONLY | os.O_CREAT)
-        try:
-            with pytest.raises(OSError, match="No space left on device"):
-                while True:
-                    os.write(fd, bytes(4096))
-        finally:
-            os.close(fd)
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def filled_file_system(tmpfs):
+    """A directory on a file system with no space left: ``tmpfs``, filled."""
+    fd = os.open(tmpfs / "fill", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            while True:
+                os.write(fd, bytes(4096))
+    finally:
+        os.close(fd)
+    return tmpfs
 
 
 @pytest.mark.slow

@@ -124,10 +124,27 @@ def test_a_sigterm_once_the_command_runs_is_one_line():
     assert job.returncode == 128 + signal.SIGTERM and errors.splitlines()[-1].startswith("stopped by SIGTERM"), errors
 
 
-SIGNAL_TWICE = textwrap.dedent("""
-    import os, signal, sys, threading, time
-    import shardwire.cli.plan as command
+def _plan_signalled(plan: str) -> str:
+    """A program that runs ``shardwire plan`` with its work replaced by ``plan`` (the source of a
+    ``plan`` function, which sends the signal numbered in $SIGNAL), as the command line runs it."""
+    return textwrap.dedent("""
+        import os, signal, sys, threading, time
+        import shardwire.cli.plan as command
+    """) + textwrap.dedent(plan) + textwrap.dedent("""
+        command.plan = plan
+        sys.argv = ["shardwire", "plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "4",
+                    "--global-batch", "64"]
+        from shardwire.cli import entry
+        entry()
+    """)
 
+
+def _run_signalled(plan: str, signum: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _plan_signalled(plan)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SIGNAL": str(int(signum))})
+
+
+SIGNAL_TWICE = """
     def twice():
         os.kill(os.getpid(), int(os.environ["SIGNAL"]))
         time.sleep(0.3)  # as the command ends
@@ -136,28 +153,18 @@ SIGNAL_TWICE = textwrap.dedent("""
     def plan(*args, **kwargs):
         threading.Thread(target=twice).start()
         time.sleep(60)
-
-    command.plan = plan
-    sys.argv = ["shardwire", "plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "4",
-                "--global-batch", "64"]
-    from shardwire.cli import entry
-    entry()
-""")
+"""
 
 
 @pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM")])
 def test_a_second_signal_as_the_command_stops_changes_nothing(signum, said):
     """A terminal's Ctrl-C reaches a wrapper such as ``timeout`` too, which passes it on: a second
     signal a moment after the first broke off the stop with a traceback."""
-    done = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SIGNAL": str(int(signum))})
+    done = _run_signalled(SIGNAL_TWICE, signum)
     assert (done.returncode, done.stderr) == (128 + signum, f"{said}\n")
 
 
-SIGNAL_IN_A_FINALIZER = textwrap.dedent("""
-    import os, signal, sys, time
-    import shardwire.cli.plan as command
-
+SIGNAL_IN_A_FINALIZER = """
     class Dropped:
         def __del__(self):
             os.kill(os.getpid(), int(os.environ["SIGNAL"]))
@@ -168,21 +175,14 @@ SIGNAL_IN_A_FINALIZER = textwrap.dedent("""
         time.sleep(5)
         print("ran on")
         return 0
-
-    command.plan = plan
-    sys.argv = ["shardwire", "plan", "--model", "gpt-1.3b", "--cluster", "h100-100gbe", "--nodes", "4",
-                "--global-batch", "64"]
-    from shardwire.cli import entry
-    entry()
-""")
+"""
 
 
 @pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM")])
 def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(signum, said):
     """A stop raised inside a ``__del__`` is dropped by Python, with a traceback: the command ran on
     to status 0, ignoring every later stop signal."""
-    done = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_FINALIZER], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SIGNAL": str(int(signum))})
+    done = _run_signalled(SIGNAL_IN_A_FINALIZER, signum)
     assert (done.returncode, done.stdout, done.stderr) == (128 + signum, "", f"{said}\n")
 
 
