@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from harness import save_tokenizer
+from harness import PROFILE as A_PROFILE, save_tokenizer
 from shardwire.cli import main
 from shardwire.sim import planner
 from shardwire.sim.inputs import cluster_from_bench, load_spec
@@ -90,7 +90,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--training", "{precision: fp8}"],
      "precision fp8 needs fp8 tensor cores: cluster 'a100-100gbe' gives no fp8_tflops"),
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--calibrate", "missing.json"],
-     "profile missing.json: No such file or directory"),
+     "error: missing.json: No such file or directory"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
     status, out, err = run(capsys, "simulate", *argv)
@@ -447,15 +447,15 @@ def test_the_command_the_plan_prints_for_an_hf_model_with_its_tokenizer_runs(tmp
     assert done.returncode == 0 and "done: 2 steps" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, optimizer=0.011, ranks=1) -> dict:
-    """A profile.json as ``shardwire train --profile`` writes it (the parts calibration reads)."""
-    def figure(seconds):
-        return {"min": seconds, "median": seconds, "max": seconds}
-    return {"version": 1, "world_size": ranks,
-            "summary": {"figures": {"forward_s": figure(forward), "backward_s": figure(backward),
-                                    "optimizer_s": figure(optimizer), "step_s": figure(0.1)}},
-            "metadata": {"config": {"model": model, "seq_len": None, "batch": batch, "grad_accum": 1,
-                                    "precision": "bf16", "activation_checkpointing": False, "compile": False}}}
+def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, optimizer=0.011) -> dict:
+    """A profile.json as ``shardwire train --profile`` writes it (a real one), with the medians and
+    the job calibration reads changed."""
+    with open(A_PROFILE) as f:
+        document = json.load(f)
+    for part, seconds in (("forward_s", forward), ("backward_s", backward), ("optimizer_s", optimizer)):
+        document["summary"]["figures"][part] = {"min": seconds, "median": seconds, "max": seconds}
+    document["metadata"]["config"].update(model=model, batch=batch)
+    return document
 
 
 def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
@@ -484,8 +484,10 @@ def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
     # far slower than the GPU runs (a CPU's profile): blamed on the profile, never on the cluster given
     (profile_document(forward=800.0, backward=1700.0), "profile.json: its compute runs at 4.1e-05 of the peak of "
                                                         "cluster 'h100-ib-400', slower than any GPU runs its kernels"),
-    (profile_document(optimizer=1e300), "profile.json: its optimizer step (1e+300 s) streams"),
-    ({"summary": {}}, "it has no summary.figures, unlike a profile of `shardwire train --profile`"),
+    (profile_document(optimizer=1e300), "profile.json is damaged (summary.figures.optimizer_s.min is 1e+300: times, "
+                                        "bytes and ratios are numbers from 0 to 1e+15)"),
+    ({**profile_document(), "summary": {}}, "is damaged (summary has no figures, unlike a profile of `shardwire "
+                                            "train --profile`)"),
     (profile_document(model="nope"), "unknown model preset 'nope'"),
 ])
 def test_calibration_refuses_a_profile_that_cannot_be_this_gpus(capsys, tmp_path, profile, message):

@@ -58,34 +58,36 @@ def test_calibrate_takes_a_run_directory_as_report_does(tmp_path, capsys):
     assert f"(calibrated by {tmp_path.name})" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     said = refusal([*CALIBRATE, str(tmp_path / "empty")], capsys)
-    assert f"profile {tmp_path / 'empty' / 'profile.json'}: No such file" in said, said
+    assert f"{tmp_path / 'empty' / 'profile.json'}: No such file" in said, said
 
 
 def test_an_empty_profile_or_a_pipe_nothing_was_written_to_says_so(tmp_path, capsys):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     (tmp_path / "blank").write_text(" \n")
-    assert f"profile {tmp_path / 'blank'} is empty; give the profile.json" in refusal(
+    assert f"{tmp_path / 'blank'} is empty; profile the run again" in refusal(
         [*CALIBRATE, str(tmp_path / "blank")], capsys)
-    assert f"profile {fifo} is a FIFO that nothing was written to" in refusal([*CALIBRATE, str(fifo)], capsys)
+    assert f"{fifo} is a FIFO that nothing was written to" in refusal([*CALIBRATE, str(fifo)], capsys)
 
 
 def test_calibrate_reads_a_device_never_and_a_file_up_to_a_bound(tmp_path, capsys):
-    assert "profile /dev/zero is a character device, not a file: give the file that holds it" in refusal(
+    assert "/dev/zero is a character device, not a file: give the file that holds it" in refusal(
         [*CALIBRATE, "/dev/zero"], capsys)
     huge = tmp_path / "profile.json"
     with huge.open("wb") as f:
         f.truncate(MAX_JSON_BYTES + 1)  # sparse: no disk taken
-    assert f"profile {huge} is larger than {MAX_JSON_BYTES:,} bytes" in refusal([*CALIBRATE, str(huge)], capsys)
+    assert f"{huge} is larger than {MAX_JSON_BYTES:,} bytes" in refusal([*CALIBRATE, str(huge)], capsys)
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("world_size", 0, "its world_size must be a whole number from 1 to 67,108,864, got 0"),
-    ("world_size", "2", "its world_size must be a whole number from 1 to 67,108,864, got '2'"),
-    ("world_size", None, "its world_size must be a whole number from 1 to 67,108,864, got None"),
-    ("world_size", True, "its world_size must be a whole number from 1 to 67,108,864, got True"),
-    ("world_size", 2.0, "its world_size must be a whole number from 1 to 67,108,864, got 2.0"),  # as report reads it
-    ("world_size", json.loads("[" * 500 + "]" * 500), "its world_size must be a whole number"),
+    ("world_size", 0, "is damaged (its world_size is 0, not a count of ranks)"),
+    ("world_size", "2", "is damaged (its world_size is '2', not a count of ranks)"),
+    ("world_size", None, "is damaged (its world_size is None, not a count of ranks)"),
+    ("world_size", True, "is damaged (its world_size is True, not a count of ranks)"),
+    ("world_size", 2.0, "is damaged (its world_size is 2.0, not a count of ranks)"),  # as report reads it
+    ("world_size", json.loads("[" * 500 + "]" * 500), "is damaged (its world_size is [[[...]]]"),
+    # a world other than the one its timeline and steps hold: report refuses it, and so does calibrate
+    ("world_size", 64, "is damaged (its timeline holds 1 ranks' steps for a world_size of 64)"),
     ("model", 5, "its model must be a name, as `shardwire train --model` takes it, got 5"),
     ("model", LONG, "its job cannot be simulated: unknown model preset 'xxx"),
     ("seq_len", "long", "its job cannot be simulated: model: seq_len must be a whole number, got 'long'"),
@@ -108,9 +110,10 @@ def test_an_optimizer_step_faster_than_the_gpus_memory_is_refused(tmp_path, caps
 
 
 @pytest.mark.parametrize("where, value, message", [
-    ("metadata", [], "its metadata is a list, not a mapping, unlike a profile of `shardwire train --profile`"),
-    ("summary", None, "its summary is null, not a mapping, unlike a profile"),
-    ("world_size", "absent", "it has no world_size, unlike a profile"),
+    ("metadata", [], "is damaged (metadata is a list, not a mapping, unlike a profile of `shardwire train "
+                     "--profile`)"),
+    ("summary", None, "is damaged (summary is null, not a mapping, unlike a profile"),
+    ("world_size", "absent", "is damaged (its world_size is None, not a count of ranks)"),
 ])
 def test_a_profile_missing_a_part_says_which(tmp_path, capsys, where, value, message):
     def change(document):
@@ -166,17 +169,17 @@ def test_times_no_profile_holds_are_shown_cut_short(tmp_path, capsys):
         document["summary"]["figures"]["forward_s"]["median"] = [LONG]
 
     refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
-    assert "its forward, backward and optimizer times must be seconds of at least 1e-06" in refused
+    assert "is damaged (summary.figures.forward_s.median is ['xxx" in refused and "not a finite number" in refused
     assert len(refused) < 400
 
 
 def test_a_profile_nested_deep_or_not_utf8_is_one_line(tmp_path, capsys):
     deep = tmp_path / "deep.json"
     deep.write_text(DEEP)
-    assert f"profile {deep} nests deeper than a profile does" in refusal([*CALIBRATE, str(deep)], capsys)
+    assert f"{deep} nests deeper than a profile does" in refusal([*CALIBRATE, str(deep)], capsys)
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'{"world_size": "\xff"}')
-    assert f"profile {latin1} is not UTF-8 text (byte 16 is 0xff)" in refusal([*CALIBRATE, str(latin1)], capsys)
+    assert f"{latin1} is not UTF-8 text (byte 16 is 0xff)" in refusal([*CALIBRATE, str(latin1)], capsys)
 
 
 def test_report_of_a_deep_or_damaged_profile_is_one_line(tmp_path, capsys):
@@ -257,8 +260,7 @@ def test_report_of_a_profile_without_steps_plots_nothing(tmp_path, capsys):
         document = json.load(f)
     (tmp_path / "profile.json").write_text(json.dumps({**document, "steps": []}))
     assert refusal(["report", str(tmp_path), "--out", str(tmp_path / "plots")], capsys) == (
-        f"error: {tmp_path}/profile.json holds no step (its steps list is empty), so there is nothing to plot: "
-        f"profile a run of at least one step")
+        f"error: {tmp_path}/profile.json holds no step (its steps list is empty): profile a run of at least one step")
     assert not (tmp_path / "plots").exists()
 
 

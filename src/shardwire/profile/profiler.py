@@ -33,12 +33,10 @@ from torch import nn
 
 from shardwire.engine.shard import engine_of
 from shardwire.files import OutputRefused, write_atomically
-from shardwire.profile import PROFILE_FILE, TRACE_FILE, analysis
+from shardwire.profile import FORMAT_VERSION, PROFILE_FILE, TRACE_FILE, analysis
 from shardwire.profile.flops import FlopsPerToken, datasheet_peak_tflops, probe_peak_tflops
 from shardwire.profile.recorder import StepRecorder
 from shardwire.profile.trace import chrome_trace
-
-FORMAT_VERSION = 1
 
 
 class Profiler:

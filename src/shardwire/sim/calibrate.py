@@ -24,13 +24,12 @@ import dataclasses
 import math
 import os
 
-from shardwire.mappings import MappingError, Missing, field, is_number, one_line, read_json, shown
+from shardwire.mappings import Missing, field, is_number, one_line, shown
 from shardwire.profile import PROFILE_FILE
+from shardwire.profile.document import DamagedProfile, read_profile_document
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
 from shardwire.sim.specs import (
-    MAX_GPUS_PER_NODE,
-    MAX_NODES,
     MIN_BANDWIDTH_GBPS,
     MIN_EFFICIENCY,
     ClusterSpec,
@@ -43,8 +42,6 @@ from shardwire.sim.specs import (
 
 # The keys of a profile's ``metadata.config`` (``shardwire train``'s settings) the job is read from.
 _JOB_KEYS = ("model", "seq_len", "batch", "grad_accum", "precision", "activation_checkpointing", "compile")
-# The profiled job's ranks, at most the simulator's largest cluster's GPUs.
-_MAX_RANKS = MAX_NODES * MAX_GPUS_PER_NODE
 _SHORTEST_S = 1e-6  # no profiled phase of a step is shorter than what a profiler resolves
 
 
@@ -98,13 +95,14 @@ def read_profile(path: str, load_model) -> Measured:
     """The ``Measured`` of a ``profile.json``, or of the run directory holding it (as ``shardwire
     report`` takes it); ``load_model(name, seq_len)`` describes the model its job named (as
     ``shardwire train --model`` takes it). A profile that is not what ``shardwire train --profile``
-    wrote (edited, cut short, of another tool) is refused in one line."""
+    wrote (edited, cut short, of another tool) is refused in one line, as ``shardwire report``
+    refuses it."""
     remedy = "give the profile.json `shardwire train --profile` wrote, or its --run-dir"
     if os.path.isdir(path):
         path = os.path.join(path, PROFILE_FILE)
     try:
-        doc = read_json(path, f"profile {path}", kind="profile", remedy=remedy)
-    except MappingError as err:
+        doc = read_profile_document(path)  # checked as `shardwire report` checks it
+    except DamagedProfile as err:
         raise SpecError(str(err)) from None
     try:
         seconds = [field(doc, "summary", "figures", f"{phase}_s", "median")
@@ -113,7 +111,7 @@ def read_profile(path: str, load_model) -> Measured:
         ranks = field(doc, "world_size")
     except Missing as err:
         raise SpecError(f"profile {path}: {err}, unlike a profile of `shardwire train --profile`; {remedy}") from None
-    _check_measured(path, seconds, ranks, job["model"], remedy)
+    _check_measured(path, seconds, job["model"], remedy)
     try:
         training = parse("training", {"micro_batch": job["batch"], "grad_accum": job["grad_accum"],
                                       "precision": job["precision"], "compile": job["compile"],
@@ -121,18 +119,16 @@ def read_profile(path: str, load_model) -> Measured:
         model = load_model(job["model"], job["seq_len"])
     except SpecError as err:
         raise SpecError(f"{path}: its job cannot be simulated: {err}") from None
-    return Measured(*seconds, ranks=int(ranks), model=model, training=training)
+    return Measured(*seconds, ranks=ranks, model=model, training=training)
 
 
-def _check_measured(path: str, seconds: list, ranks, model, remedy: str) -> None:
-    """Refuse values no profile holds before any arithmetic is done with them: a world size of 0
-    would divide by zero, a string or null would fail deep inside the fit."""
+def _check_measured(path: str, seconds: list, model, remedy: str) -> None:
+    """Refuse values of the job no profile holds (its document checked, ``read_profile_document``)
+    before any arithmetic is done with them: a phase shorter than a profiler resolves, a model that
+    is not a name would fail deep inside the fit."""
     if not all(is_number(s) and _SHORTEST_S <= s < math.inf for s in seconds):
         raise SpecError(f"{path}: its forward, backward and optimizer times must be seconds of at least "
                         f"{_SHORTEST_S:g} (a profiler's resolution), got {shown(seconds)}; {remedy}")
-    if not (isinstance(ranks, int) and not isinstance(ranks, bool) and 1 <= ranks <= _MAX_RANKS):
-        raise SpecError(f"{path}: its world_size must be a whole number from 1 to {_MAX_RANKS:,}, got {shown(ranks)}; "
-                        f"{remedy}")
     if not isinstance(model, str):
         raise SpecError(f"{path}: its model must be a name, as `shardwire train --model` takes it, got "
                         f"{shown(model)}; {remedy}")

@@ -1,0 +1,163 @@
+"""A profile as every command reads it (``report``, ``simulate --calibrate``): bounded in size,
+depth and encoding (``mappings.read_json``), then checked whole against what ``shardwire train
+--profile`` writes, so that a profile one command refuses as damaged is never used by another. Free
+of torch, as the simulator is."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+from shardwire.mappings import MappingError, is_number, json_kind, read_json, shown
+from shardwire.profile import FORMAT_VERSION
+
+# The parts of a step a profile times, each with its words.
+PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip"),
+         ("optimizer_s", "optimizer"), ("other_s", "other compute"), ("wait_s", "waiting for communication")]
+# The collectives a profile's timeline names.
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+# Beyond any time (seconds since boot), byte count or rate a profile holds: a petabyte, 30 million
+# years; a larger number overflows a reader's arithmetic (milliseconds, sums) to infinity.
+_MEASURE_BOUND = 1e15
+
+
+class DamagedProfile(ValueError):
+    """A profile no run wrote as it is: the message names the file, what is wrong and what to do."""
+
+
+def read_profile_document(path: str) -> dict:
+    """The profile in the file ``path``, checked whole; ``DamagedProfile`` otherwise."""
+    try:
+        profile = read_json(path, path, kind="profile", remedy="profile the run again")
+    except MappingError as err:
+        raise DamagedProfile(str(err)) from None
+    version = profile.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:  # true is 1 to Python
+        raise DamagedProfile(f"{path} has format version {shown(version)}; this shardwire reads {FORMAT_VERSION}")
+    world = profile.get("world_size")
+    if type(world) is not int or world < 1:  # a scaling report divides by it
+        raise DamagedProfile(f"{path} is damaged (its world_size is {shown(world)}, not a count of ranks); "
+                             f"profile the run again")
+    if isinstance(profile.get("steps"), list) and not profile["steps"]:
+        raise DamagedProfile(f"{path} holds no step (its steps list is empty): profile a run of at least one step")
+    if (where := _shape_problem(profile, _PROFILE, "")) is not None:
+        raise DamagedProfile(f"{path} is damaged ({where}, unlike a profile of `shardwire train --profile`); "
+                             f"profile the run again")
+    for part in ("tokens_per_step", "flops_per_token", "peak_tflops_per_worker", "summary", "steps", "timeline"):
+        if (where := _not_a_measure(profile.get(part), part)) is not None:
+            raise DamagedProfile(f"{path} is damaged ({where}: times, bytes and ratios are numbers from 0 to "
+                                 f"{_MEASURE_BOUND:g}); profile the run again")
+    if (held := _rank_count_problem(profile, world)) is not None:
+        raise DamagedProfile(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
+    return profile
+
+
+def _rank_count_problem(profile: dict, world: int) -> str | None:
+    """Where a profile of the shape ``_PROFILE`` holds other than one entry per rank, in words (``its
+    step 3 holds 3 ranks' figures``), or None. The profiler gathers every rank's timeline and figures
+    of every step, so a rank missing (or one too many) is a damaged file, never a run's: drawn, the
+    plots would leave that rank out of the spread over ranks without a word."""
+    held = [("its timeline", profile["timeline"]["ranks"], "steps"),
+            *((f"its step {step['step']}", step["ranks"], "figures") for step in profile["steps"])]
+    return next((f"{where} holds {len(ranks)} ranks' {what}" for where, ranks, what in held if len(ranks) != world),
+                None)
+
+
+class _Each(typing.NamedTuple):
+    """A list of items of one shape, at least ``least`` of them."""
+    shape: object
+    least: int = 0
+
+
+class _Span(typing.NamedTuple):
+    """A span of a timeline, written as a list: its ``fields`` first, then (with ``more``, after any
+    further fields) its start and end, in seconds, the end not before the start."""
+    fields: tuple
+    more: bool = False
+
+
+_NUMBER, _RATIO, _COUNT = "a finite number", "a ratio from 0 to 1", "a whole number"
+_NAME, _ANY = "a name", "anything"
+_SPREAD = {"min": _NUMBER, "median": _NUMBER, "max": _NUMBER}  # one figure over the ranks
+_FIGURES = {**{key: _SPREAD for key in ("step_s", *(key for key, _ in PARTS))},
+            "overlap_ratio": dict.fromkeys(_SPREAD, _RATIO)}
+# What the plots read of a profile, each value of the kind they read it as: a mapping holds the
+# keys listed (and may hold others); a tuple lists the names a value may be.
+_PROFILE = {
+    "device": _ANY,
+    "tokens_per_step": _NUMBER,
+    "metadata": {},
+    "summary": {"figures": _FIGURES, "tokens_per_s": _NUMBER},
+    "steps": _Each({"step": _COUNT, "figures": _FIGURES, "ranks": _Each({})}, least=1),  # each rank's figures
+    "timeline": {"step": _COUNT, "ranks": _Each({
+        "start": _NUMBER,
+        "phases": _Each(_Span((_NAME, _ANY))),  # phase, unit (None for the step's own)
+        "waits": _Each(_Span((_ANY,))),  # what was waited for
+        "comms": _Each(_Span((OPS,), more=True)),  # op, tag, bytes, bytes on the wire
+    }, least=1)},
+}
+
+
+def _shape_problem(value, shape, where: str) -> str | None:
+    """Where ``value`` is not of ``shape`` (``_PROFILE``'s kinds), in words (``steps.3.figures has no
+    step_s``), or None: a profile edited or of another tool is refused by what it lacks before any
+    plot reads it, never by the exception a plot would raise."""
+    named = where or "the profile"
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return f"{named} is {json_kind(value)}, not a mapping"
+        for key, inner in shape.items():
+            if key not in value:
+                return f"{named} has no {key}"
+            if (found := _shape_problem(value[key], inner, f"{where}.{key}" if where else key)) is not None:
+                return found
+        return None
+    if isinstance(shape, _Each):
+        if not isinstance(value, list):
+            return f"{named} is {json_kind(value)}, not a list"
+        if len(value) < shape.least:
+            return f"{named} is an empty list"
+        return next((found for index, item in enumerate(value)
+                     if (found := _shape_problem(item, shape.shape, f"{where}.{index}")) is not None), None)
+    if isinstance(shape, _Span):
+        least = len(shape.fields) + 2
+        if not isinstance(value, list) or len(value) < least or (len(value) > least and not shape.more):
+            return f"{named} is {shown(value)}, not a span of {least}{' or more' if shape.more else ''} values"
+        kinds = {**dict(enumerate(shape.fields)), len(value) - 2: _NUMBER, len(value) - 1: _NUMBER}
+        if (found := next((problem for index, inner in kinds.items()
+                           if (problem := _shape_problem(value[index], inner, f"{where}.{index}")) is not None),
+                          None)) is not None:
+            return found
+        start, end = value[-2:]
+        return f"{named} ends at {end:g} s, before it starts at {start:g} s" if end < start else None
+    if isinstance(shape, tuple):
+        return None if isinstance(value, str) and value in shape else \
+            f"{named} is {shown(value)}, not one of {', '.join(shape)}"
+    finite = is_number(value) and math.isfinite(value)
+    wrong = {_NUMBER: not finite,
+             _RATIO: not (finite and 0 <= value <= 1 + 1e-9),  # a quotient of two sums of one time, rounded
+             _COUNT: type(value) is not int, _NAME: not isinstance(value, str), _ANY: False}[shape]
+    return f"{named} is {shown(value)}, not {shape}" if wrong else None
+
+
+# Keys whose values are measured: seconds and bytes, each a number (or its min, median and max).
+_MEASURED = ("_s", "_bytes")
+
+
+def _not_a_measure(value, where: str) -> str | None:
+    """Where in ``value`` (a part of a profile) a number is no time, byte count or ratio a profiler
+    measures: NaN, negative or past ``_MEASURE_BOUND`` would be drawn as if measured (or overflow
+    the plot's arithmetic), and text where a time or a byte count belongs would fail the plot. None
+    where every one is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inside = f"{where}.{str(key)[:40]}"
+            if str(key).endswith(_MEASURED) and not isinstance(item, dict) and not is_number(item):
+                return f"{inside} is {shown(item)}"
+            if (found := _not_a_measure(item, inside)) is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        return next((found for index, item in enumerate(value)
+                     if (found := _not_a_measure(item, f"{where}.{index}")) is not None), None)
+    return f"{where} is {shown(value)}" if is_number(value) and not 0 <= value < _MEASURE_BOUND else None
