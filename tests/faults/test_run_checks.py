@@ -294,6 +294,28 @@ def test_a_delayed_outer_step_is_blamed_where_it_is_applied(step, blamed):
         diverged.check()
 
 
+def test_a_divergence_between_outer_steps_names_both_optimizers():
+    """A loss that climbs across outer steps crosses the bound at an inner step as often as not: it
+    was blamed on the inner optimizer alone, where outer_lr=10 drove it."""
+    diverged = divergence(layout="hybrid", diloco="sync_every=2,outer_lr=10,momentum=0.99", lr=0.05, warmup=40)
+    diverged.note_norm(19, torch.tensor(float("inf")))  # outer steps applied as steps 2, 4, ..., 18 began
+    with pytest.raises(SystemExit, match=r"at step 20 \(nothing was saved\): lower --lr \(now 0.05\) or raise "
+                                         r"--warmup \(now 40\); or, as it came after outer steps, lower --diloco "
+                                         r"outer_lr \(now 10\) or momentum \(now 0.99\)$"):
+        diverged.check()
+
+
+def test_a_fresh_run_whose_loss_never_fell_spares_its_oldest_checkpoint(tmp_path):
+    """Its lowest loss is the fresh model's, before any save, where a run that logs seldom has too
+    few losses to place it better: every checkpoint from before a climb was pruned by --keep."""
+    diverged = divergence(checkpoint_dir=str(tmp_path), keep=1)
+    diverged.note_loss(0, torch.tensor(5.5))
+    diverged.logged(10, 9.0)  # one logged loss, above the first: the lowest is still the fresh model's
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"step_{step:08d}").mkdir()
+    assert diverged._at_lowest(tmp_path) == tmp_path / "step_00000002"
+
+
 def test_a_token_file_cut_short_under_a_run_is_one_error_naming_it(tmp_path):
     path = token_file(tmp_path / "tokens.bin", 100_000)
     corpus = load_corpus(str(path), 32)

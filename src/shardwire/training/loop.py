@@ -498,15 +498,16 @@ class _Divergence:
     where the loop waits for the device anyway: before a log line and before a checkpoint. Ranks
     see different losses, so they agree on the earliest before any decides to stop. The message
     names the optimizer whose step came before: the outer one of ``--diloco`` at the step after an
-    outer step, else the inner one.
+    outer step, the inner one before any outer step, else either.
 
     A loss can also climb or stay high without a spike, each logged mean within bounds of the last
     (an outer learning rate of 10, an inner one of 1): the run is stopped as diverged once the mean
     of the last ``SPIKE_WINDOW`` logged losses is over ``CLIMB_FACTOR`` times the lowest such mean
     of the run, or the loss of the model it started from (and a nat above it, as a loss near 0
     doubles by noise alone), and its checkpoints saved after that lowest point are moved out of the
-    series. While the loss is above its lowest, the checkpoint saved at the lowest point is spared
-    by ``--keep``.
+    series. While the loss is above its lowest, the checkpoint saved at the lowest point (or, where
+    that is the fresh model's, the first saved) is spared by ``--keep``. Only logged losses are
+    judged: a run that logs seldom (``--log-every`` beside ``--steps``) has few to judge a climb by.
 
     A checkpoint's weights are vouched for only by the loss computed from them, at the step after
     it (or, for the last, by the validation loss after the run's final sync): the run keeps one
@@ -609,10 +610,14 @@ class _Divergence:
 
     def _at_lowest(self, series: pathlib.Path) -> pathlib.Path | None:
         """The newest checkpoint in ``series`` of weights from no later than the run's lowest loss (the
-        one it resumed, where its loss has only been higher since)."""
+        one it resumed, where its loss has only been higher since), or, where none is (the lowest is
+        the fresh model's, before any save), the oldest after it: the nearest to the lowest there is,
+        where a run that logs seldom has too few losses to place it better."""
         if self._lowest is None:
             return None
-        return next((path for path in reversed(list_checkpoints(series)) if step_of(path) <= self._lowest[1]), None)
+        saved = list_checkpoints(series)
+        before = [path for path in saved if step_of(path) <= self._lowest[1]]
+        return before[-1] if before else (saved[0] if saved else None)
 
     def vouched(self, val_loss: float) -> None:
         """After the run: the validation loss of its final model (after the final sync of
@@ -652,12 +657,20 @@ class _Divergence:
     def _remedy(self, step: int) -> str:
         """What to change where ``step`` (counted from 0) diverged: the outer optimizer's settings where
         an outer step of ``--diloco`` was applied as it began (the sync due after ``step -
-        fragment_sync_delay`` inner steps), else the inner optimizer's."""
+        fragment_sync_delay`` inner steps); the inner optimizer's where none was applied before it;
+        else either's, as a loss that climbs across outer steps crosses the bound at an inner step as
+        often as not, whichever optimizer drove it there."""
+        inner = f"lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})"
         diloco = self._diloco
-        if diloco is not None and diloco.due(step - diloco.fragment_sync_delay) is not None:
-            return (f"it came at the step after an outer step: lower --diloco outer_lr (now {diloco.outer_lr:g}) or "
-                    f"momentum (now {diloco.momentum:g})")
-        return f"lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})"
+        if diloco is None:
+            return inner
+        outer = f"--diloco outer_lr (now {diloco.outer_lr:g}) or momentum (now {diloco.momentum:g})"
+        applied = [at for at in range(step + 1) if diloco.due(at - diloco.fragment_sync_delay) is not None]
+        if applied and applied[-1] == step:
+            return f"it came at the step after an outer step: lower {outer}"
+        if applied:
+            return f"{inner}; or, as it came after outer steps, lower {outer}"
+        return inner
 
 
 def _free_name(path: pathlib.Path) -> pathlib.Path:
