@@ -206,7 +206,8 @@ def test_a_config_difference_names_the_model_type_first_and_no_default_of_one_si
     assert config_difference(LLAMA, {**LLAMA, "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}) is None
 
 
-def test_a_config_saved_in_bfloat16_builds_fp32_master_weights():
-    choice = choose("hf:" + json.dumps({**LLAMA, "torch_dtype": "bfloat16"}))
+@pytest.mark.parametrize("dtype", [{"torch_dtype": "bfloat16"}, {"dtype": "int8"}])
+def test_a_config_saved_in_another_dtype_builds_fp32_master_weights(dtype):
+    choice = choose("hf:" + json.dumps({**LLAMA, **dtype}))
     with torch.device("meta"):
         assert {p.dtype for p in choice.build().parameters()} == {torch.float32}

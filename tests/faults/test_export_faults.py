@@ -429,6 +429,16 @@ def test_an_hf_export_into_a_full_disk_names_out_and_what_to_do(work, capsys, mo
     assert not (work / "out").exists() and not (work / ".out.shardwire-partial").exists()
 
 
+def test_an_hf_config_of_a_dtype_no_model_is_built_in_exports_as_trained(work, capsys):
+    """A config's dtype is the one its weights were saved in: training builds fp32 master weights
+    whatever it names, and so does the export, which failed at the end of the run on an int8."""
+    rewrite_manifest(shardwire.checkpoint_path(work / "hf", 1),
+                     lambda manifest: manifest["extra"]["hf_config"].update(dtype="int8"))
+    status, _, err = export(capsys, work / "hf", work / "out")
+    assert status == 0, err
+    assert json.loads((work / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
 @pytest.mark.parametrize("spelled", [None, "{made}/./gpt2-mini/", "gpt2-mini"])
 def test_an_hf_export_uses_the_config_it_was_trained_with(made, work, capsys, monkeypatch, spelled):
     """However ``--model`` spells the directory the checkpoint names (relative, ``./``, a trailing

@@ -50,7 +50,7 @@ from shardwire.sim.specs import ModelSpec
 # The dtype an hf: model's parameters are built in, whatever its config's dtype says (a published
 # config.json names the dtype its weights were saved in, bfloat16 mostly, and transformers builds in
 # it): shardwire keeps fp32 master weights and computes in --precision, as it does for its own GPT.
-_MASTER_DTYPE = torch.float32
+MASTER_DTYPE = torch.float32
 # The weights from_pretrained loads, the first of these a directory holds.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # An index of a model's weight files: a few hundred kB for the largest published models.
@@ -148,12 +148,12 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
         with quietly_importing():  # transformers imports torchao where it is installed
             if weights is not None and not by_slice:
                 return auto.from_pretrained(weights, config=config, local_files_only=True, trust_remote_code=False,
-                                            dtype=_MASTER_DTYPE)
-            return auto.from_config(config, trust_remote_code=False, dtype=_MASTER_DTYPE)
+                                            dtype=MASTER_DTYPE)
+            return auto.from_config(config, trust_remote_code=False, dtype=MASTER_DTYPE)
 
     try:
         with torch.device("meta"), quietly_importing(), _logged_by_transformers(logging.WARNING) as said:
-            skeleton = auto.from_config(config, trust_remote_code=False, dtype=_MASTER_DTYPE)
+            skeleton = auto.from_config(config, trust_remote_code=False, dtype=MASTER_DTYPE)
     except Exception as err:  # a config transformers cannot build, however it says so
         raise ValueError(f"hf:{cut(source)}: {custom_code(pathlib.Path(config_file(source))) or first_line(err)}") from None
     if any("is_decoder" in note for note in said):
@@ -332,7 +332,7 @@ def _buildable(written: dict, config):
 # Keys of an hf: model's config.json that say who wrote it, not what it builds: a directory saved
 # again by a newer transformers changes them, and the trained weights still fit it. auto_map names
 # code that never runs here, and architectures a class: transformers' own causal LM of the model_type
-# is built either way; the dtype its weights were saved in is not the one they train in (_MASTER_DTYPE).
+# is built either way; the dtype its weights were saved in is not the one they train in (MASTER_DTYPE).
 _CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "auto_map", "architectures", "dtype", "torch_dtype")
 
 

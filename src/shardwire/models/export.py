@@ -35,7 +35,8 @@ from shardwire.engine.state_dict import TensorRecord, WeightsByUnit
 from shardwire.extras import quietly_importing, require
 from shardwire.files import StagedDirectory
 from shardwire.models import tokenizer as hf_tokenizer
-from shardwire.models.choice import HF_PREFIX, config_from_fields, first_line, hf_config, tokenizer_directory
+from shardwire.models.choice import (HF_PREFIX, MASTER_DTYPE, config_from_fields, first_line, hf_config,
+                                     tokenizer_directory)
 
 # save_pretrained's default: one file up to this size, several past it.
 MAX_SHARD_SIZE = 50 * 10**9
@@ -65,7 +66,8 @@ def save_pretrained(model_name: str, weights: WeightsByUnit, directory: str | pa
                       else hf_config(transformers, model_name[len(HF_PREFIX):])[0])
             try:
                 with torch.device("meta"):
-                    model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+                    model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False,
+                                                                          dtype=MASTER_DTYPE)
             except Exception as err:  # a config transformers cannot build, however it says so
                 raise ValueError(f"{model_name[:200]}: {first_line(err)}") from None
             tensors = _saved(model, weights)
