@@ -25,6 +25,7 @@ import math
 import os
 import reprlib
 import stat
+import sys
 from collections.abc import Mapping
 
 from shardwire.extras import require
@@ -81,14 +82,34 @@ def read_json(path: str, what: str, *, kind: str, remedy: str, limit: int = MAX_
     if not text.strip():  # a file cut to nothing, or a pipe nothing was written to
         raise MappingError(f"{what} is empty; {remedy}")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_whole_number)
     except RecursionError:
         raise MappingError(f"{what} nests deeper than a {kind} does; {remedy}") from None
+    except _TooLong as err:
+        raise MappingError(f"{what} holds a number of {err.digits:,} digits, more than any {kind} holds; "
+                           f"{remedy}") from None
     except ValueError as err:
         raise MappingError(f"{what} is not JSON ({err}); {remedy}") from None
     if not isinstance(data, Mapping):
         raise MappingError(f"{what} holds a JSON {type(data).__name__}, not a {kind}; {remedy}")
     return data
+
+
+class _TooLong(ValueError):
+    """A number of more digits than Python reads as an integer (``sys.get_int_max_str_digits``)."""
+
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _whole_number(text: str) -> int:
+    """JSON's whole number ``text``, or ``_TooLong`` where Python would refuse it in words that
+    name its own setting."""
+    digits = len(text.lstrip("-"))
+    if digits > sys.get_int_max_str_digits() > 0:
+        raise _TooLong(digits)
+    return int(text)
 
 
 def read_mapping(text: str, what: str, *, numbers_as_text: bool = False, unique: bool = True) -> dict:

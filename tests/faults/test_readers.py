@@ -182,6 +182,15 @@ def test_a_profile_nested_deep_or_not_utf8_is_one_line(tmp_path, capsys):
     assert f"{latin1} is not UTF-8 text (byte 16 is 0xff)" in refusal([*CALIBRATE, str(latin1)], capsys)
 
 
+def test_a_number_longer_than_python_reads_is_one_line_naming_no_python_setting(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"version": 1, "tokens_per_step": ' + "9" * 5001 + "}")
+    for argv in ([*CALIBRATE, str(profile)], ["report", str(tmp_path)]):
+        refused = refusal(argv, capsys)
+        assert f"{profile} holds a number of 5,001 digits, more than any profile holds; profile the run again" in \
+            refused and "sys." not in refused, refused
+
+
 def test_report_of_a_deep_or_damaged_profile_is_one_line(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(DEEP)
