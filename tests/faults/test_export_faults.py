@@ -15,6 +15,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -735,3 +736,24 @@ def test_torchrun_of_export_writes_out_once_and_succeeds(work):
     assert done.returncode == 0 and "Traceback" not in done.stderr and "error" not in done.stderr, done.stderr
     assert done.stdout == "exported gpt/step_00000002 (tiny) to model.pt (torch.save)\n", done.stdout
     assert torch.load(work / "model.pt", weights_only=True).keys() == GPT(PRESETS["tiny"]).state_dict().keys()
+
+
+@pytest.mark.slow
+def test_ctrl_c_as_the_run_exports_is_one_line_and_leaves_no_directory(tmp_path):
+    """A terminal's Ctrl-C reaches every worker: rank 0, stopped while it wrote, took part in the
+    gathers the writer had not reached, and said the collective failure its stopped peer caused."""
+    (tmp_path / "gpt2.json").write_text(json.dumps({**GPT2, "vocab_size": 256, "n_layer": 4, "n_embd": 128}))
+    job = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "hf:gpt2.json", "--steps", "2",
+                            "--batch", "2", "--eval-batches", "1", "--export-hf", "out"], cwd=tmp_path, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in job.stdout:
+            if line.startswith("done:"):
+                os.killpg(job.pid, signal.SIGINT)  # as a terminal sends it: to the launcher and its workers
+                break
+        _, errors = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130 and errors.strip().splitlines()[-1].startswith("interrupted"), errors
+    assert "error:" not in errors and not (tmp_path / "out").exists(), errors

@@ -349,8 +349,12 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
                     raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
                                      f"{_where_the_model_is(config)}") from None
                 print(one_line(f"exported to {written} (from_pretrained loads it)"), flush=True)
-        finally:
+        except KeyboardInterrupt:
+            raise  # a stop, which every rank's launcher sends it: no rank is left waiting in a gather
+        except BaseException:
             weights.take_part()  # the gathers the writer did not reach, so that no rank waits for ever
+            raise
+        weights.take_part()
 
 
 def _where_the_model_is(config: TrainConfig) -> str:
