@@ -146,7 +146,12 @@ def end_process(status: int) -> NoReturn:
     exception", status -6) after a run that succeeded; its launcher then stops the job as failed
     (pytorch/pytorch#179291). So the process does what Python's shutdown does for Python code
     (waits for its other threads, runs the exit handlers, flushes its streams) and then ends at
-    once, before the teardown those threads race."""
+    once, before the teardown those threads race. Its status is decided: a stop signal that comes
+    now is ignored, where it would raise inside an exit handler (torch's, with a traceback) or end
+    the process without a word, after all it was asked was done."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
     threading._shutdown()  # as Python's own shutdown: thread pools told to stop, then every thread joined
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

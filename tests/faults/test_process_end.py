@@ -42,6 +42,30 @@ def test_the_process_ends_with_its_status_after_its_threads_exit_handlers_and_ou
     assert marker.read_text() == "exit handler ran"
 
 
+SIGNALLED_AS_IT_ENDS = textwrap.dedent("""
+    import atexit, os, signal, sys, time
+    from shardwire.launch import end_process
+
+    def handler():  # as torch's exit handlers run, the signal comes
+        os.kill(os.getpid(), int(sys.argv[1]))
+        time.sleep(0.2)
+        print("exit handler ran")
+
+    atexit.register(handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    end_process(0)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_as_the_process_ends_leaves_its_status(signum):
+    """Its work done and its status decided: the signal raised inside an exit handler (Ctrl-C, with
+    a traceback) or ended the process without a word (SIGTERM, SIGHUP)."""
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AS_IT_ENDS, str(int(signum))], capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "exit handler ran\n", "")
+
+
 @pytest.mark.parametrize("argv, status, line", [
     (["--help"], 0, None),
     (["train", "--steps", "0"], 2, "error: --steps must be at least 1, got 0"),
