@@ -21,10 +21,9 @@ profiled job is to the predicted one, the less rests on the model.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
-from shardwire.mappings import Missing, field, is_number, one_line, shown
+from shardwire.mappings import Missing, field, one_line, shown
 from shardwire.profile import PROFILE_FILE
 from shardwire.profile.document import DamagedProfile, read_profile_document
 from shardwire.sim.architecture import Architecture, architecture
@@ -104,11 +103,10 @@ def read_profile(path: str, load_model) -> Measured:
         doc = read_profile_document(path)  # checked as `shardwire report` checks it
     except DamagedProfile as err:
         raise SpecError(str(err)) from None
+    # the document's check holds its summary's figures and world size to what a profiler writes
+    seconds = [doc["summary"]["figures"][f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")]
     try:
-        seconds = [field(doc, "summary", "figures", f"{phase}_s", "median")
-                   for phase in ("forward", "backward", "optimizer")]
         job = {key: field(doc, "metadata", "config", key) for key in _JOB_KEYS}
-        ranks = field(doc, "world_size")
     except Missing as err:
         raise SpecError(f"profile {path}: {err}, unlike a profile of `shardwire train --profile`; {remedy}") from None
     _check_measured(path, seconds, job["model"], remedy)
@@ -119,14 +117,14 @@ def read_profile(path: str, load_model) -> Measured:
         model = load_model(job["model"], job["seq_len"])
     except SpecError as err:
         raise SpecError(f"{path}: its job cannot be simulated: {err}") from None
-    return Measured(*seconds, ranks=ranks, model=model, training=training)
+    return Measured(*seconds, ranks=doc["world_size"], model=model, training=training)
 
 
 def _check_measured(path: str, seconds: list, model, remedy: str) -> None:
     """Refuse values of the job no profile holds (its document checked, ``read_profile_document``)
     before any arithmetic is done with them: a phase shorter than a profiler resolves, a model that
     is not a name would fail deep inside the fit."""
-    if not all(is_number(s) and _SHORTEST_S <= s < math.inf for s in seconds):
+    if min(seconds) < _SHORTEST_S:
         raise SpecError(f"{path}: its forward, backward and optimizer times must be seconds of at least "
                         f"{_SHORTEST_S:g} (a profiler's resolution), got {shown(seconds)}; {remedy}")
     if not isinstance(model, str):
