@@ -281,7 +281,9 @@ def test_a_divergence_after_an_outer_step_names_the_outer_optimizer():
     diverged = divergence(layout="hybrid", diloco="sync_every=4,outer_lr=9,momentum=0.95")
     diverged.note_norm(4, torch.tensor(float("inf")))  # the step after the sync of the first 4 steps
     with pytest.raises(SystemExit, match=r"not finite at step 5 \(nothing was saved\): it came at the step after an "
-                                         r"outer step: lower --diloco outer_lr \(now 9\) or momentum \(now 0.95\)"):
+                                         r"outer step: lower --diloco outer_lr \(now 9\) or momentum \(now 0.95\); "
+                                         r"or, where the loss had risen over the inner steps before it, lower --lr "
+                                         r"\(now .*\) or raise --warmup \(now .*\)$"):
         diverged.check()
 
 

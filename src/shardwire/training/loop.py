@@ -659,11 +659,13 @@ class _Divergence:
                 f"{', '.join(target.name for target in aside)}")
 
     def _remedy(self, step: int) -> str:
-        """What to change where ``step`` (counted from 0) diverged: the outer optimizer's settings where
-        an outer step of ``--diloco`` was applied as it began (the sync due after ``step -
-        fragment_sync_delay`` inner steps); the inner optimizer's where none was applied before it;
-        else either's, as a loss that climbs across outer steps crosses the bound at an inner step as
-        often as not, whichever optimizer drove it there."""
+        """What to change where ``step`` (counted from 0) diverged: the outer optimizer's settings first
+        where an outer step of ``--diloco`` was applied as it began (the sync due after ``step -
+        fragment_sync_delay`` inner steps), then the inner's, as an outer step applies what the inner
+        steps before it moved (a learning rate far too high doubles the loss before the first outer
+        step, which the outer momentum then carries over the bound); the inner optimizer's where none
+        was applied before it; else either's, as a loss that climbs across outer steps crosses the
+        bound at an inner step as often as not, whichever optimizer drove it there."""
         inner = f"lower --lr (now {self._config.lr:g}) or raise --warmup (now {self._config.warmup})"
         diloco = self._diloco
         if diloco is None:
@@ -671,7 +673,8 @@ class _Divergence:
         outer = f"--diloco outer_lr (now {diloco.outer_lr:g}) or momentum (now {diloco.momentum:g})"
         applied = [at for at in range(step + 1) if diloco.due(at - diloco.fragment_sync_delay) is not None]
         if applied and applied[-1] == step:
-            return f"it came at the step after an outer step: lower {outer}"
+            return (f"it came at the step after an outer step: lower {outer}; or, where the loss had "
+                    f"risen over the inner steps before it, {inner}")
         if applied:
             return f"{inner}; or, as it came after outer steps, lower {outer}"
         return inner
