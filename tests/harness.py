@@ -14,6 +14,7 @@ import os
 import pathlib
 import pickle
 import queue
+import statistics
 import tempfile
 import time
 import traceback
@@ -27,6 +28,25 @@ from torch.profiler import ProfilerActivity, profile
 # A profile of ``shardwire train --profile`` (GPT 1.3B on an H200), for the readers of profiles.
 PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "gpu",
                        "h200-profiles", "gpt-1.3b-b8.json")
+
+
+def summarised(profile: dict) -> dict:
+    """``profile`` (a document of ``shardwire train --profile``) with its summary made again from its
+    steps as the profiler makes it: a profile whose steps a test changed, still one a run writes."""
+    steps = profile["steps"][profile["warmup_steps"]:] or profile["steps"]
+    figures = profile["summary"]["figures"]
+    for name, stats in figures.items():
+        figures[name] = {stat: statistics.median(step["figures"][name][stat] for step in steps) for stat in stats}
+    profile["summary"]["tokens_per_s"] = profile["tokens_per_step"] / figures["step_s"]["max"]
+    return profile
+
+
+def measured(profile: dict, name: str, seconds: float) -> dict:
+    """``profile`` as if every step had taken ``seconds`` in its part ``name`` (``forward_s``) on
+    every rank, its summary saying so."""
+    for step in profile["steps"]:
+        step["figures"][name] = dict.fromkeys(("min", "median", "max"), seconds)
+    return summarised(profile)
 
 
 def processes():

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from harness import matmul_precision, run_workers
+from harness import matmul_precision, run_workers, summarised
 from shardwire.models.gpt import GPT, PRESETS, GPTConfig, loss_fn
 from shardwire.profile import analysis, intervals, report
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
@@ -219,6 +219,7 @@ def test_report_of_a_long_run_draws_its_steps_at_once(profiled_run, tmp_path):
     with open(os.path.join(run_dir, "profile.json")) as f:
         profile = json.load(f)
     profile["steps"] = [{**profile["steps"][-1], "step": step} for step in range(report._MAX_BARS + 1)]
+    summarised(profile)
     long_run = tmp_path / "long"
     long_run.mkdir()
     (long_run / "profile.json").write_text(json.dumps(profile))
@@ -258,6 +259,7 @@ def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_pa
         profile = json.load(f)
     profile["world_size"], profile["tokens_per_step"] = 4, profile["tokens_per_step"] * 2
     _twice_the_ranks(profile)
+    summarised(profile)
     wider = tmp_path / "world4"
     wider.mkdir()
     (wider / "profile.json").write_text(json.dumps(profile))

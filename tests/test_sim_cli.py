@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from harness import PROFILE as A_PROFILE, save_tokenizer
+from harness import PROFILE as A_PROFILE, measured, save_tokenizer
 from shardwire.cli import main
 from shardwire.sim import planner
 from shardwire.sim.inputs import cluster_from_bench, load_spec
@@ -453,7 +453,7 @@ def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, opt
     with open(A_PROFILE) as f:
         document = json.load(f)
     for part, seconds in (("forward_s", forward), ("backward_s", backward), ("optimizer_s", optimizer)):
-        document["summary"]["figures"][part] = {"min": seconds, "median": seconds, "max": seconds}
+        measured(document, part, seconds)
     document["metadata"]["config"].update(model=model, batch=batch)
     return document
 

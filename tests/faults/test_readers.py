@@ -19,7 +19,7 @@ from shardwire.mappings import MAX_JSON_BYTES
 from shardwire.profile import analysis
 from shardwire.testbed import network, regime, spec
 from shardwire.training import loop
-from harness import PROFILE
+from harness import PROFILE, measured, summarised
 
 pytestmark = pytest.mark.timeout(60)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,7 +102,7 @@ def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, k
 
 def test_an_optimizer_step_faster_than_the_gpus_memory_is_refused(tmp_path, capsys):
     def change(document):
-        document["summary"]["figures"]["optimizer_s"]["median"] = 1e-6
+        measured(document, "optimizer_s", 1e-6)
 
     refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
     assert "its optimizer step streams 3.683e+07 GB/s, more than the memory bandwidth of cluster" in refused, refused
@@ -157,9 +157,30 @@ def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, messag
     assert message in refused, refused
 
 
+def _scaled_summary(document):
+    document["summary"]["figures"]["forward_s"] = {stat: 20 * seconds for stat, seconds in
+                                                   document["summary"]["figures"]["forward_s"].items()}
+
+
+@pytest.mark.parametrize("change, said", [
+    (_scaled_summary, "its summary's forward_s min is 1.56234, where the median over its steps is 0.0781172"),
+    (lambda d: d["summary"].update(tokens_per_s=20 * d["summary"]["tokens_per_s"]),
+     "its summary's tokens_per_s is 1.18583e+06, where its tokens_per_step over its step time give 59291.4"),
+    (lambda d: d.update(warmup_steps=-3), "warmup_steps is -3, not a whole number"),
+])
+def test_a_summary_its_steps_do_not_give_is_refused_by_both_readers(tmp_path, capsys, change, said):
+    """A summary edited apart from its steps calibrated the simulator with figures no step measured,
+    and was drawn by report."""
+    path = profile_with(tmp_path, change)
+    for argv in ([*CALIBRATE, path], ["report", str(tmp_path), "--out", str(tmp_path / "plots")]):
+        refused = refusal(argv, capsys)
+        assert f"{path} is damaged ({said}" in refused, refused
+    assert not (tmp_path / "plots").exists()
+
+
 def test_a_time_no_profiler_measures_is_refused(tmp_path, capsys):
     def change(document):
-        document["summary"]["figures"]["forward_s"]["median"] = 1e-300
+        measured(document, "forward_s", 1e-300)
 
     assert "must be seconds of at least 1e-06" in refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
 
@@ -280,7 +301,9 @@ def test_report_of_two_runs_of_one_name_keeps_the_plots_of_both(tmp_path, capsys
     for rank in document["timeline"]["ranks"]:  # fewer shapes to draw
         rank.update(phases=rank["phases"][:4], comms=rank["comms"][:4], waits=rank["waits"][:4])
     document["steps"] = document["steps"][:3]
+    summarised(document)
     wider = {**document, "world_size": 2, "tokens_per_step": 2 * document["tokens_per_step"],
+             "summary": {**document["summary"], "tokens_per_s": 2 * document["summary"]["tokens_per_s"]},
              "timeline": {**document["timeline"], "ranks": document["timeline"]["ranks"] * 2},
              "steps": [{**step, "ranks": step["ranks"] * 2} for step in document["steps"]]}
     for parent, profile in (("a", document), ("b", wider)):

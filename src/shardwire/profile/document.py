@@ -6,6 +6,7 @@ of torch, as the simulator is."""
 from __future__ import annotations
 
 import math
+import statistics
 import typing
 
 from shardwire.mappings import MappingError, is_number, json_kind, read_json, shown
@@ -19,6 +20,8 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce")
 # Beyond any time (seconds since boot), byte count or rate a profile holds: a petabyte, 30 million
 # years; a larger number overflows a reader's arithmetic (milliseconds, sums) to infinity.
 _MEASURE_BOUND = 1e15
+# How far a summary's figure may differ from the one its steps give: a writer that rounds its numbers.
+_ROUNDING = 1e-6
 
 
 class DamagedProfile(ValueError):
@@ -49,7 +52,31 @@ def read_profile_document(path: str) -> dict:
                                  f"{_MEASURE_BOUND:g}); profile the run again")
     if (held := _rank_count_problem(profile, world)) is not None:
         raise DamagedProfile(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
+    if (differs := _summary_problem(profile)) is not None:
+        raise DamagedProfile(f"{path} is damaged ({differs}); profile the run again")
     return profile
+
+
+def _summary_problem(profile: dict) -> str | None:
+    """Where the summary's figures are not what its steps give, in words, or None. The profiler
+    writes each as the median over the steps after its warmup of that step's figure, and the
+    throughput from the slowest rank's step time: a summary edited apart from the steps it stands for
+    would calibrate the simulator, and be drawn, with figures no step measured."""
+    steps = profile["steps"]
+    first = profile["warmup_steps"] if len(steps) > profile["warmup_steps"] else 0
+    summary = profile["summary"]
+    for name, stats in _FIGURES.items():
+        for stat in stats:
+            median = statistics.median(step["figures"][name][stat] for step in steps[first:])
+            if not math.isclose(summary["figures"][name][stat], median, rel_tol=_ROUNDING, abs_tol=1e-12):
+                return (f"its summary's {name} {stat} is {summary['figures'][name][stat]:.6g}, where the median "
+                        f"over its steps is {median:.6g}")
+    tokens_per_s = profile["tokens_per_step"] / summary["figures"]["step_s"]["max"] \
+        if summary["figures"]["step_s"]["max"] > 0 else math.inf
+    if not math.isclose(summary["tokens_per_s"], tokens_per_s, rel_tol=_ROUNDING):
+        return (f"its summary's tokens_per_s is {summary['tokens_per_s']:.6g}, where its tokens_per_step over "
+                f"its step time give {tokens_per_s:.6g}")
+    return None
 
 
 def _rank_count_problem(profile: dict, world: int) -> str | None:
@@ -86,6 +113,7 @@ _FIGURES = {**{key: _SPREAD for key in ("step_s", *(key for key, _ in PARTS))},
 _PROFILE = {
     "device": _ANY,
     "tokens_per_step": _NUMBER,
+    "warmup_steps": _COUNT,
     "metadata": {},
     "summary": {"figures": _FIGURES, "tokens_per_s": _NUMBER},
     "steps": _Each({"step": _COUNT, "figures": _FIGURES, "ranks": _Each({})}, least=1),  # each rank's figures
@@ -136,7 +164,7 @@ def _shape_problem(value, shape, where: str) -> str | None:
     finite = is_number(value) and math.isfinite(value)
     wrong = {_NUMBER: not finite,
              _RATIO: not (finite and 0 <= value <= 1 + 1e-9),  # a quotient of two sums of one time, rounded
-             _COUNT: type(value) is not int, _NAME: not isinstance(value, str), _ANY: False}[shape]
+             _COUNT: type(value) is not int or value < 0, _NAME: not isinstance(value, str), _ANY: False}[shape]
     return f"{named} is {shown(value)}, not {shape}" if wrong else None
 
 
