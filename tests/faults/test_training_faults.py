@@ -253,9 +253,11 @@ def test_a_signal_as_a_finished_run_ends_leaves_it_a_success(tmp_path, monkeypat
         "from it")
 
 
-def test_workers_a_signal_ends_mid_save_and_mid_export_leave_nothing(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("saved_before", [False, True])
+def test_workers_a_signal_ends_mid_save_and_mid_export_leave_nothing(tmp_path, monkeypatch, capsys, saved_before):
     """torchrun ends its workers with SIGTERM, so a save's temporary directory and an export's stage
-    they were writing stayed, and with them the new --checkpoint-dir: their launcher tidies them."""
+    they were writing stayed, and with them the new --checkpoint-dir: their launcher tidies them. A
+    series that holds a checkpoint already keeps it, and its directory, and loses the part alone."""
     from shardwire.cli import train as command
     from shardwire.engine.checkpoint import ownership
     from shardwire.engine.checkpoint.format import new_token, temporary_name
@@ -271,6 +273,8 @@ def test_workers_a_signal_ends_mid_save_and_mid_export_leave_nothing(tmp_path, m
         series = tmp_path / "runs" / "ckpt"
         series.mkdir(parents=True)
         os.close(claim_file(series / ".shardwire-claim"))
+        if saved_before:
+            (series / "step_00000002").mkdir()
         token = new_token()
         ownership.create_marked(series / temporary_name("step_00000003", token), "step_00000003", token)
         stage = tmp_path / "out" / ".export.shardwire-partial"
@@ -282,6 +286,12 @@ def test_workers_a_signal_ends_mid_save_and_mid_export_leave_nothing(tmp_path, m
     monkeypatch.setattr(command, "launch_local", stopped_mid_save)
     assert main(["train", "--model", "hf:model", "--steps", "3", "--checkpoint-dir", "runs/ckpt",
                  "--export-hf", "out/export"]) == 128 + signal.SIGTERM
+    if saved_before:
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "stopped by SIGTERM: runs/ckpt/step_00000002 is the newest checkpoint; running the same command again "
+            "resumes from it")
+        assert sorted(os.listdir(tmp_path / "runs" / "ckpt")) == [".shardwire-claim", "step_00000002"]
+        return
     assert capsys.readouterr().err.splitlines()[-1] == "stopped by SIGTERM: no checkpoint was saved in runs/ckpt yet"
     assert sorted(os.listdir(tmp_path)) == ["model"], [str(p) for p in tmp_path.rglob("*")]
 

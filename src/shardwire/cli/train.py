@@ -20,7 +20,7 @@ import torch
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import list_checkpoints
-from shardwire.engine.checkpoint.claim import leave_if_unused
+from shardwire.engine.checkpoint.claim import leave_tidy
 from shardwire.engine.checkpoint.series import group_series, series_problem, step_of
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
             return status
         finally:  # workers a signal ended could not tidy what they claimed and never finished
             if series is not None:
-                leave_if_unused(series, missing)
+                leave_tidy(series, missing)
             if export is not None:
                 leave_no_stage(export, missing_export)
     try:

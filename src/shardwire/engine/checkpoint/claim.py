@@ -10,9 +10,9 @@ claim of a dead run is taken over by the next one with no cleaning up; POSIX loc
 (a process may claim again what it holds, as a second model in one program does) and are honoured
 across the machines of an NFS mount, where BSD ``flock`` may not be. The descriptor stays open for
 the process's life: closing any descriptor of the file would drop its lock. A directory the run
-never saved in is left as it was found (``leave_if_unused``): as the process ends, a claim file alone
-in it goes, with the directories the claim made; and a launcher does the same for workers that a
-signal ended.
+never saved in is left as it was found, and one it saved in without what a save stopped part-way
+left (``leave_tidy``): as the process ends, a claim file alone in it goes, with the directories the
+claim made; and a launcher does the same for workers that a signal ended.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import pathlib
 
 from shardwire.engine.checkpoint import ownership
 from shardwire.engine.checkpoint.format import CheckpointError
-from shardwire.engine.checkpoint.series import list_checkpoints
 from shardwire.files import ClaimHeld, claim_file, make_directories, remove_directories
 
 CLAIM = ".shardwire-claim"
@@ -46,17 +45,18 @@ def claim(directory: pathlib.Path, claimed: set[str]) -> None:
         remove_directories(made)
         raise CheckpointError(f"cannot claim {directory} for this run: {err.strerror}") from None
     claimed.add(key)
-    atexit.register(leave_if_unused, directory, made)
+    atexit.register(leave_tidy, directory, made)
 
 
-def leave_if_unused(directory: str | os.PathLike, made: list[str]) -> None:
-    """Where ``directory`` holds no checkpoint (its run failed or stopped before its first save), remove
-    what saves left there part-way, and where that leaves only the claim file, it and the directories
-    in ``made``, those made for it. The claim is taken first, so another live run's is left alone;
-    one holding anything else (the user's own file) keeps its claim file."""
+def leave_tidy(directory: str | os.PathLike, made: list[str]) -> None:
+    """Remove from ``directory`` what saves left there part-way (a run stopped or failed as it saved:
+    its temporary directory, no loader's, otherwise lies there until the next run's first save), and
+    where its run saved nothing, so that only the claim file is left, that and the directories in
+    ``made``, those made for it. The claim is taken first, so another live run's is left alone; one
+    holding anything else (the user's own file) keeps its claim file."""
     claim_path = os.path.join(directory, CLAIM)
     try:
-        if CLAIM not in os.listdir(directory) or list_checkpoints(directory):
+        if CLAIM not in os.listdir(directory):
             return
         fd = claim_file(claim_path)  # this process's own claim is taken again; another live one is not
     except OSError:  # held by another run, gone, or unreadable: nothing of this run's to tidy
