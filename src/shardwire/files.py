@@ -68,6 +68,9 @@ CHECKPOINT_MANIFEST, CHECKPOINT_FORMAT = "manifest.json", "shardwire-checkpoint"
 # The name of a series' checkpoint of step N (``shardwire.engine.checkpoint.series``), which nothing a
 # command writes at the user's word takes beside the series' checkpoints.
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")
+# What torch.distributed.checkpoint's (DCP's) file system writer names its metadata, beside its
+# ``.distcp`` files: such a directory is a checkpoint too, of another tool, and nothing goes inside it.
+DCP_METADATA = ".metadata"
 
 
 def _first_line_is_scalars(head: bytes) -> bool:
@@ -168,7 +171,8 @@ def inside_problem(path: str | os.PathLike, source: str | os.PathLike, doing: st
 
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being written where it lies in a shardwire checkpoint (the checkpoint
-    itself, or anywhere below it), or None: a file a save did not write makes the checkpoint one
+    itself, or anywhere below it), or in a DCP one (whose loader would meet what is not its save's),
+    or None: a file a save did not write makes the checkpoint one
     that no prune may delete (``shardwire.engine.checkpoint.ownership``), kept for ever with a
     warning. So does a name the series beside it takes for its own: a checkpoint's (``step_N``),
     which the series would list as a damaged checkpoint and its save of that step set aside, or a
@@ -176,6 +180,9 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     words follow the path."""
     here = os.path.realpath(path)
     while not _is_checkpoint(here):
+        if holds_dcp(here):
+            return inside_problem(path, here, what="a torch.distributed.checkpoint (DCP) checkpoint, which holds only "
+                                                   "what its save wrote")
         parent, name = os.path.split(here)
         if parent == here:
             return None
@@ -189,6 +196,15 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
         here = parent
     return inside_problem(path, here, what="a checkpoint, which holds only what its save wrote (anything else "
                                            "there keeps it from ever being pruned)")
+
+
+def holds_dcp(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a DCP checkpoint: its metadata beside its ``.distcp`` files."""
+    try:
+        return os.path.isfile(os.path.join(directory, DCP_METADATA)) and any(
+            name.endswith(".distcp") for name in os.listdir(directory))
+    except OSError:  # a directory this process may not list holds nothing it could write beside
+        return False
 
 
 def _holds_checkpoints(directory: str) -> bool:

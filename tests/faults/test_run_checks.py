@@ -163,6 +163,38 @@ def test_a_dcp_directory_is_refused_as_a_checkpoint_directory(dcp_directory, no_
     assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "--model", "tiny", "--profile", "--run-dir", "{dcp}/run"],
+    ["train", "--model", "hf:{tmp}/gpt2", "--export-hf", "{dcp}/hf"],
+    ["train", "--model", "tiny", "--log-jsonl", "{dcp}/log.jsonl"],
+    ["export", "{tmp}/ckpt", "{dcp}/model.safetensors", "--model", "tiny"],
+])
+def test_nothing_is_written_inside_a_dcp_checkpoint(tmp_path, dcp_directory, no_workers, capsys, argv):
+    """An output inside a DCP checkpoint was accepted, where one inside shardwire's is refused: its
+    loader would meet files its save never wrote."""
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 256}))
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(tmp_path / "ckpt", model, step=1).wait()
+    argv = [arg.format(dcp=dcp_directory, tmp=tmp_path) for arg in argv]
+    try:
+        status = main(argv)
+    except SystemExit as err:
+        status, said = err.code, str(err.code) + "\n"
+    else:
+        said = capsys.readouterr().err
+    assert status and f"is inside {dcp_directory.resolve()}, a torch.distributed.checkpoint (DCP) checkpoint, which holds only " \
+           f"what its save wrote: give a path outside it" in said and said.count("\n") == 1, said
+    assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
+
+
+def test_report_of_a_dcp_checkpoint_suggests_no_run_there(dcp_directory, capsys):
+    assert main(["report", str(dcp_directory)]) != 0
+    said = capsys.readouterr().err
+    assert "no run writes one there" in said and "--run-dir" not in said, said
+
+
 def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_parent(tmp_path, no_workers):
     """A series started inside a checkpoint would not resume from it, and would make it unprunable."""
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])

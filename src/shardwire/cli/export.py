@@ -29,9 +29,9 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.format import MANIFEST
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, holds_dcp, reasons, step_of
+from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, step_of
 from shardwire.engine.diloco import DiLoCo
-from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, inside_problem, stage_of
+from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, stage_of
 from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, shown
 from shardwire.options import argument_text, text

@@ -16,9 +16,7 @@ import warnings
 
 from shardwire.engine.checkpoint import ownership
 from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest
-from shardwire.files import CHECKPOINT_NAME
-
-_DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint's file system writer names its metadata
+from shardwire.files import CHECKPOINT_NAME, DCP_METADATA, holds_dcp
 
 
 def reasons(skipped: list[tuple[pathlib.Path, Exception]]) -> str:
@@ -50,8 +48,8 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
     its own checkpoints making the one there unprunable. Or it holds only what is named as a series'
     checkpoints and is none (``_others_problem``). Said after the directory's name."""
     directory = pathlib.Path(directory)
-    if os.path.isfile(directory / _DCP_METADATA):  # False, not an error, where it cannot be looked at
-        return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {_DCP_METADATA}), not a series of "
+    if os.path.isfile(directory / DCP_METADATA):  # False, not an error, where it cannot be looked at
+        return (f"is a torch.distributed.checkpoint (DCP) checkpoint (it holds {DCP_METADATA}), not a series of "
                 f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
                 f"shardwire's checkpoints a directory of their own")
     if holds_a_manifest(directory):
@@ -77,15 +75,6 @@ def _others_problem(directory: pathlib.Path) -> str | None:
     names = ", ".join(path.name for path in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     return (f"holds {names}, named as checkpoints are, but without the {MANIFEST} every checkpoint holds (yours?): "
             f"give shardwire's checkpoints a directory of their own")
-
-
-def holds_dcp(directory: pathlib.Path) -> bool:
-    """Whether ``directory`` holds a DCP checkpoint: its metadata beside its ``.distcp`` files."""
-    try:
-        return os.path.isfile(directory / _DCP_METADATA) and any(name.endswith(".distcp") for name in
-                                                                  os.listdir(directory))
-    except OSError:  # a directory this process may not list holds nothing it could write beside
-        return False
 
 
 def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
