@@ -81,16 +81,23 @@ def _first_line_is_scalars(head: bytes) -> bool:
     return isinstance(line, dict) and {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= line.keys()
 
 
+# What a plot shardwire draws names as its software (a PNG text chunk): the mark that tells it from
+# any other plot (every Matplotlib figure names Matplotlib), so a rerun replaces its own plots alone.
+PLOT_SOFTWARE = "shardwire"
+_PLOT_TEXT = b"Software\x00" + PLOT_SOFTWARE.encode()
+_PLOT_CHUNK = len(_PLOT_TEXT).to_bytes(4, "big") + b"tEXt" + _PLOT_TEXT  # its length first: that text, whole
+# The key a trace shardwire writes opens with, naming its writer: a trace of another tool has none.
+TRACE_WRITER = {"otherData": {"writer": "shardwire"}}
+
 # The results commands make again, by what they are called in messages and how their first bytes look.
 OUTPUTS = {
-    "png": ("a plot shardwire drew",
-            lambda head: head.startswith(b"\x89PNG\r\n\x1a\n") and b"Matplotlib" in head),
+    "png": ("a plot shardwire drew", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n") and _PLOT_CHUNK in head),
     "bench-json": ("a `shardwire bench --json` file",
                    lambda head: head.lstrip().startswith(b'{\n  "schema": "shardwire.bench/')),
     "bench-csv": ("a `shardwire bench --csv` file", lambda head: head.startswith(b"group,ranks,op,")),
     "profile": ("a profile shardwire wrote",
                 lambda head: head.startswith(b'{"version": ') and b'"world_size"' in head),
-    "trace": ("a trace shardwire wrote", lambda head: head.startswith(b'{"traceEvents": ')),
+    "trace": ("a trace shardwire wrote", lambda head: head.startswith(json.dumps(TRACE_WRITER)[:-1].encode())),
     "scalars": ("a `--log-jsonl` log", _first_line_is_scalars),
 }
 
@@ -655,13 +662,14 @@ def _sync_directory(directory: str) -> None:
 
 
 def figure_png(figure) -> bytes:
-    """A finished matplotlib figure as PNG bytes (to write with ``write_atomically``), and the
-    figure closed: a report of many runs would otherwise pile figures up."""
+    """A finished matplotlib figure as PNG bytes (to write with ``write_atomically``), marked as
+    shardwire's (``PLOT_SOFTWARE``), and the figure closed: a report of many runs would otherwise
+    pile figures up."""
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
     try:
-        figure.savefig(buffer, format="png", dpi=120)
+        figure.savefig(buffer, format="png", dpi=120, metadata={"Software": PLOT_SOFTWARE})
     finally:
         plt.close(figure)
     return buffer.getvalue()

@@ -6,6 +6,7 @@ a write the system stops (a full disk) is one line naming the file, with a refus
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import socket
@@ -20,7 +21,8 @@ import torch
 import shardwire
 from harness import PROFILE, full_disk, run_workers, save_tokenizer  # noqa: F401 (a fixture)
 from shardwire.cli import main
-from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, write_atomically
+from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, rewrite_problem, write_atomically
+from shardwire.profile.trace import chrome_trace
 from shardwire.training.data import load_corpus
 
 FULL = "could not be written: No space left on device; free space there, or choose another place for it"
@@ -146,6 +148,37 @@ def test_a_result_made_again_replaces_only_its_own_never_weights_data_or_a_manif
         status, message = _run(command, tmp_path / name, capsys)
         assert status != 0 and f"{tmp_path / name} exists and is not " in message, message
         assert (tmp_path / name).read_bytes() == data
+
+
+def test_a_plot_or_trace_of_the_users_own_is_never_taken_for_shardwires(tmp_path, capsys):
+    """Every Matplotlib PNG names Matplotlib, and every Chrome trace opens with its events: a user's
+    own was replaced by `--plot` and by a profiled run. shardwire's are marked as its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure = plt.figure()
+    plt.plot([3, 1, 2])
+    figure.savefig(tmp_path / "mine.png")
+    plt.close(figure)
+    mine = (tmp_path / "mine.png").read_bytes()
+    sweep = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"]
+    status, message = _run(sweep, tmp_path / "mine.png", capsys)
+    assert status != 0 and "mine.png exists and is not a plot shardwire drew" in message, message
+    assert (tmp_path / "mine.png").read_bytes() == mine
+    assert _run(sweep, tmp_path / "ours.png", capsys)[0] == 0
+    assert _run(sweep, tmp_path / "ours.png", capsys)[0] == 0  # its own, replaced
+    trace = json.dumps({"traceEvents": [{"name": "mine", "ph": "X", "ts": 0, "dur": 5, "pid": 1, "tid": 1}]})
+    assert rewrite_problem(_written(tmp_path / "trace.json", trace), "trace") == (
+        "exists and is not a trace shardwire wrote: give another file name (a rerun replaces only its own results)")
+    ours = json.dumps(chrome_trace([]))
+    assert rewrite_problem(_written(tmp_path / "trace.json", ours), "trace") is None
+
+
+def _written(path, text: str):
+    path.write_text(text)
+    return path
 
 
 def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refused(tmp_path):

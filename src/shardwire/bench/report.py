@@ -62,6 +62,7 @@ from shardwire.bench.ops import OUT_OF_PLACE
 from shardwire.bench.schema import SCHEMA
 from shardwire.bench.sweep import PLACEMENTS, OpResult, Point, Row
 from shardwire.extras import require
+from shardwire.files import figure_png
 
 GB = 1e9
 
@@ -255,6 +256,4 @@ def plot_png(results: list[OpResult]) -> bytes:
         ax.set_title(f"{group} ({measured[0].ranks} ranks)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=120)
-    return buffer.getvalue()
+    return figure_png(figure)

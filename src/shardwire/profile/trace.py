@@ -1,7 +1,8 @@
 """Chrome / Perfetto trace of profiled steps: one process per rank, with a compute track and one
 track per communication lane.
 
-The file is the Trace Event Format's JSON object form (``{"traceEvents": [...]}``) with complete
+The file is the Trace Event Format's JSON object form (``{"traceEvents": [...]}``), its
+``otherData`` naming shardwire as its writer (what a rerun replaces: ``files.OUTPUTS``), with complete
 events (``"ph": "X"``, microseconds) and metadata events naming processes and threads; it opens in
 chrome://tracing and ui.perfetto.dev. On the compute track, units nest inside the forward and
 backward phases and each wait for a collective shows where compute stalled.
@@ -9,6 +10,7 @@ backward phases and each wait for a collective shows where compute stalled.
 
 from __future__ import annotations
 
+from shardwire.files import TRACE_WRITER
 from shardwire.profile.recorder import StepTimeline
 
 _TRACKS = {"compute": 0, "all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
@@ -39,4 +41,4 @@ def chrome_trace(per_rank: list[list[StepTimeline]]) -> dict:
             for op, tag, nbytes, wire_nbytes, start, end in t.comms:
                 events.append(_slice(tag, op, rank, _TRACKS.get(op, 3), start, end,
                                      {"op": op, "bytes": nbytes, "wire_bytes": wire_nbytes, "step": t.step}))
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {**TRACE_WRITER, "traceEvents": events, "displayTimeUnit": "ms"}
