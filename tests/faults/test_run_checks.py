@@ -189,6 +189,27 @@ def test_nothing_is_written_inside_a_dcp_checkpoint(tmp_path, dcp_directory, no_
     assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
 
 
+def test_an_output_the_run_would_read_as_its_data_is_refused(tmp_path, no_workers, capsys):
+    """A --log-jsonl notes.md in the --data directory was read as data: its resume was refused for a
+    changed corpus, and --max-restarts spent every restart on it. What the corpus does not read (a
+    .jsonl log, checkpoints) may lie there."""
+    data = tmp_path / "dd"
+    data.mkdir()
+    (data / "a.txt").write_text("hello world " * 2000)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 256}))
+    for argv, option in ((["--model", "tiny", "--log-jsonl", f"{data}/notes.md"], "--log-jsonl"),
+                         (["--model", f"hf:{tmp_path}/gpt2", "--export-hf", f"{data}/out"], "--export-hf")):
+        with pytest.raises(SystemExit, match=rf"^error: {option} {data}/\S+ is inside {data}, the --data directory, "
+                                             rf"whose \.py, \.txt, \.md files the run reads as its text: give a path "
+                                             rf"outside it$"):
+            main(["train", "--data", str(data), *argv])
+    with pytest.raises(AssertionError, match="workers were started"):  # its checks passed
+        main(["train", "--model", "tiny", "--data", str(data), "--log-jsonl", f"{data}/log.jsonl",
+              "--checkpoint-dir", f"{data}/ckpt"])
+
+
 def test_report_of_a_dcp_checkpoint_suggests_no_run_there(dcp_directory, capsys):
     assert main(["report", str(dcp_directory)]) != 0
     said = capsys.readouterr().err

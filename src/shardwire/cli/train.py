@@ -25,8 +25,8 @@ from shardwire.engine.checkpoint.series import group_series, series_problem, ste
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.layout_plan import LayoutPlan
-from shardwire.files import (CHECKPOINT_MANIFEST, checkpoint_problem, directory_problem, leave_no_stage,
-                             missing_directories, new_directory_problem)
+from shardwire.files import (CHECKPOINT_MANIFEST, checkpoint_problem, directory_problem, inside_problem,
+                             leave_no_stage, missing_directories, new_directory_problem)
 from shardwire.extras import require
 from shardwire.launch import (
     host_memory_per_worker,
@@ -59,7 +59,7 @@ from shardwire.sim.memory import activation_bytes
 from shardwire.sim.specs import TrainingSpec
 from shardwire.training.autoplan import unplannable
 from shardwire.training.config import LAUNCH_OPTIONS, NEEDS, TrainConfig, is_given
-from shardwire.training.data import check_default_corpus
+from shardwire.training.data import TEXT_SUFFIXES, check_default_corpus
 from shardwire.training.loop import run_tokenizer, train, trained_otherwise, training_corpus
 
 
@@ -322,6 +322,8 @@ def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | N
             check_output_file(config.log_jsonl, "--log-jsonl", "scalars")
         if config.export_hf is not None and (problem := new_directory_problem(config.export_hf)) is not None:
             raise OptionError(f"--export-hf {config.export_hf} {problem}")
+        if (problem := _read_as_data(config)) is not None:
+            raise OptionError(problem)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     if (problem := worker.unavailable(config.backend)) is not None:
@@ -371,6 +373,21 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
             hf_tokenizer.load(*tokenizer)  # written beside the weights at the end, so read now
         except ValueError as err:
             raise SystemExit(f"error: --export-hf: {err}") from None
+
+
+def _read_as_data(config: TrainConfig) -> str | None:
+    """Why an output of the run would be read back as its data, or None: a --data directory's text is
+    every text file under it, so a log written there (or a tokenizer's merges.txt exported there) would
+    change the data the run trains on, and its resume would be refused for a changed corpus, restart
+    after restart."""
+    if config.data is None or not os.path.isdir(config.data):
+        return None
+    written = [("--export-hf", config.export_hf)]
+    if config.log_jsonl is not None and config.log_jsonl.endswith(TEXT_SUFFIXES):
+        written.append(("--log-jsonl", config.log_jsonl))
+    what = f"the --data directory, whose {', '.join(TEXT_SUFFIXES)} files the run reads as its text"
+    return next((f"{option} {cut(path)} {problem}" for option, path in written
+                 if path is not None and (problem := inside_problem(path, config.data, what=what)) is not None), None)
 
 
 def _among_checkpoints(config: TrainConfig) -> str | None:

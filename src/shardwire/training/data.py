@@ -39,6 +39,8 @@ VALIDATION_FRACTION = 0.01
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")
+# The files of a --data directory read as its text, whatever lies beside them.
+TEXT_SUFFIXES = (".py", ".txt", ".md")
 BIN_DTYPES = ("uint16", "uint32")
 # What every .npy file begins with (numpy.lib.format.MAGIC_PREFIX).
 _NPY_MAGIC = b"\x93NUMPY"
@@ -536,8 +538,7 @@ def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
     if not root.is_dir():  # a device or a FIFO would be read without end
         raise ValueError(f"data path {path} is neither a regular file nor a directory: pass a text file or a "
                          f"directory of them")
-    suffixes = {".py", ".txt", ".md"}
-    return sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()), str(root)
+    return sorted(p for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()), str(root)
 
 
 class ByteCorpus(_Sequences):
