@@ -500,6 +500,7 @@ class StagedDirectory:
     def __init__(self, target: str | os.PathLike, what: str):
         self.given = pathlib.Path(target)  # as the user named it, for messages
         self.target = pathlib.Path(os.path.abspath(target))
+        self.what = what
         if (problem := new_directory_problem(target)) is not None:
             raise OutputRefused(f"{what} {os.fspath(target)} {problem}")
         self.path = stage_of(self.target)
@@ -535,13 +536,24 @@ class StagedDirectory:
 
     def publish(self) -> pathlib.Path:
         """Rename the stage into place as ``target`` (an empty directory there is replaced, atomically);
-        returns the target as it was given."""
-        if (problem := new_directory_problem(self.target)) is not None:  # made since the stage was claimed
-            raise OutputRefused(f"{self.target} {problem}")
+        returns the target as it was given. Where something was put there since the stage was claimed
+        (a run's export is written at its end, hours later), the stage is published beside it under a
+        free name instead, and ``Diverted`` names both: what was written (a trained model) is never
+        discarded for the user's file, nor the user's file replaced."""
+        taken = new_directory_problem(self.target) is not None
         (self.path / _CLAIM).unlink()
-        self.path.rename(self.target)
+        if not taken:
+            self.path.rename(self.target)
+            self._release()
+            return self.given
+        kept = _free_sibling(self.target)
+        try:
+            self.path.rename(kept)
+        except OSError:
+            kept = self.path  # left as it is, named: never discarded
         self._release()
-        return self.given
+        raise Diverted(f"{self.what} {self.given} was made, or filled, while it was being written: what was "
+                       f"written is kept as {kept} instead; move it where it belongs")
 
     def discard(self) -> None:
         """Remove the stage and what was written to it, and the directories made for it, unless it was
@@ -554,6 +566,19 @@ class StagedDirectory:
     def _release(self) -> None:
         os.close(self._fd)
         self._fd = None
+
+
+class Diverted(OutputRefused):
+    """A directory written whole, published under another name than its target, taken meanwhile: the
+    message names both, and what was written is complete there."""
+
+
+def _free_sibling(target: pathlib.Path) -> pathlib.Path:
+    """``target`` with the first number from 2 added that names nothing beside it (``out-2``)."""
+    n = 2
+    while os.path.lexists(candidate := target.with_name(f"{target.name}-{n}")):
+        n += 1
+    return candidate
 
 
 def stage_of(target: str | os.PathLike) -> pathlib.Path:

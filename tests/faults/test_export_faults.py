@@ -100,6 +100,25 @@ def refused(capsys, *argv: str) -> str:
     return message
 
 
+def test_an_out_directory_made_while_the_export_is_written_keeps_both(work, capsys, monkeypatch):
+    """A directory the user made at OUT as the export was written (a run's --export-hf, at the end of
+    hours of training) discarded the whole export: it is kept beside it, named."""
+    from shardwire.models import export as writer
+
+    write = writer._write_safetensors
+
+    def and_the_user_meanwhile(*args, **kwargs):
+        write(*args, **kwargs)
+        (work / "out").mkdir()
+        (work / "out" / "notes.txt").write_text("the user's")
+
+    monkeypatch.setattr(writer, "_write_safetensors", and_the_user_meanwhile)
+    assert refused(capsys, work / "hf", work / "out") == (
+        f"error: OUT {work / 'out'} was made, or filled, while it was being written: what was written is kept as "
+        f"{work / 'out-2'} instead; move it where it belongs")
+    assert os.listdir(work / "out") == ["notes.txt"] and "config.json" in os.listdir(work / "out-2")
+
+
 def test_an_out_file_that_exists_is_never_overwritten(work, capsys):
     out = work / "model.safetensors"
     out.write_text("the user's")

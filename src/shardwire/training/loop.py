@@ -39,7 +39,7 @@ from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
-from shardwire.files import OutputRefused, StagedDirectory
+from shardwire.files import Diverted, OutputRefused, StagedDirectory
 from shardwire.launch import REFUSED, under_launcher
 from shardwire.mappings import one_line
 from shardwire.models import fp8
@@ -345,6 +345,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
                     tokenizer = run_tokenizer(config)
                     written = save_pretrained(config.model, weights, export, fields=trained_on.get("hf_config"),
                                               tokenizer=tokenizer[0] if tokenizer else False)
+                except Diverted as err:  # written whole, beside a directory made there since the run began
+                    raise SystemExit(f"error: {err}") from None
                 except OSError as err:  # a full disk, a quota: the run's other results stand
                     raise SystemExit(f"error: --export-hf {config.export_hf}: {err.strerror or err}; "
                                      f"{_where_the_model_is(config)}") from None
