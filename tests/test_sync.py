@@ -350,7 +350,7 @@ def _streaming_run(rank, world, sync, precision):
                       if r.tag.endswith("(sync)")]
     shardwire.diloco_sync(model)
     residuals = {flat.name: flat.residuals.get("sync") for flat in engine.flats}
-    return sent, initial, _group_model(model), residuals
+    return sent, initial, _group_model(model), residuals, sorted(engine.outer.metrics())
 
 
 @pytest.mark.slow
@@ -358,7 +358,9 @@ def test_streaming_fragments_sync_each_unit_once_per_h_steps_and_a_quantized_syn
     env = {"LOCAL_WORLD_SIZE": "1"}  # two nodes: what crosses between the groups is quantized
     exact = run_workers(2, _streaming_run, DiLoCo(sync_every=4, fragments=2, wire=None), "bf16", env=env)
     quantized = run_workers(2, _streaming_run, DiLoCo(sync_every=4, fragments=2, wire="int4"), "bf16", env=env)
-    (sent, initial, trained, _), (sent_q, _, trained_q, residuals_q) = exact[0], quantized[0]
+    (sent, initial, trained, _, measured), (sent_q, _, trained_q, residuals_q, measured_q) = exact[0], quantized[0]
+    # the drift from an int4 average read 0: its error counted as the groups agreeing
+    assert measured == ["drift", "outer_grad_norm"] and measured_q == ["outer_grad_norm"]
     # The forwards after steps 2, 4 and 6 issue syncs (after step 8, sync_now syncs everything):
     # fragment 0 (the root and blocks.1, units dealt in turn) after steps 2 and 6, fragment 1 after 4.
     by_step = {step: sorted(tag for tag, _, _ in records) for step, records in sent.items() if records}

@@ -160,6 +160,9 @@ class OuterLoop:
         self.diloco = diloco
         self._world = world
         self._groups = replicate.world
+        # The groups' drift is measured against the average as it arrived: a quantized one's error
+        # adds to its norm, and read as the groups agreeing (0 at int4), so it is left out there.
+        self._exact_average = not replicate.quantizes(diloco.codec)
         self._spanning = [world, replicate]
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
         self.steps = 0
@@ -377,7 +380,8 @@ class OuterLoop:
         rank calls it: one all-reduce of two numbers): ``outer_grad_norm``, the norm of the averaged
         change (the outer optimizer's gradient), and ``drift``, the root mean square over the groups
         of the distance from each group's change to that average, which says how far apart the
-        groups trained. Empty where no sync was applied since (the same on every rank: the schedule
+        groups trained, where that average arrives exact (a quantized wire's error would read as the
+        groups agreeing). Empty where no sync was applied since (the same on every rank: the schedule
         is shared); a fragment's sync counts as its share of one of the whole model. Between
         fault-tolerant groups, instead of ``drift``: ``Quorum.take_metrics`` and the steps recoveries
         moved this group forward."""
@@ -394,7 +398,7 @@ class OuterLoop:
         self._synced = 0
         own, averaged = (value * per_sync for value in squares.tolist())
         found["outer_grad_norm"] = averaged ** 0.5
-        if self.quorum is None:  # a group alone knows its own change, not the others'
+        if self.quorum is None and self._exact_average:  # a group alone knows its own change, not the others'
             found["drift"] = max(own - averaged, 0.0) ** 0.5
         return found
 
