@@ -91,6 +91,9 @@ def test_calibrate_reads_a_device_never_and_a_file_up_to_a_bound(tmp_path, capsy
     ("model", 5, "its model must be a name, as `shardwire train --model` takes it, got 5"),
     ("model", LONG, "its job cannot be simulated: unknown model preset 'xxx"),
     ("seq_len", "long", "its job cannot be simulated: model: seq_len must be a whole number, got 'long'"),
+    # an edited job, fitted to the times of the one that ran, predicted a step 7.5 times too long
+    ("batch", 1, "is damaged (its job, 1 x 1 sequences of 2048 tokens on each of 1 ranks, is 2,048 tokens a step, "
+                 "where its tokens_per_step is 16384)"),
 ])
 def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, key, value, message):
     def change(document):

@@ -117,6 +117,11 @@ def read_profile(path: str, load_model) -> Measured:
         model = load_model(job["model"], job["seq_len"])
     except SpecError as err:
         raise SpecError(f"{path}: its job cannot be simulated: {err}") from None
+    tokens = training.micro_batch * training.grad_accum * model.seq_len * doc["world_size"]
+    if tokens != doc["tokens_per_step"]:  # an edited job would be fitted to times another job took
+        raise SpecError(f"{path} is damaged (its job, {training.micro_batch} x {training.grad_accum} sequences of "
+                        f"{model.seq_len} tokens on each of {doc['world_size']} ranks, is {tokens:,} tokens a step, "
+                        f"where its tokens_per_step is {shown(doc['tokens_per_step'])}); {remedy}")
     return Measured(*seconds, ranks=doc["world_size"], model=model, training=training)
 
 
