@@ -129,6 +129,22 @@ def test_a_diverged_model_never_prunes_a_finite_checkpoint(tmp_path):
     assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002", "step_00000003"]
 
 
+def test_a_resume_passes_over_a_checkpoint_of_weights_that_are_not_finite(tmp_path, caplog):
+    """It resumed from them, and stopped as diverged at its first step, blaming --lr, at every try:
+    the newest finite checkpoint is the one to train from, as export takes it."""
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 2), model, step=2)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    with pytest.warns(UserWarning, match="not finite"):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 4), model, step=4, keep=2)
+    fresh = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    assert shardwire.load_latest_checkpoint(tmp_path, fresh).step == 2
+    assert all(bool(torch.isfinite(p).all()) for p in fresh.parameters())
+    assert "step_00000004 holds weights that are not finite" in caplog.text
+    assert shardwire.load_checkpoint(shardwire.checkpoint_path(tmp_path, 4), fresh).step == 4  # asked for by name
+
+
 @pytest.mark.slow
 def test_a_diverging_run_stops_naming_the_step_and_keeps_what_was_finite(tmp_path):
     """A learning rate that warms up to far too high: the run stops at the first step whose loss spiked

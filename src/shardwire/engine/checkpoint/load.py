@@ -89,7 +89,8 @@ def load_latest_checkpoint(
     """Load the newest good checkpoint of the series in ``directory``; None if it holds none.
 
     A checkpoint that cannot be loaded is skipped, and the one before it is tried; so is one whose
-    manifest records another step than its name, which would make the series' order a lie. Each one
+    manifest records another step than its name, which would make the series' order a lie, and one
+    whose weights are not finite (a diverged run's, which a resume would train from in vain). Each one
     skipped is a warning saying why once an older one loads. If there are checkpoints and none can be
     loaded, it raises a ``CheckpointError`` with each one's reason instead (said once) rather than
     return None: starting over would let new saves prune the old ones.
@@ -112,7 +113,7 @@ def load_latest_checkpoint(
     for name in reversed(candidates):
         path = pathlib.Path(directory) / name
         try:
-            info = _load(path, engine, model, optimizer, named_step=series.step_of(path))
+            info = _load(path, engine, model, optimizer, named_step=series.step_of(path), finite=True)
         except CheckpointError as err:
             skipped.append((path, err))
             continue
@@ -133,10 +134,13 @@ def _claim_on_rank_0(directory: str | os.PathLike, engine: Engine) -> None:
         session_of(engine).claim(pathlib.Path(directory))
 
 
-def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None) -> CheckpointInfo:
-    """Read and verify on every rank, then apply; ``named_step``: the step the path's name says."""
+def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None,
+          finite: bool = False) -> CheckpointInfo:
+    """Read and verify on every rank, then apply; ``named_step``: the step the path's name says; with
+    ``finite``, weights that are not finite are refused (a resume from them diverges at its first step,
+    whatever it is given)."""
     staged = on_every_rank(
-        engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer, named_step)
+        engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer, named_step, finite)
     )
     staged.apply(engine, model, optimizer)
     return staged.info
@@ -159,7 +163,8 @@ class _Staged:
 
     @classmethod
     def read(
-        cls, path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None
+        cls, path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named_step: int | None,
+        finite: bool = False,
     ) -> "_Staged":
         rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
         with CheckpointReader(path) as reader:
@@ -180,6 +185,10 @@ class _Staged:
             shards = {flat.name: reader.shard(saved, param_key(flat.name) if own else reader.weights_key(saved),
                                               flat.packing, shard_rank, flat.packing.dtype, saving_group)
                       for saved, flat in zip(manifest.flats, engine.flats)}
+            if finite and (name := next((name for name, shard in shards.items()
+                                         if not bool(torch.isfinite(shard).all())), None)) is not None:
+                raise CheckpointError(f"{path} holds weights that are not finite ({name}): the run diverged before "
+                                      f"it was saved")
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
