@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -415,6 +417,37 @@ def test_two_testbed_commands_at_once_take_turns():
         recorded = spec.Testbed.load(name)
         assert network.is_up(recorded) and recorded.nodes in (2, 3)
     finally:
+        assert main(["testbed", "down", "--name", name]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@root_only
+def test_a_testbed_runs_one_job_and_is_not_rebuilt_under_it(tmp_path, capsys):
+    """A second job failed after its nodes started, blaming an unreachable node for the port the
+    first held; `up` rebuilt the testbed under a running job, which ended failed without a word."""
+    name = "shardwire-test-job"
+    network.down(name)
+    (tmp_path / "wait.py").write_text("import time\ntime.sleep(120)\n")
+    assert main(["testbed", "up", "--name", name, "--nodes", "2", "--link", "200mbit"]) == 0
+    first = subprocess.Popen([sys.executable, "-m", "shardwire", "testbed", "run", "--name", name, "--",
+                              str(tmp_path / "wait.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while spec.job_on(name) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        owner = f"process {first.pid} on "
+        capsys.readouterr()
+        for argv, said in (
+                (["testbed", "run", "--name", name, "--", str(tmp_path / "wait.py")], "is running another job"),
+                (["testbed", "up", "--name", name, "--nodes", "3", "--link", "200mbit"], "is running a job"),
+                (["testbed", "down", "--name", name], "is running a job")):
+            refused = refusal(argv, capsys)
+            assert f"testbed {name!r} {said} ({owner}" in refused, refused
+        assert network.is_up(spec.Testbed(name, 2, spec.parse_rate("200mbit")))
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
         assert main(["testbed", "down", "--name", name]) == 0
 
 

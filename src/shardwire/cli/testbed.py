@@ -41,6 +41,7 @@ from shardwire.testbed.spec import (
     TestbedFailure,
     check_name,
     parse_rate,
+    running,
     testbed_command,
 )
 
@@ -171,7 +172,8 @@ def _run(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    return job.run_job(testbed, args.nproc_per_node, command, max_restarts=args.max_restarts)
+    with running(args.name):
+        return job.run_job(testbed, args.nproc_per_node, command, max_restarts=args.max_restarts)
 
 
 def _check_job(testbed: Testbed, nproc_per_node: int, command: list[str]) -> int | None:

@@ -36,6 +36,7 @@ from shardwire.testbed.spec import (
     TestbedFailure,
     check_name,
     held,
+    job_on,
     state_path,
 )
 
@@ -125,6 +126,7 @@ def up(testbed: Testbed) -> bool:
     with held(testbed.name):
         if is_up(testbed):
             return False
+        _no_job_on(testbed.name, "rebuilding")
         _remove(testbed.name)
         try:
             _build(testbed)
@@ -166,7 +168,16 @@ def down(name: str) -> list[str]:
     """Stop every process left on the testbed's nodes, delete its namespaces (and with them every
     link and qdisc), their hosts files and its state file; returns the namespaces deleted."""
     with held(name):
+        _no_job_on(name, "removing")
         return _remove(name)
+
+
+def _no_job_on(name: str, doing: str) -> None:
+    """Refuse to change testbed ``name`` while a job runs on it: its nodes would go from under it,
+    and the job end failed, naming none of this."""
+    if (owner := job_on(name)) is not None:
+        raise TestbedError(f"testbed {name!r} is running a job ({owner}): stop it (Ctrl-C where it runs) before "
+                           f"{doing} the testbed")
 
 
 def _remove(name: str) -> list[str]:

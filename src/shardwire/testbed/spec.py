@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardwire.files import write_atomically
+from shardwire.files import ClaimHeld, claim_file, write_atomically
 from shardwire.mappings import MAX_TEXT_BYTES, MappingError, read_json, shown
 
 STATE_DIR = Path("/run/shardwire/testbed")
@@ -163,6 +163,35 @@ class Testbed:
 
 def state_path(name: str) -> Path:
     return STATE_DIR / f"{name}.json"
+
+
+@contextlib.contextmanager
+def running(name: str) -> Iterator[None]:
+    """Hold testbed ``name`` for one job, for as long as it runs: a second job would find its
+    rendezvous port taken by the first and blame an unreachable node, and share the links it
+    measures; ``up`` and ``down`` would remove the nodes under it (``job_on``). A claim file, which
+    the system releases when its holder ends, however it ends."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = claim_file(STATE_DIR / f"{name}.job")
+    except ClaimHeld as err:
+        raise TestbedError(f"testbed {name!r} is running another job ({err.owner}): wait for it to end, or stop "
+                           f"it; a testbed runs one job at a time") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def job_on(name: str) -> str | None:
+    """Who runs a job on testbed ``name`` (``running``), in words, or None where none does."""
+    try:
+        os.close(claim_file(STATE_DIR / f"{name}.job"))
+    except ClaimHeld as err:
+        return err.owner
+    except FileNotFoundError:  # no state directory: nothing was ever run here
+        return None
+    return None
 
 
 @contextlib.contextmanager
