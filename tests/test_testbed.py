@@ -259,14 +259,22 @@ def test_a_failed_ip_command_is_a_failure_not_a_refusal():
         network._run("ip", "link", "show", "shardwire-test-none")
 
 
-def _node(tmp_path, body: str) -> subprocess.CompletedProcess:
+def _node(tmp_path, body: str, *args: str) -> subprocess.CompletedProcess:
     """One node's launcher (``shardwire.testbed.node``, as ``run`` starts it on each node) of a
-    one-rank job here, with its output."""
+    one-rank job here, given ``args``, with its output."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
     return subprocess.run([sys.executable, "-m", "shardwire.testbed.node", "--standalone", "--nproc-per-node=1",
-                           str(script)], capture_output=True, text=True, timeout=120,
+                           "--", str(script), *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_a_jobs_options_are_its_own_not_torchruns(tmp_path):
+    """torchrun's parser read the job's options too: `shardwire train --nproc 3` was refused on every
+    node as an ambiguous abbreviation of its own --nproc-per-node, with its usage."""
+    done = _node(tmp_path, "import sys; print(sys.argv[1:])", "--nproc", "3", "--max-restarts", "1")
+    assert done.returncode == 0 and "['--nproc', '3', '--max-restarts', '1']" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list
         # each node's address for the workers' MASTER_ADDR.
         f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={testbed.address(node)}",
         f"--max-restarts={max_restarts}",
-        *command,
+        "--", *command,  # the job, read by node.py apart from torchrun's options
     ])
 
 

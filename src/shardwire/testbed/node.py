@@ -10,7 +10,12 @@ statuses; a node that lost the rendezvous (the node holding it ended first, or i
 one line; and a node stopped by a signal, quietly, with 128 + its number (``job.run_job`` says
 which node stopped the job).
 
-    python -m shardwire.testbed.node TORCHRUN_ARGUMENTS...
+    python -m shardwire.testbed.node TORCHRUN_OPTIONS... -- JOB...
+
+The job (a script, ``-m module`` or ``--no-python program``, then its arguments) is handed to
+torchrun after its options are parsed, as ``launch.launch_local`` hands it: torchrun's parser would
+otherwise read the job's options too, and take ``shardwire train --nproc`` for an abbreviation of
+its own ``--nproc-per-node``.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ from shardwire.launch import failed_workers, quiet_agent
 
 
 def main(argv: list[str]) -> int:
-    """Run torchrun with ``argv`` (its options, then the job); returns the node's exit status."""
+    """Run torchrun with ``argv`` (its options, ``--``, then the job); returns the node's exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     quiet_agent()
-    config = parse_args(argv)
+    options, job = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    script = next(i for i, word in enumerate(job) if not word.startswith("-"))  # after -m, --no-python
+    config = parse_args([*options, *job[:script + 1]])
+    config.training_script_args = job[script + 1:]
     try:
         run(config)
     except SignalException as err:
