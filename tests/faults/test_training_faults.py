@@ -10,6 +10,7 @@ import pathlib
 import re
 import signal
 import subprocess
+import shutil
 import sys
 import textwrap
 import time
@@ -241,10 +242,28 @@ def test_a_resumed_run_says_what_it_changes_and_trains_with_it(tmp_path):
 @pytest.mark.slow
 def test_a_run_resumed_without_diloco_says_each_groups_inner_steps_are_not_kept(tmp_path):
     hybrid = ("--layout", "hybrid", "--shard-group-size", "1", "--checkpoint-dir", "ckpt")
-    train("--steps", "3", *hybrid, "--diloco", "sync_every=2", cwd=tmp_path)
+    train("--steps", "4", "--save-every", "3", *hybrid, "--diloco", "sync_every=2", cwd=tmp_path)
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")  # the last, after the run's final sync: nothing dropped
     done = train("--steps", "4", *hybrid, cwd=tmp_path)
-    assert ("this run changes --steps 3 -> 4, --diloco sync_every=2 -> none (every group goes on from the model the groups agreed on at their last "
-            "sync: the inner steps since, each group's own, are not kept)") in done.stdout, done.stdout
+    assert ("resuming from ckpt/step_00000003 (step 3, saved by 2 ranks); this run changes --diloco sync_every=2 -> "
+            "none (every group goes on from the model the groups agreed on at their last sync: the inner steps "
+            "since, each group's own, are not kept)") in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_a_run_resumed_into_other_groups_says_each_groups_inner_steps_are_not_kept(tmp_path):
+    """Two groups that synced every 4 steps, saved between syncs, resumed as one: the line named the
+    group size alone. Saved at the run's last step, which ends with a sync, nothing is dropped."""
+    diloco = ("--layout", "hybrid", "--diloco", "sync_every=4", "--checkpoint-dir", "ckpt")
+    train("--steps", "3", "--save-every", "2", "--shard-group-size", "1", *diloco, cwd=tmp_path)
+    done = train("--steps", "4", "--shard-group-size", "2", *diloco, cwd=tmp_path)
+    assert "resuming from ckpt/step_00000003" in done.stdout and "are not kept" not in done.stdout, done.stdout
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000003")
+    done = train("--steps", "4", "--shard-group-size", "2", *diloco, cwd=tmp_path)
+    assert ("resuming from ckpt/step_00000002 (step 2, saved by 2 ranks); this run changes --steps 3 -> 4, "
+            "--shard-group-size 1 -> 2, and every group goes on from the model the groups agreed on at their last "
+            "sync: the inner steps since, each group's own, are not kept") in done.stdout, done.stdout
 
 
 def test_a_signal_as_a_finished_run_ends_leaves_it_a_success(tmp_path, monkeypatch, capsys):

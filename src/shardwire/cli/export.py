@@ -219,8 +219,8 @@ def _between_syncs(checkpoint: pathlib.Path, extra: dict, step: int | None) -> l
             diloco = DiLoCo.parse(settings.get("diloco")) if isinstance(settings, dict) else None
     except (TypeError, ValueError):
         return []
-    if diloco is None or not isinstance(step, int) or step % diloco.sync_every == 0 or step == settings.get("steps"):
-        return []  # synced at the step it was saved (a run's last step ends with a sync)
+    if diloco is None or not isinstance(step, int) or diloco.agreed_after(step, settings.get("steps")):
+        return []
     return [f"{checkpoint} was saved at step {step}, between syncs of --diloco (every {diloco.sync_every} steps): "
             f"exported is the model the groups last agreed on, without the steps each trained since"]
 

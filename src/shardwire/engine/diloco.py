@@ -149,6 +149,13 @@ class DiLoCo:
         """The first step after ``step`` once which a fragment's sync is due."""
         return next(later for later in range(step + 1, step + self.sync_every + 1) if self.due(later) is not None)
 
+    def agreed_after(self, step: int, last: int) -> bool:
+        """Whether every group holds the model they agree on once ``step`` inner steps are done, of a
+        run of ``last``: at its last step, which ends with a sync of the whole model, or at a sync of
+        the whole model at once, applied as it is issued. Between, each group holds inner steps of
+        its own."""
+        return step == last or (self.fragments == 1 and not self.fragment_sync_delay and step % self.sync_every == 0)
+
     @property
     def codec(self) -> Codec | None:
         """How the averaged change travels between nodes: as ``Wire(grads=wire)`` quantizes gradients."""

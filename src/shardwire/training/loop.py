@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
-from shardwire.engine.checkpoint import list_checkpoints
+from shardwire.engine.checkpoint import CheckpointInfo, list_checkpoints
 from shardwire.engine.checkpoint.series import prune, step_of
 from shardwire.engine.checkpoint.format import Manifest
 from shardwire.engine.checkpoint.schema import fits
@@ -808,13 +808,16 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
             settings = changed_settings(recorded, config)
             changed = [f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
                        for name, (before, now) in settings.items()]
-            if "diloco" in settings and DiLoCo.parse(config.diloco) is None:
-                changed[list(settings).index("diloco")] += (
-                    " (every group goes on from the model the groups agreed on at their last sync: the inner steps "
-                    "since, each group's own, are not kept)")
             # the data's change in length, unless --data itself is named changed above
             changed += _changed_scale(info, trained_on["global_batch"]) + (
                 [data] if data is not None and "data" not in settings else [])
+            if _own_steps_dropped(info, recorded):  # none syncing now (said with --diloco), or other groups
+                dropped = ("every group goes on from the model the groups agreed on at their last sync: the inner "
+                           "steps since, each group's own, are not kept")
+                if "diloco" in settings:
+                    changed[list(settings).index("diloco")] += f" ({dropped})"
+                else:
+                    changed.append(f"and {dropped}" if changed else dropped)
             what = f"; this run changes {', '.join(changed)}" if changed else "; with its settings"
         else:
             what = " (it records no settings to compare this run's with)"
@@ -822,6 +825,21 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
                        f"rank{'s' if info.world_size > 1 else ''}){what}"),
               flush=True)
     return info.step
+
+
+def _own_steps_dropped(info: CheckpointInfo, recorded: dict) -> bool:
+    """Whether this resume drops inner steps each group took since the groups' last sync: where the
+    groups do not go on from their own progress (``CheckpointInfo.own_progress_dropped``) and the
+    checkpoint was saved between syncs (``DiLoCo.agreed_after``)."""
+    if not info.own_progress_dropped:
+        return False
+    try:
+        with warnings.catch_warnings():  # a renamed key the run was given was warned of as it began
+            warnings.simplefilter("ignore")
+            saved = DiLoCo.parse(recorded.get("diloco"))
+    except (TypeError, ValueError):
+        return True
+    return saved is None or not isinstance(info.step, int) or not saved.agreed_after(info.step, recorded.get("steps"))
 
 
 def _as_given(value) -> str:

@@ -65,6 +65,9 @@ class CheckpointInfo:
     extra: object
     world_size: int  # the world size it was saved at
     rng_restored: bool  # True at the saving world size only
+    # True where groups that synced every H steps saved their own progress since their last sync and
+    # this run's groups (another count of them, or none syncing) start from the model they agreed on
+    own_progress_dropped: bool = False
 
 
 def load_checkpoint(
@@ -207,7 +210,8 @@ class _Staged:
                 residuals = _residuals(reader, rank, engine)
                 if own:  # this rank's shard of its group's change, as it was: the sync in flight is measured
                     measures = _measures(reader, rank, engine)
-        info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng))
+        info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng),
+                              own_progress_dropped=manifest.groups > 1 and not own)
         return cls(info, shards, buffers, state, rng, residuals, measures, outer, schedule, quorum)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
