@@ -132,9 +132,11 @@ def output_problem(path: str | os.PathLike) -> str | None:
     directory = os.path.dirname(os.path.realpath(path))
     if _leads_nowhere(path) and not (os.path.isdir(directory) and _resolves(path)):
         return f"{LEADS_NOWHERE}: give a file name"  # opening it would not make its target
+    if (problem := checkpoint_problem(path)) is not None:  # before directory_problem writes a probe there
+        return problem
     if (problem := directory_problem(directory)) is not None:
         return f"cannot be written: its directory {directory} {problem}"
-    return checkpoint_problem(path)
+    return None
 
 
 def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
@@ -629,7 +631,7 @@ def new_directory_problem(path: str | os.PathLike) -> str | None:
         if os.path.ismount(path):  # the directory is put in place by a rename, which a mount point refuses
             return "is a mount point, which a directory cannot be renamed onto: give a new directory inside it"
         return checkpoint_problem(path)
-    return directory_problem(path) or checkpoint_problem(path)
+    return checkpoint_problem(path) or directory_problem(path)  # never a probe written into a checkpoint
 
 
 class ClaimHeld(OSError):

@@ -337,7 +337,7 @@ def check_bounds(config) -> None:
 
 def check_writable_directory(path: str, option: str) -> None:
     """``path`` is a directory the job can write in, or one it can create, outside any checkpoint."""
-    if (problem := directory_problem(path) or checkpoint_problem(path)) is not None:
+    if (problem := checkpoint_problem(path) or directory_problem(path)) is not None:  # no probe in a checkpoint
         raise OptionError(f"{option} {cut(path)} {problem}")
 
 

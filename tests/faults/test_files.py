@@ -181,6 +181,24 @@ def _written(path, text: str):
     return path
 
 
+def test_an_output_refused_inside_a_checkpoint_writes_nothing_there_first(tmp_path, capsys):
+    """The check that a directory is writable made and removed a probe in it before the check that
+    it lies in a checkpoint: a process killed between the two left an entry that kept the checkpoint
+    from ever being pruned, and its mtime changed."""
+    model = shardwire.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    checkpoint = shardwire.checkpoint_path(tmp_path / "ckpt", 1)
+    shardwire.save_checkpoint(checkpoint, model, step=1).wait()
+    before = os.stat(checkpoint).st_mtime_ns
+    for argv in (["train", "--log-jsonl", f"{checkpoint}/log.jsonl"],
+                 ["train", "--profile", "--run-dir", f"{checkpoint}/run"],
+                 ["train", "--checkpoint-dir", f"{checkpoint}/more"],
+                 ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot",
+                  f"{checkpoint}/sweep.png"]):
+        status, message = _run(argv[:-1], argv[-1], capsys)
+        assert status != 0 and "inside" in message, message
+    assert os.stat(checkpoint).st_mtime_ns == before
+
+
 def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refused(tmp_path):
     os.mkfifo(tmp_path / "profile.json")
     with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json is a FIFO, not a regular file"):

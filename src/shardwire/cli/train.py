@@ -290,10 +290,11 @@ def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | N
     """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
     try:
         if config.checkpoint_dir is not None:
-            # a checkpoint itself, or a DCP one, is named so before it is refused as lying in one
+            # a checkpoint itself, or a DCP one, is named so before it is refused as lying in one, and
+            # that before directory_problem writes a probe in it
             directory = config.checkpoint_dir
-            if (problem := directory_problem(directory) or series_problem(directory)
-                    or checkpoint_problem(directory)) is not None:
+            if (problem := series_problem(directory) or checkpoint_problem(directory)
+                    or directory_problem(directory)) is not None:
                 raise OptionError(f"--checkpoint-dir {cut(directory)} {problem}")
             if fault_tolerance is not None and step_of(pathlib.Path(fault_tolerance.group)) is not None:
                 raise OptionError(f"--fault-tolerance group={fault_tolerance.group} names the group's series under "
