@@ -288,8 +288,11 @@ def test_unknown_peak_leaves_mfu_out(tmp_path):
 def test_report_on_a_directory_without_profile_data(tmp_path):
     with pytest.raises(ReportError, match="has no profile data .*shardwire train --profile --run-dir"):
         write_report([str(tmp_path)], str(tmp_path))
-    with pytest.raises(ReportError, match="is not a directory"):
+    with pytest.raises(ReportError, match="missing does not exist: give the run directory"):
         write_report([str(tmp_path / "missing")], str(tmp_path))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ReportError, match="is not a directory"):
+        write_report([str(tmp_path / "file")], str(tmp_path))
 
 
 def test_report_refuses_runs_of_different_jobs(profiled_run, tmp_path):

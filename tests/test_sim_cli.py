@@ -90,7 +90,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--training", "{precision: fp8}"],
      "precision fp8 needs fp8 tensor cores: cluster 'a100-100gbe' gives no fp8_tflops"),
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--calibrate", "missing.json"],
-     "error: missing.json: No such file or directory"),
+     "error: missing.json does not exist: give the profile.json `shardwire train --profile` wrote"),
 ])
 def test_bad_input_says_what_is_wrong(capsys, argv, message):
     status, out, err = run(capsys, "simulate", *argv)

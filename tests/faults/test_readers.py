@@ -16,7 +16,9 @@ import types
 
 import pytest
 
+import shardwire
 from shardwire.cli import main
+from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.mappings import MAX_JSON_BYTES
 from shardwire.profile import analysis
 from shardwire.testbed import network, regime, spec
@@ -60,7 +62,11 @@ def test_calibrate_takes_a_run_directory_as_report_does(tmp_path, capsys):
     assert f"(calibrated by {tmp_path.name})" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     said = refusal([*CALIBRATE, str(tmp_path / "empty")], capsys)
-    assert f"{tmp_path / 'empty' / 'profile.json'}: No such file" in said, said
+    assert f"{tmp_path / 'empty' / 'profile.json'} does not exist: give the profile.json" in said, said
+    assert "nonexist.json does not exist: give the profile.json `shardwire train --profile` wrote, or its run " \
+           "directory" in refusal([*CALIBRATE, "nonexist.json"], capsys)
+    assert "nonexist does not exist: give the run directory that holds a profile.json" in refusal(
+        ["report", "nonexist"], capsys)
 
 
 def test_an_empty_profile_or_a_pipe_nothing_was_written_to_says_so(tmp_path, capsys):
@@ -103,6 +109,24 @@ def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, k
 
     refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
     assert message in refused and len(refused) < 1000
+
+
+def test_odd_paths_and_keys_are_named_with_what_to_do(tmp_path, capsys):
+    """Each said the system's words alone (a permission deep in /proc, an I/O error as [Errno 5]),
+    echoed a name of 300 bytes whole, or named a YAML key `preset:h100` with no word of the space."""
+    assert refusal(["export", "/proc", str(tmp_path / "e.safetensors")], capsys) == (
+        "error: /proc holds no checkpoint: give one (ckpt/step_00000400) or a --checkpoint-dir")
+    with pytest.raises(SystemExit, match=r"^error: --data /proc/self/mem cannot be read \(Input/output error\): give "
+                                         r"a text file, a directory of them, or token ids you can read$"):
+        main(["train", "--model", "tiny", "--data", "/proc/self/mem"])
+    said = refusal(["simulate", "--model", "tiny", "--cluster", "{preset:h100-rdma-3200}"], capsys)
+    assert "unknown key(s) 'preset:h100-rdma-3200' (YAML reads `key:value` as one key: put a space after the " \
+           "colon, `key: value`)" in said, said
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(tmp_path / "ckpt", model, step=1)
+    long = tmp_path / ("a" * 300 + ".safetensors")
+    said = refusal(["export", str(tmp_path / "ckpt"), str(long), "--model", "tiny"], capsys)
+    assert "has a name of 312 bytes" in said and len(said) < 400, said
 
 
 def test_an_optimizer_step_faster_than_the_gpus_memory_is_refused(tmp_path, capsys):

@@ -168,7 +168,7 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     """Export ``checkpoint`` (of ``given``, as the user named it) to ``args.out``; returns the model it
     holds and what was written, and adds to ``notes`` what the user should know of it."""
     if (problem := _series_problem(args.out, given)) is not None:
-        raise OutputRefused(f"OUT {args.out} {problem}")
+        raise OutputRefused(f"OUT {cut(args.out)} {problem}")
     with CheckpointReader(checkpoint) as reader:
         if (named := step_of(checkpoint)) is not None and reader.manifest.step != named:  # as train's resume refuses it
             raise CheckpointError(f"{checkpoint}: its manifest records step {reader.manifest.step}, its name step "
@@ -185,11 +185,11 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
         notes.append(f"{checkpoint} was trained as {cut(recorded)}; exported as --model {cut(args.model)}")
     if model.startswith(HF_PREFIX):
         if (suffix := pathlib.Path(args.out).suffix.lower()) in (".safetensors", ".pt", ".pth", ".bin"):
-            raise OutputRefused(f"OUT {args.out} is named as a file ({suffix}), and {cut(model)} exports a "
+            raise OutputRefused(f"OUT {cut(args.out)} is named as a file ({suffix}), and {cut(model)} exports a "
                                 f"save_pretrained directory: give it a directory's name, such as "
                                 f"{pathlib.Path(args.out).with_suffix('')}")
         if (problem := inside_problem(args.out, given, "exported")) is not None:
-            raise OutputRefused(f"OUT {args.out} {problem}")
+            raise OutputRefused(f"OUT {cut(args.out)} {problem}")
         stage = StagedDirectory(args.out, "OUT")  # claimed, and checked, before any weight is read
         try:
             with weights_in(checkpoint, finite=True) as weights:  # read and written a unit at a time
@@ -200,10 +200,10 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
             stage.discard()
             raise
     if args.out.endswith(os.sep):  # a directory asked for, where the weights go in one file
-        raise OutputRefused(f"OUT {args.out} names a directory, which is for hf: models (a save_pretrained "
+        raise OutputRefused(f"OUT {cut(args.out)} names a directory, which is for hf: models (a save_pretrained "
                             f"directory): give {cut(model)} a file name, such as model.safetensors")
     if (problem := export_problem(args.out, given)) is not None:
-        raise OutputRefused(f"OUT {args.out} {problem}")
+        raise OutputRefused(f"OUT {cut(args.out)} {problem}")
     _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None, given=args.model is not None)
     return model, export_state_dict(checkpoint, args.out)
 

@@ -366,7 +366,16 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
             check_default_corpus(choice.seq_len)  # bytes, which any GPT preset reads
         else:
             training_corpus(config, choice, memory).check_vocab(choice.vocab_size)
-    except (OSError, ValueError) as err:  # a message not naming its option is about --data
+    except OSError as err:
+        if err.strerror is None:  # a message of shardwire's own, about --data or the tokenizer
+            raise SystemExit(f"error: {err}" if str(err).startswith(("--", "the tokenizer in"))
+                             else f"error: --data: {err}") from None
+        if err.filename:  # the system's words: the file is named here (the data's, or its tokenizer's)
+            raise SystemExit(f"error: {cut(err.filename)} cannot be read ({err.strerror}): give files you can "
+                             f"read") from None
+        raise SystemExit(f"error: --data {cut(config.data or '')} cannot be read ({err.strerror}): give a text file, "
+                         f"a directory of them, or token ids you can read") from None
+    except ValueError as err:  # a message not naming its option is about --data
         named = str(err).startswith(("--", "the tokenizer in"))  # run_tokenizer's words
         raise SystemExit(f"error: {err}" if named else f"error: --data: {err}") from None
     if config.export_hf and (tokenizer := run_tokenizer(config)) is not None:

@@ -6,6 +6,7 @@ of torch, as the simulator is."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import typing
 
@@ -30,6 +31,9 @@ class DamagedProfile(ValueError):
 
 def read_profile_document(path: str) -> dict:
     """The profile in the file ``path``, checked whole; ``DamagedProfile`` otherwise."""
+    if not os.path.lexists(path):
+        raise DamagedProfile(f"{path} does not exist: give the profile.json `shardwire train --profile` wrote, or "
+                             f"its run directory")
     try:
         profile = read_json(path, path, kind="profile", remedy="profile the run again")
     except MappingError as err:

@@ -34,6 +34,9 @@ def load_profile(run_dir: str) -> dict:
     """The profile of ``run_dir``, read and checked as every reader of a profile takes it
     (``document.read_profile_document``)."""
     path = os.path.join(run_dir, PROFILE_FILE)
+    if not os.path.lexists(run_dir):
+        raise ReportError(f"{cut(run_dir)} does not exist: give the run directory that holds a profile.json "
+                          f"(`shardwire train --profile --run-dir DIR` writes one)")
     if not os.path.isdir(run_dir):
         given = (os.path.dirname(run_dir) or ".") if os.path.basename(run_dir) == PROFILE_FILE else None
         raise ReportError(f"{cut(run_dir)} is not a directory: give the run directory " +

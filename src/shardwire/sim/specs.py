@@ -512,6 +512,8 @@ def _build(cls, label: str, mapping: Any):
     if unknown:
         meant = [close for key in unknown[:5] if isinstance(key, str) and (close := nearest(key, fields))]
         meant = f" (did you mean {', '.join(meant)}?)" if meant else ""
+        if not meant and any(isinstance(key, str) and ":" in key for key in unknown[:5]):
+            meant = " (YAML reads `key:value` as one key: put a space after the colon, `key: value`)"
         raise SpecError(f"{label}: unknown key(s) {', '.join(shown(key) for key in unknown[:5])}{meant}; known keys: "
                         f"{', '.join(fields)}")
     missing = [key for key, f in fields.items() if f.default is dataclasses.MISSING and key not in mapping]

@@ -82,7 +82,8 @@ def list_checkpoints(directory: str | pathlib.Path) -> list[pathlib.Path]:
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         return []
-    found = [path for path in directory.iterdir() if path.is_dir() and step_of(path) is not None]
+    # named first: a directory of other entries (/proc) may refuse a look at what they are
+    found = [path for path in directory.iterdir() if step_of(path) is not None and path.is_dir()]
     return sorted(found, key=step_of)
 
 
