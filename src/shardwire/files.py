@@ -182,10 +182,10 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being written where it lies in a shardwire checkpoint (the checkpoint
     itself, or anywhere below it), or in a DCP one (whose loader would meet what is not its save's),
     or None: a file a save did not write makes the checkpoint one that no prune may delete
-    (``shardwire.engine.checkpoint.ownership``), kept for ever with a warning. So does a name the series beside it takes for its own: a checkpoint's (``step_N``),
-    which the series would list as a damaged checkpoint and its save of that step set aside, or a
-    manifest's, which makes the series' directory a checkpoint to ``export`` and ``train``. The
-    words follow the path."""
+    (``shardwire.engine.checkpoint.ownership``), kept for ever with a warning. So does a name the
+    series beside it takes for its own: a checkpoint's (``step_N``), which the series would list as
+    a damaged checkpoint and its save of that step set aside, or a manifest's, which makes the
+    series' directory a checkpoint to ``export`` and ``train``. The words follow the path."""
     here = os.path.realpath(path)
     while not _is_checkpoint(here):
         if holds_dcp(here):

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
 
     quiet_agent()
     options, job = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    script = next(i for i, word in enumerate(job) if not word.startswith("-"))  # after -m, --no-python
+    script = next((i for i, word in enumerate(job) if not word.startswith("-")), len(job))  # after -m, --no-python
     config = parse_args([*options, *job[:script + 1]])
     config.training_script_args = job[script + 1:]
     try:
