@@ -23,7 +23,7 @@ import shardwire
 from shardwire.cli import main
 from shardwire.engine.checkpoint import list_checkpoints
 from shardwire.engine.checkpoint.portable import read_state_dict
-from shardwire.models.gpt import GPT, PRESETS, Block
+from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
 
 def train(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
@@ -134,15 +134,22 @@ def test_a_resume_passes_over_a_checkpoint_of_weights_that_are_not_finite(tmp_pa
     """It resumed from them, and stopped as diverged at its first step, blaming --lr, at every try:
     the newest finite checkpoint is the one to train from, as export takes it."""
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
-    shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 2), model, step=2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss_fn(model(torch.zeros(1, 8, dtype=torch.long)), torch.zeros(1, 8, dtype=torch.long)).backward()
+    optimizer.step()
+    shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 2), model, optimizer, step=2)
+    next(iter(optimizer.state.values()))["exp_avg"].fill_(float("nan"))  # the weights finite, Adam's moment not
+    shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 3), model, optimizer, step=3)
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
     with pytest.warns(UserWarning, match="not finite"):
-        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 4), model, step=4, keep=2)
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 4), model, optimizer, step=4, keep=3)
     fresh = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
-    assert shardwire.load_latest_checkpoint(tmp_path, fresh).step == 2
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert shardwire.load_latest_checkpoint(tmp_path, fresh, fresh_optimizer).step == 2
     assert all(bool(torch.isfinite(p).all()) for p in fresh.parameters())
-    assert "step_00000004 holds weights that are not finite" in caplog.text
+    assert "step_00000004: the weights of " in caplog.text and "holds values that are not finite" in caplog.text
+    assert "step_00000003: the optimizer's exp_avg holds values that are not finite" in caplog.text
     assert shardwire.load_checkpoint(shardwire.checkpoint_path(tmp_path, 4), fresh).step == 4  # asked for by name
 
 

@@ -93,8 +93,8 @@ def load_latest_checkpoint(
 
     A checkpoint that cannot be loaded is skipped, and the one before it is tried; so is one whose
     manifest records another step than its name, which would make the series' order a lie, and one
-    whose weights are not finite (a diverged run's, which a resume would train from in vain). Each one
-    skipped is a warning saying why once an older one loads. If there are checkpoints and none can be
+    whose weights, optimizer state or outer state are not finite (a diverged run's, which a resume
+    would train from in vain). Each one skipped is a warning saying why once an older one loads. If there are checkpoints and none can be
     loaded, it raises a ``CheckpointError`` with each one's reason instead (said once) rather than
     return None: starting over would let new saves prune the old ones.
     So does a directory that is a checkpoint itself, DCP's or one of a series (a series there would
@@ -188,10 +188,6 @@ class _Staged:
             shards = {flat.name: reader.shard(saved, param_key(flat.name) if own else reader.weights_key(saved),
                                               flat.packing, shard_rank, flat.packing.dtype, saving_group)
                       for saved, flat in zip(manifest.flats, engine.flats)}
-            if finite and (name := next((name for name, shard in shards.items()
-                                         if not bool(torch.isfinite(shard).all())), None)) is not None:
-                raise CheckpointError(f"{path} holds weights that are not finite ({name}): the run diverged before "
-                                      f"it was saved")
             buffers = {
                 b.name: reader.tensor(REPLICATED, buffer_key(b.name), b.shape, b.dtype) for b in manifest.buffers
             }
@@ -202,6 +198,9 @@ class _Staged:
                 outer = {name: {key: kept[key] for key in ("anchor", "momentum") if key in kept}
                          for name, kept in outer.items()}
                 schedule = [schedule[0], schedule[0], -1]
+            if finite and (name := _not_finite(shards, state, outer)) is not None:
+                raise CheckpointError(f"{path}: {name} holds values that are not finite: the run diverged before "
+                                      f"it was saved")
             rng, residuals, measures = {}, {}, {}
             if manifest.world_size == world:
                 rng["cpu"] = _rng_state(reader, rank, "cpu", torch.get_rng_state())
@@ -240,6 +239,20 @@ class _Staged:
             torch.set_rng_state(self.rng["cpu"])
         if "cuda" in self.rng:
             torch.cuda.set_rng_state(self.rng["cuda"], engine.device)
+
+
+def _not_finite(shards: dict[str, torch.Tensor], optimizer_state: dict | None,
+                outer: dict[str, dict[str, torch.Tensor]]) -> str | None:
+    """The first of what a resume restores (the weights, the optimizer's state, the outer state of
+    sync every H steps) that holds a value not finite, in words, or None: any of them makes the
+    next step's loss not finite, whatever the run is given."""
+    held = [*((f"the weights of {name}", shard) for name, shard in shards.items()),
+            *((f"the optimizer's {key}", value) for state in (optimizer_state or {}).get("state", {}).values()
+              for key, value in state.items()),
+            *((f"the outer {key} of {name}", value) for name, kept in outer.items() for key, value in kept.items())]
+    return next((what for what, value in held
+                 if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())),
+                None)
 
 
 def _resumes_own_group(saved_groups: int, engine: Engine) -> bool:
