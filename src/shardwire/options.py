@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import sys
 import types
@@ -346,6 +347,19 @@ def check_output_file(path: str, option: str, kind: str) -> None:
     policy: one it can create, or an earlier result of that kind)."""
     if (problem := rewrite_problem(path, kind)) is not None:
         raise OptionError(f"{option} {cut(path)} {problem}")
+
+
+def check_distinct_outputs(outputs: list[tuple[str, str | None]]) -> None:
+    """Refuse two of a command's output files (each named by what writes it: ``--json``, ``--run-dir
+    runs/a's profile.json``) that are one file: the second written would replace the first, without
+    a word. None for an output not asked for."""
+    seen: dict[str, str] = {}
+    for what, path in outputs:
+        if path is None:
+            continue
+        if (first := seen.setdefault(os.path.realpath(path), what)) != what:
+            raise OptionError(f"{first} and {what} name one file, {cut(path)}: the second written would replace "
+                              f"the first; give each a file of its own")
 
 
 def setting_error(setting: str, text: str) -> SettingError:

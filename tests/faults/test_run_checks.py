@@ -210,6 +210,31 @@ def test_an_output_the_run_would_read_as_its_data_is_refused(tmp_path, no_worker
               "--checkpoint-dir", f"{data}/ckpt"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--model", "tiny", "--profile", "--run-dir", "{tmp}/prof", "--log-jsonl", "{tmp}/prof/profile.json"],
+     "--log-jsonl and --run-dir {tmp}/prof's profile.json name one file, {tmp}/prof/profile.json"),
+    (["train", "--model", "tiny", "--profile", "--run-dir", "{tmp}/prof", "--log-jsonl",
+      "{tmp}/prof/../prof/trace.json"],
+     "--log-jsonl and --run-dir {tmp}/prof's trace.json name one file"),
+    (["bench", "--ops", "all_reduce", "--nproc", "2", "--json", "{tmp}/b.json", "--csv", "{tmp}/b.json"],
+     "--json and --csv name one file, {tmp}/b.json"),
+    (["bench", "--ops", "all_reduce", "--nproc", "2", "--json", "{tmp}/b.json", "--plot", "{tmp}/./b.json"],
+     "--json and --plot name one file"),
+])
+def test_two_outputs_of_one_file_are_refused(tmp_path, no_workers, capsys, argv, message):
+    """The second written replaced the first without a word: a log by the profile, a bench's JSON by
+    its CSV or its plot."""
+    try:
+        status = main([arg.format(tmp=tmp_path) for arg in argv])
+    except SystemExit as err:
+        status, said = err.code, str(err.code)
+    else:
+        said = capsys.readouterr().err
+    assert status and message.format(tmp=tmp_path) in said and "the second written would replace the first; " \
+        "give each a file of its own" in said, said
+    assert os.listdir(tmp_path) == []
+
+
 def test_report_of_a_dcp_checkpoint_suggests_no_run_there(dcp_directory, capsys):
     assert main(["report", str(dcp_directory)]) != 0
     said = capsys.readouterr().err

@@ -41,7 +41,8 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
-from shardwire.options import MAX_TIMEOUT_S, OptionError, SettingError, check_bounds, check_output_file, option
+from shardwire.options import (MAX_TIMEOUT_S, OptionError, SettingError, check_bounds, check_distinct_outputs,
+                               check_output_file, option)
 from shardwire.placement import Placement, launch_ranks_per_node
 
 GROUPS = ("world", "intra", "inter")
@@ -129,6 +130,7 @@ def validate(config: BenchConfig, world: int) -> None:
             for output, kind in (("json", "bench-json"), ("csv", "bench-csv"), ("plot", "png")):
                 if getattr(config, output) is not None:
                     check_output_file(getattr(config, output), f"--{output}", kind)
+            check_distinct_outputs([(f"--{output}", getattr(config, output)) for output in ("json", "csv", "plot")])
     except OptionError as err:
         raise BenchError(str(err)) from None
     if config.plot is not None:

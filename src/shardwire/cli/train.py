@@ -45,6 +45,7 @@ from shardwire.options import (
     SettingError,
     add_options,
     check_bounds,
+    check_distinct_outputs,
     check_output_file,
     check_writable_directory,
     command_line,
@@ -229,6 +230,10 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
                                       f"of its own")
         if (crossing := _among_checkpoints(config)) is not None:
             raise OptionError(crossing)
+        if config.profile and config.run_dir is not None:  # the default run directory is a new one
+            check_distinct_outputs([("--log-jsonl", config.log_jsonl),
+                                    *((f"--run-dir {cut(config.run_dir)}'s {name}", os.path.join(config.run_dir, name))
+                                      for name in (PROFILE_FILE, TRACE_FILE))])
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     try:

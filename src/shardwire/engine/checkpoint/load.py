@@ -94,9 +94,10 @@ def load_latest_checkpoint(
     A checkpoint that cannot be loaded is skipped, and the one before it is tried; so is one whose
     manifest records another step than its name, which would make the series' order a lie, and one
     whose weights, optimizer state or outer state are not finite (a diverged run's, which a resume
-    would train from in vain). Each one skipped is a warning saying why once an older one loads. If there are checkpoints and none can be
-    loaded, it raises a ``CheckpointError`` with each one's reason instead (said once) rather than
-    return None: starting over would let new saves prune the old ones.
+    would train from in vain). Each one skipped is a warning saying why once an older one loads. If
+    there are checkpoints and none can be loaded, it raises a ``CheckpointError`` with each one's
+    reason instead (said once) rather than return None: starting over would let new saves prune the
+    old ones.
     So does a directory that is a checkpoint itself, DCP's or one of a series (a series there would
     not see it, and would start over inside it), and one that holds only what is named as
     checkpoints and holds no manifest (the user's, which a series would take for damaged
