@@ -452,6 +452,11 @@ def test_a_shardwire_job_refused_says_so_once_per_node_or_once_before_any_starts
     missing = run("--data", str(tmp_path / "none.txt"))
     assert (missing.returncode, missing.stdout, missing.stderr) == (
         2, "", f"error: --data {tmp_path / 'none.txt'} does not exist: give a path that exists\n")
+    (tmp_path / "notes.jsonl").write_text("the user's\n")  # an output refused: node0's worker said it, node1 blamed
+    taken = run("--log-jsonl", str(tmp_path / "notes.jsonl"))  # the rendezvous, and node0's failure ended the job
+    assert (taken.returncode, taken.stdout) == (2, "") and taken.stderr.startswith(
+        f"error: --log-jsonl {tmp_path / 'notes.jsonl'} exists and is not a `--log-jsonl` log") and \
+        taken.stderr.count("\n") == 1, taken.stderr
 
 
 @pytest.mark.root

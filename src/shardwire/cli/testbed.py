@@ -214,8 +214,8 @@ def _shardwire_arguments(command: list[str]) -> list[str] | None:
 
 def _check_options_of(given: list[str], world: int) -> argparse.Namespace:
     """``shardwire GIVEN...``'s options, as the command checks them before it starts workers: its
-    parser (its ``--config`` file too), then its ``check_options`` where it has one; returns them
-    parsed. Its ``--nproc``, local workers, is the world: under torchrun a command takes its world
+    parser (its ``--config`` file too), then its ``check_options`` and ``check_outputs`` where it has
+    them; returns them parsed. Its ``--nproc``, local workers, is the world: under torchrun a command takes its world
     from the launcher."""
     module, parser = cli.command(given[0])
     try:
@@ -224,6 +224,8 @@ def _check_options_of(given: list[str], world: int) -> argparse.Namespace:
             args.nproc = world
         if hasattr(module, "check_options"):
             module.check_options(args)
+        if hasattr(module, "check_outputs"):  # the nodes write on this machine's file system, from here
+            module.check_outputs(args)
     except (ConfigError, MissingExtra) as err:
         raise TestbedError(str(err)) from None
     return args

@@ -291,8 +291,29 @@ def _without_what_they_need(config: TrainConfig) -> str | None:
     return None
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """What the job writes, checked where it runs on this machine's file system without its own
+    launch (``shardwire testbed run``'s nodes): each worker would refuse it in turn."""
+    config = config_from(args, TrainConfig)
+    _check_outputs(config, FaultTolerance.parse(config.fault_tolerance))
+
+
 def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | None) -> None:
     """What this job writes, on this machine, and what it needs of it (a backend, GPUs, a compiler)."""
+    _check_outputs(config, fault_tolerance)
+    if (problem := worker.unavailable(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
+    if config.precision == "fp8" and (problem := fp8.unavailable(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
+    if config.nproc is not None and not under_launcher():
+        if (problem := worker.missing_gpus(config.backend, config.nproc)) is not None:
+            raise SystemExit(f"error: {problem}")
+    if config.compile and (problem := _compiler_problem(config.backend)) is not None:
+        raise SystemExit(f"error: {problem}")
+
+
+def _check_outputs(config: TrainConfig, fault_tolerance: FaultTolerance | None) -> None:
+    """What this job writes: its checkpoints, profile, logs and export, each where it may be written."""
     try:
         if config.checkpoint_dir is not None:
             # a checkpoint itself, or a DCP one, is named so before it is refused as lying in one, and
@@ -332,15 +353,6 @@ def _check_this_machine(config: TrainConfig, fault_tolerance: FaultTolerance | N
             raise OptionError(problem)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    if (problem := worker.unavailable(config.backend)) is not None:
-        raise SystemExit(f"error: {problem}")
-    if config.precision == "fp8" and (problem := fp8.unavailable(config.backend)) is not None:
-        raise SystemExit(f"error: {problem}")
-    if config.nproc is not None and not under_launcher():
-        if (problem := worker.missing_gpus(config.backend, config.nproc)) is not None:
-            raise SystemExit(f"error: {problem}")
-    if config.compile and (problem := _compiler_problem(config.backend)) is not None:
-        raise SystemExit(f"error: {problem}")
 
 
 def _check_model(config: TrainConfig, diloco: DiLoCo | None, given: dict[str, str]) -> ModelChoice:
