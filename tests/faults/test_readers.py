@@ -472,7 +472,16 @@ def test_a_testbed_runs_one_job_and_is_not_rebuilt_under_it(tmp_path, capsys):
     finally:
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=60)
-        assert main(["testbed", "down", "--name", name]) == 0
+    # a process exec started on a node (a fault-tolerant group, a lighthouse) is a job to a rebuild too
+    subprocess.Popen([sys.executable, "-m", "shardwire", "testbed", "exec", "--name", name, "node0", "--", "sleep",
+                      "60"])
+    deadline = time.monotonic() + 30
+    while not network._processes_on(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    refused = refusal(["testbed", "up", "--name", name, "--nodes", "3", "--link", "200mbit"], capsys)
+    assert f"testbed {name!r} has 1 process running on its nodes (process " in refused and ": sleep 60): stop " \
+        "them, or `testbed down` (which stops them) before rebuilding the testbed" in refused, refused
+    assert main(["testbed", "down", "--name", name]) == 0  # which stops it
 
 
 def _rank(step_ms: float, **parts_ms: float) -> dict[str, float]:

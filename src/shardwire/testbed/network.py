@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from shardwire.files import write_atomically
+from shardwire.mappings import cut
 from shardwire.testbed.spec import (
     NODE_INTERFACE,
     SUBNET,
@@ -174,10 +175,29 @@ def down(name: str) -> list[str]:
 
 def _no_job_on(name: str, doing: str) -> None:
     """Refuse to change testbed ``name`` while a job runs on it: its nodes would go from under it,
-    and the job end failed, naming none of this."""
+    and the job end failed, naming none of this. Rebuilding, a process ``exec`` started on a node is
+    a job too (a fault-tolerant group, a lighthouse); ``down`` stops those, as its help says."""
     if (owner := job_on(name)) is not None:
         raise TestbedError(f"testbed {name!r} is running a job ({owner}): stop it (Ctrl-C where it runs) before "
                            f"{doing} the testbed")
+    if doing == "rebuilding" and (running := _processes_on(name)):
+        pid, command = running[0]
+        raise TestbedError(f"testbed {name!r} has {len(running)} process{'es' if len(running) > 1 else ''} running on "
+                           f"its nodes (process {pid}: {cut(command)}): stop them, or `testbed down` (which stops "
+                           f"them) before rebuilding the testbed")
+
+
+def _processes_on(name: str) -> list[tuple[int, str]]:
+    """The processes running in the namespaces of testbed ``name``, with their command lines."""
+    running = []
+    for namespace in existing_namespaces(name):
+        for pid in _run("ip", "netns", "pids", namespace).split():
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # ended meanwhile
+                continue
+            running.append((int(pid), command.strip()))
+    return running
 
 
 def _remove(name: str) -> list[str]:
