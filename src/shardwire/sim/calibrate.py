@@ -21,9 +21,10 @@ profiled job is to the predicted one, the less rests on the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
-from shardwire.mappings import Missing, field, one_line, shown
+from shardwire.mappings import Missing, cut, field, is_number, one_line, shown
 from shardwire.profile import PROFILE_FILE
 from shardwire.profile.document import DamagedProfile, read_profile_document
 from shardwire.sim.architecture import Architecture, architecture
@@ -42,6 +43,9 @@ from shardwire.sim.specs import (
 # The keys of a profile's ``metadata.config`` (``shardwire train``'s settings) the job is read from.
 _JOB_KEYS = ("model", "seq_len", "batch", "grad_accum", "precision", "activation_checkpointing", "compile")
 _SHORTEST_S = 1e-6  # no profiled phase of a step is shorter than what a profiler resolves
+# How far a profile's FLOPs per token may be from its model's, as the profiler counts them (the same
+# count, written as JSON): an edited model name would fit the times of one model to another.
+_FLOPS_AGREE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +126,12 @@ def read_profile(path: str, load_model) -> Measured:
         raise SpecError(f"{path} is damaged (its job, {training.micro_batch} x {training.grad_accum} sequences of "
                         f"{model.seq_len} tokens on each of {doc['world_size']} ranks, is {tokens:,} tokens a step, "
                         f"where its tokens_per_step is {shown(doc['tokens_per_step'])}); {remedy}")
+    counted = (doc["flops_per_token"] or {}).get("model") if isinstance(doc["flops_per_token"], dict) else None
+    expected = architecture(model, compute_bytes=2).model_flops / model.seq_len  # as the profiler counts them
+    if is_number(counted) and not math.isclose(counted, expected, rel_tol=_FLOPS_AGREE):
+        raise SpecError(f"{path} is damaged (its flops_per_token, {counted:.4g}, are not those of its model, "
+                        f"{cut(str(job['model']))}, which does {expected:.4g} a token: a profile of another model, "
+                        f"or one edited); {remedy}")
     return Measured(*seconds, ranks=doc["world_size"], model=model, training=training)
 
 
