@@ -81,17 +81,25 @@ def _first_line_is_scalars(head: bytes) -> bool:
     return isinstance(line, dict) and {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= line.keys()
 
 
-# What a plot shardwire draws names as its software (a PNG text chunk): the mark that tells it from
-# any other plot (every Matplotlib figure names Matplotlib), so a rerun replaces its own plots alone.
-PLOT_SOFTWARE = "shardwire"
-_PLOT_TEXT = b"Software\x00" + PLOT_SOFTWARE.encode()
-_PLOT_CHUNK = len(_PLOT_TEXT).to_bytes(4, "big") + b"tEXt" + _PLOT_TEXT  # its length first: that text, whole
+# What each command's plots name as their software (a PNG text chunk), by their kind of result: the
+# mark that tells them from any other plot (every Matplotlib figure names Matplotlib), another
+# command's among them, so that a rerun replaces its own plots alone.
+PLOTS = {"report-plot": "shardwire report", "sweep-plot": "shardwire simulate --sweep",
+         "bench-plot": "shardwire bench"}
 # The key a trace shardwire writes opens with, naming its writer: a trace of another tool has none.
 TRACE_WRITER = {"otherData": {"writer": "shardwire"}}
 
 # The results commands make again, by what they are called in messages and how their first bytes look.
+def _plot_of(software: str):
+    """Whether a file's first bytes are a PNG whose software is ``software``: its text chunk whole,
+    its length first."""
+    text = b"Software\x00" + software.encode()
+    chunk = len(text).to_bytes(4, "big") + b"tEXt" + text
+    return lambda head: head.startswith(b"\x89PNG\r\n\x1a\n") and chunk in head
+
+
 OUTPUTS = {
-    "png": ("a plot shardwire drew", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n") and _PLOT_CHUNK in head),
+    **{kind: (f"a plot of `{software}`", _plot_of(software)) for kind, software in PLOTS.items()},
     "bench-json": ("a `shardwire bench --json` file",
                    lambda head: head.lstrip().startswith(b'{\n  "schema": "shardwire.bench/')),
     "bench-csv": ("a `shardwire bench --csv` file", lambda head: head.startswith(b"group,ranks,op,")),
@@ -688,15 +696,15 @@ def _sync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def figure_png(figure) -> bytes:
-    """A finished matplotlib figure as PNG bytes (to write with ``write_atomically``), marked as
-    shardwire's (``PLOT_SOFTWARE``), and the figure closed: a report of many runs would otherwise
-    pile figures up."""
+def figure_png(figure, kind: str) -> bytes:
+    """A finished matplotlib figure as PNG bytes (to write with ``write_atomically``), marked as a
+    result of ``kind`` (a key of ``PLOTS``), and the figure closed: a report of many runs would
+    otherwise pile figures up."""
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
     try:
-        figure.savefig(buffer, format="png", dpi=120, metadata={"Software": PLOT_SOFTWARE})
+        figure.savefig(buffer, format="png", dpi=120, metadata={"Software": PLOTS[kind]})
     finally:
         plt.close(figure)
     return buffer.getvalue()

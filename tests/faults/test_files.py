@@ -152,7 +152,8 @@ def test_a_result_made_again_replaces_only_its_own_never_weights_data_or_a_manif
 
 def test_a_plot_or_trace_of_the_users_own_is_never_taken_for_shardwires(tmp_path, capsys):
     """Every Matplotlib PNG names Matplotlib, and every Chrome trace opens with its events: a user's
-    own was replaced by `--plot` and by a profiled run. shardwire's are marked as its own."""
+    own was replaced by `--plot` and by a profiled run, and so was another command's plot. Each
+    command's are marked as its own."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,10 +166,19 @@ def test_a_plot_or_trace_of_the_users_own_is_never_taken_for_shardwires(tmp_path
     mine = (tmp_path / "mine.png").read_bytes()
     sweep = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,2", "--plot"]
     status, message = _run(sweep, tmp_path / "mine.png", capsys)
-    assert status != 0 and "mine.png exists and is not a plot shardwire drew" in message, message
+    assert status != 0 and "mine.png exists and is not a plot of `shardwire simulate --sweep`" in message, message
     assert (tmp_path / "mine.png").read_bytes() == mine
     assert _run(sweep, tmp_path / "ours.png", capsys)[0] == 0
     assert _run(sweep, tmp_path / "ours.png", capsys)[0] == 0  # its own, replaced
+    run = tmp_path / "run"  # another command's plot, a report's timeline, is not the sweep's to replace
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    assert main(["report", str(run), "--out", str(tmp_path / "plots")]) == 0
+    timeline = next((tmp_path / "plots").glob("*timeline.png"))
+    drawn = timeline.read_bytes()
+    status, message = _run(sweep, timeline, capsys)
+    assert status != 0 and "exists and is not a plot of `shardwire simulate --sweep`" in message, message
+    assert timeline.read_bytes() == drawn
     trace = json.dumps({"traceEvents": [{"name": "mine", "ph": "X", "ts": 0, "dur": 5, "pid": 1, "tid": 1}]})
     assert rewrite_problem(_written(tmp_path / "trace.json", trace), "trace") == (
         "exists and is not a trace shardwire wrote: give another file name (a rerun replaces only its own results)")

@@ -127,7 +127,7 @@ def validate(config: BenchConfig, world: int) -> None:
     try:
         check_bounds(config)
         if int(os.environ.get("RANK", "0")) == 0:  # the rank that saves them
-            for output, kind in (("json", "bench-json"), ("csv", "bench-csv"), ("plot", "png")):
+            for output, kind in (("json", "bench-json"), ("csv", "bench-csv"), ("plot", "bench-plot")):
                 if getattr(config, output) is not None:
                     check_output_file(getattr(config, output), f"--{output}", kind)
             check_distinct_outputs([(f"--{output}", getattr(config, output)) for output in ("json", "csv", "plot")])

@@ -256,4 +256,4 @@ def plot_png(results: list[OpResult]) -> bytes:
         ax.set_title(f"{group} ({measured[0].ranks} ranks)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    return figure_png(figure)
+    return figure_png(figure, "bench-plot")

@@ -46,7 +46,7 @@ def _checked(args: argparse.Namespace):
     if args.plot:
         require("matplotlib", "--plot")
         try:
-            check_output_file(args.plot, "--plot", "png")
+            check_output_file(args.plot, "--plot", "sweep-plot")
         except OptionError as err:
             raise SpecError(str(err)) from None
     model, cluster, training = inputs.load_arguments(args)

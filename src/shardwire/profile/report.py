@@ -68,7 +68,7 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
     try:  # every output checked before any is drawn
         check_writable_directory(out, "--out")
         for _, path, _ in plots:
-            check_output_file(path, "--out:", "png")
+            check_output_file(path, "--out:", "report-plot")
     except OptionError as err:
         raise ReportError(str(err)) from None
     with _damage_reported(run_dirs):
@@ -250,5 +250,5 @@ def _plot_scaling(profiles: list[dict], path: str) -> str:
 def _save(fig, path: str) -> str:
     """Write a finished figure (whole or not at all) and free it."""
     fig.tight_layout()
-    write_atomically(path, figure_png(fig))
+    write_atomically(path, figure_png(fig, "report-plot"))
     return path

@@ -244,7 +244,7 @@ def plot_sweep(s: Sweep, path: str) -> None:
     p = s.points[0]
     fig.suptitle(f"{p.model.name} on {p.cluster.name}, {p.training.name} training")
     fig.tight_layout()
-    write_atomically(path, figure_png(fig))
+    write_atomically(path, figure_png(fig, "sweep-plot"))
 
 
 def _value(value) -> str:
