@@ -184,8 +184,8 @@ def test_nothing_is_written_inside_a_dcp_checkpoint(tmp_path, dcp_directory, no_
         status, said = err.code, str(err.code) + "\n"
     else:
         said = capsys.readouterr().err
-    assert status and f"is inside {dcp_directory.resolve()}, a torch.distributed.checkpoint (DCP) checkpoint, which holds only " \
-           f"what its save wrote: give a path outside it" in said and said.count("\n") == 1, said
+    assert status and f"is inside {dcp_directory.resolve()}, a torch.distributed.checkpoint (DCP) checkpoint, " \
+           f"which holds only what its save wrote: give a path outside it" in said and said.count("\n") == 1, said
     assert sorted(path.name for path in dcp_directory.iterdir()) == [".metadata", "__0_0.distcp"]
 
 

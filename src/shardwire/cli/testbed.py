@@ -215,8 +215,8 @@ def _shardwire_arguments(command: list[str]) -> list[str] | None:
 def _check_options_of(given: list[str], world: int) -> argparse.Namespace:
     """``shardwire GIVEN...``'s options, as the command checks them before it starts workers: its
     parser (its ``--config`` file too), then its ``check_options`` and ``check_outputs`` where it has
-    them; returns them parsed. Its ``--nproc``, local workers, is the world: under torchrun a command takes its world
-    from the launcher."""
+    them; returns them parsed. Its ``--nproc``, local workers, is the world: under torchrun a command
+    takes its world from the launcher."""
     module, parser = cli.command(given[0])
     try:
         args, _ = cli.config_file.parse(parser, given[1:])

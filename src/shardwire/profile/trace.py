@@ -4,8 +4,8 @@ track per communication lane.
 The file is the Trace Event Format's JSON object form (``{"traceEvents": [...]}``), its
 ``otherData`` naming shardwire as its writer (what a rerun replaces: ``files.OUTPUTS``), with
 complete events (``"ph": "X"``, microseconds) and metadata events naming processes and threads; it
-opens in chrome://tracing and ui.perfetto.dev. On the compute track, units nest inside the forward and
-backward phases and each wait for a collective shows where compute stalled.
+opens in chrome://tracing and ui.perfetto.dev. On the compute track, units nest inside the forward
+and backward phases and each wait for a collective shows where compute stalled.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def read_profile(path: str, load_model) -> Measured:
         raise SpecError(f"{path} is damaged (its job, {training.micro_batch} x {training.grad_accum} sequences of "
                         f"{model.seq_len} tokens on each of {doc['world_size']} ranks, is {tokens:,} tokens a step, "
                         f"where its tokens_per_step is {shown(doc['tokens_per_step'])}); {remedy}")
-    counted = (doc["flops_per_token"] or {}).get("model") if isinstance(doc["flops_per_token"], dict) else None
+    written = doc.get("flops_per_token")  # None where the profiler was given no model description
+    counted = written.get("model") if isinstance(written, dict) else None
     expected = architecture(model, compute_bytes=2).model_flops / model.seq_len  # as the profiler counts them
     if is_number(counted) and not math.isclose(counted, expected, rel_tol=_FLOPS_AGREE):
         raise SpecError(f"{path} is damaged (its flops_per_token, {counted:.4g}, are not those of its model, "
