@@ -43,7 +43,7 @@ def test_the_options_and_their_messages_offer_it(int2):
 
 @pytest.mark.parametrize("block", [1, 7, DEFAULT_BLOCK])
 def test_its_codec_packs_four_to_a_byte_and_moves_no_element_more_than_half_a_step(int2, block):
-    codec = Wire.parse(f"grads=int2,block={block}").grad_codec
+    codec = Codec(2, block)  # any block packs (the wire asks whole 4-byte words of a reduction's blocks)
     rows = torch.randn(3, 1001, generator=torch.Generator().manual_seed(block)) * torch.tensor([[1e-3], [1.0], [0.0]])
     packed = encode(codec, rows)
     assert packed.shape[1] == codec.packed_numel(1001) == -(-codec.blocks(1001) * block // 4) + 4 * codec.blocks(1001)

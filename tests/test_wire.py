@@ -73,6 +73,8 @@ def test_wire_options_parse_and_bad_ones_say_what_to_do():
         ("block=0", "positive integer"),
         ("block=-4", "positive integer"),
         ("grads=fp8", "grads must be"),
+        ("grads=int4,block=12", "block must be a multiple of 8 with grads=int4"),  # a reduction failed at once
+        ("grads=int8,block=6", "block must be a multiple of 4 with grads=int8"),  # on every rank, blaming another
         ("fast", "not understood"),
     ]:
         with pytest.raises(ValueError, match=message):

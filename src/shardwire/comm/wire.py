@@ -107,6 +107,12 @@ class Wire:
         if type(self.block) is not int or not 1 <= self.block <= MAX_BLOCK:
             raise setting_error("wire", f"block must be a positive integer (elements per scale) of at most "
                                         f"{MAX_BLOCK:,}, got {shown(self.block)}")
+        if self.grads is not None and self.block * _BITS[self.grads] % (8 * SCALE_BYTES):
+            # a quantized reduction reads each block's packed integers beside its fp32 scale, in place
+            multiple = 8 * SCALE_BYTES // math.gcd(8 * SCALE_BYTES, _BITS[self.grads])
+            raise setting_error("wire", f"block must be a multiple of {multiple} with grads={self.grads} (its "
+                                        f"packed values fill whole 4-byte words, as its scales are read beside "
+                                        f"them), got {self.block}")
 
     @classmethod
     def parse(cls, wire: "Wire | str | None") -> "Wire":
