@@ -100,8 +100,10 @@ def test_calibrate_reads_a_device_never_and_a_file_up_to_a_bound(tmp_path, capsy
     ("model", LONG, "its job cannot be simulated: unknown model preset 'xxx"),
     ("seq_len", "long", "its job cannot be simulated: model: seq_len must be a whole number, got 'long'"),
     # another model's name, fitted to the times of the one that ran, predicted a step 8.6 times too long
-    ("model", "gpt-125m", "is damaged (its flops_per_token, 9.074e+09, are not those of its model, gpt-125m, which "
-                          "does"),
+    ("model", "gpt-125m", "is damaged (its model flops_per_token, 9.074e+09, are not those of its job, gpt-125m, "
+                          "which does"),
+    ("activation_checkpointing", True, "is damaged (its hardware flops_per_token, 9.074e+09, are not those of its "
+                                       "job, gpt-1.3b recomputing every block, which does"),
     # an edited job, fitted to the times of the one that ran, predicted a step 7.5 times too long
     ("batch", 1, "is damaged (its job, 1 x 1 sequences of 2048 tokens on each of 1 ranks, is 2,048 tokens a step, "
                  "where its tokens_per_step is 16384)"),

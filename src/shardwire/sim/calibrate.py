@@ -127,12 +127,15 @@ def read_profile(path: str, load_model) -> Measured:
                         f"{model.seq_len} tokens on each of {doc['world_size']} ranks, is {tokens:,} tokens a step, "
                         f"where its tokens_per_step is {shown(doc['tokens_per_step'])}); {remedy}")
     written = doc.get("flops_per_token")  # None where the profiler was given no model description
-    counted = written.get("model") if isinstance(written, dict) else None
-    expected = architecture(model, compute_bytes=2).model_flops / model.seq_len  # as the profiler counts them
-    if is_number(counted) and not math.isclose(counted, expected, rel_tol=_FLOPS_AGREE):
-        raise SpecError(f"{path} is damaged (its flops_per_token, {counted:.4g}, are not those of its model, "
-                        f"{cut(str(job['model']))}, which does {expected:.4g} a token: a profile of another model, "
-                        f"or one edited); {remedy}")
+    arch = architecture(model, compute_bytes=2)  # as the profiler counts them
+    recomputed = 1.0 if training.activation_checkpointing else 0.0
+    for kind, expected in (("model", arch.model_flops), ("hardware", arch.hardware_flops(recomputed))):
+        counted = written.get(kind) if isinstance(written, dict) else None
+        if is_number(counted) and not math.isclose(counted, expected / model.seq_len, rel_tol=_FLOPS_AGREE):
+            raise SpecError(f"{path} is damaged (its {kind} flops_per_token, {counted:.4g}, are not those of its "
+                            f"job, {cut(str(job['model']))}{' recomputing every block' if recomputed else ''}, which "
+                            f"does {expected / model.seq_len:.4g} a token: a profile of another job, one edited, or "
+                            f"an hf: model directory other than the one it names from here); {remedy}")
     return Measured(*seconds, ranks=doc["world_size"], model=model, training=training)
 
 
