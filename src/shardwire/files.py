@@ -69,7 +69,7 @@ CHECKPOINT_MANIFEST, CHECKPOINT_FORMAT = "manifest.json", "shardwire-checkpoint"
 # command writes at the user's word takes beside the series' checkpoints.
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 # What torch.distributed.checkpoint's (DCP's) file system writer names its metadata, beside its
-# ``.distcp`` files: such a directory is a checkpoint too, of another tool, and nothing goes inside it.
+# ``.distcp`` files: a directory of them is a checkpoint too, of another tool, and nothing goes inside.
 DCP_METADATA = ".metadata"
 
 
@@ -215,10 +215,10 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
 
 
 def holds_dcp(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a DCP checkpoint: its metadata beside its ``.distcp`` files."""
+    """Whether ``directory`` holds a DCP checkpoint: its ``.distcp`` files, with or without the
+    metadata DCP writes last (a save still running, or one that died before it finished)."""
     try:
-        return os.path.isfile(os.path.join(directory, DCP_METADATA)) and any(
-            name.endswith(".distcp") for name in os.listdir(directory))
+        return any(name.endswith(".distcp") for name in os.listdir(directory))
     except OSError:  # a directory this process may not list holds nothing it could write beside
         return False
 

@@ -235,6 +235,19 @@ def test_two_outputs_of_one_file_are_refused(tmp_path, no_workers, capsys, argv,
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dcp_save_not_finished_is_a_dcp_checkpoint_too(tmp_path, no_workers):
+    """DCP writes its .metadata last: a save still running, or one that died, was taken for an empty
+    directory, and a run saved its series in it."""
+    unfinished = tmp_path / "dcp"
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"")
+    for option, path in (("--checkpoint-dir", unfinished), ("--log-jsonl", unfinished / "log.jsonl")):
+        with pytest.raises(SystemExit, match=r"a torch.distributed.checkpoint \(DCP\) checkpoint, which holds only "
+                                             r"what its save wrote"):
+            main(["train", "--model", "tiny", option, str(path)])
+    assert os.listdir(unfinished) == ["__0_0.distcp"]
+
+
 def test_report_of_a_dcp_checkpoint_suggests_no_run_there(dcp_directory, capsys):
     assert main(["report", str(dcp_directory)]) != 0
     said = capsys.readouterr().err
