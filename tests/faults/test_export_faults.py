@@ -29,7 +29,7 @@ import shardwire
 from harness import byte_tokenizer, rewrite_manifest, run_workers, save_tokenizer
 from shardwire.cli import main
 from shardwire.files import OutputRefused, StagedDirectory, write_atomically
-from shardwire.models.gpt import GPT, PRESETS
+from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.training import loop
 from shardwire.training.config import TrainConfig
 
@@ -117,6 +117,22 @@ def test_an_out_directory_made_while_the_export_is_written_keeps_both(work, caps
         f"error: OUT {work / 'out'} was made, or filled, while it was being written: what was written is kept as "
         f"{work / 'out-2'} instead; move it where it belongs")
     assert os.listdir(work / "out") == ["notes.txt"] and "config.json" in os.listdir(work / "out-2")
+
+
+def test_an_export_into_the_data_its_run_reads_as_text_is_refused(tmp_path, capsys, monkeypatch):
+    """`export CKPT txt/notes.md` wrote into the --data directory its checkpoint was trained on: the
+    run's resume read the weights as text (84% of its data). Weights in a file of their own kind are
+    not read, and may lie there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.md").write_text("hello world " * 500)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(tmp_path / "ckpt", model, step=1,
+                              extra={"model": "tiny", "settings": {"data": "txt"}}).wait()
+    assert refused(capsys, "ckpt", "txt/notes.md") == (
+        "error: OUT txt/notes.md is inside txt, the --data directory ckpt was trained on, whose .py, .txt, .md files "
+        "its resume reads as text: give a path outside it")
+    assert export(capsys, "ckpt", "txt/model.safetensors")[0] == 0
 
 
 def test_an_out_file_that_exists_is_never_overwritten(work, capsys):
