@@ -22,6 +22,7 @@ import sys
 import warnings
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
@@ -300,6 +301,12 @@ def test_a_preset_trained_at_another_sequence_length_exports_at_it(work, capsys)
     status, out, err = export(capsys, work / "short", work / "short.safetensors")
     assert status == 0, err
     assert load_file(work / "short.safetensors")["pos_emb.weight"].shape[0] == 16
+    # labelled by its preset alone, the weights did not load into the preset's model: the note says how
+    made = err.split("load into the model made at that length, ")[1].strip()
+    assert "was trained at --seq-len 16, not tiny's 32" in err and made == (
+        "GPT(dataclasses.replace(PRESETS['tiny'], seq_len=16))")
+    safetensors.torch.load_model(eval(made, {"GPT": GPT, "PRESETS": PRESETS, "dataclasses": dataclasses}),
+                                 work / "short.safetensors")
 
 
 def test_another_name_whose_weights_fit_is_exported_with_a_note(work, capsys):

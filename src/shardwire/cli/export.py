@@ -221,7 +221,12 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
                             f"directory): give {cut(model)} a file name, such as model.safetensors")
     if (problem := export_problem(args.out, given)) is not None:
         raise OutputRefused(f"OUT {cut(args.out)} {problem}")
-    _check_fit(checkpoint, model, recorded_seq_len(extra) if trained else None, given=args.model is not None)
+    seq_len = recorded_seq_len(extra) if trained else None
+    _check_fit(checkpoint, model, seq_len, given=args.model is not None)
+    if seq_len is not None and seq_len != (preset := choose(model)).seq_len:  # its position table's rows
+        notes.append(f"{checkpoint} was trained at --seq-len {seq_len}, not {cut(model)}'s {preset.seq_len}: its "
+                     f"weights load into the model made at that length, GPT(dataclasses.replace(PRESETS"
+                     f"[{model!r}], seq_len={seq_len}))")
     return model, export_state_dict(checkpoint, args.out)
 
 
