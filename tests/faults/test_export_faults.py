@@ -22,9 +22,8 @@ import sys
 import warnings
 
 import pytest
-import safetensors.torch
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, load_model
 
 import shardwire
 from harness import byte_tokenizer, rewrite_manifest, run_workers, save_tokenizer
@@ -305,8 +304,7 @@ def test_a_preset_trained_at_another_sequence_length_exports_at_it(work, capsys)
     made = err.split("load into the model made at that length, ")[1].strip()
     assert "was trained at --seq-len 16, not tiny's 32" in err and made == (
         "GPT(dataclasses.replace(PRESETS['tiny'], seq_len=16))")
-    safetensors.torch.load_model(eval(made, {"GPT": GPT, "PRESETS": PRESETS, "dataclasses": dataclasses}),
-                                 work / "short.safetensors")
+    load_model(eval(made, {"GPT": GPT, "PRESETS": PRESETS, "dataclasses": dataclasses}), work / "short.safetensors")
 
 
 def test_another_name_whose_weights_fit_is_exported_with_a_note(work, capsys):
