@@ -135,6 +135,13 @@ def test_an_export_into_the_data_its_run_reads_as_text_is_refused(tmp_path, caps
     assert export(capsys, "ckpt", "txt/model.safetensors")[0] == 0
 
 
+def test_an_out_of_a_dash_is_no_file_named_so(work, capsys, monkeypatch):
+    monkeypatch.chdir(work)
+    assert refused(capsys, work / "gpt", "-") == ("error: OUT - names no file (export does not write to standard "
+                                                  "output): give a file name, such as model.safetensors")
+    assert not (work / "-").exists()
+
+
 def test_an_out_file_that_exists_is_never_overwritten(work, capsys):
     out = work / "model.safetensors"
     out.write_text("the user's")

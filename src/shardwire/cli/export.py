@@ -182,6 +182,9 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
             notes: list[str]) -> tuple[str, pathlib.Path]:
     """Export ``checkpoint`` (of ``given``, as the user named it) to ``args.out``; returns the model it
     holds and what was written, and adds to ``notes`` what the user should know of it."""
+    if args.out == "-":  # to most commands, standard output: weights are written to a file of their own
+        raise OutputRefused("OUT - names no file (export does not write to standard output): give a file name, "
+                            "such as model.safetensors")
     if (problem := _series_problem(args.out, given)) is not None:
         raise OutputRefused(f"OUT {cut(args.out)} {problem}")
     with CheckpointReader(checkpoint) as reader:
