@@ -161,8 +161,9 @@ class OuterLoop:
         self._world = world
         self._groups = replicate.world
         # The groups' drift is measured against the average as it arrived: a quantized one's error
-        # adds to its norm, and read as the groups agreeing (0 at int4), so it is left out there.
-        self._exact_average = not replicate.quantizes(diloco.codec)
+        # adds to its norm, and read as the groups agreeing (0 at int4), so it is left out there; and
+        # between fault-tolerant groups, where a group alone knows its own change, not the others'.
+        self._measures_drift = quorum is None and not replicate.quantizes(diloco.codec)
         self._spanning = [world, replicate]
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
         self.steps = 0
@@ -398,7 +399,7 @@ class OuterLoop:
         self._synced = 0
         own, averaged = (value * per_sync for value in squares.tolist())
         found["outer_grad_norm"] = averaged ** 0.5
-        if self.quorum is None and self._exact_average:  # a group alone knows its own change, not the others'
+        if self._measures_drift:
             found["drift"] = max(own - averaged, 0.0) ** 0.5
         return found
 
