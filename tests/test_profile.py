@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 
 import pytest
@@ -288,6 +289,10 @@ def test_unknown_peak_leaves_mfu_out(tmp_path):
 def test_report_on_a_directory_without_profile_data(tmp_path):
     with pytest.raises(ReportError, match="has no profile data .*shardwire train --profile --run-dir"):
         write_report([str(tmp_path)], str(tmp_path))
+    odd = tmp_path / "my run;x"  # the hint runs as printed: quoted as a shell reads it
+    odd.mkdir()
+    with pytest.raises(ReportError, match=re.escape(f"--run-dir '{odd}'`")):
+        write_report([str(odd)], str(tmp_path))
     with pytest.raises(ReportError, match="missing does not exist: give the run directory"):
         write_report([str(tmp_path / "missing")], str(tmp_path))
     (tmp_path / "file").write_text("")

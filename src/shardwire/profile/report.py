@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shlex
+import shlex
 
 from shardwire.extras import require
 from shardwire.files import checkpoint_problem, figure_png, write_atomically
@@ -47,7 +49,7 @@ def load_profile(run_dir: str) -> dict:
     if not os.path.exists(path):
         raise ReportError(
             f"{cut(run_dir)} has no profile data ({PROFILE_FILE} is missing): profile a run with "
-            f"`shardwire train --profile --run-dir {cut(run_dir)}` or Profiler.save({cut(run_dir)!r})"
+            f"`shardwire train --profile --run-dir {shlex.quote(cut(run_dir))}` or Profiler.save({cut(run_dir)!r})"
         )
     try:
         return read_profile_document(path)

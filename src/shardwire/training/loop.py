@@ -20,6 +20,7 @@ import itertools
 import math
 import os
 import pathlib
+import shlex
 import sys
 import time
 import warnings
@@ -365,7 +366,7 @@ def _where_the_model_is(config: TrainConfig) -> str:
     last = config.checkpoint_dir and shardwire.checkpoint_path(config.checkpoint_dir, config.steps)
     if not last or not last.is_dir():
         return "the trained model was not kept (no --checkpoint-dir)"
-    return f"the trained model is in {last}: `shardwire export {last} DIR` writes it elsewhere"
+    return f"the trained model is in {last}: `shardwire export {shlex.quote(str(last))} DIR` writes it elsewhere"
 
 
 def _shard(model: torch.nn.Module, choice: ModelChoice, config: TrainConfig, device: torch.device) -> None:
@@ -1015,6 +1016,6 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         f"waiting for communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
         f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
         f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"
-        + one_line(f"profile written to {run_dir} (shardwire report {run_dir} plots it)"),
+        + one_line(f"profile written to {run_dir} (shardwire report {shlex.quote(str(run_dir))} plots it)"),
         flush=True,
     )
