@@ -235,6 +235,21 @@ def test_two_outputs_of_one_file_are_refused(tmp_path, no_workers, capsys, argv,
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("option, path", [("--checkpoint-dir", ""), ("--export-hf", "/out"),
+                                          ("--log-jsonl", "/log.jsonl")])
+def test_nothing_is_written_in_the_model_directory_the_run_reads(tmp_path, no_workers, option, path):
+    """The series, the export or the profile were saved inside the hf: model directory read a slice at
+    a time."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 256}))
+    with pytest.raises(SystemExit, match=rf"^error: {option} {model}{path} (is|is inside {model},) the model "
+                                         rf"directory hf:{model} reads, which the run never writes in"):
+        main(["train", "--model", f"hf:{model}", option, f"{model}{path}"])
+    assert os.listdir(model) == ["config.json"]
+
+
 def test_a_dcp_save_not_finished_is_a_dcp_checkpoint_too(tmp_path, no_workers):
     """DCP writes its .metadata last: a save still running, or one that died, was taken for an empty
     directory, and a run saved its series in it."""

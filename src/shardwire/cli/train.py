@@ -349,7 +349,7 @@ def _check_outputs(config: TrainConfig, fault_tolerance: FaultTolerance | None) 
             check_output_file(config.log_jsonl, "--log-jsonl", "scalars")
         if config.export_hf is not None and (problem := new_directory_problem(config.export_hf)) is not None:
             raise OptionError(f"--export-hf {config.export_hf} {problem}")
-        if (problem := _read_as_data(config)) is not None:
+        if (problem := _read_as_data(config) or _inside_the_model(config)) is not None:
             raise OptionError(problem)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
@@ -415,6 +415,20 @@ def _read_as_data(config: TrainConfig) -> str | None:
     what = f"the --data directory, whose {', '.join(TEXT_SUFFIXES)} files the run reads as its text"
     return next((f"{option} {cut(path)} {problem}" for option, path in written
                  if path is not None and (problem := inside_problem(path, config.data, what=what)) is not None), None)
+
+
+def _inside_the_model(config: TrainConfig) -> str | None:
+    """Why an output of the run would lie in the ``hf:`` model directory it reads (its config, its
+    weights a slice at a time, its tokenizer), or None: an input is never written in."""
+    model = config.model[len(HF_PREFIX):] if config.model.startswith(HF_PREFIX) else None
+    if model is None or not os.path.isdir(model):
+        return None
+    written = [("--checkpoint-dir", config.checkpoint_dir), ("--export-hf", config.export_hf),
+               ("--run-dir", config.run_dir if config.profile else None), ("--tensorboard", config.tensorboard),
+               ("--log-jsonl", config.log_jsonl)]
+    what = f"the model directory {config.model} reads, which the run never writes in"
+    return next((f"{option} {cut(path)} {problem}" for option, path in written
+                 if path is not None and (problem := inside_problem(path, model, what=what)) is not None), None)
 
 
 def _among_checkpoints(config: TrainConfig) -> str | None:
