@@ -12,7 +12,6 @@ import contextlib
 import functools
 import os
 import shlex
-import shlex
 
 from shardwire.extras import require
 from shardwire.files import checkpoint_problem, figure_png, write_atomically
