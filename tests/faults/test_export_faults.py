@@ -131,7 +131,7 @@ def test_an_export_into_the_data_its_run_reads_as_text_is_refused(tmp_path, caps
                               extra={"model": "tiny", "settings": {"data": "txt"}}).wait()
     assert refused(capsys, "ckpt", "txt/notes.md") == (
         "error: OUT txt/notes.md is inside txt, the --data directory ckpt was trained on, whose .py, .txt, .md files "
-        "its resume reads as text: give a path outside it")
+        "are read as text: give a path outside it")
     assert export(capsys, "ckpt", "txt/model.safetensors")[0] == 0
 
 

@@ -202,8 +202,8 @@ def test_an_output_the_run_would_read_as_its_data_is_refused(tmp_path, no_worker
     for argv, option in ((["--model", "tiny", "--log-jsonl", f"{data}/notes.md"], "--log-jsonl"),
                          (["--model", f"hf:{tmp_path}/gpt2", "--export-hf", f"{data}/out"], "--export-hf")):
         with pytest.raises(SystemExit, match=rf"^error: {option} {data}/\S+ is inside {data}, the --data directory, "
-                                             rf"whose \.py, \.txt, \.md files the run reads as its text: give a path "
-                                             rf"outside it$"):
+                                             rf"whose \.py, \.txt, \.md files are read as text: give a path outside "
+                                             rf"it$"):
             main(["train", "--data", str(data), *argv])
     with pytest.raises(AssertionError, match="workers were started"):  # its checks passed
         main(["train", "--model", "tiny", "--data", str(data), "--log-jsonl", f"{data}/log.jsonl",

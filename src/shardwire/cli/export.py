@@ -40,7 +40,7 @@ from shardwire.models.choice import HF_PREFIX, choose, config_difference, config
 from shardwire.models.export import fit_problem, save_pretrained
 from shardwire.sim.huggingface import config_file
 from shardwire.training.config import recorded_seq_len
-from shardwire.training.data import TEXT_SUFFIXES
+from shardwire.training.data import read_as_text_problem
 
 _LISTINGS = 5  # how often a series whose checkpoints a running job prunes is listed again
 
@@ -130,20 +130,6 @@ def _format(out: pathlib.Path, model: str) -> str:
     return " (torch.save)" if out.suffix.lower() in (".pt", ".pth") else " (torch.save: name it .safetensors for safetensors)"
 
 
-def _in_its_data(out: str, checkpoint: pathlib.Path, extra: dict) -> str | None:
-    """What stops ``out`` lying in the --data directory the checkpoint was trained on, or None: its
-    run's resume would read it as text (a file named as text, a save_pretrained directory's
-    tokenizer files), as ``shardwire train`` refuses its own outputs there."""
-    settings = extra.get("settings")
-    data = settings.get("data") if isinstance(settings, dict) else None
-    if not isinstance(data, str) or not os.path.isdir(data):
-        return None
-    if pathlib.Path(out).suffix.lower() in (".safetensors", ".pt", ".pth", ".bin"):
-        return None  # weights in one file, which a text corpus does not read
-    return inside_problem(out, data, what=f"the --data directory {checkpoint} was trained on, whose "
-                                          f"{', '.join(TEXT_SUFFIXES)} files its resume reads as text")
-
-
 def _series_problem(out: str, given: pathlib.Path) -> str | None:
     """What stops ``out`` being written in a series of checkpoints, the one that holds ``given`` or
     any other (a path inside ``given`` itself is refused as it is exported): a run saving into the
@@ -193,12 +179,15 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
                                   f"{named}")
         extra = reader.manifest.extra if isinstance(reader.manifest.extra, dict) else {}
         notes += _between_syncs(checkpoint, extra, reader.manifest.step)
-    if (problem := _in_its_data(args.out, checkpoint, extra)) is not None:
-        raise OutputRefused(f"OUT {cut(args.out)} {problem}")
     recorded = extra.get("model") if isinstance(extra.get("model"), str) else None
     model = args.model or recorded
     if model is None:
         raise ValueError(f"{checkpoint} does not record its model (shardwire train records it): give --model")
+    settings = extra.get("settings") if isinstance(extra.get("settings"), dict) else {}
+    data = settings.get("data") if isinstance(settings.get("data"), str) else None
+    if (problem := read_as_text_problem(args.out, data, f"the --data directory {checkpoint} was trained on",
+                                        directory=model.startswith(HF_PREFIX))) is not None:
+        raise OutputRefused(f"OUT {cut(args.out)} {problem}")  # its run's resume would read it
     trained = (args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
                or _same_architecture(checkpoint, args.model, extra))
     if not trained and recorded:

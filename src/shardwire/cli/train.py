@@ -60,7 +60,7 @@ from shardwire.sim.memory import activation_bytes
 from shardwire.sim.specs import TrainingSpec
 from shardwire.training.autoplan import unplannable
 from shardwire.training.config import LAUNCH_OPTIONS, NEEDS, TrainConfig, is_given
-from shardwire.training.data import TEXT_SUFFIXES, check_default_corpus
+from shardwire.training.data import check_default_corpus, read_as_text_problem
 from shardwire.training.loop import run_tokenizer, train, trained_otherwise, training_corpus
 
 
@@ -403,18 +403,12 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
 
 
 def _read_as_data(config: TrainConfig) -> str | None:
-    """Why an output of the run would be read back as its data, or None: a --data directory's text is
-    every text file under it, so a log written there (or a tokenizer's merges.txt exported there) would
-    change the data the run trains on, and its resume would be refused for a changed corpus, restart
-    after restart."""
-    if config.data is None or not os.path.isdir(config.data):
-        return None
-    written = [("--export-hf", config.export_hf)]
-    if config.log_jsonl is not None and config.log_jsonl.endswith(TEXT_SUFFIXES):
-        written.append(("--log-jsonl", config.log_jsonl))
-    what = f"the --data directory, whose {', '.join(TEXT_SUFFIXES)} files the run reads as its text"
-    return next((f"{option} {cut(path)} {problem}" for option, path in written
-                 if path is not None and (problem := inside_problem(path, config.data, what=what)) is not None), None)
+    """Why an output of the run would be read back as its data (``read_as_text_problem``), or None:
+    its resume would be refused for a changed corpus, restart after restart."""
+    return next((f"{option} {cut(path)} {problem}" for option, path, directory in
+                 (("--export-hf", config.export_hf, True), ("--log-jsonl", config.log_jsonl, False))
+                 if path is not None and (problem := read_as_text_problem(path, config.data, "the --data directory",
+                                                                          directory=directory)) is not None), None)
 
 
 def _inside_the_model(config: TrainConfig) -> str | None:

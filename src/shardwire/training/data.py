@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from shardwire.files import LEADS_NOWHERE, WriteFailed, write_atomically
+from shardwire.files import LEADS_NOWHERE, WriteFailed, inside_problem, write_atomically
 from shardwire.models import tokenizer as hf_tokenizer
 
 VALIDATION_FRACTION = 0.01
@@ -539,6 +539,16 @@ def _text_files(path: str | None) -> tuple[list[pathlib.Path], str]:
         raise ValueError(f"data path {path} is neither a regular file nor a directory: pass a text file or a "
                          f"directory of them")
     return sorted(p for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()), str(root)
+
+
+def read_as_text_problem(path: str, data: str | None, data_is: str, *, directory: bool) -> str | None:
+    """What stops an output at ``path`` (a ``directory``, or a file) lying in the --data directory
+    ``data`` (``data_is``: its words for it), or None: a run's text is every text file under it, so a
+    file named as text, or a directory's (an exported tokenizer's merges.txt), written there changes
+    the data, and the run's resume is refused for a changed corpus. Other files are never read."""
+    if data is None or not os.path.isdir(data) or not (directory or path.endswith(TEXT_SUFFIXES)):
+        return None
+    return inside_problem(path, data, what=f"{data_is}, whose {', '.join(TEXT_SUFFIXES)} files are read as text")
 
 
 class ByteCorpus(_Sequences):
