@@ -30,7 +30,6 @@ from shardwire.engine.checkpoint.format import MANIFEST
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
 from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, step_of
-from shardwire.engine.diloco import DiLoCo
 from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, stage_of
 from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, shown
@@ -39,7 +38,7 @@ from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
 from shardwire.models.export import fit_problem, save_pretrained
 from shardwire.sim.huggingface import config_file
-from shardwire.training.config import recorded_seq_len
+from shardwire.training.config import recorded_diloco, recorded_seq_len
 from shardwire.training.data import read_as_text_problem
 
 _LISTINGS = 5  # how often a series whose checkpoints a running job prunes is listed again
@@ -226,14 +225,8 @@ def _between_syncs(checkpoint: pathlib.Path, extra: dict, step: int | None) -> l
     """A note where ``checkpoint`` was saved between two syncs of ``--diloco``: each group saved its own
     parameters beside the model the groups last agreed on, and that model is the one exported (as
     any other job loads it)."""
-    settings = extra.get("settings")
-    try:
-        with warnings.catch_warnings():  # a renamed key the run was given is not this command's to warn of
-            warnings.simplefilter("ignore")
-            diloco = DiLoCo.parse(settings.get("diloco")) if isinstance(settings, dict) else None
-    except (TypeError, ValueError):
-        return []
-    if diloco is None or not isinstance(step, int) or diloco.agreed_after(step, settings.get("steps")):
+    diloco = recorded_diloco(extra)
+    if diloco is None or not isinstance(step, int) or diloco.agreed_after(step, extra["settings"].get("steps")):
         return []
     return [f"{checkpoint} was saved at step {step}, between syncs of --diloco (every {diloco.sync_every} steps): "
             f"exported is the model the groups last agreed on, without the steps each trained since"]

@@ -167,6 +167,18 @@ def recorded_seq_len(extra: dict) -> int | None:
     return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
 
 
+def recorded_diloco(extra: dict) -> DiLoCo | None:
+    """The ``--diloco`` a checkpoint's run recorded in its ``extra``, or None: none recorded, or none
+    that reads. A renamed key the run was given was warned of as it ran, not again here."""
+    settings = extra.get("settings")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return DiLoCo.parse(settings.get("diloco")) if isinstance(settings, dict) else None
+    except (TypeError, ValueError):
+        return None
+
+
 def _comparable(name: str, value):
     """``value`` of the setting ``name`` as it trains: DiLoCo's settings, whatever their spelling; a
     file or directory (data, a tokenizer, an ``hf:`` model's), however its path is spelled, from the

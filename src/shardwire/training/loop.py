@@ -62,7 +62,8 @@ from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_tok
 from shardwire.profile.profiler import Profiler
 from shardwire.options import SettingError, flag
 from shardwire.training import autoplan
-from shardwire.training.config import TrainConfig, changed_settings, recorded_seq_len, training_settings
+from shardwire.training.config import (TrainConfig, changed_settings, recorded_diloco, recorded_seq_len,
+                                       training_settings)
 from shardwire.training.deal import Deal
 from shardwire.training.data import (
     MAX_SEED,
@@ -834,12 +835,7 @@ def _own_steps_dropped(info: CheckpointInfo, recorded: dict) -> bool:
     checkpoint was saved between syncs (``DiLoCo.agreed_after``)."""
     if not info.own_progress_dropped:
         return False
-    try:
-        with warnings.catch_warnings():  # a renamed key the run was given was warned of as it began
-            warnings.simplefilter("ignore")
-            saved = DiLoCo.parse(recorded.get("diloco"))
-    except (TypeError, ValueError):
-        return True
+    saved = recorded_diloco(info.extra)  # None where it does not read: said as dropped
     return saved is None or not isinstance(info.step, int) or not saved.agreed_after(info.step, recorded.get("steps"))
 
 
