@@ -10,6 +10,7 @@ fixture); each test asserts on its scenario's results.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -491,3 +492,59 @@ def test_a_manifest_that_is_not_a_regular_file_is_named_so_unread(tmp_path, make
     with pytest.raises(shardwire.CheckpointError, match=f"{tmp_path / 'manifest.json'}: not a regular file; "
                                                         f"{tmp_path} is not a complete shardwire checkpoint"):
         Manifest.read(tmp_path)
+
+
+def _groups_resume_a_checkpoint_forged_apart(rank, world, root):
+    """Two groups of one rank that sync every 2 steps save at steps 2 and 3; then the second group's
+    anchor at step 3 is altered and its file and manifest re-hashed, as a forger would. Returns what
+    loading step 3 by name raised and the step a resume of the series took."""
+    from safetensors.torch import load_file, save_file
+
+    from shardwire.engine.checkpoint.format import FileRecord
+    from shardwire.engine.diloco import DiLoCo
+    from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+
+    def build():
+        model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
+                                diloco=DiLoCo(sync_every=2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    model, optimizer = build()
+    for step in (1, 2, 3):
+        tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step > 1:
+            shardwire.save_checkpoint(shardwire.checkpoint_path(root, step), model, optimizer, step=step)
+    forged = shardwire.checkpoint_path(root, 3)
+    if rank == 1:
+        file = forged / "rank_00001.safetensors"
+        tensors = load_file(file)
+        tensors["outer/blocks.0/anchor"] += 0.5
+        save_file(tensors, file)
+
+        def rehash(manifest):
+            manifest["files"] = [dataclasses.asdict(FileRecord.of(forged / record["name"],
+                                                                  (forged / record["name"]).read_bytes()))
+                                 for record in manifest["files"]]
+
+        rewrite_manifest(forged, rehash)
+    dist.barrier()
+    model, optimizer = build()
+    try:
+        shardwire.load_checkpoint(forged, model, optimizer)
+        refused = None
+    except shardwire.CheckpointError as err:
+        refused = str(err)
+    return refused, shardwire.load_latest_checkpoint(root, model, optimizer).step
+
+
+def test_a_checkpoint_whose_groups_saved_different_anchors_is_refused_and_skipped(tmp_path):
+    """It resumed each group from its own anchor: every sync after averaged changes from two models,
+    and the run ended with the groups reported synced while they held different models."""
+    for refused, resumed in run_workers(2, _groups_resume_a_checkpoint_forged_apart, str(tmp_path),
+                                        env={"LOCAL_WORLD_SIZE": "1"}):
+        assert "step_00000003: its groups saved different anchors" in refused and "group 0's and group 1's" in refused
+        assert resumed == 2

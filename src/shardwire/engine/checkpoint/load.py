@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -146,6 +147,8 @@ def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named
     staged = on_every_rank(
         engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer, named_step, finite)
     )
+    if staged.agreed is not None and (problem := _groups_disagree(staged.agreed, engine)) is not None:
+        raise CheckpointError(f"{path}: {problem}")
     staged.apply(engine, model, optimizer)
     return staged.info
 
@@ -164,6 +167,8 @@ class _Staged:
     outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
     schedule: list[int] | None  # and the outer optimisation's place (None: saved without DiLoCo)
     quorum: list[int] | None  # and the fault-tolerant groups' count of syncs (None: saved without)
+    # where each group resumes its own: a fingerprint of what the groups agreed on, which must be alike
+    agreed: int | None = None
 
     @classmethod
     def read(
@@ -212,7 +217,8 @@ class _Staged:
                     measures = _measures(reader, rank, engine)
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng),
                               own_progress_dropped=manifest.groups > 1 and not own)
-        return cls(info, shards, buffers, state, rng, residuals, measures, outer, schedule, quorum)
+        agreed = _fingerprint(outer) if own and manifest.groups > 1 else None
+        return cls(info, shards, buffers, state, rng, residuals, measures, outer, schedule, quorum, agreed)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
         copy_into_model(engine, model, self.shards, self.buffers)
@@ -254,6 +260,36 @@ def _not_finite(shards: dict[str, torch.Tensor], optimizer_state: dict | None,
     return next((what for what, value in held
                  if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())),
                 None)
+
+
+def _fingerprint(outer: dict[str, dict[str, torch.Tensor]]) -> int:
+    """A checksum of this rank's slice of the anchors and outer momentum: every group saved the same
+    (the syncs leave them bit-identical, quantized wire or not)."""
+    checksum = 0
+    for name in sorted(outer):
+        for key in ("anchor", "momentum"):
+            if key in outer[name]:
+                checksum = zlib.crc32(outer[name][key].contiguous().view(torch.uint8).numpy(), checksum)
+    return checksum
+
+
+def _groups_disagree(agreed: int, engine: Engine) -> str | None:
+    """Why the groups' saved anchors cannot be resumed, or None: where the groups saved different
+    models as the one they last agreed on (an altered checkpoint), each would go on from its own and
+    every later sync would average changes from different anchors, reported synced all the same. The
+    same verdict on every rank: each judges every rank's fingerprint."""
+    gathered = all_gather_json([engine.layout.shard.rank, engine.layout.replicate.rank, agreed], engine,
+                               tag="the groups' anchors")
+    by_position: dict[int, dict[int, int]] = {}
+    for position, group, checksum in gathered:
+        by_position.setdefault(position, {})[group] = checksum
+    for groups in by_position.values():
+        if len(set(groups.values())) > 1:
+            first, *_ = sorted(groups)
+            other = next(group for group in sorted(groups) if groups[group] != groups[first])
+            return (f"its groups saved different anchors (the model they last agreed on): group {first}'s and "
+                    f"group {other}'s differ, as no run of shardwire leaves them; it was altered after it was saved")
+    return None
 
 
 def _resumes_own_group(saved_groups: int, engine: Engine) -> bool:
