@@ -383,6 +383,33 @@ def test_a_loss_in_warmup_or_below_the_bound_is_not_a_spike():
     diverged.check()
 
 
+@pytest.mark.parametrize("diloco, blamed", [(None, r"lower --lr \(now 0.3\) or raise --warmup \(now 0\)$"),
+                                            ("sync_every=3", r"the run's final sync took an outer step: lower --diloco "
+                                                             r"outer_lr \(now 0.7\) or momentum \(now 0.9\); or, "
+                                                             r"where the loss had risen over the inner steps before "
+                                                             r"it, lower --lr \(now 0.3\)")])
+def test_a_final_model_far_worse_than_the_one_the_run_started_from_is_divergence(diloco, blamed):
+    """A loss that climbs in the last steps, or at the final sync, too late for a logged mean of 5 to
+    cross its bound: the run ended with a model 2.3 times worse than the fresh one, and status 0."""
+    layout = {} if diloco is None else {"layout": "hybrid", "diloco": diloco}
+    diverged = divergence(lr=0.3, steps=8, **layout)
+    diverged.note_loss(0, torch.tensor(5.5))
+    for step, loss in enumerate((5.4, 5.3, 5.6, 6.0, 7.5, 9.0, 11.0, 12.5), 1):
+        diverged.logged(step, loss)
+    diverged.check()
+    with pytest.raises(SystemExit, match=r"the validation loss after the last step was 12.6, over a nat above the loss "
+                                         r"of the model the run started from, 5.5 \(nothing was saved\): " + blamed):
+        diverged.vouched(12.6)
+
+
+def test_a_final_model_within_a_nat_of_the_one_the_run_started_from_ends_the_run_as_trained():
+    diverged = divergence(steps=5)
+    diverged.note_loss(0, torch.tensor(5.5))
+    for step, loss in enumerate((5.4, 5.3, 5.2, 5.1, 5.0), 1):
+        diverged.logged(step, loss)
+    diverged.vouched(6.4)  # the validation split can be harder than the training one
+
+
 def test_a_divergence_after_an_outer_step_names_the_outer_optimizer():
     diverged = divergence(layout="hybrid", diloco="sync_every=4,outer_lr=9,momentum=0.95")
     diverged.note_norm(4, torch.tensor(float("inf")))  # the step after the sync of the first 4 steps

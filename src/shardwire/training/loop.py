@@ -518,7 +518,8 @@ class _Divergence:
     judged: a run that logs seldom (``--log-every`` beside ``--steps``) has few to judge a climb by.
 
     A checkpoint's weights are vouched for only by the loss computed from them, at the step after
-    it (or, for the last, by the validation loss after the run's final sync): the run keeps one
+    it (or, for the last, by the validation loss after the run's final sync, which must also be
+    within a nat of the loss the run started from: ``_final_problem``): the run keeps one
     checkpoint more than ``--keep`` until then (``vouched``), and a checkpoint of this run saved
     from weights that then diverged is moved out of the series, so that a resume never starts from
     it."""
@@ -540,6 +541,7 @@ class _Divergence:
         self._climbing: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)  # warmup's too
         self._saved: list[pathlib.Path] = []  # this run's checkpoints, oldest first
         self._start_loss: torch.Tensor | None = None  # this rank's first loss, on the device
+        self._start_mean: float | None = None  # the first loss over every rank (``_started_at``)
         self._lowest: tuple[float, int] | None = None  # the lowest loss (a windowed mean, or the first), its step
 
     def note_loss(self, step: int, loss: torch.Tensor) -> None:
@@ -558,10 +560,8 @@ class _Divergence:
 
     def logged(self, step: int, loss: float) -> None:
         """The mean loss of the interval that ended at ``step`` (every rank's, after ``check``)."""
-        if self._lowest is None and self._start_loss is not None:  # the start's loss, over every rank
-            start_loss = self._start_loss.clone()
-            dist.all_reduce(start_loss)
-            self._lowest = (start_loss.item() / dist.get_world_size(), self._start)
+        if self._lowest is None and (start_loss := self._started_at()) is not None:
+            self._lowest = (start_loss, self._start)
         self._climbing.append(loss)
         if len(self._climbing) == self.SPIKE_WINDOW:
             self._check_climb(step, sum(self._climbing) / self.SPIKE_WINDOW)
@@ -572,6 +572,15 @@ class _Divergence:
             mean = sum(self._recent) / self.SPIKE_WINDOW
             self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
             self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
+
+    def _started_at(self) -> float | None:
+        """The loss of the model the run started from, over every rank (a collective, once), or None
+        before the first step."""
+        if self._start_mean is None and self._start_loss is not None:
+            start_loss = self._start_loss.clone()
+            dist.all_reduce(start_loss)
+            self._start_mean = start_loss.item() / dist.get_world_size()
+        return self._start_mean
 
     def _check_climb(self, step: int, mean: float) -> None:
         """Stop the run where ``mean``, of the last logged losses (warmup's too: a learning rate far too
@@ -631,19 +640,37 @@ class _Divergence:
         """After the run: the validation loss of its final model (after the final sync of
         ``--diloco``, which no training loss follows) vouches for its last checkpoint, and the
         series is pruned to ``--keep``; or the run stops as diverged at its last step."""
+        what = self._final_problem(val_loss)
+        if what is None:
+            if self._saved and self._config.keep:
+                if dist.get_rank() == 0:
+                    prune(self._saved[-1], self._config.keep)
+                dist.barrier()  # the ranks end together, none left inside a collective while rank 0 deletes
+            return
+        if self._diloco is None:
+            remedy = self._remedy(self._config.steps)
+        else:
+            remedy = (f"the run's final sync took an outer step: lower --diloco outer_lr (now "
+                      f"{self._diloco.outer_lr:g}) or momentum (now {self._diloco.momentum:g}); or, where the loss "
+                      f"had risen over the inner steps before it, lower --lr (now {self._config.lr:g}) or raise "
+                      f"--warmup (now {self._config.warmup})")
+        raise _agreed(f"error: training diverged: the validation loss after the last step was {val_loss:.4g}, "
+                      f"{what} ({self._set_aside(self._config.steps)}): {remedy}")
+
+    def _final_problem(self, val_loss: float) -> str | None:
+        """How the final model's validation loss shows it diverged, or None: not finite or above the
+        spike bound, or over a nat above the loss of the model the run started from (a loss that
+        climbed in the last steps, or at the final sync, too late for a logged mean to show it: a
+        model worse than the one it started from by that much has stopped training). The same
+        verdict on every rank."""
         limit = self._limit.clone() if self._limit is not None else torch.tensor(math.inf, device=self._device)
         dist.all_reduce(limit, op=dist.ReduceOp.MAX)  # the loosest rank's bound: every rank decides alike
+        start = self._started_at()
         if not (math.isfinite(val_loss) and val_loss <= limit.item()):
-            remedy = (f"the run's final sync took an outer step: lower --diloco outer_lr (now "
-                      f"{self._diloco.outer_lr:g}) or momentum (now {self._diloco.momentum:g})"
-                      if self._diloco is not None else self._remedy(self._config.steps))
-            raise _agreed(f"error: training diverged: the validation loss after the last step was {val_loss:.4g}, "
-                          f"above {limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis} "
-                          f"({self._set_aside(self._config.steps)}): {remedy}")
-        if self._saved and self._config.keep:
-            if dist.get_rank() == 0:
-                prune(self._saved[-1], self._config.keep)
-            dist.barrier()  # the ranks end together, none left inside a collective while rank 0 deletes
+            return f"above {limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis}"
+        if start is not None and val_loss > start + 1:
+            return f"over a nat above the loss of the model the run started from, {start:.4g}"
+        return None
 
     def _set_aside(self, step: int) -> str:
         """Move this run's checkpoints of weights from ``step`` on (counted from 0: the weights of
