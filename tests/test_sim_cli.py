@@ -455,6 +455,7 @@ def profile_document(model="gpt-1.3b", batch=8, forward=0.08, backward=0.17, opt
     for part, seconds in (("forward_s", forward), ("backward_s", backward), ("optimizer_s", optimizer)):
         measured(document, part, seconds)
     document["metadata"]["config"].update(model=model, batch=batch)
+    document["metadata"]["model"] = model
     return document
 
 

@@ -109,8 +109,10 @@ def test_calibrate_reads_a_device_never_and_a_file_up_to_a_bound(tmp_path, capsy
                  "where its tokens_per_step is 16384)"),
 ])
 def test_a_profile_holding_what_no_profile_holds_is_one_line(tmp_path, capsys, key, value, message):
-    def change(document):
+    def change(document):  # the job's model is recorded twice, and edited alike (else refused as damaged)
         (document if key == "world_size" else document["metadata"]["config"])[key] = value
+        if key == "model":
+            document["metadata"]["model"] = value
 
     refused = refusal([*CALIBRATE, profile_with(tmp_path, change)], capsys)
     assert message in refused and len(refused) < 1000
@@ -201,10 +203,15 @@ def _scaled_summary(document):
     (lambda d: d["summary"].update(tokens_per_s=20 * d["summary"]["tokens_per_s"]),
      "its summary's tokens_per_s is 1.18583e+06, where its tokens_per_step over its step time give 59291.4"),
     (lambda d: d.update(warmup_steps=-3), "warmup_steps is -3, not a whole number"),
+    (lambda d: d["metadata"].update(model="gpt-125m"),
+     "its metadata's model is 'gpt-125m', where the job it ran has 'gpt-1.3b'"),
+    (lambda d: d["metadata"].update(precision="fp32"),
+     "its metadata's precision is 'fp32', where the job it ran has 'bf16'"),
 ])
 def test_a_summary_its_steps_do_not_give_is_refused_by_both_readers(tmp_path, capsys, change, said):
     """A summary edited apart from its steps calibrated the simulator with figures no step measured,
-    and was drawn by report."""
+    and was drawn by report; metadata edited apart from the job had report compare the runs by one
+    model or precision where calibrate fitted another."""
     path = profile_with(tmp_path, change)
     for argv in ([*CALIBRATE, path], ["report", str(tmp_path), "--out", str(tmp_path / "plots")]):
         refused = refusal(argv, capsys)

@@ -56,9 +56,23 @@ def read_profile_document(path: str) -> dict:
                                  f"{_MEASURE_BOUND:g}); profile the run again")
     if (held := _rank_count_problem(profile, world)) is not None:
         raise DamagedProfile(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
-    if (differs := _summary_problem(profile)) is not None:
+    if (differs := _summary_problem(profile) or _metadata_problem(profile["metadata"])) is not None:
         raise DamagedProfile(f"{path} is damaged ({differs}); profile the run again")
     return profile
+
+
+def _metadata_problem(metadata: dict) -> str | None:
+    """Where the metadata's model or precision is not its job's (``config``), in words, or None. The
+    profiler writes both from the job: ``report`` compares runs by them and ``simulate --calibrate``
+    fits the job, so an edit of one would have the two commands take the profile for different jobs.
+    Profiles of races (``bench``) hold no job, and nothing to compare."""
+    job = metadata.get("config")
+    if not isinstance(job, dict):
+        return None
+    for key in ("model", "precision"):
+        if key in metadata and key in job and metadata[key] != job[key]:
+            return f"its metadata's {key} is {shown(metadata[key])}, where the job it ran has {shown(job[key])}"
+    return None
 
 
 def _summary_problem(profile: dict) -> str | None:
