@@ -276,10 +276,13 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     if engine.outer is not None and quorum is not None:  # meet the other groups: one behind takes their state here
         engine.outer.join()
         start = engine.outer.steps
+    # the model the run starts from, on the validation split the final model is judged on (``_Divergence``)
+    start_val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device) if start < config.steps \
+        else None
     profiler = _profiler(config, choice, model, optimizer, tokens_per_step) if config.profile else None
     log = _IntervalLog(config, start, tokens_per_step) if rank == 0 else None
     loss_sum = torch.zeros((), device=device)  # over the steps since the last log line
-    diverged = _Divergence(config, device, start)
+    diverged = _Divergence(config, device, start, start_val_loss)
     interval_start, interval_steps, losses, val_loss = time.perf_counter(), 0, [], None
     started = time.perf_counter()
 
@@ -519,7 +522,7 @@ class _Divergence:
 
     A checkpoint's weights are vouched for only by the loss computed from them, at the step after
     it (or, for the last, by the validation loss after the run's final sync, which must also be
-    within a nat of the loss the run started from: ``_final_problem``): the run keeps one
+    within a nat of the model's the run started from: ``_final_problem``): the run keeps one
     checkpoint more than ``--keep`` until then (``vouched``), and a checkpoint of this run saved
     from weights that then diverged is moved out of the series, so that a resume never starts from
     it."""
@@ -528,9 +531,10 @@ class _Divergence:
     SPIKE_WINDOW = 5
     CLIMB_FACTOR = 2
 
-    def __init__(self, config: TrainConfig, device: torch.device, start: int = 0):
+    def __init__(self, config: TrainConfig, device: torch.device, start: int = 0, start_val_loss: float | None = None):
         self._config = config
         self._start = start
+        self._start_val_loss = start_val_loss  # the validation loss of the model the run started from
         self._diloco = DiLoCo.parse(config.diloco)
         self._never = config.steps
         self._first = torch.full((2,), self._never, dtype=torch.long, device=device)  # not finite, spiked
@@ -541,7 +545,6 @@ class _Divergence:
         self._climbing: collections.deque[float] = collections.deque(maxlen=self.SPIKE_WINDOW)  # warmup's too
         self._saved: list[pathlib.Path] = []  # this run's checkpoints, oldest first
         self._start_loss: torch.Tensor | None = None  # this rank's first loss, on the device
-        self._start_mean: float | None = None  # the first loss over every rank (``_started_at``)
         self._lowest: tuple[float, int] | None = None  # the lowest loss (a windowed mean, or the first), its step
 
     def note_loss(self, step: int, loss: torch.Tensor) -> None:
@@ -560,8 +563,10 @@ class _Divergence:
 
     def logged(self, step: int, loss: float) -> None:
         """The mean loss of the interval that ended at ``step`` (every rank's, after ``check``)."""
-        if self._lowest is None and (start_loss := self._started_at()) is not None:
-            self._lowest = (start_loss, self._start)
+        if self._lowest is None and self._start_loss is not None:  # the start's loss, over every rank
+            start_loss = self._start_loss.clone()
+            dist.all_reduce(start_loss)
+            self._lowest = (start_loss.item() / dist.get_world_size(), self._start)
         self._climbing.append(loss)
         if len(self._climbing) == self.SPIKE_WINDOW:
             self._check_climb(step, sum(self._climbing) / self.SPIKE_WINDOW)
@@ -572,15 +577,6 @@ class _Divergence:
             mean = sum(self._recent) / self.SPIKE_WINDOW
             self._limit = torch.tensor(self.SPIKE_FACTOR * max(1.0, mean), device=self._device)
             self._basis = f"the mean of the last {self.SPIKE_WINDOW} logged losses"
-
-    def _started_at(self) -> float | None:
-        """The loss of the model the run started from, over every rank (a collective, once), or None
-        before the first step."""
-        if self._start_mean is None and self._start_loss is not None:
-            start_loss = self._start_loss.clone()
-            dist.all_reduce(start_loss)
-            self._start_mean = start_loss.item() / dist.get_world_size()
-        return self._start_mean
 
     def _check_climb(self, step: int, mean: float) -> None:
         """Stop the run where ``mean``, of the last logged losses (warmup's too: a learning rate far too
@@ -659,17 +655,18 @@ class _Divergence:
 
     def _final_problem(self, val_loss: float) -> str | None:
         """How the final model's validation loss shows it diverged, or None: not finite or above the
-        spike bound, or over a nat above the loss of the model the run started from (a loss that
-        climbed in the last steps, or at the final sync, too late for a logged mean to show it: a
-        model worse than the one it started from by that much has stopped training). The same
-        verdict on every rank."""
+        spike bound, or over a nat above the validation loss of the model the run started from (a
+        loss that climbed in the last steps, or at the final sync, too late for a logged mean to show
+        it: a model worse than the one it started from by that much has stopped training). Validation
+        against validation: the training split's loss can lie far below it (other text). The same
+        verdict on every rank (the validation loss is every rank's)."""
         limit = self._limit.clone() if self._limit is not None else torch.tensor(math.inf, device=self._device)
         dist.all_reduce(limit, op=dist.ReduceOp.MAX)  # the loosest rank's bound: every rank decides alike
-        start = self._started_at()
+        start = self._start_val_loss
         if not (math.isfinite(val_loss) and val_loss <= limit.item()):
             return f"above {limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis}"
         if start is not None and val_loss > start + 1:
-            return f"over a nat above the loss of the model the run started from, {start:.4g}"
+            return f"over a nat above that of the model the run started from, {start:.4g}"
         return None
 
     def _set_aside(self, step: int) -> str:
