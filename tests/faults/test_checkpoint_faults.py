@@ -494,10 +494,10 @@ def test_a_manifest_that_is_not_a_regular_file_is_named_so_unread(tmp_path, make
         Manifest.read(tmp_path)
 
 
-def _groups_resume_a_checkpoint_forged_apart(rank, world, root):
-    """Two groups of one rank that sync every 2 steps save at steps 2 and 3; then the second group's
-    anchor at step 3 is altered and its file and manifest re-hashed, as a forger would. Returns what
-    loading step 3 by name raised and the step a resume of the series took."""
+def _groups_resume_a_checkpoint_forged_apart(rank, world, root, files, key, forge):
+    """Two groups of one rank that sync every 2 steps save at steps 2 and 3; then, in the rank files
+    ``files`` of step 3, ``forge`` (``("add", x)`` or ``("set", values)``) changes ``key`` and the
+    files and manifest are re-hashed, as a forger would. Returns what loading step 3 by name raised and the step a resume of the series took."""
     from safetensors.torch import load_file, save_file
 
     from shardwire.engine.checkpoint.format import FileRecord
@@ -519,11 +519,13 @@ def _groups_resume_a_checkpoint_forged_apart(rank, world, root):
         if step > 1:
             shardwire.save_checkpoint(shardwire.checkpoint_path(root, step), model, optimizer, step=step)
     forged = shardwire.checkpoint_path(root, 3)
-    if rank == 1:
-        file = forged / "rank_00001.safetensors"
-        tensors = load_file(file)
-        tensors["outer/blocks.0/anchor"] += 0.5
-        save_file(tensors, file)
+    if rank == 0:
+        for index in files:
+            file = forged / f"rank_{index:05d}.safetensors"
+            tensors = load_file(file)
+            how, value = forge
+            tensors[key] = tensors[key] + value if how == "add" else torch.tensor(value)
+            save_file(tensors, file)
 
         def rehash(manifest):
             manifest["files"] = [dataclasses.asdict(FileRecord.of(forged / record["name"],
@@ -541,10 +543,23 @@ def _groups_resume_a_checkpoint_forged_apart(rank, world, root):
     return refused, shardwire.load_latest_checkpoint(root, model, optimizer).step
 
 
-def test_a_checkpoint_whose_groups_saved_different_anchors_is_refused_and_skipped(tmp_path):
-    """It resumed each group from its own anchor: every sync after averaged changes from two models,
-    and the run ended with the groups reported synced while they held different models."""
-    for refused, resumed in run_workers(2, _groups_resume_a_checkpoint_forged_apart, str(tmp_path),
+@pytest.mark.parametrize("files, key, forge, reason", [
+    ((1,), "outer/blocks.0/anchor", ("add", 0.5),
+     "its groups saved different anchors (the model they last agreed on): group 0's and group 1's differ"),
+    ((1,), "outer/<root>/momentum", ("add", 0.5),
+     "its groups saved different outer momentum: group 0's and group 1's differ"),
+    ((1,), "outer/schedule", ("set", [3, 3, -1]),
+     "its groups saved different places in the outer steps' schedule: group 0's and group 1's differ"),
+    # a resume then issued, one at a time, every sync due over 2**62 steps
+    ((0, 1), "outer/schedule", ("set", [2 ** 62, 3, -1]),
+     "its outer schedule records 4611686018427387904 inner steps done and syncs issued to step 3"),
+], ids=["anchor", "momentum", "schedule", "schedule-far-ahead"])
+def test_a_checkpoint_whose_groups_saved_unlike_outer_states_is_refused_and_skipped(tmp_path, files, key, forge,
+                                                                                    reason):
+    """It resumed each group from its own: every sync after averaged changes from two models, and the
+    run ended with the groups reported synced while they held different models; or the groups waited
+    for a sync the other never sent, until the timeout."""
+    for refused, resumed in run_workers(2, _groups_resume_a_checkpoint_forged_apart, str(tmp_path), files, key, forge,
                                         env={"LOCAL_WORLD_SIZE": "1"}):
-        assert "step_00000003: its groups saved different anchors" in refused and "group 0's and group 1's" in refused
+        assert "step_00000003" in refused and reason in refused, refused
         assert resumed == 2

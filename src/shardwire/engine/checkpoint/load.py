@@ -167,8 +167,8 @@ class _Staged:
     outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
     schedule: list[int] | None  # and the outer optimisation's place (None: saved without DiLoCo)
     quorum: list[int] | None  # and the fault-tolerant groups' count of syncs (None: saved without)
-    # where each group resumes its own: a fingerprint of what the groups agreed on, which must be alike
-    agreed: int | None = None
+    # where each group resumes its own: what the groups agreed on (``_agreement``), which must be alike
+    agreed: dict | None = None
 
     @classmethod
     def read(
@@ -217,7 +217,7 @@ class _Staged:
                     measures = _measures(reader, rank, engine)
         info = CheckpointInfo(path, manifest.step, manifest.extra, manifest.world_size, bool(rng),
                               own_progress_dropped=manifest.groups > 1 and not own)
-        agreed = _fingerprint(outer) if own and manifest.groups > 1 else None
+        agreed = _agreement(outer, schedule) if own and manifest.groups > 1 else None
         return cls(info, shards, buffers, state, rng, residuals, measures, outer, schedule, quorum, agreed)
 
     def apply(self, engine: Engine, model: nn.Module, optimizer) -> None:
@@ -262,33 +262,48 @@ def _not_finite(shards: dict[str, torch.Tensor], optimizer_state: dict | None,
                 None)
 
 
-def _fingerprint(outer: dict[str, dict[str, torch.Tensor]]) -> int:
-    """A checksum of this rank's slice of the anchors and outer momentum: every group saved the same
-    (the syncs leave them bit-identical, quantized wire or not)."""
-    checksum = 0
-    for name in sorted(outer):
-        for key in ("anchor", "momentum"):
-            if key in outer[name]:
-                checksum = zlib.crc32(outer[name][key].contiguous().view(torch.uint8).numpy(), checksum)
-    return checksum
+# What every group saved alike, in words, as ``_agreement`` names it.
+_AGREED = {"anchor": "anchors (the model they last agreed on)", "momentum": "outer momentum",
+           "schedule": "places in the outer steps' schedule"}
 
 
-def _groups_disagree(agreed: int, engine: Engine) -> str | None:
-    """Why the groups' saved anchors cannot be resumed, or None: where the groups saved different
-    models as the one they last agreed on (an altered checkpoint), each would go on from its own and
-    every later sync would average changes from different anchors, reported synced all the same. The
-    same verdict on every rank: each judges every rank's fingerprint."""
+def _agreement(outer: dict[str, dict[str, torch.Tensor]], schedule: list[int] | None) -> dict:
+    """What this rank's group saved that every group saves alike: a checksum of its slice of the
+    anchors and of the outer momentum (None where a flat buffer's is missing) and the schedule's
+    place. The syncs leave them bit-identical, quantized wire or not."""
+    found: dict = {"schedule": schedule}
+    for key in ("anchor", "momentum"):
+        held = [outer[name][key] for name in sorted(outer) if key in outer[name]]
+        checksum = 0
+        for tensor in held:
+            checksum = zlib.crc32(tensor.contiguous().view(torch.uint8).numpy(), checksum)
+        found[key] = checksum if len(held) == len(outer) else None
+    return found
+
+
+def _groups_disagree(agreed: dict, engine: Engine) -> str | None:
+    """Why the groups' saved outer states cannot be resumed, or None: where the groups saved
+    different models as the one they last agreed on, or different outer momentum or places in the
+    schedule (an altered checkpoint), each would go on from its own, every later sync averaging
+    changes from different anchors (or waiting for a sync the others never send), reported synced
+    all the same. The same verdict on every rank: each judges every rank's."""
     gathered = all_gather_json([engine.layout.shard.rank, engine.layout.replicate.rank, agreed], engine,
-                               tag="the groups' anchors")
-    by_position: dict[int, dict[int, int]] = {}
-    for position, group, checksum in gathered:
-        by_position.setdefault(position, {})[group] = checksum
-    for groups in by_position.values():
-        if len(set(groups.values())) > 1:
-            first, *_ = sorted(groups)
-            other = next(group for group in sorted(groups) if groups[group] != groups[first])
-            return (f"its groups saved different anchors (the model they last agreed on): group {first}'s and "
-                    f"group {other}'s differ, as no run of shardwire leaves them; it was altered after it was saved")
+                               tag="the groups' outer states")
+    by_position: dict[int, dict[int, dict]] = {}
+    for position, group, found in gathered:
+        by_position.setdefault(position, {})[group] = found
+    for key, words in _AGREED.items():
+        for groups in by_position.values():
+            first, *others = sorted(groups)
+            other = next((group for group in others if groups[group][key] != groups[first][key]), None)
+            if other is None:
+                continue
+            lacking = next((group for group in (first, other) if groups[group][key] is None), None)
+            if lacking is not None:
+                return (f"group {lacking} saved no {key} where group {first + other - lacking} did, as no run of "
+                        f"shardwire leaves them; it was altered after it was saved")
+            return (f"its groups saved different {words}: group {first}'s and group {other}'s differ, as no run "
+                    f"of shardwire leaves them; it was altered after it was saved")
     return None
 
 
@@ -325,7 +340,28 @@ def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
     if OUTER_SCHEDULE not in held:
         return states, None, None
     quorum = reader.tensor(first, OUTER_QUORUM, (2,), torch.int64).tolist() if OUTER_QUORUM in held else None
-    return states, reader.tensor(first, OUTER_SCHEDULE, (3,), torch.int64).tolist(), quorum
+    schedule = reader.tensor(first, OUTER_SCHEDULE, (3,), torch.int64).tolist()
+    if (problem := _schedule_problem(schedule, quorum, engine.outer.diloco.sync_every)) is not None:
+        raise CheckpointError(f"{reader.directory / first}: {problem}, as no run of shardwire leaves it; it was "
+                              f"altered after it was saved")
+    return states, schedule, quorum
+
+
+def _schedule_problem(schedule: list[int], quorum: list[int] | None, sync_every: int) -> str | None:
+    """Why a saved place in the outer steps' schedule (``OuterLoop.state``: the inner steps done,
+    the step whose due sync was issued, the step the sync in flight is applied after, or -1) and
+    the quorum's counts cannot be resumed, or None. The syncs are issued at each forward, so the
+    steps done run at most a sync's interval ahead of the last issued (a resumed run issues every
+    sync due in between, one at a time: 2**62 steps ahead would never end), and a sync in flight is
+    applied no earlier than it was issued."""
+    steps, checked, applied_after = schedule
+    if not 0 <= checked <= steps <= checked + sync_every:
+        return f"its outer schedule records {steps} inner steps done and syncs issued to step {checked}"
+    if applied_after != -1 and not checked <= applied_after <= checked + sync_every:
+        return f"its outer schedule applies the sync in flight after step {applied_after}, issued at step {checked}"
+    if quorum is not None and min(quorum) < 0:
+        return f"its quorum's counts of syncs and batches are {quorum}"
+    return None
 
 
 def _residuals(reader: CheckpointReader, rank: int, engine: Engine) -> dict[str, torch.Tensor]:
