@@ -283,6 +283,22 @@ def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_pa
                                                                   "replicated.safetensors"]
 
 
+@pytest.mark.parametrize("name, why", [("step_00000004.diverged", "set aside by its run as diverged"),
+                                       ("step_00000004.set-aside-aaaaaaaaaaaa", "set aside by the save that replaced it")])
+def test_a_checkpoint_set_aside_given_as_the_checkpoint_directory_says_no_resume_starts_from_it(tmp_path, no_workers,
+                                                                                               capsys, name, why):
+    """It said to give the directory that holds it to resume from it: that resumed another checkpoint,
+    or started over. Exported by name, it is exported with a note."""
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(tmp_path / "ckpt" / name, model, step=4, extra={"model": "tiny"}).wait()
+    with pytest.raises(SystemExit, match=rf"error: --checkpoint-dir {tmp_path}/ckpt/{re.escape(name)} is a checkpoint "
+                                         rf"itself, {why}, which no resume starts from: to train on from it, copy it "
+                                         rf"into a directory of its own as step_00000004 and give that directory$"):
+        main(["train", "--model", "tiny", "--checkpoint-dir", str(tmp_path / "ckpt" / name)])
+    assert main(["export", str(tmp_path / "ckpt" / name), str(tmp_path / "model.safetensors")]) == 0
+    assert f"note: {tmp_path}/ckpt/{name} was {why}, and no resume trains from it" in capsys.readouterr().err
+
+
 def test_the_groups_directory_of_a_fault_tolerant_run_is_not_started_over_in(tmp_path, no_workers, capsys):
     """Fault-tolerant groups keep their series side by side under --checkpoint-dir: a run without
     --fault-tolerance would find no checkpoint there and start over beside them, and an export

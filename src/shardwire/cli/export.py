@@ -29,7 +29,7 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.format import MANIFEST
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, step_of
+from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, set_aside_why, step_of
 from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, stage_of
 from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, shown
@@ -178,6 +178,8 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
                                   f"{named}")
         extra = reader.manifest.extra if isinstance(reader.manifest.extra, dict) else {}
         notes += _between_syncs(checkpoint, extra, reader.manifest.step)
+    if (why := set_aside_why(checkpoint.name)) is not None:  # asked for by name: a series' export passes it by
+        notes.append(f"{checkpoint} was {why}, and no resume trains from it")
     recorded = extra.get("model") if isinstance(extra.get("model"), str) else None
     model = args.model or recorded
     if model is None:

@@ -53,12 +53,26 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
                 f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
                 f"shardwire's checkpoints a directory of their own")
     if holds_a_manifest(directory):
+        if step_of(directory) is None:  # no resume lists it: a run set it aside, or it was renamed
+            why = set_aside_why(directory.name) or "named outside a series (step_00000400)"
+            return (f"is a checkpoint itself, {why}, which no resume starts from: to "
+                    f"train on from it, copy it into a directory of its own as "
+                    f"{checkpoint_path('', Manifest.read(directory).step)} and give that directory")
         return (f"is a checkpoint itself, not a directory of them: give the directory that holds it "
                 f"({directory.resolve().parent}) to resume from it, or a directory of its own")
     if (dcp := next((above for above in directory.resolve().parents if holds_dcp(above)), None)) is not None:
         return (f"is inside {dcp}, a torch.distributed.checkpoint (DCP) checkpoint, which a series would fill with "
                 f"its own: give shardwire's checkpoints a directory of their own")
     return _others_problem(directory)
+
+
+def set_aside_why(name: str) -> str | None:
+    """Why a checkpoint named ``name`` was set aside from its series, in words, or None where it was not."""
+    if ".diverged" in name:  # ``step_N.diverged``, ``-2`` after it where taken
+        return "set aside by its run as diverged"
+    if ".set-aside-" in name:
+        return "set aside by the save that replaced it"
+    return None
 
 
 def _others_problem(directory: pathlib.Path) -> str | None:
