@@ -539,3 +539,32 @@ def test_a_spec_given_as_a_device_or_a_pipe_is_read_as_a_file_within_bounds(kind
                                    for arg in (f"--{key}", value)]]) == 2
         err = capsys.readouterr().err
         assert err.startswith(said) and err.count("\n") == 1, err
+
+
+def _job(change=None, world_size=8) -> dict:
+    """A real profile's document at ``world_size`` (its job's tokens per rank kept), changed by ``change``."""
+    with open(PROFILE) as f:
+        document = json.load(f)
+    document["tokens_per_step"] = document["tokens_per_step"] // document["world_size"] * world_size
+    document["world_size"] = world_size
+    if change is not None:
+        change(document)
+    return document
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda d: d["metadata"]["config"].update(layout="hybrid"), "runs differ in --layout: one has 'full', two has "
+                                                                "'hybrid'"),
+    (lambda d: d["metadata"]["config"].update(activation_checkpointing=True),
+     "runs differ in --activation-checkpointing: one has False, two has True"),
+    (lambda d: (d["metadata"].pop("precision"), d["metadata"]["config"].update(precision="fp32")),
+     "runs differ in precision: one has 'bf16', two has 'fp32'"),
+])
+def test_report_compares_runs_by_every_option_that_sets_a_step(change, said):
+    """Runs of another layout, wire or checkpointing were drawn as one job's scaling; a metadata key
+    deleted had the runs compared by nothing (None against None), where calibrate read the job."""
+    from shardwire.profile.report import ReportError, _check_comparable
+
+    with pytest.raises(ReportError, match=re.escape(said)):
+        _check_comparable(["one", "two"], [_job(), _job(change, world_size=16)])
+    _check_comparable(["one", "two"], [_job(), _job(lambda d: d["metadata"].pop("model"), world_size=16)])

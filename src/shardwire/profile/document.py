@@ -70,6 +70,8 @@ def _metadata_problem(metadata: dict) -> str | None:
     if not isinstance(job, dict):
         return None
     for key in ("model", "precision"):
+        if key in metadata and not isinstance(metadata[key], str):
+            return f"its metadata's {key} is {shown(metadata[key])}, not a name"
         if key in metadata and key in job and metadata[key] != job[key]:
             return f"its metadata's {key} is {shown(metadata[key])}, where the job it ran has {shown(job[key])}"
     return None

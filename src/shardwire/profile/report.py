@@ -106,12 +106,25 @@ def _damage_reported(run_dirs: list[str]):
                           f"again") from None
 
 
+# The options of `shardwire train` that set what a step computes and sends, as a profile's job
+# records them: runs that differ in any are not one job at several world sizes.
+_JOB_OPTIONS = ("model", "units", "seq_len", "batch", "grad_accum", "precision", "prefetch", "reshard", "layout",
+                "shard_group_size", "wire", "diloco", "activation_checkpointing", "compile")
+
+
 def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
-    """Runs in one scaling plot must be the same job at different world sizes."""
+    """Runs in one scaling plot must be the same job at different world sizes: alike in every option
+    that sets a step's work (``_JOB_OPTIONS``, from the job a profile of `shardwire train --profile`
+    records; a bench race's records none, and its model and precision where it has them)."""
     def job(p):
-        return {"model": p["metadata"].get("model"),
-                "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
-                "precision": p["metadata"].get("precision"), "device": p["device"]}
+        metadata = p["metadata"]
+        recorded = metadata.get("config") if isinstance(metadata.get("config"), dict) else {}
+        found = {"model": recorded.get("model", metadata.get("model")),
+                 "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
+                 "precision": recorded.get("precision", metadata.get("precision")), "device": p["device"]}
+        found.update({f"--{name.replace('_', '-')}": recorded.get(name) for name in _JOB_OPTIONS
+                      if name not in found})
+        return found
 
     reference = job(profiles[0])
     for run_dir, profile in zip(run_dirs[1:], profiles[1:]):

@@ -986,10 +986,11 @@ def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens
             tokens = torch.zeros(1, choice.seq_len + 1, dtype=torch.long)
         counted = torch_counted_flops_per_token(
             lambda: loss_fn(choice.logits(meta_model, tokens[:, :-1]), tokens[:, 1:]).backward(), choice.seq_len)
+    model_name = recorded_name(config.model)  # an hf: path made absolute: one model however it was spelled
     metadata = {
-        "model": config.model,
+        "model": model_name,
         "precision": config.precision,
-        "config": dataclasses.asdict(config),
+        "config": {**dataclasses.asdict(config), "model": model_name},
         "torch_counted_flops_per_token": counted,
     }
     return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
