@@ -25,7 +25,6 @@ import math
 import os
 import reprlib
 import stat
-import sys
 from collections.abc import Mapping
 
 from shardwire.extras import require
@@ -96,18 +95,24 @@ def read_json(path: str, what: str, *, kind: str, remedy: str, limit: int = MAX_
 
 
 class _TooLong(ValueError):
-    """A number of more digits than Python reads as an integer (``sys.get_int_max_str_digits``)."""
+    """A number of more digits than any document holds (``_MOST_DIGITS``)."""
 
     def __init__(self, digits: int):
         super().__init__(digits)
         self.digits = digits
 
 
+# The most digits of a whole number a document holds: a float (every reader's arithmetic) holds up
+# to 309, and no count, size or time of any document comes near.
+_MOST_DIGITS = 300
+
+
 def _whole_number(text: str) -> int:
-    """JSON's whole number ``text``, or ``_TooLong`` where Python would refuse it in words that
-    name its own setting."""
+    """JSON's whole number ``text``, or ``_TooLong`` where it has more digits than any document
+    holds: one past a float's range overflows a reader's arithmetic, one past Python's own bound
+    would be refused in words that name its setting."""
     digits = len(text.lstrip("-"))
-    if digits > sys.get_int_max_str_digits() > 0:
+    if digits > _MOST_DIGITS:
         raise _TooLong(digits)
     return int(text)
 

@@ -181,6 +181,12 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
     (lambda d: d.update(contention={"inter": "x"}), "its contention.inter is 'x', not a mapping"),
     (lambda d: d["fit"]["inter"].update(all_gather="fast"), "its fit.inter.all_gather is 'fast', not a mapping"),
     (lambda d: d["fit"]["inter"]["all_gather"].pop("ranks"), "its fit.inter.all_gather has no ranks"),
+    # edited apart from what was measured: a network 8 times slower, or a rate no size reached
+    (lambda d: d["context"].update(ranks_per_node=8), "its context.world is 2, where its 2 nodes of 8 ranks make 16"),
+    (lambda d: d["fit"]["inter"]["all_gather"].update(beta_Bps=9e12),
+     "its fit.inter.all_gather has beta_Bps 9e+12, where its results give "),
+    (lambda d: d["fit"]["inter"]["all_gather"].update(points=1), "its fit.inter.all_gather counts 1 sizes, where its "
+                                                                 "results hold "),
 ])
 def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, message):
     with open(BENCH) as f:
@@ -244,13 +250,16 @@ def test_a_profile_nested_deep_or_not_utf8_is_one_line(tmp_path, capsys):
     assert f"{latin1} is not UTF-8 text (byte 16 is 0xff)" in refusal([*CALIBRATE, str(latin1)], capsys)
 
 
-def test_a_number_longer_than_python_reads_is_one_line_naming_no_python_setting(tmp_path, capsys):
+@pytest.mark.parametrize("digits", [5001, 401])
+def test_a_number_longer_than_python_reads_is_one_line_naming_no_python_setting(tmp_path, capsys, digits):
+    """Past Python's own bound, its refusal named its setting; past a float's, a warmup_steps of 10**400
+    overflowed the profile's check in a traceback."""
     profile = tmp_path / "profile.json"
-    profile.write_text('{"version": 1, "tokens_per_step": ' + "9" * 5001 + "}")
+    profile.write_text('{"version": 1, "warmup_steps": ' + "9" * digits + "}")
     for argv in ([*CALIBRATE, str(profile)], ["report", str(tmp_path)]):
         refused = refusal(argv, capsys)
-        assert f"{profile} holds a number of 5,001 digits, more than any profile holds; profile the run again" in \
-            refused and "sys." not in refused, refused
+        assert f"{profile} holds a number of {digits:,} digits, more than any profile holds; profile the run again" \
+            in refused and "sys." not in refused, refused
 
 
 def test_report_of_a_deep_or_damaged_profile_is_one_line(tmp_path, capsys):

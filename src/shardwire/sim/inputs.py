@@ -30,13 +30,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
 
+from shardwire.bench.metrics import fit_latency_bandwidth
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
-from shardwire.mappings import MappingError, Missing, field, is_number, one_line, read_file, read_mapping, shown
+from shardwire.mappings import (
+    MappingError,
+    Missing,
+    field,
+    is_number,
+    one_line,
+    read_file,
+    read_json,
+    read_mapping,
+    shown,
+)
 from shardwire.options import text
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
@@ -46,6 +56,7 @@ from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecEr
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
 _LEAST_INTERCEPT_S = -0.1  # a fit's intercept below this is no fit of measured times
+_REFIT_AGREE = 1e-6  # how far a bench fit may be from the refit of its results: the same arithmetic
 # Bench results: a thousand sizes of every operation on every group, in both forms, are a few MB.
 MAX_BENCH_BYTES = 64 << 20
 
@@ -117,12 +128,9 @@ def _gpu(name) -> dict:
 def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
     """``cluster`` with the nodes, GPUs per node and network levels that a bench JSON measured."""
     with _spec_errors():
-        text = read_file(path, f"bench results {path}", limit=MAX_BENCH_BYTES)
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as err:
-        raise SpecError(f"{path} is not JSON ({err}); give the file `shardwire bench --json` wrote") from None
-    if not isinstance(doc, Mapping) or doc.get("schema") != BENCH_SCHEMA:
+        doc = read_json(path, f"bench results {path}", kind="bench result",
+                        remedy="give the file `shardwire bench --json` wrote", limit=MAX_BENCH_BYTES)
+    if doc.get("schema") != BENCH_SCHEMA:
         raise SpecError(f"{path} is not `shardwire bench --json` output (schema {BENCH_SCHEMA!r})")
     try:
         return cluster_from_bench_document(doc, path, cluster)
@@ -144,17 +152,21 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
     for key, value in (("nodes", nodes), ("ranks_per_node", per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise Missing(f"its context.{key} is {shown(value)}, not a whole number of at least 1")
+    if (world := field(doc, "context", "world")) != nodes * per_node:
+        raise Missing(f"its context.world is {shown(world)}, where its {nodes} nodes of {per_node} ranks make "
+                      f"{nodes * per_node}")
     levels = {}
     for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
         group_fits = fits.get(group) or {}
         if not isinstance(group_fits, Mapping):
             raise Missing(f"its fit.{group} is {shown(group_fits)}, not a mapping")
-        link = _link_from_fits(group_fits, group, nodes * per_node)
+        link = _link_from_fits(group_fits, group, nodes * per_node, doc.get("results"))
         if link is None and needed:
             groups = " ".join(name for name, spans in (("intra", per_node > 1), ("inter", nodes > 1)) if spans)
             raise SpecError(
                 f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
-                f"it with `shardwire bench --groups {groups} --ops all_gather reduce_scatter`"
+                f"it with `shardwire bench --groups {groups} --ops all_gather reduce_scatter --json bench.json` "
+                f"and give that file"
             )
         own = getattr(cluster, level)
         measured = _contention(doc.get("contention") or {}, group)
@@ -183,10 +195,11 @@ def _contention(contention: Mapping, group: str) -> Mapping:
     return {}
 
 
-def _link_from_fits(fits: Mapping, group: str, world: int) -> LinkSpec | None:
+def _link_from_fits(fits: Mapping, group: str, world: int, results) -> LinkSpec | None:
     """The link the all-gather and reduce-scatter fits of ``group`` describe (of ``world`` ranks at
     most), or None where no fit says it (a group of one rank; a time that did not grow with size).
-    A value no fit has is ``Missing``: the document was edited or damaged."""
+    A value no fit has, or a fit its ``results`` do not give, is ``Missing``: the document was
+    edited or damaged."""
     links = []
     for op in _LINK_OPS:
         fit, where = fits.get(op), f"fit.{group}.{op}"
@@ -204,12 +217,35 @@ def _link_from_fits(fits: Mapping, group: str, world: int) -> LinkSpec | None:
             raise Missing(f"its {where}.alpha_s is {shown(alpha)}, not a fitted latency in seconds")
         if beta is not None and not (is_number(beta) and 0 < beta < math.inf):
             raise Missing(f"its {where}.beta_Bps is {shown(beta)}, not a positive rate in bytes per second (or null)")
+        if (differs := _refit_problem(fit, results, group, op)) is not None:
+            raise Missing(f"its {where} {differs}")
         if beta and k > 1:
             links.append((beta * (k - 1) / k / 1e9, max(0.0, alpha) / (k - 1) * 1e6))
     if not links:
         return None
     return LinkSpec(busbw_GBps=sum(b for b, _ in links) / len(links),
                     latency_us=sum(a for _, a in links) / len(links))
+
+
+def _refit_problem(fit: Mapping, results, group: str, op: str) -> str | None:
+    """Where ``fit`` is not the fit of the times ``results`` hold for ``group``'s ``op`` at its
+    placement, in words, or None. bench writes the fit of its own rows: one edited apart from
+    them (a rate 7,000 times what any size reached) would set the simulated network's speed with a
+    figure no size measured."""
+    try:
+        rows = results[group][op]
+        sizes = [row["bytes"] for row in rows]
+        seconds = [row[fit["placement"]]["time_us"] * 1e-6 for row in rows]
+        refit = fit_latency_bandwidth(sizes, seconds)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return f"stands for no results of its own (results.{group}.{op} holds no times at its placement)"
+    if refit is None or fit.get("points") != refit.points:
+        return f"counts {shown(fit.get('points'))} sizes, where its results hold {len(rows)}"
+    beta = math.inf if fit["beta_Bps"] is None else fit["beta_Bps"]
+    for key, value, given in (("alpha_s", refit.alpha, fit["alpha_s"]), ("beta_Bps", refit.beta, beta)):
+        if not math.isclose(given, value, rel_tol=_REFIT_AGREE, abs_tol=1e-15):
+            return f"has {key} {given:.6g}, where its results give {value:.6g}"
+    return None
 
 
 @contextlib.contextmanager
