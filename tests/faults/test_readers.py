@@ -577,3 +577,17 @@ def test_report_compares_runs_by_every_option_that_sets_a_step(change, said):
     with pytest.raises(ReportError, match=re.escape(said)):
         _check_comparable(["one", "two"], [_job(), _job(change, world_size=16)])
     _check_comparable(["one", "two"], [_job(), _job(lambda d: d["metadata"].pop("model"), world_size=16)])
+
+
+def test_a_profile_of_warmup_steps_alone_is_not_calibrated_on(tmp_path, capsys):
+    """A run of one step profiled its warmup alone (allocation, the first gathers): calibrated on,
+    it predicted a step 80 times too long."""
+    def warmup_alone(document):
+        document["steps"] = document["steps"][:document["warmup_steps"]]
+        step = document["steps"][0]
+        document["summary"]["figures"] = {name: dict(step["figures"][name]) for name in document["summary"]["figures"]}
+        document["summary"]["tokens_per_s"] = document["tokens_per_step"] / step["figures"]["step_s"]["max"]
+
+    path = profile_with(tmp_path, warmup_alone)
+    assert f"{path} holds only its 1 warmup step(s), whose times (allocation, compilation, the first gathers) no " \
+           f"later step takes: profile a run of more than 1 steps" in refusal([*CALIBRATE, path], capsys)

@@ -107,6 +107,10 @@ def read_profile(path: str, load_model) -> Measured:
         doc = read_profile_document(path)  # checked as `shardwire report` checks it
     except DamagedProfile as err:
         raise SpecError(str(err)) from None
+    if len(doc["steps"]) <= doc["warmup_steps"]:  # its summary is then of warmup, which the steps after outrun
+        raise SpecError(f"{path} holds only its {len(doc['steps'])} warmup step(s), whose times (allocation, "
+                        f"compilation, the first gathers) no later step takes: profile a run of more than "
+                        f"{doc['warmup_steps']} steps")
     # the document's check holds its summary's figures and world size to what a profiler writes
     seconds = [doc["summary"]["figures"][f"{phase}_s"]["median"] for phase in ("forward", "backward", "optimizer")]
     try:
