@@ -591,3 +591,15 @@ def test_a_profile_of_warmup_steps_alone_is_not_calibrated_on(tmp_path, capsys):
     path = profile_with(tmp_path, warmup_alone)
     assert f"{path} holds only its 1 warmup step(s), whose times (allocation, compilation, the first gathers) no " \
            f"later step takes: profile a run of more than 1 steps" in refusal([*CALIBRATE, path], capsys)
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--nodes", "1" + "0" * 4200],
+    ["simulate", "--model", "tiny", "--cluster", "{preset: h100-ib-400, nodes: 1" + "0" * 4200 + "}"],
+    ["plan", "--model", "tiny", "--cluster", "h100-ib-400", "--global-batch", "1" + "0" * 4200],
+    ["plan", "--model", "tiny", "--cluster", "h100-ib-400", "--global-batch", "-1" + "0" * 4200],
+])
+def test_a_number_out_of_range_is_shown_cut_short(capsys, argv):
+    """Each was echoed whole: 4,313 characters of error."""
+    refused = refusal(argv, capsys)
+    assert "0...0" in refused and len(refused) < 400, refused

@@ -37,7 +37,7 @@ import math
 from collections.abc import Mapping
 
 from shardwire.launch import torchrun_command
-from shardwire.mappings import cut
+from shardwire.mappings import cut, shown
 from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
 from shardwire.options import command_line
@@ -106,9 +106,9 @@ def check_global_batch(global_batch: int, cluster: ClusterSpec) -> None:
     """Refuse a global batch out of range or that does not divide over ``cluster``'s GPUs, naming
     the nearest that do (``SpecError``): before any search, and before ``--print-config`` prints."""
     if global_batch < 1:
-        raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
+        raise SpecError(f"--global-batch must be at least 1, got {shown(global_batch)}")
     if global_batch > MAX_BATCH:
-        raise SpecError(f"--global-batch {global_batch} is over {MAX_BATCH:,} sequences, hundreds of times the "
+        raise SpecError(f"--global-batch {shown(global_batch)} is over {MAX_BATCH:,} sequences, hundreds of times the "
                         f"largest published batches: it counts sequences, not tokens")
     world = cluster.world
     if global_batch % world:

@@ -578,7 +578,7 @@ def _check_limits(spec, *keys: str) -> None:
 def _check_value(key: str, value: float) -> None:
     """Refuse ``value`` of ``key`` outside its ``LIMITS``."""
     limit = LIMITS[key]
-    written = f"{value:.12g}" if isinstance(value, float) else str(value)  # 1e+15, not 1000000000000000.0
+    written = f"{value:.12g}" if isinstance(value, float) else shown(value)  # 1e+15, not 1000000000000000.0
     if not (0 <= value if limit.zero else 0 < value) or not value < math.inf:
         raise SpecError(f"{key} must be {'at least 0' if limit.zero else 'positive'} and finite, got {written}")
     if value < limit.low:
