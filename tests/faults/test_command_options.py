@@ -367,6 +367,52 @@ def test_a_testbed_job_is_checked_for_the_world_its_nodes_give_it(testbed_jobs, 
     assert capsys.readouterr().out.startswith("usage: shardwire train")
 
 
+def test_a_testbed_job_is_claimed_before_its_testbed_and_options_are_checked(testbed_jobs, capsys, monkeypatch):
+    """`run` checked the testbed, then the job's options for seconds, and only then claimed it: a
+    `down` or an `up` in between was not refused, and the job failed blaming a node, or ran on the
+    links of another testbed without a word."""
+    import contextlib
+
+    from shardwire.cli import testbed as testbed_command
+    from shardwire.testbed import job, spec
+
+    done = []
+    checking, claiming = testbed_command._check_job, testbed_command.running
+
+    @contextlib.contextmanager
+    def running(name):
+        with claiming(name):
+            done.append("claimed")
+            yield
+
+    monkeypatch.setattr(testbed_command, "running", running)
+    monkeypatch.setattr(testbed_command, "_settled", lambda name: done.append("settled") or spec.Testbed.load(name))
+    monkeypatch.setattr(testbed_command, "_check_job", lambda *given: done.append("checked") or checking(*given))
+    monkeypatch.setattr(job, "run_job", lambda testbed, nproc_per_node, command, **options: done.append("ran") or 0)
+    assert testbed_jobs("train", "--model", "tiny") == 0, capsys.readouterr().err
+    assert done == ["claimed", "settled", "checked", "ran"]
+
+
+def test_a_testbed_check_is_refused_while_a_job_runs(testbed_jobs, tmp_path, capsys):
+    """It measured the links beside the job's traffic, failing them as slow (`is the machine busy?`),
+    and cut the job's traffic; a `down` during it was not refused."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, pathlib\n"
+                               "from shardwire.testbed import spec\n"
+                               "spec.STATE_DIR = pathlib.Path(sys.argv[1])\n"
+                               "with spec.running('shardwire-test-options'):\n"
+                               "    print('held', flush=True)\n"
+                               "    time.sleep(60)\n", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert main(["testbed", "check", "--name", "shardwire-test-options"]) != 0
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"testbed 'shardwire-test-options' is running another job (process {holder.pid} " in err and \
+        err.count("\n") == 1, err
+
+
 def test_ctrl_c_names_a_fault_tolerant_groups_own_series(tmp_path):
     import shardwire
     from shardwire.cli.train import _what_was_saved

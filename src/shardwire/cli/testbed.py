@@ -40,6 +40,7 @@ from shardwire.testbed.spec import (
     TestbedError,
     TestbedFailure,
     check_name,
+    held,
     parse_rate,
     running,
     testbed_command,
@@ -163,16 +164,16 @@ def _run(args) -> int:
         raise TestbedError(f"give the job after --, e.g. `{example}`")
     if args.max_restarts < 0:
         raise TestbedError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    testbed = _built(args.name)
-    _workers_fit(testbed.nodes, args.nproc_per_node)
-    if (ended := _check_job(testbed, args.nproc_per_node, command)) is not None:
-        return ended
+    with running(args.name):  # claimed first: an up or down that starts now is refused, not run under it
+        testbed = _settled(args.name)
+        _workers_fit(testbed.nodes, args.nproc_per_node)
+        if (ended := _check_job(testbed, args.nproc_per_node, command)) is not None:
+            return ended
 
-    def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
-        raise KeyboardInterrupt
+        def stop(signum, frame):  # a terminated `run` stops its job, like an interrupted one
+            raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
-    with running(args.name):
+        signal.signal(signal.SIGTERM, stop)
         return job.run_job(testbed, args.nproc_per_node, command, max_restarts=args.max_restarts)
 
 
@@ -307,12 +308,20 @@ def _built(name: str) -> Testbed:
     return testbed
 
 
+def _settled(name: str) -> Testbed:
+    """The testbed ``_built`` finds once an ``up`` or ``down`` under way has ended (``held``): one
+    half removed is no testbed to rebuild, and one half built is not yet the one asked for."""
+    with held(name):
+        return _built(name)
+
+
 def _check(args) -> int:
-    testbed = Testbed.load(args.name)
     if not 0 < args.seconds <= check.MAX_SECONDS:
         raise TestbedError(f"--seconds must be positive and at most {check.MAX_SECONDS:g}, got {args.seconds}")
-    print(testbed.describe())
-    findings = check.check(testbed, args.seconds)
+    with running(args.name):  # a job, or another check, would share the links it measures
+        testbed = _settled(args.name)
+        print(testbed.describe())
+        findings = check.check(testbed, args.seconds)
     for finding in findings:
         print(f"  {finding}")
     passed = all(finding.ok for finding in findings)

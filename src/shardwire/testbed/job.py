@@ -21,8 +21,8 @@ import time
 from typing import IO
 
 from shardwire.launch import NODE_THREADS, rendezvous_options
-from shardwire.testbed.network import in_namespace
-from shardwire.testbed.spec import NODE_INTERFACE, Testbed
+from shardwire.testbed.network import in_namespace, links_down
+from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure
 
 RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
 STOP_GRACE_S = 10.0
@@ -85,7 +85,7 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
             nodes.append(proc)
             streams.append(threading.Thread(target=_stream, args=(proc.stdout, f"[node{k}] ", out, lock), daemon=True))
             streams[-1].start()
-        return _wait(nodes, out, lock)
+        return _wait(testbed, nodes, out, lock)
     except KeyboardInterrupt:
         with lock:
             print("interrupted: stopping the nodes", file=out, flush=True)
@@ -96,18 +96,32 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
             thread.join(timeout=STOP_GRACE_S)
 
 
-def _wait(nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock) -> int:
+def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock) -> int:
     while True:
         statuses = [proc.poll() for proc in nodes]
         failed = [(k, status) for k, status in enumerate(statuses) if status not in (None, 0)]
         if failed:
             k, status = failed[0]
             with lock:
-                print(f"node{k} failed (exit {status}): stopping the other nodes", file=out, flush=True)
+                print(f"node{k} failed (exit {status}){_cut_off(testbed)}: stopping the other nodes", file=out,
+                      flush=True)
             return status if status > 0 else 128 - status
         if all(status == 0 for status in statuses):
             return 0
         time.sleep(POLL_S)
+
+
+def _cut_off(testbed: Testbed) -> str:
+    """Which nodes ``shardwire testbed link`` has cut off, in words after a failure, or nothing: a node
+    that lost its peers blames them, not the link."""
+    try:
+        down = links_down(testbed)
+    except TestbedFailure:  # the testbed removed under the job: the failure says so itself
+        return ""
+    if not down:
+        return ""
+    names = ", ".join(f"node{node}" for node in down)
+    return f", with the link of {names} down (`shardwire testbed link` cut it)"
 
 
 def _stream(pipe: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:

@@ -93,6 +93,19 @@ def set_link(testbed: Testbed, node: int, up: bool) -> None:
     _run("ip", "-n", testbed.hub, "link", "set", testbed.switch_port(node), "up" if up else "down")
 
 
+def links_down(testbed: Testbed) -> list[int]:
+    """The nodes ``set_link`` cut off from the switch (their switch port down), as things stand now."""
+    listed = _run("ip", "-o", "-n", testbed.hub, "link", "show")
+    down = []
+    for node in range(testbed.nodes):
+        line = next((line for line in listed.splitlines() if f" {testbed.switch_port(node)}@" in line
+                     or f" {testbed.switch_port(node)}:" in line), "")
+        flags = line[line.find("<") + 1:line.find(">")].split(",") if "<" in line else []
+        if line and "UP" not in flags:
+            down.append(node)
+    return down
+
+
 def _run(*argv: str) -> str:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:

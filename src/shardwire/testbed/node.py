@@ -27,6 +27,7 @@ from shardwire.launch import failed_workers, quiet_agent
 
 def main(argv: list[str]) -> int:
     """Run torchrun with ``argv`` (its options, ``--``, then the job); returns the node's exit status."""
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -43,7 +44,8 @@ def main(argv: list[str]) -> int:
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return failed_workers(err)
-    except RendezvousError as err:  # the nodes could not meet, or the one holding their meeting point ended
+    except (RendezvousError, DistStoreError) as err:  # the nodes could not meet (a node cut off: the store's
+        # wait times out), or the one holding their meeting point ended
         reason = " ".join(str(err.__cause__ or err).split())
         print(f"error: the job's rendezvous at {config.rdzv_endpoint} failed ({reason}): the node holding it has "
               f"stopped, or cannot be reached", file=sys.stderr)
