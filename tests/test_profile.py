@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from harness import matmul_precision, run_workers, summarised
+from harness import figured, matmul_precision, run_workers, summarised
 from shardwire.models.gpt import GPT, PRESETS, GPTConfig, loss_fn
 from shardwire.profile import analysis, intervals, report
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
@@ -242,6 +242,7 @@ def test_report_of_a_large_world_draws_a_few_ranks_and_each_lane_at_once(profile
     for step in profile["steps"]:
         step["ranks"] = [step["ranks"][0]] * len(profile["timeline"]["ranks"])
     profile["world_size"] = len(profile["timeline"]["ranks"])
+    figured(profile)
     big = tmp_path / "big"
     big.mkdir()
     (big / "profile.json").write_text(json.dumps(profile))

@@ -120,17 +120,22 @@ def test_inputs_from_files_and_preset_overrides(tmp_path):
 
 
 def bench_document(nodes=2, per_node=2, backend="gloo", impl="shardwire"):
-    """A ``shardwire.bench/1`` document with known fits (see shardwire.bench.report)."""
-    def fit(ranks, alpha, beta):
-        return {"ranks": ranks, "placement": "out_of_place", "alpha_s": alpha, "beta_Bps": beta, "r2": 1.0,
-                "points": 8}
+    """A ``shardwire.bench/1`` document with known fits (see shardwire.bench.report), each the fit of
+    the times it gives at 8 sizes, as bench writes them."""
+    fits = {"intra": {"all_gather": (1e-4, 4e9), "reduce_scatter": (3e-4, 2e9)}, "inter": {"all_gather": (2e-3, 0.25e9)}}
+    sizes = [1024 * 4 ** i for i in range(8)]
     return {
         "schema": "shardwire.bench/1",
         "context": {"world": nodes * per_node, "nodes": nodes, "ranks_per_node": per_node, "backend": backend,
                     "settings": {"impl": impl}},
-        "results": {}, "summary": {},
-        "fit": {"intra": {"all_gather": fit(2, 1e-4, 4e9), "reduce_scatter": fit(2, 3e-4, 2e9)},
-                "inter": {"all_gather": fit(2, 2e-3, 0.25e9), "reduce_scatter": None}},
+        "results": {group: {op: [{"bytes": size, "out_of_place": {"time_us": (alpha + size / beta) * 1e6}}
+                                 for size in sizes] for op, (alpha, beta) in ops.items()}
+                    for group, ops in fits.items()},
+        "summary": {},
+        "fit": {group: {"all_gather": None, "reduce_scatter": None,
+                        **{op: {"ranks": 2, "placement": "out_of_place", "alpha_s": alpha, "beta_Bps": beta, "r2": 1.0,
+                                "points": len(sizes)} for op, (alpha, beta) in ops.items()}}
+                for group, ops in fits.items()},
     }
 
 
@@ -485,7 +490,7 @@ def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
     # far slower than the GPU runs (a CPU's profile): blamed on the profile, never on the cluster given
     (profile_document(forward=800.0, backward=1700.0), "profile.json: its compute runs at 4.1e-05 of the peak of "
                                                         "cluster 'h100-ib-400', slower than any GPU runs its kernels"),
-    (profile_document(optimizer=1e300), "profile.json is damaged (summary.figures.optimizer_s.min is 1e+300: times, "
+    (profile_document(optimizer=1e300), "profile.json is damaged (summary.figures.step_s.min is 1e+300: times, "
                                         "bytes and ratios are numbers from 0 to 1e+15)"),
     ({**profile_document(), "summary": {}}, "is damaged (summary has no figures, unlike a profile of `shardwire "
                                             "train --profile`)"),

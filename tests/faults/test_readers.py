@@ -96,7 +96,7 @@ def test_calibrate_reads_a_device_never_and_a_file_up_to_a_bound(tmp_path, capsy
     ("world_size", json.loads("[" * 500 + "]" * 500), "is damaged (its world_size is [[[...]]]"),
     # a world other than the one its timeline and steps hold: report refuses it, and so does calibrate
     ("world_size", 64, "is damaged (its timeline holds 1 ranks' steps for a world_size of 64)"),
-    ("model", 5, "its model must be a name, as `shardwire train --model` takes it, got 5"),
+    ("model", 5, "is damaged (its metadata's model is 5, not a name)"),
     ("model", LONG, "its job cannot be simulated: unknown model preset 'xxx"),
     ("seq_len", "long", "its job cannot be simulated: model: seq_len must be a whole number, got 'long'"),
     # another model's name, fitted to the times of the one that ran, predicted a step 8.6 times too long
@@ -204,8 +204,22 @@ def _scaled_summary(document):
                                                    document["summary"]["figures"]["forward_s"].items()}
 
 
+def _forward_five_times(document):
+    """Every rank's forward made five times as long, with each step's figures and the summary made to
+    agree, as the attacker of a profile would: the parts then outgrow the step."""
+    for step in document["steps"]:
+        for figures in step["ranks"]:
+            figures["forward_s"] *= 5
+        step["figures"]["forward_s"] = {stat: 5 * seconds for stat, seconds in step["figures"]["forward_s"].items()}
+    document["summary"]["figures"]["forward_s"] = {stat: 5 * seconds for stat, seconds in
+                                                   document["summary"]["figures"]["forward_s"].items()}
+
+
 @pytest.mark.parametrize("change, said", [
     (_scaled_summary, "its summary's forward_s min is 1.56234, where the median over its steps is 0.0781172"),
+    (_forward_five_times, "its step 0's rank 0 has parts adding up to "),
+    (lambda d: d["steps"][3]["figures"]["backward_s"].update(max=100.0),
+     "its step 3's backward_s max is 100, where its ranks give 0.169"),
     (lambda d: d["summary"].update(tokens_per_s=20 * d["summary"]["tokens_per_s"]),
      "its summary's tokens_per_s is 1.18583e+06, where its tokens_per_step over its step time give 59291.4"),
     (lambda d: d.update(warmup_steps=-3), "warmup_steps is -3, not a whole number"),

@@ -56,7 +56,8 @@ def read_profile_document(path: str) -> dict:
                                  f"{_MEASURE_BOUND:g}); profile the run again")
     if (held := _rank_count_problem(profile, world)) is not None:
         raise DamagedProfile(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
-    if (differs := _summary_problem(profile) or _metadata_problem(profile["metadata"])) is not None:
+    if (differs := _steps_problem(profile) or _summary_problem(profile)
+            or _metadata_problem(profile["metadata"])) is not None:
         raise DamagedProfile(f"{path} is damaged ({differs}); profile the run again")
     return profile
 
@@ -74,6 +75,30 @@ def _metadata_problem(metadata: dict) -> str | None:
             return f"its metadata's {key} is {shown(metadata[key])}, not a name"
         if key in metadata and key in job and metadata[key] != job[key]:
             return f"its metadata's {key} is {shown(metadata[key])}, where the job it ran has {shown(job[key])}"
+    return None
+
+
+def _steps_problem(profile: dict) -> str | None:
+    """Where a step's figures are not what its ranks' give, in words, or None. The profiler splits
+    each rank's step into its parts (what the others leave is its wait), so they add up to its step
+    time, and writes each figure of a step as the least, median and most over its ranks: a rank's
+    part edited apart from its step (a forward five times as long) would be drawn, and calibrate
+    the simulator, as if measured."""
+    for step in profile["steps"]:
+        for rank, figures in enumerate(step["ranks"]):
+            missing = next((name for name in _FIGURES if not is_number(figures.get(name))), None)
+            if missing is not None:
+                return f"its step {step['step']}'s rank {rank} has {shown(figures.get(missing))} for {missing}"
+            parts = math.fsum(figures[key] for key, _ in PARTS)
+            if not math.isclose(parts, figures["step_s"], rel_tol=_ROUNDING, abs_tol=1e-9):
+                return (f"its step {step['step']}'s rank {rank} has parts adding up to {parts:.6g} s in a step of "
+                        f"{figures['step_s']:.6g} s")
+        for name in _FIGURES:
+            values = [figures[name] for figures in step["ranks"]]
+            for stat, value in (("min", min(values)), ("median", statistics.median(values)), ("max", max(values))):
+                if not math.isclose(step["figures"][name][stat], value, rel_tol=_ROUNDING, abs_tol=1e-12):
+                    return (f"its step {step['step']}'s {name} {stat} is {step['figures'][name][stat]:.6g}, where "
+                            f"its ranks give {value:.6g}")
     return None
 
 
