@@ -50,6 +50,7 @@ import socket
 import stat
 import sys
 import tempfile
+from collections.abc import Iterable
 
 # What a path that is not a regular file is, for messages.
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -163,6 +164,25 @@ def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
     if head and not ours(head):
         return f"exists and is not {what}: give another file name (a rerun replaces only its own results)"
     return None
+
+
+def remove_results(directory: str | os.PathLike, names: Iterable[str], kind: str) -> list[str]:
+    """Remove each of ``names`` in ``directory`` that is a result of ``kind`` (a key of ``OUTPUTS``),
+    made from what a command has just replaced there; returns the names removed. Anything else of
+    that name (the user's) is left alone."""
+    _, ours = OUTPUTS[kind]
+    removed = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as existing:
+                head = existing.read(_HEAD_BYTES)
+            if os.path.isfile(path) and not os.path.islink(path) and head and ours(head):
+                os.remove(path)
+                removed.append(name)
+        except OSError:  # none there, or none this process may look at or remove: it stays as it was
+            continue
+    return removed
 
 
 def new_output_problem(path: str | os.PathLike) -> str | None:

@@ -617,3 +617,14 @@ def test_a_number_out_of_range_is_shown_cut_short(capsys, argv):
     """Each was echoed whole: 4,313 characters of error."""
     refused = refusal(argv, capsys)
     assert "0...0" in refused and len(refused) < 400, refused
+
+
+def test_a_new_profile_takes_the_report_plots_of_the_one_it_replaced_with_it(tmp_path):
+    """They stayed beside it, drawing another job; a file of the user's of the same name stays."""
+    from shardwire.files import PLOTS, remove_results
+
+    text = b"Software\x00" + PLOTS["report-plot"].encode()
+    (tmp_path / "timeline.png").write_bytes(b"\x89PNG\r\n\x1a\n" + len(text).to_bytes(4, "big") + b"tEXt" + text)
+    (tmp_path / "overlap.png").write_bytes(b"\x89PNG\r\n\x1a\n the user's own")
+    assert remove_results(tmp_path, ["timeline.png", "breakdown.png", "overlap.png"], "report-plot") == ["timeline.png"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["overlap.png"]

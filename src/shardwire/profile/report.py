@@ -56,14 +56,17 @@ def load_profile(run_dir: str) -> dict:
         raise ReportError(str(err)) from None
 
 
+# The plots a report draws of one run, named so in its --out (the run's own directory unless given).
+RUN_PLOTS = ("timeline.png", "breakdown.png", "overlap.png")
+
+
 def write_report(run_dirs: list[str], out: str) -> list[str]:
     profiles = [load_profile(d) for d in run_dirs]
     plots = []  # (the runs it draws, its path, how to draw it)
     for run_dir, profile, name in zip(run_dirs, profiles, _run_names(run_dirs, profiles)):
         prefix = "" if len(profiles) == 1 else f"{name}-"
-        plots += [([run_dir], os.path.join(out, f"{prefix}{name}.png"), functools.partial(draw, profile))
-                  for name, draw in (("timeline", _plot_timeline), ("breakdown", _plot_breakdown),
-                                     ("overlap", _plot_overlap))]
+        plots += [([run_dir], os.path.join(out, f"{prefix}{name}"), functools.partial(draw, profile))
+                  for name, draw in zip(RUN_PLOTS, (_plot_timeline, _plot_breakdown, _plot_overlap))]
     if len(profiles) > 1:
         plots.append((run_dirs, os.path.join(out, "scaling.png"), functools.partial(_plot_scaling, profiles)))
     try:  # every output checked before any is drawn

@@ -40,7 +40,7 @@ from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
-from shardwire.files import Diverted, OutputRefused, StagedDirectory
+from shardwire.files import Diverted, OutputRefused, StagedDirectory, remove_results
 from shardwire.launch import REFUSED, under_launcher
 from shardwire.mappings import one_line
 from shardwire.models import fp8
@@ -60,6 +60,7 @@ from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
+from shardwire.profile.report import RUN_PLOTS
 from shardwire.options import SettingError, flag
 from shardwire.training import autoplan
 from shardwire.training.config import (TrainConfig, changed_settings, recorded_diloco, recorded_seq_len,
@@ -1026,6 +1027,10 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         raise _agreed(f"error: --run-dir: {err}") from None
     if rank != 0:
         return
+    # the plots a report drew there of the profile this one replaced would stand for this run's
+    if stale := remove_results(run_dir, RUN_PLOTS, "report-plot"):
+        print(f"note: removed {', '.join(stale)} from {run_dir}, drawn by `shardwire report` of the profile this "
+              f"run replaced", file=sys.stderr, flush=True)
     f = summary["typical_step"]["figures"]  # one rank's own parts, which add up to its step
     mfu = f"MFU {summary['mfu']:.1%}" if "mfu" in summary else "MFU unknown (no peak)"
     if summary.get("mfu", 0) > 1:
