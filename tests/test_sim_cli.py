@@ -122,7 +122,8 @@ def test_inputs_from_files_and_preset_overrides(tmp_path):
 def bench_document(nodes=2, per_node=2, backend="gloo", impl="shardwire"):
     """A ``shardwire.bench/1`` document with known fits (see shardwire.bench.report), each the fit of
     the times it gives at 8 sizes, as bench writes them."""
-    fits = {"intra": {"all_gather": (1e-4, 4e9), "reduce_scatter": (3e-4, 2e9)}, "inter": {"all_gather": (2e-3, 0.25e9)}}
+    fits = {"intra": {"all_gather": (1e-4, 4e9), "reduce_scatter": (3e-4, 2e9)},
+            "inter": {"all_gather": (2e-3, 0.25e9)}}
     sizes = [1024 * 4 ** i for i in range(8)]
     return {
         "schema": "shardwire.bench/1",

@@ -497,7 +497,8 @@ def test_a_manifest_that_is_not_a_regular_file_is_named_so_unread(tmp_path, make
 def _groups_resume_a_checkpoint_forged_apart(rank, world, root, files, key, forge):
     """Two groups of one rank that sync every 2 steps save at steps 2 and 3; then, in the rank files
     ``files`` of step 3, ``forge`` (``("add", x)`` or ``("set", values)``) changes ``key`` and the
-    files and manifest are re-hashed, as a forger would. Returns what loading step 3 by name raised and the step a resume of the series took."""
+    files and manifest are re-hashed, as a forger would. Returns what loading step 3 by name raised
+    and the step a resume of the series took."""
     from safetensors.torch import load_file, save_file
 
     from shardwire.engine.checkpoint.format import FileRecord

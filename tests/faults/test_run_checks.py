@@ -283,8 +283,10 @@ def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_pa
                                                                   "replicated.safetensors"]
 
 
-@pytest.mark.parametrize("name, why", [("step_00000004.diverged", "set aside by its run as diverged"),
-                                       ("step_00000004.set-aside-aaaaaaaaaaaa", "set aside by the save that replaced it")])
+@pytest.mark.parametrize("name, why", [
+    ("step_00000004.diverged", "set aside by its run as diverged"),
+    ("step_00000004.set-aside-aaaaaaaaaaaa", "set aside by the save that replaced it"),
+])
 def test_a_checkpoint_set_aside_given_as_the_checkpoint_directory_says_no_resume_starts_from_it(tmp_path, no_workers,
                                                                                                capsys, name, why):
     """It said to give the directory that holds it to resume from it: that resumed another checkpoint,

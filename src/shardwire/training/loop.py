@@ -265,7 +265,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     trained_on = _trained_on(config, corpus, global_batch)
     tokens_per_step = global_batch * config.grad_accum * choice.seq_len
     if rank == 0:
-        print(f"shardwire train: {choice.name} ({job.params / 1e6:.2f}M parameters), {world} ranks "
+        print(f"shardwire train: {choice.name} ({job.params / 1e6:.2f}M parameters), {world} rank{'s' * (world > 1)} "
               f"({worker.backend_for(device)}, {device.type}), {len(engine.units)} block units + root, "
               f"layout {_describe_layout(engine)}, {_describe_wire(engine, config.wire)}, "
               f"prefetch {config.prefetch}, {'reshard' if config.reshard else 'keep'} after forward, "
@@ -833,7 +833,8 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             settings = changed_settings(recorded, config)
-            changed = [f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
+            changed = [f"{flag(name)} -> {_switch(name, now)}" if isinstance(before, bool) and isinstance(now, bool)
+                       else f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
                        for name, (before, now) in settings.items()]
             # the data's change in length, unless --data itself is named changed above
             changed += _changed_scale(info, trained_on["global_batch"]) + (
@@ -862,6 +863,11 @@ def _own_steps_dropped(info: CheckpointInfo, recorded: dict) -> bool:
         return False
     saved = recorded_diloco(info.extra)  # None where it does not read: said as dropped
     return saved is None or not isinstance(info.step, int) or not saved.agreed_after(info.step, recorded.get("steps"))
+
+
+def _switch(name: str, on: bool) -> str:
+    """A switch's option as the user gives it: --reshard, or --no-reshard."""
+    return flag(name) if on else f"--no-{flag(name)[2:]}"
 
 
 def _as_given(value) -> str:
