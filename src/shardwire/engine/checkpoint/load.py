@@ -352,12 +352,12 @@ def _schedule_problem(schedule: list[int], quorum: list[int] | None, sync_every:
     the step whose due sync was issued, the step the sync in flight is applied after, or -1) and
     the quorum's counts cannot be resumed, or None. The syncs are issued at each forward, so the
     steps done run at most a sync's interval ahead of the last issued (a resumed run issues every
-    sync due in between, one at a time: 2**62 steps ahead would never end), and a sync in flight is
-    applied no earlier than it was issued."""
+    sync due in between, one at a time: 2**62 steps ahead would never end; one optimizer step a
+    forward leaves it one ahead), and a sync in flight is applied no earlier than it was issued."""
     steps, checked, applied_after = schedule
     if not 0 <= checked <= steps <= checked + sync_every:
         return f"its outer schedule records {steps} inner steps done and syncs issued to step {checked}"
-    if applied_after != -1 and not checked <= applied_after <= checked + sync_every:
+    if applied_after != -1 and applied_after < checked:  # how far behind it runs is the saving run's setting
         return f"its outer schedule applies the sync in flight after step {applied_after}, issued at step {checked}"
     if quorum is not None and min(quorum) < 0:
         return f"its quorum's counts of syncs and batches are {quorum}"
