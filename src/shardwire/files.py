@@ -50,7 +50,6 @@ import socket
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
 
 # What a path that is not a regular file is, for messages.
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -166,23 +165,25 @@ def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
     return None
 
 
-def remove_results(directory: str | os.PathLike, names: Iterable[str], kind: str) -> list[str]:
-    """Remove each of ``names`` in ``directory`` that is a result of ``kind`` (a key of ``OUTPUTS``),
-    made from what a command has just replaced there; returns the names removed. Anything else of
-    that name (the user's) is left alone."""
+def results_in(directory: str | os.PathLike, kind: str) -> list[str]:
+    """The names of the files in ``directory`` that are results of ``kind`` (a key of ``OUTPUTS``),
+    sorted; none where it cannot be listed."""
     _, ours = OUTPUTS[kind]
-    removed = []
+    found = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
     for name in names:
         path = os.path.join(directory, name)
         try:
-            with open(path, "rb") as existing:
-                head = existing.read(_HEAD_BYTES)
-            if os.path.isfile(path) and not os.path.islink(path) and head and ours(head):
-                os.remove(path)
-                removed.append(name)
-        except OSError:  # none there, or none this process may look at or remove: it stays as it was
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as existing:
+                    if ours(existing.read(_HEAD_BYTES)):
+                        found.append(name)
+        except OSError:  # one this process may not read is not said to be one
             continue
-    return removed
+    return found
 
 
 def new_output_problem(path: str | os.PathLike) -> str | None:

@@ -218,6 +218,10 @@ def _forward_five_times(document):
 @pytest.mark.parametrize("change, said", [
     (_scaled_summary, "its summary's forward_s min is 1.56234, where the median over its steps is 0.0781172"),
     (_forward_five_times, "its step 0's rank 0 has parts adding up to "),
+    (lambda d: (d["metadata"]["config"].update(seq_len=2048), d.update(tokens_per_step=10 * d["tokens_per_step"]),
+                d["summary"].update(tokens_per_s=10 * d["summary"]["tokens_per_s"])),
+     "its job, 8 x 1 sequences of 2048 tokens on each of 1 ranks, is 16,384 tokens a step, where its tokens_per_step "
+     "is 163840"),
     (lambda d: d["steps"][3]["figures"]["backward_s"].update(max=100.0),
      "its step 3's backward_s max is 100, where its ranks give 0.169"),
     (lambda d: d["summary"].update(tokens_per_s=20 * d["summary"]["tokens_per_s"]),
@@ -580,6 +584,7 @@ def _job(change=None, world_size=8) -> dict:
                                                                 "'hybrid'"),
     (lambda d: d["metadata"]["config"].update(activation_checkpointing=True),
      "runs differ in --activation-checkpointing: one has False, two has True"),
+    (lambda d: d["metadata"]["config"].update(clip=0.0), "runs differ in --clip: one has 1.0, two has 0.0"),
     (lambda d: (d["metadata"].pop("precision"), d["metadata"]["config"].update(precision="fp32")),
      "runs differ in precision: one has 'bf16', two has 'fp32'"),
 ])
@@ -619,12 +624,13 @@ def test_a_number_out_of_range_is_shown_cut_short(capsys, argv):
     assert "0...0" in refused and len(refused) < 400, refused
 
 
-def test_a_new_profile_takes_the_report_plots_of_the_one_it_replaced_with_it(tmp_path):
-    """They stayed beside it, drawing another job; a file of the user's of the same name stays."""
-    from shardwire.files import PLOTS, remove_results
+def test_a_new_profile_names_the_report_plots_drawn_before_it_beside_it(tmp_path):
+    """They stayed beside it without a word, drawing another job; they are named, not removed (they
+    may be of another run, drawn there with --out), and a file of the user's is not among them."""
+    from shardwire.files import PLOTS, results_in
 
     text = b"Software\x00" + PLOTS["report-plot"].encode()
-    (tmp_path / "timeline.png").write_bytes(b"\x89PNG\r\n\x1a\n" + len(text).to_bytes(4, "big") + b"tEXt" + text)
+    for name in ("timeline.png", "scaling.png"):
+        (tmp_path / name).write_bytes(b"\x89PNG\r\n\x1a\n" + len(text).to_bytes(4, "big") + b"tEXt" + text)
     (tmp_path / "overlap.png").write_bytes(b"\x89PNG\r\n\x1a\n the user's own")
-    assert remove_results(tmp_path, ["timeline.png", "breakdown.png", "overlap.png"], "report-plot") == ["timeline.png"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["overlap.png"]
+    assert results_in(tmp_path, "report-plot") == ["scaling.png", "timeline.png"]

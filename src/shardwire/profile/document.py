@@ -56,10 +56,28 @@ def read_profile_document(path: str) -> dict:
                                  f"{_MEASURE_BOUND:g}); profile the run again")
     if (held := _rank_count_problem(profile, world)) is not None:
         raise DamagedProfile(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
-    if (differs := _steps_problem(profile) or _summary_problem(profile)
-            or _metadata_problem(profile["metadata"])) is not None:
+    if (differs := _steps_problem(profile) or _summary_problem(profile) or _metadata_problem(profile["metadata"])
+            or _job_problem(profile)) is not None:
         raise DamagedProfile(f"{path} is damaged ({differs}); profile the run again")
     return profile
+
+
+def _job_problem(profile: dict) -> str | None:
+    """Where the profile's tokens a step are not its job's, in words, or None: the sequences each
+    rank takes a step (``--batch`` x ``--grad-accum``), of the job's length, on every rank. A job that
+    records its length (the profiles of `shardwire train --profile` do; one of an earlier version
+    may not) is held to it here, for both readers: edited apart, a throughput ten times what ran
+    would be drawn. (``simulate --calibrate`` holds one without a length to its model's.)"""
+    job = profile["metadata"].get("config")
+    counts = [job.get(key) for key in ("batch", "grad_accum", "seq_len")] if isinstance(job, dict) else []
+    if not counts or not all(type(count) is int and count > 0 for count in counts):
+        return None
+    batch, accumulation, seq_len = counts
+    tokens = batch * accumulation * seq_len * profile["world_size"]
+    if tokens == profile["tokens_per_step"]:
+        return None
+    return (f"its job, {batch} x {accumulation} sequences of {seq_len} tokens on each of {profile['world_size']} "
+            f"ranks, is {tokens:,} tokens a step, where its tokens_per_step is {shown(profile['tokens_per_step'])}")
 
 
 def _metadata_problem(metadata: dict) -> str | None:

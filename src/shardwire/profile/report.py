@@ -56,17 +56,14 @@ def load_profile(run_dir: str) -> dict:
         raise ReportError(str(err)) from None
 
 
-# The plots a report draws of one run, named so in its --out (the run's own directory unless given).
-RUN_PLOTS = ("timeline.png", "breakdown.png", "overlap.png")
-
-
 def write_report(run_dirs: list[str], out: str) -> list[str]:
     profiles = [load_profile(d) for d in run_dirs]
     plots = []  # (the runs it draws, its path, how to draw it)
     for run_dir, profile, name in zip(run_dirs, profiles, _run_names(run_dirs, profiles)):
         prefix = "" if len(profiles) == 1 else f"{name}-"
-        plots += [([run_dir], os.path.join(out, f"{prefix}{name}"), functools.partial(draw, profile))
-                  for name, draw in zip(RUN_PLOTS, (_plot_timeline, _plot_breakdown, _plot_overlap))]
+        plots += [([run_dir], os.path.join(out, f"{prefix}{name}.png"), functools.partial(draw, profile))
+                  for name, draw in (("timeline", _plot_timeline), ("breakdown", _plot_breakdown),
+                                     ("overlap", _plot_overlap))]
     if len(profiles) > 1:
         plots.append((run_dirs, os.path.join(out, "scaling.png"), functools.partial(_plot_scaling, profiles)))
     try:  # every output checked before any is drawn
@@ -110,9 +107,11 @@ def _damage_reported(run_dirs: list[str]):
 
 
 # The options of `shardwire train` that set what a step computes and sends, as a profile's job
-# records them: runs that differ in any are not one job at several world sizes.
-_JOB_OPTIONS = ("model", "units", "seq_len", "batch", "grad_accum", "precision", "prefetch", "reshard", "layout",
-                "shard_group_size", "wire", "diloco", "activation_checkpointing", "compile")
+# records them: runs that differ in any are not one job at several world sizes. (Its sequence
+# length is in its FLOPs per token, which count attention; the size of a hybrid layout's groups
+# follows the nodes, as the world does.)
+_JOB_OPTIONS = ("model", "units", "batch", "grad_accum", "precision", "prefetch", "reshard", "layout", "wire",
+                "diloco", "fault_tolerance", "clip", "activation_checkpointing", "compile")
 
 
 def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
@@ -124,6 +123,7 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
         recorded = metadata.get("config") if isinstance(metadata.get("config"), dict) else {}
         found = {"model": recorded.get("model", metadata.get("model")),
                  "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
+                 "FLOPs per token": flops.get("model") if isinstance(flops := p.get("flops_per_token"), dict) else flops,
                  "precision": recorded.get("precision", metadata.get("precision")), "device": p["device"]}
         found.update({f"--{name.replace('_', '-')}": recorded.get(name) for name in _JOB_OPTIONS
                       if name not in found})

@@ -40,7 +40,7 @@ from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
-from shardwire.files import Diverted, OutputRefused, StagedDirectory, remove_results
+from shardwire.files import Diverted, OutputRefused, StagedDirectory, results_in
 from shardwire.launch import REFUSED, under_launcher
 from shardwire.mappings import one_line
 from shardwire.models import fp8
@@ -60,7 +60,6 @@ from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
-from shardwire.profile.report import RUN_PLOTS
 from shardwire.options import SettingError, flag
 from shardwire.training import autoplan
 from shardwire.training.config import (TrainConfig, changed_settings, recorded_diloco, recorded_seq_len,
@@ -997,7 +996,8 @@ def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens
     metadata = {
         "model": model_name,
         "precision": config.precision,
-        "config": {**dataclasses.asdict(config), "model": model_name},
+        # the job as it ran: its sequence length the model's own where --seq-len was not given
+        "config": {**dataclasses.asdict(config), "model": model_name, "seq_len": choice.seq_len},
         "torch_counted_flops_per_token": counted,
     }
     return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
@@ -1033,10 +1033,11 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         raise _agreed(f"error: --run-dir: {err}") from None
     if rank != 0:
         return
-    # the plots a report drew there of the profile this one replaced would stand for this run's
-    if stale := remove_results(run_dir, RUN_PLOTS, "report-plot"):
-        print(f"note: removed {', '.join(stale)} from {run_dir}, drawn by `shardwire report` of the profile this "
-              f"run replaced", file=sys.stderr, flush=True)
+    # plots a report drew there before would be taken for this run's: said, and left as they are
+    if drawn := results_in(run_dir, "report-plot"):
+        shown_plots = ", ".join(drawn[:4]) + (f" and {len(drawn) - 4} more" if len(drawn) > 4 else "")
+        print(f"note: {shown_plots} in {run_dir} were drawn by `shardwire report` before this profile was written: "
+              f"run it again to draw this one", file=sys.stderr, flush=True)
     f = summary["typical_step"]["figures"]  # one rank's own parts, which add up to its step
     mfu = f"MFU {summary['mfu']:.1%}" if "mfu" in summary else "MFU unknown (no peak)"
     if summary.get("mfu", 0) > 1:
