@@ -172,12 +172,27 @@ def test_cluster_from_bench_takes_the_shares_measured_of_each_level(tmp_path):
     unmeasured = cluster_from_bench(str(path), preset)
     assert unmeasured.intra_node.compute_share == preset.intra_node.compute_share  # the cluster's own stays
     doc["contention"] = {"workload": {"op": "matmul", "n": 1024, "dtype": "float32"},
-                         "intra": {"compute_share": 0.3, "bandwidth_share": 0.4},
-                         "world": {"compute_share": 0.1, "bandwidth_share": 0.2}}
+                         "intra": {"compute_share": 0.3, "rank_shares": [0.2, 0.4], "bandwidth_share": 0.4,
+                                   "rank_bandwidth_shares": [0.4, 0.4]},
+                         "world": {"compute_share": 0.1, "rank_shares": [0.1, 0.0, 0.2], "bandwidth_share": 0.2,
+                                   "rank_bandwidth_shares": [0.2]}}
     path.write_text(json.dumps(doc))
     measured = cluster_from_bench(str(path), preset)
     assert (measured.intra_node.compute_share, measured.intra_node.bandwidth_share) == (0.3, 0.4)
     assert (measured.inter_node.compute_share, measured.inter_node.bandwidth_share) == (0.1, 0.2)  # the world's
+
+
+def test_cluster_from_bench_takes_the_worlds_fit_where_it_is_one_levels_group(tmp_path):
+    """On one node, or one rank a node, the world's group is the other level's: a bench of the world
+    (its default) was refused with a hint to measure a group that cannot be formed there."""
+    path = tmp_path / "bench.json"
+    for nodes, per_node, level in ((1, 2, "intra_node"), (2, 1, "inter_node")):
+        doc = bench_document(nodes=nodes, per_node=per_node)
+        doc["fit"] = {"world": doc["fit"]["intra"]}
+        doc["results"] = {"world": doc["results"]["intra"]}
+        path.write_text(json.dumps(doc))
+        cluster = cluster_from_bench(str(path), CLUSTERS["a100-100gbe"])
+        assert getattr(cluster, level).busbw_GBps == pytest.approx((2 + 1) / 2), level
 
 
 def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):

@@ -187,6 +187,10 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
      "its fit.inter.all_gather has beta_Bps 9e+12, where its results give "),
     (lambda d: d["fit"]["inter"]["all_gather"].update(points=1), "its fit.inter.all_gather counts 1 sizes, where its "
                                                                  "results hold "),
+    (lambda d: d["context"]["groups"]["inter"].update(ranks=3),  # its fit, of 2 ranks, was dropped as of 1
+     "its fit.inter.all_gather.ranks is 2, where its context's inter group has 3"),
+    (lambda d: d.update(contention={"inter": {"compute_share": 0.9, "rank_shares": [0.05, 0.0]}}),
+     "its contention.inter.compute_share is 0.9, where the median of its rank_shares is 0.025"),
 ])
 def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, message):
     with open(BENCH) as f:

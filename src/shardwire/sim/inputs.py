@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import statistics
 from collections.abc import Mapping
 
 from shardwire.bench.metrics import fit_latency_bandwidth
@@ -156,17 +157,23 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         raise Missing(f"its context.world is {shown(world)}, where its {nodes} nodes of {per_node} ranks make "
                       f"{nodes * per_node}")
     levels = {}
+    groups = _context_groups(doc)
     for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
-        group_fits = fits.get(group) or {}
+        # the world's group is this level's where the other level has one rank: one rank a node, or one node
+        alone = needed and (per_node == 1 or nodes == 1)
+        measured_as = "world" if alone and not fits.get(group) else group
+        group_fits = fits.get(measured_as) or {}
         if not isinstance(group_fits, Mapping):
-            raise Missing(f"its fit.{group} is {shown(group_fits)}, not a mapping")
-        link = _link_from_fits(group_fits, group, nodes * per_node, doc.get("results"))
+            raise Missing(f"its fit.{measured_as} is {shown(group_fits)}, not a mapping")
+        link = _link_from_fits(group_fits, measured_as, groups.get(measured_as), nodes * per_node,
+                               doc.get("results"))
         if link is None and needed:
-            groups = " ".join(name for name, spans in (("intra", per_node > 1), ("inter", nodes > 1)) if spans)
+            named = " ".join(name for name, spans in (("intra", per_node > 1), ("inter", nodes > 1)) if spans)
             raise SpecError(
                 f"{path} has no usable all_gather or reduce_scatter fit for the {group!r} group; measure "
-                f"it with `shardwire bench --groups {groups} --ops all_gather reduce_scatter --json bench.json` "
-                f"and give that file"
+                f"it with `shardwire bench --groups {named} --ops all_gather reduce_scatter --json bench.json` "
+                f"on the nodes it describes (a group of ranks on one node needs 2 there, one across nodes 2 "
+                f"nodes: under their launcher, or `shardwire testbed run`), and give that file"
             )
         own = getattr(cluster, level)
         measured = _contention(doc.get("contention") or {}, group)
@@ -186,20 +193,42 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
 
 
 def _contention(contention: Mapping, group: str) -> Mapping:
-    """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing."""
+    """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing.
+    Each share is the median of its members' (``shardwire.bench.contention``): one edited apart
+    from them would slow the simulated compute by what no member measured."""
     for name in (group, "world"):
         if measured := contention.get(name):
             if not isinstance(measured, Mapping):
                 raise Missing(f"its contention.{name} is {shown(measured)}, not a mapping")
+            for share, members in (("compute_share", "rank_shares"), ("bandwidth_share", "rank_bandwidth_shares")):
+                if share not in measured:
+                    continue
+                found, each = measured[share], measured.get(members)
+                if not (isinstance(each, list) and each and all(is_number(value) for value in each)):
+                    raise Missing(f"its contention.{name}.{members} is {shown(each)}, not a list of shares")
+                if not (is_number(found) and math.isclose(found, median := statistics.median(each),
+                                                          rel_tol=_REFIT_AGREE, abs_tol=1e-12)):
+                    raise Missing(f"its contention.{name}.{share} is {shown(found)}, where the median of its "
+                                  f"{members} is {median:.6g}")
             return measured
     return {}
 
 
-def _link_from_fits(fits: Mapping, group: str, world: int, results) -> LinkSpec | None:
-    """The link the all-gather and reduce-scatter fits of ``group`` describe (of ``world`` ranks at
-    most), or None where no fit says it (a group of one rank; a time that did not grow with size).
-    A value no fit has, or a fit its ``results`` do not give, is ``Missing``: the document was
-    edited or damaged."""
+def _context_groups(doc: Mapping) -> dict[str, int]:
+    """The ranks of each group a bench document measured (``context.groups``), by name; none known
+    where it records none."""
+    recorded = doc["context"].get("groups")
+    if not isinstance(recorded, Mapping):
+        return {}
+    return {name: group["ranks"] for name, group in recorded.items()
+            if isinstance(group, Mapping) and type(group.get("ranks")) is int}
+
+
+def _link_from_fits(fits: Mapping, group: str, ranks: int | None, world: int, results) -> LinkSpec | None:
+    """The link the all-gather and reduce-scatter fits of ``group`` describe (of ``ranks``, where the
+    document records them, and of ``world`` at most), or None where no fit says it (a group of one
+    rank; a time that did not grow with size). A value no fit has, or a fit its ``results`` do not
+    give, is ``Missing``: the document was edited or damaged."""
     links = []
     for op in _LINK_OPS:
         fit, where = fits.get(op), f"fit.{group}.{op}"
@@ -212,6 +241,8 @@ def _link_from_fits(fits: Mapping, group: str, world: int, results) -> LinkSpec 
         k, alpha, beta = fit["ranks"], fit["alpha_s"], fit["beta_Bps"]
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= world:
             raise Missing(f"its {where}.ranks is {shown(k)}, not a whole number from 1 to the {world} ranks it ran")
+        if ranks is not None and k != ranks:
+            raise Missing(f"its {where}.ranks is {k}, where its context's {group} group has {ranks}")
         # a least-squares intercept may fall a little below zero (read as none), never seconds below
         if not (is_number(alpha) and _LEAST_INTERCEPT_S <= alpha < math.inf):
             raise Missing(f"its {where}.alpha_s is {shown(alpha)}, not a fitted latency in seconds")
