@@ -417,8 +417,20 @@ def test_a_final_model_far_worse_than_the_one_the_run_started_from_is_divergence
         diverged.logged(step, loss)
     diverged.check()
     with pytest.raises(SystemExit, match=r"the validation loss after the last step was 12.6, over a nat above that of "
-                                         r"the model the run started from, 5.6 \(nothing was saved\): " + blamed):
+                                         r"the model the run started from, 5.6, and its training loss ended at 12.5, "
+                                         r"no lower than it began \(5.5\) \(nothing was saved\): " + blamed):
         diverged.vouched(12.6)
+
+
+def test_a_final_validation_loss_far_above_the_start_while_training_fell_is_no_divergence():
+    """A model fine-tuned away from text like the validation split's (English words, Chinese in the
+    validation split): its training loss fell from 3.9 to 1.3 while the validation loss rose 3 nats,
+    and the run was stopped as diverged, its checkpoint set aside."""
+    diverged = divergence(steps=30, start_val_loss=5.57)
+    diverged.note_loss(0, torch.tensor(3.92))
+    for step, loss in enumerate((3.5, 2.9, 2.2, 1.81, 1.5, 1.26), 1):
+        diverged.logged(step, loss)
+    diverged.vouched(8.48)
 
 
 def test_a_final_validation_loss_far_above_the_training_loss_is_judged_against_the_start_validation_loss():

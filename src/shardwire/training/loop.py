@@ -42,7 +42,7 @@ from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import weights_by_unit
 from shardwire.files import Diverted, OutputRefused, StagedDirectory, results_in
 from shardwire.launch import REFUSED, under_launcher
-from shardwire.mappings import one_line
+from shardwire.mappings import cut, one_line
 from shardwire.models import fp8
 from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import (
@@ -522,7 +522,8 @@ class _Divergence:
 
     A checkpoint's weights are vouched for only by the loss computed from them, at the step after
     it (or, for the last, by the validation loss after the run's final sync, which must also be
-    within a nat of the model's the run started from: ``_final_problem``): the run keeps one
+    within a nat of the model's the run started from, where the training loss did not fall:
+    ``_final_problem``): the run keeps one
     checkpoint more than ``--keep`` until then (``vouched``), and a checkpoint of this run saved
     from weights that then diverged is moved out of the series, so that a resume never starts from
     it."""
@@ -535,6 +536,8 @@ class _Divergence:
         self._config = config
         self._start = start
         self._start_val_loss = start_val_loss  # the validation loss of the model the run started from
+        self._start_train_loss: float | None = None  # its training loss, over every rank (``logged``)
+        self._last_logged: float | None = None  # the last logged loss
         self._diloco = DiLoCo.parse(config.diloco)
         self._never = config.steps
         self._first = torch.full((2,), self._never, dtype=torch.long, device=device)  # not finite, spiked
@@ -567,6 +570,8 @@ class _Divergence:
             start_loss = self._start_loss.clone()
             dist.all_reduce(start_loss)
             self._lowest = (start_loss.item() / dist.get_world_size(), self._start)
+            self._start_train_loss = self._lowest[0]
+        self._last_logged = loss
         self._climbing.append(loss)
         if len(self._climbing) == self.SPIKE_WINDOW:
             self._check_climb(step, sum(self._climbing) / self.SPIKE_WINDOW)
@@ -655,18 +660,21 @@ class _Divergence:
 
     def _final_problem(self, val_loss: float) -> str | None:
         """How the final model's validation loss shows it diverged, or None: not finite or above the
-        spike bound, or over a nat above the validation loss of the model the run started from (a
-        loss that climbed in the last steps, or at the final sync, too late for a logged mean to show
-        it: a model worse than the one it started from by that much has stopped training). Validation
-        against validation: the training split's loss can lie far below it (other text). The same
-        verdict on every rank (the validation loss is every rank's)."""
+        spike bound, or over a nat above the validation loss of the model the run started from while
+        its training loss ended no lower than it began (a loss that climbed in the last steps, too
+        late for a logged mean to show it: a model worse than the one it started from by that much,
+        on both splits, has stopped training). Validation against validation: the training split's
+        loss can lie far below it (other text); and training with it: a model fine-tuned away from
+        text like the validation split's trains on. The same verdict on every rank (the losses are
+        every rank's)."""
         limit = self._limit.clone() if self._limit is not None else torch.tensor(math.inf, device=self._device)
         dist.all_reduce(limit, op=dist.ReduceOp.MAX)  # the loosest rank's bound: every rank decides alike
-        start = self._start_val_loss
+        start, began, ended = self._start_val_loss, self._start_train_loss, self._last_logged
         if not (math.isfinite(val_loss) and val_loss <= limit.item()):
             return f"above {limit.item():.3g}, {self.SPIKE_FACTOR} times {self._basis}"
-        if start is not None and val_loss > start + 1:
-            return f"over a nat above that of the model the run started from, {start:.4g}"
+        if start is not None and val_loss > start + 1 and began is not None and ended is not None and ended >= began:
+            return (f"over a nat above that of the model the run started from, {start:.4g}, and its training loss "
+                    f"ended at {ended:.4g}, no lower than it began ({began:.4g})")
         return None
 
     def _set_aside(self, step: int) -> str:
@@ -832,7 +840,8 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             settings = changed_settings(recorded, config)
-            changed = [f"{flag(name)} -> {_switch(name, now)}" if isinstance(before, bool) and isinstance(now, bool)
+            changed = [f"{_switch(name, before)} -> {_switch(name, now)}"
+                       if isinstance(before, bool) and isinstance(now, bool)
                        else f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
                        for name, (before, now) in settings.items()]
             # the data's change in length, unless --data itself is named changed above
@@ -870,8 +879,9 @@ def _switch(name: str, on: bool) -> str:
 
 
 def _as_given(value) -> str:
-    """A setting's value as the resume line names it: one the run was not given is "(not given)"."""
-    return "(not given)" if value is None else str(value)
+    """A setting's value as the resume line names it, cut short (a checkpoint's, as it recorded it):
+    one the run was not given is "(not given)"."""
+    return "(not given)" if value is None else cut(str(value))
 
 
 def trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
