@@ -150,6 +150,11 @@ def test_a_resume_passes_over_a_checkpoint_of_weights_that_are_not_finite(tmp_pa
     assert all(bool(torch.isfinite(p).all()) for p in fresh.parameters())
     assert "step_00000004: the weights of " in caplog.text and "holds values that are not finite" in caplog.text
     assert "step_00000003: the optimizer's exp_avg holds values that are not finite" in caplog.text
+    # trained on from step 2, the run saves step 3 again: the one it passed over is set aside, not replaced
+    with pytest.warns(UserWarning, match=r"set .*step_00000003 aside as step_00000003\.set-aside-\w+ to save in its "
+                                         r"place, never deleting it: this run could not resume from it"):
+        shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, 3), fresh, fresh_optimizer, step=3)
+    assert len([path for path in tmp_path.iterdir() if path.name.startswith("step_00000003.set-aside-")]) == 1
     assert shardwire.load_checkpoint(shardwire.checkpoint_path(tmp_path, 4), fresh).step == 4  # asked for by name
 
 

@@ -121,6 +121,7 @@ def load_latest_checkpoint(
             info = _load(path, engine, model, optimizer, named_step=series.step_of(path), finite=True)
         except CheckpointError as err:
             skipped.append((path, err))
+            session_of(engine).passed_over.add(str(path.resolve()))  # set aside, not replaced, by a save
             continue
         if dist.get_rank(engine.group) == 0:  # said once one loads: where none does, the error says each
             for newer, err in skipped:
@@ -341,22 +342,29 @@ def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
         return states, None, None
     quorum = reader.tensor(first, OUTER_QUORUM, (2,), torch.int64).tolist() if OUTER_QUORUM in held else None
     schedule = reader.tensor(first, OUTER_SCHEDULE, (3,), torch.int64).tolist()
-    if (problem := _schedule_problem(schedule, quorum, engine.outer.diloco.sync_every)) is not None:
+    extra = reader.manifest.extra
+    trained = reader.manifest.step if isinstance(extra, dict) and "settings" in extra else None
+    if (problem := _schedule_problem(schedule, quorum, engine.outer.diloco.sync_every, trained)) is not None:
         raise CheckpointError(f"{reader.directory / first}: {problem}, as no run of shardwire leaves it; it was "
                               f"altered after it was saved")
     return states, schedule, quorum
 
 
-def _schedule_problem(schedule: list[int], quorum: list[int] | None, sync_every: int) -> str | None:
+def _schedule_problem(schedule: list[int], quorum: list[int] | None, sync_every: int,
+                      trained: int | None) -> str | None:
     """Why a saved place in the outer steps' schedule (``OuterLoop.state``: the inner steps done,
     the step whose due sync was issued, the step the sync in flight is applied after, or -1) and
     the quorum's counts cannot be resumed, or None. The syncs are issued at each forward, so the
     steps done run at most a sync's interval ahead of the last issued (a resumed run issues every
     sync due in between, one at a time: 2**62 steps ahead would never end; one optimizer step a
-    forward leaves it one ahead), and a sync in flight is applied no earlier than it was issued."""
+    forward leaves it one ahead), and a sync in flight is applied no earlier than it was issued. A
+    training job's checkpoint (one that records its settings, as `shardwire train` saves them) of
+    step ``trained`` was saved with that many inner steps done: another count moves every sync."""
     steps, checked, applied_after = schedule
     if not 0 <= checked <= steps <= checked + sync_every:
         return f"its outer schedule records {steps} inner steps done and syncs issued to step {checked}"
+    if trained is not None and steps != trained:
+        return f"its outer schedule records {steps} inner steps done in a training job's checkpoint of step {trained}"
     if applied_after != -1 and applied_after < checked:  # how far behind it runs is the saving run's setting
         return f"its outer schedule applies the sync in flight after step {applied_after}, issued at step {checked}"
     if quorum is not None and min(quorum) < 0:

@@ -212,7 +212,7 @@ class PendingCheckpoint:
         write_durably(staging / MANIFEST, manifest.to_json().encode())
         _fsync_directory(staging)
         if target.exists() or target.is_symlink():
-            _make_way(target)
+            _make_way(target, passed_over=str(target.resolve()) in session_of(self._engine).passed_over)
         staging.rename(target)
         _fsync_directory(target.parent)
 
@@ -343,15 +343,19 @@ def _check_target(target: pathlib.Path, keep: int | None, step: int | None) -> N
             raise CheckpointError(f"keep must be at least 1 (this checkpoint), got {keep}")
 
 
-def _make_way(target: pathlib.Path) -> None:
+def _make_way(target: pathlib.Path, passed_over: bool = False) -> None:
     """Rank 0, before renaming the new checkpoint in: free ``target``'s name.
 
     What a save provably made (a complete checkpoint, an incomplete one still marked) is hidden for
-    deletion. Anything else is never deleted: in a series, where a run that resumed from an earlier
-    checkpoint must save this step again, it is set aside under a name of its own with a warning;
-    elsewhere the save is refused.
+    deletion, unless it is complete and a resume of this run ``passed_over`` it, saying why (its
+    weights not finite, its groups unlike): what the user was told could not be resumed may be all
+    they have of that step. Anything else is never deleted: in a series, where a run that resumed
+    from an earlier checkpoint must save this step again, it is set aside under a name of its own
+    with a warning; elsewhere the save is refused.
     """
     reason = ownership.not_made_by_a_save(target, series.step_of(target))
+    if reason is None and passed_over and series.holds_a_manifest(target):
+        reason = "this run could not resume from it (said as it started)"
     if reason is None:
         ownership.hide(target)
     elif series.step_of(target) is not None:

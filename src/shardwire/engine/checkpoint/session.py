@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 class CheckpointSession:
     pending: PendingCheckpoint | None = None  # the asynchronous save being written
     claimed: set[str] = dataclasses.field(default_factory=set)  # directories this run owns, resolved
+    # checkpoints a resume of this run passed over, resolved: a save of their step sets them aside,
+    # never deleting what the user was told could not be resumed (it may be all they have of it)
+    passed_over: set[str] = dataclasses.field(default_factory=set)
 
     def finish_pending(self) -> None:
         """Make the asynchronous save in flight, if any, visible (every rank must call it)."""
