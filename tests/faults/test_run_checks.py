@@ -283,22 +283,31 @@ def test_a_checkpoint_given_as_the_checkpoint_directory_is_refused_naming_its_pa
                                                                   "replicated.safetensors"]
 
 
-@pytest.mark.parametrize("name, why", [
-    ("step_00000004.diverged", "set aside by its run as diverged"),
-    ("step_00000004.set-aside-aaaaaaaaaaaa", "set aside by the save that replaced it"),
+@pytest.mark.parametrize("name, why, said", [
+    ("step_00000004.diverged", "set aside by its run as diverged",
+     "set aside by its run as diverged, which no resume starts from: to train on from it, copy it into a directory "
+     "of its own as step_00000004 and give that directory"),
+    # damaged, as often as not: no hint to train from it
+    ("step_00000004.set-aside-aaaaaaaaaaaa", "set aside by the save that replaced it",
+     "set aside by the save that replaced it (it was damaged, or its run could not resume from it), which no resume "
+     "starts from: give the directory of a series ({tmp_path}/ckpt resumes from the newest good checkpoint there)"),
 ])
 def test_a_checkpoint_set_aside_given_as_the_checkpoint_directory_says_no_resume_starts_from_it(tmp_path, no_workers,
-                                                                                               capsys, name, why):
+                                                                                               capsys, name, why, said):
     """It said to give the directory that holds it to resume from it: that resumed another checkpoint,
-    or started over. Exported by name, it is exported with a note."""
+    or started over. Exported by name, it is exported with a note; the series holding only such,
+    export says so."""
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
     shardwire.save_checkpoint(tmp_path / "ckpt" / name, model, step=4, extra={"model": "tiny"}).wait()
-    with pytest.raises(SystemExit, match=rf"error: --checkpoint-dir {tmp_path}/ckpt/{re.escape(name)} is a checkpoint "
-                                         rf"itself, {why}, which no resume starts from: to train on from it, copy it "
-                                         rf"into a directory of its own as step_00000004 and give that directory$"):
+    with pytest.raises(SystemExit) as refused:
         main(["train", "--model", "tiny", "--checkpoint-dir", str(tmp_path / "ckpt" / name)])
+    assert refused.value.code == (f"error: --checkpoint-dir {tmp_path}/ckpt/{name} is a checkpoint itself, "
+                                  + said.format(tmp_path=tmp_path))
     assert main(["export", str(tmp_path / "ckpt" / name), str(tmp_path / "model.safetensors")]) == 0
     assert f"note: {tmp_path}/ckpt/{name} was {why}, and no resume trains from it" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "other.safetensors")]) == 2
+    assert f"{tmp_path}/ckpt holds no checkpoint but ones set aside ({name}), which no resume starts from: give one " \
+           f"by name to export it" in capsys.readouterr().err
 
 
 def test_the_groups_directory_of_a_fault_tolerant_run_is_not_started_over_in(tmp_path, no_workers, capsys):

@@ -29,7 +29,14 @@ from shardwire.engine.checkpoint import CheckpointError, export_state_dict, list
 from shardwire.engine.checkpoint.format import MANIFEST
 from shardwire.engine.checkpoint.portable import export_problem, weights_in
 from shardwire.engine.checkpoint.reader import CheckpointReader
-from shardwire.engine.checkpoint.series import group_series, holds_a_manifest, reasons, set_aside_why, step_of
+from shardwire.engine.checkpoint.series import (
+    group_series,
+    holds_a_manifest,
+    reasons,
+    set_aside_in,
+    set_aside_why,
+    step_of,
+)
 from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, stage_of
 from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, shown
@@ -158,6 +165,10 @@ def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
     if not series and holds_dcp(path):
         raise ValueError(f"{path} is a torch.distributed.checkpoint (DCP) checkpoint, not shardwire's: load it with "
                          f"dcp.load (docs/checkpoints.md), only from a source you trust")
+    if not series and (aside := set_aside_in(path)):
+        raise ValueError(f"{path} holds no checkpoint but ones set aside ({', '.join(aside[:3])}"
+                         f"{', ...' if len(aside) > 3 else ''}), which no resume starts from: give one by name to "
+                         f"export it")
     if not series:
         raise ValueError(f"{path} holds no checkpoint: give one (ckpt/step_00000400) or a --checkpoint-dir")
     return series[::-1]

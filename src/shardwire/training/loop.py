@@ -34,7 +34,7 @@ import shardwire
 from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import CheckpointInfo, list_checkpoints
-from shardwire.engine.checkpoint.series import prune, step_of
+from shardwire.engine.checkpoint.series import prune, set_aside_in, step_of
 from shardwire.engine.checkpoint.format import Manifest
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
@@ -810,6 +810,10 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
     except shardwire.CheckpointError as err:
         raise _agreed(f"error: {err}") from None
     if info is None:
+        if dist.get_rank() == 0 and (aside := set_aside_in(config.checkpoint_dir)):  # a rerun after a divergence
+            names = ", ".join(aside[:3]) + (f" and {len(aside) - 3} more" if len(aside) > 3 else "")
+            print(f"note: {config.checkpoint_dir} holds no checkpoint to resume from, only ones set aside ({names}): "
+                  f"this run starts from the beginning", file=sys.stderr, flush=True)
         return 0
     if not isinstance(info.extra, dict) or "scheduler" not in info.extra:
         raise _agreed(f"error: {info.path} was not saved by shardwire train (it holds no learning-rate "

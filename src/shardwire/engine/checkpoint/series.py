@@ -53,6 +53,10 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
                 f"shardwire's: load it with dcp.load (docs/checkpoints.md), only from a source you trust, and give "
                 f"shardwire's checkpoints a directory of their own")
     if holds_a_manifest(directory):
+        if ".set-aside-" in directory.name:  # damaged, or passed over by a resume: no hint to train from it
+            return (f"is a checkpoint itself, set aside by the save that replaced it (it was damaged, or its run "
+                    f"could not resume from it), which no resume starts from: give the directory of a series "
+                    f"({directory.resolve().parent} resumes from the newest good checkpoint there)")
         if step_of(directory) is None:  # no resume lists it: a run set it aside, or it was renamed
             why = set_aside_why(directory.name) or "named outside a series (step_00000400)"
             return (f"is a checkpoint itself, {why}, which no resume starts from: to "
@@ -64,6 +68,16 @@ def series_problem(directory: str | pathlib.Path) -> str | None:
         return (f"is inside {dcp}, a torch.distributed.checkpoint (DCP) checkpoint, which a series would fill with "
                 f"its own: give shardwire's checkpoints a directory of their own")
     return _others_problem(directory)
+
+
+def set_aside_in(directory: str | pathlib.Path) -> list[str]:
+    """The names of the checkpoints set aside from the series in ``directory`` (``set_aside_why``),
+    sorted; none where it cannot be listed."""
+    try:
+        return sorted(path.name for path in pathlib.Path(directory).iterdir()
+                      if set_aside_why(path.name) is not None and CHECKPOINT_NAME.match(path.name))
+    except OSError:
+        return []
 
 
 def set_aside_why(name: str) -> str | None:
