@@ -18,7 +18,8 @@ import pytest
 from shardwire.cli import command, main
 from shardwire.launch import NODE_THREADS, share_node_threads
 from shardwire.testbed import check, job, network, spec
-from shardwire.testbed.spec import check_name, parse_rate, state_path
+from shardwire.testbed.network import links_down
+from shardwire.testbed.spec import check_name, cut_since, parse_rate, state_path
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: builds network namespaces, links and qdiscs")
 RATE = parse_rate("200mbit")  # low enough that two busy cores shape it exactly, high enough to be quick
@@ -461,7 +462,7 @@ def test_a_shardwire_job_refused_says_so_once_per_node_or_once_before_any_starts
 
 @pytest.mark.root
 @root_only
-def test_exec_runs_on_a_node_under_its_name_and_a_cut_link_carries_nothing_until_it_is_up(testbed):
+def test_exec_runs_on_a_node_under_its_name_and_a_cut_link_carries_nothing_until_it_is_up(testbed, capsys):
     """``exec`` runs as on a machine of the cluster (its hostname resolves to its address); ``link
     down`` pulls the node's cable: a connection to it fails until ``link up``."""
     def exec_on(node: int, code: str, *, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -476,14 +477,28 @@ def test_exec_runs_on_a_node_under_its_name_and_a_cut_link_carries_nothing_until
                                "s = socket.create_server(('', 29999)); s.settimeout(60)\n"
                                "while True: s.accept()[0].close()"])
     connect = f"import socket; socket.create_connection(('{testbed.namespace(1)}', 29999), timeout=2); print('ok')"
+    started = time.time()
     try:
         deadline = time.monotonic() + 30
         while exec_on(0, connect).stdout.strip() != "ok":
             assert time.monotonic() < deadline, "node1 never listened"
         assert main(["testbed", "link", "--name", testbed.name, "node1", "down"]) == 0
         assert "timed out" in exec_on(0, connect).stderr
+        # a check of a testbed with a node cut off said so in a probe's traceback
+        assert main(["testbed", "check", "--name", testbed.name]) == 2
+        assert links_down(testbed) == [1] and cut_since(testbed.name, started) == [1]
         assert main(["testbed", "link", "--name", testbed.name, "node1", "up"]) == 0
         assert exec_on(0, connect).stdout.strip() == "ok"
+        # a probe a killed check left running is stopped by the next check, which it would have slowed
+        left = subprocess.Popen([sys.executable, "-m", "shardwire", "testbed", "exec", "--name", testbed.name, "node1",
+                                 "--", sys.executable, check.probe.__file__, "receive", "--bind", testbed.address(1),
+                                 "--timeout", "60"], stdout=subprocess.PIPE, text=True)
+        assert left.stdout.readline().startswith("ready")
+        capsys.readouterr()
+        assert main(["testbed", "check", "--name", testbed.name]) == 0
+        assert f"note: stopped what a job or check that was killed left on the nodes (process {left.pid}: " in \
+            capsys.readouterr().err
+        assert left.wait(timeout=30) != 0
     finally:
         network.set_link(testbed, 1, up=True)
         server.kill()

@@ -320,6 +320,7 @@ def testbed_jobs(monkeypatch, tmp_path):
     monkeypatch.setattr(spec, "STATE_DIR", tmp_path)
     monkeypatch.setattr(network, "require_privileges", lambda *given: None)
     monkeypatch.setattr(network, "is_up", lambda testbed: True)
+    monkeypatch.setattr(job, "stop_leftovers", lambda testbed: [])  # no nodes: nothing left on them
     started = []
     monkeypatch.setattr(job, "run_job", lambda testbed, nproc_per_node, command, **options: started.append(command))
     spec.Testbed("shardwire-test-options", 2, spec.parse_rate("100mbit")).save()

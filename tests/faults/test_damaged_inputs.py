@@ -147,6 +147,7 @@ def testbed_run(monkeypatch, tmp_path):
     monkeypatch.setattr(spec, "STATE_DIR", tmp_path / "state")
     monkeypatch.setattr(network, "require_privileges", lambda *given: None)
     monkeypatch.setattr(network, "is_up", lambda testbed: True)
+    monkeypatch.setattr(job, "stop_leftovers", lambda testbed: [])  # no nodes: nothing left on them
     started = []
     monkeypatch.setattr(job, "run_job", lambda testbed, nproc_per_node, command, **options: started.append(command)
                         or 0)

@@ -424,6 +424,13 @@ def test_an_hf_config_is_read_within_bounds_by_every_command(tmp_path, capsys, c
     assert all(len(message) < 400 for message in said.values()), said
 
 
+def test_a_node_named_by_a_number_of_thousands_of_digits_is_refused_in_one_line():
+    """Python refused to read it as a whole number, in a traceback naming its own setting."""
+    testbed = spec.Testbed("shardwire-test-node", 2, spec.parse_rate("100mbit"))
+    with pytest.raises(spec.TestbedError, match=r"^no node 'node999.*\.\.\..*999' on testbed 'shardwire-test-node': "):
+        testbed.node("node" + "9" * 5000)
+
+
 def test_testbed_names_in_messages_are_cut_short(capsys):
     """As root the preset is refused; elsewhere root is asked for first: either way one short line."""
     refused = refusal(["testbed", "up", "--nodes", "2", "--like", LONG], capsys)

@@ -23,6 +23,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -42,6 +43,7 @@ from shardwire.testbed.spec import (
     check_name,
     held,
     parse_rate,
+    record_cut,
     running,
     testbed_command,
 )
@@ -165,7 +167,7 @@ def _run(args) -> int:
     if args.max_restarts < 0:
         raise TestbedError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     with running(args.name):  # claimed first: an up or down that starts now is refused, not run under it
-        testbed = _settled(args.name)
+        testbed = _cleared(args.name)
         _workers_fit(testbed.nodes, args.nproc_per_node)
         if (ended := _check_job(testbed, args.nproc_per_node, command)) is not None:
             return ended
@@ -277,7 +279,7 @@ def _exec(args) -> int:
         example = f"e.g. `{meant}`" if meant else "as in shardwire testbed exec [--name NAME] NODE -- CMD..."
         raise TestbedError(f"{shown(command[0])} after the node would be the command: give exec's options before "
                            f"the node and the command after --, {example}")
-    testbed = _built(args.name)
+    testbed = _settled(args.name)
     argv = network.in_namespace(testbed.namespace(testbed.node(args.node)), command)
     os.execvpe(argv[0], argv, job.node_environment(testbed))
 
@@ -293,8 +295,10 @@ def _options_first(node: str, words: list[str]) -> str | None:
 
 
 def _link(args) -> int:
-    testbed = _built(args.name)
+    testbed = _settled(args.name)
     node = testbed.node(args.node)
+    if args.state == "down":
+        record_cut(args.name, node, time.time())  # first: a job that fails at once is told of it
     network.set_link(testbed, node, args.state == "up")
     print(f"node{node}: link {args.state}")
     return 0
@@ -315,11 +319,27 @@ def _settled(name: str) -> Testbed:
         return _built(name)
 
 
+def _cleared(name: str) -> Testbed:
+    """``_settled``, for a job or a check holding it (``running``): what one that was killed left
+    running on the nodes is stopped first, and said, as it would share the links."""
+    testbed = _settled(name)
+    if stopped := job.stop_leftovers(testbed):
+        pid, command = stopped[0]
+        more = f" and {len(stopped) - 1} more" if len(stopped) > 1 else ""
+        print(f"note: stopped what a job or check that was killed left on the nodes (process {pid}: "
+              f"{cut(command)}{more})", file=sys.stderr, flush=True)
+    return testbed
+
+
 def _check(args) -> int:
     if not 0 < args.seconds <= check.MAX_SECONDS:
         raise TestbedError(f"--seconds must be positive and at most {check.MAX_SECONDS:g}, got {args.seconds}")
     with running(args.name):  # a job, or another check, would share the links it measures
-        testbed = _settled(args.name)
+        testbed = _cleared(args.name)
+        if cut := network.links_down(testbed):
+            node = f"node{cut[0]}"
+            raise TestbedError(f"{node}'s link is down (`shardwire testbed link` cut it): reconnect it with "
+                               f"`{testbed_command('link', args.name, node, 'up')}` to check the links")
         print(testbed.describe())
         findings = check.check(testbed, args.seconds)
     for finding in findings:

@@ -64,7 +64,8 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
     try:
         ready = receiver.stdout.readline().split()
         if ready[:1] != ["ready"]:
-            raise TestbedFailure(f"the receiver on node{target} did not start: {receiver.stderr.read().strip()}")
+            raise TestbedFailure(f"the receiver on node{target} did not start: "
+                                 f"{_said(receiver.stderr.read(), receiver.poll())}")
         sender = subprocess.run(
             in_namespace(testbed.namespace(source),
                          [*script, "send", "--to", address, "--port", ready[1], "--bytes", str(nbytes),
@@ -72,12 +73,12 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )
         if sender.returncode != 0:
-            said = sender.stderr.strip() or f"it exited with status {sender.returncode} and said nothing"
-            raise TestbedFailure(f"sending from node{source} to node{target} failed: {said}")
+            raise TestbedFailure(f"sending from node{source} to node{target} failed: "
+                                 f"{_said(sender.stderr, sender.returncode)}")
         out, err = receiver.communicate(timeout=timeout_s)
         if receiver.returncode != 0:
-            said = err.strip() or f"it exited with status {receiver.returncode} and said nothing"
-            raise TestbedFailure(f"receiving on node{target} from node{source} failed: {said}")
+            raise TestbedFailure(f"receiving on node{target} from node{source} failed: "
+                                 f"{_said(err, receiver.returncode)}")
         result = json.loads(out)
     except subprocess.TimeoutExpired:
         raise TestbedFailure(f"a transfer from node{source} to node{target} took over {timeout_s:g}s") from None
@@ -86,6 +87,13 @@ def transfer(testbed: Testbed, source: int, target: int, nbytes: int, timeout_s:
             receiver.kill()
             receiver.wait()
     return Transfer(source, target, result["bytes"], result["seconds"])
+
+
+def _said(stderr: str, status: int) -> str:
+    """What a probe that failed said, in one line: the last of its standard error (a traceback's
+    exception), or its status."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"it exited with status {status} and said nothing"
 
 
 def check(testbed: Testbed, seconds: float = 1.0) -> list[Finding]:

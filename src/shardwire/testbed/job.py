@@ -12,6 +12,7 @@ end its workers; then anything left of the job).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,8 +22,8 @@ import time
 from typing import IO
 
 from shardwire.launch import NODE_THREADS, rendezvous_options
-from shardwire.testbed.network import in_namespace, links_down
-from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure
+from shardwire.testbed.network import in_namespace, leftovers, links_down
+from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure, cut_since
 
 RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
 STOP_GRACE_S = 10.0
@@ -72,6 +73,7 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
     interrupted. A worker that fails restarts every node's workers, ``max_restarts`` times at most,
     as torchrun does across a cluster."""
     out = out or sys.stdout
+    started = time.time()  # a link cut since is named if the job fails
     job_id = f"{testbed.name}-{os.getpid()}-{time.monotonic_ns()}"
     env = node_environment(testbed, nproc_per_node)
     if max_restarts:  # see launch.launch_local
@@ -85,7 +87,7 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
             nodes.append(proc)
             streams.append(threading.Thread(target=_stream, args=(proc.stdout, f"[node{k}] ", out, lock), daemon=True))
             streams[-1].start()
-        return _wait(testbed, nodes, out, lock)
+        return _wait(testbed, nodes, out, lock, started)
     except KeyboardInterrupt:
         with lock:
             print("interrupted: stopping the nodes", file=out, flush=True)
@@ -96,32 +98,34 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
             thread.join(timeout=STOP_GRACE_S)
 
 
-def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock) -> int:
+def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock, started: float) -> int:
     while True:
         statuses = [proc.poll() for proc in nodes]
         failed = [(k, status) for k, status in enumerate(statuses) if status not in (None, 0)]
         if failed:
             k, status = failed[0]
             with lock:
-                print(f"node{k} failed (exit {status}){_cut_off(testbed)}: stopping the other nodes", file=out,
-                      flush=True)
+                print(f"node{k} failed (exit {status}){_cut_off(testbed, started)}: stopping the other nodes",
+                      file=out, flush=True)
             return status if status > 0 else 128 - status
         if all(status == 0 for status in statuses):
             return 0
         time.sleep(POLL_S)
 
 
-def _cut_off(testbed: Testbed) -> str:
-    """Which nodes ``shardwire testbed link`` has cut off, in words after a failure, or nothing: a node
-    that lost its peers blames them, not the link."""
+def _cut_off(testbed: Testbed, since: float) -> str:
+    """Which nodes ``shardwire testbed link`` has cut off since the job started, in words after a
+    failure, or nothing: a node that lost its peers blames them, not the link (cut and put back
+    before the collectives' timeout, it is up again as they fail)."""
     try:
         down = links_down(testbed)
     except TestbedFailure:  # the testbed removed under the job: the failure says so itself
         return ""
-    if not down:
+    cut = sorted(set(down) | set(cut_since(testbed.name, since)))
+    if not cut:
         return ""
-    names = ", ".join(f"node{node}" for node in down)
-    return f", with the link of {names} down (`shardwire testbed link` cut it)"
+    said = ", ".join(f"node{node}" + ("" if node in down else " (up again)") for node in cut)
+    return f", after `shardwire testbed link` cut the link of {said}"
 
 
 def _stream(pipe: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
@@ -152,6 +156,28 @@ def _stop(nodes: list[subprocess.Popen]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def stop_leftovers(testbed: Testbed) -> list[tuple[int, str]]:
+    """Stop what a job or link check that was killed left running on the nodes (``leftovers``), as
+    ``run_job`` stops its nodes: SIGTERM, time to end, then whatever is left of their trees is
+    killed. Call it holding the testbed (``running``): no live job's processes are among them.
+    Returns what was stopped."""
+    found = leftovers(testbed.name)
+    trees = [(pid, _stat(pid), _descendants(pid)) for pid, _ in found]
+    for pid, _, _ in trees:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and any(_stat(pid) == stat for pid, stat, _ in trees):
+        time.sleep(POLL_S)
+    for pid, stat, below in trees:
+        for process, started in [(pid, stat[1] if stat else None), *below]:
+            now = _stat(process)
+            if now and now[1] == started:  # still the same process, not a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process, signal.SIGKILL)
+    return found
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

@@ -36,6 +36,7 @@ from shardwire.testbed.spec import (
     TestbedError,
     TestbedFailure,
     check_name,
+    cuts_path,
     held,
     job_on,
     state_path,
@@ -213,6 +214,19 @@ def _processes_on(name: str) -> list[tuple[int, str]]:
     return running
 
 
+# What runs on the nodes for a job (``testbed run``: torchrun, ``shardwire.testbed.node``) or a link
+# check (``testbed check``: its probes), as their command lines name them.
+_STARTED_BY_SHARDWIRE = ("-m shardwire.testbed.node ", "shardwire/testbed/probe.py ")
+
+
+def leftovers(name: str) -> list[tuple[int, str]]:
+    """The processes a job or a link check started on the nodes of testbed ``name`` that still run,
+    with their command lines: where no job or check holds the testbed (``running``), what one that
+    was killed (SIGKILL ends it, not what it started) left behind, sharing the links with the next."""
+    return [(pid, command) for pid, command in _processes_on(name)
+            if any(mark in f"{command} " for mark in _STARTED_BY_SHARDWIRE)]
+
+
 def _remove(name: str) -> list[str]:
     """``down``, by a command that holds the testbed."""
     namespaces = existing_namespaces(name)
@@ -224,6 +238,7 @@ def _remove(name: str) -> list[str]:
             if _owned_by(name).fullmatch(files.name):
                 shutil.rmtree(files)
     state_path(name).unlink(missing_ok=True)
+    cuts_path(name).unlink(missing_ok=True)
     return namespaces
 
 

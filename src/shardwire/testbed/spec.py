@@ -121,7 +121,8 @@ class Testbed:
     def node(self, text: str) -> int:
         """The node ``text`` names, as ``up`` lists them: ``node1``, or ``1``."""
         index = text.removeprefix("node")
-        if not (index.isascii() and index.isdigit()) or int(index) >= self.nodes or index != str(int(index)):
+        if (not (index.isascii() and index.isdigit()) or len(index) > len(str(self.nodes))
+                or int(index) >= self.nodes or index != str(int(index))):
             raise TestbedError(f"no node {shown(text)} on {self.describe()}: give one of node0 to node{self.nodes - 1}")
         return int(index)
 
@@ -159,6 +160,34 @@ class Testbed:
             raise TestbedError(str(err)) from None
         except (ValueError, TypeError) as err:
             raise TestbedError(f"the state file {path} is damaged ({shown(err)}); {remedy}") from None
+
+
+def cuts_path(name: str) -> Path:
+    """Where ``testbed link ... down`` records when it cut each node off (``record_cut``)."""
+    return STATE_DIR / f"{name}.cuts"
+
+
+def record_cut(name: str, node: int, at: float) -> None:
+    """Note that node ``node`` of testbed ``name`` was cut off at ``at`` (seconds since the epoch): a
+    job that fails after, its link up again or not, names it (``cut_since``)."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(cuts_path(name), "a", encoding="utf-8") as cuts:
+        cuts.write(f"{node} {at}\n")
+
+
+def cut_since(name: str, since: float) -> list[int]:
+    """The nodes of testbed ``name`` cut off at or after ``since``, sorted; none where none was."""
+    try:
+        lines = cuts_path(name).read_text(encoding="utf-8").splitlines()[-1000:]  # a testbed's, bounded
+    except (OSError, UnicodeError):
+        return []
+    cut = set()
+    for line in lines:
+        node, _, at = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            if float(at) >= since:
+                cut.add(int(node))
+    return sorted(cut)
 
 
 def state_path(name: str) -> Path:
