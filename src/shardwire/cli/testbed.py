@@ -336,8 +336,8 @@ def _check(args) -> int:
         raise TestbedError(f"--seconds must be positive and at most {check.MAX_SECONDS:g}, got {args.seconds}")
     with running(args.name):  # a job, or another check, would share the links it measures
         testbed = _cleared(args.name)
-        if cut := network.links_down(testbed):
-            node = f"node{cut[0]}"
+        if down := network.links_down(testbed):
+            node = f"node{down[0]}"
             raise TestbedError(f"{node}'s link is down (`shardwire testbed link` cut it): reconnect it with "
                                f"`{testbed_command('link', args.name, node, 'up')}` to check the links")
         print(testbed.describe())

@@ -149,13 +149,10 @@ def _stop(nodes: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    for pid, started in (process for tree in trees.values() for process in tree):
-        stat = _stat(pid)
-        if stat and stat[1] == started:  # still the same process, not a reused pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for process in (process for tree in trees.values() for process in tree):
+        if _alive(process):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process[0], signal.SIGKILL)
 
 
 def stop_leftovers(testbed: Testbed) -> list[tuple[int, str]]:
@@ -164,20 +161,25 @@ def stop_leftovers(testbed: Testbed) -> list[tuple[int, str]]:
     killed. Call it holding the testbed (``running``): no live job's processes are among them.
     Returns what was stopped."""
     found = leftovers(testbed.name)
-    trees = [(pid, _stat(pid), _descendants(pid)) for pid, _ in found]
-    for pid, _, _ in trees:
+    trees = [((pid, stat[1]), _descendants(pid)) for pid, _ in found if (stat := _stat(pid)) is not None]
+    for (pid, _), _ in trees:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline and any(_stat(pid) == stat for pid, stat, _ in trees):
+    while time.monotonic() < deadline and any(_alive(process) for process, _ in trees):
         time.sleep(POLL_S)
-    for pid, stat, below in trees:
-        for process, started in [(pid, stat[1] if stat else None), *below]:
-            now = _stat(process)
-            if now and now[1] == started:  # still the same process, not a reused pid
+    for process, below in trees:
+        for pid, started in [process, *below]:
+            if _alive((pid, started)):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(process, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
     return found
+
+
+def _alive(process: tuple[int, int]) -> bool:
+    """Whether the process (pid, start time) still runs: the same process, not one given its pid since."""
+    stat = _stat(process[0])
+    return stat is not None and stat[1] == process[1]
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
