@@ -80,3 +80,21 @@ def test_weights_of_another_model_are_refused_naming_the_tensor(tmp_path):
     assert "'model.layers.0.mlp.gate_proj.weight' is (64, 32) in the weights but (96, 32) in the model" in message
     (message,) = run_workers(1, _refused, tmp_path, deeper)
     assert "the weights have no 'model.layers.3." in message
+
+
+@pytest.mark.slow
+def test_weights_not_finite_are_refused_on_every_rank_and_unused_ones_named(tmp_path, capfd):
+    """An inf in one rank's rows was trained on, blamed on --lr at step 1; a NaN row no batch reads
+    was exported with status 0. Tensors the model has no place for were dropped without a word."""
+    from safetensors.torch import load_file, save_file
+
+    _save(tmp_path, "llama", "5GB")
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"][60, 5] = float("inf")  # in the second rank's rows of 2
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for message in run_workers(2, _refused, tmp_path, CONFIGS["llama"]):
+        assert message == (f"{tmp_path}: the weights' 'model.layers.0.mlp.up_proj.weight' holds values that are not "
+                           f"finite: the weights are damaged, or were saved from a run that diverged")
+    assert (f"note: {tmp_path}'s weights hold 1 tensor(s) the model its config.json builds has no place for, which "
+            f"are not read: model.layers.0.self_attn.q_proj.bias") in capfd.readouterr().err

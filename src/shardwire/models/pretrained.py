@@ -10,9 +10,13 @@ model whole at any time, as ``from_pretrained`` on every worker would.
 from __future__ import annotations
 
 import pathlib
+import sys
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -30,12 +34,20 @@ def load_pretrained(model: nn.Module, directory: pathlib.Path) -> None:
 
     Every parameter must be in the files with its shape, except a tied one whose other name is
     (``save_pretrained`` writes a tied head once); a buffer the files lack keeps its initial value,
-    as ``from_pretrained`` leaves it. What the files hold beyond the model is not read."""
+    as ``from_pretrained`` leaves it. What the files hold beyond the model is not read, and named
+    (rank 0, on standard error), as ``from_pretrained`` names it. Every rank must call it (``dcp.load``
+    is collective); a value read that is not finite is refused on every rank alike, naming its
+    tensor: trained on, it would be blamed on the learning rate, or exported."""
     reader = HuggingFaceStorageReader(str(directory))
     stored = {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata)}
     names = _names_of_each_parameter(model)
     state = model.state_dict()
+    if unused := sorted(key for key in stored if key not in state and key not in names):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shown_keys = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+            print(f"note: {directory}'s weights hold {len(unused)} tensor(s) the model its config.json builds has no "
+                  f"place for, which are not read: {shown_keys}", file=sys.stderr, flush=True)
     for key, value in state.items():
         if key in stored and tuple(stored[key].size) != tuple(value.shape):
             raise ValueError(f"{directory}: {key!r} is {tuple(stored[key].size)} in the weights but "
@@ -44,7 +56,37 @@ def load_pretrained(model: nn.Module, directory: pathlib.Path) -> None:
         if key not in stored and key in names and not any(name in stored for name in names[key]):
             raise ValueError(f"{directory}: the weights have no {key!r}, which the model its config.json builds "
                              f"has: the weights are another model's, or were saved in part")
-    dcp.load({key: value for key, value in state.items() if key in stored}, storage_reader=reader)
+    read = {key: value for key, value in state.items() if key in stored}
+    dcp.load(read, storage_reader=reader)
+    if (key := _not_finite(read)) is not None:
+        raise ValueError(f"{directory}: the weights' {key!r} holds values that are not finite: the weights are "
+                         f"damaged, or were saved from a run that diverged")
+
+
+def _not_finite(read: dict[str, torch.Tensor]) -> str | None:
+    """The first of ``read`` (in order of name) whose values on any rank are not all finite, the same
+    on every rank, or None."""
+    keys = sorted(key for key, value in read.items() if value.is_floating_point())
+    first = torch.tensor(len(keys))
+    for index, key in enumerate(keys):
+        value = read[key]
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not bool(torch.isfinite(local).all()):
+            first = torch.tensor(index)
+            break
+    if dist.is_initialized():
+        first = first.to(_device_of(read))
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    index = int(first.item())
+    return keys[index] if index < len(keys) else None
+
+
+def _device_of(read: dict[str, torch.Tensor]) -> torch.device:
+    """Where the collectives of the model's process group run: its tensors' device."""
+    value = next(iter(read.values()), None)
+    if value is None:
+        return torch.device("cpu")
+    return (value.to_local() if isinstance(value, DTensor) else value).device
 
 
 def _names_of_each_parameter(model: nn.Module) -> dict[str, list[str]]:
