@@ -630,6 +630,11 @@ def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeyp
         with pytest.raises(SystemExit, match=f"and {flag} .* overlap"):
             main(["train", "--model", model, *(["--profile"] if flag == "--run-dir" else []), flag, str(path),
                   "--export-hf", str(work / "x")])
+    from shardwire.cli.train import _check_settings
+
+    for inside in ({"profile": True, "run_dir": str(work / "r")}, {"tensorboard": str(work / "r")}):
+        # a new directory inside them holds none of their files
+        _check_settings(TrainConfig(model=model, export_hf=str(work / "r" / "model"), **inside), {})
     with writing(work / "exported"):  # a run training towards it
         monkeypatch.delenv("RANK", raising=False)
         with pytest.raises(SystemExit, match=r"--export-hf .*exported is being written by another run \(process"):

@@ -221,10 +221,15 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
             if not config.model.startswith(HF_PREFIX):
                 raise OptionError(f"--export-hf writes a Hugging Face model, and --model {config.model} is a "
                                   f"GPT preset: export its checkpoint with shardwire export CKPT model.safetensors")
-            # every other output the run writes: the export, a new directory, would no longer be one
-            for option, path in (("--checkpoint-dir", config.checkpoint_dir), ("--run-dir", config.run_dir),
-                                 ("--tensorboard", config.tensorboard), ("--log-jsonl", config.log_jsonl)):
-                if path is not None and _overlap(config.export_hf, path):
+            # every other output the run writes: the export, a new directory, would no longer be one. It
+            # may lie in a run or TensorBoard directory (the run's files there are named, and new); not in
+            # a series of checkpoints, which would take it for one of its own (or set it aside)
+            for option, path, beneath in (("--checkpoint-dir", config.checkpoint_dir, True),
+                                          ("--run-dir", config.run_dir, False),
+                                          ("--tensorboard", config.tensorboard, False),
+                                          ("--log-jsonl", config.log_jsonl, False)):
+                if path is not None and (_overlap(config.export_hf, path) if beneath
+                                         else _within(path, config.export_hf)):
                     raise OptionError(f"--export-hf {config.export_hf} and {option} {path} overlap: the export "
                                       f"would hold what the run writes there, or replace it; give each a place "
                                       f"of its own")
@@ -451,8 +456,13 @@ def _among_checkpoints(config: TrainConfig) -> str | None:
 
 def _overlap(first: str, second: str) -> bool:
     """Whether one of two directories is, or is inside, the other."""
-    first, second = os.path.realpath(first), os.path.realpath(second)
-    return os.path.commonpath([first, second]) in (first, second)
+    return _within(first, second) or _within(second, first)
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether ``inner`` is ``outer``, or inside it."""
+    inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    return os.path.commonpath([inner, outer]) == outer
 
 
 def _compiler_problem(backend: str) -> str | None:
