@@ -158,6 +158,18 @@ def testbed_run(monkeypatch, tmp_path):
     signal.signal(signal.SIGTERM, terminated)
 
 
+def test_a_testbed_jobs_missing_script_is_one_line_before_any_node_starts(testbed_run, tmp_path, monkeypatch, capsys):
+    """Every node said it could not open the file, in turn."""
+    from shardwire.cli import main
+
+    started, _ = testbed_run
+    monkeypatch.chdir(tmp_path)
+    assert main(["testbed", "run", "--name", "shardwire-test-inputs", "--", "nosuchscript.py"]) != 0
+    assert (f"the job's script nosuchscript.py does not exist in {tmp_path}, where the nodes run the job: give a "
+            f"path that exists") in capsys.readouterr().err
+    assert not started
+
+
 def test_a_testbed_jobs_missing_input_is_one_line_before_any_node_starts(testbed_run, tmp_path, monkeypatch, capsys):
     """Each node's worker found a --data that is not there as it started, and each said so: one line
     here, before any node starts, naming the directory a relative path is read from (the nodes run

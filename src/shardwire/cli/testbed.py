@@ -184,9 +184,13 @@ def _check_job(testbed: Testbed, nproc_per_node: int, command: list[str]) -> int
     any node starts it: its options refused (one line, 2), or its help shown (0); None where it may
     start. They are checked here as the command checks them before its workers start, for the world
     the nodes will give it, rather than by every worker, each node saying so in turn (what only a
-    worker can find, it still says itself)."""
+    worker can find, it still says itself). So is a job's script that is not there."""
     given = _shardwire_arguments(command)
     if given is None:
+        if not command[0].startswith("-") and not os.path.exists(command[0]):  # a script, not -m or --no-python
+            why = LEADS_NOWHERE if os.path.islink(command[0]) else "does not exist"
+            where = "" if os.path.isabs(command[0]) else f" in {os.getcwd()}, where the nodes run the job"
+            raise TestbedError(f"the job's script {cut(command[0])} {why}{where}: give a path that exists")
         return None
     # the options' warnings (an abbreviation) are the workers' to give, as they read the same options
     with _in_the_jobs_first_rank(testbed.nodes, nproc_per_node), warnings.catch_warnings():

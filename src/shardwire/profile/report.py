@@ -121,9 +121,10 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
     def job(p):
         metadata = p["metadata"]
         recorded = metadata.get("config") if isinstance(metadata.get("config"), dict) else {}
+        flops = p.get("flops_per_token")
         found = {"model": recorded.get("model", metadata.get("model")),
                  "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
-                 "FLOPs per token": flops.get("model") if isinstance(flops := p.get("flops_per_token"), dict) else flops,
+                 "FLOPs per token": flops.get("model") if isinstance(flops, dict) else flops,
                  "precision": recorded.get("precision", metadata.get("precision")), "device": p["device"]}
         found.update({f"--{name.replace('_', '-')}": recorded.get(name) for name in _JOB_OPTIONS
                       if name not in found})
