@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import TypeVar
 
-from shardwire.engine.checkpoint.format import CheckpointError
+from shardwire.engine.checkpoint.format import CheckpointError, CheckpointRefused
 from shardwire.engine.runtime import Engine
 
 T = TypeVar("T")
@@ -36,17 +36,20 @@ def on_every_rank(engine: Engine, what: str, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as err:  # whatever it is, the other ranks must hear of it or they would hang
         error = err
-    reasons = all_gather_json(None if error is None else _describe(error), engine, tag=what)
+    said = None if error is None else [_describe(error), isinstance(error, CheckpointRefused)]
     ranks_by_reason: dict[str, list[int]] = {}
-    for rank, reason in enumerate(reasons):
-        if reason is not None:
+    refused = True  # every rank that failed refused the checkpoint for what it holds
+    for rank, found in enumerate(all_gather_json(said, engine, tag=what)):
+        if found is not None:
+            reason, refused_here = found
             ranks_by_reason.setdefault(reason, []).append(rank)
+            refused = refused and refused_here
     if ranks_by_reason:
         detail = "; ".join(
             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reason}"
             for reason, ranks in ranks_by_reason.items()
         )
-        raise CheckpointError(f"{what} failed on {detail}") from error
+        raise (CheckpointRefused if refused else CheckpointError)(f"{what} failed on {detail}") from error
     return result
 
 

@@ -74,6 +74,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the file and the reason."""
 
 
+class CheckpointRefused(CheckpointError):
+    """A checkpoint, whole and as saved, that is not loaded for what it holds: weights that are not
+    finite, groups whose states differ, a schedule or a step no run leaves, another model's. Unlike
+    a damaged one, it may be all the user has of its step: a save of that step sets it aside."""
+
+
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 

@@ -40,6 +40,7 @@ from shardwire.engine.checkpoint.format import (
     OUTER_SCHEDULE,
     REPLICATED,
     CheckpointError,
+    CheckpointRefused,
     FlatRecord,
     buffer_key,
     buffer_records,
@@ -121,7 +122,8 @@ def load_latest_checkpoint(
             info = _load(path, engine, model, optimizer, named_step=series.step_of(path), finite=True)
         except CheckpointError as err:
             skipped.append((path, err))
-            session_of(engine).passed_over.add(str(path.resolve()))  # set aside, not replaced, by a save
+            if isinstance(err, CheckpointRefused):  # whole: set aside, not replaced, by a save of its step
+                session_of(engine).passed_over.add(str(path.resolve()))
             continue
         if dist.get_rank(engine.group) == 0:  # said once one loads: where none does, the error says each
             for newer, err in skipped:
@@ -149,7 +151,7 @@ def _load(path: pathlib.Path, engine: Engine, model: nn.Module, optimizer, named
         engine, f"loading checkpoint {path}", lambda: _Staged.read(path, engine, model, optimizer, named_step, finite)
     )
     if staged.agreed is not None and (problem := _groups_disagree(staged.agreed, engine)) is not None:
-        raise CheckpointError(f"{path}: {problem}")
+        raise CheckpointRefused(f"{path}: {problem}")
     staged.apply(engine, model, optimizer)
     return staged.info
 
@@ -180,13 +182,13 @@ class _Staged:
         with CheckpointReader(path) as reader:
             manifest = reader.manifest
             if named_step is not None and manifest.step != named_step:
-                raise CheckpointError(
+                raise CheckpointRefused(
                     f"{path}: its manifest records step {manifest.step}, its name step {named_step}"
                 )
             here = [FlatRecord(flat.name, flat.packing) for flat in engine.flats]
             difference = first_difference(manifest, here, buffer_records(engine, model))
             if difference is not None:
-                raise CheckpointError(f"{path} was saved from a different model: {difference}; load it into the "
+                raise CheckpointRefused(f"{path} was saved from a different model: {difference}; load it into the "
                                       f"model it was saved from")
             reader.check_complete()
             saving_group = _saving_group(manifest.groups, engine)
@@ -206,7 +208,7 @@ class _Staged:
                          for name, kept in outer.items()}
                 schedule = [schedule[0], schedule[0], -1]
             if finite and (name := _not_finite(shards, state, outer)) is not None:
-                raise CheckpointError(f"{path}: {name} holds values that are not finite: the run diverged before "
+                raise CheckpointRefused(f"{path}: {name} holds values that are not finite: the run diverged before "
                                       f"it was saved")
             rng, residuals, measures = {}, {}, {}
             if manifest.world_size == world:
@@ -345,7 +347,7 @@ def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
     extra = reader.manifest.extra
     trained = reader.manifest.step if isinstance(extra, dict) and "settings" in extra else None
     if (problem := _schedule_problem(schedule, quorum, engine.outer.diloco.sync_every, trained)) is not None:
-        raise CheckpointError(f"{reader.directory / first}: {problem}, as no run of shardwire leaves it; it was "
+        raise CheckpointRefused(f"{reader.directory / first}: {problem}, as no run of shardwire leaves it; it was "
                               f"altered after it was saved")
     return states, schedule, quorum
 

@@ -347,9 +347,9 @@ def _make_way(target: pathlib.Path, passed_over: bool = False) -> None:
     """Rank 0, before renaming the new checkpoint in: free ``target``'s name.
 
     What a save provably made (a complete checkpoint, an incomplete one still marked) is hidden for
-    deletion, unless it is complete and a resume of this run ``passed_over`` it, saying why (its
-    weights not finite, its groups unlike): what the user was told could not be resumed may be all
-    they have of that step. Anything else is never deleted: in a series, where a run that resumed
+    deletion, unless a resume of this run ``passed_over`` it, whole, for what it holds
+    (``CheckpointRefused``: its weights not finite, its groups unlike), saying why: it may be all
+    the user has of that step. Anything else is never deleted: in a series, where a run that resumed
     from an earlier checkpoint must save this step again, it is set aside under a name of its own
     with a warning; elsewhere the save is refused.
     """

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 class CheckpointSession:
     pending: PendingCheckpoint | None = None  # the asynchronous save being written
     claimed: set[str] = dataclasses.field(default_factory=set)  # directories this run owns, resolved
-    # checkpoints a resume of this run passed over, resolved: a save of their step sets them aside,
-    # never deleting what the user was told could not be resumed (it may be all they have of it)
+    # checkpoints a resume of this run passed over, whole, for what they hold (``CheckpointRefused``),
+    # resolved: a save of their step sets them aside, never deleting what may be all the user has of it
     passed_over: set[str] = dataclasses.field(default_factory=set)
 
     def finish_pending(self) -> None:
