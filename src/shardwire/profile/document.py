@@ -72,7 +72,12 @@ def _job_problem(profile: dict) -> str | None:
     counts = [job.get(key) for key in ("batch", "grad_accum", "seq_len")] if isinstance(job, dict) else []
     if not counts or not all(type(count) is int and count > 0 for count in counts):
         return None
-    batch, accumulation, seq_len = counts
+    return tokens_problem(profile, *counts)
+
+
+def tokens_problem(profile: dict, batch: int, accumulation: int, seq_len: int) -> str | None:
+    """Where ``batch`` x ``accumulation`` sequences of ``seq_len`` tokens on each rank are not the
+    profile's tokens a step, in words, or None."""
     tokens = batch * accumulation * seq_len * profile["world_size"]
     if tokens == profile["tokens_per_step"]:
         return None

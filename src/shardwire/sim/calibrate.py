@@ -26,7 +26,7 @@ import os
 
 from shardwire.mappings import Missing, cut, field, is_number, one_line, shown
 from shardwire.profile import PROFILE_FILE
-from shardwire.profile.document import DamagedProfile, read_profile_document
+from shardwire.profile.document import DamagedProfile, read_profile_document, tokens_problem
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
 from shardwire.sim.specs import (
@@ -125,11 +125,9 @@ def read_profile(path: str, load_model) -> Measured:
         model = load_model(job["model"], job["seq_len"])
     except SpecError as err:
         raise SpecError(f"{path}: its job cannot be simulated: {err}") from None
-    tokens = training.micro_batch * training.grad_accum * model.seq_len * doc["world_size"]
-    if tokens != doc["tokens_per_step"]:  # an edited job would be fitted to times another job took
-        raise SpecError(f"{path} is damaged (its job, {training.micro_batch} x {training.grad_accum} sequences of "
-                        f"{model.seq_len} tokens on each of {doc['world_size']} ranks, is {tokens:,} tokens a step, "
-                        f"where its tokens_per_step is {shown(doc['tokens_per_step'])}); {remedy}")
+    # an edited job would be fitted to times another job took (the document holds one that records its length)
+    if (differs := tokens_problem(doc, training.micro_batch, training.grad_accum, model.seq_len)) is not None:
+        raise SpecError(f"{path} is damaged ({differs}); {remedy}")
     written = doc.get("flops_per_token")  # None where the profiler was given no model description
     arch = architecture(model, compute_bytes=2)  # as the profiler counts them
     recomputed = 1.0 if training.activation_checkpointing else 0.0
