@@ -161,7 +161,7 @@ def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
         return f"cannot be read to see what it holds ({err.strerror or err})"
     what, ours = OUTPUTS[kind]
     if head and not ours(head):
-        return f"exists and is not {what}: give another file name (a rerun replaces only its own results)"
+        return f"exists and is not {what}, so it is left as it is: give another file name"
     return None
 
 

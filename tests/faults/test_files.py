@@ -181,7 +181,7 @@ def test_a_plot_or_trace_of_the_users_own_is_never_taken_for_shardwires(tmp_path
     assert timeline.read_bytes() == drawn
     trace = json.dumps({"traceEvents": [{"name": "mine", "ph": "X", "ts": 0, "dur": 5, "pid": 1, "tid": 1}]})
     assert rewrite_problem(_written(tmp_path / "trace.json", trace), "trace") == (
-        "exists and is not a trace shardwire wrote: give another file name (a rerun replaces only its own results)")
+        "exists and is not a trace shardwire wrote, so it is left as it is: give another file name")
     ours = json.dumps(chrome_trace([]))
     assert rewrite_problem(_written(tmp_path / "trace.json", ours), "trace") is None
 
