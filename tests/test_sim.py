@@ -14,6 +14,7 @@ from shardwire.sim.events import Link, Simulation
 from shardwire.sim.memory import GIB, USABLE_FRACTION, estimate_memory
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.presets import CLUSTERS, MODELS
+from shardwire.sim.step import reduction_phases
 from shardwire.sim.specs import ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, parse
 
 GPT = ModelSpec(name="gpt", layers=4, hidden=256, heads=4, vocab=1000, seq_len=128)
@@ -50,6 +51,10 @@ def test_specs_name_missing_and_unknown_keys():
     ("training", {"fp8_all_gather": True}, "fp8_all_gather .* needs precision fp8"),
     ("training", {"reduce_precision": "fp8"}, "reduce_precision must be one of fp32, bf16, fp16"),
     ("training", {"layout": "grad_op", "reshard_after_forward": True}, "cannot be true"),
+    ("training", {"layout": "zero1", "reshard_after_forward": True}, "layout 'zero1' keeps parameters gathered"),
+    ("training", {"reduce_bucket_elements": 1000}, "reduce_bucket_elements applies to layout 'zero1'"),
+    ("training", {"layout": "zero1", "reduce_bucket_elements": 0}, "reduce_bucket_elements must be positive"),
+    ("training", {"layout": "zero1", "reduce_bucket_elements": 10**16}, "more than any model's gradient"),
     ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
     ("model", {**dataclasses.asdict(GPT), "seq_len": 1e308}, r"seq_len must be a whole number, got 1e\+308$"),
     ("training", {"activation_checkpointing": "yes"}, "true or false"),
@@ -244,6 +249,38 @@ def test_grad_op_gathers_once_per_unit_and_hybrid_gathers_inside_the_node():
     assert gather.busy_s == pytest.approx(gather.nbytes * 3 / 4 / 100e9)  # intra-node only
 
 
+def test_zero1_all_reduces_each_gradient_over_every_gpu_and_gathers_only_the_updated_parameters():
+    """zero1 (ZeRO-1; DDP in groups of 1): nothing is gathered for compute; each unit's gradient is
+    all-reduced over the world in one flat ring, whose latency the units of a bucket share; after the
+    optimizer step the group all-gathers the updated parameters; every GPU holds the whole model and
+    gradient, and its group's part of the masters and optimizer state."""
+    c = cluster(2, 4, latency_us=10.0, algorithm="ring")
+    arch = architecture(GPT, 2)
+    training = TrainingSpec(layout="zero1")
+    p = predict(GPT, c, training)
+    assert p.training.reshards is False
+    gathers = [r for r in p.timeline.comms if r.op == "all_gather"]
+    assert [r.unit for r in gathers if r.busy_s > 0] == ["updated parameters"]
+    updated = gathers[-1]
+    assert updated.nbytes == 2 * arch.params and updated.started >= p.timeline.compute["optimizer"]
+    reduced = [r for r in p.timeline.comms if r.op == "all_reduce" and r.unit != "gradient norm"]
+    assert len(reduced) == GPT.layers + 1
+    unit = arch.units[0]
+
+    def latency(t):
+        return sum(ph.latency_s for _, _, phases in reduction_phases(unit, c, t) for ph in phases)
+
+    assert latency(training) == pytest.approx(2 * 7 * 10e-6)  # reduce-scatter and all-gather over 8 GPUs
+    bucketed = TrainingSpec(layout="zero1", reduce_bucket_elements=4 * unit.params)
+    assert latency(bucketed) == pytest.approx(2 * 7 * 10e-6 / 4)
+    memory = estimate_memory(arch, c, training)  # groups of a node's 4 GPUs
+    assert memory.gathered_parameters == 2 * arch.params
+    assert memory.optimizer_state == 8 * arch.params / 4 and memory.parameter_shards == 4 * arch.params / 4
+    assert memory.unit_gradients == 2 * max(u.params for u in arch.units) + 4 * arch.params
+    ddp = estimate_memory(arch, c, TrainingSpec(layout="zero1", shard_group_size=1))
+    assert ddp.optimizer_state == 8 * arch.params
+
+
 def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     """hybrid_secondary gathers over the world for forward and within the group for backward, and
     keeps a secondary shard per unit; hybrid in groups smaller than a node all-reduces between the
@@ -266,7 +303,7 @@ def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     for bad in (3, 16):
         with pytest.raises(SpecError, match=f"shard_group_size={bad} does not divide the 8 ranks"):  # the engine's rule
             predict(GPT, c, TrainingSpec(layout="hybrid", shard_group_size=bad))
-    with pytest.raises(SpecError, match="shard_group_size applies to layout 'hybrid' and 'hybrid_secondary'"):
+    with pytest.raises(SpecError, match="shard_group_size applies to layout 'hybrid', 'hybrid_secondary' and 'zero1', not 'full'"):
         TrainingSpec(shard_group_size=2)
 
 

@@ -614,3 +614,12 @@ def test_plan_says_it_searched_without_fault_tolerance(capsys):
     assert status == 0 and out.count("fault_tolerance: searched without it") == 1
     status, out, _ = run(capsys, *argv[:-2])
     assert status == 0 and "fault_tolerance" not in out
+
+
+def test_plan_of_a_zero1_run_searches_the_layouts_shardwire_runs(capsys):
+    """zero1 describes other tools' runs, which the engine does not run: plan says so and searches its own."""
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64", "--exact", "--training",
+                         "{layout: zero1, shard_group_size: 4, reduce_bucket_elements: 1000000}")
+    assert status == 0 and out.count("layout zero1: searched over the layouts shardwire runs instead") == 1
+    assert "layout zero1," not in out.replace("layout zero1: searched", "")

@@ -88,15 +88,13 @@ _ZERO3_AT_400 = ("ZeRO-3 over four of a DGX-2's eight NICs is predicted 18-31% f
 # InternLM's ZeRO-1 ("hybrid zero", zero1=8: optimizer states sharded within each node, parameters
 # replicated) all-reduces the bf16 gradients of the last micro-batch over every data-parallel rank, in
 # buckets of 512M elements, behind backward (InternLM/InternLM at fa7337b, hybrid_zero_optim.py,
-# configs/7B_sft.py). The model's nearest layout is HSDP in groups of a node: the same bytes through
-# each node's NICs (the node's gradient reduced within it, then its eighths all-reduced across nodes
-# side by side), with gathers over NVLink that ZeRO-1 does not make.
-_INTERNLM = dict(layout="hybrid", shard_group_size=8, reduce_precision="bf16")
+# configs/7B_sft.py): the simulator's ``zero1`` layout, one flat all-reduce over the world per bucket.
+_INTERNLM = dict(layout="zero1", shard_group_size=8, reduce_bucket_elements=512 * 2**20, reduce_precision="bf16")
 _INTERNLM_SYNC = ("InternLM's 7B at 2 sequences per GPU and 1 or 2 micro-batches on 512-1024 A100s is predicted "
-                  "17-41% faster than measured: at 1024 GPUs and one micro-batch it measured the same step with "
-                  "and without recomputation (2341 and 2346 tokens/s), so its gradient all-reduce sets it, which "
-                  "the model hides behind backward; that all-reduce spans all 1024 ranks in 1 GB buckets, with "
-                  "a device synchronize before each: not yet modelled")
+                  "17-18% faster than measured: at 1024 GPUs and one micro-batch it measured the same step with "
+                  "and without recomputation (2341 and 2346 tokens/s), so its gradient all-reduce sets it; priced "
+                  "as a flat ring over every GPU (1023 steps of 14 us per phase), it still runs faster than "
+                  "measured; the device synchronize before each bucket is not modelled")
 
 
 def _selective(hfu: float, mfu: float) -> dict:

@@ -19,7 +19,8 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            gathers its weights in fp8
     unit gradients         c P_unit         the flat gradient a unit's backward produces; plus r P
                            when micro-batches accumulate unsharded gradients (``no_sync``), not
-                           when each micro-batch reduces its own
+                           when each micro-batch reduces its own, and always under ``zero1``,
+                           which all-reduces the whole gradient in place
     communication buffers  (REDUCTIONS_IN_FLIGHT + 1) r P_unit   gradients being reduce-scattered
     error feedback         4 (N_g - 1) P_g / n_g   with a wire that quantizes gradients and keeps
                            error feedback on: for every unit's buffer and each of its reductions of
@@ -41,7 +42,9 @@ compute dtype of ``c`` bytes, reduction dtype of ``r`` bytes, ``m`` sequences pe
                            encoder-decoder's encoder output) are kept either way, as the root is
                            not recomputed (see ``shardwire.sim.architecture``)
 
-``P_unit`` is the largest unit. Before the first step the model is made on the meta device a unit
+Under ``zero1`` nothing is gathered, as every GPU holds every unit (gathered parameters: ``c P``,
+kept from step to step), and ``s`` is its group, over which the masters and optimizer state are
+split. ``P_unit`` is the largest unit. Before the first step the model is made on the meta device a unit
 at a time (``shardwire.engine.materialize``), which holds, in fp32, the parameter shards made so far,
 the root unit whole and the unit being made whole (``construction``: 4 P / s + 4 (P_root + P_unit)).
 A configuration fits when the step's total and its construction are each within ``USABLE_FRACTION``
@@ -123,10 +126,11 @@ def estimate_memory(arch: Architecture, cluster: ClusterSpec, training: Training
         gathered_units = _units_gathered_at_once(training, len(arch.units)) * largest
     else:
         gathered_units = sum(u.params for u in arch.units)
-    if shard_over > 1:  # the gather of the unit being copied out, beside its copy
+    zero1 = training.layout == "zero1"  # the whole model and its gradient on every GPU
+    if shard_over > 1 and not zero1:  # the gather of the unit being copied out, beside its copy
         gathered_units += largest
 
-    accumulated = r * P if training.grad_accum > 1 and not training.reduce_each_micro_batch else 0.0
+    accumulated = r * P if zero1 or (training.grad_accum > 1 and not training.reduce_each_micro_batch) else 0.0
     outer = 0.0
     if (diloco := training.diloco_settings) is not None:
         delayed = diloco.fragment_sync_delay > 0

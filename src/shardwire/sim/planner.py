@@ -135,6 +135,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
     if base.fault_tolerance:  # it applies to hybrid alone, and the search tries every layout on the same footing
         notes.append("fault_tolerance: searched without it (it changes nothing of the step but memory, and applies "
                      "to layout hybrid alone); simulate the plan's hybrid settings with it to price it")
+    if base.layout == "zero1":  # a run described as another tool ran it: the search is over the engine's layouts
+        base = dataclasses.replace(base, layout="full", shard_group_size=None, reduce_bucket_elements=None)
+        notes.append("layout zero1: searched over the layouts shardwire runs instead (zero1 describes runs of "
+                     "other tools; simulate it to compare)")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
     if not candidates:

@@ -126,7 +126,11 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
     groups, plan = "", layout_plan(c, t)
     if plan.grouped:
         groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {plan.group}"
-    layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
+    if t.layout == "zero1":  # nothing to gather or release: the groups split the optimizer state only
+        bucket = "" if t.reduce_bucket_elements is None else f" in buckets of {t.reduce_bucket_elements:,}"
+        layout = f"layout zero1: optimizer state{groups}, gradients all-reduced over every GPU{bucket}"
+    else:
+        layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
     reducing = " (each reduced)" if t.reduce_each_micro_batch else ""
     gathers = ""

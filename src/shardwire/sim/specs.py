@@ -39,8 +39,10 @@ class SpecError(ValueError):
 MODEL_KINDS = ("decoder", "encoder-decoder")
 ATTENTION_KINDS = ("flash", "eager")
 NORMS = ("layernorm", "rmsnorm")
-# The engine's layouts, and FSDP's SHARD_GRAD_OP: full, kept gathered from forward to backward.
-LAYOUTS = (*ENGINE_LAYOUTS, "grad_op")
+# The engine's layouts, FSDP's SHARD_GRAD_OP (full, kept gathered from forward to backward) and
+# ZeRO-1 (parameters whole on every GPU, optimizer state sharded), which the simulator prices so
+# that runs of other tools can be described as they ran.
+LAYOUTS = (*ENGINE_LAYOUTS, "grad_op", "zero1")
 LIMITERS = ("sliding", "block")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 REDUCE_PRECISIONS = ("fp32", "bf16", "fp16")
@@ -145,6 +147,8 @@ LIMITS = types.MappingProxyType({
     # A GPT block holds six modules with parameters; a thousand is beyond any unit's.
     "gathers_per_unit": Limit(1024, "over 1,024 all-gathers for one unit, more than any unit has modules: "
                                     "gathers_per_unit counts the collectives that fetch a unit's parameters"),
+    "reduce_bucket_elements": Limit(MAX_PARAMS, f"over {MAX_PARAMS:.0e} elements, more than any model's "
+                                                f"gradient: reduce_bucket_elements counts the elements of a bucket"),
     # No model has more units than this, and the engine gathers ahead no further than its last unit.
     "prefetch": Limit(2 * MAX_LAYERS, f"more units than any model has (at most {2 * MAX_LAYERS:,}): prefetch "
                                       f"counts units gathered ahead", zero=True),
@@ -354,7 +358,13 @@ class TrainingSpec:
     backward; ``hybrid`` shards within groups of ``shard_group_size`` GPUs and replicates across
     them, all-reducing gradient shards between groups; ``hybrid_secondary`` (ZeRO++'s hpZ) shards
     as ``full`` and gathers for backward within the group, from a secondary shard kept since forward
-    (``shardwire.engine.layout_plan``). ``shard_group_size`` defaults to a node's GPUs; a group is a
+    (``shardwire.engine.layout_plan``); ``zero1`` (ZeRO stage 1, as DeepSpeed and InternLM run it;
+    DDP with ``shard_group_size`` 1) keeps the whole model and its gradient on every GPU, splits the
+    fp32 masters and optimizer state within groups of ``shard_group_size``, all-reduces each
+    gradient over every GPU in one flat collective as backward produces it, in buckets of
+    ``reduce_bucket_elements`` (default: a unit each) that each pay the collective's latency, and
+    all-gathers the updated parameters within the group after the optimizer step; the engine does
+    not run it. ``shard_group_size`` defaults to a node's GPUs; a group is a
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the
     running one, by a ``sliding`` window (the engine's) or a ``block``-and-flush limiter that issues
     them in groups and waits for a group to be consumed before issuing the next.
@@ -391,6 +401,7 @@ class TrainingSpec:
     prefetch: int = 2
     limiter: str = "sliding"
     gathers_per_unit: int = 1
+    reduce_bucket_elements: int | None = None
     reshard_after_forward: bool | None = None
     precision: str = "bf16"
     reduce_precision: str = "fp32"
@@ -422,26 +433,31 @@ class TrainingSpec:
                             f"{self.layout!r}")
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
-            if self.layout not in ("hybrid", "hybrid_secondary"):
-                raise SpecError(f"shard_group_size applies to layout 'hybrid' and 'hybrid_secondary', not "
+            if self.layout not in ("hybrid", "hybrid_secondary", "zero1"):
+                raise SpecError(f"shard_group_size applies to layout 'hybrid', 'hybrid_secondary' and 'zero1', not "
                                 f"{self.layout!r}")
+        if self.reduce_bucket_elements is not None:
+            _check_limits(self, "reduce_bucket_elements")
+            if self.layout != "zero1":
+                raise SpecError(f"reduce_bucket_elements applies to layout 'zero1', whose all-reduces gather "
+                                f"gradients into buckets; layout {self.layout!r} reduces each unit's")
         if self.recompute_fraction is not None:
             _check_limits(self, "recompute_fraction")
             if not self.activation_checkpointing:
                 raise SpecError("recompute_fraction applies with activation_checkpointing true")
-        if self.layout == "grad_op" and self.reshard_after_forward:
+        if self.layout in ("grad_op", "zero1") and self.reshard_after_forward:
             raise SpecError(
-                "layout 'grad_op' keeps parameters gathered from forward to backward, so "
+                f"layout {self.layout!r} keeps parameters gathered from forward to backward, so "
                 "reshard_after_forward cannot be true; use layout 'full' to reshard"
             )
 
     @property
     def reshards(self) -> bool:
         """Whether units are released after forward and gathered again for backward: as asked, or
-        by default for every layout but ``grad_op``."""
+        by default for every layout but ``grad_op`` and ``zero1``."""
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
-        return self.layout != "grad_op"
+        return self.layout not in ("grad_op", "zero1")
 
     @property
     def recomputed(self) -> float:

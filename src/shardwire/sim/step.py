@@ -29,6 +29,11 @@ step end   with gradient accumulation, micro-batches before the last skip reduct
            unless every micro-batch reduces (``reduce_each_micro_batch``); then the gradient norm's
            scalar all-reduce (clipping) and the optimizer step.
 
+``zero1`` (ZeRO stage 1, which the engine does not run) follows the same schedule with nothing to
+gather: each GPU holds the whole model, and each unit's gradient is all-reduced over every GPU in
+one flat collective, paying the latency of the buckets it fills; after the optimizer step its group
+all-gathers the updated parameters, which the next step waits for.
+
 A ``block`` limiter replaces the sliding window: it issues gathers in groups of ``prefetch`` and
 issues the next group only when the whole previous one has been consumed, so the first unit of
 every group waits for a gather that was issued when the previous unit finished. Hybrid sharding
@@ -120,10 +125,12 @@ def gathered_bytes(unit: UnitCost, training: TrainingSpec) -> int:
 
 def layout_plan(cluster: ClusterSpec, training: TrainingSpec) -> LayoutPlan:
     """The engine's plan of the layout simulated (``shardwire.engine.layout_plan``), ``grad_op`` being
-    ``full`` kept gathered from forward to backward. A group must also divide a node or be a whole
-    number of nodes: the engine runs any divisor, but only these place its collectives on the
-    network's two levels."""
-    name = "full" if training.layout == "grad_op" else training.layout
+    ``full`` kept gathered from forward to backward, and ``zero1`` ``hybrid``'s groups, over which
+    only its masters and optimizer state are split (its collectives are ``zero1``'s own: see
+    ``shard_group`` and ``reductions``). A group must also divide a node or be a whole number of
+    nodes: the engine runs any divisor, but only these place its collectives on the network's two
+    levels."""
+    name = {"grad_op": "full", "zero1": "hybrid"}.get(training.layout, training.layout)
     try:
         plan = LayoutPlan.make(name, training.shard_group_size, cluster.world, cluster.gpus_per_node,
                                diloco=training.diloco_settings)
@@ -137,13 +144,24 @@ def layout_plan(cluster: ClusterSpec, training: TrainingSpec) -> LayoutPlan:
 
 
 def shard_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
-    """The GPUs a unit's buffer is split over: the world, or a group under hybrid sharding."""
+    """The GPUs a unit's parameters are gathered from: the world, or a group under hybrid sharding;
+    one GPU under ``zero1``, where each holds them whole."""
+    if training.layout == "zero1":
+        return Group(1, 1)
     return _block(layout_plan(cluster, training).split_over, cluster)
 
 
 def backward_gather_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
     """The GPUs backward gathers a unit from: the group's secondary shards under ``hybrid_secondary``."""
+    if training.layout == "zero1":
+        return Group(1, 1)
     return _block(layout_plan(cluster, training).backward_gather_over, cluster)
+
+
+def optimizer_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
+    """The GPUs the optimizer state is split over, which the gradient norm is summed over: the
+    gathers' group, or ``zero1``'s groups."""
+    return _block(layout_plan(cluster, training).split_over, cluster)
 
 
 def _block(size: int, cluster: ClusterSpec) -> Group:
@@ -177,8 +195,10 @@ def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> lis
     """The collectives that reduce a gradient of ``params`` elements, in order, as (op, elements,
     group): a reduce-scatter over the shard group and, under hybrid sharding with several groups,
     an all-reduce of each GPU's shard with its peers in the other groups (unless they sync every H
-    steps instead)."""
+    steps instead); under ``zero1``, an all-reduce of the whole over every GPU."""
     plan = layout_plan(cluster, training)
+    if training.layout == "zero1":
+        return [("all_reduce", params, _block(cluster.world, cluster))]
     steps = [("reduce_scatter", params, _block(plan.split_over, cluster))]
     if plan.reduces_across_groups:
         steps.append(("all_reduce", params / plan.group, _column(plan.group, cluster)))
@@ -200,8 +220,18 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
             quantized = (costs.quantized_reduce_scatter_phases if op == "reduce_scatter"
                          else costs.quantized_all_reduce_phases)
             phases = quantized(numel, r, group, cluster, codec)
-        steps.append((op, numel * r, phases))
+        steps.append((op, numel * r, _bucketed(phases, unit.params, training)))
     return steps
+
+
+def _bucketed(phases: list[Phase], params: int, training: TrainingSpec) -> list[Phase]:
+    """A unit's reduction as its share of the buckets it fills: a bucket of ``reduce_bucket_elements``
+    pays its collective's latency once, so a unit of ``params`` pays ``params / bucket`` of it (its
+    bytes are its own); unchanged where each unit is reduced alone."""
+    bucket = training.reduce_bucket_elements
+    if bucket is None:
+        return phases
+    return [dataclasses.replace(p, latency_s=p.latency_s * params / bucket) if p.flows else p for p in phases]
 
 
 def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
@@ -348,7 +378,8 @@ class _Step:
         # the engine's copies of a gathered unit, and of a gradient before its reduce-scatter
         self._copy_out_s = {u.name: copy_out_s(u, self._shard_group.size, cluster, training) for u in every}
         self._copy_in_s = {u.name: copy_in_s(u, self._shard_group.size, cluster, training) for u in every}
-        self._optimizer_s = optimizer_s(arch.params / self._shard_group.size, cluster)
+        self._optimizer_group = optimizer_group(cluster, training)
+        self._optimizer_s = optimizer_s(arch.params / self._optimizer_group.size, cluster)
 
     def run(self) -> Timeline:
         done = self.sim.start(self._step())
@@ -376,11 +407,16 @@ class _Step:
         for micro in range(self.training.grad_accum):
             yield from self._micro_batch(sync=micro == last or self.training.reduce_each_micro_batch)
         norm = self._scalars.submit("all_reduce", "gradient norm", 4.0,  # over the ranks that split buffers
-                                    costs.scalar_all_reduce_phases(self._shard_group, self.cluster))
+                                    costs.scalar_all_reduce_phases(self._optimizer_group, self.cluster))
         yield from self._wait(norm, "gradient-norm all-reduce", "")
         if synced is not None:
             yield from self._wait(sync, "sync backlog", "")  # the link carries less than 1/H of the model a step
         yield from self._compute("optimizer", self._optimizer_s)
+        if self.training.layout == "zero1":  # each GPU's updated part, to every GPU of its group
+            nbytes = self.arch.params * self.training.compute_bytes
+            updated = self._gathers.submit("all_gather", "updated parameters", nbytes,
+                                           costs.all_gather_phases(nbytes, self._optimizer_group, self.cluster))
+            yield from self._wait(updated, "updated parameters' all-gather", "")
 
     def _micro_batch(self, *, sync: bool) -> Process:
         root, units = self.arch.root, list(self.arch.units)
