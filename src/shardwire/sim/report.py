@@ -128,7 +128,8 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {plan.group}"
     if t.layout == "zero1":  # nothing to gather or release: the groups split the optimizer state only
         bucket = "" if t.reduce_bucket_elements is None else f" in buckets of {t.reduce_bucket_elements:,}"
-        layout = f"layout zero1: optimizer state{groups}, gradients all-reduced over every GPU{bucket}"
+        split = f"optimizer state split{groups}" if groups else "optimizer state whole (one GPU)"
+        layout = f"layout zero1: {split}, gradients all-reduced over every GPU{bucket}"
     else:
         layout = f"layout {t.layout}{groups}, {'reshard' if t.reshards else 'keep'} after forward"
     checkpointing = f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"

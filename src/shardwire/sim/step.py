@@ -125,12 +125,13 @@ def gathered_bytes(unit: UnitCost, training: TrainingSpec) -> int:
 
 def layout_plan(cluster: ClusterSpec, training: TrainingSpec) -> LayoutPlan:
     """The engine's plan of the layout simulated (``shardwire.engine.layout_plan``), ``grad_op`` being
-    ``full`` kept gathered from forward to backward, and ``zero1`` ``hybrid``'s groups, over which
-    only its masters and optimizer state are split (its collectives are ``zero1``'s own: see
+    ``full`` kept gathered from forward to backward, and ``zero1`` ``hybrid``'s groups (on one GPU,
+    ``full``'s), over which only its masters and optimizer state are split (its collectives are ``zero1``'s own: see
     ``shard_group`` and ``reductions``). A group must also divide a node or be a whole number of
     nodes: the engine runs any divisor, but only these place its collectives on the network's two
     levels."""
-    name = {"grad_op": "full", "zero1": "hybrid"}.get(training.layout, training.layout)
+    name = {"grad_op": "full", "zero1": "hybrid" if cluster.world > 1 else "full"}.get(training.layout,
+                                                                                      training.layout)
     try:
         plan = LayoutPlan.make(name, training.shard_group_size, cluster.world, cluster.gpus_per_node,
                                diloco=training.diloco_settings)
