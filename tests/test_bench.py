@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 
 import pytest
@@ -151,20 +152,25 @@ def test_a_layout_made_after_a_bench_in_the_same_processes_forms_its_groups():
     assert run_workers(4, bench_then_hybrid_layout, timeout=120, env={"LOCAL_WORLD_SIZE": "2"}) == [True] * 4
 
 
-def quantized_wire(rank, world):
+def quantized_wire(rank, world, ranks_per_node=None):
     config = dataclasses.replace(TINY, impl="shardwire", wire="params=int8,grads=int4", max_bytes=64000,
-                                 ops=["all_gather", "reduce_scatter"])
+                                 ops=["all_gather", "reduce_scatter"], ranks_per_node=ranks_per_node)
     return [(r.op, r.wrong, [(row.nbytes, row.wire_nbytes, row.count) for row in r.rows])
             for r in benchmark(config, CPU).ops]
 
 
-def test_a_quantized_wire_reports_the_bytes_it_sent_and_checks_within_its_error():
-    """4 ranks as 2 nodes: the gather sends each rank's int8 shard and its scales, the reduce-scatter
-    exact slots within the node and int4 ones across; no element is off by more than quantization
-    allows."""
+@pytest.mark.parametrize("nodes_from", ["launch", "--ranks-per-node"])
+def test_a_quantized_wire_reports_the_bytes_it_sent_and_checks_within_its_error(nodes_from):
+    """4 ranks as 2 nodes, as the launch places them or as --ranks-per-node treats one machine's:
+    the gather sends each rank's int8 shard and its scales, the reduce-scatter exact slots within the
+    node and int4 ones across; no element is off by more than quantization allows."""
     from shardwire.comm.wire import Codec
 
-    (gather, reduce), *_ = run_workers(4, quantized_wire, env={"LOCAL_WORLD_SIZE": "2"})
+    if nodes_from == "launch":
+        (gather, reduce), *_ = run_workers(4, quantized_wire, env={"LOCAL_WORLD_SIZE": "2"})
+    else:
+        (gather, reduce), *_ = run_workers(4, functools.partial(quantized_wire, ranks_per_node=2),
+                                           env={"LOCAL_WORLD_SIZE": "4"})
     assert gather[1] == 0 and reduce[1] == 0
     int8, int4 = Codec(8, 256), Codec(4, 256)
     for nbytes, wire_nbytes, count in gather[2]:

@@ -288,19 +288,20 @@ def _contexts(config: BenchConfig, launched: Placement, device: torch.device) ->
         if name in config.groups:
             group = make_group[name](launched)
             mine = next((ranks for ranks in groups if dist.get_rank() in ranks), groups[0])
-            contexts[name] = _context(config, group, tuple(mine), device)
+            contexts[name] = _context(config, group, tuple(mine), device, launched.ranks_per_node)
     return contexts
 
 
 def _context(config: BenchConfig, group: dist.ProcessGroup | None, ranks: tuple[int, ...],
-             device: torch.device) -> OpContext:
+             device: torch.device, ranks_per_node: int) -> OpContext:
     """This rank's view of one group; on its members with ``--impl shardwire``, a communicator that
-    ``OpContext.close()`` stops."""
+    ``OpContext.close()`` stops, placing ranks on nodes as the bench does (``--ranks-per-node``)."""
     me = dist.get_rank()
     member = me in ranks
     comm = None
     if member and config.impl == "shardwire":
-        comm = Communicator(group, device, timeout=datetime.timedelta(seconds=config.timeout))
+        comm = Communicator(group, device, timeout=datetime.timedelta(seconds=config.timeout),
+                            ranks_per_node=ranks_per_node)
     return OpContext(
         group=group if member else None,
         ranks=ranks,

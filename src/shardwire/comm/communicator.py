@@ -155,15 +155,18 @@ class Communicator:
         *,
         timeout: datetime.timedelta,
         torch_collectives: bool = False,
+        ranks_per_node: int | None = None,
     ):
         """``torch_collectives``: run torch's collectives on gloo too, instead of the point-to-point
-        ones (NCCL always runs torch's)."""
+        ones (NCCL always runs torch's). ``ranks_per_node``: the global ranks a node holds, where
+        they are not the launch's (``shardwire bench --ranks-per-node`` treats one machine's
+        processes as several nodes, and its quantized wire must cross them as it would real ones)."""
         self.group = group
         self.device = device
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.placement = placement_of(group)
+        self.placement = placement_of(group, ranks_per_node)
         self.clock = Clock(device)
         self._cuda = device.type == "cuda"
         gloo = str(dist.get_backend(group)) == "gloo"

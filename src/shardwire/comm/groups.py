@@ -12,11 +12,12 @@ import torch.distributed as dist
 from shardwire.placement import Placement, launch_ranks_per_node, placement
 
 
-def placement_of(group: dist.ProcessGroup) -> Placement:
-    """The placement of ``group``'s ranks, from the launch's ranks per node of the default group
-    (torchrun's or SLURM's: ``launch_ranks_per_node``; the lenient rule: see ``shardwire.placement``)."""
+def placement_of(group: dist.ProcessGroup, ranks_per_node: int | None = None) -> Placement:
+    """The placement of ``group``'s ranks, on nodes of ``ranks_per_node`` global ranks, by default
+    the launch's ranks per node of the default group (torchrun's or SLURM's:
+    ``launch_ranks_per_node``; the lenient rule: see ``shardwire.placement``)."""
     members = dist.get_process_group_ranks(group)
-    per_node = launch_ranks_per_node(dist.get_world_size())
+    per_node = launch_ranks_per_node(dist.get_world_size()) if ranks_per_node is None else ranks_per_node
     return placement(members, per_node)
 
 
