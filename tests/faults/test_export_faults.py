@@ -135,6 +135,25 @@ def test_an_export_into_the_data_its_run_reads_as_text_is_refused(tmp_path, caps
     assert export(capsys, "ckpt", "txt/model.safetensors")[0] == 0
 
 
+def test_the_data_a_run_recorded_is_found_from_any_directory(tmp_path, capsys, monkeypatch):
+    """A run given `--data txt` recorded the path as typed: an export run from another directory
+    looked for txt there, and wrote into the run's data, which its resume read as text."""
+    from shardwire.training.config import TrainConfig, training_settings
+
+    (tmp_path / "run" / "txt").mkdir(parents=True)
+    (tmp_path / "run" / "txt" / "a.md").write_text("hello world " * 500)
+    monkeypatch.chdir(tmp_path / "run")
+    settings = training_settings(TrainConfig(data="txt"))
+    assert settings["data"] == str(tmp_path / "run" / "txt")
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block])
+    shardwire.save_checkpoint(tmp_path / "run" / "ckpt", model, step=1,
+                              extra={"model": "tiny", "settings": settings}).wait()
+    monkeypatch.chdir(tmp_path)
+    assert refused(capsys, "run/ckpt", "run/txt/notes.md") == (
+        f"error: OUT run/txt/notes.md is inside {tmp_path / 'run' / 'txt'}, the --data directory run/ckpt was "
+        f"trained on, whose .py, .txt, .md files are read as text: give a path outside it")
+
+
 def test_an_out_of_a_dash_is_no_file_named_so(work, capsys, monkeypatch):
     monkeypatch.chdir(work)
     assert refused(capsys, work / "gpt", "-") == ("error: OUT - names no file (export does not write to standard "

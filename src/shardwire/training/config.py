@@ -138,9 +138,16 @@ def is_given(config: TrainConfig, name: str) -> bool:
 
 def training_settings(config: TrainConfig) -> dict:
     """The settings that decide what a run trains: a checkpoint records them, and a run resuming from
-    it says which of them it changes."""
-    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)
+    it says which of them it changes. Files and directories are recorded by their absolute paths, so
+    that a command run from another directory (a resume, ``shardwire export`` refusing to write into
+    the run's data) finds what the run read."""
+    return {field.name: _recorded(field.name, getattr(config, field.name)) for field in dataclasses.fields(config)
             if field.name not in LAUNCH_OPTIONS + _REPORTING_OPTIONS}
+
+
+def _recorded(name: str, value):
+    """``value`` of the setting ``name`` as a checkpoint records it: a path made absolute."""
+    return os.path.abspath(value) if name in ("data", "tokenizer") and isinstance(value, str) else value
 
 
 def changed_settings(recorded: dict, config: TrainConfig) -> dict[str, tuple]:
@@ -154,7 +161,7 @@ def changed_settings(recorded: dict, config: TrainConfig) -> dict[str, tuple]:
     for name, value in recorded.items():
         name = renamed.get(name, name)
         if name in current and _comparable(name, current[name]) != _comparable(name, value):
-            changed[name] = (value, current[name])
+            changed[name] = (value, getattr(config, name))  # this run's as given
     return changed
 
 

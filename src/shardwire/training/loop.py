@@ -848,9 +848,9 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
                        if isinstance(before, bool) and isinstance(now, bool)
                        else f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
                        for name, (before, now) in settings.items()]
-            # the data's change in length, unless --data itself is named changed above
-            changed += _changed_scale(info, trained_on["global_batch"]) + (
-                [data] if data is not None and "data" not in settings else [])
+            # the data's change in length, whether or not --data is named changed above (a path
+            # spelled otherwise may name the same data, and the same path other data)
+            changed += _changed_scale(info, trained_on["global_batch"]) + ([data] if data is not None else [])
             if _own_steps_dropped(info, recorded):  # none syncing now (said with --diloco), or other groups
                 dropped = ("every group goes on from the model the groups agreed on at their last sync: the inner "
                            "steps since, each group's own, are not kept")
