@@ -334,15 +334,18 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # Set the workers' arguments after parsing: torchrun's parser would otherwise read them too
     # (and take `--nproc` for an abbreviation of its own `--nproc-per-node`).
     config.training_script_args = argv
-    quiet_agent()
+    said = quiet_agent()
     os.environ[_NOTED_BY_LAUNCHER] = "1"  # inherited by the workers
     handlers = {signum: signal.getsignal(signum) for signum in (*stop_signals(), signal.SIGQUIT)}
     try:
-        run(config)  # its agent sets handlers of its own, which raise its SignalException
+        with restarting_failures_only(said):
+            run(config)  # its agent sets handlers of its own, which raise its SignalException
     except SignalException as err:
         raise stopping(int(err.sigval)) from None
     except ChildFailedError as err:
         return failed_workers(err)
+    except WorkersRefused:
+        return REFUSED  # a worker said why, in one line
     finally:
         os.environ.pop(_NOTED_BY_LAUNCHER, None)
         for signum, handler in handlers.items():  # the agent's no longer: the command's, or stopping's
@@ -351,10 +354,42 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     return 0
 
 
-def quiet_agent() -> None:
+class WorkersRefused(Exception):
+    """The workers stopped the job with a refusal of their own (``REFUSED``), which said why: a restart
+    would meet it again."""
+
+
+@contextlib.contextmanager
+def restarting_failures_only(said: _AgentLog):
+    """Let torch's elastic agent restart failed workers (``--max-restarts``), but not workers that
+    refused the job: a diverged run resumed from its last good checkpoint with the same settings
+    diverges again, setting aside another copy of the checkpoint each time, and data that changed
+    under the run is still changed. The agent restarts whatever the exit status, so its restart is
+    wrapped, in this process (where the agent runs) and for the launch only: after a refusal it stops
+    the workers and raises ``WorkersRefused``."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    restart = SimpleElasticAgent._restart_workers
+
+    def unless_refused(agent, worker_group):
+        if said.refused:
+            agent._stop_workers(worker_group)
+            raise WorkersRefused
+        said.restarting()
+        return restart(agent, worker_group)
+
+    SimpleElasticAgent._restart_workers = unless_refused
+    try:
+        yield
+    finally:
+        SimpleElasticAgent._restart_workers = restart
+
+
+def quiet_agent() -> _AgentLog:
     """Keep torch's elastic agent, run in this process, to its errors and its restarts: its warnings
     narrate its shutdown (a signal received, each worker sent one), and its line for a failed worker
-    repeats what the worker, or ``failed_workers``'s line, says once (``_AgentLog``)."""
+    repeats what the worker, or ``failed_workers``'s line, says once (``_AgentLog``, returned: it
+    knows how the workers failed)."""
     for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -365,6 +400,7 @@ def quiet_agent() -> None:
         for old in [f for f in logger.filters if isinstance(f, _AgentLog)]:
             logger.removeFilter(old)
         logger.addFilter(said)
+    return said
 
 
 class _AgentLog(logging.Filter):
@@ -378,13 +414,26 @@ class _AgentLog(logging.Filter):
     def __init__(self):
         super().__init__()
         self._failed: tuple[int, int] | None = None  # (rank, exit status) of the failure logged last
+        self._statuses: set[int] = set()  # the exit statuses of the failures since the workers started
+
+    @property
+    def refused(self) -> bool:
+        """Whether the workers' failure is a refusal: a worker's, with the rest stopped."""
+        return REFUSED in self._statuses and self._statuses <= {REFUSED, -signal.SIGTERM}
+
+    def restarting(self) -> None:
+        """The workers start again: their failures are behind them."""
+        self._statuses.clear()
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
         if text.startswith("failed (exitcode"):
             self._failed = (record.args[1], record.args[0])
+            self._statuses.add(record.args[0])
             return False
         if "will restart worker group" in text and "attempts left" in text:
+            if self.refused:  # not restarted: restarting_failures_only stops them
+                return False
             left, most = record.args[2], record.args[3]
             named = ""
             if self._failed is not None:

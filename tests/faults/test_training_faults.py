@@ -190,6 +190,17 @@ def test_weights_that_diverge_after_a_save_never_prune_the_checkpoint_before_the
     assert (tmp_path / "ckpt" / f"step_{step - 1:08d}.diverged" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
+def test_a_refusal_is_not_restarted(tmp_path):
+    """--max-restarts restarted workers that had stopped the run as diverged: each restart resumed
+    the last good checkpoint with the same settings, diverged again and set aside another copy."""
+    done = train("--steps", "30", "--checkpoint-dir", "ckpt", "--save-every", "1", "--lr", "30", "--warmup", "1",
+                 "--weight-decay", "0", "--log-every", "1", "--max-restarts", "2", cwd=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("training diverged") == 1 and "starting them again" not in done.stderr, done.stderr
+    assert len([path for path in (tmp_path / "ckpt").iterdir() if ".diverged" in path.name]) == 1
+
+
 def test_a_loss_that_stays_far_above_where_it_started_is_divergence_and_prunes_nothing(tmp_path):
     """No single loss spikes 10 times its recent mean, but the resumed run's losses sit at several
     times the loss of the checkpoint it resumed: stopped, its own checkpoints set aside, the one it

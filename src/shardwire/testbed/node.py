@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from shardwire.launch import failed_workers, quiet_agent
+from shardwire.launch import REFUSED, WorkersRefused, failed_workers, quiet_agent, restarting_failures_only
 
 
 def main(argv: list[str]) -> int:
@@ -33,17 +33,20 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    quiet_agent()
+    said = quiet_agent()
     options, job = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     script = next((i for i, word in enumerate(job) if not word.startswith("-")), len(job))  # after -m, --no-python
     config = parse_args([*options, *job[:script + 1]])
     config.training_script_args = job[script + 1:]
     try:
-        run(config)
+        with restarting_failures_only(said):
+            run(config)
     except SignalException as err:
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return failed_workers(err)
+    except WorkersRefused:
+        return REFUSED
     except (RendezvousError, DistStoreError) as err:  # the nodes could not meet (a node cut off: the store's
         # wait times out), or the one holding their meeting point ended
         reason = " ".join(str(err.__cause__ or err).split())
