@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -645,3 +646,34 @@ def test_a_new_profile_names_the_report_plots_drawn_before_it_beside_it(tmp_path
         (tmp_path / name).write_bytes(b"\x89PNG\r\n\x1a\n" + len(text).to_bytes(4, "big") + b"tEXt" + text)
     (tmp_path / "overlap.png").write_bytes(b"\x89PNG\r\n\x1a\n the user's own")
     assert results_in(tmp_path, "report-plot") == ["scaling.png", "timeline.png"]
+
+
+def test_a_profile_is_read_as_the_model_it_measured():
+    """An hf: directory edited between two runs (a tied head: the same FLOPs per token) was one model
+    to report, and calibrate fitted a profile's times to the model as edited since: a profile records
+    the model's description, and both read it."""
+    from shardwire.profile.report import ReportError, _check_comparable
+    from shardwire.sim.calibrate import read_profile
+    from shardwire.sim.inputs import load_model
+    from shardwire.sim.specs import SpecError, as_dict
+
+    described = as_dict(load_model("gpt-1.3b", None))
+    recorded = _job(lambda d: d["metadata"].update(model_spec=described))
+    edited = _job(lambda d: d["metadata"].update(model_spec={**described, "params": 1_000_000}), world_size=16)
+    with pytest.raises(ReportError, match=r"^runs differ in the model: one and two ran models that differ in params "):
+        _check_comparable(["one", "two"], [recorded, edited])
+    _check_comparable(["one", "two"], [_job(), edited])  # a profile from before: compared by FLOPs per token
+
+    def model_as_edited_since(name, seq_len):
+        return load_model("gpt-350m", seq_len)
+
+    with open(PROFILE) as f:
+        document = json.load(f)
+    with pytest.raises(SpecError, match="is damaged .its model flops_per_token"):  # from before: read as it is now
+        read_profile(PROFILE, model_as_edited_since)
+    document["metadata"]["model_spec"] = described
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "profile.json")
+        with open(path, "w") as f:
+            json.dump(document, f)
+        assert read_profile(path, model_as_edited_since).model == load_model("gpt-1.3b", None)

@@ -93,6 +93,8 @@ def _metadata_problem(metadata: dict) -> str | None:
     job = metadata.get("config")
     if not isinstance(job, dict):
         return None
+    if not isinstance(metadata.get("model_spec", {}), dict | None):
+        return f"its metadata's model_spec is {shown(metadata['model_spec'])}, not a model's description"
     for key in ("model", "precision"):
         if key in metadata and not isinstance(metadata[key], str):
             return f"its metadata's {key} is {shown(metadata[key])}, not a name"

@@ -123,6 +123,8 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
         recorded = metadata.get("config") if isinstance(metadata.get("config"), dict) else {}
         flops = p.get("flops_per_token")
         found = {"model": recorded.get("model", metadata.get("model")),
+                 # an hf: directory edited between two runs names two models
+                 "the model's description": metadata.get("model_spec"),
                  "tokens per step and rank": p["tokens_per_step"] // p["world_size"],
                  "FLOPs per token": flops.get("model") if isinstance(flops, dict) else flops,
                  "precision": recorded.get("precision", metadata.get("precision")), "device": p["device"]}
@@ -133,6 +135,13 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
     reference = job(profiles[0])
     for run_dir, profile in zip(run_dirs[1:], profiles[1:]):
         for key, value in job(profile).items():
+            if key == "the model's description" and None in (value, reference[key]):
+                continue  # a profile written before it was recorded: its FLOPs per token compare
+            if isinstance(value, dict) and isinstance(reference[key], dict) and value != reference[key]:
+                keys = sorted(k for k in {*value, *reference[key]} if value.get(k) != reference[key].get(k))
+                raise ReportError(f"runs differ in the model: {run_dirs[0]} and {run_dir} ran models that differ in "
+                                  f"{cut(', '.join(map(str, keys)))} (its directory changed between them?); a "
+                                  f"scaling report compares one job at several world sizes")
             if value != reference[key]:
                 raise ReportError(
                     f"runs differ in {key}: {run_dirs[0]} has {shown(reference[key])}, {run_dir} has {shown(value)}; "

@@ -122,7 +122,7 @@ def read_profile(path: str, load_model) -> Measured:
         training = parse("training", {"micro_batch": job["batch"], "grad_accum": job["grad_accum"],
                                       "precision": job["precision"], "compile": job["compile"],
                                       "activation_checkpointing": job["activation_checkpointing"]})
-        model = load_model(job["model"], job["seq_len"])
+        model = _profiled_model(doc, job, load_model)
     except SpecError as err:
         raise SpecError(f"{path}: its job cannot be simulated: {err}") from None
     # an edited job would be fitted to times another job took (the document holds one that records its length)
@@ -139,6 +139,16 @@ def read_profile(path: str, load_model) -> Measured:
                             f"does {expected / model.seq_len:.4g} a token: a profile of another job, one edited, or "
                             f"an hf: model directory other than the one it names from here); {remedy}")
     return Measured(*seconds, ranks=doc["world_size"], model=model, training=training)
+
+
+def _profiled_model(doc: dict, job: dict, load_model) -> ModelSpec:
+    """The model a profile measured: the description it records, where it holds one (an ``hf:``
+    directory edited since names another model, with another optimizer's work where only a head's
+    tying changed), else its job's model as it reads now."""
+    recorded = doc["metadata"].get("model_spec")
+    if recorded is None:
+        return load_model(job["model"], job["seq_len"])
+    return parse("model", recorded)
 
 
 def _check_measured(path: str, seconds: list, model, remedy: str) -> None:

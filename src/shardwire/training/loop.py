@@ -57,6 +57,7 @@ from shardwire.models.choice import (
 from shardwire.models.export import save_pretrained
 from shardwire.models.gpt import PRESETS, loss_fn
 from shardwire.sim.gpt_sizes import BYTE_VOCAB
+from shardwire.sim.specs import as_dict
 from shardwire.profile.comm import CommSummary
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
 from shardwire.profile.profiler import Profiler
@@ -1012,6 +1013,9 @@ def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens
         "precision": config.precision,
         # the job as it ran: its sequence length the model's own where --seq-len was not given
         "config": {**dataclasses.asdict(config), "model": model_name, "seq_len": choice.seq_len},
+        # the model as the simulator describes it, as it was when the run read it: an hf: directory
+        # edited since names another model (its FLOPs per token may not tell: a tied head)
+        "model_spec": None if choice.spec is None else as_dict(choice.spec),
         "torch_counted_flops_per_token": counted,
     }
     return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
