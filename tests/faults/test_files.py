@@ -426,3 +426,20 @@ def test_commands_writing_into_a_full_file_system_say_so_in_one_line(command, ou
     left = [os.path.relpath(os.path.join(d, f), filled_file_system) for d, _, files in os.walk(filled_file_system)
             for f in files]
     assert left == ["fill"]  # no temporary, nothing half-written
+
+
+def test_a_report_is_not_drawn_into_another_runs_directory(tmp_path, capsys):
+    """`report p2 --out p1` replaced p1's plots with p2's, beside p1's profile, without a word."""
+    first, second = tmp_path / "p1", tmp_path / "p2"
+    for run in (first, second):
+        run.mkdir()
+        shutil.copyfile(PROFILE, run / "profile.json")
+    assert main(["report", str(first)]) == 0
+    drawn = {path.name: path.read_bytes() for path in first.glob("*.png")}
+    capsys.readouterr()
+    assert main(["report", str(second), "--out", str(first)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {first} holds the profile of another run ({first}/profile.json), "
+                                       f"whose plots these would replace or sit beside as if they were its own: give "
+                                       f"another directory\n")
+    assert {path.name: path.read_bytes() for path in first.glob("*.png")} == drawn
+    assert main(["report", str(first), "--out", str(first)]) == 0  # its own run's directory

@@ -66,6 +66,9 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
                                      ("overlap", _plot_overlap))]
     if len(profiles) > 1:
         plots.append((run_dirs, os.path.join(out, "scaling.png"), functools.partial(_plot_scaling, profiles)))
+    if (other := _another_run(out, run_dirs)) is not None:
+        raise ReportError(f"--out {cut(out)} holds the profile of another run ({cut(other)}), whose plots these would "
+                          f"replace or sit beside as if they were its own: give another directory")
     try:  # every output checked before any is drawn
         check_writable_directory(out, "--out")
         for _, path, _ in plots:
@@ -81,6 +84,15 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
         with _damage_reported(runs):
             written.append(draw(path))
     return written
+
+
+def _another_run(out: str, run_dirs: list[str]) -> str | None:
+    """The profile in ``out`` of a run that is not among ``run_dirs``, or None: a run directory's
+    plots are named for what they draw (``timeline.png``), as every run's are."""
+    profile = os.path.join(out, PROFILE_FILE)
+    if not os.path.lexists(profile) or os.path.realpath(out) in {os.path.realpath(d) for d in run_dirs}:
+        return None
+    return profile
 
 
 def _run_names(run_dirs: list[str], profiles: list[dict]) -> list[str]:
