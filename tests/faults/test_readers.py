@@ -192,6 +192,14 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
      "its fit.inter.all_gather.ranks is 2, where its context's inter group has 3"),
     (lambda d: d.update(contention={"inter": {"compute_share": 0.9, "rank_shares": [0.05, 0.0]}}),
      "its contention.inter.compute_share is 0.9, where the median of its rank_shares is 0.025"),
+    (lambda d: d["contention"]["inter"].update(compute_share=0.9, rank_shares=[0.9, 0.9]),
+     "its contention.inter.compute_share is 0.9, where its alone_s and beside_s give 0.323"),
+    # measured so that its times are not the links': a quantized wire, wrong results, the fastest rank's
+    (lambda d: d["context"]["settings"].update(wire="params=int8,grads=int8"),
+     "was measured with --wire 'params=int8,grads=int8': its times are of quantized collectives"),
+    (lambda d: d["results"]["inter"]["all_gather"][0]["out_of_place"].update(wrong=1000),
+     "records wrong results (1000 elements of its 'all_gather' on the 'inter' group at "),
+    (lambda d: d["context"]["settings"].update(combine="min"), "was measured with --combine 'min': a collective ends"),
 ])
 def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, message):
     with open(BENCH) as f:

@@ -58,6 +58,9 @@ from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecEr
 _LINK_OPS = ("all_gather", "reduce_scatter")
 _LEAST_INTERCEPT_S = -0.1  # a fit's intercept below this is no fit of measured times
 _REFIT_AGREE = 1e-6  # how far a bench fit may be from the refit of its results: the same arithmetic
+# How far a contention's compute share may be from the one its median times give: the median of the
+# members' shares is not the share of their median times, but the bench's own files differ by 0.013 at most.
+_SHARE_AGREE = 0.1
 # Bench results: a thousand sizes of every operation on every group, in both forms, are a few MB.
 MAX_BENCH_BYTES = 64 << 20
 
@@ -149,6 +152,8 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
     for key, value in (("fit", fits), ("context.settings", settings), ("contention", doc.get("contention") or {})):
         if not isinstance(value, Mapping):
             raise Missing(f"its {key} is {shown(value)}, not a mapping")
+    if (measured_as := _measured_otherwise(doc, settings)) is not None:
+        raise SpecError(f"{path} {measured_as}")
     nodes, per_node = field(doc, "context", "nodes"), field(doc, "context", "ranks_per_node")
     for key, value in (("nodes", nodes), ("ranks_per_node", per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -192,6 +197,32 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
     })
 
 
+def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
+    """How a bench document was measured so that its rates are not its links' (the words follow its
+    path), or None: through a quantized wire (its times are of packed bytes, and a simulated wire
+    would pack them again), with results that were wrong (a network or transport that corrupts
+    data), or combining the ranks' times otherwise than by the slowest, which sets a collective's
+    end."""
+    if (wire := settings.get("wire", "none")) != "none":
+        return (f"was measured with --wire {shown(wire)}: its times are of quantized collectives, where the "
+                f"simulator prices a wire from the link's own rate; measure it again without --wire")
+    if (combine := settings.get("combine", "max")) != "max":
+        return (f"was measured with --combine {shown(combine)}: a collective ends when its slowest rank does, which "
+                f"--combine max (the default) measures; measure it again without --combine")
+    results = doc.get("results")
+    for group, ops in (results.items() if isinstance(results, Mapping) else ()):
+        for op, rows in (ops.items() if isinstance(ops, Mapping) else ()):
+            for row in (rows if isinstance(rows, list) else ()):
+                for form in ("out_of_place", "in_place"):
+                    point = row.get(form) if isinstance(row, Mapping) else None
+                    wrong = point.get("wrong") if isinstance(point, Mapping) else None
+                    if is_number(wrong) and wrong > 0:
+                        return (f"records wrong results ({shown(wrong)} elements of its {shown(op)} on the "
+                                f"{shown(group)} group at {shown(row.get('bytes'))} bytes, --check): timings of a "
+                                f"transport that corrupts data are not its links'; find the cause, and measure again")
+    return None
+
+
 def _contention(contention: Mapping, group: str) -> Mapping:
     """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing.
     Each share is the median of its members' (``shardwire.bench.contention``): one edited apart
@@ -210,6 +241,12 @@ def _contention(contention: Mapping, group: str) -> Mapping:
                                                           rel_tol=_REFIT_AGREE, abs_tol=1e-12)):
                     raise Missing(f"its contention.{name}.{share} is {shown(found)}, where the median of its "
                                   f"{members} is {median:.6g}")
+            alone, beside = measured.get("alone_s"), measured.get("beside_s")
+            if "compute_share" in measured and is_number(alone) and is_number(beside) and 0 < alone <= beside:
+                # the medians of the members' times give about the median of their shares
+                if abs(measured["compute_share"] - (timed := 1 - alone / beside)) > _SHARE_AGREE:
+                    raise Missing(f"its contention.{name}.compute_share is {shown(measured['compute_share'])}, "
+                                  f"where its alone_s and beside_s give {timed:.3g}")
             return measured
     return {}
 
