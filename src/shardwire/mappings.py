@@ -23,6 +23,7 @@ import difflib
 import json
 import math
 import os
+import re
 import reprlib
 import stat
 from collections.abc import Mapping
@@ -173,6 +174,17 @@ def one_line(text: str) -> str:
     """``text`` as one line prints it: a line break it holds came from what the user gave (a path, a
     value), and is shown as ``\\n``, so that a message, or a line naming a path, stays one line."""
     return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+_LONGEST_WORD = 200  # a path of ten directories of twenty characters
+
+
+def refusal(text: str) -> str:
+    """An error's ``text`` as the command line says it: one line (``one_line``), each word of more
+    than ``_LONGEST_WORD`` characters cut short (``cut``). What the user gave reaches a message in
+    many ways (a path, a value, argparse's "unrecognized arguments"), and any of them may be as long
+    as the command line allows; a remedy the message gives holds no such word but the user's."""
+    return re.sub(rf"\S{{{_LONGEST_WORD + 1},}}", lambda word: cut(word.group()), one_line(text))
 
 
 class Missing(LookupError):

@@ -685,3 +685,22 @@ def test_a_profile_is_read_as_the_model_it_measured():
         with open(path, "w") as f:
             json.dump(document, f)
         assert read_profile(path, model_as_edited_since).model == load_model("gpt-1.3b", None)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--model", "tiny", "--wire", "grads=" + "q" * 50_000],
+    ["train", "--model", "tiny", "--diloco", "sync_every=2,wire=" + "q" * 50_000],
+    ["train", "--layout", "q" * 30_000],
+    ["bench", "-e", "9" * 4301],
+    ["simulate", "--model", "tiny", "--cluster", "{preset: a100-100gbe, gpu: " + "q" * 30_000 + "}"],
+    ["simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--sweep", "k" * 30_000 + "=1"],
+    ["simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--calibrate", "/tmp/" + "a" * 30_000],
+    ["simulate", "--model", "tiny", "--cluster", "h100-ib-400", "a" * 30_000],
+    ["simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--training", "{name: " + "q" * 30_000 + "}"],
+    ["q" * 30_000],
+], ids=lambda argv: " ".join(word[:20] for word in argv))
+def test_a_long_value_given_is_said_cut_short(argv):
+    """Each was echoed whole: 30 to 100 KB of one line, from argparse, a parser of settings, a spec's
+    name, a path."""
+    done = subprocess.run([sys.executable, "-m", "shardwire", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and len(done.stderr) < 1000, done.stderr[:2000]

@@ -41,6 +41,7 @@ from shardwire.comm.communicator import Communicator
 from shardwire.comm.groups import inter_node_group, intra_node_group
 from shardwire.comm.wire import Wire
 from shardwire.extras import require
+from shardwire.mappings import shown
 from shardwire.options import (MAX_TIMEOUT_S, OptionError, SettingError, check_bounds, check_distinct_outputs,
                                check_output_file, option)
 from shardwire.placement import Placement, launch_ranks_per_node
@@ -60,8 +61,15 @@ def parse_size(text: str) -> int:
     """Bytes, with an optional binary suffix as nccl-tests takes them: 8, 64K, 128M, 1G (or 1GiB)."""
     match = re.fullmatch(r"([0-9]+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)  # \d takes any script's digits
     if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes with an optional K, M, G or T, e.g. 64K")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a size: give bytes with an optional K, M, G or T, "
+                                         f"e.g. 64K")
+    if len(match[1].lstrip("0")) > _SIZE_DIGITS:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is more bytes than any machine holds: give bytes with an "
+                                         f"optional K, M, G or T, e.g. 64K")
     return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+
+
+_SIZE_DIGITS = 18  # an exabyte: beyond any machine's memory, and within what int() reads
 
 
 @dataclasses.dataclass

@@ -49,7 +49,7 @@ from shardwire.launch import (
     stopping,
     under_launcher,
 )
-from shardwire.mappings import nearest, one_line
+from shardwire.mappings import nearest, one_line, refusal
 from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
 
@@ -115,7 +115,7 @@ class _Parser(argparse.ArgumentParser):
             (file or sys.stderr).write(message)
 
     def error(self, message: str):
-        self.exit(2, f"error: {message}{self._nearest(message)} (see {self.prog} --help)\n")
+        self.exit(2, refusal(f"error: {message}{self._nearest(message)} (see {self.prog} --help)") + "\n")
 
     def _nearest(self, message: str) -> str:
         """For an option argparse does not know, the one it is likely a slip of (Python 3.11's
@@ -187,7 +187,7 @@ def entry() -> NoReturn:
         status = main()
     except SystemExit as err:
         if isinstance(err.code, str):
-            print(one_line(err.code), file=sys.stderr)
+            print(refusal(err.code), file=sys.stderr)
             status = REFUSED
         else:  # a status (argparse's: 0 after --help, 2 for its errors), as Python would leave with
             status = err.code or 0
@@ -208,7 +208,7 @@ def refused(*errors: type[Exception]):
     try:
         yield
     except errors as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -319,14 +319,14 @@ def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[st
     except (ConfigError, MissingExtra, OutputRefused) as err:
         # OutputRefused: a result that could not be written (a full disk), said alike in a worker, where
         # rank 0 writes the results and its launcher stops the rest at a refusal's status
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         return REFUSED
     except SystemExit as err:
         if not (under_launcher() and isinstance(err.code, str)):
             raise
         if os.environ.get("RANK", "0") != "0":  # every rank may refuse alike (data changed under them): rank 0 says it
             leave_it_to_the_launcher()
-        print(one_line(err.code), file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
+        print(refusal(err.code), file=sys.stderr)  # a worker's refusal: its line, and the status its launcher knows
         return REFUSED
     except CollectiveError as err:
         if not under_launcher():

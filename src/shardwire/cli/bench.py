@@ -24,7 +24,7 @@ from shardwire.bench import report
 from shardwire.bench.benchmark import BenchConfig, BenchError, BenchResults, benchmark, validate
 from shardwire.files import write_atomically
 from shardwire.launch import OutputLost, UntilClosed, launch_local, under_launcher
-from shardwire.mappings import one_line
+from shardwire.mappings import one_line, refusal
 from shardwire.options import add_options, command_line, config_from
 
 
@@ -39,7 +39,7 @@ def check_options(args: argparse.Namespace) -> None:
     try:
         validate(config, world=config.nproc)
     except BenchError as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
         return _worker(config)
     except BenchError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(one_line(f"error: {err}"), file=sys.stderr)
+            print(refusal(f"error: {err}"), file=sys.stderr)
         return 2
 
 

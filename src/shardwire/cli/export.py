@@ -39,7 +39,7 @@ from shardwire.engine.checkpoint.series import (
 )
 from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, stage_of
 from shardwire.launch import under_launcher
-from shardwire.mappings import cut, one_line, shown
+from shardwire.mappings import cut, one_line, refusal, shown
 from shardwire.options import argument_text, text
 from shardwire.models import tokenizer as hf_tokenizer
 from shardwire.models.choice import HF_PREFIX, choose, config_difference, config_fields, recorded_name
@@ -72,10 +72,10 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     try:
         checkpoint, model, out, notes = _export_newest(given, args)
     except (CheckpointError, ValueError, OutputRefused) as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         return 2
     except OSError as err:  # a name too long, a full disk: what the system said, of which file
-        print(one_line(f"error: {_failed_write(err, args.out)}"), file=sys.stderr)
+        print(refusal(f"error: {_failed_write(err, args.out)}"), file=sys.stderr)
         return 2
     checked()
     for note in notes:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from shardwire.cli import refused
-from shardwire.mappings import one_line
+from shardwire.mappings import refusal
 from shardwire.sim import inputs
 from shardwire.sim.planner import check_global_batch, plan
 from shardwire.sim.report import plan_json, plan_text
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
         shown = (json.dumps(plan_json(result, args.global_batch, args.model, rate), indent=1) if args.json
                  else plan_text(result, args.global_batch, args.model, rate))
     except SpecError as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         return 2
     print(shown)
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwire.mappings import one_line
+from shardwire.mappings import one_line, refusal
 from shardwire.options import argument_text, text
 from shardwire.profile.report import ReportError, write_report
 
@@ -22,7 +22,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     try:
         written = write_report(args.run_dirs, args.out or args.run_dirs[0])
     except ReportError as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         return 2
     checked()
     for path in written:

@@ -16,7 +16,7 @@ import sys
 
 from shardwire.cli import refused
 from shardwire.extras import require
-from shardwire.mappings import one_line
+from shardwire.mappings import refusal
 from shardwire.options import OptionError, check_output_file, text
 from shardwire.sim import inputs, report
 from shardwire.sim.predict import predict, sweep
@@ -76,11 +76,11 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
                   else report.prediction_text(prediction, rate))
             labelled = [("", prediction)]
     except SpecError as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         return 2
     missing = [(label, p) for label, p in labelled if not p.memory.fits]
     for label, p in missing:
-        print(one_line(f"error: {label}{report.fit_problem(p)}"), file=sys.stderr)
+        print(refusal(f"error: {label}{report.fit_problem(p)}"), file=sys.stderr)
     return 1 if missing else 0
 
 

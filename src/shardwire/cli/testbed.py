@@ -32,7 +32,7 @@ from shardwire.cli.config_file import ConfigError
 from shardwire.extras import MissingExtra
 from shardwire.files import LEADS_NOWHERE
 from shardwire.launch import REFUSED, host_memory_per_worker
-from shardwire.mappings import cut, one_line, shown
+from shardwire.mappings import cut, one_line, refusal, shown
 from shardwire.testbed import check, job, network, regime
 from shardwire.testbed.spec import (
     DEFAULT_NAME,
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
         checked()
         return _ACTIONS[args.action](args)
     except TestbedError as err:
-        print(one_line(f"error: {err}"), file=sys.stderr)
+        print(refusal(f"error: {err}"), file=sys.stderr)
         return 1 if isinstance(err, TestbedFailure) else REFUSED
     except KeyboardInterrupt:  # `up` and `down` leave nothing half-built behind them
         print("interrupted", file=sys.stderr)

@@ -101,9 +101,9 @@ class Wire:
                 "every rank computes with. Use params='int8' (and grads='int4' for the smallest wire)"
             )
         if self.params not in (None, *PARAM_FORMATS):
-            raise setting_error("wire", f"params must be {formats_named(PARAM_FORMATS)}, got {self.params!r}")
+            raise setting_error("wire", f"params must be {formats_named(PARAM_FORMATS)}, got {shown(self.params)}")
         if self.grads not in (None, *GRAD_FORMATS):
-            raise setting_error("wire", f"grads must be {formats_named(GRAD_FORMATS)}, got {self.grads!r}")
+            raise setting_error("wire", f"grads must be {formats_named(GRAD_FORMATS)}, got {shown(self.grads)}")
         if type(self.block) is not int or not 1 <= self.block <= MAX_BLOCK:
             raise setting_error("wire", f"block must be a positive integer (elements per scale) of at most "
                                         f"{MAX_BLOCK:,}, got {shown(self.block)}")

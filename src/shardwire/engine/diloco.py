@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.comm.wire import GRAD_FORMATS, Codec, Wire, formats_named
+from shardwire.mappings import shown
 from shardwire.options import MAX_COUNT, below_float32, setting_error, settings_fields, whole_number
 from shardwire.renamed import warn_renamed
 
@@ -76,27 +77,27 @@ class DiLoCo:
     def __post_init__(self):
         if type(self.sync_every) is not int or not 1 <= self.sync_every <= MAX_COUNT:
             raise setting_error("diloco", f"sync_every must be a positive integer of at most {MAX_COUNT:,} (inner "
-                                          f"steps between syncs), got {self.sync_every!r}")
+                                          f"steps between syncs), got {shown(self.sync_every)}")
         if type(self.fragments) is not int or self.fragments < 1:
-            raise setting_error("diloco", f"fragments must be a positive integer, got {self.fragments!r}")
+            raise setting_error("diloco", f"fragments must be a positive integer, got {shown(self.fragments)}")
         if self.fragments > self.sync_every:
             raise setting_error("diloco", f"fragments={self.fragments} is more than sync_every={self.sync_every}: each "
                                           f"fragment syncs once every {self.sync_every} steps, and one at a time")
         if self.wire not in (None, *GRAD_FORMATS):
-            raise setting_error("diloco", f"wire must be {formats_named(GRAD_FORMATS, 'none')}, got {self.wire!r}")
+            raise setting_error("diloco", f"wire must be {formats_named(GRAD_FORMATS, 'none')}, got {shown(self.wire)}")
         if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= MAX_OUTER_LR):
             raise setting_error("diloco", f"outer_lr must be a positive number of at most {MAX_OUTER_LR:g} "
-                                          f"(DiLoCo's is 0.7), got {self.outer_lr!r}")
+                                          f"(DiLoCo's is 0.7), got {shown(self.outer_lr)}")
         if (needed := below_float32(self.outer_lr)) is not None:
-            raise setting_error("diloco", f"outer_lr must be {needed}, got {self.outer_lr!r}")
+            raise setting_error("diloco", f"outer_lr must be {needed}, got {shown(self.outer_lr)}")
         if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
-            raise setting_error("diloco", f"momentum must be at least 0 and below 1, got {self.momentum!r}")
+            raise setting_error("diloco", f"momentum must be at least 0 and below 1, got {shown(self.momentum)}")
         if self.fragment_sync_delay is None:  # the default before it was 0: the same run
             object.__setattr__(self, "fragment_sync_delay", 0)
         if type(self.fragment_sync_delay) is not int or not 0 <= self.fragment_sync_delay <= self.spacing:
             raise setting_error("diloco", f"fragment_sync_delay must be an integer from 0 to sync_every // "
                                           f"fragments = {self.spacing} (inner steps a sync runs behind; the next "
-                                          f"fragment's sync may be due after that), got {self.fragment_sync_delay!r}")
+                                          f"fragment's sync may be due after that), got {shown(self.fragment_sync_delay)}")
 
     @classmethod
     def parse(cls, diloco: DiLoCo | str | None) -> DiLoCo | None:
@@ -163,7 +164,7 @@ class DiLoCo:
 
     def __str__(self) -> str:
         text = f"sync_every={self.sync_every},fragments={self.fragments},wire={self.wire or 'none'}"
-        return (f"{text},outer_lr={self.outer_lr!r},momentum={self.momentum!r},"
+        return (f"{text},outer_lr={shown(self.outer_lr)},momentum={shown(self.momentum)},"
                 f"fragment_sync_delay={self.fragment_sync_delay}")
 
 

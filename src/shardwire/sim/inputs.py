@@ -125,7 +125,7 @@ def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
 
 def _gpu(name) -> dict:
     if not isinstance(name, str) or name not in GPUS:
-        raise SpecError(f"unknown GPU preset {name!r}; known GPUs: {', '.join(GPUS)}")
+        raise SpecError(f"unknown GPU preset {shown(name)}; known GPUs: {', '.join(GPUS)}")
     return GPUS[name]
 
 

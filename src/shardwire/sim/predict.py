@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from shardwire.mappings import shown
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.memory import MemoryEstimate, estimate_memory
 from shardwire.sim.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
@@ -147,7 +148,7 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: s
         configs = [(cluster, parse("training", {**as_dict(training), key: v})) for v in values]
     else:
         known = ", ".join(SWEEPABLE["cluster"] + SWEEPABLE["training"])
-        raise SpecError(f"cannot sweep {key!r}; settings that can be swept: {known}")
+        raise SpecError(f"cannot sweep {shown(key)}; settings that can be swept: {known}")
     points = [predict(model, c, t) for c, t in configs]
     reference = None
     if key == "nodes":

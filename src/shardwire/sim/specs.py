@@ -519,6 +519,9 @@ def as_dict(spec) -> dict:
     return dataclasses.asdict(spec)
 
 
+MAX_NAME = 200  # characters of a spec's name
+
+
 def _build(cls, label: str, mapping: Any):
     if not isinstance(mapping, Mapping):
         raise SpecError(f"{label} must be a mapping of keys to values, got {type(mapping).__name__}")
@@ -537,6 +540,8 @@ def _build(cls, label: str, mapping: Any):
         raise SpecError(f"{label}: missing key(s) {', '.join(missing)}")
     hints = typing.get_type_hints(cls)
     values = {key: _coerce(f"{label}: {key}", hints[key], value) for key, value in mapping.items()}
+    if isinstance(name := values.get("name"), str) and len(name) > MAX_NAME:  # a report's header prints it whole
+        raise SpecError(f"{label}: name {shown(name)} is {len(name):,} characters long: give one of at most {MAX_NAME}")
     try:
         return cls(**values)
     except SpecError as err:
