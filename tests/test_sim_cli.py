@@ -623,3 +623,11 @@ def test_plan_of_a_zero1_run_searches_the_layouts_shardwire_runs(capsys):
                          "{layout: zero1, shard_group_size: 4, reduce_bucket_elements: 1000000}")
     assert status == 0 and out.count("layout zero1: searched over the layouts shardwire runs instead") == 1
     assert "layout zero1," not in out.replace("layout zero1: searched", "")
+
+
+def test_plan_says_which_settings_given_it_searched_as_the_engine_runs_them(capsys):
+    """They were replaced by the engine's without a word."""
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64", "--exact", "--training", "{limiter: block, reduce_precision: bf16}")
+    assert status == 0 and ("limiter block, reduce_precision bf16: searched as shardwire's engine runs (limiter "
+                            "sliding, reduce_precision fp32)") in out, out

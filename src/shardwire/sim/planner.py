@@ -139,6 +139,11 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         base = dataclasses.replace(base, layout="full", shard_group_size=None, reduce_bucket_elements=None)
         notes.append("layout zero1: searched over the layouts shardwire runs instead (zero1 describes runs of "
                      "other tools; simulate it to compare)")
+    if replaced := {key: value for key, value in as_dict(base).items()
+                    if key in _NOTED_ENGINE_SETTINGS and value != _ENGINE_SETTINGS[key]}:
+        notes.append(f"{', '.join(f'{key} {value}' for key, value in replaced.items())}: searched as shardwire's "
+                     f"engine runs ({', '.join(f'{key} {_ENGINE_SETTINGS[key]}' for key in replaced)}), which "
+                     f"the plan's command runs; simulate the settings given to price them")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
     if not candidates:
@@ -219,11 +224,18 @@ def diloco_settings(per_gpu: int, cluster: ClusterSpec, base: TrainingSpec) -> l
             if settings["layout"] == "hybrid" for diloco in DILOCOS]
 
 
+# What the engine runs of the settings a training spec may give otherwise (the search sets the
+# layout's group, DiLoCo and fault tolerance apart): a plan is of what its command runs. Those a user
+# gives otherwise are said to be searched so, as the engine runs them.
+_ENGINE_SETTINGS = {"limiter": "sliding", "gathers_per_unit": 1, "reduce_precision": "fp32", "shard_group_size": None,
+                    "recompute_fraction": None, "reduce_each_micro_batch": False, "reduce_bucket_elements": None,
+                    "diloco": "none", "fault_tolerance": False}
+_NOTED_ENGINE_SETTINGS = ("limiter", "gathers_per_unit", "reduce_precision", "recompute_fraction",
+                          "reduce_each_micro_batch")
+
+
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
-    engine = {"limiter": "sliding", "gathers_per_unit": 1, "reduce_precision": "fp32", "shard_group_size": None,
-              "recompute_fraction": None, "reduce_each_micro_batch": False, "diloco": "none",
-              "fault_tolerance": False}
-    return parse("training", {**as_dict(base), **engine, **settings, "name": "planned"})
+    return parse("training", {**as_dict(base), **_ENGINE_SETTINGS, **settings, "name": "planned"})
 
 
 def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:

@@ -425,12 +425,12 @@ class TrainingSpec:
         _ = self.wire_format  # a wire the engine refuses (a block too large, too) is this spec's error, now
         if uses_renamed_keys(self.diloco):  # read, with a warning, and kept under the new names
             object.__setattr__(self, "diloco", str(self.diloco_settings))
+        given = f"{self.layout!r}{' (the default)' if self.layout == 'full' else ''}: give layout: hybrid"
         if self.diloco_settings is not None and self.layout != "hybrid":
-            raise SpecError(f"diloco applies to layout 'hybrid', whose groups train apart between syncs, not "
-                            f"{self.layout!r}")
+            raise SpecError(f"diloco applies to layout 'hybrid', whose groups train apart between syncs, not {given}")
         if self.fault_tolerance and self.layout != "hybrid":
             raise SpecError(f"fault_tolerance carries the reductions between the groups of layout 'hybrid', not "
-                            f"{self.layout!r}")
+                            f"{given}")
         if self.shard_group_size is not None:
             _check_limits(self, "shard_group_size")
             if self.layout not in ("hybrid", "hybrid_secondary", "zero1"):

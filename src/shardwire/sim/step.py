@@ -132,6 +132,10 @@ def layout_plan(cluster: ClusterSpec, training: TrainingSpec) -> LayoutPlan:
     levels."""
     name = {"grad_op": "full", "zero1": "hybrid" if cluster.world > 1 else "full"}.get(training.layout,
                                                                                       training.layout)
+    if cluster.world == 1 and name != "full":  # said of the cluster simulated, not of a process group
+        raise SpecError(f"layout {training.layout!r} shards within groups and replicates across them, which needs "
+                        f"more than one GPU, and the cluster has one: use layout 'full', or give the cluster more "
+                        f"nodes or gpus_per_node")
     try:
         plan = LayoutPlan.make(name, training.shard_group_size, cluster.world, cluster.gpus_per_node,
                                diloco=training.diloco_settings)
