@@ -156,8 +156,9 @@ def test_like_refuses_what_it_cannot_build(monkeypatch, capsys):
 
 def test_names_must_carry_the_prefix():
     assert check_name("shardwire-ci") == "shardwire-ci"
-    for bad in ("ci", "shardwire_x", "shardwire-", "../shardwire", "shardwire-A"):
-        with pytest.raises(spec.TestbedError, match="must start with 'shardwire'"):
+    for bad in ("ci", "shardwire_x", "shardwire-", "shardwire--ci", "../shardwire", "shardwire-A"):
+        with pytest.raises(spec.TestbedError, match="must be 'shardwire' and words of lowercase letters or digits, "
+                                                    "each after one '-'"):
             check_name(bad)
 
 

@@ -147,9 +147,10 @@ def output_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
+def rewrite_problem(path: str | os.PathLike, kind: str, instead: str = "give another file name") -> str | None:
     """What stops ``path`` being written as a result of ``kind`` (a key of ``OUTPUTS``) that a command
-    makes again, or None: ``output_problem``, or a file there, not empty, that is not such a result."""
+    makes again, or None: ``output_problem``, or a file there, not empty, that is not such a result,
+    which the user is asked to write ``instead`` of (a file named by a directory: another directory)."""
     if (problem := output_problem(path)) is not None:
         return problem
     try:
@@ -161,7 +162,7 @@ def rewrite_problem(path: str | os.PathLike, kind: str) -> str | None:
         return f"cannot be read to see what it holds ({err.strerror or err})"
     what, ours = OUTPUTS[kind]
     if head and not ours(head):
-        return f"exists and is not {what}, so it is left as it is: give another file name"
+        return f"exists and is not {what}, so it is left as it is: {instead}"
     return None
 
 

@@ -342,10 +342,11 @@ def check_writable_directory(path: str, option: str) -> None:
         raise OptionError(f"{option} {cut(path)} {problem}")
 
 
-def check_output_file(path: str, option: str, kind: str) -> None:
+def check_output_file(path: str, option: str, kind: str, instead: str = "give another file name") -> None:
     """``path`` names a regular file the job can write as a result of ``kind`` (``shardwire.files``'
-    policy: one it can create, or an earlier result of that kind)."""
-    if (problem := rewrite_problem(path, kind)) is not None:
+    policy: one it can create, or an earlier result of that kind); else the user is asked to give
+    ``instead``."""
+    if (problem := rewrite_problem(path, kind, instead)) is not None:
         raise OptionError(f"{option} {cut(path)} {problem}")
 
 

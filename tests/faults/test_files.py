@@ -213,6 +213,11 @@ def test_a_run_directory_holding_something_else_where_the_profile_goes_is_refuse
     os.mkfifo(tmp_path / "profile.json")
     with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json is a FIFO, not a regular file"):
         main(["train", "--profile", "--run-dir", str(tmp_path)])
+    os.remove(tmp_path / "profile.json")
+    (tmp_path / "profile.json").write_text("the user's notes")  # the run names the file: another directory is asked
+    with pytest.raises(SystemExit, match=f"--run-dir: {tmp_path}/profile.json exists and is not a profile shardwire "
+                                         f"wrote, so it is left as it is: give another --run-dir$"):
+        main(["train", "--profile", "--run-dir", str(tmp_path)])
 
 
 def test_no_output_goes_inside_a_checkpoint_which_stays_prunable(tmp_path, capsys):
@@ -443,3 +448,12 @@ def test_a_report_is_not_drawn_into_another_runs_directory(tmp_path, capsys):
                                        f"another directory\n")
     assert {path.name: path.read_bytes() for path in first.glob("*.png")} == drawn
     assert main(["report", str(first), "--out", str(first)]) == 0  # its own run's directory
+
+
+def test_a_run_given_twice_to_report_is_said_so(tmp_path, capsys):
+    """It was told the two runs had the same world size."""
+    run = tmp_path / "p1"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    assert main(["report", str(run), str(run)]) == 2
+    assert capsys.readouterr().err == f"error: {run} is given twice (under one name or two): give each run once\n"

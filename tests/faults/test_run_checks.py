@@ -322,7 +322,8 @@ def test_the_groups_directory_of_a_fault_tolerant_run_is_not_started_over_in(tmp
                                          rf"its subdirectories \(a, b\), as fault-tolerant groups keep theirs"):
         main(["train", "--model", "tiny", "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "model.pt")]) == 2
-    assert "holds the series of fault-tolerant groups (a, b), whose models differ" in capsys.readouterr().err
+    assert "holds series of checkpoints in its subdirectories (a, b), as fault-tolerant groups keep theirs, and " \
+           "none of its own: export one series" in capsys.readouterr().err
     assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == ["a", "b"]
     with pytest.raises(SystemExit, match=r"error: --fault-tolerance group=step_00000004 names the group's series under "
                                          r"--checkpoint-dir as a checkpoint of a series is named"):

@@ -159,9 +159,9 @@ def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
     if (path / MANIFEST).exists() and (not series or holds_a_manifest(path)):
         return [path]
     if not series and (groups := group_series(path)):
-        raise ValueError(f"{path} holds the series of fault-tolerant groups ({', '.join(groups[:4])}"
-                         f"{', ...' if len(groups) > 4 else ''}), whose models differ: export one group's "
-                         f"({path / groups[0]})")
+        raise ValueError(f"{path} holds series of checkpoints in its subdirectories ({', '.join(groups[:4])}"
+                         f"{', ...' if len(groups) > 4 else ''}), as fault-tolerant groups keep theirs, and none of "
+                         f"its own: export one series ({path / groups[0]})")
     if not series and holds_dcp(path):
         raise ValueError(f"{path} is a torch.distributed.checkpoint (DCP) checkpoint, not shardwire's: load it with "
                          f"dcp.load (docs/checkpoints.md), only from a source you trust")

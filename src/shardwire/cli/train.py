@@ -346,7 +346,8 @@ def _check_outputs(config: TrainConfig, fault_tolerance: FaultTolerance | None) 
             check_writable_directory(config.run_dir or "runs", "--run-dir")
             if config.run_dir is not None:  # the default one is named for the time the run ends
                 for name, kind in ((PROFILE_FILE, "profile"), (TRACE_FILE, "trace")):
-                    check_output_file(os.path.join(config.run_dir, name), "--run-dir:", kind)
+                    check_output_file(os.path.join(config.run_dir, name), "--run-dir:", kind,
+                                      "give another --run-dir")
         if config.tensorboard is not None:
             require("tensorboard", "--tensorboard")
             check_writable_directory(config.tensorboard, "--tensorboard")

@@ -159,6 +159,10 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
                     f"runs differ in {key}: {run_dirs[0]} has {shown(reference[key])}, {run_dir} has {shown(value)}; "
                     f"a scaling report compares one job at several world sizes"
                 )
+    runs = [os.path.realpath(run_dir) for run_dir in run_dirs]
+    if len(set(runs)) != len(runs):
+        twice = next(run_dir for run_dir, run in zip(run_dirs, runs) if runs.count(run) > 1)
+        raise ReportError(f"{twice} is given twice (under one name or two): give each run once")
     sizes = [p["world_size"] for p in profiles]
     if len(set(sizes)) != len(sizes):
         raise ReportError(f"two runs have the same world size ({shown(sizes)}); give one run per world size")

@@ -53,8 +53,8 @@ def check_name(name: str) -> str:
     """``name`` if it is a testbed name, so that no command touches anything a testbed did not make."""
     if not _NAME.fullmatch(name) or len(name) > 40:
         raise TestbedError(
-            f"testbed name {shown(name)} must start with 'shardwire' and go on with '-' and lowercase "
-            f"letters or digits (e.g. shardwire-ci), at most 40 characters"
+            f"testbed name {shown(name)} must be 'shardwire' and words of lowercase letters or digits, each after "
+            f"one '-' (e.g. shardwire-ci, shardwire-ci-2), at most 40 characters"
         )
     return name
 
