@@ -340,7 +340,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device)
     diverged.vouched(val_loss)
     if rank == 0:
-        trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else ""
+        # from the first step's loss (the first logged is a mean over --log-every steps) to the last logged
+        trend = f"loss {diverged.first_loss:.3f} -> {losses[-1]:.3f}, " if losses else ""
         print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
     if config.export_hf:
@@ -557,6 +558,11 @@ class _Divergence:
             self._limit = self.SPIKE_FACTOR * loss.clamp(min=1.0)  # not finite stays so, and never bounds
         self._note(0, step, torch.isfinite(loss))
         self._note(1, step, loss <= self._limit)
+
+    @property
+    def first_loss(self) -> float | None:
+        """The loss of the run's first step, over every rank, once a loss was logged (None before)."""
+        return self._start_train_loss
 
     def note_norm(self, step: int, norm: torch.Tensor) -> None:
         self._note(0, step, torch.isfinite(norm))
