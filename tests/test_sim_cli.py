@@ -631,3 +631,21 @@ def test_plan_says_which_settings_given_it_searched_as_the_engine_runs_them(caps
                          "--global-batch", "64", "--exact", "--training", "{limiter: block, reduce_precision: bf16}")
     assert status == 0 and ("limiter block, reduce_precision bf16: searched as shardwire's engine runs (limiter "
                             "sliding, reduce_precision fp32)") in out, out
+
+
+@pytest.mark.parametrize("swept, said", [
+    ("nodes=1e400", "error: --sweep value '1e400' is not a finite number"),
+    ("nodes=1,2,2", "error: the sweep of nodes gives 2 twice: give each value once"),
+    ("nodes=1.0,1", "error: the sweep of nodes gives 1 twice: give each value once"),
+    ("nodes=1,,2", "error: --sweep 'nodes=1,,2' has an empty value: give each value once, separated by commas"),
+])
+def test_a_sweep_simulates_the_values_given_once_each(capsys, swept, said):
+    """1e400 was read as infinity, a value given twice simulated twice, an empty one dropped."""
+    status, _, err = run(capsys, "simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--sweep", swept)
+    assert status == 2 and err == said + "\n", err
+
+
+def test_a_sweep_shows_each_value_as_it_was_simulated(capsys):
+    status, out, _ = run(capsys, "simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--sweep", "nodes=1e3,2.0",
+                         "--json")
+    assert status == 0 and json.loads(out)["sweep"] == {"key": "nodes", "values": [1000, 2]}

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from shardwire.cli import refused
 from shardwire.extras import require
-from shardwire.mappings import refusal
+from shardwire.mappings import refusal, shown
 from shardwire.options import OptionError, check_output_file, text
 from shardwire.sim import inputs, report
 from shardwire.sim.predict import predict, sweep
@@ -86,11 +87,18 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
 
 def parse_sweep(text: str) -> tuple[str, list]:
     """``KEY=V1,V2,...`` -> (KEY, values), each value a JSON scalar where it is one (4, 0.5, true),
-    else the word itself (block)."""
+    else the word itself (block). An empty value (``1,,2``: an unset variable) would be a row the
+    user did not mean, a number past a float's range one of infinity."""
     key, sep, listed = text.partition("=")
-    values = [_scalar(v.strip()) for v in listed.split(",") if v.strip()]
-    if not sep or not key.strip() or not values:
-        raise SpecError(f"--sweep takes KEY=V1,V2,... (e.g. nodes=1,2,4,8), got {text!r}")
+    words = [v.strip() for v in listed.split(",")]
+    if not sep or not key.strip() or not any(words):
+        raise SpecError(f"--sweep takes KEY=V1,V2,... (e.g. nodes=1,2,4,8), got {shown(text)}")
+    if "" in words:
+        raise SpecError(f"--sweep {shown(text)} has an empty value: give each value once, separated by commas")
+    values = [_scalar(word) for word in words]
+    for word, value in zip(words, values):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecError(f"--sweep value {shown(word)} is not a finite number")
     return key.strip(), values
 
 

@@ -149,10 +149,14 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: s
     else:
         known = ", ".join(SWEEPABLE["cluster"] + SWEEPABLE["training"])
         raise SpecError(f"cannot sweep {shown(key)}; settings that can be swept: {known}")
+    values = [getattr(c if key in SWEEPABLE["cluster"] else t, key) for c, t in configs]  # as read: 1e3 is 1000
+    if len(set(values)) < len(values):  # two rows of one configuration, one of them not meant
+        raise SpecError(f"the sweep of {key} gives {shown(next(v for v in values if values.count(v) > 1))} twice: "
+                        f"give each value once")
     points = [predict(model, c, t) for c, t in configs]
     reference = None
     if key == "nodes":
         reference = next((p for p in points if p.cluster.nodes == 1), None)
         if reference is None:
             reference = predict(model, parse("cluster", {**as_dict(cluster), "nodes": 1}), training)
-    return Sweep(key, list(values), points, reference)
+    return Sweep(key, values, points, reference)
