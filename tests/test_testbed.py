@@ -30,7 +30,8 @@ def test_rates_parse_in_tc_units():
     assert parse_rate("2.5gbit") == 2_500_000_000
     assert parse_rate("500mbit") == 500_000_000
     assert parse_rate("940kbit") == 940_000  # a GPU cluster's regime for a CPU rank (--like)
-    for bad in ("1gb", "fast", "1 gbit", "50kbit"):  # bytes, a word, a space, under 100kbit
+    assert parse_rate("125mbps") == 10**9  # tc's bytes per second
+    for bad in ("1gb", "fast", "1 gbit", "50kbit", "10kbps"):  # no unit of tc's, a word, a space, under 100kbit
         with pytest.raises(spec.TestbedError, match="link rate"):
             parse_rate(bad)
 

@@ -33,9 +33,10 @@ MAX_NODES = 64
 MIN_RATE, MAX_RATE = 10**5, 10**11  # 100 kbit/s (a GPU cluster's regime for a CPU rank: --like) to 100 Gbit/s
 
 _NAME = re.compile(r"shardwire(-[a-z0-9]+)*")
-# tc's units (tc(8)): decimal multiples of bits per second.
-_RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit|tbit)")  # ASCII digits, as tc reads them
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+# tc's units (tc(8)): decimal multiples of bits per second, and of bytes per second (bps: tc's bytes).
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+               "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12}
+_RATE = re.compile(rf"([0-9]+(?:\.[0-9]+)?)({'|'.join(_RATE_UNITS)})")  # ASCII digits, as tc reads them
 
 
 class TestbedError(RuntimeError):
@@ -63,7 +64,8 @@ def parse_rate(text: str) -> int:
     """Bits per second from a tc-style rate such as ``1gbit``, ``2.5gbit`` or ``500mbit``."""
     match = _RATE.fullmatch(text.strip().lower())
     if not match:
-        raise TestbedError(f"link rate {shown(text)} is not a rate like 1gbit, 2.5gbit or 500mbit")
+        raise TestbedError(f"link rate {shown(text)} is not a rate like 1gbit, 2.5gbit or 500mbit (tc's units: "
+                           f"{', '.join(_RATE_UNITS)}; bps is bytes per second)")
     bits = float(match[1]) * _RATE_UNITS[match[2]]  # infinite for a number past a float's range
     if not MIN_RATE <= bits <= MAX_RATE:
         raise TestbedError(f"link rate {shown(text)} is outside {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}")
