@@ -255,3 +255,17 @@ def test_the_closing_line_starts_from_the_first_steps_loss(tmp_path):
     once = train("--steps", "6", "--log-every", "6", cwd=tmp_path)
     first = re.search(r"step 1/6 .*?loss (\d+\.\d+)", every.stdout)[1]
     assert re.search(rf"done: 6 steps in \S+, loss {first} -> ", once.stdout), once.stdout
+
+
+@pytest.mark.slow
+def test_an_nproc_a_launcher_ignores_is_said_to_be(tmp_path):
+    """Under torchrun (`testbed run -- -m shardwire train --nproc 3`) it trained the launcher's ranks
+    without a word."""
+    import os
+
+    launched = {**os.environ, "LOCAL_WORLD_SIZE": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571", "TORCHELASTIC_RUN_ID": "test"}
+    done = train("--steps", "1", "--nproc", "3", cwd=tmp_path, env=launched)
+    assert done.returncode == 0 and done.stderr.splitlines()[0] == (
+        "warning: --nproc 3 is ignored: a launcher started these workers (1 on this node); give the launcher its "
+        "count (torchrun --nproc-per-node)"), done.stderr
