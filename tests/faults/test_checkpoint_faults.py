@@ -564,3 +564,18 @@ def test_a_checkpoint_whose_groups_saved_unlike_outer_states_is_refused_and_skip
                                         env={"LOCAL_WORLD_SIZE": "1"}):
         assert "step_00000003" in refused and reason in refused, refused
         assert resumed == 2
+
+
+def test_a_directory_moved_under_a_run_is_claimed_again(tmp_path):
+    """`mv ckpt ckpt-moved` during a run: it saved on into a new ckpt that no claim guarded."""
+    model, optimizer = make_model(0)
+    save_step(tmp_path / "ckpt", model, optimizer, 1)
+    (tmp_path / "ckpt").rename(tmp_path / "moved")
+    with pytest.warns(UserWarning, match="ckpt was moved or removed while this run saved in it: the run claims it "
+                                         "again and saves there from now on"):
+        save_step(tmp_path / "ckpt", model, optimizer, 2)
+    assert (tmp_path / "ckpt" / CLAIM).exists() and listing(tmp_path / "ckpt") == ["step_00000002"]
+    assert listing(tmp_path / "moved") == ["step_00000001"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_step(tmp_path / "ckpt", model, optimizer, 3)  # claimed: nothing to say

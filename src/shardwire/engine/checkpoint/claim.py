@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import pathlib
+import warnings
 
 from shardwire.engine.checkpoint import ownership
 from shardwire.engine.checkpoint.format import CheckpointError
@@ -31,10 +32,15 @@ CLAIM = ".shardwire-claim"
 def claim(directory: pathlib.Path, claimed: set[str]) -> None:
     """Make this process the owner of ``directory``, or raise a ``CheckpointError`` naming the run that
     owns it. ``claimed`` holds the directories this model's engine has claimed already (no new
-    descriptor for each save)."""
+    descriptor for each save); one of them moved or removed since is claimed again, with a warning."""
     key = str(directory.resolve())
     if key in claimed:
-        return
+        if (directory / CLAIM).exists():
+            return
+        # moved or removed under the run: its saves would go on into a new directory no claim guards
+        warnings.warn(f"{directory} was moved or removed while this run saved in it: the run claims it again and "
+                      f"saves there from now on; what it had saved is where the directory went", stacklevel=3)
+        claimed.discard(key)
     made = make_directories(directory)
     try:
         claim_file(directory / CLAIM)  # held, open, for the life of the process
