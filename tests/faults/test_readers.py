@@ -192,6 +192,8 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
      "its fit.inter.all_gather.ranks is 2, where its context's inter group has 3"),
     (lambda d: d.update(contention={"inter": {"compute_share": 0.9, "rank_shares": [0.05, 0.0]}}),
      "its contention.inter.compute_share is 0.9, where the median of its rank_shares is 0.025"),
+    (lambda d: d["contention"]["inter"].update(ranks=8), "its contention.inter.ranks is 8, where its context's inter "
+                                                         "group has 2"),
     (lambda d: d["contention"]["inter"].update(compute_share=0.9, rank_shares=[0.9, 0.9]),
      "its contention.inter.compute_share is 0.9, where its alone_s and beside_s give 0.323"),
     # measured so that its times are not the links': a quantized wire, wrong results, the fastest rank's

@@ -181,7 +181,7 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
                 f"nodes: under their launcher, or `shardwire testbed run`), and give that file"
             )
         own = getattr(cluster, level)
-        measured = _contention(doc.get("contention") or {}, group)
+        measured = _contention(doc.get("contention") or {}, group, groups)
         # a share of 1 (nothing left to the other side) is kept just under it, where rates stay finite
         shares = {key: min(measured.get(key, getattr(own, key)), LIMITS[key].high)
                   for key in ("compute_share", "bandwidth_share")}
@@ -223,14 +223,18 @@ def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
     return None
 
 
-def _contention(contention: Mapping, group: str) -> Mapping:
+def _contention(contention: Mapping, group: str, groups: Mapping[str, int]) -> Mapping:
     """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing.
     Each share is the median of its members' (``shardwire.bench.contention``): one edited apart
-    from them would slow the simulated compute by what no member measured."""
+    from them would slow the simulated compute by what no member measured; its members are the
+    group's ranks (``groups``: each group's, as the document's context records them)."""
     for name in (group, "world"):
         if measured := contention.get(name):
             if not isinstance(measured, Mapping):
                 raise Missing(f"its contention.{name} is {shown(measured)}, not a mapping")
+            if name in groups and measured.get("ranks", groups[name]) != groups[name]:
+                raise Missing(f"its contention.{name}.ranks is {shown(measured['ranks'])}, where its context's "
+                              f"{name} group has {groups[name]}")
             for share, members in (("compute_share", "rank_shares"), ("bandwidth_share", "rank_bandwidth_shares")):
                 if share not in measured:
                     continue
