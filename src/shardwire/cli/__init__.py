@@ -49,7 +49,7 @@ from shardwire.launch import (
     stopping,
     under_launcher,
 )
-from shardwire.mappings import nearest, one_line, refusal
+from shardwire.mappings import nearest, refusal
 from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
 
