@@ -57,6 +57,9 @@ class BenchError(Exception):
     what to change."""
 
 
+_SIZE_DIGITS = 18  # an exabyte: beyond any machine's memory, and within what int() reads
+
+
 def parse_size(text: str) -> int:
     """Bytes, with an optional binary suffix as nccl-tests takes them: 8, 64K, 128M, 1G (or 1GiB)."""
     match = re.fullmatch(r"([0-9]+)([KMGT]?)(i?B)?", text.strip(), re.IGNORECASE)  # \d takes any script's digits
@@ -67,9 +70,6 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{shown(text)} is more bytes than any machine holds: give bytes with an "
                                          f"optional K, M, G or T, e.g. 64K")
     return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
-
-
-_SIZE_DIGITS = 18  # an exabyte: beyond any machine's memory, and within what int() reads
 
 
 @dataclasses.dataclass

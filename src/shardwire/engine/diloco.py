@@ -164,7 +164,7 @@ class DiLoCo:
 
     def __str__(self) -> str:
         text = f"sync_every={self.sync_every},fragments={self.fragments},wire={self.wire or 'none'}"
-        return (f"{text},outer_lr={shown(self.outer_lr)},momentum={shown(self.momentum)},"
+        return (f"{text},outer_lr={self.outer_lr!r},momentum={self.momentum!r},"
                 f"fragment_sync_delay={self.fragment_sync_delay}")
 
 
