@@ -267,12 +267,15 @@ def test_zero1_all_reduces_each_gradient_over_every_gpu_and_gathers_only_the_upd
     assert len(reduced) == GPT.layers + 1
     unit = arch.units[0]
 
-    def latency(t):
-        return sum(ph.latency_s for _, _, phases in reduction_phases(unit, c, t) for ph in phases)
-
-    assert latency(training) == pytest.approx(2 * 7 * 10e-6)  # reduce-scatter and all-gather over 8 GPUs
-    bucketed = TrainingSpec(layout="zero1", reduce_bucket_elements=4 * unit.params)
-    assert latency(bucketed) == pytest.approx(2 * 7 * 10e-6 / 4)
+    latency = sum(ph.latency_s for _, _, phases in reduction_phases(unit.params, c, training) for ph in phases)
+    assert latency == pytest.approx(2 * 7 * 10e-6)  # reduce-scatter and all-gather over 8 GPUs
+    # buckets of two blocks: the four blocks in two all-reduces, the root (half a bucket) in a last one
+    bucketed = predict(GPT, c, TrainingSpec(layout="zero1", reduce_bucket_elements=2 * unit.params))
+    sizes = [r.nbytes / 4 for r in bucketed.timeline.comms if r.op == "all_reduce" and r.unit != "gradient norm"]
+    assert sizes == [2 * unit.params, 2 * unit.params, arch.root.params]
+    whole = predict(GPT, c, TrainingSpec(layout="zero1", reduce_bucket_elements=10 * arch.params))
+    assert [r.nbytes / 4 for r in whole.timeline.comms if r.op == "all_reduce" and r.unit != "gradient norm"] == [
+        arch.params]  # one bucket, one latency
     memory = estimate_memory(arch, c, training)  # groups of a node's 4 GPUs
     assert memory.gathered_parameters == 2 * arch.params
     assert memory.optimizer_state == 8 * arch.params / 4 and memory.parameter_shards == 4 * arch.params / 4

@@ -91,7 +91,7 @@ _ZERO3_AT_400 = ("ZeRO-3 over four of a DGX-2's eight NICs is predicted 18-31% f
 # configs/7B_sft.py): the simulator's ``zero1`` layout, one flat all-reduce over the world per bucket.
 _INTERNLM = dict(layout="zero1", shard_group_size=8, reduce_bucket_elements=512 * 2**20, reduce_precision="bf16")
 _INTERNLM_SYNC = ("InternLM's 7B at 2 sequences per GPU and 1 or 2 micro-batches on 512-1024 A100s is predicted "
-                  "17-18% faster than measured: at 1024 GPUs and one micro-batch it measured the same step with "
+                  "17-20% faster than measured: at 1024 GPUs and one micro-batch it measured the same step with "
                   "and without recomputation (2341 and 2346 tokens/s), so its gradient all-reduce sets it; priced "
                   "as a flat ring over every GPU (1023 steps of 14 us per phase), it still runs faster than "
                   "measured; the device synchronize before each bucket is not modelled")

@@ -14,7 +14,9 @@ import dataclasses
 
 from shardwire.sim import costs
 from shardwire.sim.compute import backward_s, forward_s
+from shardwire.sim.architecture import UnitCost
 from shardwire.sim.predict import Prediction
+from shardwire.sim.specs import ClusterSpec, TrainingSpec
 from shardwire.sim.step import backward_gather_group, gather_phases, reduction_phases, shard_group
 
 # Below this share of the step, exposed communication is noise and the step is compute-bound.
@@ -53,13 +55,20 @@ def unit_budgets(p: Prediction) -> list[UnitBudget]:
     for kind, units in kinds.items():
         unit = max(units, key=lambda u: u.params)
         gather = costs.isolated_s(gather_phases(unit, group, cluster, training), cluster)
-        reductions = reduction_phases(unit, cluster, training)
-        reduce = sum(costs.isolated_s(phases, cluster) for _, _, phases in reductions)
+        reduce = _reduction_s(unit, cluster, training)
         regather = costs.isolated_s(gather_phases(unit, backward_group, cluster, training), cluster)
         backward_comm = reduce + (regather if training.reshards else 0.0)
         budgets.append(UnitBudget(kind, len(units), forward_s(unit, cluster, training), gather,
                                   backward_s(unit, cluster, training), backward_comm))
     return budgets
+
+
+def _reduction_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Seconds of reducing ``unit``'s gradient alone on the network: its collectives, or under
+    ``zero1``'s buckets its share of its bucket's all-reduce."""
+    bucket = training.reduce_bucket_elements or unit.params
+    phases = reduction_phases(bucket, cluster, training)
+    return unit.params / bucket * sum(costs.isolated_s(collective, cluster) for _, _, collective in phases)
 
 
 def slowdown_text(p: Prediction) -> str:

@@ -361,8 +361,8 @@ class TrainingSpec:
     (``shardwire.engine.layout_plan``); ``zero1`` (ZeRO stage 1, as DeepSpeed and InternLM run it;
     DDP with ``shard_group_size`` 1) keeps the whole model and its gradient on every GPU, splits the
     fp32 masters and optimizer state within groups of ``shard_group_size``, all-reduces each
-    gradient over every GPU in one flat collective as backward produces it, in buckets of
-    ``reduce_bucket_elements`` (default: a unit each) that each pay the collective's latency, and
+    gradient over every GPU in one flat collective as backward produces it, a bucket of
+    ``reduce_bucket_elements`` at a time (default: a unit at a time), and
     all-gathers the updated parameters within the group after the optimizer step; the engine does
     not run it. ``shard_group_size`` defaults to a node's GPUs; a group is a
     divisor of a node or a whole number of nodes. ``prefetch`` units are gathered ahead of the

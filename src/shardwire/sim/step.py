@@ -30,9 +30,10 @@ step end   with gradient accumulation, micro-batches before the last skip reduct
            scalar all-reduce (clipping) and the optimizer step.
 
 ``zero1`` (ZeRO stage 1, which the engine does not run) follows the same schedule with nothing to
-gather: each GPU holds the whole model, and each unit's gradient is all-reduced over every GPU in
-one flat collective, paying the latency of the buckets it fills; after the optimizer step its group
-all-gathers the updated parameters, which the next step waits for.
+gather: each GPU holds the whole model, and gradients are all-reduced over every GPU in one flat
+collective a unit at a time, or a bucket at a time once it holds ``reduce_bucket_elements`` (the
+last with the rest); after the optimizer step its group all-gathers the updated parameters, which
+the next step waits for.
 
 A ``block`` limiter replaces the sliding window: it issues gathers in groups of ``prefetch`` and
 issues the next group only when the whole previous one has been consumed, so the first unit of
@@ -210,13 +211,14 @@ def reductions(params: int, cluster: ClusterSpec, training: TrainingSpec) -> lis
     return steps
 
 
-def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
+def reduction_phases(params: int, cluster: ClusterSpec,
                      training: TrainingSpec) -> list[tuple[str, float, list[Phase]]]:
-    """The collectives that reduce ``unit``'s gradient (``reductions``) as (op, bytes in the reduce
-    dtype, phases): exact, or quantized by the wire's gradient codec where their group spans nodes."""
+    """The collectives that reduce a gradient of ``params`` elements (a unit's, or under ``zero1``
+    a bucket's: ``reductions``) as (op, bytes in the reduce dtype, phases): exact, or quantized by
+    the wire's gradient codec where their group spans nodes."""
     r = training.reduce_bytes
     steps = []
-    for op, numel, group in reductions(unit.params, cluster, training):
+    for op, numel, group in reductions(params, cluster, training):
         codec = costs.crossing_nodes(training.wire_format.grad_codec, group)
         if codec is None:
             exact = costs.reduce_scatter_phases if op == "reduce_scatter" else costs.all_reduce_phases
@@ -225,18 +227,8 @@ def reduction_phases(unit: UnitCost, cluster: ClusterSpec,
             quantized = (costs.quantized_reduce_scatter_phases if op == "reduce_scatter"
                          else costs.quantized_all_reduce_phases)
             phases = quantized(numel, r, group, cluster, codec)
-        steps.append((op, numel * r, _bucketed(phases, unit.params, training)))
+        steps.append((op, numel * r, phases))
     return steps
-
-
-def _bucketed(phases: list[Phase], params: int, training: TrainingSpec) -> list[Phase]:
-    """A unit's reduction as its share of the buckets it fills: a bucket of ``reduce_bucket_elements``
-    pays its collective's latency once, so a unit of ``params`` pays ``params / bucket`` of it (its
-    bytes are its own); unchanged where each unit is reduced alone."""
-    bucket = training.reduce_bucket_elements
-    if bucket is None:
-        return phases
-    return [dataclasses.replace(p, latency_s=p.latency_s * params / bucket) if p.flows else p for p in phases]
 
 
 def sync_group(cluster: ClusterSpec, training: TrainingSpec) -> Group | None:
@@ -374,6 +366,7 @@ class _Step:
         self._gathers, self._reductions, self._replicas, self._scalars, self._syncs = (
             _Lane(self.sim, self.links, self.processor, cluster, self.comms) for _ in range(5))
         self._gathered: dict[str, Event] = {}
+        self._bucketed = 0  # gradient elements waiting for their bucket's all-reduce (zero1)
         self._shard_group = shard_group(cluster, training)
         self._backward_group = backward_gather_group(cluster, training)
 
@@ -455,8 +448,8 @@ class _Step:
             copies = ((self._copy_out_s[unit.name] if gathered is not in_forward[unit.name] else 0.0)
                       + (self._copy_in_s[unit.name] if sync else 0.0))
             yield from self._compute("backward", self._backward_s[unit.name] + copies)
-            if sync:
-                pending.append(self._reduce(unit))
+            if sync and (reduction := self._reduce(unit)) is not None:
+                pending.append(reduction)
                 while len(pending) > REDUCTIONS_IN_FLIGHT:
                     oldest = pending.popleft()
                     yield from self._wait(oldest[0], "reduction backlog", unit.name)
@@ -465,7 +458,7 @@ class _Step:
             backward.consumed()
         if sync:
             yield from self._compute("backward", self._copy_in_s[root.name])
-            pending.append(self._reduce(root))
+            pending.append(self._reduce(root, last=True))
         for reduction in (*landing, *pending):
             yield from self._wait(reduction[-1], "final reductions", root.name)
         self._release(root)
@@ -487,12 +480,19 @@ class _Step:
     def _release(self, unit: UnitCost) -> None:
         self._gathered.pop(unit.name, None)
 
-    def _reduce(self, unit: UnitCost) -> list[Event]:
+    def _reduce(self, unit: UnitCost, *, last: bool = False) -> list[Event] | None:
         """Start reducing ``unit``'s gradient: an event for each of its collectives, in order. The
         backlog bound waits for the first (the reduce-scatter that holds the unit's gradient), the
-        end of backward for the last."""
+        end of backward for the last. Under ``zero1`` with ``reduce_bucket_elements``, gradients
+        wait in a bucket until it holds that many elements, or the step's ``last`` is in: None until
+        then, and one all-reduce of the bucket after."""
+        self._bucketed += unit.params
+        bucket = self.training.reduce_bucket_elements
+        if bucket is not None and self._bucketed < bucket and not last:
+            return None
+        params, self._bucketed = self._bucketed, 0
         events: list[Event] = []
-        for op, nbytes, phases in reduction_phases(unit, self.cluster, self.training):
+        for op, nbytes, phases in reduction_phases(params, self.cluster, self.training):
             lane = self._replicas if op == "all_reduce" else self._reductions
             events.append(lane.submit(op, unit.name, nbytes, phases, after=events[-1] if events else None))
         return events
