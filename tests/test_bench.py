@@ -189,6 +189,16 @@ def test_a_quantized_wire_needs_the_engines_transport():
         validate(dataclasses.replace(TINY, impl="shardwire", wire="params=int4"), 2)
 
 
+def test_a_quantized_wire_needs_a_group_across_nodes():
+    """On one node it quantized nothing, and its results said they were measured through it."""
+    with pytest.raises(BenchError, match=r"--wire quantizes only what crosses nodes, and no group measured does "
+                                         r"\(1 node\(s\) of 2 ranks, --groups world\)"):
+        validate(dataclasses.replace(TINY, impl="shardwire", wire="int8", ranks_per_node=2), 2)
+    with pytest.raises(BenchError, match="no group measured does"):
+        validate(dataclasses.replace(TINY, impl="shardwire", wire="int8", ranks_per_node=2, groups=["intra"]), 4)
+    validate(dataclasses.replace(TINY, impl="shardwire", wire="int8", ranks_per_node=1), 2)
+
+
 def unsupported_dtype(rank, world):
     with contextlib.redirect_stdout(io.StringIO()):
         benchmark(dataclasses.replace(TINY, dtype="float8_e4m3fn", ops=["sendrecv", "all_reduce"]), CPU)

@@ -195,6 +195,22 @@ def test_cluster_from_bench_takes_the_worlds_fit_where_it_is_one_levels_group(tm
         assert getattr(cluster, level).busbw_GBps == pytest.approx((2 + 1) / 2), level
 
 
+def test_a_one_node_bench_leaves_the_network_between_nodes_its_own_shares(tmp_path):
+    """Its world's contention, measured within the node, was taken for the links between nodes too."""
+    path = tmp_path / "bench.json"
+    doc = bench_document(nodes=1, per_node=2)
+    doc["fit"], doc["results"] = {"world": doc["fit"]["intra"]}, {"world": doc["results"]["intra"]}
+    doc["contention"] = {"workload": {"op": "matmul", "n": 1024, "dtype": "float32"},
+                         "world": {"compute_share": 0.3, "rank_shares": [0.2, 0.4], "bandwidth_share": 0.9,
+                                   "rank_bandwidth_shares": [0.9, 0.9]}}
+    path.write_text(json.dumps(doc))
+    preset = CLUSTERS["a100-100gbe"]
+    measured = cluster_from_bench(str(path), preset)
+    assert (measured.intra_node.compute_share, measured.intra_node.bandwidth_share) == (0.3, 0.9)
+    assert measured.inter_node.compute_share == preset.inter_node.compute_share
+    assert measured.inter_node.bandwidth_share == preset.inter_node.bandwidth_share
+
+
 def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench_document()))

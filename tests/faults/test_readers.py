@@ -196,9 +196,16 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
                                                          "group has 2"),
     (lambda d: d["contention"]["inter"].update(compute_share=0.9, rank_shares=[0.9, 0.9]),
      "its contention.inter.compute_share is 0.9, where its alone_s and beside_s give 0.323"),
+    (lambda d: d["contention"]["inter"].update(compute_share=0.9, rank_shares=[0.9, 0.9],
+                                               alone_s=1.03 * d["contention"]["inter"]["beside_s"]),
+     "its contention.inter.compute_share is 0.9, where its alone_s and beside_s give 0"),
+    (lambda d: d["contention"].update(intra=d["contention"]["inter"]),
+     "its contention has 'intra', a group it did not measure (its groups: inter)"),
     # measured so that its times are not the links': a quantized wire, wrong results, the fastest rank's
     (lambda d: d["context"]["settings"].update(wire="params=int8,grads=int8"),
      "was measured with --wire 'params=int8,grads=int8': its times are of quantized collectives"),
+    (lambda d: d["results"]["inter"]["all_gather"][0].update(wire_bytes=100),  # its wire edited to none
+     "sent its all_gather on inter through a quantized wire (its rows' wire_bytes): its times are of quantized"),
     (lambda d: d["results"]["inter"]["all_gather"][0]["out_of_place"].update(wrong=1000),
      "records wrong results (1000 elements of its 'all_gather' on the 'inter' group at "),
     (lambda d: d["context"]["settings"].update(combine="min"), "was measured with --combine 'min': a collective ends"),

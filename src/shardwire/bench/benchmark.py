@@ -180,6 +180,11 @@ def validate(config: BenchConfig, world: int) -> None:
         raise BenchError(err.as_options()) from None
     if wire.quantized and config.impl != "shardwire":
         raise BenchError("--wire quantizes the engine's own collectives: add --impl shardwire")
+    if wire.quantized and not (launched.nodes > 1 and set(config.groups) - {"intra"}):
+        raise BenchError(f"--wire quantizes only what crosses nodes, and no group measured does ({launched.nodes} "
+                         f"node(s) of {launched.ranks_per_node} ranks, --groups {' '.join(config.groups)}): measure "
+                         f"a group across nodes (--ranks-per-node treats this machine's processes as nodes), or "
+                         f"leave out --wire")
     if config.impl == "shardwire" and config.redop != "sum" and "reduce_scatter" in config.ops:
         raise BenchError("--impl shardwire reduces by sum only: use --redop sum or leave reduce_scatter out of --ops")
     if (problem := worker.unavailable(config.backend)) is not None:

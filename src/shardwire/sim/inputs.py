@@ -181,7 +181,8 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
                 f"nodes: under their launcher, or `shardwire testbed run`), and give that file"
             )
         own = getattr(cluster, level)
-        measured = _contention(doc.get("contention") or {}, group, groups)
+        # a level the bench did not span (the other nodes of a one-node bench) keeps the cluster's shares
+        measured = _contention(doc.get("contention") or {}, group, groups) if needed else {}
         # a share of 1 (nothing left to the other side) is kept just under it, where rates stay finite
         shares = {key: min(measured.get(key, getattr(own, key)), LIMITS[key].high)
                   for key in ("compute_share", "bandwidth_share")}
@@ -203,9 +204,16 @@ def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
     would pack them again), with results that were wrong (a network or transport that corrupts
     data), or combining the ranks' times otherwise than by the slowest, which sets a collective's
     end."""
-    if (wire := settings.get("wire", "none")) != "none":
-        return (f"was measured with --wire {shown(wire)}: its times are of quantized collectives, where the "
-                f"simulator prices a wire from the link's own rate; measure it again without --wire")
+    wire = settings.get("wire")
+    if quantized := _rows_sent_quantized(doc.get("results")):
+        through = f"sent its {quantized} through a quantized wire (its rows' wire_bytes)"
+    elif wire not in (None, "none") and doc["context"].get("nodes") != 1:  # on one node no wire quantizes
+        through = f"was measured with --wire {shown(wire)}"
+    else:
+        through = None
+    if through is not None:
+        return (f"{through}: its times are of quantized collectives, where the simulator prices a wire from the "
+                f"link's own rate; measure it again without --wire")
     if (combine := settings.get("combine", "max")) != "max":
         return (f"was measured with --combine {shown(combine)}: a collective ends when its slowest rank does, which "
                 f"--combine max (the default) measures; measure it again without --combine")
@@ -223,11 +231,25 @@ def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
     return None
 
 
+def _rows_sent_quantized(results) -> str | None:
+    """The first operation of a bench's ``results`` whose bytes a quantized wire sent (its rows'
+    ``wire_bytes``), as "OP on GROUP", or None."""
+    for group, ops in (results.items() if isinstance(results, Mapping) else ()):
+        for op, rows in (ops.items() if isinstance(ops, Mapping) else ()):
+            if any(isinstance(row, Mapping) and row.get("wire_bytes") is not None
+                   for row in (rows if isinstance(rows, list) else ())):
+                return f"{op} on {group}"
+    return None
+
+
 def _contention(contention: Mapping, group: str, groups: Mapping[str, int]) -> Mapping:
     """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing.
     Each share is the median of its members' (``shardwire.bench.contention``): one edited apart
     from them would slow the simulated compute by what no member measured; its members are the
     group's ranks (``groups``: each group's, as the document's context records them)."""
+    if groups and (unmeasured := [name for name in contention if name != "workload" and name not in groups]):
+        raise Missing(f"its contention has {shown(unmeasured[0])}, a group it did not measure (its groups: "
+                      f"{', '.join(groups)})")
     for name in (group, "world"):
         if measured := contention.get(name):
             if not isinstance(measured, Mapping):
@@ -246,9 +268,10 @@ def _contention(contention: Mapping, group: str, groups: Mapping[str, int]) -> M
                     raise Missing(f"its contention.{name}.{share} is {shown(found)}, where the median of its "
                                   f"{members} is {median:.6g}")
             alone, beside = measured.get("alone_s"), measured.get("beside_s")
-            if "compute_share" in measured and is_number(alone) and is_number(beside) and 0 < alone <= beside:
-                # the medians of the members' times give about the median of their shares
-                if abs(measured["compute_share"] - (timed := 1 - alone / beside)) > _SHARE_AGREE:
+            if "compute_share" in measured and is_number(alone) and is_number(beside) and alone > 0 and beside > 0:
+                # the medians of the members' times give about the median of their shares, each kept
+                # within [0, 1] as the bench keeps it (a workload that ran faster beside: none taken)
+                if abs(measured["compute_share"] - (timed := min(max(1 - alone / beside, 0.0), 1.0))) > _SHARE_AGREE:
                     raise Missing(f"its contention.{name}.compute_share is {shown(measured['compute_share'])}, "
                                   f"where its alone_s and beside_s give {timed:.3g}")
             return measured
