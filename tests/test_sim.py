@@ -304,8 +304,10 @@ def test_hybrid_layouts_follow_the_engine_in_groups_of_any_size():
     assert pairs.memory.parameter_shards == pytest.approx(4 * arch.params / 2)
     assert [r.op for r in pairs.timeline.comms].count("all_reduce") == units + 1 + 1
     for bad in (3, 16):
-        with pytest.raises(SpecError, match=f"shard_group_size={bad} does not divide the 8 ranks"):  # the engine's rule
+        with pytest.raises(SpecError, match=f"shard_group_size {bad} must divide the cluster's 8 GPUs and either "):
             predict(GPT, c, TrainingSpec(layout="hybrid", shard_group_size=bad))
+    with pytest.raises(SpecError, match="choose one of 1, 2, 4, 8, 24$"):  # 3, 6 and 12 divide 24, not a node's 8
+        predict(GPT, cluster(3, 8), TrainingSpec(layout="zero1", shard_group_size=16))
     with pytest.raises(SpecError, match="shard_group_size applies to layout 'hybrid', 'hybrid_secondary' and 'zero1', not 'full'"):
         TrainingSpec(shard_group_size=2)
 

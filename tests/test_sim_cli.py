@@ -264,7 +264,7 @@ def test_plan_command_and_its_errors(capsys):
     assert status == 2 and "no configuration of llama2-70b" in err and "GiB more than the" in err
     status, _, err = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
                          "--global-batch", "64", "--training", "{layout: hybrid, shard_group_size: 3}")
-    assert status == 2 and "shard_group_size=3 does not divide the 16 ranks" in err  # refused, not dropped
+    assert status == 2 and "shard_group_size 3 must divide the cluster's 16 GPUs" in err  # refused, not dropped
 
 
 @pytest.mark.slow

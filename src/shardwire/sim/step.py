@@ -137,16 +137,16 @@ def layout_plan(cluster: ClusterSpec, training: TrainingSpec) -> LayoutPlan:
         raise SpecError(f"layout {training.layout!r} shards within groups and replicates across them, which needs "
                         f"more than one GPU, and the cluster has one: use layout 'full', or give the cluster more "
                         f"nodes or gpus_per_node")
+    g, size = cluster.gpus_per_node, training.shard_group_size
+    if name != "full" and size is not None and (cluster.world % size or (g % size and size % g)):
+        fitting = [d for d in range(1, cluster.world + 1) if cluster.world % d == 0 and (g % d == 0 or d % g == 0)]
+        raise SpecError(f"shard_group_size {size} must divide the cluster's {cluster.world} GPUs and either divide a "
+                        f"node's {g} or be a multiple of them, so that its collectives fall on the network's two "
+                        f"levels: choose one of {', '.join(map(str, fitting))}")
     try:
-        plan = LayoutPlan.make(name, training.shard_group_size, cluster.world, cluster.gpus_per_node,
-                               diloco=training.diloco_settings)
+        return LayoutPlan.make(name, size, cluster.world, g, diloco=training.diloco_settings)
     except ValueError as err:
         raise SpecError(str(err)) from None
-    g = cluster.gpus_per_node
-    if g % plan.group and plan.group % g:
-        raise SpecError(f"shard_group_size {plan.group} must either divide a node's {g} GPUs or be a multiple of "
-                        f"them, so that its collectives fall on the network's two levels")
-    return plan
 
 
 def shard_group(cluster: ClusterSpec, training: TrainingSpec) -> Group:
