@@ -665,3 +665,11 @@ def test_a_sweep_shows_each_value_as_it_was_simulated(capsys):
     status, out, _ = run(capsys, "simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--sweep", "nodes=1e3,2.0",
                          "--json")
     assert status == 0 and json.loads(out)["sweep"] == {"key": "nodes", "values": [1000, 2]}
+
+
+def test_a_plans_library_call_compiles_where_its_command_does(capsys):
+    """Its `or:` line left compile=True out: the call ran another job than the one priced."""
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64", "--exact", "--training", "{compile: true}")
+    best = out.split("\n\n")[1]
+    assert status == 0 and "--compile" in best and "compile=True)" in best, best

@@ -250,6 +250,8 @@ def runnable(t: TrainingSpec, cluster: ClusterSpec) -> tuple[list[str], dict]:
     precision = "bf16" if t.precision == "fp8" else t.precision
     shard_args |= {"reshard_after_forward": t.reshards, "prefetch": t.prefetch, "mixed_precision": precision,
                    "activation_checkpointing": t.activation_checkpointing, "wire": t.wire}
+    if t.compile:
+        shard_args["compile"] = True
     diloco = None if t.diloco == "none" else t.diloco
     if diloco is not None:
         shard_args["diloco"] = diloco
