@@ -55,6 +55,9 @@ def test_specs_name_missing_and_unknown_keys():
     ("training", {"reduce_bucket_elements": 1000}, "reduce_bucket_elements applies to layout 'zero1'"),
     ("training", {"layout": "zero1", "reduce_bucket_elements": 0}, "reduce_bucket_elements must be positive"),
     ("training", {"layout": "zero1", "reduce_bucket_elements": 10**16}, "more than any model's gradient"),
+    ("training", {"layout": "zero1", "gathers_per_unit": 6}, "gathers_per_unit set how parameters are gathered, and "
+                                                             "layout 'zero1' gathers none"),
+    ("training", {"layout": "zero1", "precision": "fp8", "fp8_all_gather": True}, "fp8_all_gather set how"),
     ("training", {"prefetch": 1.5}, "prefetch must be a whole number"),
     ("model", {**dataclasses.asdict(GPT), "seq_len": 1e308}, r"seq_len must be a whole number, got 1e\+308$"),
     ("training", {"activation_checkpointing": "yes"}, "true or false"),

@@ -149,7 +149,8 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         + ("" if c.collectives == "nccl" else f" ({c.collectives})"),
         f"training  {t.name}: {setting('micro_batch', f'micro-batch {t.micro_batch}')} x "
         f"{setting('grad_accum', str(t.grad_accum))} per GPU{reducing}, {setting('layout', layout)}, "
-        f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}{gathers}), "
+        + ("" if t.layout == "zero1" else  # nothing gathered: no gather schedule
+           f"{setting('prefetch', f'prefetch {t.prefetch}')} ({setting('limiter', limiter)}{gathers}), ") +
         f"{setting('precision', t.precision)}{' (fp8 gathers)' if t.fp8_all_gather else ''} "
         f"(reduce {setting('reduce_precision', t.reduce_precision)}), wire {t.wire}"
         f"{'' if t.diloco == 'none' else f', diloco {t.diloco}'}, "

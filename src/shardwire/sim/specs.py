@@ -436,6 +436,11 @@ class TrainingSpec:
             if self.layout not in ("hybrid", "hybrid_secondary", "zero1"):
                 raise SpecError(f"shard_group_size applies to layout 'hybrid', 'hybrid_secondary' and 'zero1', not "
                                 f"{self.layout!r}")
+        if self.layout == "zero1" and (ungathered := [key for key, value in (
+                ("limiter", self.limiter != "sliding"), ("gathers_per_unit", self.gathers_per_unit != 1),
+                ("fp8_all_gather", self.fp8_all_gather)) if value]):
+            raise SpecError(f"{', '.join(ungathered)} set how parameters are gathered, and layout 'zero1' gathers "
+                            f"none (every GPU holds them whole): leave {'it' if len(ungathered) == 1 else 'them'} out")
         if self.reduce_bucket_elements is not None:
             _check_limits(self, "reduce_bucket_elements")
             if self.layout != "zero1":
