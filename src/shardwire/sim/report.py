@@ -209,7 +209,7 @@ def sweep_text(s: Sweep) -> str:
         comm = p.comm_s
         row = (f"{_value(s.values[i]):>14} {p.cluster.world:>5} {p.step_time_s:>9.4g} {p.compute_time_s:>9.4g} "
                f"{p.compute_slowed_s:>9.3g} {p.exposed_comm_s:>9.3g} {comm['all_gather']:>9.4g} "
-               f"{comm['reduce_scatter']:>9.4g} {p.tflops_per_gpu:>8.4g} {100 * p.mfu:>5.1f}% "
+               f"{comm['reduce_scatter'] + comm['all_reduce']:>9.4g} {p.tflops_per_gpu:>8.4g} {100 * p.mfu:>5.1f}% "
                f"{p.memory.total / GIB:>8.2f} {'yes' if p.memory.fits else 'NO':>4}")
         if efficiency is not None:
             row += f" {100 * efficiency[i]:>7.1f}%"
