@@ -170,10 +170,18 @@ def shown(value, limit: int = 80) -> str:
     return short if len(short) <= limit else short[:limit - 3] + "..."
 
 
+# Control characters as a line shows them: by their escapes (a tab is white space, and stays).
+_SHOWN_CONTROLS = {code: ("\\n" if code == 10 else "\\r" if code == 13 else f"\\x{code:02x}")
+                   for code in (*range(32), 127) if code != 9}
+
+
 def one_line(text: str) -> str:
     """``text`` as one line prints it: a line break it holds came from what the user gave (a path, a
-    value), and is shown as ``\\n``, so that a message, or a line naming a path, stays one line."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    value), and is shown as ``\\n``, so that a message, or a line naming a path, stays one line; any
+    other control character (an escape sequence in a file's name, which a terminal would act on) is
+    shown by its code, ``\\x1b``."""
+    return text.translate(_SHOWN_CONTROLS)
+
 
 
 _LONGEST_WORD = 200  # a path of ten directories of twenty characters

@@ -151,3 +151,10 @@ def test_a_sequence_longer_than_the_default_corpus_is_refused_before_any_worker(
 def test_a_link_rate_past_a_floats_range_is_one_line():
     with pytest.raises(spec.TestbedError, match="is outside 100kbit to 100gbit"):
         spec.parse_rate("9" * 400 + "gbit")
+
+
+def test_a_line_shows_the_control_characters_a_name_holds():
+    """A file named with an escape sequence reached the terminal raw (`measured by n\\nl^[[31m.json`)."""
+    from shardwire.mappings import one_line
+
+    assert one_line("n\nl\x1b[31m\r.json\t\x7f") == "n\\nl\\x1b[31m\\r.json\t\\x7f"
