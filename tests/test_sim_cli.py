@@ -654,6 +654,7 @@ def test_plan_says_which_settings_given_it_searched_as_the_engine_runs_them(caps
     ("nodes=1,2,2", "error: the sweep of nodes gives 2 twice: give each value once"),
     ("nodes=1.0,1", "error: the sweep of nodes gives 1 twice: give each value once"),
     ("nodes=1,,2", "error: --sweep 'nodes=1,,2' has an empty value: give each value once, separated by commas"),
+    ("micro_batch=1,0", "error: at micro_batch 0: training: micro_batch must be positive and finite, got 0"),
 ])
 def test_a_sweep_simulates_the_values_given_once_each(capsys, swept, said):
     """1e400 was read as infinity, a value given twice simulated twice, an empty one dropped."""
@@ -673,3 +674,9 @@ def test_a_plans_library_call_compiles_where_its_command_does(capsys):
                          "--global-batch", "64", "--exact", "--training", "{compile: true}")
     best = out.split("\n\n")[1]
     assert status == 0 and "--compile" in best and "compile=True)" in best, best
+
+
+def test_a_sweep_names_the_point_that_cannot_be_simulated(capsys):
+    status, _, err = run(capsys, "simulate", "--model", "tiny", "--cluster", "a100-ib-200", "--training",
+                         "{layout: hybrid, shard_group_size: 16}", "--sweep", "nodes=2,1,4")
+    assert status == 2 and err.startswith("error: at nodes 1: shard_group_size 16 must divide the cluster's 8 GPUs"), err

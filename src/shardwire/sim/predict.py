@@ -136,24 +136,37 @@ SWEEPABLE = {
 }
 
 
+def _swept(cluster: ClusterSpec, training: TrainingSpec, key: str, value) -> tuple[ClusterSpec, TrainingSpec]:
+    """The cluster and training of a sweep's point, ``key`` set to ``value``; a value that cannot be
+    simulated is refused naming it."""
+    try:
+        if key in SWEEPABLE["cluster"]:
+            return parse("cluster", {**as_dict(cluster), key: value}), training
+        return cluster, parse("training", {**as_dict(training), key: value})
+    except SpecError as err:
+        raise SpecError(f"at {key} {shown(value)}: {err}") from None
+
+
 def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: str, values: list) -> Sweep:
     """Predict each value of ``key`` (a cluster or training setting); for a sweep over ``nodes``,
     with scaling efficiency against 1 node (simulated even when not among ``values``)."""
     if len(values) > MAX_SWEEP_VALUES:
         raise SpecError(f"a sweep of {len(values)} values is more than the {MAX_SWEEP_VALUES} it takes: "
                         f"sweep fewer values, or several sweeps")
-    if key in SWEEPABLE["cluster"]:
-        configs = [(parse("cluster", {**as_dict(cluster), key: v}), training) for v in values]
-    elif key in SWEEPABLE["training"]:
-        configs = [(cluster, parse("training", {**as_dict(training), key: v})) for v in values]
-    else:
+    if key not in SWEEPABLE["cluster"] + SWEEPABLE["training"]:
         known = ", ".join(SWEEPABLE["cluster"] + SWEEPABLE["training"])
         raise SpecError(f"cannot sweep {shown(key)}; settings that can be swept: {known}")
+    configs = [_swept(cluster, training, key, v) for v in values]
     values = [getattr(c if key in SWEEPABLE["cluster"] else t, key) for c, t in configs]  # as read: 1e3 is 1000
     if len(set(values)) < len(values):  # two rows of one configuration, one of them not meant
         raise SpecError(f"the sweep of {key} gives {shown(next(v for v in values if values.count(v) > 1))} twice: "
                         f"give each value once")
-    points = [predict(model, c, t) for c, t in configs]
+    points = []
+    for (c, t), value in zip(configs, values):
+        try:
+            points.append(predict(model, c, t))
+        except SpecError as err:  # the point that cannot be simulated, named
+            raise SpecError(f"at {key} {shown(value)}: {err}") from None
     reference = None
     if key == "nodes":
         reference = next((p for p in points if p.cluster.nodes == 1), None)
