@@ -677,7 +677,7 @@ def test_a_profile_is_read_as_the_model_it_measured():
     described = as_dict(load_model("gpt-1.3b", None))
     recorded = _job(lambda d: d["metadata"].update(model_spec=described))
     edited = _job(lambda d: d["metadata"].update(model_spec={**described, "params": 1_000_000}), world_size=16)
-    with pytest.raises(ReportError, match=r"^runs differ in the model: one and two ran models that differ in params "):
+    with pytest.raises(ReportError, match=r"^runs differ in the model: one and two ran models that differ in params; a scaling report "):
         _check_comparable(["one", "two"], [recorded, edited])
     _check_comparable(["one", "two"], [_job(), edited])  # a profile from before: compared by FLOPs per token
 

@@ -151,9 +151,11 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
                 continue  # a profile written before it was recorded: its FLOPs per token compare
             if isinstance(value, dict) and isinstance(reference[key], dict) and value != reference[key]:
                 keys = sorted(k for k in {*value, *reference[key]} if value.get(k) != reference[key].get(k))
+                model = reference["model"]
+                changed = " (its directory changed between them?)" if str(model).startswith("hf:") else ""
                 raise ReportError(f"runs differ in the model: {run_dirs[0]} and {run_dir} ran models that differ in "
-                                  f"{cut(', '.join(map(str, keys)))} (its directory changed between them?); a "
-                                  f"scaling report compares one job at several world sizes")
+                                  f"{cut(', '.join(map(str, keys)))}{changed}; a scaling report compares one job at "
+                                  f"several world sizes")
             if value != reference[key]:
                 raise ReportError(
                     f"runs differ in {key}: {run_dirs[0]} has {shown(reference[key])}, {run_dir} has {shown(value)}; "

@@ -141,9 +141,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
                      "other tools; simulate it to compare)")
     if replaced := {key: value for key, value in as_dict(base).items()
                     if key in _NOTED_ENGINE_SETTINGS and value != _ENGINE_SETTINGS[key]}:
-        notes.append(f"{', '.join(f'{key} {value}' for key, value in replaced.items())}: searched as shardwire's "
-                     f"engine runs ({', '.join(f'{key} {_ENGINE_SETTINGS[key]}' for key in replaced)}), which "
-                     f"the plan's command runs; simulate the settings given to price them")
+        notes.append(f"{', '.join(f'{key} {_spelled(value)}' for key, value in replaced.items())}: searched as "
+                     f"shardwire's engine runs ({', '.join(f'{key} {_spelled(_ENGINE_SETTINGS[key])}' for key in replaced)}), "
+                     f"which the plan's command runs; simulate the settings given to price them")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
     if not candidates:
@@ -232,6 +232,11 @@ _ENGINE_SETTINGS = {"limiter": "sliding", "gathers_per_unit": 1, "reduce_precisi
                     "diloco": "none", "fault_tolerance": False}
 _NOTED_ENGINE_SETTINGS = ("limiter", "gathers_per_unit", "reduce_precision", "recompute_fraction",
                           "reduce_each_micro_batch")
+
+
+def _spelled(value) -> str:
+    """A setting's value as a spec file writes it: true, false, none."""
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:
