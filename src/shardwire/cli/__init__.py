@@ -29,7 +29,7 @@ from typing import NoReturn
 
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
-from shardwire.comm.errors import CollectiveError
+from shardwire.comm.errors import CollectiveError, peer_lost, without_source_locations
 from shardwire.extras import MissingExtra
 from shardwire.files import OutputRefused
 from shardwire.launch import (
@@ -49,7 +49,7 @@ from shardwire.launch import (
     stopping,
     under_launcher,
 )
-from shardwire.mappings import nearest, refusal
+from shardwire.mappings import cut, nearest, refusal
 from shardwire.options import NUMBER_READERS
 from shardwire.renamed import RenamedWarning
 
@@ -335,6 +335,15 @@ def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[st
         # why, this one only what it was waiting for, in one line, where the launcher does not stop it first.
         leave_it_to_the_launcher()
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return REFUSED
+    except RuntimeError as err:
+        if not (under_launcher() and peer_lost(err)):
+            raise
+        # a torch collective of the loop's own (its loss, its checks) met the same: said as the above
+        leave_it_to_the_launcher()
+        said = " ".join(without_source_locations(str(err)).split())
+        print(refusal(f"error: rank {os.environ.get('RANK', '?')} lost its connection to another rank, whose "
+                      f"process ended or whose link broke ({cut(said)})"), file=sys.stderr)
         return REFUSED
     except KeyboardInterrupt as err:
         return _interrupted(err)

@@ -12,6 +12,18 @@ def without_source_locations(message: str) -> str:
     return _SOURCE_LOCATION.sub("", message)
 
 
+# What a transport says when the process at the other end of a connection is gone (killed, crashed,
+# its machine lost): gloo's TCP pairs and the store's sockets, as the system names the loss.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err``, raised by a torch collective called outside shardwire's transport (a loss
+    averaged over ranks, a divergence check), says that another rank's process is gone: one whose
+    own failure the launcher names."""
+    return isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_GONE)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or did not complete in time; the message says which rank, op and tag."""
 
