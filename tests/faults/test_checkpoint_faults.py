@@ -579,3 +579,24 @@ def test_a_directory_moved_under_a_run_is_claimed_again(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         save_step(tmp_path / "ckpt", model, optimizer, 3)  # claimed: nothing to say
+
+
+def test_a_directory_replaced_under_a_run_is_not_saved_into(tmp_path):
+    """`mv ckpt moved; cp -a other ckpt` during a run: the copied claim file passed for the run's own,
+    and --keep deleted the other series' checkpoints; a file put at its name was met by advice to
+    resume from a directory that no longer held the run's checkpoints."""
+    model, optimizer = make_model(0)
+    save_step(tmp_path / "other", model, optimizer, 7)
+    save_step(tmp_path / "ckpt", model, optimizer, 1)
+    (tmp_path / "ckpt").rename(tmp_path / "moved")
+    shutil.copytree(tmp_path / "other", tmp_path / "ckpt")  # its claim file with it
+    with pytest.raises(shardwire.CheckpointError, match=r"ckpt was moved or removed while this run saved in it, and "
+                                                        r"the checkpoints it saved are where it went; it now holds "
+                                                        r"checkpoints this run did not save \(step_00000007, ...\)"):
+        save_step(tmp_path / "ckpt", model, optimizer, 2, keep=1)
+    assert listing(tmp_path / "ckpt") == ["step_00000007"]
+    shutil.rmtree(tmp_path / "ckpt")
+    (tmp_path / "ckpt").write_text("precious")
+    with pytest.raises(shardwire.CheckpointError, match="something else now has its name, which is left as it is"):
+        save_step(tmp_path / "ckpt", model, optimizer, 2)
+    assert (tmp_path / "ckpt").read_text() == "precious"

@@ -35,7 +35,7 @@ from shardwire import worker
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import CheckpointInfo, list_checkpoints
 from shardwire.engine.checkpoint.series import prune, set_aside_in, step_of
-from shardwire.engine.checkpoint.format import Manifest
+from shardwire.engine.checkpoint.format import DirectoryMoved, Manifest
 from shardwire.engine.checkpoint.schema import fits
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.shard import engine_of
@@ -997,6 +997,8 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
             step=step, extra={"scheduler": scheduler.state_dict(), "model": recorded_name(config.model),
                               "settings": training_settings(config), **trained_on},
         )
+    except DirectoryMoved as err:  # its checkpoints are no longer where a run again would look
+        raise _agreed(f"error: {err}") from None
     except shardwire.CheckpointError as err:
         raise _agreed(f"error: {err} (the checkpoints saved before it are intact: make room there, or give another "
                       f"--checkpoint-dir, and run the command again to resume from the newest)") from None

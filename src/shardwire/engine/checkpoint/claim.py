@@ -23,35 +23,63 @@ import pathlib
 import warnings
 
 from shardwire.engine.checkpoint import ownership
-from shardwire.engine.checkpoint.format import CheckpointError
+from shardwire.engine.checkpoint.format import CheckpointError, DirectoryMoved
+from shardwire.engine.checkpoint.series import list_checkpoints
 from shardwire.files import ClaimHeld, claim_file, make_directories, remove_directories
 
 CLAIM = ".shardwire-claim"
 
 
-def claim(directory: pathlib.Path, claimed: set[str]) -> None:
+def claim(directory: pathlib.Path, claimed: dict[str, tuple[int, int]]) -> None:
     """Make this process the owner of ``directory``, or raise a ``CheckpointError`` naming the run that
     owns it. ``claimed`` holds the directories this model's engine has claimed already (no new
-    descriptor for each save); one of them moved or removed since is claimed again, with a warning."""
+    descriptor for each save), each with its claim file's identity (device, inode): one whose claim
+    file is no longer that one was moved or removed under the run (a copy of another series brings
+    a copy of its claim file), and is claimed again with a warning where it holds no checkpoint, or
+    refused (``DirectoryMoved``) where it holds some, which the run's pruning would delete."""
     key = str(directory.resolve())
     if key in claimed:
-        if (directory / CLAIM).exists():
+        if _identity(directory / CLAIM) == claimed[key]:
             return
-        # moved or removed under the run: its saves would go on into a new directory no claim guards
+        _check_replaced(directory)
         warnings.warn(f"{directory} was moved or removed while this run saved in it: the run claims it again and "
                       f"saves there from now on; what it had saved is where the directory went", stacklevel=3)
-        claimed.discard(key)
+        del claimed[key]
     made = make_directories(directory)
     try:
-        claim_file(directory / CLAIM)  # held, open, for the life of the process
+        fd = claim_file(directory / CLAIM)  # held, open, for the life of the process
     except ClaimHeld as err:
         raise CheckpointError(f"{directory} belongs to another run that is still going ({err.owner}): give this run a "
                               f"--checkpoint-dir of its own, or stop that one") from None
     except OSError as err:
         remove_directories(made)
         raise CheckpointError(f"cannot claim {directory} for this run: {err.strerror}") from None
-    claimed.add(key)
+    stat = os.fstat(fd)
+    claimed[key] = (stat.st_dev, stat.st_ino)
     atexit.register(leave_tidy, directory, made)
+
+
+def _identity(path: pathlib.Path) -> tuple[int, int] | None:
+    """A file's (device, inode), or None where there is none."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _check_replaced(directory: pathlib.Path) -> None:
+    """Refuse to claim again a directory this run saved in that is now something else: not a
+    directory, or one holding checkpoints the run did not save (another series put at its name)."""
+    lost = (f"{directory} was moved or removed while this run saved in it, and the checkpoints it saved are where "
+            f"it went")
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise DirectoryMoved(f"{lost}; something else now has its name, which is left as it is: move the directory "
+                             f"back, or resume from it with --checkpoint-dir where it is now")
+    if found := list_checkpoints(directory):
+        raise DirectoryMoved(f"{lost}; it now holds checkpoints this run did not save ({found[-1].name}, ...), which "
+                             f"its pruning would delete, and which are left as they are: move the directory back, or "
+                             f"resume from it with --checkpoint-dir where it is now")
 
 
 def leave_tidy(directory: str | os.PathLike, made: list[str]) -> None:

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import TypeVar
 
-from shardwire.engine.checkpoint.format import CheckpointError, CheckpointRefused
+from shardwire.engine.checkpoint.format import CheckpointError, CheckpointRefused, DirectoryMoved
 from shardwire.engine.runtime import Engine
 
 T = TypeVar("T")
@@ -36,21 +36,32 @@ def on_every_rank(engine: Engine, what: str, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as err:  # whatever it is, the other ranks must hear of it or they would hang
         error = err
-    said = None if error is None else [_describe(error), isinstance(error, CheckpointRefused)]
+    said = None if error is None else [_describe(error), _kind(error)]
     ranks_by_reason: dict[str, list[int]] = {}
-    refused = True  # every rank that failed refused the checkpoint for what it holds
+    kinds = set()  # of the errors of the ranks that failed
     for rank, found in enumerate(all_gather_json(said, engine, tag=what)):
         if found is not None:
-            reason, refused_here = found
+            reason, kind = found
             ranks_by_reason.setdefault(reason, []).append(rank)
-            refused = refused and refused_here
+            kinds.add(kind)
     if ranks_by_reason:
         detail = "; ".join(
             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reason}"
             for reason, ranks in ranks_by_reason.items()
         )
-        raise (CheckpointRefused if refused else CheckpointError)(f"{what} failed on {detail}") from error
+        kind = _KINDS[kinds.pop()] if len(kinds) == 1 and None not in kinds else CheckpointError
+        raise kind(f"{what} failed on {detail}") from error
     return result
+
+
+# The kinds of failure every rank raises as such where every rank that failed met it: a checkpoint
+# refused for what it holds (a resume sets it aside), a directory moved under its run.
+_KINDS = (CheckpointRefused, DirectoryMoved)
+
+
+def _kind(error: Exception) -> int | None:
+    """The index in ``_KINDS`` of ``error``'s kind, or None."""
+    return next((index for index, kind in enumerate(_KINDS) if isinstance(error, kind)), None)
 
 
 def _describe(error: Exception) -> str:

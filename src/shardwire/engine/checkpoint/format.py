@@ -80,6 +80,11 @@ class CheckpointRefused(CheckpointError):
     a damaged one, it may be all the user has of its step: a save of that step sets it aside."""
 
 
+class DirectoryMoved(CheckpointError):
+    """The directory a run saves in was moved, removed or replaced under it, so that its next save
+    would go where nothing of the run's is: the message says what the run found there."""
+
+
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class CheckpointSession:
     pending: PendingCheckpoint | None = None  # the asynchronous save being written
-    claimed: set[str] = dataclasses.field(default_factory=set)  # directories this run owns, resolved
+    # directories this run owns, resolved, each with its claim file's (device, inode)
+    claimed: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # checkpoints a resume of this run passed over, whole, for what they hold (``CheckpointRefused``),
     # resolved: a save of their step sets them aside, never deleting what may be all the user has of it
     passed_over: set[str] = dataclasses.field(default_factory=set)
