@@ -234,7 +234,7 @@ def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = No
 
         for line in report.header_lines(context):
             say(line)
-        _check_backend(config, contexts, device)
+        _check_backend(config, launched, contexts, device)
 
         settings = SweepSettings(warmup=config.warmup, iters=config.iters, blocking=config.blocking,
                                  check=config.check, combine=config.combine)
@@ -256,11 +256,13 @@ def benchmark(config: BenchConfig, device: torch.device, out: TextIO | None = No
             ctx.close()
 
 
-def _check_backend(config: BenchConfig, contexts: dict[str, OpContext], device: torch.device) -> None:
+def _check_backend(config: BenchConfig, launched: Placement, contexts: dict[str, OpContext],
+                   device: torch.device) -> None:
     """Raise ``BenchError`` when the backend cannot run one of the operations, found by trying each
     once on the whole world (measured or not), where every rank takes part."""
     everyone = tuple(range(dist.get_world_size()))
-    world_ctx = contexts.get("world") or _context(config, dist.group.WORLD, everyone, device)
+    world_ctx = contexts.get("world") or _context(config, dist.group.WORLD, everyone, device,
+                                                  launched.ranks_per_node)
     try:
         failure = first_failure([OPERATIONS[op] for op in config.ops], world_ctx)
     finally:

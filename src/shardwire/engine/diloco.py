@@ -97,7 +97,8 @@ class DiLoCo:
         if type(self.fragment_sync_delay) is not int or not 0 <= self.fragment_sync_delay <= self.spacing:
             raise setting_error("diloco", f"fragment_sync_delay must be an integer from 0 to sync_every // "
                                           f"fragments = {self.spacing} (inner steps a sync runs behind; the next "
-                                          f"fragment's sync may be due after that), got {shown(self.fragment_sync_delay)}")
+                                          f"fragment's sync may be due after that), got "
+                                          f"{shown(self.fragment_sync_delay)}")
 
     @classmethod
     def parse(cls, diloco: DiLoCo | str | None) -> DiLoCo | None:

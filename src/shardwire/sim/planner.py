@@ -141,9 +141,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
                      "other tools; simulate it to compare)")
     if replaced := {key: value for key, value in as_dict(base).items()
                     if key in _NOTED_ENGINE_SETTINGS and value != _ENGINE_SETTINGS[key]}:
-        notes.append(f"{', '.join(f'{key} {_spelled(value)}' for key, value in replaced.items())}: searched as "
-                     f"shardwire's engine runs ({', '.join(f'{key} {_spelled(_ENGINE_SETTINGS[key])}' for key in replaced)}), "
-                     f"which the plan's command runs; simulate the settings given to price them")
+        given = ", ".join(f"{key} {_spelled(value)}" for key, value in replaced.items())
+        engine = ", ".join(f"{key} {_spelled(_ENGINE_SETTINGS[key])}" for key in replaced)
+        notes.append(f"{given}: searched as shardwire's engine runs ({engine}), which the plan's command runs; "
+                     f"simulate the settings given to price them")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
     candidates = [t for t in candidate_settings(per_gpu, cluster, base, exact=exact) if _holds(t, fixed)]
     if not candidates:
