@@ -575,7 +575,9 @@ def test_a_resume_names_other_data_world_size_and_global_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_restarted_workers_refuse_data_cut_short_under_them(tmp_path):
+def test_data_cut_short_under_a_run_stops_it_without_a_restart(tmp_path):
+    """Restarted (--max-restarts), the workers resumed the run's last checkpoint on data that had
+    changed since, and refused it: a restart after a refusal meets it again, so none is made."""
     path = token_file(tmp_path / "a.bin", 400_000)
     job = subprocess.Popen([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
                             "--steps", "100000", "--checkpoint-dir", "ckpt", "--save-every", "2", "--data", "a.bin",
@@ -589,14 +591,30 @@ def test_restarted_workers_refuse_data_cut_short_under_them(tmp_path):
         _, stderr = job.communicate(timeout=300)
     finally:
         job.kill()
-    assert job.returncode != 0
+    assert job.returncode == 2
     assert "error: --data: a.bin changed while the run read it: it holds 20,000 bytes, 800,000" in stderr
     assert stderr.count("changed while the run read it") == 1, stderr  # every rank reads it; one says it
-    assert ("error: the data changed since ckpt/step_" in stderr
-            and "was saved: the contents of a.bin (400,000 -> 10,000 tokens); these workers were restarted "
-                "(--max-restarts) to resume that run" in stderr)
-    assert "note: worker processes failed: rank 0 (exit 2); its message is above; starting them again" in stderr
+    assert "starting them again" not in stderr and "the data changed since" not in stderr, stderr
     assert "Traceback" not in stderr and "SIGBUS" not in stderr
+
+
+@pytest.mark.slow
+def test_workers_restarted_after_a_crash_refuse_data_changed_since_their_checkpoint(tmp_path):
+    """A worker killed, the data rewritten before the restart: the restarted workers would resume the
+    run on other data, as if it were the same run."""
+    token_file(tmp_path / "a.bin", 400_000)
+    train("--model", "tiny", "--steps", "2", "--checkpoint-dir", "ckpt", "--data", "a.bin", cwd=tmp_path)
+    token_file(tmp_path / "a.bin", 10_000)
+    restarted = {**os.environ, "LOCAL_WORLD_SIZE": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29573", "TORCHELASTIC_RUN_ID": "test",
+                 "TORCHELASTIC_RESTART_COUNT": "1"}
+    done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
+                           "--steps", "4", "--checkpoint-dir", "ckpt", "--data", "a.bin"], capture_output=True,
+                          text=True, timeout=400, cwd=tmp_path, env=restarted)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "error: the data changed since ckpt/step_00000002 was saved: the contents of a.bin (400,000 -> 10,000 "
+        "tokens); these workers were restarted (--max-restarts) to resume that run: restore the data, or run the "
+        "command again to resume on this data"), done.stderr
 
 
 @pytest.mark.slow
