@@ -204,8 +204,9 @@ def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
     would pack them again), with results that were wrong (a network or transport that corrupts
     data), or combining the ranks' times otherwise than by the slowest, which sets a collective's
     end."""
+    rows = list(_rows(doc.get("results")))
     wire = settings.get("wire")
-    if quantized := _rows_sent_quantized(doc.get("results")):
+    if quantized := next((f"{op} on {group}" for group, op, row in rows if row.get("wire_bytes") is not None), None):
         through = f"sent its {quantized} through a quantized wire (its rows' wire_bytes)"
     elif wire not in (None, "none") and doc["context"].get("nodes") != 1:  # on one node no wire quantizes
         through = f"was measured with --wire {shown(wire)}"
@@ -217,29 +218,23 @@ def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
     if (combine := settings.get("combine", "max")) != "max":
         return (f"was measured with --combine {shown(combine)}: a collective ends when its slowest rank does, which "
                 f"--combine max (the default) measures; measure it again without --combine")
-    results = doc.get("results")
-    for group, ops in (results.items() if isinstance(results, Mapping) else ()):
-        for op, rows in (ops.items() if isinstance(ops, Mapping) else ()):
-            for row in (rows if isinstance(rows, list) else ()):
-                for form in ("out_of_place", "in_place"):
-                    point = row.get(form) if isinstance(row, Mapping) else None
-                    wrong = point.get("wrong") if isinstance(point, Mapping) else None
-                    if is_number(wrong) and wrong > 0:
-                        return (f"records wrong results ({shown(wrong)} elements of its {shown(op)} on the "
-                                f"{shown(group)} group at {shown(row.get('bytes'))} bytes, --check): timings of a "
-                                f"transport that corrupts data are not its links'; find the cause, and measure again")
+    for group, op, row in rows:
+        for point in (row.get("out_of_place"), row.get("in_place")):
+            wrong = point.get("wrong") if isinstance(point, Mapping) else None
+            if is_number(wrong) and wrong > 0:
+                return (f"records wrong results ({shown(wrong)} elements of its {shown(op)} on the {shown(group)} "
+                        f"group at {shown(row.get('bytes'))} bytes, --check): timings of a transport that "
+                        f"corrupts data are not its links'; find the cause, and measure again")
     return None
 
 
-def _rows_sent_quantized(results) -> str | None:
-    """The first operation of a bench's ``results`` whose bytes a quantized wire sent (its rows'
-    ``wire_bytes``), as "OP on GROUP", or None."""
+def _rows(results):
+    """(group, op, row) for each size's row of a bench's ``results``, what is not of their shape
+    passed over (its fits' check names it)."""
     for group, ops in (results.items() if isinstance(results, Mapping) else ()):
         for op, rows in (ops.items() if isinstance(ops, Mapping) else ()):
-            if any(isinstance(row, Mapping) and row.get("wire_bytes") is not None
-                   for row in (rows if isinstance(rows, list) else ())):
-                return f"{op} on {group}"
-    return None
+            rows = rows if isinstance(rows, list) else ()
+            yield from ((group, op, row) for row in rows if isinstance(row, Mapping))
 
 
 def _contention(contention: Mapping, group: str, groups: Mapping[str, int]) -> Mapping:

@@ -45,7 +45,7 @@ from shardwire.sim.architecture import architecture
 from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
-                                 parse)
+                                 parse, spelled)
 from shardwire.sim.huggingface import HF_PREFIX, custom_code_refusal, has_tokenizer, read_config
 from shardwire.sim.step import layout_plan
 
@@ -141,8 +141,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
                      "other tools; simulate it to compare)")
     if replaced := {key: value for key, value in as_dict(base).items()
                     if key in _NOTED_ENGINE_SETTINGS and value != _ENGINE_SETTINGS[key]}:
-        given = ", ".join(f"{key} {_spelled(value)}" for key, value in replaced.items())
-        engine = ", ".join(f"{key} {_spelled(_ENGINE_SETTINGS[key])}" for key in replaced)
+        given = ", ".join(f"{key} {spelled(value)}" for key, value in replaced.items())
+        engine = ", ".join(f"{key} {spelled(_ENGINE_SETTINGS[key])}" for key in replaced)
         notes.append(f"{given}: searched as shardwire's engine runs ({engine}), which the plan's command runs; "
                      f"simulate the settings given to price them")
     layout_plan(cluster, base)  # the search sets the layout; a setting given that cannot run is refused
@@ -233,11 +233,6 @@ _ENGINE_SETTINGS = {"limiter": "sliding", "gathers_per_unit": 1, "reduce_precisi
                     "diloco": "none", "fault_tolerance": False}
 _NOTED_ENGINE_SETTINGS = ("limiter", "gathers_per_unit", "reduce_precision", "recompute_fraction",
                           "reduce_each_micro_batch")
-
-
-def _spelled(value) -> str:
-    """A setting's value as a spec file writes it: true, false, none."""
-    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _training(base: TrainingSpec, **settings) -> TrainingSpec:

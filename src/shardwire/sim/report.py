@@ -43,7 +43,7 @@ from shardwire.sim.failures import (HEARTBEAT_S, RELAUNCH_S, STORAGE_GBps, Failu
 from shardwire.sim.memory import GIB
 from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
-from shardwire.sim.specs import as_dict
+from shardwire.sim.specs import as_dict, spelled
 from shardwire.sim.step import layout_plan
 
 
@@ -203,11 +203,11 @@ def sweep_text(s: Sweep) -> str:
               f"{'reduce s':>9} {'TFLOP/s':>8} {'MFU':>6} {'GiB/GPU':>8} {'fits':>4}")
     if efficiency is not None:
         header += f" {'scaling':>8}"
-    values = ", ".join(_value(v) for v in s.values)
+    values = ", ".join(spelled(v) for v in s.values)
     lines = [*describe_setup(s.points[0], swept=s.key), f"sweep     {s.key} = {values} (rows below)", "", header]
     for i, p in enumerate(s.points):
         comm = p.comm_s
-        row = (f"{_value(s.values[i]):>14} {p.cluster.world:>5} {p.step_time_s:>9.4g} {p.compute_time_s:>9.4g} "
+        row = (f"{spelled(s.values[i]):>14} {p.cluster.world:>5} {p.step_time_s:>9.4g} {p.compute_time_s:>9.4g} "
                f"{p.compute_slowed_s:>9.3g} {p.exposed_comm_s:>9.3g} {comm['all_gather']:>9.4g} "
                f"{comm['reduce_scatter'] + comm['all_reduce']:>9.4g} {p.tflops_per_gpu:>8.4g} {100 * p.mfu:>5.1f}% "
                f"{p.memory.total / GIB:>8.2f} {'yes' if p.memory.fits else 'NO':>4}")
@@ -218,7 +218,7 @@ def sweep_text(s: Sweep) -> str:
         lines.append(f"(scaling against 1 node: {s.reference.step_time_s:.4g} s per step, simulated for reference)")
     if efficiency is not None and not s.reference.memory.fits:
         lines.append("(the 1-node reference does not fit in memory: its simulated speed is still the reference)")
-    lines += ["", f"at {s.key}={_value(s.values[-1])}: {verdict(s.points[-1])}"]
+    lines += ["", f"at {s.key}={spelled(s.values[-1])}: {verdict(s.points[-1])}"]
     lines += [f"note: {n}" for n in notes(s.points[0])]
     return "\n".join(lines)
 
@@ -229,7 +229,7 @@ def plot_sweep(s: Sweep, path: str) -> None:
     require("matplotlib", "--plot").use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [_value(v) for v in s.values]
+    labels = [spelled(v) for v in s.values]
     compute = [p.compute_time_s for p in s.points]
     exposed = [p.exposed_comm_s for p in s.points]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -251,10 +251,6 @@ def plot_sweep(s: Sweep, path: str) -> None:
     fig.suptitle(f"{p.model.name} on {p.cluster.name}, {p.training.name} training")
     fig.tight_layout()
     write_atomically(path, figure_png(fig, "sweep-plot"))
-
-
-def _value(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def plan_json(result: Plan, global_batch: int, model_argument: str, rate: FailureRate | None = None) -> dict:

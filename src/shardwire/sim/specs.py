@@ -524,6 +524,11 @@ def as_dict(spec) -> dict:
     return dataclasses.asdict(spec)
 
 
+def spelled(value) -> str:
+    """A spec's value as a spec file writes it: true, false, none."""
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 MAX_NAME = 200  # characters of a spec's name
 
 
