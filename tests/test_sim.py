@@ -10,6 +10,7 @@ from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
 from shardwire.sim import costs
 from shardwire.sim.architecture import architecture
 from shardwire.sim.costs import Group
+from shardwire.sim.explain import unit_budgets
 from shardwire.sim.events import Link, Simulation
 from shardwire.sim.memory import GIB, USABLE_FRACTION, estimate_memory
 from shardwire.sim.predict import predict, sweep
@@ -276,6 +277,10 @@ def test_zero1_all_reduces_each_gradient_over_every_gpu_and_gathers_only_the_upd
     bucketed = predict(GPT, c, TrainingSpec(layout="zero1", reduce_bucket_elements=2 * unit.params))
     sizes = [r.nbytes / 4 for r in bucketed.timeline.comms if r.op == "all_reduce" and r.unit != "gradient norm"]
     assert sizes == [2 * unit.params, 2 * unit.params, arch.root.params]
+    # a bucket smaller than a unit holds it alone: one all-reduce of it, as explained per unit
+    small = predict(GPT, c, TrainingSpec(layout="zero1", reduce_bucket_elements=1))
+    unbucketed = predict(GPT, c, TrainingSpec(layout="zero1"))
+    assert [b.backward_comm_s for b in unit_budgets(small)] == [b.backward_comm_s for b in unit_budgets(unbucketed)]
     whole = predict(GPT, c, TrainingSpec(layout="zero1", reduce_bucket_elements=10 * arch.params))
     assert [r.nbytes / 4 for r in whole.timeline.comms if r.op == "all_reduce" and r.unit != "gradient norm"] == [
         arch.params]  # one bucket, one latency

@@ -125,10 +125,15 @@ def bench_document(nodes=2, per_node=2, backend="gloo", impl="shardwire"):
     fits = {"intra": {"all_gather": (1e-4, 4e9), "reduce_scatter": (3e-4, 2e9)},
             "inter": {"all_gather": (2e-3, 0.25e9)}}
     sizes = [1024 * 4 ** i for i in range(8)]
+    world = nodes * per_node
+    groups = {"world": {"ranks": world, "members": [list(range(world))]},
+              "intra": {"ranks": per_node, "members": [list(range(n * per_node, (n + 1) * per_node))
+                                                       for n in range(nodes)]},
+              "inter": {"ranks": nodes, "members": [list(range(0, world, per_node))]}}
     return {
         "schema": "shardwire.bench/1",
-        "context": {"world": nodes * per_node, "nodes": nodes, "ranks_per_node": per_node, "backend": backend,
-                    "settings": {"impl": impl}},
+        "context": {"world": world, "nodes": nodes, "ranks_per_node": per_node, "backend": backend,
+                    "settings": {"impl": impl}, "groups": groups},
         "results": {group: {op: [{"bytes": size, "out_of_place": {"time_us": (alpha + size / beta) * 1e6}}
                                  for size in sizes] for op, (alpha, beta) in ops.items()}
                     for group, ops in fits.items()},
@@ -172,10 +177,12 @@ def test_cluster_from_bench_takes_the_shares_measured_of_each_level(tmp_path):
     unmeasured = cluster_from_bench(str(path), preset)
     assert unmeasured.intra_node.compute_share == preset.intra_node.compute_share  # the cluster's own stays
     doc["contention"] = {"workload": {"op": "matmul", "n": 1024, "dtype": "float32"},
-                         "intra": {"compute_share": 0.3, "rank_shares": [0.2, 0.4], "bandwidth_share": 0.4,
-                                   "rank_bandwidth_shares": [0.4, 0.4]},
-                         "world": {"compute_share": 0.1, "rank_shares": [0.1, 0.0, 0.2], "bandwidth_share": 0.2,
-                                   "rank_bandwidth_shares": [0.2]}}
+                         "intra": {"alone_s": 0.7, "beside_s": 1.0, "compute_share": 0.3,
+                                   "rank_shares": [0.2, 0.4, 0.2, 0.4], "bandwidth_share": 0.4,
+                                   "rank_bandwidth_shares": [0.4] * 4},
+                         "world": {"alone_s": 0.9, "beside_s": 1.0, "compute_share": 0.1,
+                                   "rank_shares": [0.1, 0.0, 0.2, 0.1], "bandwidth_share": 0.2,
+                                   "rank_bandwidth_shares": [0.2] * 4}}
     path.write_text(json.dumps(doc))
     measured = cluster_from_bench(str(path), preset)
     assert (measured.intra_node.compute_share, measured.intra_node.bandwidth_share) == (0.3, 0.4)
@@ -201,8 +208,8 @@ def test_a_one_node_bench_leaves_the_network_between_nodes_its_own_shares(tmp_pa
     doc = bench_document(nodes=1, per_node=2)
     doc["fit"], doc["results"] = {"world": doc["fit"]["intra"]}, {"world": doc["results"]["intra"]}
     doc["contention"] = {"workload": {"op": "matmul", "n": 1024, "dtype": "float32"},
-                         "world": {"compute_share": 0.3, "rank_shares": [0.2, 0.4], "bandwidth_share": 0.9,
-                                   "rank_bandwidth_shares": [0.9, 0.9]}}
+                         "world": {"alone_s": 0.7, "beside_s": 1.0, "compute_share": 0.3, "rank_shares": [0.2, 0.4],
+                                   "bandwidth_share": 0.9, "rank_bandwidth_shares": [0.9, 0.9]}}
     path.write_text(json.dumps(doc))
     preset = CLUSTERS["a100-100gbe"]
     measured = cluster_from_bench(str(path), preset)
@@ -649,8 +656,29 @@ def test_plan_says_which_settings_given_it_searched_as_the_engine_runs_them(caps
                             "sliding, reduce_precision fp32)") in out, out
 
 
+def test_plan_says_it_searched_other_groups_and_syncs_than_those_given(capsys):
+    """A shard_group_size or a diloco given was replaced by the search's without a word."""
+    plan = ["plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2", "--global-batch", "64"]
+    status, out, _ = run(capsys, *plan, "--exact", "--training", "{layout: hybrid, shard_group_size: 4}")
+    assert status == 0 and "shard_group_size 4: searched with hybrid groups of a node's 8 GPUs" in out, out
+    status, out, _ = run(capsys, *plan, "--training", "{layout: hybrid, diloco: 'sync_every=5'}")
+    assert status == 0 and ("diloco sync_every=5: syncing every H steps is offered as DiLoCo's published setting "
+                            "(diloco sync_every=20)") in out, out
+    status, out, _ = run(capsys, *plan, "--exact", "--training", "{layout: hybrid, diloco: 'sync_every=5'}")
+    assert status == 0 and "diloco sync_every=5: syncing every H steps is not offered (--exact)" in out, out
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "zero1"])
+def test_a_sweep_of_a_nodes_gpus_names_the_groups_that_follow_it_as_swept(capsys, layout):
+    """The header named the first point's groups (of 1) for every row."""
+    status, out, _ = run(capsys, "simulate", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--training", f"{{layout: {layout}}}", "--sweep", "gpus_per_node=1,8")
+    assert status == 0 and " in swept groups" in out and "groups of 1" not in out and "(one GPU)" not in out, out
+
+
 @pytest.mark.parametrize("swept, said", [
     ("nodes=1e400", "error: --sweep value '1e400' is not a finite number"),
+    ("nodes=1" + "0" * 5000, "has 5,001 digits, more than any setting takes"),
     ("nodes=1,2,2", "error: the sweep of nodes gives 2 twice: give each value once"),
     ("nodes=1.0,1", "error: the sweep of nodes gives 1 twice: give each value once"),
     ("nodes=1,,2", "error: --sweep 'nodes=1,,2' has an empty value: give each value once, separated by commas"),
@@ -659,7 +687,7 @@ def test_plan_says_which_settings_given_it_searched_as_the_engine_runs_them(caps
 def test_a_sweep_simulates_the_values_given_once_each(capsys, swept, said):
     """1e400 was read as infinity, a value given twice simulated twice, an empty one dropped."""
     status, _, err = run(capsys, "simulate", "--model", "tiny", "--cluster", "h100-ib-400", "--sweep", swept)
-    assert status == 2 and err == said + "\n", err
+    assert status == 2 and (err == said + "\n" or not said.startswith("error") and said in err), err
 
 
 def test_a_sweep_shows_each_value_as_it_was_simulated(capsys):

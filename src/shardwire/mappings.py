@@ -245,6 +245,9 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
     def number(loader, node):
         if numbers_as_text:
             return node.value
+        if (digits := sum(map(str.isdigit, node.value))) > _MOST_DIGITS:
+            raise MappingError(f"{what}: a number{_where(node.start_mark)} has {digits:,} digits, more than any "
+                               f"value takes: write the value itself")
         for kind in (int, float):
             try:
                 return kind(node.value)

@@ -48,6 +48,9 @@ def test_spec_numbers_are_decimal_or_refused(capsys):
     assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, nodes: 1:30}"]) == 2
     assert "'1:30' at line 1, column 30 is a YAML 1.1 number that the command line reads otherwise" in \
         capsys.readouterr().err
+    # past Python's bound on a whole number's digits, read as infinity ("must be a whole number, got inf")
+    assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, nodes: 1%s}" % ("0" * 5000)]) == 2
+    assert "a number at line 1, column 30 has 5,001 digits, more than any value takes" in capsys.readouterr().err
 
 
 SWEEP = ["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe"]

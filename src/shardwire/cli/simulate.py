@@ -99,6 +99,9 @@ def parse_sweep(text: str) -> tuple[str, list]:
     for word, value in zip(words, values):
         if isinstance(value, float) and not math.isfinite(value):
             raise SpecError(f"--sweep value {shown(word)} is not a finite number")
+        if isinstance(value, str) and word.lstrip("+-").isdigit():  # past Python's bound on a whole number's digits
+            raise SpecError(f"--sweep value {shown(word)} has {len(word.lstrip('+-')):,} digits, more than any "
+                            f"setting takes")
     return key.strip(), values
 
 

@@ -65,8 +65,9 @@ def unit_budgets(p: Prediction) -> list[UnitBudget]:
 
 def _reduction_s(unit: UnitCost, cluster: ClusterSpec, training: TrainingSpec) -> float:
     """Seconds of reducing ``unit``'s gradient alone on the network: its collectives, or under
-    ``zero1``'s buckets its share of its bucket's all-reduce."""
-    bucket = training.reduce_bucket_elements or unit.params
+    ``zero1``'s buckets its share of its bucket's all-reduce (a bucket holds whole units: one
+    smaller than ``unit`` holds it alone)."""
+    bucket = max(training.reduce_bucket_elements or 0, unit.params)
     phases = reduction_phases(bucket, cluster, training)
     return unit.params / bucket * sum(costs.isolated_s(collective, cluster) for _, _, collective in phases)
 

@@ -170,7 +170,7 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         group_fits = fits.get(measured_as) or {}
         if not isinstance(group_fits, Mapping):
             raise Missing(f"its fit.{measured_as} is {shown(group_fits)}, not a mapping")
-        link = _link_from_fits(group_fits, measured_as, groups.get(measured_as), nodes * per_node,
+        link = _link_from_fits(group_fits, measured_as, groups.get(measured_as, (None,))[0], nodes * per_node,
                                doc.get("results"))
         if link is None and needed:
             named = " ".join(name for name, spans in (("intra", per_node > 1), ("inter", nodes > 1)) if spans)
@@ -221,7 +221,10 @@ def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:
     for group, op, row in rows:
         for point in (row.get("out_of_place"), row.get("in_place")):
             wrong = point.get("wrong") if isinstance(point, Mapping) else None
-            if is_number(wrong) and wrong > 0:
+            if wrong is not None and (type(wrong) is not int or wrong < 0):
+                raise Missing(f"its {shown(op)} on the {shown(group)} group at {shown(row.get('bytes'))} bytes "
+                              f"records {shown(wrong)} wrong elements, not a count")
+            if wrong:
                 return (f"records wrong results ({shown(wrong)} elements of its {shown(op)} on the {shown(group)} "
                         f"group at {shown(row.get('bytes'))} bytes, --check): timings of a transport that "
                         f"corrupts data are not its links'; find the cause, and measure again")
@@ -237,33 +240,43 @@ def _rows(results):
             yield from ((group, op, row) for row in rows if isinstance(row, Mapping))
 
 
-def _contention(contention: Mapping, group: str, groups: Mapping[str, int]) -> Mapping:
+def _contention(contention: Mapping, group: str, groups: Mapping[str, tuple[int, int | None]]) -> Mapping:
     """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing.
-    Each share is the median of its members' (``shardwire.bench.contention``): one edited apart
-    from them would slow the simulated compute by what no member measured; its members are the
-    group's ranks (``groups``: each group's, as the document's context records them)."""
-    if groups and (unmeasured := [name for name in contention if name != "workload" and name not in groups]):
+    Each share is the median of its members' (``shardwire.bench.contention``), each within [0, 1]:
+    one edited apart from them would slow the simulated compute by what no member measured; its
+    members are the ranks of the group's instances, and the compute share is what its own median
+    times give (``alone_s``, ``beside_s``), which the bench always records beside it (``groups``:
+    each measured group's ranks and members, ``_context_groups``)."""
+    if unmeasured := [name for name in contention if name != "workload" and name not in groups]:
         raise Missing(f"its contention has {shown(unmeasured[0])}, a group it did not measure (its groups: "
                       f"{', '.join(groups)})")
     for name in (group, "world"):
         if measured := contention.get(name):
             if not isinstance(measured, Mapping):
                 raise Missing(f"its contention.{name} is {shown(measured)}, not a mapping")
-            if name in groups and measured.get("ranks", groups[name]) != groups[name]:
+            ranks, members = groups[name]
+            if measured.get("ranks", ranks) != ranks:
                 raise Missing(f"its contention.{name}.ranks is {shown(measured['ranks'])}, where its context's "
-                              f"{name} group has {groups[name]}")
-            for share, members in (("compute_share", "rank_shares"), ("bandwidth_share", "rank_bandwidth_shares")):
+                              f"{name} group has {ranks}")
+            for share, each_key in (("compute_share", "rank_shares"), ("bandwidth_share", "rank_bandwidth_shares")):
                 if share not in measured:
                     continue
-                found, each = measured[share], measured.get(members)
-                if not (isinstance(each, list) and each and all(is_number(value) for value in each)):
-                    raise Missing(f"its contention.{name}.{members} is {shown(each)}, not a list of shares")
-                if not (is_number(found) and math.isclose(found, median := statistics.median(each),
-                                                          rel_tol=_REFIT_AGREE, abs_tol=1e-12)):
+                found, each = measured[share], measured.get(each_key)
+                if not (isinstance(each, list) and each and all(is_number(v) and 0 <= v <= 1 for v in each)):
+                    raise Missing(f"its contention.{name}.{each_key} is {shown(each)}, not a list of shares from 0 "
+                                  f"to 1")
+                if members is not None and len(each) != members:
+                    raise Missing(f"its contention.{name}.{each_key} holds {len(each)} shares, where its context's "
+                                  f"{name} group has {members} members")
+                median = statistics.median(each)
+                if not (is_number(found) and math.isclose(found, median, rel_tol=_REFIT_AGREE, abs_tol=1e-12)):
                     raise Missing(f"its contention.{name}.{share} is {shown(found)}, where the median of its "
-                                  f"{members} is {median:.6g}")
-            alone, beside = measured.get("alone_s"), measured.get("beside_s")
-            if "compute_share" in measured and is_number(alone) and is_number(beside) and alone > 0 and beside > 0:
+                                  f"{each_key} is {median:.6g}")
+            if "compute_share" in measured:
+                alone, beside = measured.get("alone_s"), measured.get("beside_s")
+                if not all(is_number(t) and 0 < t < math.inf for t in (alone, beside)):
+                    raise Missing(f"its contention.{name} gives alone_s {shown(alone)} and beside_s {shown(beside)}, "
+                                  f"not the positive times its compute_share was measured from")
                 # the medians of the members' times give about the median of their shares, each kept
                 # within [0, 1] as the bench keeps it (a workload that ran faster beside: none taken)
                 if abs(measured["compute_share"] - (timed := min(max(1 - alone / beside, 0.0), 1.0))) > _SHARE_AGREE:
@@ -273,14 +286,23 @@ def _contention(contention: Mapping, group: str, groups: Mapping[str, int]) -> M
     return {}
 
 
-def _context_groups(doc: Mapping) -> dict[str, int]:
-    """The ranks of each group a bench document measured (``context.groups``), by name; none known
-    where it records none."""
+def _context_groups(doc: Mapping) -> dict[str, tuple[int, int | None]]:
+    """Each group a bench document measured (``context.groups``, which bench always records), by
+    name: its ranks, and how many ranks its instances hold together (``members``: the intra group
+    of 2 nodes of 2 ranks has 4), None where it records no members."""
     recorded = doc["context"].get("groups")
-    if not isinstance(recorded, Mapping):
-        return {}
-    return {name: group["ranks"] for name, group in recorded.items()
-            if isinstance(group, Mapping) and type(group.get("ranks")) is int}
+    if not isinstance(recorded, Mapping) or not recorded:
+        raise Missing(f"its context.groups is {shown(recorded)}, not a mapping of the groups it measured")
+    groups = {}
+    for name, group in recorded.items():
+        ranks = group.get("ranks") if isinstance(group, Mapping) else None
+        if type(ranks) is not int or ranks < 1:
+            raise Missing(f"its context.groups.{name} is {shown(group)}, not a group of a whole number of ranks")
+        members = group.get("members")
+        counted = (sum(len(m) for m in members) if isinstance(members, list) and all(isinstance(m, list)
+                                                                                      for m in members) else None)
+        groups[name] = (ranks, counted)
+    return groups
 
 
 def _link_from_fits(fits: Mapping, group: str, ranks: int | None, world: int, results) -> LinkSpec | None:
@@ -326,8 +348,13 @@ def _refit_problem(fit: Mapping, results, group: str, op: str) -> str | None:
         rows = results[group][op]
         sizes = [row["bytes"] for row in rows]
         seconds = [row[fit["placement"]]["time_us"] * 1e-6 for row in rows]
+    except (KeyError, TypeError):
+        return f"stands for no results of its own (results.{group}.{op} holds no times at its placement)"
+    if not all(is_number(value) and 0 <= value < math.inf for value in (*sizes, *seconds)):
+        return f"stands for results that are not sizes and times (results.{group}.{op} holds {shown(seconds)} s)"
+    try:
         refit = fit_latency_bandwidth(sizes, seconds)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError):
         return f"stands for no results of its own (results.{group}.{op} holds no times at its placement)"
     if refit is None or fit.get("points") != refit.points:
         return f"counts {shown(fit.get('points'))} sizes, where its results hold {len(rows)}"

@@ -139,6 +139,16 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         base = dataclasses.replace(base, layout="full", shard_group_size=None, reduce_bucket_elements=None)
         notes.append("layout zero1: searched over the layouts shardwire runs instead (zero1 describes runs of "
                      "other tools; simulate it to compare)")
+    if base.shard_group_size is not None:
+        notes.append(f"shard_group_size {base.shard_group_size}: searched with hybrid groups of a node's "
+                     f"{cluster.gpus_per_node} GPUs, as the plan's command runs them; simulate the size given to "
+                     f"price it")
+    if base.diloco != "none":
+        offered = ("offered as DiLoCo's published setting (diloco " + ", ".join(DILOCOS) + ")"
+                   if not exact and cluster.nodes > 1 else
+                   "not offered (" + ("--exact" if exact else "one node has no groups to sync") + ")")
+        notes.append(f"diloco {spelled(base.diloco)}: syncing every H steps is {offered}; simulate the settings "
+                     f"given to price them")
     if replaced := {key: value for key, value in as_dict(base).items()
                     if key in _NOTED_ENGINE_SETTINGS and value != _ENGINE_SETTINGS[key]}:
         given = ", ".join(f"{key} {spelled(value)}" for key, value in replaced.items())

@@ -124,8 +124,10 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
 
     limiter = "sliding window" if t.limiter == "sliding" else "block-and-flush limiter"
     groups, plan = "", layout_plan(c, t)
+    # groups left to their default are a node's GPUs: a sweep of those sweeps the groups
+    groups_swept = swept == "shard_group_size" or (swept == "gpus_per_node" and t.shard_group_size is None)
     if plan.grouped:
-        groups = " in swept groups" if swept == "shard_group_size" else f" in groups of {plan.group}"
+        groups = " in swept groups" if groups_swept else f" in groups of {plan.group}"
     if t.layout == "zero1":  # nothing to gather or release: the groups split the optimizer state only
         bucket = "" if t.reduce_bucket_elements is None else f" in buckets of {t.reduce_bucket_elements:,}"
         split = f"optimizer state split{groups}" if groups else "optimizer state whole (one GPU)"
