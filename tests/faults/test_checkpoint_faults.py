@@ -600,3 +600,18 @@ def test_a_directory_replaced_under_a_run_is_not_saved_into(tmp_path):
     with pytest.raises(shardwire.CheckpointError, match="something else now has its name, which is left as it is"):
         save_step(tmp_path / "ckpt", model, optimizer, 2)
     assert (tmp_path / "ckpt").read_text() == "precious"
+
+
+def test_a_directory_turned_into_a_link_to_another_series_is_not_saved_into(tmp_path):
+    """`mv ckpt moved; ln -s other ckpt` during a run (or a --checkpoint-dir link pointed elsewhere):
+    the run claimed the link's target afresh, saved there and --keep deleted its series."""
+    model, optimizer = make_model(0)
+    other_model, other_optimizer = make_model(1)  # another run's series, its claim file left as it ended
+    save_step(tmp_path / "other", other_model, other_optimizer, 7)
+    save_step(tmp_path / "ckpt", model, optimizer, 1)
+    (tmp_path / "ckpt").rename(tmp_path / "moved")
+    (tmp_path / "ckpt").symlink_to(tmp_path / "other")
+    with pytest.raises(shardwire.CheckpointError, match=r"it now holds checkpoints this run did not save "
+                                                        r"\(step_00000007, ...\)"):
+        save_step(tmp_path / "ckpt", model, optimizer, 2, keep=1)
+    assert listing(tmp_path / "other") == ["step_00000007"]

@@ -27,7 +27,7 @@ import re
 import sysconfig
 import tokenize
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -53,8 +53,10 @@ _CONTEXT = 256
 # How text becomes ids, in the name of the ids' cache: ids an earlier way made (a text's \r\n read
 # as \n, or read in the locale's encoding) are not taken for this way's.
 _TOKENISING = b"utf-8, line ends as written"
-# The bytes at each end of the data that its fingerprint (``identity``) reads.
+# The bytes at each end of the data that its fingerprint (``identity``) reads, and the blocks (their
+# count and bytes) it samples evenly between them: about 6 MiB read at any size.
 _FINGERPRINT_BYTES = 1 << 20
+_SAMPLED_BLOCKS, _SAMPLED_BYTES = 64, 1 << 16
 # The largest seed of the weights and batches: torch's generators take 64-bit seeds.
 MAX_SEED = 2**64 - 1
 
@@ -247,12 +249,21 @@ class DataChanged(RuntimeError):
 _RESTORE = "restore it, and run again"
 
 
-def identity(size: int, head: bytes, tail: bytes, name: str, tokens: int) -> dict:
+def identity(size: int, read: Callable[[int, int], bytes], name: str, tokens: int) -> dict:
     """What a checkpoint records of the data it was trained on, to name a resume on other data: its
-    name, its length in tokens and a fingerprint of its size in bytes and its first and last
-    ``_FINGERPRINT_BYTES`` (cheap at any size; a change elsewhere of the same size goes unseen)."""
-    digest = hashlib.sha256(f"{size}:".encode() + head + tail).hexdigest()[:16]
-    return {"name": name, "tokens": tokens, "fingerprint": digest}
+    name, its length in tokens and fingerprints of its ``size`` bytes (``read(offset, count)``):
+    ``sampled``, of its size, its first and last ``_FINGERPRINT_BYTES`` and ``_SAMPLED_BLOCKS``
+    blocks spread evenly between (cheap at any size: another corpus, or an edit in place at the
+    same size, is told, up to about 4 MiB wholly, and beyond unless the edit falls between the
+    blocks), and ``fingerprint``, of its size and ends alone, which checkpoints written before
+    ``sampled`` record."""
+    ends = f"{size}:".encode() + read(0, _FINGERPRINT_BYTES) + read(max(0, size - _FINGERPRINT_BYTES),
+                                                                      _FINGERPRINT_BYTES)
+    sampled = hashlib.sha256(ends)
+    for block in range(1, _SAMPLED_BLOCKS + 1):
+        sampled.update(read(size * block // (_SAMPLED_BLOCKS + 1), _SAMPLED_BYTES))
+    return {"name": name, "tokens": tokens, "fingerprint": hashlib.sha256(ends).hexdigest()[:16],
+            "sampled": sampled.hexdigest()[:16]}
 
 
 def data_change(recorded: object, now: dict, tokenizer: str | None = None) -> str | None:
@@ -260,7 +271,10 @@ def data_change(recorded: object, now: dict, tokenizer: str | None = None) -> st
     line (which names a changed ``--data`` itself); None where they match, or where the checkpoint
     records none. ``tokenizer``: how the tokenizer that made the ids changed since, where it did: the
     ids of the same text then differ for that reason."""
-    if not isinstance(recorded, dict) or recorded.get("fingerprint") == now["fingerprint"]:
+    if not isinstance(recorded, dict):
+        return None
+    kind = "sampled" if "sampled" in recorded else "fingerprint"  # an older checkpoint's, of the ends alone
+    if recorded.get(kind) == now[kind]:
         return None
     tokens = recorded.get("tokens")
     length = ("same length" if tokens == now["tokens"] else
@@ -350,10 +364,9 @@ class TokenCorpus(_Sequences):
         # the run checked the file, and would end it in an IndexError inside the embedding
         self.vocab_size = vocab_size
         with file.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(_FINGERPRINT_BYTES)
-            f.seek(max(0, size - _FINGERPRINT_BYTES))
-            self.identity = identity(size, head, f.read(_FINGERPRINT_BYTES), text or self.name, len(ids))
+            self.identity = identity(os.fstat(f.fileno()).st_size,
+                                     lambda offset, count: os.pread(f.fileno(), count, offset), text or self.name,
+                                     len(ids))
 
     @classmethod
     def load(cls, path: str, seq_len: int, bin_dtype: str = "uint16", text: str | None = None,
@@ -555,7 +568,7 @@ class ByteCorpus(_Sequences):
     def __init__(self, data: bytes, name: str, seq_len: int):
         self.name = name
         self.splits = _splits(torch.frombuffer(bytearray(data), dtype=torch.uint8), name, "bytes", seq_len)
-        self.identity = identity(len(data), data[:_FINGERPRINT_BYTES], data[-_FINGERPRINT_BYTES:], name, len(data))
+        self.identity = identity(len(data), lambda offset, count: data[offset:offset + count], name, len(data))
 
     @classmethod
     def load(cls, path: str | None, seq_len: int, memory: int | None = None) -> ByteCorpus:

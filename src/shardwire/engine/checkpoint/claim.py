@@ -36,8 +36,10 @@ def claim(directory: pathlib.Path, claimed: dict[str, tuple[int, int]]) -> None:
     descriptor for each save), each with its claim file's identity (device, inode): one whose claim
     file is no longer that one was moved or removed under the run (a copy of another series brings
     a copy of its claim file), and is claimed again with a warning where it holds no checkpoint, or
-    refused (``DirectoryMoved``) where it holds some, which the run's pruning would delete."""
-    key = str(directory.resolve())
+    refused (``DirectoryMoved``) where it holds some, which the run's pruning would delete. It is
+    known by its name as given, not by where that name leads: a name turned into a link to another
+    series leads to another claim file, so it is refused as replaced, not claimed afresh there."""
+    key = os.path.abspath(directory)
     if key in claimed:
         if _identity(directory / CLAIM) == claimed[key]:
             return
