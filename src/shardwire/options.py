@@ -249,6 +249,9 @@ def argument_text(value: str) -> str:
 def _named(value: str, remedy: str) -> str:
     if not value:
         raise argparse.ArgumentTypeError(f"an empty value names nothing: {remedy}")
+    if "\0" in value:  # the system refuses it in a path ("embedded null byte"), and nothing is named so
+        raise argparse.ArgumentTypeError(f"{shown(value)} holds a NUL character, which no name or path holds: give it "
+                                         f"without")
     return value
 
 

@@ -135,6 +135,26 @@ def test_odd_paths_and_keys_are_named_with_what_to_do(tmp_path, capsys):
     long = tmp_path / ("a" * 300 + ".safetensors")
     said = refusal(["export", str(tmp_path / "ckpt"), str(long), "--model", "tiny"], capsys)
     assert "has a name of 312 bytes" in said and len(said) < 400, said
+    # the system's words for a name too long, said of the option or argument that gave it
+    name = "b" * 300
+    said = refusal(["export", name, str(tmp_path / "e.safetensors")], capsys)
+    assert said.startswith("error: CKPT 'bbb") and said.endswith(" cannot be read (File name too long): give a "
+                                                                  "checkpoint, or a --checkpoint-dir, you can read")
+    for option, wanted in (("--data", "files"), ("--tokenizer", "a tokenizer directory")):
+        with pytest.raises(SystemExit, match=f"^error: {option}: bbb.* cannot be read \\(File name too long\\): "
+                                             f"give {wanted} you can read$"):
+            main(["train", "--model", "tiny", option, name] + (["--data", str(long)] if option == "--tokenizer"
+                                                               else []))
+
+
+@pytest.mark.parametrize("option", ["--checkpoint-dir", "--log-jsonl", "--data", "--model"])
+def test_a_nul_character_in_a_name_is_refused_naming_its_option(tmp_path, capsys, option):
+    """A config file's checkpoint_dir: "a\\0b" was refused in the system's words alone: "embedded null byte"."""
+    config = tmp_path / "job.yaml"
+    config.write_text(f'steps: 2\n{option[2:].replace("-", "_")}: "a\\0b"\n')
+    said = refusal(["train", "--config", str(config)], capsys)
+    assert said == (f"error: --config {config}: {option[2:].replace('-', '_')}: 'a\\x00b' holds a NUL character, which "
+                    f"no name or path holds: give it without"), said
 
 
 def test_an_optimizer_step_faster_than_the_gpus_memory_is_refused(tmp_path, capsys):

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, argv: list[str], checked) -> int:
         print(refusal(f"error: {err}"), file=sys.stderr)
         return 2
     except OSError as err:  # a name too long, a full disk: what the system said, of which file
-        print(refusal(f"error: {_failed_write(err, args.out)}"), file=sys.stderr)
+        print(refusal(f"error: {_failed_write(err, args.out, args.checkpoint)}"), file=sys.stderr)
         return 2
     checked()
     for note in notes:
@@ -93,13 +93,18 @@ def _another_worker() -> bool:
     return world.isdigit() and rank.isdigit() and int(world) > 1 and int(rank) > 0
 
 
-def _failed_write(err: OSError, out: str) -> str:
+def _failed_write(err: OSError, out: str, checkpoint: str) -> str:
     """What the system said of a file, as the command says it: a write into OUT or into its stage (a
-    full disk) as OUT's, with what to do (``files.WriteFailed``); of another file, as it was said."""
-    written = [os.path.abspath(place) for place in (out, stage_of(out))]
-    if err.filename is None or any(os.path.commonpath([os.path.abspath(err.filename), place]) == place
-                                   for place in written):
+    full disk) as OUT's, with what to do (``files.WriteFailed``); a read of CKPT or of a file in it
+    as CKPT's; of another file, as it was said."""
+    def within(place: str) -> bool:
+        return os.path.commonpath([os.path.abspath(err.filename), os.path.abspath(place)]) == os.path.abspath(place)
+
+    if err.filename is None or any(within(place) for place in (out, stage_of(out))):
         return str(WriteFailed(err.errno, err.strerror or str(err), out))
+    if within(checkpoint):
+        return (f"CKPT {shown(err.filename)} cannot be read ({err.strerror or err}): give a checkpoint, or a "
+                f"--checkpoint-dir, you can read")
     return f"{shown(err.filename)}: {err.strerror or err}"
 
 

@@ -398,8 +398,11 @@ def _check_data(config: TrainConfig, choice: ModelChoice) -> None:
             raise SystemExit(f"error: {err}" if str(err).startswith(("--", "the tokenizer in"))
                              else f"error: --data: {err}") from None
         if err.filename:  # the system's words: the file is named here (the data's, or its tokenizer's)
-            raise SystemExit(f"error: {cut(err.filename)} cannot be read ({err.strerror}): give files you can "
-                             f"read") from None
+            tokenizer = run_tokenizer(config)
+            option, what = (("--tokenizer", "a tokenizer directory") if tokenizer is not None
+                            and _within(str(err.filename), str(tokenizer[0])) else ("--data", "files"))
+            raise SystemExit(f"error: {option}: {cut(err.filename)} cannot be read ({err.strerror}): give {what} you "
+                             f"can read") from None
         raise SystemExit(f"error: --data {cut(config.data or '')} cannot be read ({err.strerror}): give a text file, "
                          f"a directory of them, or token ids you can read") from None
     except ValueError as err:  # a message not naming its option is about --data
