@@ -208,7 +208,7 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
      "its fit.inter.all_gather has beta_Bps 9e+12, where its results give "),
     (lambda d: d["fit"]["inter"]["all_gather"].update(points=1), "its fit.inter.all_gather counts 1 sizes, where its "
                                                                  "results hold "),
-    (lambda d: d["context"]["groups"]["inter"].update(ranks=3),  # its fit, of 2 ranks, was dropped as of 1
+    (lambda d: d["context"]["groups"]["inter"].update(ranks=3, members=[[0, 1, 2]]),  # its fit was dropped as of 1
      "its fit.inter.all_gather.ranks is 2, where its context's inter group has 3"),
     (lambda d: d.update(contention={"inter": {"compute_share": 0.9, "rank_shares": [0.05, 0.0]}}),
      "its contention.inter.compute_share is 0.9, where the median of its rank_shares is 0.025"),
@@ -228,6 +228,8 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
      "its contention.inter gives alone_s None and beside_s None, not the positive times"),
     (lambda d: d["context"].pop("groups"), "its context.groups is None, not a mapping of the groups it measured"),
     (lambda d: d["context"].update(groups=["inter"]), "its context.groups is ['inter'], not a mapping"),
+    (lambda d: d["context"]["groups"]["inter"].pop("members"),
+     "its context.groups.inter is {'ranks': 2}, not a group's ranks and its instances' members"),
     (lambda d: d["contention"]["inter"].update(rank_shares=d["contention"]["inter"]["rank_shares"] * 50),
      "its contention.inter.rank_shares holds 100 shares, where its context's inter group has 2 members"),
     (lambda d: d["contention"]["inter"].update(compute_share=1.5, rank_shares=[1.5, 1.5]),

@@ -240,7 +240,7 @@ def _rows(results):
             yield from ((group, op, row) for row in rows if isinstance(row, Mapping))
 
 
-def _contention(contention: Mapping, group: str, groups: Mapping[str, tuple[int, int | None]]) -> Mapping:
+def _contention(contention: Mapping, group: str, groups: Mapping[str, tuple[int, int]]) -> Mapping:
     """What ``--contention`` measured of ``group``'s all-gather, else of the world's, else nothing.
     Each share is the median of its members' (``shardwire.bench.contention``), each within [0, 1]:
     one edited apart from them would slow the simulated compute by what no member measured; its
@@ -265,7 +265,7 @@ def _contention(contention: Mapping, group: str, groups: Mapping[str, tuple[int,
                 if not (isinstance(each, list) and each and all(is_number(v) and 0 <= v <= 1 for v in each)):
                     raise Missing(f"its contention.{name}.{each_key} is {shown(each)}, not a list of shares from 0 "
                                   f"to 1")
-                if members is not None and len(each) != members:
+                if len(each) != members:
                     raise Missing(f"its contention.{name}.{each_key} holds {len(each)} shares, where its context's "
                                   f"{name} group has {members} members")
                 median = statistics.median(each)
@@ -286,22 +286,22 @@ def _contention(contention: Mapping, group: str, groups: Mapping[str, tuple[int,
     return {}
 
 
-def _context_groups(doc: Mapping) -> dict[str, tuple[int, int | None]]:
+def _context_groups(doc: Mapping) -> dict[str, tuple[int, int]]:
     """Each group a bench document measured (``context.groups``, which bench always records), by
-    name: its ranks, and how many ranks its instances hold together (``members``: the intra group
-    of 2 nodes of 2 ranks has 4), None where it records no members."""
+    name: its ranks, and how many ranks its measured instances hold together (``members``: the intra
+    group of 2 nodes of 2 ranks has 4)."""
     recorded = doc["context"].get("groups")
     if not isinstance(recorded, Mapping) or not recorded:
         raise Missing(f"its context.groups is {shown(recorded)}, not a mapping of the groups it measured")
     groups = {}
     for name, group in recorded.items():
         ranks = group.get("ranks") if isinstance(group, Mapping) else None
-        if type(ranks) is not int or ranks < 1:
-            raise Missing(f"its context.groups.{name} is {shown(group)}, not a group of a whole number of ranks")
-        members = group.get("members")
-        counted = (sum(len(m) for m in members) if isinstance(members, list) and all(isinstance(m, list)
-                                                                                      for m in members) else None)
-        groups[name] = (ranks, counted)
+        members = group.get("members") if isinstance(group, Mapping) else None
+        if not (type(ranks) is int and ranks >= 1 and isinstance(members, list) and members
+                and all(isinstance(m, list) and len(m) == ranks for m in members)):
+            raise Missing(f"its context.groups.{name} is {shown(group)}, not a group's ranks and its instances' "
+                          f"members")
+        groups[name] = (ranks, sum(map(len, members)))
     return groups
 
 
