@@ -61,8 +61,7 @@ def main() -> None:
             try:
                 for round_ in range(args.repeats):
                     suffix = f"-{round_ + 1}" if args.repeats > 1 else ""
-                    rounds.append({name: _run(job + flags, per_node,
-                                              logs / f"{link}-{shape}-{name.replace(', ', '-')}{suffix}")
+                    rounds.append({name: _run(job + flags, per_node, logs / f"{link}-{shape}-{_stem(name)}{suffix}")
                                    for name, flags in {"plan auto": ["--plan", "auto"], **HAND}.items()})
             finally:
                 subprocess.run([*SHARDWIRE, "testbed", "down"], check=True, capture_output=True)
@@ -87,6 +86,11 @@ def _run(argv: list[str], per_node: int, stem: pathlib.Path) -> dict:
     if (chose := re.search(r"plan auto: chose (.*), predicted step ([\d.e-]+) s", done.stdout)) is not None:
         run |= {"chose": chose[1], "predicted_s": float(chose[2])}
     return run
+
+
+def _stem(name: str) -> str:
+    """A configuration's name as its logs' file names spell it (``full-keep``, ``plan-auto``)."""
+    return name.replace(", ", "-").replace(" ", "-")
 
 
 def _row(link: str, shape: str, rounds: list[dict]) -> dict:
