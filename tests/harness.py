@@ -6,6 +6,7 @@ manifest edited as a forger would."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import io
@@ -52,6 +53,33 @@ def measured(profile: dict, name: str, seconds: float) -> dict:
         for figures in step["ranks"]:
             figures[name] = seconds
             figures["step_s"] = math.fsum(figures[key] for key, _ in PARTS)
+    return timelined(profile)
+
+
+def timelined(profile: dict) -> dict:
+    """``profile`` with the timeline a run would write of its steps as a test changed them: each
+    rank's spans of its first step after warmup laid end to end from its figures (forward,
+    backward, clip and optimizer, the rest of its compute, its wait; each collective from the
+    step's start, for as long as it took), and that step's figures made again from them as the
+    profiler makes them; then its figures and summary (``figured``)."""
+    from shardwire.profile import analysis
+
+    steps = profile["steps"]
+    step = steps[min(profile["warmup_steps"], len(steps) - 1)]
+    ranks = []
+    for figures in step["ranks"]:
+        at, phases = 0.0, []
+        for phase in analysis.PHASES:
+            phases.append([phase, None, at, at + figures[f"{phase}_s"]])
+            at += figures[f"{phase}_s"]
+        at += figures["other_s"]
+        end = at + figures["wait_s"]
+        comms = [[op, "unit", figures[f"{op}_bytes"], figures[f"{op}_bytes"], 0.0, min(figures[f"{op}_s"], end)]
+                 for op in analysis.OPS if figures[f"{op}_s"] > 0]
+        spans = analysis.StepTimeline(step["step"], 0.0, end, phases, comms, [["unit", at, end]])
+        figures.update(analysis.breakdown(spans))
+        ranks.append(dataclasses.asdict(spans))
+    profile["timeline"] = {"step": step["step"], "ranks": ranks}
     return figured(profile)
 
 

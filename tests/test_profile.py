@@ -15,7 +15,7 @@ from harness import figured, matmul_precision, run_workers, summarised
 from shardwire.models.gpt import GPT, PRESETS, GPTConfig, loss_fn
 from shardwire.profile import analysis, intervals, report
 from shardwire.profile.flops import flops_per_token, torch_counted_flops_per_token
-from shardwire.profile.recorder import StepTimeline
+from shardwire.profile.analysis import StepTimeline
 from shardwire.profile.report import ReportError, write_report
 
 
@@ -219,7 +219,8 @@ def test_report_of_a_long_run_draws_its_steps_at_once(profiled_run, tmp_path):
     run_dir, _ = profiled_run
     with open(os.path.join(run_dir, "profile.json")) as f:
         profile = json.load(f)
-    profile["steps"] = [{**profile["steps"][-1], "step": step} for step in range(report._MAX_BARS + 1)]
+    drawn = next(step for step in profile["steps"] if step["step"] == profile["timeline"]["step"])
+    profile["steps"] = [{**drawn, "step": step} for step in range(report._MAX_BARS + 1)]  # its timeline's among them
     summarised(profile)
     long_run = tmp_path / "long"
     long_run.mkdir()
@@ -236,11 +237,14 @@ def test_report_of_a_large_world_draws_a_few_ranks_and_each_lane_at_once(profile
     with open(os.path.join(run_dir, "profile.json")) as f:
         profile = json.load(f)
     ranks = profile["timeline"]["ranks"]
-    late = {**ranks[1], "phases": [[*phase[:2], phase[2] + 1.0, phase[3] + 1.0] for phase in ranks[1]["phases"]]}
+    late = {**ranks[1], "end": ranks[1]["end"] + 1.0,
+            "phases": [[*phase[:2], phase[2] + 1.0, phase[3] + 1.0] for phase in ranks[1]["phases"]]}
     ranks[0] = {**ranks[0], "phases": ranks[0]["phases"] * (20_000 // len(ranks[0]["phases"]) + 1)}
     profile["timeline"]["ranks"] = [ranks[0], *[ranks[1]] * 21, late, ranks[1]]  # rank 22 ends a second late
-    for step in profile["steps"]:
-        step["ranks"] = [step["ranks"][0]] * len(profile["timeline"]["ranks"])
+    for step in profile["steps"]:  # each rank's figures of the drawn step are what its spans give
+        step["ranks"] = ([analysis.breakdown(analysis.StepTimeline(**rank)) for rank in profile["timeline"]["ranks"]]
+                         if step["step"] == profile["timeline"]["step"] else
+                         [step["ranks"][0]] * len(profile["timeline"]["ranks"]))
     profile["world_size"] = len(profile["timeline"]["ranks"])
     figured(profile)
     big = tmp_path / "big"

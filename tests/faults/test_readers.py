@@ -24,7 +24,7 @@ from shardwire.mappings import MAX_JSON_BYTES
 from shardwire.profile import analysis
 from shardwire.testbed import network, regime, spec
 from shardwire.training import loop
-from harness import PROFILE, measured, summarised
+from harness import PROFILE, measured, summarised, timelined
 
 pytestmark = pytest.mark.timeout(60)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -304,6 +304,38 @@ def test_a_summary_its_steps_do_not_give_is_refused_by_both_readers(tmp_path, ca
     assert not (tmp_path / "plots").exists()
 
 
+RACED = os.path.join(REPO, "benchmarks", "results", "link-100mbit", "profiles", "shardwire", "2x2-100mbit",
+                     "profile.json")
+
+
+def _shifted(rank: dict, seconds: float) -> None:
+    """A rank's step and every span of it moved by ``seconds``."""
+    rank["start"] += seconds
+    rank["end"] += seconds
+    for part in ("phases", "waits", "comms"):
+        rank[part] = [[*span[:-2], span[-2] + seconds, span[-1] + seconds] for span in rank[part]]
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda t: t.update(step=99), "its timeline is of step 99, which its steps do not hold"),
+    (lambda t: t["ranks"][0]["phases"][0].__setitem__(-1, 1e6), "its timeline's rank 0 has a span from "),
+    (lambda t: t["ranks"][0].update(comms=[]), "its timeline's rank 0 gives comm_s 0, where its step "),
+    (lambda t: t["ranks"][0].update(end=t["ranks"][0]["start"] + 100), "its timeline's rank 0 gives step_s 100"),
+    (lambda t: _shifted(t["ranks"][1], 50.0), "its timeline's rank 3 ends its step at "),
+])
+def test_a_timeline_its_step_does_not_give_is_refused(tmp_path, capsys, change, said):
+    """report drew a span a million seconds long, a step the profile does not hold, a rank moved
+    seconds apart from the others or without its collectives, each as measured."""
+    with open(RACED) as f:
+        document = json.load(f)
+    change(document["timeline"])
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    refused = refusal(["report", str(tmp_path), "--out", str(tmp_path / "plots")], capsys)
+    assert f"{path} is damaged ({said}" in refused, refused
+    assert not (tmp_path / "plots").exists()
+
+
 def test_a_time_no_profiler_measures_is_refused(tmp_path, capsys):
     def change(document):
         measured(document, "forward_s", 1e-300)
@@ -427,10 +459,8 @@ def test_report_of_two_runs_of_one_name_keeps_the_plots_of_both(tmp_path, capsys
     """a/run and b/run: each run's plots are named for it, never one written over the other's."""
     with open(PROFILE) as f:
         document = json.load(f)
-    for rank in document["timeline"]["ranks"]:  # fewer shapes to draw
-        rank.update(phases=rank["phases"][:4], comms=rank["comms"][:4], waits=rank["waits"][:4])
     document["steps"] = document["steps"][:3]
-    summarised(document)
+    timelined(document)  # a timeline of few spans: fewer shapes to draw
     wider = {**document, "world_size": 2, "tokens_per_step": 2 * document["tokens_per_step"],
              "summary": {**document["summary"], "tokens_per_s": 2 * document["summary"]["tokens_per_s"]},
              "timeline": {**document["timeline"], "ranks": document["timeline"]["ranks"] * 2},
@@ -671,9 +701,7 @@ def test_a_profile_of_warmup_steps_alone_is_not_calibrated_on(tmp_path, capsys):
     it predicted a step 80 times too long."""
     def warmup_alone(document):
         document["steps"] = document["steps"][:document["warmup_steps"]]
-        step = document["steps"][0]
-        document["summary"]["figures"] = {name: dict(step["figures"][name]) for name in document["summary"]["figures"]}
-        document["summary"]["tokens_per_s"] = document["tokens_per_step"] / step["figures"]["step_s"]["max"]
+        timelined(document)  # of its one step, as a run of one step writes it
 
     path = profile_with(tmp_path, warmup_alone)
     assert f"{path} holds only its 1 warmup step(s), whose times (allocation, compilation, the first gathers) no " \

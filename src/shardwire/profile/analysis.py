@@ -21,10 +21,10 @@ forward and backward); a profile whose ``other`` is large has phases the profile
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from shardwire.profile import intervals
-from shardwire.profile.recorder import StepTimeline
 
 PHASES = ("forward", "backward", "clip", "optimizer")
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -33,6 +33,20 @@ FIGURES = (
     *(f"{op}_s" for op in OPS), "exposed_comm_s", "overlap_ratio", *(f"{op}_bytes" for op in OPS),
     *(f"{op}_wire_bytes" for op in OPS),
 )
+
+
+@dataclasses.dataclass
+class StepTimeline:
+    """One step on one rank, in seconds since the profile's origin (taken after a barrier, so ranks
+    share it to within the barrier's skew): what the recorder makes of a step, what a profile's
+    timeline holds, and what its figures are computed from (``breakdown``)."""
+
+    step: int
+    start: float
+    end: float
+    phases: list[tuple[str, str | None, float, float]]  # (phase, unit or None, start, end)
+    comms: list[tuple[str, str, int, int, float, float]]  # (op, tag, nbytes, wire_nbytes, start, end)
+    waits: list[tuple[str, float, float]]  # (tag waited for, start, end)
 
 
 def breakdown(timeline: StepTimeline) -> dict[str, float]:

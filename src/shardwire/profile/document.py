@@ -11,7 +11,7 @@ import statistics
 import typing
 
 from shardwire.mappings import MappingError, is_number, json_kind, read_json, shown
-from shardwire.profile import FORMAT_VERSION
+from shardwire.profile import FORMAT_VERSION, analysis
 
 # The parts of a step a profile times, each with its words.
 PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip"),
@@ -23,6 +23,10 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce")
 _MEASURE_BOUND = 1e15
 # How far a summary's figure may differ from the one its steps give: a writer that rounds its numbers.
 _ROUNDING = 1e-6
+# The figures of a step a timeline's spans give, as every profile of this format holds them (those
+# added since, the copies and the bytes on the wire, are not in the first ones).
+_TIMELINE_FIGURES = ("step_s", *(key for key, _ in PARTS), "comm_s", "exposed_comm_s", "overlap_ratio",
+                     *(f"{op}_{what}" for op in OPS for what in ("s", "bytes")))
 
 
 class DamagedProfile(ValueError):
@@ -56,8 +60,8 @@ def read_profile_document(path: str) -> dict:
                                  f"{_MEASURE_BOUND:g}); profile the run again")
     if (held := _rank_count_problem(profile, world)) is not None:
         raise DamagedProfile(f"{path} is damaged ({held} for a world_size of {world}); profile the run again")
-    if (differs := _steps_problem(profile) or _summary_problem(profile) or _metadata_problem(profile["metadata"])
-            or _job_problem(profile)) is not None:
+    if (differs := _steps_problem(profile) or _summary_problem(profile) or _timeline_problem(profile)
+            or _metadata_problem(profile["metadata"]) or _job_problem(profile)) is not None:
         raise DamagedProfile(f"{path} is damaged ({differs}); profile the run again")
     return profile
 
@@ -149,6 +153,42 @@ def _summary_problem(profile: dict) -> str | None:
     return None
 
 
+def _timeline_problem(profile: dict) -> str | None:
+    """Where the timeline is not the step it names as that step's figures hold it, in words, or None.
+    The profiler keeps one step's spans of every rank, each span within its rank's step, and
+    computes that step's figures from them (``analysis.breakdown``); the ranks' steps share a
+    moment, as ranks that run collectives together do: spans edited apart from the figures (moved,
+    stretched past the step, left out), or a rank's step moved apart from the others', would be
+    drawn as measured."""
+    timeline = profile["timeline"]
+    step = next((step for step in profile["steps"] if step["step"] == timeline["step"]), None)
+    if step is None:
+        return f"its timeline is of step {timeline['step']}, which its steps do not hold"
+    ranks = timeline["ranks"]
+    last_start = max(range(len(ranks)), key=lambda rank: ranks[rank]["start"])
+    first_end = min(range(len(ranks)), key=lambda rank: ranks[rank]["end"])
+    if ranks[last_start]["start"] > ranks[first_end]["end"]:
+        return (f"its timeline's rank {first_end} ends its step at {ranks[first_end]['end']:.6g} s, before rank "
+                f"{last_start} starts it at {ranks[last_start]['start']:.6g} s, where their collectives meet")
+    for rank, (spans, figures) in enumerate(zip(timeline["ranks"], step["ranks"])):
+        where = f"its timeline's rank {rank}"
+        if spans["step"] != timeline["step"]:
+            return f"{where} is of step {spans['step']}, where its timeline is of step {timeline['step']}"
+        start, end = spans["start"], spans["end"]
+        if outside := next((span for part in ("phases", "waits", "comms") for span in spans[part]
+                            if span[-2] < start or span[-1] > end), None):
+            return (f"{where} has a span from {outside[-2]:.6g} to {outside[-1]:.6g} s, outside its step "
+                    f"({start:.6g} to {end:.6g} s)")
+        given = analysis.breakdown(analysis.StepTimeline(spans["step"], start, end, spans["phases"], spans["comms"],
+                                                         spans["waits"]))
+        for name in _TIMELINE_FIGURES:
+            if not (is_number(figures.get(name)) and math.isclose(figures[name], given[name], rel_tol=_ROUNDING,
+                                                                  abs_tol=1e-9)):
+                return (f"{where} gives {name} {given[name]:.6g}, where its step {step['step']}'s figures have "
+                        f"{shown(figures.get(name))}")
+    return None
+
+
 def _rank_count_problem(profile: dict, world: int) -> str | None:
     """Where a profile of the shape ``_PROFILE`` holds other than one entry per rank, in words (``its
     step 3 holds 3 ranks' figures``), or None. The profiler gathers every rank's timeline and figures
@@ -188,10 +228,12 @@ _PROFILE = {
     "summary": {"figures": _FIGURES, "tokens_per_s": _NUMBER},
     "steps": _Each({"step": _COUNT, "figures": _FIGURES, "ranks": _Each({})}, least=1),  # each rank's figures
     "timeline": {"step": _COUNT, "ranks": _Each({
+        "step": _COUNT,
         "start": _NUMBER,
+        "end": _NUMBER,
         "phases": _Each(_Span((_NAME, _ANY))),  # phase, unit (None for the step's own)
         "waits": _Each(_Span((_ANY,))),  # what was waited for
-        "comms": _Each(_Span((OPS,), more=True)),  # op, tag, bytes, bytes on the wire
+        "comms": _Each(_Span((OPS, _ANY, _NUMBER), more=True)),  # op, tag, bytes, bytes on the wire (in later profiles)
     }, least=1)},
 }
 

@@ -15,21 +15,9 @@ import torch
 
 from shardwire.comm.clock import Clock
 from shardwire.comm.records import CommRecord
+from shardwire.profile.analysis import StepTimeline
 
 Span = tuple[float, float]
-
-
-@dataclasses.dataclass
-class StepTimeline:
-    """One step on one rank, in seconds since the profile's origin (taken after a barrier, so ranks
-    share it to within the barrier's skew)."""
-
-    step: int
-    start: float
-    end: float
-    phases: list[tuple[str, str | None, float, float]]  # (phase, unit or None, start, end)
-    comms: list[tuple[str, str, int, int, float, float]]  # (op, tag, nbytes, wire_nbytes, start, end)
-    waits: list[tuple[str, float, float]]  # (tag waited for, start, end)
 
 
 @dataclasses.dataclass

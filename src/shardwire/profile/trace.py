@@ -11,7 +11,7 @@ and backward phases and each wait for a collective shows where compute stalled.
 from __future__ import annotations
 
 from shardwire.files import TRACE_WRITER
-from shardwire.profile.recorder import StepTimeline
+from shardwire.profile.analysis import StepTimeline
 
 _TRACKS = {"compute": 0, "all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _TRACK_NAMES = {0: "compute", 1: "all-gather lane", 2: "reduce-scatter lane", 3: "other collectives"}
