@@ -294,7 +294,7 @@ def test_a_node_whose_worker_fails_says_it_in_one_line_not_torchruns_traceback(t
         2, "", "error: --lr must be a positive, finite number, got -1.0\n"), refused.stderr
     failed = _node(tmp_path, "import sys; sys.exit(3)")
     assert (failed.returncode, failed.stdout, failed.stderr) == (
-        1, "", "error: worker processes failed: rank 0 (exit 3); its message is above\n"), failed.stderr
+        1, "", "error: worker processes failed: rank 0 (exit 3); any message it gave is above\n"), failed.stderr
 
 
 def _host_network() -> tuple[set[str], str]:

@@ -438,7 +438,7 @@ class _AgentLog(logging.Filter):
             named = ""
             if self._failed is not None:
                 rank, status = self._failed
-                above = "; its message is above" if _ending_signal(status) is None and status > 0 else ""
+                above = "; any message it gave is above" if _ending_signal(status) is None and status > 0 else ""
                 named = f": rank {rank} ({_how_it_ended(status)}){above}"
             print(f"note: worker processes failed{named}; starting them again (--max-restarts: restart "
                   f"{most - left + 1} of {most})", file=sys.stderr, flush=True)
@@ -468,7 +468,7 @@ def failed_workers(err) -> int:
     named = ", ".join(f"rank {rank} ({_how_it_ended(status)})" for rank, status in failed.items())
     stopped = "; the launcher then stopped the rest" if len(ended) > len(failed) else ""
     said = sum(_ending_signal(status) is None and status > 0 for status in failed.values())
-    above = "" if not said else "; its message is above" if said == 1 else "; their messages are above"
+    above = "" if not said else "; any message it gave is above" if said == 1 else "; any messages they gave are above"
     print(f"error: worker processes failed: {named}{stopped}{above}", file=sys.stderr)
     return 1
 

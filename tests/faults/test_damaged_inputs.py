@@ -170,6 +170,22 @@ def test_a_testbed_jobs_missing_script_is_one_line_before_any_node_starts(testbe
     assert not started
 
 
+@pytest.mark.parametrize("job, said", [
+    (["--no-python", "/nonexistent"], "the job's program /nonexistent is not an executable file here or on PATH"),
+    (["--no-python"], "the job's --no-python names nothing after it: give a program"),
+    (["-c", "1"], "the job starts with -c: give a script, -m module or --no-python program, then its arguments"),
+])
+def test_a_testbed_job_torchrun_cannot_start_is_one_line_before_any_node_starts(testbed_run, capsys, job, said):
+    """A missing --no-python program was each node's traceback; a lead torchrun does not take, each
+    node's usage text."""
+    from shardwire.cli import main
+
+    started, _ = testbed_run
+    assert main(["testbed", "run", "--name", "shardwire-test-inputs", "--", *job]) != 0
+    assert said in capsys.readouterr().err
+    assert not started
+
+
 def test_a_testbed_jobs_missing_input_is_one_line_before_any_node_starts(testbed_run, tmp_path, monkeypatch, capsys):
     """Each node's worker found a --data that is not there as it started, and each said so: one line
     here, before any node starts, naming the directory a relative path is read from (the nodes run

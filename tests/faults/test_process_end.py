@@ -213,8 +213,8 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(signum, said
 @pytest.mark.parametrize("statuses, line", [
     ({0: -signal.SIGKILL, 1: -signal.SIGTERM},
      "rank 0 (killed by SIGKILL: out of memory, or kill -9); the launcher then stopped the rest"),
-    ({0: 1, 1: -signal.SIGTERM}, "rank 0 (exit 1); the launcher then stopped the rest; its message is above"),
-    ({0: -signal.SIGSEGV, 1: 1}, "rank 0 (killed by SIGSEGV), rank 1 (exit 1); its message is above"),
+    ({0: 1, 1: -signal.SIGTERM}, "rank 0 (exit 1); the launcher then stopped the rest; any message it gave is above"),
+    ({0: -signal.SIGSEGV, 1: 1}, "rank 0 (killed by SIGSEGV), rank 1 (exit 1); any message it gave is above"),
     ({0: 130, 1: -signal.SIGTERM}, "rank 0 (stopped by SIGINT, exit 130); the launcher then stopped the rest"),
     # the agent records first the worker it found ended, then those it stopped
     ({1: -signal.SIGTERM, 0: -signal.SIGTERM}, "rank 1 (ended by SIGTERM, sent from outside the run); the launcher "

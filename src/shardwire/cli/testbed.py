@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -187,10 +188,7 @@ def _check_job(testbed: Testbed, nproc_per_node: int, command: list[str]) -> int
     worker can find, it still says itself). So is a job's script that is not there."""
     given = _shardwire_arguments(command)
     if given is None:
-        if not command[0].startswith("-") and not os.path.exists(command[0]):  # a script, not -m or --no-python
-            why = LEADS_NOWHERE if os.path.islink(command[0]) else "does not exist"
-            where = "" if os.path.isabs(command[0]) else f" in {os.getcwd()}, where the nodes run the job"
-            raise TestbedError(f"the job's script {cut(command[0])} {why}{where}: give a path that exists")
+        _check_lead(command)
         return None
     # the options' warnings (an abbreviation) are the workers' to give, as they read the same options
     with _in_the_jobs_first_rank(testbed.nodes, nproc_per_node), warnings.catch_warnings():
@@ -205,6 +203,27 @@ def _check_job(testbed: Testbed, nproc_per_node: int, command: list[str]) -> int
     if (missing := _missing_input(args)) is not None:
         raise TestbedError(missing)
     return None
+
+
+def _check_lead(command: list[str]) -> None:
+    """Refuse a job that does not start as torchrun takes one on every node: a script that is there,
+    ``-m module``, or ``--no-python`` and a program found here (each node would otherwise print
+    torchrun's usage, or a traceback, of its own)."""
+    lead = command[0]
+    if lead in ("-m", "--module", "--no-python") and len(command) < 2:
+        named = "program" if lead == "--no-python" else "module"
+        raise TestbedError(f"the job's {lead} names nothing after it: give a {named}")
+    if lead == "--no-python":
+        if shutil.which(command[1]) is None:
+            raise TestbedError(f"the job's program {cut(command[1])} is not an executable file here or on PATH, where "
+                               f"the nodes run the job: give one that is")
+    elif lead.startswith("-") and lead not in ("-m", "--module"):
+        raise TestbedError(f"the job starts with {cut(lead)}: give a script, -m module or --no-python program, then "
+                           f"its arguments")
+    elif not lead.startswith("-") and not os.path.exists(lead):
+        why = LEADS_NOWHERE if os.path.islink(lead) else "does not exist"
+        where = "" if os.path.isabs(lead) else f" in {os.getcwd()}, where the nodes run the job"
+        raise TestbedError(f"the job's script {cut(lead)} {why}{where}: give a path that exists")
 
 
 def _shardwire_arguments(command: list[str]) -> list[str] | None:
