@@ -47,6 +47,7 @@ def test_settings_parse_and_round_trip(monkeypatch):
 @pytest.mark.parametrize("text, message", [
     ("group=a", "fault_tolerance needs the lighthouse's address"),
     ("lighthouse=h:1,group=a b", "group must be a name of letters"),
+    ("lighthouse=h:1,group=..", "group must be a name of letters, digits, '-', '_' and '.', not dots alone, got '..'"),
     ("lighthouse=h:1,min_groups=0", "min_groups must be a positive integer"),
     ("lighthouse=h:1,timeout=-1", "timeout must be a positive number of seconds"),
     ("lighthouse=h:1,timeout=soon", "timeout must be a number, got 'soon'"),
@@ -63,6 +64,14 @@ def test_bad_settings_are_refused_in_one_line(text, message, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ValueError, match=message):
         FaultTolerance.parse(text)
+
+
+def test_a_group_from_the_environment_is_refused_naming_it(monkeypatch):
+    """'..' was refused as not of the characters it is made of, and as the option's where the user
+    gave none."""
+    monkeypatch.setenv("SHARDWIRE_GROUP", "..")
+    with pytest.raises(ValueError, match=r"\$SHARDWIRE_GROUP must be a name of letters, .*, not dots alone, got '\.\.'"):
+        FaultTolerance.parse("lighthouse=h:1")
 
 
 @pytest.mark.parametrize("diloco, layout, group_size, message", [

@@ -128,8 +128,10 @@ def read_mapping(text: str, what: str, *, numbers_as_text: bool = False, unique:
     if len(text) > MAX_TEXT_BYTES:
         raise MappingError(f"{what} is longer than {MAX_TEXT_BYTES:,} characters, far more than any config or "
                            f"spec: give the mapping itself")
+    as_text = (lambda number: number) if numbers_as_text else None  # as written: 1e2 stays 1e2, not 100.0
     try:
-        data = json.loads(text, object_pairs_hook=(lambda pairs: _unique(pairs, what)) if unique else None)
+        data = json.loads(text, object_pairs_hook=(lambda pairs: _unique(pairs, what)) if unique else None,
+                          parse_int=as_text, parse_float=as_text, parse_constant=as_text)
     except MappingError:
         raise
     except RecursionError:

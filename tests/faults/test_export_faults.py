@@ -631,6 +631,15 @@ def test_a_file_name_for_an_hf_models_directory_is_refused(work, capsys):
     assert not (work / "out.safetensors").exists()
 
 
+def test_an_export_inside_the_hf_model_directory_it_reads_is_refused(work, capsys):
+    """train refused its --export-hf there; export wrote its weights and config into it."""
+    model = work / "gpt2-mini"
+    message = refused(capsys, work / "hf", model / "sub", "--model", f"hf:{model}")
+    assert message == (f"error: OUT {model / 'sub'} is inside {model}, the model directory hf:{model} reads, which "
+                       f"export never writes in: give a path outside it"), message
+    assert sorted(os.listdir(model)) == ["config.json"]
+
+
 def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("workers were started")

@@ -205,6 +205,10 @@ def _export(checkpoint: pathlib.Path, given: pathlib.Path, args: argparse.Namesp
     if (problem := read_as_text_problem(args.out, data, f"the --data directory {checkpoint} was trained on",
                                         directory=model.startswith(HF_PREFIX))) is not None:
         raise OutputRefused(f"OUT {cut(args.out)} {problem}")  # its run's resume would read it
+    if model.startswith(HF_PREFIX) and os.path.isdir(directory := model[len(HF_PREFIX):]) and (
+            problem := inside_problem(args.out, directory, what=f"the model directory {cut(model)} reads, which "
+                                                                 f"export never writes in")) is not None:
+        raise OutputRefused(f"OUT {cut(args.out)} {problem}")  # as train refuses its outputs there
     trained = (args.model is None or recorded_name(args.model) == recorded  # one model, however it is spelled
                or _same_architecture(checkpoint, args.model, extra))
     if not trained and recorded:

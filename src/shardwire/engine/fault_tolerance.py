@@ -83,9 +83,13 @@ class FaultTolerance:
             raise setting_error("fault_tolerance", f"lighthouse {shown(lighthouse)} {problem}: give "
                                                    f"lighthouse=http://HOST:PORT")
         group = self.group or os.environ.get("SHARDWIRE_GROUP") or os.uname().nodename
-        if not isinstance(group, str) or not group.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise setting_error("fault_tolerance",
-                                f"group must be a name of letters, digits, '-', '_' and '.', got {shown(group)}")
+        given = ("group" if self.group else "$SHARDWIRE_GROUP" if os.environ.get("SHARDWIRE_GROUP") else
+                 "group (the host's name, with neither group= nor $SHARDWIRE_GROUP)")
+        # the name of its directory of checkpoints, beside the other groups': "." or ".." would be another's
+        if (not isinstance(group, str) or not group.replace("-", "").replace("_", "").replace(".", "").isalnum()
+                or not group.strip(".")):
+            raise setting_error("fault_tolerance", f"{given} must be a name of letters, digits, '-', '_' and '.', "
+                                                   f"not dots alone, got {shown(group)}")
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "host", self.host or os.uname().nodename)
         if type(self.min_groups) is not int or self.min_groups < 1:

@@ -334,26 +334,33 @@ def _buildable(written: dict, config):
 # code that never runs here, and architectures a class: transformers' own causal LM of the model_type
 # is built either way; the dtype its weights were saved in is not the one they train in (MASTER_DTYPE).
 _CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "auto_map", "architectures", "dtype", "torch_dtype")
+# The differences between two configs a message names, before saying how many more there are.
+_DIFFERENCES_NAMED = 3
 
 
 def config_difference(recorded: dict, now: dict) -> str | None:
-    """The first difference between the config a checkpoint ``recorded`` and the one its model's
-    source holds ``now`` (``config_fields``), as ``key before -> after``; None where they build the
-    same model. Each is compared as transformers reads it, its defaults filled in: a config that
-    spells out a default (GPT-2's ``activation_function: gelu_new``) builds the same model; both in
-    their own words where transformers cannot read one. A changed ``model_type`` is named first: the
-    other differences follow from it."""
+    """The differences between the config a checkpoint ``recorded`` and the one its model's source
+    holds ``now`` (``config_fields``), each as ``key before -> after``, the first
+    ``_DIFFERENCES_NAMED`` of them and how many more; None where they build the same model. Each is
+    compared as transformers reads it, its defaults filled in: a config that spells out a default
+    (GPT-2's ``activation_function: gelu_new``) builds the same model; both in their own words where
+    transformers cannot read one. A changed ``model_type`` is named first: the other differences
+    follow from it."""
     read = _as_read(recorded), _as_read(now)
     if None not in read:
         recorded, now = read
     missing = object()
     keys = (recorded.keys() | now.keys()) - set(_CONFIG_BOOKKEEPING)
+    differences = []
     for key in sorted(keys, key=lambda key: (key != "model_type", str(key))):
         before, after = recorded.get(key, missing), now.get(key, missing)
         if before != after:
             said = [("absent" if value is missing else shown(value, 60)) for value in (before, after)]
-            return f"{str(key)[:60]} {said[0]} -> {said[1]}"
-    return None
+            differences.append(f"{str(key)[:60]} {said[0]} -> {said[1]}")
+    if not differences:
+        return None
+    more = len(differences) - _DIFFERENCES_NAMED
+    return ", ".join(differences[:_DIFFERENCES_NAMED]) + (f", and {more} more" if more > 0 else "")
 
 
 def _as_read(fields: dict) -> dict | None:

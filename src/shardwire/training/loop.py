@@ -965,7 +965,7 @@ def _check_architecture(config: TrainConfig, info, now: dict | None) -> None:
 
 def _architecture_change(model: str, path, recorded: object, now: dict | None) -> str | None:
     """Why the checkpoint at ``path``, whose ``hf:`` model's config was ``recorded``, cannot be
-    resumed into ``model``, whose config is ``now``: the first difference. The weights were trained
+    resumed into ``model``, whose config is ``now``: the differences. The weights were trained
     for the recorded architecture (another activation or epsilon fits the same shapes, and would pair
     them with another model silently)."""
     if not isinstance(recorded, dict) or now is None or (change := config_difference(recorded, now)) is None:
