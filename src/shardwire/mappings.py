@@ -248,8 +248,8 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
         if numbers_as_text:
             return node.value
         if (digits := sum(map(str.isdigit, node.value))) > _MOST_DIGITS:
-            raise MappingError(f"{what}: a number{_where(node.start_mark)} has {digits:,} digits, more than any "
-                               f"value takes: write the value itself")
+            raise MappingError(f"{what}: {shown(node.value)}{_where(node.start_mark)} has {digits:,} digits, more "
+                               f"than any value takes: write the value itself")
         for kind in (int, float):
             try:
                 return kind(node.value)
