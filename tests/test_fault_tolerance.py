@@ -70,7 +70,7 @@ def test_a_group_from_the_environment_is_refused_naming_it(monkeypatch):
     """'..' was refused as not of the characters it is made of, and as the option's where the user
     gave none."""
     monkeypatch.setenv("SHARDWIRE_GROUP", "..")
-    with pytest.raises(ValueError, match=r"\$SHARDWIRE_GROUP must be a name of letters, .*, not dots alone, got '\.\.'"):
+    with pytest.raises(ValueError, match=r"\$SHARDWIRE_GROUP must be a name of .*, not dots alone, got '\.\.'"):
         FaultTolerance.parse("lighthouse=h:1")
 
 

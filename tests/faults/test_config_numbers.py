@@ -49,7 +49,8 @@ def test_spec_numbers_are_decimal_or_refused(capsys):
     assert "'1:30' at line 1, column 30 is a YAML 1.1 number that the command line reads otherwise" in \
         capsys.readouterr().err
     # past Python's bound on a whole number's digits, read as infinity ("must be a whole number, got inf")
-    assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, nodes: 1%s}" % ("0" * 5000)]) == 2
+    cluster = "{preset: a100-100gbe, nodes: 1%s}" % ("0" * 5000)
+    assert main(["simulate", "--model", "gpt2-125m", "--cluster", cluster]) == 2
     said = capsys.readouterr().err
     assert "0...0" in said and "' at line 1, column 30 has 5,001 digits, more than any value takes" in said, said
 
