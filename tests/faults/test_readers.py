@@ -24,7 +24,7 @@ from shardwire.mappings import MAX_JSON_BYTES
 from shardwire.profile import analysis
 from shardwire.testbed import network, regime, spec
 from shardwire.training import loop
-from harness import PROFILE, measured, summarised, timelined
+from harness import PROFILE, measured, timelined
 
 pytestmark = pytest.mark.timeout(60)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
