@@ -28,8 +28,6 @@ to them with the rest.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 
 from shardwire.extras import require
 from shardwire.mappings import MappingError, nearest, read_file, read_mapping, shown
@@ -166,9 +164,6 @@ def _converted(action: argparse.Action, value, where: str):
 def _converted_item(action: argparse.Action, value, where: str):
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigError(f"{where}: give a value as the command line takes it, got {shown(value)}")
-    if isinstance(value, float) and math.isinf(value):  # a JSON number read before the option reads it
-        raise ConfigError(f"{where}: the number is too large (past {sys.float_info.max:.3g}, which JSON reads as "
-                          f"infinity)")
     if action.type is None:
         converted = str(value)
     else:
