@@ -83,11 +83,11 @@ class FaultTolerance:
             raise setting_error("fault_tolerance", f"lighthouse {shown(lighthouse)} {problem}: give "
                                                    f"lighthouse=http://HOST:PORT")
         group = self.group or os.environ.get("SHARDWIRE_GROUP") or os.uname().nodename
-        given = ("group" if self.group else "$SHARDWIRE_GROUP" if os.environ.get("SHARDWIRE_GROUP") else
-                 "group (the host's name, with neither group= nor $SHARDWIRE_GROUP)")
         # the name of its directory of checkpoints, beside the other groups': "." or ".." would be another's
         if (not isinstance(group, str) or not group.replace("-", "").replace("_", "").replace(".", "").isalnum()
                 or not group.strip(".")):
+            given = ("group" if self.group else "$SHARDWIRE_GROUP" if os.environ.get("SHARDWIRE_GROUP") else
+                     "group (the host's name, with neither group= nor $SHARDWIRE_GROUP)")
             raise setting_error("fault_tolerance", f"{given} must be a name of letters, digits, '-', '_' and '.', "
                                                    f"not dots alone, got {shown(group)}")
         object.__setattr__(self, "group", group)

@@ -17,7 +17,7 @@ from shardwire.profile import FORMAT_VERSION, analysis
 PARTS = [("forward_s", "forward"), ("backward_s", "backward"), ("clip_s", "clip"),
          ("optimizer_s", "optimizer"), ("other_s", "other compute"), ("wait_s", "waiting for communication")]
 # The collectives a profile's timeline names.
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+OPS = analysis.OPS
 # Beyond any time (seconds since boot), byte count or rate a profile holds: a petabyte, 30 million
 # years; a larger number overflows a reader's arithmetic (milliseconds, sums) to infinity.
 _MEASURE_BOUND = 1e15
@@ -170,7 +170,7 @@ def _timeline_problem(profile: dict) -> str | None:
     if ranks[last_start]["start"] > ranks[first_end]["end"]:
         return (f"its timeline's rank {first_end} ends its step at {ranks[first_end]['end']:.6g} s, before rank "
                 f"{last_start} starts it at {ranks[last_start]['start']:.6g} s, where their collectives meet")
-    for rank, (spans, figures) in enumerate(zip(timeline["ranks"], step["ranks"])):
+    for rank, (spans, figures) in enumerate(zip(ranks, step["ranks"])):
         where = f"its timeline's rank {rank}"
         if spans["step"] != timeline["step"]:
             return f"{where} is of step {spans['step']}, where its timeline is of step {timeline['step']}"

@@ -170,8 +170,8 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         group_fits = fits.get(measured_as) or {}
         if not isinstance(group_fits, Mapping):
             raise Missing(f"its fit.{measured_as} is {shown(group_fits)}, not a mapping")
-        link = _link_from_fits(group_fits, measured_as, groups.get(measured_as, (None,))[0], nodes * per_node,
-                               doc.get("results"))
+        ranks = groups[measured_as][0] if measured_as in groups else None
+        link = _link_from_fits(group_fits, measured_as, ranks, nodes * per_node, doc.get("results"))
         if link is None and needed:
             named = " ".join(name for name, spans in (("intra", per_node > 1), ("inter", nodes > 1)) if spans)
             raise SpecError(

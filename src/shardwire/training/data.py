@@ -259,10 +259,11 @@ def identity(size: int, read: Callable[[int, int], bytes], name: str, tokens: in
     ``sampled`` record."""
     ends = f"{size}:".encode() + read(0, _FINGERPRINT_BYTES) + read(max(0, size - _FINGERPRINT_BYTES),
                                                                       _FINGERPRINT_BYTES)
-    sampled = hashlib.sha256(ends)
+    fingerprint = hashlib.sha256(ends)
+    sampled = fingerprint.copy()
     for block in range(1, _SAMPLED_BLOCKS + 1):
         sampled.update(read(size * block // (_SAMPLED_BLOCKS + 1), _SAMPLED_BYTES))
-    return {"name": name, "tokens": tokens, "fingerprint": hashlib.sha256(ends).hexdigest()[:16],
+    return {"name": name, "tokens": tokens, "fingerprint": fingerprint.hexdigest()[:16],
             "sampled": sampled.hexdigest()[:16]}
 
 
