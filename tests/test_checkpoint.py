@@ -4,6 +4,7 @@ uninterrupted training, asynchronous saves, crashes during a save, and refusing 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -450,6 +451,22 @@ def test_an_optimizer_with_other_param_groups_is_refused_naming_the_difference(t
     with pytest.raises(shardwire.CheckpointError, match="param group 0 holds other parameters than when saved: "
                                                         "'norm.bias' is in it only now"):
         shardwire.load_checkpoint(tmp_path / "groups", model, moved)
+
+
+def test_another_model_or_a_checkpoint_where_a_file_belongs_is_named(tmp_path):
+    model, optimizer = make_model(seed=0)
+    shardwire.save_checkpoint(tmp_path / "four", model, optimizer)
+    deeper, deeper_optimizer = make_model(seed=0, config=dataclasses.replace(PRESETS["tiny"], layers=5))
+    with pytest.raises(shardwire.CheckpointError, match=r"the checkpoint has 4 flat buffers \(one per unit and dtype\) "
+                                                        r"and this model 6 \(this model's 'blocks\.3' is not in the "
+                                                        r"checkpoint\): a model of another size, or units chosen"):
+        shardwire.load_checkpoint(tmp_path / "four", deeper, deeper_optimizer)
+    with pytest.raises(shardwire.CheckpointError, match=r"four: is a directory, and import_state_dict reads one state "
+                                                        r"dict file; load a shardwire checkpoint with load_checkpoint"):
+        shardwire.import_state_dict(model, tmp_path / "four")
+    with pytest.raises(shardwire.CheckpointError, match=r"holds the state of optimizer class AdamW, not SGD: resume "
+                                                        r"with the optimizer it was saved with"):
+        shardwire.load_checkpoint(tmp_path / "four", model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def _saved_as_another_step(rank, world, directory):

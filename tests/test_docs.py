@@ -127,6 +127,14 @@ def test_documented_block_runs_as_shown(block: Block, workdirs):
                                      f"{done.stdout}")
 
 
+def test_the_documented_checkpoint_loop_runs_again_to_resume(tmp_path):
+    """The loop a user runs again after a stop: the second run resumes from the series and ends well."""
+    block = next(b for b in BLOCKS if b.page.name == "checkpoints.md" and "load_latest_checkpoint" in b.text)
+    for run in ("first", "second"):
+        done = _run([sys.executable, "-c", _program(block)], tmp_path)
+        assert done.returncode == 0, f"the {run} run of {block.name} failed:\n{done.stdout}"
+
+
 def test_every_page_is_tested_and_marks_are_known():
     """The pages hold blocks this test runs (a renamed language would silently drop them)."""
     readme = [block for block in BLOCKS if block.page.name == "README.md"]

@@ -172,6 +172,7 @@ def test_an_initialisation_that_writes_a_unit_already_made_is_an_error():
         model = GPT(PRESETS["tiny"])
 
     def late(module):  # the model's own init reaching into its blocks, after they were made
+        model.init_module(module)
         if isinstance(module, GPT):
             nn.init.zeros_(module.blocks[0].mlp.up.weight)
 
@@ -186,3 +187,72 @@ def test_init_and_device_are_for_meta_models():
         model = GPT(PRESETS["tiny"])
     with pytest.raises(ValueError, match="device='meta' has no storage"):
         shardwire.shard(model, device="meta")
+    with pytest.raises(ValueError, match=r"^device='z+\.\.\.z+' is not a device: pass e.g. 'cuda'"):
+        shardwire.shard(model, device="z" * 3000)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda', but torch sees no CUDA device here"):
+            shardwire.shard(model, device="cuda")
+
+
+class _Scaled(nn.Module):
+    """A parameter of its own that no reset_parameters sets, and an integer buffer made in __init__."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+        self.register_buffer("order", torch.arange(4).flip(0))
+
+    def forward(self, x):
+        return self.lin(x)[:, self.order] * self.gain
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Scaled() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _set_linears(module):
+    if isinstance(module, nn.Linear):
+        module.reset_parameters()
+
+
+@pytest.mark.parametrize("init, unset", [
+    (None, r"parameter\(s\) 'blocks\.0\.gain' were left unset"),
+    (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and nn.init.ones_(m.gain)),
+     r"buffer\(s\) 'blocks\.0\.order', 'blocks\.1\.order' were left unset"),
+    (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and m.gain.data[:2].fill_(1.0)),
+     r"parameter\(s\) 'blocks\.0\.gain' were left unset"),  # half of it written
+], ids=["nothing sets a parameter", "nothing sets an integer buffer", "half of a parameter set"])
+def test_values_the_initialisation_never_writes_are_an_error(init, unset):
+    """Uninitialised storage would train as whatever memory held, integer buffers included."""
+    with torch.device("meta"):
+        model = _Stack()
+    with pytest.raises(ValueError, match=unset + ": a model built on the meta device .*reset_parameters"):
+        shardwire.shard(model, init=init)
+
+
+def test_what_the_initialisation_writes_or_assigns_is_the_model():
+    def init(module):
+        _set_linears(module)
+        if isinstance(module, _Scaled):
+            module.gain = nn.Parameter(torch.full((4,), 2.0))  # assigned anew, not written in place
+            module.order = torch.arange(4).flip(0)
+    with torch.device("meta"):
+        model = _Stack()
+    shardwire.shard(model, init=init)
+    state = shardwire.full_state_dict(model)
+    assert torch.equal(state["blocks.1.gain"], torch.full((4,), 2.0))
+    assert torch.equal(state["blocks.1.order"], torch.tensor([3, 2, 1, 0]))
+    with pytest.raises(ValueError, match=r"initialisation of blocks\.0 \(_Scaled\) replaced it by a 3 torch\.float32, "
+                                         r"where the model built it as a 4 torch\.float32 parameter 'gain'"):
+        with torch.device("meta"):
+            other = _Stack()
+        shardwire.shard(other, init=lambda m: _set_linears(m) or (
+            isinstance(m, _Scaled) and setattr(m, "gain", nn.Parameter(torch.ones(3)))))

@@ -67,14 +67,21 @@ def test_unit_selection_errors_reach_the_caller():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prefetch=-1), "prefetch must be a non-negative integer"),
+    (dict(prefetch=True), "prefetch must be a non-negative integer .*, got True"),
+    (dict(reshard_after_forward="no"), "reshard_after_forward must be True or False, got 'no'"),
+    (dict(reshard_after_forward=8), "got 8 .*FSDP2's integer.*layout='hybrid_secondary'"),
+    (dict(activation_checkpointing="no"), "activation_checkpointing must be True or False, got 'no'"),
     (dict(mixed_precision="int4"), "mixed_precision='int4' is not understood"),
+    (dict(mixed_precision="x" * 5000), r"mixed_precision='x+\.\.\.x+' is not understood"),
+    (dict(layout="y" * 3000), r"layout must be one of .*, got 'y+\.\.\.y+'$"),
     (dict(timeout=0), "timeout must be a positive number of seconds"),
     (dict(compile="max-autotune"), "compile='max-autotune' is not understood: pass True, or a dict"),
     (dict(compile={"mod": "max-autotune"}), "torch.compile takes no 'mod'; its keyword arguments are"),
 ])
 def test_bad_options(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message) as raised:
         shardwire.shard(tiny_gpt(), **kwargs)
+    assert len(str(raised.value)) < 400
 
 
 def test_compile_options_torch_refuses_leave_the_model_as_it_was():

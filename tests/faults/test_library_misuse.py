@@ -97,6 +97,42 @@ def test_what_the_engine_honours_is_no_error():
         step(model, tokens(0))
 
 
+# ------------------------------------------ mistakes no collective sees: refused where they are made
+
+
+def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
+    """It holds the parameters shard replaced, which no gradient reaches: every step would do nothing."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    shardwire.shard(model, units=[Block])
+    step(model, tokens(0))
+    with pytest.raises(ValueError, match=r"this AdamW holds \d+ parameter\(s\) of a model as it was before "
+                                         r"shardwire\.shard replaced them.*after shardwire\.shard\(model\)"):
+        early.step()
+    late = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    late.step()
+    late.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})  # another model's: no concern of shard's
+    late.step()
+
+
+@pytest.mark.parametrize("assign, where", [
+    (lambda model: model.blocks.__setitem__(1, Block(TINY)), r"module '1' \(Block\), assigned into a sharded "
+                                                           r"ModuleList"),
+    (lambda model: setattr(model, "pos_emb", nn.Embedding(TINY.seq_len, 32)), r"module 'pos_emb' \(Embedding\), "
+                                                                            r"assigned into a sharded GPT"),
+    (lambda model: model.blocks[0].add_module("adapter", nn.Linear(32, 32)), r"module 'adapter' \(Linear\), assigned into a sharded Block"),
+], ids=["block replaced", "root module replaced", "module added"])
+def test_a_module_with_parameters_of_its_own_assigned_after_shard_is_refused(assign, where):
+    """Its parameters would be neither gathered nor reduced: each rank would train its own copy."""
+    model = sharded_gpt()
+    with pytest.raises(ValueError, match=where + r", has parameters shardwire\.shard never saw .*Replace or add "
+                                                 r"modules before sharding the model"):
+        assign(model)
+    model.blocks[0].mlp.act = nn.Identity()  # no parameters: every rank computes what it assigns
+    step(model, tokens(0))
+
+
 # ------------------------------------------------------- backward twice through a retained graph
 
 
@@ -227,6 +263,73 @@ def differing_mixed_precision(rank, world):
         model(tokens(1)[:, :-1])
     errors.append(str(raised.value))
     return errors
+
+
+def differing_schedules(rank, world):
+    """shard with rank 1's prefetch, reshard_after_forward or units unlike rank 0's, and with a
+    process group rank 1 is not in: the errors each rank raises (rank 0 is not told of the last)."""
+    errors = []
+    for options in ({"prefetch": 1 + rank}, {"reshard_after_forward": rank == 0}):
+        with pytest.raises(ValueError) as raised:
+            sharded_gpt(**options)
+        errors.append(str(raised.value))
+    with pytest.raises(ValueError) as raised:
+        torch.manual_seed(0)
+        shardwire.shard(GPT(TINY), units=[Block] if rank == 0 else [Block, nn.Embedding])
+    errors.append(str(raised.value))
+    alone = torch.distributed.new_group([0])
+    if rank == 1:
+        with pytest.raises(ValueError) as raised:
+            sharded_gpt(process_group=alone)
+        errors.append(str(raised.value))
+    return errors
+
+
+@pytest.mark.slow
+def test_ranks_with_different_schedules_or_units_are_told_which_asked_for_what():
+    for rank, errors in enumerate(run_workers(2, differing_schedules)):
+        assert errors[:3] == [
+            "ranks asked for different schedules (rank 0: prefetch=1, reshard_after_forward=True; rank 1: prefetch=2, "
+            "reshard_after_forward=True): pass the same prefetch and reshard_after_forward on every rank",
+            "ranks asked for different schedules (rank 0: prefetch=2, reshard_after_forward=True; rank 1: prefetch=2, "
+            "reshard_after_forward=False): pass the same prefetch and reshard_after_forward on every rank",
+            "rank 0's model has 2 units and rank 1's has 4: pass the same units on every rank, and build the same "
+            "model (same config, same code) before sharding",
+        ]
+        assert errors[3:] == ([] if rank == 0 else [
+            "this rank is not in process_group (torch.distributed.new_group gives the ranks outside a group a "
+            "placeholder): call shard only on the group's own ranks"])
+
+
+class _SmallParameter(nn.Module):
+    """A block with a parameter of one row: of two ranks, one holds none of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bias = nn.Parameter(torch.randn(1))
+
+    def forward(self, x):
+        return self.lin(x) + self.bias
+
+
+def infinity_norm(rank, world):
+    torch.manual_seed(0)
+    model = shardwire.shard(nn.Sequential(_SmallParameter(), _SmallParameter()), units=[_SmallParameter])
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    before = [param.grad.full_tensor() for param in model.parameters()]
+    norm = shardwire.clip_grad_norm_(model, 1.0, norm_type=float("inf")).full_tensor().item()
+    return norm, before, [param.grad.full_tensor() for param in model.parameters()]
+
+
+@pytest.mark.slow
+def test_the_infinity_norm_counts_ranks_that_hold_none_of_a_parameter():
+    """torch's infinity norm has no largest value of no rows, and fails on the rank that holds none."""
+    for norm, before, after in run_workers(2, infinity_norm):
+        largest = max(grad.abs().max().item() for grad in before)
+        assert norm == largest > 1.0
+        for old, new in zip(before, after):
+            torch.testing.assert_close(new, old / (largest + 1e-6))
 
 
 @pytest.mark.slow

@@ -5,11 +5,13 @@ the model they agree on."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardwire.comm.errors import CollectiveError, without_source_locations
 from shardwire.engine.shard import engine_of
@@ -26,11 +28,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     (under hybrid sharding every group holds the same gradients; when groups sync every H steps, each
     clips its own). Padding carries no gradient. Returns the total norm, a DTensor replicated on
     every rank (``.item()`` and ``.full_tensor()`` both give it).
+
+    The infinity norm is taken here: torch's takes the largest value of each rank's rows, and a rank
+    that holds none of a parameter's rows (one smaller than the ranks) has no largest value, so
+    torch's call fails there.
     """
     engine = engine_of(model)
     engine.emit("clip", None, "start")
     try:
-        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        if norm_type == math.inf:
+            total = _largest_gradient(list(model.parameters()))
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+        else:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     except RuntimeError as err:  # DTensor's all-reduce of the norm: a peer that stopped fails it here
         if not dist.is_initialized() or dist.get_world_size() == 1:
             raise
@@ -39,6 +49,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
                               f"rank has probably stopped or crashed: check its log.") from err
     engine.emit("clip", None, "end")
     return total
+
+
+def _largest_gradient(params: list[nn.Parameter]) -> torch.Tensor:
+    """The largest absolute value of the gradients: each rank's of its rows (0 where it holds none),
+    then the largest over the ranks that split the parameters, as DTensor reduces a partial max."""
+    grads = [param.grad for param in params if param.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    local = torch.stack([g.to_local().abs().max().float() if g.to_local().numel() else
+                         g.to_local().new_zeros((), dtype=torch.float32) for g in grads]).max()
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    partial = [Partial("max") if placement.is_shard() else placement for placement in placements]
+    return DTensor.from_local(local, mesh, partial).redistribute(mesh, [Replicate()] * len(placements))
 
 
 @contextlib.contextmanager

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwire.engine.diloco import DiLoCo
+from shardwire.mappings import shown
 from shardwire.options import SettingError
 
 LAYOUTS = ("full", "hybrid", "hybrid_secondary")
@@ -85,7 +86,7 @@ class LayoutPlan:
         contradicts what. ``one_group``: every rank is one group whatever the nodes (a
         fault-tolerant job: each job is a group of its own)."""
         if name not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {name!r}")
+            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {shown(name)}")
         group = world if one_group else _group_size(name, shard_group_size, world, ranks_per_node)
         if diloco is not None and name != "hybrid":  # one group of all ranks is Lookahead: allowed
             raise SettingError(

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -35,6 +36,7 @@ from shardwire.comm.communicator import Communicator
 from shardwire.engine.released import ReleasedError
 from shardwire.engine.selection import OwnedParam
 from shardwire.engine.unit import Unit
+from shardwire.mappings import shown
 
 Init = Callable[[nn.Module], None]
 # Builds a unit from its index, name, module and parameters, taking their values (by the id of the
@@ -42,11 +44,22 @@ Init = Callable[[nn.Module], None]
 MakeUnit = Callable[..., Unit]
 
 
+def as_device(device: torch.device | str | int) -> torch.device:
+    """``shard``'s ``device=`` as a ``torch.device``, or a one-line error naming it."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={shown(device)} is not a device: pass e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+
+
 def target_device(device: torch.device | str | None, group_backend: str | None) -> torch.device:
     """Where a meta model's parts are made: ``device``, or by default the current CUDA device under
     NCCL (or with no process group yet where CUDA is available) and the CPU otherwise."""
     if device is not None:
-        device = torch.device(device)
+        device = as_device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={shown(str(device))}, but torch sees no CUDA device here: make the model on "
+                             f"'cpu', or run where a GPU is")
         if device.type == "meta":
             raise ValueError("device='meta' has no storage to make the model's parts in: pass the device "
                              "to train on, e.g. device='cuda' or device='cpu'")
@@ -62,15 +75,14 @@ def build_units(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dic
     """Make the units of the meta model ``model`` on ``device``, each as soon as its modules are
     initialised (the root last); returns the root unit, then those of ``units``, in order."""
     index = {id(module): (i, name) for i, (name, module) in enumerate(units, 1)}
-    made: dict[int, nn.Parameter] = {}  # by the id of the meta parameter: a tied one is made once
-    buffers: list[tuple[nn.Module, str]] = []
+    storage = _Storage(device)
     built: dict[int, Unit] = {}
     walk = _initialiser(model, init)
 
     def visit(module: nn.Module, name: str, walk: _Walk) -> None:
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name, walk.below(child))
-        _give_storage(module, device, made, buffers)
+        made = storage.give(module)
         try:
             walk(module)
         except ReleasedError as error:
@@ -80,47 +92,106 @@ def build_units(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dic
                 f"only its own parameters and those of modules inside it (children come first, as "
                 f"model.apply(init) runs them). Move that write into the module that owns the parameter"
             ) from None
+        storage.adopt(module, made, name)
         if id(module) in index:
             i, unit_name = index[id(module)]
-            built[i] = make_unit(i, unit_name, module, owned[unit_name], values=made)
+            storage.check_params(owned[unit_name])
+            built[i] = make_unit(i, unit_name, module, owned[unit_name], values=storage.params)
             for entry in owned[unit_name]:
-                made.pop(id(entry.param))
+                storage.params.pop(id(entry.param))
 
     with _generator_of_rank0(comm, device), torch.no_grad(), walk.context():
         visit(model, "", walk)
-    built[0] = make_unit(0, "", model, owned[""], values=made)
-    _check_buffers_set(model, buffers)
+    storage.check_params(owned[""])
+    built[0] = make_unit(0, "", model, owned[""], values=storage.params)
+    storage.check_buffers(model)
     return [built[i] for i in range(len(units) + 1)]
 
 
-def _give_storage(module: nn.Module, device: torch.device, made: dict[int, nn.Parameter],
-                  buffers: list[tuple[nn.Module, str]]) -> None:
-    """Give the module's own meta parameters and buffers uninitialised storage on ``device``; floating
-    buffers are filled with NaN, so that one the initialisation never sets is found."""
-    for name, param in module._parameters.items():
-        if param is not None and param.is_meta:
-            if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                               requires_grad=param.requires_grad)
-            module._parameters[name] = made[id(param)]
-    for name, buffer in module._buffers.items():
-        if buffer is not None and buffer.is_meta:
-            module._buffers[name] = torch.empty_like(buffer, device=device)
-            if buffer.is_floating_point():
-                module._buffers[name].fill_(float("nan"))
-                buffers.append((module, name))
+class _Storage:
+    """Storage for a meta model's parameters and buffers, and whether the initialisation wrote it.
+
+    Storage comes uninitialised (floating-point storage filled with NaN), so a value nothing
+    initialises would train as whatever memory held: a parameter of a module without
+    ``reset_parameters``, an integer buffer computed in ``__init__`` (positions, indices). A tensor
+    counts as written when the initialisation replaced it, wrote it in place (torch's version
+    counter, which every in-place operation advances) or gave it other data (``.data = ...``), and,
+    floating-point, left no NaN in it: a write of some of its rows is not enough.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.params: dict[int, nn.Parameter] = {}  # by the id of the meta parameter: a tied one is made once
+        self._buffers: list[tuple[nn.Module, str]] = []
+        # by the id of each tensor given: the tensor (weakly: a unit's are freed once it is made), its data
+        # and its version counter then
+        self._fresh: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def give(self, module: nn.Module) -> list[tuple[str, int]]:
+        """Give the module's own meta parameters and buffers storage; returns the names of the
+        parameters made here, with the ids of their meta parameters."""
+        made = []
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                if id(param) not in self.params:
+                    self.params[id(param)] = nn.Parameter(self._empty_like(param), requires_grad=param.requires_grad)
+                    made.append((name, id(param)))
+                module._parameters[name] = self.params[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = self._empty_like(buffer)
+                self._buffers.append((module, name))
+        return made
+
+    def adopt(self, module: nn.Module, made: list[tuple[str, int]], name: str) -> None:
+        """Take the parameters the initialisation assigned anew (``module.weight = nn.Parameter(...)``)
+        in place of the storage given them."""
+        for attr, meta in made:
+            now, given = module._parameters.get(attr), self.params[meta]
+            if now is given:
+                continue
+            if not isinstance(now, torch.Tensor) or now.shape != given.shape or now.dtype != given.dtype:
+                shown = "removed it" if now is None else (
+                    f"replaced it by a {'x'.join(map(str, now.shape)) or 'scalar'} {now.dtype}"
+                    if isinstance(now, torch.Tensor) else f"replaced it by a {type(now).__name__}")
+                raise ValueError(
+                    f"the initialisation of {name or 'the model'} ({type(module).__name__}) {shown}, where the model "
+                    f"built it as a {'x'.join(map(str, given.shape)) or 'scalar'} {given.dtype} parameter "
+                    f"{attr!r}: initialise parameters in place (nn.init, copy_) with the shape and dtype they were "
+                    f"built with")
+            self.params[meta] = now
+
+    def check_params(self, entries: list[OwnedParam]) -> None:
+        unset = [entry.names[0] for entry in entries if self._unwritten(self.params[id(entry.param)])]
+        _refuse_unset("parameter", unset, "weights that no reset_parameters sets (a gain, a scale)")
+
+    def check_buffers(self, model: nn.Module) -> None:
+        names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+        unset = [f"{names[id(module)]}.{name}".lstrip(".") for module, name in self._buffers
+                 if self._unwritten(module._buffers[name])]
+        _refuse_unset("buffer", unset, "buffers computed in __init__ (causal masks, rotary frequencies, positions)")
+
+    def _empty_like(self, meta: torch.Tensor) -> torch.Tensor:
+        tensor = torch.empty_like(meta, device=self.device)
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.fill_(float("nan"))
+        self._fresh[id(tensor)] = (weakref.ref(tensor), tensor.data_ptr(), tensor._version)
+        return tensor
+
+    def _unwritten(self, tensor: torch.Tensor) -> bool:
+        given, data, version = self._fresh.get(id(tensor), (None, None, None))
+        if given is not None and given() is tensor and (tensor.data_ptr(), tensor._version) == (data, version):
+            return True
+        return (tensor.is_floating_point() or tensor.is_complex()) and bool(torch.isnan(tensor).any())
 
 
-def _check_buffers_set(model: nn.Module, buffers: list[tuple[nn.Module, str]]) -> None:
-    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
-    unset = [f"{names[id(module)]}.{name}".lstrip(".") for module, name in buffers
-             if torch.isnan(module._buffers[name]).any()]
+def _refuse_unset(kind: str, unset: list[str], examples: str) -> None:
     if unset:
         raise ValueError(
-            f"buffer(s) {', '.join(map(repr, unset[:3]))}{' ...' if len(unset) > 3 else ''} were left unset: "
-            f"a model built on the meta device has no values for buffers computed in __init__ (causal masks, "
-            f"rotary frequencies), and the initialisation did not set them. Set them in the module's "
-            f"reset_parameters, or pass shard(init=fn) with an fn that does"
+            f"{kind}(s) {', '.join(map(repr, unset[:3]))}{' ...' if len(unset) > 3 else ''} were left unset: a "
+            f"model built on the meta device has no values for {examples} until its initialisation writes "
+            f"them, and it did not. Set them in the module's reset_parameters, or pass shard(init=fn) with an "
+            f"fn that does"
         )
 
 

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from shardwire.mappings import shown
+
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -59,6 +61,6 @@ class MixedPrecision:
             dtype = _DTYPES[spec.lower()]
             return cls() if dtype == torch.float32 else cls(dtype, torch.float32)
         raise ValueError(
-            f"mixed_precision={spec!r} is not understood: use None, one of "
+            f"mixed_precision={shown(spec)} is not understood: use None, one of "
             f"{sorted(set(_DTYPES))}, or shardwire.MixedPrecision(param_dtype=..., reduce_dtype=...)"
         )

@@ -20,7 +20,7 @@ from shardwire import worker
 from shardwire.comm import groups
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.wire import Wire
-from shardwire.engine import materialize, sharded_state_dict
+from shardwire.engine import guards, materialize, sharded_state_dict
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.flat_param import FlatParam
@@ -32,12 +32,11 @@ from shardwire.engine.runtime import Engine
 from shardwire.engine.selection import OwnedParam, UnitSpec, assign_params, select_units
 from shardwire.engine.unit import Unit
 from shardwire.launch import tells_the_user
+from shardwire.mappings import cut, shown
 from shardwire.options import MAX_TIMEOUT_S
 from shardwire.renamed import renamed_keywords
 
 _ENGINE_ATTR = "_shardwire_engine"
-# Set on every module of a sharded model: its parameters are no longer its own to shard again.
-_SHARDED_ATTR = "_shardwire_sharded"
 
 
 @renamed_keywords({"sync": "diloco", "sharding": "layout"},
@@ -135,6 +134,9 @@ def shard(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() takes the model, an nn.Module, got {type(model).__name__}")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("this rank is not in process_group (torch.distributed.new_group gives the ranks outside "
+                         "a group a placeholder): call shard only on the group's own ranks")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
                         f"{type(process_group).__name__}")
@@ -143,8 +145,13 @@ def shard(
     on_meta = current.type == "meta"
     device = _device(current, device, init, process_group)
     policy = MixedPrecision.parse(mixed_precision)
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {prefetch!r}")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {shown(prefetch)}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True or False, got {shown(reshard_after_forward)} (FSDP2's "
+                        f"integer, resharding to a smaller group, is layout='hybrid_secondary' here)")
+    if not isinstance(activation_checkpointing, bool):
+        raise TypeError(f"activation_checkpointing must be True or False, got {shown(activation_checkpointing)}")
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
             and 0 < timeout <= MAX_TIMEOUT_S):
         raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:,} (a "
@@ -186,6 +193,7 @@ def shard(
     _check_diloco_fragments(diloco, owned)
     layout = Layout.build(plan, wire, diloco, policy, process_group, device, deadline, fault_tolerance)
     comm = layout.world
+    _check_same_schedule_on_all_ranks(comm, prefetch, reshard_after_forward)
     _check_same_model_on_all_ranks(owned, comm)
 
     make_unit = functools.partial(_build_unit, layout=layout, policy=policy, wire=wire)
@@ -214,8 +222,9 @@ def shard(
         if forward is not None:
             unit.module.forward = forward
     setattr(model, _ENGINE_ATTR, engine)
+    guards.watch()
     for module in model.modules():
-        setattr(module, _SHARDED_ATTR, True)
+        setattr(module, guards.SHARDED_ATTR, True)
     return model
 
 
@@ -228,7 +237,7 @@ def engine_of(model: nn.Module) -> Engine:
 
 
 def _check_not_sharded(model: nn.Module) -> None:
-    if getattr(model, _SHARDED_ATTR, False) and not hasattr(model, _ENGINE_ATTR):
+    if getattr(model, guards.SHARDED_ATTR, False) and not hasattr(model, _ENGINE_ATTR):
         raise ValueError(
             f"this {type(model).__name__} is part of a model that is already sharded; shard the whole "
             f"model once, choosing its units with units=..."
@@ -269,8 +278,8 @@ def _device(current: torch.device, device: torch.device | str | None, init: Call
         raise ValueError(f"init= initialises a model built on the meta device, but this model's parameters are "
                          f"on {current} and have their values: initialise them before sharding, or build the "
                          f"model under torch.device('meta')")
-    if device is not None and torch.device(device) != current:
-        raise ValueError(f"device={str(device)!r}, but the model's parameters are on {current}: device= is where "
+    if device is not None and materialize.as_device(device) != current:
+        raise ValueError(f"device={shown(str(device))}, but the model's parameters are on {current}: device= is where "
                          f"a model built on the meta device is made; move a model with values before sharding it")
     return current
 
@@ -386,8 +395,23 @@ def _build_unit(index, name, module, params, *, layout, policy, wire, values=Non
         for entry, param in zip(entries, flat.params):
             for owner, param_name in entry.owners:
                 owner._parameters[param_name] = param
+            setattr(entry.param, guards.REPLACED_ATTR, True)
         flats.append(flat)
     return Unit(index, name, module, flats)
+
+
+def _check_same_schedule_on_all_ranks(comm: Communicator, prefetch: int, reshard_after_forward: bool) -> None:
+    """``prefetch`` and ``reshard_after_forward`` set the order of every rank's gathers: ranks that
+    differ would meet in different collectives at the first step. Compare them here, and say who
+    asked for what."""
+    if comm.world == 1:
+        return
+    rows = comm.all_gather_values([prefetch, int(reshard_after_forward)], tag="schedule check")
+    if any(row != rows[0] for row in rows):
+        asked = "; ".join(f"rank {r}: prefetch={ahead}, reshard_after_forward={bool(reshard)}"
+                          for r, (ahead, reshard) in enumerate(rows))
+        raise ValueError(f"ranks asked for different schedules ({cut(asked, 300)}): pass the same prefetch and "
+                         f"reshard_after_forward on every rank")
 
 
 def _check_same_model_on_all_ranks(owned, comm: Communicator) -> None:
@@ -404,10 +428,11 @@ def _check_same_model_on_all_ranks(owned, comm: Communicator) -> None:
         for r, row in enumerate(rows):
             if row != rows[0]:
                 if what == "unit count":
-                    detail = f"rank 0 has {rows[0][0] - 1} units and rank {r} has {row[0] - 1}"
-                else:
-                    i = next(i for i, (a, b) in enumerate(zip(rows[0], row)) if a != b)
-                    detail = f"unit {names[i] or '<root>'!r} has different parameter names or shapes"
+                    raise ValueError(
+                        f"rank 0's model has {rows[0][0] - 1} units and rank {r}'s has {row[0] - 1}: pass the same "
+                        f"units on every rank, and build the same model (same config, same code) before sharding")
+                i = next(i for i, (a, b) in enumerate(zip(rows[0], row)) if a != b)
+                detail = f"unit {names[i] or '<root>'!r} has different parameter names or shapes"
                 raise ValueError(
                     f"rank {r}'s model differs from rank 0's: {detail}. Every rank must build the same "
                     f"model (same config, same code) before sharding"

@@ -450,8 +450,12 @@ def first_difference(saved: Manifest, flats: list[FlatRecord], buffers: list[Ten
 def _differences(saved: Manifest, flats: list[FlatRecord], buffers: list[TensorRecord]) -> Iterator[str]:
     for i, (old, new) in enumerate(zip_longest(saved.flats, flats)):
         if old is None or new is None:
-            yield (f"the checkpoint has {len(saved.flats)} flat buffers (one per unit and dtype) and this "
-                   f"model {len(flats)}: were its units chosen differently?")
+            saved_names, names = [f.name for f in saved.flats], [f.name for f in flats]
+            only = ([f"this model's {n!r} is not in the checkpoint" for n in names if n not in saved_names]
+                    + [f"the checkpoint's {n!r} is not in this model" for n in saved_names if n not in names])
+            yield (f"the checkpoint has {len(saved.flats)} flat buffers (one per unit and dtype) and this model "
+                   f"{len(flats)}{f' ({only[0]})' if only else ''}: a model of another size, or units chosen "
+                   f"differently")
             return
         if old.name != new.name:
             yield f"flat buffer {i} is {old.name!r} in the checkpoint and {new.name!r} in this model"

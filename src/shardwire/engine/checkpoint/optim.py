@@ -174,7 +174,8 @@ def read_state_dict(
         )
     if saved["class"] != type(optimizer).__qualname__:
         raise CheckpointError(
-            f"{where} holds the state of a {saved['class']} optimizer, not of a {type(optimizer).__qualname__}"
+            f"{where} holds the state of optimizer class {saved['class']}, not {type(optimizer).__qualname__}: "
+            f"resume with the optimizer it was saved with"
         )
     held = held_by_groups(engine, optimizer)
     saved_groups = [group["params"] for group in saved["param_groups"]]

@@ -157,6 +157,9 @@ class _StateDictFile:
 
     def __init__(self, path: pathlib.Path):
         self.path = path
+        if path.is_dir():
+            raise CheckpointError(f"{path}: is a directory, and import_state_dict reads one state dict file; load "
+                                  f"a shardwire checkpoint with load_checkpoint, or export it first (export_state_dict)")
         if not path.is_file():
             raise CheckpointError(f"{path}: no such file")
         try:
