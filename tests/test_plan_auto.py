@@ -6,10 +6,13 @@ itself"); here, that the run plans, says what it chose, trains with what it said
 import re
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
 
 from shardwire.sim.planner import plan
+from shardwire.training import autoplan
 from shardwire.sim.presets import CLUSTERS, MODELS
 from shardwire.sim.specs import SpecError, TrainingSpec, as_dict, parse
 
@@ -69,3 +72,18 @@ def test_a_job_the_plan_cannot_price_is_refused_before_any_worker_starts(model, 
 
     problem = unplannable(TrainConfig(model=model, precision=precision, plan="auto", backend="gloo", seq_len=32))
     assert said in problem and problem.endswith("leave out --plan to train with the settings as given"), problem
+
+
+def test_the_step_check_times_steps_not_what_runs_between_them(monkeypatch, capsys):
+    """Evaluating, logging and saving between steps are not part of the step the simulator predicts."""
+    now = [0.0]
+    monkeypatch.setattr(autoplan.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(autoplan.dist, "get_rank", lambda: 0)
+    check = autoplan.StepCheck(types.SimpleNamespace(predicted_step_s=2.0), start=0, steps=7,
+                               device=torch.device("cpu"))
+    for step in range(7):
+        check.starting(step)
+        now[0] += 2.1  # the step
+        check.ended(step)
+        now[0] += 30.0  # an evaluation after it
+    assert capsys.readouterr().out == "plan: steps 3-7 took 2.1 s each against 2 s predicted (+5%), within 15%\n"

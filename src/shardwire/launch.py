@@ -105,7 +105,7 @@ def launcher_problem() -> str | None:
             return f"the environment sets {size}=0, which no launch gives {remedy}"
     # each rank below its count, and a node's ranks no more than the world's
     for low, high, equal in (("RANK", "WORLD_SIZE", False), ("LOCAL_RANK", "LOCAL_WORLD_SIZE", False),
-                             ("LOCAL_WORLD_SIZE", "WORLD_SIZE", True)):
+                             ("LOCAL_RANK", "WORLD_SIZE", False), ("LOCAL_WORLD_SIZE", "WORLD_SIZE", True)):
         if low in values and high in values and values[low] >= values[high] + equal:
             return f"the environment sets {low}={values[low]} and {high}={values[high]}, which no launch gives {remedy}"
     if values.get("WORLD_SIZE", 1) > 1:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun sets

@@ -102,6 +102,8 @@ def test_an_output_that_is_a_link_to_nowhere_is_refused_before_the_workers_start
 @pytest.mark.parametrize("environment, message", [
     ({"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0"}, "the environment sets RANK=5 and WORLD_SIZE=2, which no "
                                                           "launch gives (torchrun's variables, left from another job?)"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "3"}, "the environment sets LOCAL_RANK=3 and WORLD_SIZE=1, which "
+                                                         "no launch gives"),
     ({"WORLD_SIZE": "abc", "LOCAL_RANK": "0"}, "WORLD_SIZE='abc' in the environment is not a count of ranks"),
     ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "99999"},
      "MASTER_PORT='99999' in the environment is not a port, 0 to 65535"),
@@ -131,6 +133,22 @@ def test_a_first_node_out_of_reach_is_one_line_without_cs_stack_frames():
     assert done.returncode != 0
     assert done.stderr.startswith("error: the workers did not meet within --timeout 10 seconds")
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_master_port_in_use_is_said_to_be():
+    """The first rank cannot host the workers' meeting there: waiting longer would not help."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        environment = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(taken.getsockname()[1])}
+        done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", "1",
+                               "--timeout", "30"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **environment})
+    assert done.returncode != 0
+    assert done.stderr == (f"error: MASTER_PORT {environment['MASTER_PORT']} is in use by another process on this "
+                           f"node, so the workers cannot meet there: free it, or choose another port (torchrun "
+                           f"--master-port)\n"), done.stderr
 
 
 def test_the_scalar_log_makes_its_directory(tmp_path):

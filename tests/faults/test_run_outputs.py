@@ -247,11 +247,12 @@ def test_a_log_holds_whole_records_only_and_one_never_written_leaves_nothing(tmp
 
 
 @pytest.mark.slow
-def test_the_closing_line_starts_from_the_first_steps_loss(tmp_path):
+@pytest.mark.parametrize("accumulation", ["1", "2"])
+def test_the_closing_line_starts_from_the_first_steps_loss(tmp_path, accumulation):
     """It started from the first logged loss, a mean over --log-every steps: one interval read as a
-    loss that did not fall (`loss 5.467 -> 5.467`)."""
-    every = train("--steps", "6", "--log-every", "1", cwd=tmp_path)
-    once = train("--steps", "6", "--log-every", "6", cwd=tmp_path)
+    loss that did not fall (`loss 5.467 -> 5.467`); with accumulation, from the first micro-batch's."""
+    every = train("--steps", "6", "--log-every", "1", "--grad-accum", accumulation, cwd=tmp_path)
+    once = train("--steps", "6", "--log-every", "6", "--grad-accum", accumulation, cwd=tmp_path)
     first = re.search(r"step 1/6 .*?loss (\d+\.\d+)", every.stdout)[1]
     assert re.search(rf"done: 6 steps in \S+, loss {first} -> ", once.stdout), once.stdout
 

@@ -215,8 +215,9 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
             warnings.warn(idle, stacklevel=1)
         launched = os.environ.get("LOCAL_WORLD_SIZE", "")
         if under_launcher() and config.nproc is not None and str(config.nproc) != launched and tells_the_user():
-            warnings.warn(f"--nproc {config.nproc} is ignored: a launcher started these workers ({launched} on "
-                          f"this node); give the launcher its count (torchrun --nproc-per-node)", stacklevel=1)
+            here = f" ({launched} on this node)" if launched else ""
+            warnings.warn(f"--nproc {config.nproc} is ignored: a launcher started these workers{here}; give the "
+                          f"launcher its count (torchrun --nproc-per-node)", stacklevel=1)
         if config.lr * config.weight_decay >= 1:  # AdamW scales each weight by 1 - lr x weight decay a step
             raise OptionError(f"--weight-decay {config.weight_decay:g} with --lr {config.lr:g} would scale every "
                               f"weight by 1 - lr x weight decay = {1 - config.lr * config.weight_decay:.3g} at "

@@ -138,28 +138,31 @@ def plan_run(config: TrainConfig, device: torch.device,
 
 class StepCheck:
     """Times the run's steps from ``WARMUP_STEPS`` after its start for ``CHECKED_STEPS`` and, on rank
-    0, sets their mean against the predicted step."""
+    0, sets their mean against the predicted step. Each step is timed from its start to its end,
+    which is what the simulator predicts: what the run does between steps (evaluating, logging,
+    saving) is not a step's."""
 
     def __init__(self, planned: Planned, start: int, steps: int, device: torch.device):
         self._planned = planned
         self._first = start + WARMUP_STEPS
-        self._last = self._first + CHECKED_STEPS if self._first + CHECKED_STEPS < steps else None
+        self._last = self._first + CHECKED_STEPS if self._first + CHECKED_STEPS <= steps else None
         self._device = device
         self._started: float | None = None
+        self._spent = 0.0
 
     def starting(self, step: int) -> None:
         """Call as each step starts."""
-        if self._last is None or step not in (self._first, self._last):
+        if self._checks(step):
+            self._started = self._now()
+
+    def ended(self, step: int) -> None:
+        """Call as each step ends (its optimizer step taken)."""
+        if not self._checks(step) or self._started is None:
             return
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        now = time.perf_counter()
-        if step == self._first:
-            self._started = now
+        self._spent += self._now() - self._started
+        if step + 1 < self._last or dist.get_rank() != 0:
             return
-        measured = (now - self._started) / CHECKED_STEPS
-        if dist.get_rank() != 0:
-            return
+        measured = self._spent / CHECKED_STEPS
         predicted = self._planned.predicted_step_s
         off = measured / predicted - 1
         verdict = (f"within {AGREEMENT:.0%}" if abs(off) <= AGREEMENT else
@@ -167,6 +170,14 @@ class StepCheck:
                    f"chosen settings may not be the fastest (docs/simulator.md, calibration)")
         print(f"plan: steps {self._first + 1}-{self._last} took {measured:.3g} s each against {predicted:.3g} s "
               f"predicted ({off:+.0%}), {verdict}", flush=True)
+
+    def _checks(self, step: int) -> bool:
+        return self._last is not None and self._first <= step < self._last
+
+    def _now(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
 
 
 def _measure_network(config: TrainConfig, device: torch.device, launched: Placement) -> dict:

@@ -108,6 +108,10 @@ def _train_in_group(config: TrainConfig, export: StagedDirectory | None) -> None
     try:
         worker.ensure_initialized(device, timeout)
     except dist.DistError as err:  # the store not reached, or not by every worker, within the timeout
+        if "EADDRINUSE" in str(err):  # the first rank hosts the store at MASTER_PORT
+            raise SystemExit(f"error: MASTER_PORT {os.environ.get('MASTER_PORT', '')[:10]} is in use by another "
+                             f"process on this node, so the workers cannot meet there: free it, or choose another "
+                             f"port (torchrun --master-port)") from None
         raise SystemExit(f"error: the workers did not meet within --timeout {config.timeout:g} seconds "
                          f"({str(err).splitlines()[0][:200]}): raise --timeout, or check that every node reaches "
                          f"the first one") from None
@@ -199,7 +203,7 @@ def _step(job: _Job, config: TrainConfig, step: int, device: torch.device, diver
             loss = loss_fn(choice.logits(model, batch[:, :-1]), batch[:, 1:])
             job.scaler.scale(loss / config.grad_accum).backward()
         losses += loss.detach()
-        diverged.note_loss(step, loss.detach())
+    diverged.note_loss(step, losses / config.grad_accum)  # the step's loss, as it is logged
     if job.engine.step_quorum is not None and not job.engine.step_quorum.committed:
         return  # a failure dropped the step for every fault-tolerant group: no gradients, no optimizer step
     loss_sum += losses
@@ -299,6 +303,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             _step(job, config, step, device, diverged, loss_sum, deal)
         if engine.step_quorum is not None and not engine.step_quorum.committed:
             continue  # a failure dropped the step for every group: it runs again, its data dealt again
+        if check is not None:
+            check.ended(step)
         if quorum is not None:  # a group that was behind took the others' step at this step's quorum
             step = min(meeting.steps, config.steps) - 1
         interval_steps += 1
