@@ -151,11 +151,11 @@ class _Storage:
             if now is given:
                 continue
             if not isinstance(now, torch.Tensor) or now.shape != given.shape or now.dtype != given.dtype:
-                shown = "removed it" if now is None else (
+                change = "removed it" if now is None else (
                     f"replaced it by a {'x'.join(map(str, now.shape)) or 'scalar'} {now.dtype}"
                     if isinstance(now, torch.Tensor) else f"replaced it by a {type(now).__name__}")
                 raise ValueError(
-                    f"the initialisation of {name or 'the model'} ({type(module).__name__}) {shown}, where the model "
+                    f"the initialisation of {name or 'the model'} ({type(module).__name__}) {change}, where the model "
                     f"built it as a {'x'.join(map(str, given.shape)) or 'scalar'} {given.dtype} parameter "
                     f"{attr!r}: initialise parameters in place (nn.init, copy_) with the shape and dtype they were "
                     f"built with")

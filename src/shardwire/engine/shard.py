@@ -432,8 +432,7 @@ def _check_same_model_on_all_ranks(owned, comm: Communicator) -> None:
                         f"rank 0's model has {rows[0][0] - 1} units and rank {r}'s has {row[0] - 1}: pass the same "
                         f"units on every rank, and build the same model (same config, same code) before sharding")
                 i = next(i for i, (a, b) in enumerate(zip(rows[0], row)) if a != b)
-                detail = f"unit {names[i] or '<root>'!r} has different parameter names or shapes"
                 raise ValueError(
-                    f"rank {r}'s model differs from rank 0's: {detail}. Every rank must build the same "
-                    f"model (same config, same code) before sharding"
+                    f"rank {r}'s model differs from rank 0's: unit {names[i] or '<root>'!r} has different parameter "
+                    f"names or shapes. Every rank must build the same model (same config, same code) before sharding"
                 )
