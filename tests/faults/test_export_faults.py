@@ -59,7 +59,7 @@ def _make_checkpoints(rank, world, root):
     _save(f"{root}/diverged", model, 2, {"model": "tiny"})
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**GPT2))
-    shardwire.shard(hf, init=lambda module: None)
+    shardwire.shard(hf)
     for parameter in hf.parameters():
         with torch.no_grad():
             parameter.to_local().normal_()
