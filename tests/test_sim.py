@@ -339,6 +339,13 @@ def test_sweep_scaling_efficiency_is_per_gpu_throughput_against_one_node():
         sweep(GPT, cluster(), TrainingSpec(), "hidden", [1])
 
 
+def test_a_sweep_of_nodes_one_node_cannot_run_has_no_efficiency_and_no_refusal():
+    """Hybrid groups of two nodes' GPUs: every point swept runs, the 1-node reference cannot."""
+    s = sweep(GPT, cluster(2, 4), TrainingSpec(layout="hybrid", shard_group_size=8), "nodes", [2, 4])
+    assert [p.cluster.nodes for p in s.points] == [2, 4]
+    assert s.reference is None and s.scaling_efficiency is None
+
+
 # ------------------------------------------------------------------------------------- memory
 
 

@@ -298,7 +298,7 @@ def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8,
                                   "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
-                                  "vocab_size": 32000, "max_position_embeddings": 4096}))
+                                  "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}))
     cluster = ["--cluster", "h100-ib-400", "--nodes", "1", "--global-batch", "16"]
     status, out, _ = run(capsys, "plan", "--model", f"hf:{config}", "--seq-len", "2048", *cluster, "--json")
     doc = json.loads(out)
@@ -411,7 +411,8 @@ def test_simulating_and_planning_do_not_import_torch():
     """``shardwire simulate`` and ``plan`` are pure Python, so they start at once on any laptop, a
     Hugging Face config and the GPT sizes of ``shardwire train`` included."""
     config = json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-                         "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000})
+                         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512,
+                         "vocab_size": 1000, "tie_word_embeddings": False})
     code = ("import sys; from shardwire.cli import main; "
             "main(['simulate', '--model', 'gpt2-125m', '--cluster', 'a100-100gbe', '--json']); "
             f"main(['plan', '--model', 'hf:' + {config!r}, '--cluster', 'a100-100gbe', '--global-batch', '64']); "

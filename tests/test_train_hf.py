@@ -195,6 +195,36 @@ def test_the_flop_count_describes_hugging_face_decoders():
     assert (llama.ffn_gated, llama.kv_heads, llama.ffn_hidden, llama.tied_embeddings) == (True, 2, 128, False)
 
 
+def test_the_simulator_prices_the_model_train_builds():
+    """A config's own head width is the model's (Qwen3's and Gemma's heads are wider than hidden /
+    heads); read as hidden / heads, the simulator priced another model."""
+    from shardwire.sim.architecture import architecture
+    from shardwire.sim.inputs import load_model
+
+    config = json.dumps({**LLAMA, "head_dim": 32, "tie_word_embeddings": False})
+    with torch.device("meta"):
+        built = choose("hf:" + config).build()
+    assert architecture(load_model("hf:" + config), 2).params == sum(p.numel() for p in built.parameters())
+
+
+@pytest.mark.parametrize("config, left", [
+    (LLAMA, "tie_word_embeddings"),
+    ({"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 256},
+     "intermediate_size, num_key_value_heads, tie_word_embeddings"),
+    ({**LLAMA, "model_type": "qwen3", "tie_word_embeddings": True}, "head_dim"),
+], ids=["llama", "mistral", "qwen3"])
+def test_the_simulator_refuses_sizes_a_config_leaves_to_its_type(config, left):
+    """Its type's defaults are transformers' config class's (Mistral's MLP is 14,336 wide): guessed
+    as GPT-2's, the simulator priced another model than train builds, 34 times smaller."""
+    from shardwire.sim.inputs import load_model
+    from shardwire.sim.specs import SpecError
+
+    with pytest.raises(SpecError, match=rf"^its config leaves {left} to {config['model_type']}'s defaults, which "
+                                        rf"transformers' config class for {config['model_type']} holds: give"):
+        load_model("hf:" + json.dumps(config))
+    assert load_model("hf:" + json.dumps(GPT2)).tied_embeddings  # GPT-2's family: the reader's own defaults
+
+
 def test_a_config_difference_names_the_model_type_first_and_no_default_of_one_side_alone():
     from shardwire.models.choice import config_difference
     assert config_difference(LLAMA, {**LLAMA, "rms_norm_eps": 1e-5}) == "rms_norm_eps 1e-06 -> 1e-05"

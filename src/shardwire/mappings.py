@@ -39,6 +39,8 @@ MAX_JSON_BYTES = 256 << 20
 # Values in a document once its YAML aliases are expanded, likewise far beyond any config or spec.
 MAX_VALUES = 100_000
 _YAML_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+# A number in exponent form without a dot (1e12), which YAML 1.1 leaves as text
+_EXPONENT = re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$")
 _YAML_SPECIAL_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
 
 
@@ -265,6 +267,10 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
         loader = yaml.SafeLoader(text)  # its reader refuses characters YAML does not allow
         # this loader's own constructors (the class's are shared by every SafeLoader)
         loader.yaml_constructors = {**loader.yaml_constructors, **{tag: number for tag in _YAML_NUMBERS}}
+        # YAML 1.1 reads 1e12 as text (its floats have a dot), where JSON and the command line read a number
+        loader.yaml_implicit_resolvers = {first: [*([("tag:yaml.org,2002:float", _EXPONENT)] if first in "+-0123456789"
+                                                    else []), *resolvers]
+                                          for first, resolvers in loader.yaml_implicit_resolvers.items()}
         if numbers_as_text:
             loader.yaml_constructors["tag:yaml.org,2002:timestamp"] = lambda loader, node: node.value
         mapping = loader.yaml_constructors["tag:yaml.org,2002:map"]

@@ -45,6 +45,11 @@ def test_spec_numbers_are_decimal_or_refused(capsys):
     assert main(["simulate", "--model", "{preset: gpt2-125m, layers: 012, params: null}", "--cluster",
                  "a100-100gbe", "--json"]) == 0
     assert '"layers": 12' in capsys.readouterr().out
+    # exponents without a dot, which YAML 1.1 leaves as text, are numbers as in JSON and on the command line
+    assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, peak_tflops: 3e2}",
+                 "--training", "{micro_batch: 1e1}", "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert '"peak_tflops": 300.0' in printed and '"micro_batch": 10' in printed
     assert main(["simulate", "--model", "gpt2-125m", "--cluster", "{preset: a100-100gbe, nodes: 1:30}"]) == 2
     assert "'1:30' at line 1, column 30 is a YAML 1.1 number that the command line reads otherwise" in \
         capsys.readouterr().err

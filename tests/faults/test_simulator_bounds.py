@@ -93,6 +93,9 @@ def cluster(nodes: int, latency_us: float) -> ClusterSpec:
     (["--training", "{micro_batch: " + BIG + "}"], f"micro_batch {BIG} is over 1,048,576 sequences"),
     (["--cluster", "{preset: a100-100gbe, matmul_efficiency: 1.0e-300}"], "matmul_efficiency 1e-300 is under 0.0001"),
     (["--training", "{prefetch: 1000000}"], "prefetch 1000000 is more units than any model has (at most 2,048)"),
+    (["--model", "{layers: 1024, hidden: 64, heads: 4, vocab: 100, seq_len: 16}", "--training", "{grad_accum: 64}"],
+     "1,025 units x grad_accum 64 x gathers_per_unit 1 is 65,600 unit passes a step, more than the simulator "
+     "schedules (65,536): give fewer micro-batches"),
     (["--sweep", "nodes=" + ",".join(str(n) for n in range(1, 66))], "a sweep of 65 values is more than the 64"),
 ])
 def test_absurd_sizes_are_refused_at_once_with_one_line(capsys, work, argv, message):

@@ -7,11 +7,14 @@ blocks (embeddings, final norms, the output head) and stays gathered for the who
 FLOPs count matrix multiplications only, 2 m k n each (Megatron-LM's convention, which the T5
 document's appendix follows). Per token of a block's input, forward:
 
-    projections   2 x (q, k, v, o weights) = 2 (2 h^2 + 2 h h_kv)
-    attention     scores and weighted values: 4 s h  (s: keys attended to; causal masks counted full)
+    projections   2 x (q, k, v, o weights) = 2 (2 h w + 2 h w_kv)
+    attention     scores and weighted values: 4 s w  (s: keys attended to; causal masks counted full)
     MLP           2 h f x (3 if gated else 2)
-    cross-attn    (decoder of an encoder-decoder) q, o on decoder tokens: 4 h^2; k, v on the encoder
-                  tokens: 4 h h_kv per encoder token; scores: 4 s_enc h
+    cross-attn    (decoder of an encoder-decoder) q, o on decoder tokens: 4 h w; k, v on the encoder
+                  tokens: 4 h w_kv per encoder token; scores: 4 s_enc w
+
+where ``w`` is the queries' width (heads x head_dim: h, unless the model's heads are wider, as
+Qwen3's and Gemma's are) and ``w_kv`` that of the keys or the values (kv_heads x head_dim).
     head          2 h V per (decoder) token, in the root unit
 
 For a GPT this is the familiar 2 x (block parameters) + 4 s h per layer and token, so forward plus
@@ -24,11 +27,11 @@ Activations are the bytes a unit's forward saves for backward, per sequence, in 
 Recomputation in Large Transformer Models" (2022), without dropout masks. Per token:
 
     norms          2 c h (the two norms' inputs; a third for the cross-attention)
-    attention      c h (q, k, v projections' input) + c (h + 2 h_kv) (q, k, v) + c h (output
+    attention      c h (q, k, v projections' input) + c (w + 2 w_kv) (q, k, v) + c w (output
                    projection's input); eager attention adds c a s (the softmax output, a heads)
     MLP            c h (input) + 2 c f (activation's input and output), or 3 c f when gated
                    (gate, up and their product)
-    cross-attn     4 c h per decoder token, 2 c h_kv per encoder token (k, v), plus c a s_enc eager
+    cross-attn     2 c h + 2 c w per decoder token, 2 c w_kv per encoder token (k, v), plus c a s_enc eager
 
 For a GPT with f = 4 h and 16-bit activations that is 32 h bytes per token and layer: Korthikanti's
 34 h less the dropout masks. A unit's ``boundary`` is its input, all that activation checkpointing
@@ -45,11 +48,11 @@ a block, in elements of ``c`` bytes:
                PyTorch runs it: cast to fp32, square, mean, scale, cast back, weight, each pass
                reading and writing fp32 or c); residual adds 2 x 3 h; the MLP's activation 2 f
                (GELU: read, write) or 5 f when gated (SiLU, then its product with the up
-               projection); rotary embeddings 10 (h + h_kv) (q and k cast to fp32, rotated as
+               projection); rotary embeddings 10 (w + w_kv) (q and k cast to fp32, rotated as
                complex numbers, cast back) where positions are not learned; attention's output
                made contiguous 2 h
     fused      each residual add with the next norm 4 h (read both, write the sum and the normed);
-               the activation 2 f or 3 f; rotary embeddings 2 (h + h_kv); the output copy 2 h
+               the activation 2 f or 3 f; rotary embeddings 2 (w + w_kv); the output copy 2 h
 
 The root moves the loss's fp32 log-probabilities: 14 V bytes per token in forward (the logits cast
 to fp32, log-softmax's two reads and a write), eager or not.
@@ -152,19 +155,19 @@ def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
     """The units of ``model`` with activations counted at ``compute_bytes`` per element."""
     c = compute_bytes
     h, f, V = model.hidden, model.ffn_hidden, model.vocab
-    h_kv = h * model.kv_heads // model.heads
-    head_dim = h // model.heads
-    attention_params = 2 * h * h + 2 * h * h_kv
+    head_dim = model.head_width
+    w, w_kv = model.heads * head_dim, model.kv_heads * head_dim  # the widths of queries, and of keys or values
+    attention_params = 2 * h * w + 2 * h * w_kv
     mlp_params = h * f * (3 if model.ffn_gated else 2)
     mlp_acts = c * h + c * f * (3 if model.ffn_gated else 2)
     eager = model.attention == "eager"
-    rotary = 0 if model.learned_positions or model.kind != "decoder" else h + h_kv
+    rotary = 0 if model.learned_positions or model.kind != "decoder" else w + w_kv
 
     def attention_acts(keys: int) -> float:  # per query token, attending to ``keys`` tokens
-        return c * h + c * (h + 2 * h_kv) + c * h + (c * model.heads * keys if eager else 0)
+        return c * h + c * (w + 2 * w_kv) + c * w + (c * model.heads * keys if eager else 0)
 
     def block_kernels(s: int, keys: int, causal: bool) -> dict:
-        matmuls = (Matmul(s, h, h + 2 * h_kv), Matmul(s, h, h),
+        matmuls = (Matmul(s, h, w + 2 * w_kv), Matmul(s, w, h),
                    Matmul(s, h, f, count=2 if model.ffn_gated else 1), Matmul(s, f, h))
         attention = (Attention(s, keys, model.heads, head_dim, causal, eager),)
         activation = (5, 3) if model.ffn_gated else (2, 2)
@@ -175,16 +178,16 @@ def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
 
     def block(name: str, s: int, keys: int, causal: bool) -> UnitCost:
         params = attention_params + mlp_params + 2 * h
-        flops = s * (2 * (attention_params + mlp_params) + 4 * keys * h)
+        flops = s * (2 * (attention_params + mlp_params) + 4 * keys * w)
         acts = s * (2 * c * h + attention_acts(keys) + mlp_acts)
         return UnitCost(name, params, flops, acts, s * c * h, **block_kernels(s, keys, causal))
 
     def cross_block(name: str, s: int, s_enc: int) -> UnitCost:
         base = block(name, s, s, causal=True)
-        cross_params = 2 * h * h + 2 * h * h_kv
-        cross_flops = s * (4 * h * h + 4 * s_enc * h) + s_enc * 4 * h * h_kv
-        cross_acts = s * (4 * c * h + (c * model.heads * s_enc if eager else 0)) + s_enc * 2 * c * h_kv
-        cross = (Matmul(s, h, h, count=2), Matmul(s_enc, h, 2 * h_kv))
+        cross_params = 2 * h * w + 2 * h * w_kv
+        cross_flops = s * (4 * h * w + 4 * s_enc * w) + s_enc * 4 * h * w_kv
+        cross_acts = s * (2 * c * h + 2 * c * w + (c * model.heads * s_enc if eager else 0)) + s_enc * 2 * c * w_kv
+        cross = (Matmul(s, h, w), Matmul(s, w, h), Matmul(s_enc, h, 2 * w_kv))
         # one more norm and residual add per decoder token, eager and fused
         norm = EAGER_NORM[model.norm] * h + 3 * h
         return dataclasses.replace(

@@ -1,11 +1,14 @@
-"""A Hugging Face causal LM's ``config.json`` as the simulator describes a model, read without torch or
-transformers: ``shardwire simulate --model hf:...`` and ``shardwire plan`` take what ``shardwire
-train --model hf:...`` takes, and start at once.
+"""A Hugging Face causal LM's ``config.json`` as the simulator describes a model: ``shardwire simulate
+--model hf:...`` and ``shardwire plan`` take what ``shardwire train --model hf:...`` takes.
 
 The sizes go by the names Llama's and GPT-2's configs give them (``num_hidden_layers`` or
-``n_layer``, ...). Which families have a gated MLP and RMSNorm is a fact of their modelling code,
-not of the config: ``GATED_RMSNORM_FAMILIES`` lists the ``model_type``s built so (Llama and its
-descendants); others are taken as GPT-2's (4 h GELU MLP, LayerNorm).
+``n_layer``, ...). What a config leaves out is its model type's default, which only transformers'
+config class for that type knows (a Mistral's MLP of 14,336, a Llama's untied head). The config is
+read without torch or transformers, so that both commands start at once: one that leaves such a
+size out is refused, not guessed (``defaults_problem``). Which families have a gated MLP and RMSNorm
+is a fact of their modelling code, not of the config: ``GATED_RMSNORM_FAMILIES`` lists the
+``model_type``s built so (Llama and its descendants); others are taken as GPT-2's (4 h GELU MLP,
+LayerNorm, tied head).
 """
 
 from __future__ import annotations
@@ -157,6 +160,29 @@ def seq_len_of(fields: Mapping, seq_len: int | None) -> int:
     return length
 
 
+# The sizes whose default, where a config leaves them out, is its model type's own: a Mistral's MLP
+# is 14,336 wide, a Llama's key and value heads are its heads, its head untied; a Qwen3's heads are
+# 128 wide whatever its width. GPT-2's defaults (4 h MLP, every head a key and value head, a tied
+# head) are the reader's own.
+_DEFAULTED = ("intermediate_size", "num_key_value_heads", "tie_word_embeddings", "head_dim")
+# The families whose heads' default width is their own (Gemma's 256, Qwen3's 128), not hidden / heads.
+_HEADS_OF_THEIR_OWN_WIDTH = ("gemma", "gemma2", "qwen3")
+
+
+def defaults_problem(fields: Mapping) -> str | None:
+    """What a config of a gated family leaves to its model type's defaults, in words, or None. Those
+    defaults are transformers' config classes', which this reader does not import (it runs without
+    torch): a config ``save_pretrained`` wrote gives every size, and one written by hand that leaves
+    them out would be priced as another model than ``train`` builds."""
+    kind = fields.get("model_type")
+    left = [key for key in _DEFAULTED if fields.get(key) is None
+            and (key != "head_dim" or kind in _HEADS_OF_THEIR_OWN_WIDTH)]
+    if kind not in GATED_RMSNORM_FAMILIES or not left:
+        return None
+    return (f"its config leaves {', '.join(left)} to {kind}'s defaults, which transformers' config class for "
+            f"{kind} holds: give {'them' if len(left) > 1 else 'it'} in the config, as save_pretrained writes it")
+
+
 def spec_from_config(fields: Mapping, *, name: str, seq_len: int, gated: bool | None = None) -> ModelSpec:
     """The decoder ``fields`` describe at ``seq_len`` tokens; ``gated``: whether its MLP is (default:
     by its family). Raises ``ValueError`` when the config names no sizes this reader knows."""
@@ -171,6 +197,7 @@ def spec_from_config(fields: Mapping, *, name: str, seq_len: int, gated: bool | 
                          f"num_attention_heads/n_head, vocab_size)")
     llama_like = fields.get("model_type") in GATED_RMSNORM_FAMILIES
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=first("num_key_value_heads"),
+                     head_dim=first("head_dim"),
                      vocab=vocab, seq_len=seq_len, ffn_hidden=first("intermediate_size", "n_inner"),
                      ffn_gated=llama_like if gated is None else gated, norm="rmsnorm" if llama_like else "layernorm",
                      tied_embeddings=bool(fields.get("tie_word_embeddings", True)),

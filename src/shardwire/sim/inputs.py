@@ -40,6 +40,7 @@ from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
 from shardwire.mappings import (
     MappingError,
     Missing,
+    cut,
     field,
     is_number,
     one_line,
@@ -109,7 +110,9 @@ def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
         try:
             fields = huggingface.read_config(source)
             huggingface.check_sizes(fields)
-            family = fields.get("model_type") or os.path.basename(os.path.normpath(source))
+            if (left := huggingface.defaults_problem(fields)) is not None:
+                raise ValueError(left)
+            family = cut(str(fields.get("model_type") or os.path.basename(os.path.normpath(source))), 60)
             return huggingface.spec_from_config(fields, name=f"hf:{family}",
                                                 seq_len=huggingface.seq_len_of(fields, seq_len))
         except ValueError as err:

@@ -47,7 +47,7 @@ from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
                                  parse, spelled)
 from shardwire.sim.huggingface import HF_PREFIX, custom_code_refusal, has_tokenizer, read_config
-from shardwire.sim.step import layout_plan
+from shardwire.sim.step import MAX_UNIT_PASSES, layout_plan, unit_passes
 
 MAX_PREFETCH = 4
 # Step times this close count as equal, and the configuration needing less memory wins.
@@ -161,6 +161,12 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         raise SpecError(f"no configuration holds {', '.join(f'{key} {value}' for key, value in fixed.items())} "
                         f"with {per_gpu} samples per GPU")
     arch = architecture(model, base.compute_bytes)
+    # the micro-batches of a single sequence of a model of thousands of layers: more than one prediction schedules
+    candidates = [t for t in candidates if unit_passes(arch, t) <= MAX_UNIT_PASSES]
+    if not candidates:
+        raise SpecError(f"every configuration of {model.name} with {per_gpu} samples per GPU holding what is fixed "
+                        f"schedules more than {MAX_UNIT_PASSES:,} unit passes a step (units x micro-batches), more "
+                        f"than the simulator prices: give a smaller global batch, or fix a larger micro-batch")
     memory = {t: estimate_memory(arch, cluster, t) for t in candidates}
     fitting = [t for t in candidates if memory[t].fits]
     if not fitting:
@@ -184,8 +190,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
     diloco = None
     if not exact and cluster.nodes > 1:
-        syncing = [t for t in diloco_settings(per_gpu, cluster, base)
-                   if _holds(t, fixed) and estimate_memory(arch, cluster, t).fits]
+        syncing = [t for t in diloco_settings(per_gpu, cluster, base) if _holds(t, fixed)
+                   and unit_passes(arch, t) <= MAX_UNIT_PASSES and estimate_memory(arch, cluster, t).fits]
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco,
                 notes)

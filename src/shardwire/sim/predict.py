@@ -149,7 +149,8 @@ def _swept(cluster: ClusterSpec, training: TrainingSpec, key: str, value) -> tup
 
 def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: str, values: list) -> Sweep:
     """Predict each value of ``key`` (a cluster or training setting); for a sweep over ``nodes``,
-    with scaling efficiency against 1 node (simulated even when not among ``values``)."""
+    with scaling efficiency against 1 node (simulated even when not among ``values``, and left out
+    where 1 node cannot run the settings, as hybrid groups wider than a node)."""
     if len(values) > MAX_SWEEP_VALUES:
         raise SpecError(f"a sweep of {len(values)} values is more than the {MAX_SWEEP_VALUES} it takes: "
                         f"sweep fewer values, or several sweeps")
@@ -171,5 +172,8 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, key: s
     if key == "nodes":
         reference = next((p for p in points if p.cluster.nodes == 1), None)
         if reference is None:
-            reference = predict(model, parse("cluster", {**as_dict(cluster), "nodes": 1}), training)
+            try:
+                reference = predict(model, parse("cluster", {**as_dict(cluster), "nodes": 1}), training)
+            except SpecError:  # a setting of the points swept that one node cannot hold: no efficiency
+                reference = None
     return Sweep(key, values, points, reference)

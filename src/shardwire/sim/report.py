@@ -141,8 +141,8 @@ def describe_setup(p: Prediction, swept: str | None = None) -> list[str]:
         gathers = ", " + setting("gathers_per_unit", f"{t.gathers_per_unit} gathers per unit")
     return [
         f"model     {m.name}: {p.arch.params / 1e9:.3g}B parameters, {len(p.arch.units)} block units + root",
-        f"cluster   {c.name}: {setting('nodes', f'{c.nodes} nodes')} x "
-        f"{setting('gpus_per_node', f'{c.gpus_per_node} GPUs')}, "
+        f"cluster   {c.name}: {setting('nodes', f'{c.nodes} node' + 's' * (c.nodes != 1))} x "
+        f"{setting('gpus_per_node', f'{c.gpus_per_node} GPU' + 's' * (c.gpus_per_node != 1))}, "
         f"{setting('peak_tflops', f'{c.peak_tflops:g} TFLOP/s')} and "
         f"{setting('gpu_memory_gb', f'{c.gpu_memory_gb:g} GiB')} each; "
         f"intra-node {c.intra_node.busbw_GBps:g} GB/s, "

@@ -118,6 +118,7 @@ LIMITS = types.MappingProxyType({
     "ffn_hidden": _WIDTH,
     "heads": _HEADS,
     "kv_heads": _HEADS,
+    "head_dim": _WIDTH,
     "vocab": Limit(MAX_VOCAB, f"over {MAX_VOCAB:,} tokens, sixty times the largest published vocabularies"),
     "seq_len": _SEQUENCE,
     "decoder_seq_len": _SEQUENCE,
@@ -187,6 +188,8 @@ class ModelSpec:
     (``decoder_layers`` when the decoder differs); ``seq_len`` is the (encoder) input length and
     ``decoder_seq_len`` the target length of an encoder-decoder. ``ffn_gated`` marks a gated MLP
     (three matrices: SwiGLU, gated GELU); ``kv_heads`` < ``heads`` is grouped-query attention;
+    ``head_dim`` is each head's width, ``hidden / heads`` unless the model says otherwise (Qwen3's
+    and Gemma's heads are wider, so their attention is wider than the model);
     ``attention`` is ``flash`` (scores never stored, as with SDPA/FlashAttention) or ``eager``
     (the score matrix is materialized and kept for backward). ``norm`` is ``layernorm`` (one fused
     kernel even in eager PyTorch) or ``rmsnorm`` (Llama's and T5's, which eager PyTorch runs as a
@@ -204,6 +207,7 @@ class ModelSpec:
     ffn_hidden: int | None = None
     ffn_gated: bool = False
     kv_heads: int | None = None
+    head_dim: int | None = None
     decoder_layers: int | None = None
     decoder_seq_len: int | None = None
     tied_embeddings: bool = True
@@ -219,8 +223,11 @@ class ModelSpec:
         _choice(self, "norm", NORMS)
         _resolve(self, ffn_hidden=_given(self.ffn_hidden, 4 * self.hidden), kv_heads=_given(self.kv_heads, self.heads))
         _check_limits(self, "ffn_hidden", "kv_heads")
-        if self.hidden % self.heads:
-            raise SpecError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise SpecError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}), or give each "
+                            f"head's width (head_dim)")
+        if self.head_dim is not None:
+            _check_limits(self, "head_dim")
         if self.heads % self.kv_heads:
             raise SpecError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.kind == "decoder":
@@ -233,6 +240,13 @@ class ModelSpec:
             _check_limits(self, "decoder_layers", "decoder_seq_len")
         if self.params is not None:
             _check_limits(self, "params")
+
+    @property
+    def head_width(self) -> int:
+        """Each head's width: ``head_dim``, or where the model gives none, ``hidden / heads``. Not
+        resolved into ``head_dim``, so that a preset whose ``hidden`` or ``heads`` is changed gets
+        the width they give."""
+        return _given(self.head_dim, self.hidden // self.heads)
 
 
 @dataclasses.dataclass(frozen=True)

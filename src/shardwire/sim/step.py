@@ -114,7 +114,21 @@ class Timeline:
         return sum(self.compute.values())
 
 
+# The unit passes a step schedules (units x micro-batches x gathers of a unit), a few events each: a
+# published run takes a few thousand; beyond this many, one prediction takes more than seconds.
+MAX_UNIT_PASSES = 2**16
+
+
+def unit_passes(arch: Architecture, training: TrainingSpec) -> int:
+    return (len(arch.units) + 1) * training.grad_accum * training.gathers_per_unit
+
+
 def simulate_step(arch: Architecture, cluster: ClusterSpec, training: TrainingSpec) -> Timeline:
+    if (passes := unit_passes(arch, training)) > MAX_UNIT_PASSES:
+        raise SpecError(f"{len(arch.units) + 1:,} units x grad_accum {training.grad_accum} x gathers_per_unit "
+                        f"{training.gathers_per_unit} is {passes:,} unit passes a step, more than the simulator "
+                        f"schedules ({MAX_UNIT_PASSES:,}): give fewer micro-batches of more sequences, or fewer "
+                        f"gathers per unit")
     return _Step(arch, cluster, training).run()
 
 
