@@ -238,3 +238,9 @@ def test_a_tokenizer_model_of_neither_kind_is_named_so_not_a_package_to_install(
         main(["train", "--data", str(text), "--tokenizer", str(directory)])
     assert str(refused.value) == (f"error: --tokenizer {directory}: its tokenizer.model is neither a SentencePiece "
                                   f"model nor a tiktoken file: give a directory a tokenizer's save_pretrained wrote")
+
+
+def test_a_corpus_says_a_long_name_cut_short():
+    """The start-of-run line printed a --data path of 3,000 characters whole."""
+    described = ByteCorpus(bytes(range(256)) * 64, "d" * 3000 + "/corpus.txt", seq_len=16).description
+    assert len(described) < 200 and described.endswith("/corpus.txt, 0.0M bytes as tokens")

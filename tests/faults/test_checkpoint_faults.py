@@ -567,18 +567,25 @@ def test_a_checkpoint_whose_groups_saved_unlike_outer_states_is_refused_and_skip
 
 
 def test_a_directory_moved_under_a_run_is_claimed_again(tmp_path):
-    """`mv ckpt ckpt-moved` during a run: it saved on into a new ckpt that no claim guarded."""
+    """`mv ckpt ckpt-moved` during a run: it saved on into a new ckpt that no claim guarded. Moved
+    again, it is said to be again (the second warning, of the same words, was not shown)."""
     model, optimizer = make_model(0)
     save_step(tmp_path / "ckpt", model, optimizer, 1)
     (tmp_path / "ckpt").rename(tmp_path / "moved")
     with pytest.warns(UserWarning, match="ckpt was moved or removed while this run saved in it: the run claims it "
-                                         "again and saves there from now on"):
+                                         "again and saves step_00000002 there and what follows"):
         save_step(tmp_path / "ckpt", model, optimizer, 2)
     assert (tmp_path / "ckpt" / CLAIM).exists() and listing(tmp_path / "ckpt") == ["step_00000002"]
     assert listing(tmp_path / "moved") == ["step_00000001"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         save_step(tmp_path / "ckpt", model, optimizer, 3)  # claimed: nothing to say
+    (tmp_path / "ckpt").rename(tmp_path / "moved-again")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")  # as a command shows them: a repeated warning once
+        save_step(tmp_path / "ckpt", model, optimizer, 4)
+    assert [str(w.message).split(":")[0] for w in said] == [f"{tmp_path / 'ckpt'} was moved or removed while this run "
+                                                             f"saved in it"]
 
 
 def test_a_directory_replaced_under_a_run_is_not_saved_into(tmp_path):

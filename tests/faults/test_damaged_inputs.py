@@ -173,6 +173,7 @@ def test_a_testbed_jobs_missing_script_is_one_line_before_any_node_starts(testbe
 @pytest.mark.parametrize("job, said", [
     (["--no-python", "/nonexistent"], "the job's program /nonexistent is not an executable file here or on PATH"),
     (["--no-python"], "the job's --no-python names nothing after it: give a program"),
+    (["--no_python", "/nonexistent"], "the job's program /nonexistent is not an executable file"),  # torchrun's too
     (["-c", "1"], "the job starts with -c: give a script, -m module or --no-python program, then its arguments"),
 ])
 def test_a_testbed_job_torchrun_cannot_start_is_one_line_before_any_node_starts(testbed_run, capsys, job, said):

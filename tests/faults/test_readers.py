@@ -292,6 +292,12 @@ def _forward_five_times(document):
      "its metadata's model is 'gpt-125m', where the job it ran has 'gpt-1.3b'"),
     (lambda d: d["metadata"].update(precision="fp32"),
      "its metadata's precision is 'fp32', where the job it ran has 'bf16'"),
+    # a rank's figures that contradict one another, and steps that do not follow one another
+    (lambda d: [figures.update(overlap_ratio=0.99) for step in d["steps"] for figures in step["ranks"]],
+     "its step 0's rank 0 has an overlap ratio of 0.99, where its "),
+    (lambda d: [figures.update(comm_s=10 * figures["step_s"]) for step in d["steps"] for figures in step["ranks"]],
+     "its step 0's rank 0 has communication of "),
+    (lambda d: d["steps"][2].update(step=1), "its steps are numbered [0, 1, 1, "),
 ])
 def test_a_summary_its_steps_do_not_give_is_refused_by_both_readers(tmp_path, capsys, change, said):
     """A summary edited apart from its steps calibrated the simulator with figures no step measured,
@@ -302,6 +308,15 @@ def test_a_summary_its_steps_do_not_give_is_refused_by_both_readers(tmp_path, ca
         refused = refusal(argv, capsys)
         assert f"{path} is damaged ({said}" in refused, refused
     assert not (tmp_path / "plots").exists()
+
+
+def test_a_file_that_is_not_a_profile_is_named_so(tmp_path, capsys):
+    """A trace or an empty mapping was 'format version None'."""
+    for text in ("{}", '{"traceEvents": []}'):
+        path = tmp_path / "profile.json"
+        path.write_text(text)
+        for argv in ([*CALIBRATE, str(path)], ["report", str(tmp_path), "--out", str(tmp_path / "plots")]):
+            assert f"{path} is not a profile (it holds no format version)" in refusal(argv, capsys)
 
 
 RACED = os.path.join(REPO, "benchmarks", "results", "link-100mbit", "profiles", "shardwire", "2x2-100mbit",

@@ -210,10 +210,10 @@ def _check_lead(command: list[str]) -> None:
     ``-m module``, or ``--no-python`` and a program found here (each node would otherwise print
     torchrun's usage, or a traceback, of its own)."""
     lead = command[0]
-    if lead in ("-m", "--module", "--no-python") and len(command) < 2:
-        named = "program" if lead == "--no-python" else "module"
-        raise TestbedError(f"the job's {lead} names nothing after it: give a {named}")
-    if lead == "--no-python":
+    program = lead in ("--no-python", "--no_python")  # torchrun takes either spelling
+    if (program or lead in ("-m", "--module")) and len(command) < 2:
+        raise TestbedError(f"the job's {lead} names nothing after it: give a {'program' if program else 'module'}")
+    if program:
         if shutil.which(command[1]) is None:
             raise TestbedError(f"the job's program {cut(command[1])} is not an executable file here or on PATH, where "
                                f"the nodes run the job: give one that is")

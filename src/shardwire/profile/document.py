@@ -43,6 +43,9 @@ def read_profile_document(path: str) -> dict:
     except MappingError as err:
         raise DamagedProfile(str(err)) from None
     version = profile.get("version")
+    if version is None:
+        raise DamagedProfile(f"{path} is not a profile (it holds no format version): give the profile.json "
+                             f"`shardwire train --profile` wrote, or its run directory")
     if type(version) is not int or version != FORMAT_VERSION:  # true is 1 to Python
         raise DamagedProfile(f"{path} has format version {shown(version)}; this shardwire reads {FORMAT_VERSION}")
     world = profile.get("world_size")
@@ -113,21 +116,47 @@ def _steps_problem(profile: dict) -> str | None:
     time, and writes each figure of a step as the least, median and most over its ranks: a rank's
     part edited apart from its step (a forward five times as long) would be drawn, and calibrate
     the simulator, as if measured."""
+    numbers = [step["step"] for step in profile["steps"]]
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        return f"its steps are numbered {shown(numbers, 60)}, where a run's steps follow one another"
     for step in profile["steps"]:
         for rank, figures in enumerate(step["ranks"]):
-            missing = next((name for name in _FIGURES if not is_number(figures.get(name))), None)
+            missing = next((name for name in _RANK_FIGURES if not is_number(figures.get(name))), None)
             if missing is not None:
                 return f"its step {step['step']}'s rank {rank} has {shown(figures.get(missing))} for {missing}"
             parts = math.fsum(figures[key] for key, _ in PARTS)
             if not math.isclose(parts, figures["step_s"], rel_tol=_ROUNDING, abs_tol=1e-9):
                 return (f"its step {step['step']}'s rank {rank} has parts adding up to {parts:.6g} s in a step of "
                         f"{figures['step_s']:.6g} s")
+            if (apart := _communication_problem(figures)) is not None:
+                return f"its step {step['step']}'s rank {rank} has {apart}"
         for name in _FIGURES:
             values = [figures[name] for figures in step["ranks"]]
             for stat, value in (("min", min(values)), ("median", statistics.median(values)), ("max", max(values))):
                 if not math.isclose(step["figures"][name][stat], value, rel_tol=_ROUNDING, abs_tol=1e-12):
                     return (f"its step {step['step']}'s {name} {stat} is {step['figures'][name][stat]:.6g}, where "
                             f"its ranks give {value:.6g}")
+    return None
+
+
+def _communication_problem(figures: dict) -> str | None:
+    """Where a rank's communication figures of a step contradict each other, in words, or None. The
+    profiler takes them from one set of spans (``analysis.breakdown``): the time some collective was
+    in flight within the step, the part of it no compute hid (spent waiting), each collective's own
+    time within it, and the overlap ratio, the hidden part of it."""
+    comm, exposed = figures["comm_s"], figures["exposed_comm_s"]
+    if comm > figures["step_s"] * (1 + _ROUNDING):
+        return f"communication of {comm:.6g} s in a step of {figures['step_s']:.6g} s"
+    if exposed > comm * (1 + _ROUNDING) + 1e-12 or exposed > figures["wait_s"] * (1 + _ROUNDING) + 1e-9:
+        return (f"{exposed:.6g} s of communication exposed, more than its {comm:.6g} s of communication or its "
+                f"{figures['wait_s']:.6g} s of waiting")
+    if op := next((op for op in OPS if is_number(figures.get(f"{op}_s"))
+                   and figures[f"{op}_s"] > comm * (1 + _ROUNDING) + 1e-12), None):
+        return f"{figures[f'{op}_s']:.6g} s of {op}, more than its {comm:.6g} s of communication"
+    overlap = 1 - exposed / comm if comm > 0 else 1.0
+    if not math.isclose(figures["overlap_ratio"], overlap, rel_tol=_ROUNDING, abs_tol=1e-9):
+        return (f"an overlap ratio of {figures['overlap_ratio']:.6g}, where its {exposed:.6g} s exposed of "
+                f"{comm:.6g} s of communication give {overlap:.6g}")
     return None
 
 
@@ -218,6 +247,8 @@ _NAME, _ANY = "a name", "anything"
 _SPREAD = {"min": _NUMBER, "median": _NUMBER, "max": _NUMBER}  # one figure over the ranks
 _FIGURES = {**{key: _SPREAD for key in ("step_s", *(key for key, _ in PARTS))},
             "overlap_ratio": dict.fromkeys(_SPREAD, _RATIO)}
+# What each rank's figures of a step hold, as every profile of this format does.
+_RANK_FIGURES = (*_FIGURES, "comm_s", "exposed_comm_s")
 # What the plots read of a profile, each value of the kind they read it as: a mapping holds the
 # keys listed (and may hold others); a tuple lists the names a value may be.
 _PROFILE = {

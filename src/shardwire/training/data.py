@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from shardwire.files import LEADS_NOWHERE, WriteFailed, inside_problem, write_atomically
+from shardwire.mappings import cut
 from shardwire.models import tokenizer as hf_tokenizer
 
 VALIDATION_FRACTION = 0.01
@@ -387,7 +388,7 @@ class TokenCorpus(_Sequences):
     @property
     def description(self) -> str:
         count = f"{self.num_tokens / 1e6:.1f}M" if self.num_tokens >= 100_000 else f"{self.num_tokens:,}"
-        return f"{self.name}, {count} {self.ids.dtype} token ids"
+        return f"{cut(self.name)}, {count} {self.ids.dtype} token ids"
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a corpus with an id the model's vocabulary does not have, naming the first one."""
@@ -595,7 +596,7 @@ class ByteCorpus(_Sequences):
 
     @property
     def description(self) -> str:
-        return f"{self.name}, {self.num_tokens / 1e6:.1f}M bytes as tokens"
+        return f"{cut(self.name)}, {self.num_tokens / 1e6:.1f}M bytes as tokens"
 
     def check_vocab(self, vocab_size: int) -> None:
         if vocab_size < 256:

@@ -30,7 +30,7 @@ from shardwire.files import ClaimHeld, claim_file, make_directories, remove_dire
 CLAIM = ".shardwire-claim"
 
 
-def claim(directory: pathlib.Path, claimed: dict[str, tuple[int, int]]) -> None:
+def claim(directory: pathlib.Path, claimed: dict[str, tuple[int, int]], saving: str | None = None) -> None:
     """Make this process the owner of ``directory``, or raise a ``CheckpointError`` naming the run that
     owns it. ``claimed`` holds the directories this model's engine has claimed already (no new
     descriptor for each save), each with its claim file's identity (device, inode): one whose claim
@@ -38,14 +38,17 @@ def claim(directory: pathlib.Path, claimed: dict[str, tuple[int, int]]) -> None:
     a copy of its claim file), and is claimed again with a warning where it holds no checkpoint, or
     refused (``DirectoryMoved``) where it holds some, which the run's pruning would delete. It is
     known by its name as given, not by where that name leads: a name turned into a link to another
-    series leads to another claim file, so it is refused as replaced, not claimed afresh there."""
+    series leads to another claim file, so it is refused as replaced, not claimed afresh there.
+    ``saving``: the checkpoint about to be saved there, which the warning names (a directory moved
+    twice is said to be twice, not once, as a repeated warning would be)."""
     key = os.path.abspath(directory)
     if key in claimed:
         if _identity(directory / CLAIM) == claimed[key]:
             return
         _check_replaced(directory)
+        saved = f"saves {saving} there and what follows" if saving else "saves there from now on"
         warnings.warn(f"{directory} was moved or removed while this run saved in it: the run claims it again and "
-                      f"saves there from now on; what it had saved is where the directory went", stacklevel=3)
+                      f"{saved}; what it had saved is where the directory went", stacklevel=3)
         del claimed[key]
     made = make_directories(directory)
     try:

@@ -180,7 +180,7 @@ class PendingCheckpoint:
         """Rank 0 claims the directory the save writes in for this run, and creates the one that every
         rank writes into, marked as this save's; the others wait for it in the agreement that follows."""
         if dist.get_rank(self._engine.group) == 0:
-            session_of(self._engine).claim(self.path.parent)
+            session_of(self._engine).claim(self.path.parent, self.path.name)
             ownership.create_marked(self._staging, self.path.name, self._token)
 
     def _write_in_background(self) -> None:

@@ -35,9 +35,10 @@ class CheckpointSession:
         if self.pending is not None:
             self.pending.wait()
 
-    def claim(self, directory: pathlib.Path) -> None:
-        """Own ``directory`` for this run (``claim.claim``); a directory claimed already is not claimed again."""
-        claim(directory, self.claimed)
+    def claim(self, directory: pathlib.Path, saving: str | None = None) -> None:
+        """Own ``directory`` for this run (``claim.claim``), before saving the checkpoint ``saving`` in
+        it; a directory claimed already is not claimed again."""
+        claim(directory, self.claimed, saving)
 
 
 def session_of(engine: Engine) -> CheckpointSession:
