@@ -105,7 +105,8 @@ def _parsed(text: str, what: str):
 # a larger one overflows the sizes torch can allocate, even on the meta device).
 _SIZES = (("num_hidden_layers", "n_layer", 1, MAX_LAYERS), ("hidden_size", "n_embd", 1, MAX_WIDTH),
           ("num_attention_heads", "n_head", 1, MAX_WIDTH), ("vocab_size", "vocab_size", 1, MAX_VOCAB),
-          ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH))
+          ("max_position_embeddings", "n_positions", 1, MAX_SEQ_LEN), ("intermediate_size", "n_inner", 1, MAX_WIDTH),
+          ("head_dim", "head_dim", 1, MAX_WIDTH))
 
 
 def check_sizes(fields: Mapping, written: Mapping | None = None) -> None:
