@@ -61,7 +61,7 @@ def test_the_search_holds_what_a_run_fixes():
 
 @pytest.mark.parametrize("model, precision, said", [
     ('hf:{"model_type": "mpt", "d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}',
-     "fp32", "its config gives no layers, hidden size, heads or vocabulary"),
+     "fp32", "its model_type 'mpt' is not one whose shape the simulator knows"),
     ("tiny", "fp8", "prices fp8 only on a GPU the simulator knows, not on this CPU"),
 ])
 def test_a_job_the_plan_cannot_price_is_refused_before_any_worker_starts(model, precision, said):

@@ -339,6 +339,22 @@ def test_sweep_scaling_efficiency_is_per_gpu_throughput_against_one_node():
         sweep(GPT, cluster(), TrainingSpec(), "hidden", [1])
 
 
+def test_a_changed_preset_gets_the_sizes_its_changes_give():
+    """A preset's key and value heads, MLP width and head width that followed its heads and width
+    follow the changes (a GPT given more heads became grouped-query attention, fewer were refused);
+    those it sets itself (Llama 2 70B's 8 key and value heads, its MLP) stay."""
+    from shardwire.sim.inputs import load_model
+
+    def sizes(text: str) -> tuple[int, int, int, int]:
+        model = load_model(text)
+        return model.heads, model.kv_heads, model.ffn_hidden, model.head_width
+
+    assert sizes("{preset: gpt-1.3b, heads: 32}") == (32, 32, 8192, 64)
+    assert sizes("{preset: gpt-1.3b, heads: 8}") == (8, 8, 8192, 256)
+    assert sizes("{preset: gpt-1.3b, hidden: 4096, params: null}") == (16, 16, 16384, 256)
+    assert sizes("{preset: llama2-70b, heads: 32, params: null}") == (32, 8, 28672, 256)
+
+
 def test_a_sweep_of_nodes_one_node_cannot_run_has_no_efficiency_and_no_refusal():
     """Hybrid groups of two nodes' GPUs: every point swept runs, the 1-node reference cannot."""
     s = sweep(GPT, cluster(2, 4), TrainingSpec(layout="hybrid", shard_group_size=8), "nodes", [2, 4])

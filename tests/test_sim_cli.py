@@ -86,7 +86,7 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
      "unknown GPU preset 'b200'; known GPUs: a100-80gb"),
     (["--model", "gpt-125m", "--seq-len", "0", "--cluster", "a100-100gbe"], "--seq-len must be at least 1, got 0"),
     (["--model", "hf:missing", "--cluster", "a100-100gbe"], "hf:missing does not exist"),
-    (["--model", "hf:{\"model_type\": \"t5\"}", "--cluster", "a100-100gbe"], "its config gives no layers"),
+    (["--model", "hf:{\"model_type\": \"gpt2\"}", "--cluster", "a100-100gbe"], "its config gives no layers"),
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--training", "{precision: fp8}"],
      "precision fp8 needs fp8 tensor cores: cluster 'a100-100gbe' gives no fp8_tflops"),
     (["--model", "gpt-125m", "--cluster", "a100-100gbe", "--calibrate", "missing.json"],
@@ -306,13 +306,12 @@ def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_
     assert f"-m shardwire train --model hf:{config} --seq-len 2048 " in doc["best"]["run"]["command"]
     status, out, _ = run(capsys, "plan", "--model", "llama2-7b", *cluster)
     assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
-    coded = tmp_path / "coded"  # custom code for a model_type transformers does not implement: train refuses it
+    coded = tmp_path / "coded"  # custom code for a model_type of its own: neither simulated nor trained
     coded.mkdir()
     (coded / "config.json").write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mine",
                                                    "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
-    status, out, _ = run(capsys, "plan", "--model", f"hf:{coded}", *cluster)
-    assert status == 0 and "run:   torchrun" not in out
-    assert f"not run by shardwire train: hf:{coded}: it needs custom code (auto_map " in out
+    status, _, err = run(capsys, "plan", "--model", f"hf:{coded}", *cluster)  # no shape the simulator knows
+    assert status == 2 and "its model_type 'mine' is not one whose shape the simulator knows" in err
     status, out, _ = run(capsys, "plan", "--model", "gpt-350m", *cluster, "--training", "{precision: fp8}")
     assert status == 0 and "--precision fp8" in out and "run:   torchrun" in out
     assert "or:    shardwire.models.fp8.convert(model, units); shardwire.shard(model, " in out

@@ -133,8 +133,7 @@ def test_compiled_units_of_more_layers_than_torchs_recompile_limit_run_without_a
     ('hf:{"n_embd": 64}', [], "the config names no model_type: give the one its model is (llama, gpt2, ...)"),
     ("hf:" + json.dumps({**LLAMA, "hidden_act": "nope"}), [], "the config names 'nope', which transformers does not know"),
     ("hf:" + json.dumps({**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 1}), [],
-     "hidden_size (64) must be a multiple of num_attention_heads (3), or give each head's width (head_dim) where "
-     "the model takes one"),
+     "hidden_size (64) must be a multiple of num_attention_heads (3)"),
     ("hf:" + json.dumps({**LLAMA, "num_key_value_heads": 3}), [],
      "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ('hf:{"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4}', [],
@@ -223,6 +222,24 @@ def test_the_simulator_refuses_sizes_a_config_leaves_to_its_type(config, left):
                                         rf"transformers' config class for {config['model_type']} holds: give"):
         load_model("hf:" + json.dumps(config))
     assert load_model("hf:" + json.dumps(GPT2)).tied_embeddings  # GPT-2's family: the reader's own defaults
+
+
+@pytest.mark.parametrize("config, said", [
+    ({**GPT2, "model_type": "gpt_neox"}, "its model_type 'gpt_neox' is not one whose shape the simulator knows"),
+    ({**LLAMA, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({**LLAMA, "hidden_size": 66, "head_dim": 16, "tie_word_embeddings": False},
+     r"hidden_size \(66\) must be a multiple of num_attention_heads \(4\)"),
+], ids=["another family", "a tie given as text", "heads not dividing the width"])
+def test_the_simulator_refuses_what_it_would_price_as_another_model(config, said):
+    """Another family was priced as GPT-2 (a Mixtral's experts left out: 5 times too small); a tie
+    given as "false" as tied; a width the heads do not divide as a model train refuses."""
+    from shardwire.sim.inputs import load_model
+    from shardwire.sim.specs import SpecError
+
+    with pytest.raises(SpecError, match=said):
+        load_model("hf:" + json.dumps(config))
+    gpt2 = load_model("hf:" + json.dumps({**GPT2, "head_dim": 96}))  # a key GPT-2's model does not read
+    assert gpt2.head_width == 16
 
 
 def test_a_config_difference_names_the_model_type_first_and_no_default_of_one_side_alone():

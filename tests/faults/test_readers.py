@@ -214,11 +214,6 @@ BENCH = os.path.join(REPO, "benchmarks", "results", "bench_testbed_2x1_1gbit.jso
      "its contention.inter.compute_share is 0.9, where the median of its rank_shares is 0.025"),
     (lambda d: d["contention"]["inter"].update(ranks=8), "its contention.inter.ranks is 8, where its context's inter "
                                                          "group has 2"),
-    (lambda d: d["contention"]["inter"].update(compute_share=0.9, rank_shares=[0.9, 0.9]),
-     "its contention.inter.compute_share is 0.9, where its alone_s and beside_s give 0.323"),
-    (lambda d: d["contention"]["inter"].update(compute_share=0.9, rank_shares=[0.9, 0.9],
-                                               alone_s=1.03 * d["contention"]["inter"]["beside_s"]),
-     "its contention.inter.compute_share is 0.9, where its alone_s and beside_s give 0"),
     (lambda d: d["contention"].update(intra=d["contention"]["inter"]),
      "its contention has 'intra', a group it did not measure (its groups: inter)"),
     # the checks of its contention cannot be turned off by damaging what they compare it with
@@ -258,6 +253,18 @@ def test_bench_results_missing_a_part_say_which(tmp_path, capsys, change, messag
     refused = refusal(["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--cluster-from", str(path)],
                       capsys)
     assert message in refused, refused
+
+
+def test_a_bench_whose_median_times_do_not_give_its_median_share_is_read(tmp_path, capsys):
+    """The median of the members' shares is not the share of their median times: a busy machine's
+    own bench (`train --plan auto`'s probe) was refused as damaged, with a traceback."""
+    with open(BENCH) as f:
+        document = json.load(f)
+    document["contention"]["inter"].update(alone_s=1.0, beside_s=1.0)  # times that give a share of 0
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(document))
+    assert main(["simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--cluster-from", str(path)]) == 0
+    capsys.readouterr()
 
 
 def _scaled_summary(document):

@@ -34,6 +34,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     torch's call fails there.
     """
     engine = engine_of(model)
+    if not (isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool) and norm_type >= 0):
+        # torch takes a negative order, which no norm has and whose value each rank's empty rows fail
+        raise ValueError(f"norm_type must be a norm's order, 0 or more (2.0, or math.inf for the largest value), "
+                         f"got {norm_type!r}")
     engine.emit("clip", None, "start")
     try:
         if norm_type == math.inf:
@@ -53,13 +57,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 def _largest_gradient(params: list[nn.Parameter]) -> torch.Tensor:
     """The largest absolute value of the gradients: each rank's of its rows (0 where it holds none),
-    then the largest over the ranks that split the parameters, as DTensor reduces a partial max."""
+    then the largest over the ranks that split the parameters, as DTensor reduces a partial max over
+    the mesh dimensions a split gradient is sharded on (a 0-dim one, held whole, is on none)."""
     grads = [param.grad for param in params if param.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     local = torch.stack([g.to_local().abs().max().float() if g.to_local().numel() else
                          g.to_local().new_zeros((), dtype=torch.float32) for g in grads]).max()
-    mesh, placements = grads[0].device_mesh, grads[0].placements
+    split = next((g for g in grads if any(placement.is_shard() for placement in g.placements)), grads[0])
+    mesh, placements = split.device_mesh, split.placements
     partial = [Partial("max") if placement.is_shard() else placement for placement in placements]
     return DTensor.from_local(local, mesh, partial).redistribute(mesh, [Replicate()] * len(placements))
 

@@ -26,7 +26,6 @@ import contextlib
 import functools
 import inspect
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -111,21 +110,19 @@ def build_units(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dic
 class _Storage:
     """Storage for a meta model's parameters and buffers, and whether the initialisation wrote it.
 
-    Storage comes uninitialised (floating-point storage filled with NaN), so a value nothing
-    initialises would train as whatever memory held: a parameter of a module without
-    ``reset_parameters``, an integer buffer computed in ``__init__`` (positions, indices). A tensor
-    counts as written when the initialisation replaced it, wrote it in place (torch's version
-    counter, which every in-place operation advances) or gave it other data (``.data = ...``), and,
-    floating-point, left no NaN in it: a write of some of its rows is not enough.
+    Storage comes uninitialised, so a value nothing initialises would train as whatever memory held:
+    a parameter of a module without ``reset_parameters``, an integer buffer computed in ``__init__``
+    (positions, indices). So it is filled with a mark no initialisation writes (NaN, the largest
+    integer, a pattern of bools), and a value that still holds it, everywhere (integers, bools) or
+    anywhere (floating point: a write of some of its rows is not enough), was never set. The mark is
+    in the values, so a write through ``.data``, which no version counter of the tensor's sees,
+    counts as one.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.params: dict[int, nn.Parameter] = {}  # by the id of the meta parameter: a tied one is made once
         self._buffers: list[tuple[nn.Module, str]] = []
-        # by the id of each tensor given: the tensor (weakly: a unit's are freed once it is made), its data
-        # and its version counter then
-        self._fresh: dict[int, tuple[weakref.ref, int, int]] = {}
 
     def give(self, module: nn.Module) -> list[tuple[str, int]]:
         """Give the module's own meta parameters and buffers storage; returns the names of the
@@ -134,12 +131,12 @@ class _Storage:
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 if id(param) not in self.params:
-                    self.params[id(param)] = nn.Parameter(self._empty_like(param), requires_grad=param.requires_grad)
+                    self.params[id(param)] = nn.Parameter(self._marked_like(param), requires_grad=param.requires_grad)
                     made.append((name, id(param)))
                 module._parameters[name] = self.params[id(param)]
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = self._empty_like(buffer)
+                module._buffers[name] = self._marked_like(buffer)
                 self._buffers.append((module, name))
         return made
 
@@ -162,27 +159,33 @@ class _Storage:
             self.params[meta] = now
 
     def check_params(self, entries: list[OwnedParam]) -> None:
-        unset = [entry.names[0] for entry in entries if self._unwritten(self.params[id(entry.param)])]
+        unset = [entry.names[0] for entry in entries if _unset(self.params[id(entry.param)])]
         _refuse_unset("parameter", unset, "weights that no reset_parameters sets (a gain, a scale)")
 
     def check_buffers(self, model: nn.Module) -> None:
         names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
         unset = [f"{names[id(module)]}.{name}".lstrip(".") for module, name in self._buffers
-                 if self._unwritten(module._buffers[name])]
+                 if _unset(module._buffers[name])]
         _refuse_unset("buffer", unset, "buffers computed in __init__ (causal masks, rotary frequencies, positions)")
 
-    def _empty_like(self, meta: torch.Tensor) -> torch.Tensor:
+    def _marked_like(self, meta: torch.Tensor) -> torch.Tensor:
         tensor = torch.empty_like(meta, device=self.device)
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.fill_(float("nan"))
-        self._fresh[id(tensor)] = (weakref.ref(tensor), tensor.data_ptr(), tensor._version)
-        return tensor
+        return tensor.copy_(_mark(tensor))
 
-    def _unwritten(self, tensor: torch.Tensor) -> bool:
-        given, data, version = self._fresh.get(id(tensor), (None, None, None))
-        if given is not None and given() is tensor and (tensor.data_ptr(), tensor._version) == (data, version):
-            return True
-        return (tensor.is_floating_point() or tensor.is_complex()) and bool(torch.isnan(tensor).any())
+
+def _mark(tensor: torch.Tensor) -> torch.Tensor:
+    """The values ``tensor``'s storage holds until the initialisation writes it."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return torch.full_like(tensor, float("nan"))
+    if tensor.dtype == torch.bool:
+        return (torch.arange(tensor.numel(), device=tensor.device) % 3 == 1).reshape(tensor.shape)
+    return torch.full_like(tensor, torch.iinfo(tensor.dtype).max)
+
+
+def _unset(tensor: torch.Tensor) -> bool:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    return tensor.numel() > 0 and torch.equal(tensor, _mark(tensor))
 
 
 def _refuse_unset(kind: str, unset: list[str], examples: str) -> None:

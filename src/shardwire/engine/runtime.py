@@ -78,6 +78,7 @@ from torch.utils import _pytree as pytree
 from shardwire.comm.communicator import OnIssue, Pending
 from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.comm.records import CommRecord
+from shardwire.engine import guards
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
@@ -251,6 +252,7 @@ class Engine:
                         meeting.before_forward()
             for flat in self.flats:
                 flat.check_parameters()
+            guards.refuse_unsharded_parameters(module)
             self._gather(self.root, "forward", check=recording)
             self._forward = Pass(self._order["forward"], self.prefetch, Unit.gather)
             self.state = TrainingState.FORWARD

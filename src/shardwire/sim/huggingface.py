@@ -5,10 +5,10 @@ The sizes go by the names Llama's and GPT-2's configs give them (``num_hidden_la
 ``n_layer``, ...). What a config leaves out is its model type's default, which only transformers'
 config class for that type knows (a Mistral's MLP of 14,336, a Llama's untied head). The config is
 read without torch or transformers, so that both commands start at once: one that leaves such a
-size out is refused, not guessed (``defaults_problem``). Which families have a gated MLP and RMSNorm
+size out is refused, not guessed (``shape_problem``). Which families have a gated MLP and RMSNorm
 is a fact of their modelling code, not of the config: ``GATED_RMSNORM_FAMILIES`` lists the
-``model_type``s built so (Llama and its descendants); others are taken as GPT-2's (4 h GELU MLP,
-LayerNorm, tied head).
+``model_type``s built so (Llama and its descendants), and GPT-2 has a 4 h GELU MLP, LayerNorm and
+a tied head; another family is refused (``shape_problem``): its shape is its modelling code's.
 """
 
 from __future__ import annotations
@@ -69,22 +69,6 @@ def needs_custom_code(auto_map, *, named_in: str | None = None, instead: str = "
             f"transformers itself implements")
 
 
-def custom_code_refusal(fields: Mapping) -> str | None:
-    """Why ``shardwire train`` cannot build the model a config's ``fields`` describe, where they name
-    custom code (an ``auto_map``) for a ``model_type`` transformers does not implement (one it
-    implements is built as its own class). None where it can be built, or where transformers, which
-    decides, is not installed."""
-    if not fields.get("auto_map"):
-        return None
-    try:
-        from transformers import CONFIG_MAPPING
-    except ImportError:
-        return None
-    if fields.get("model_type") in CONFIG_MAPPING:
-        return None
-    return needs_custom_code(fields["auto_map"])
-
-
 def config_file(source: str) -> str:
     """The config file of ``hf:source``: the file itself, or a directory's config.json (a name too long
     for the system is neither, and is reported missing, not raised)."""
@@ -113,10 +97,10 @@ def check_sizes(fields: Mapping, written: Mapping | None = None) -> None:
     """Raise a ``ValueError`` naming the first size in a config's ``fields`` that no model can have:
     checked before transformers reads them (a head count of 0 divides by zero there) and before the
     simulator does. Layers are made one by one, even on the meta device, so a billion of them would
-    hang whatever builds the model (training, export). Heads that do not divide the width (where no
+    hang whatever builds the model (training, export). Heads that do not divide the width (even where
     ``head_dim`` is given) or that key and value heads do not divide among them are refused too:
     transformers would refuse the first in its own words, and build the second, which fails at its
-    first forward. ``written``: the config as its file gives it, where ``fields`` are transformers'
+    first forward; so is a ``tie_word_embeddings`` that is not true or false. ``written``: the config as its file gives it, where ``fields`` are transformers'
     reading of it, so that a size the file leaves to the model's default is named as one."""
     given = {name: next((key for key in (name, alias) if fields.get(key) is not None), None)
              for name, alias, _, _ in _SIZES}
@@ -137,10 +121,11 @@ def check_sizes(fields: Mapping, written: Mapping | None = None) -> None:
         return f"{key} ({fields[key]}{', its default where the config gives none' if default else ''})"
 
     hidden, heads = given["hidden_size"], given["num_attention_heads"]
-    if fields.get("head_dim") is None and hidden and heads and fields[hidden] % fields[heads]:
-        # each head is hidden / heads wide unless the config says otherwise
-        raise ValueError(f"{said(hidden)} must be a multiple of {said(heads)}, or give each head's width (head_dim) "
-                         f"where the model takes one")
+    if hidden and heads and fields[hidden] % fields[heads]:  # transformers refuses it, whatever head_dim says
+        raise ValueError(f"{said(hidden)} must be a multiple of {said(heads)}")
+    tied = fields.get("tie_word_embeddings")
+    if tied is not None and not isinstance(tied, bool):
+        raise ValueError(f"tie_word_embeddings must be true or false, got {shown(tied)}")
     kv_heads = fields.get("num_key_value_heads")
     if kv_heads is not None and (isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1):
         raise ValueError(f"num_key_value_heads must be a whole number of at least 1, got {shown(kv_heads)}")
@@ -170,15 +155,20 @@ _DEFAULTED = ("intermediate_size", "num_key_value_heads", "tie_word_embeddings",
 _HEADS_OF_THEIR_OWN_WIDTH = ("gemma", "gemma2", "qwen3")
 
 
-def defaults_problem(fields: Mapping) -> str | None:
-    """What a config of a gated family leaves to its model type's defaults, in words, or None. Those
-    defaults are transformers' config classes', which this reader does not import (it runs without
-    torch): a config ``save_pretrained`` wrote gives every size, and one written by hand that leaves
-    them out would be priced as another model than ``train`` builds."""
+def shape_problem(fields: Mapping) -> str | None:
+    """Why the simulator would price another model than the one a config describes, in words, or
+    None. It knows the shapes of GPT-2 and of Llama's family; another family's MLP, norms, attention
+    or experts are its modelling code's, which it never reads. And a size a config of Llama's family
+    leaves to its model type's default is transformers' config class's, which this reader does not
+    import (it runs without torch): a config ``save_pretrained`` wrote gives every size."""
     kind = fields.get("model_type")
+    if kind not in (*GATED_RMSNORM_FAMILIES, "gpt2"):
+        return (f"its model_type {shown(kind, 60)} is not one whose shape the simulator knows (gpt2, and Llama's "
+                f"family: {', '.join(GATED_RMSNORM_FAMILIES)}): describe the model as a mapping instead, "
+                f"--model '{{layers: L, hidden: H, heads: A, vocab: V, seq_len: S, ...}}' (docs/simulator.md)")
     left = [key for key in _DEFAULTED if fields.get(key) is None
             and (key != "head_dim" or kind in _HEADS_OF_THEIR_OWN_WIDTH)]
-    if kind not in GATED_RMSNORM_FAMILIES or not left:
+    if kind == "gpt2" or not left:
         return None
     return (f"its config leaves {', '.join(left)} to {kind}'s defaults, which transformers' config class for "
             f"{kind} holds: give {'them' if len(left) > 1 else 'it'} in the config, as save_pretrained writes it")
@@ -198,7 +188,7 @@ def spec_from_config(fields: Mapping, *, name: str, seq_len: int, gated: bool | 
                          f"num_attention_heads/n_head, vocab_size)")
     llama_like = fields.get("model_type") in GATED_RMSNORM_FAMILIES
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=first("num_key_value_heads"),
-                     head_dim=first("head_dim"),
+                     head_dim=first("head_dim") if llama_like else None,  # GPT-2's heads are hidden / heads
                      vocab=vocab, seq_len=seq_len, ffn_hidden=first("intermediate_size", "n_inner"),
                      ffn_gated=llama_like if gated is None else gated, norm="rmsnorm" if llama_like else "layernorm",
                      tied_embeddings=bool(fields.get("tie_word_embeddings", True)),

@@ -37,7 +37,7 @@ import math
 from collections.abc import Mapping
 
 from shardwire.launch import torchrun_command
-from shardwire.mappings import cut, shown
+from shardwire.mappings import shown
 from shardwire.sim.gpt_sizes import BYTE_VOCAB
 from shardwire.sim.gpt_sizes import PRESETS as GPT_SIZES
 from shardwire.options import command_line
@@ -46,7 +46,7 @@ from shardwire.sim.memory import GIB, MemoryEstimate, estimate_memory
 from shardwire.sim.predict import Prediction, predict
 from shardwire.sim.specs import (MAX_BATCH, MAX_GRAD_ACCUM, ClusterSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
                                  parse, spelled)
-from shardwire.sim.huggingface import HF_PREFIX, custom_code_refusal, has_tokenizer, read_config
+from shardwire.sim.huggingface import HF_PREFIX, has_tokenizer
 from shardwire.sim.step import MAX_UNIT_PASSES, layout_plan, unit_passes
 
 MAX_PREFETCH = 4
@@ -309,9 +309,6 @@ def _unrunnable(t: TrainingSpec, model_argument: str) -> str | None:
     if not (model_argument in GPT_SIZES or model_argument.startswith(HF_PREFIX)):
         return (f"shardwire train names no model {model_argument!r}: plan --model with one of its GPT sizes "
                 f"({', '.join(GPT_SIZES)}) or hf:CONFIG (a Hugging Face config.json of the architecture)")
-    if model_argument.startswith(HF_PREFIX) and (
-            code := custom_code_refusal(read_config(model_argument[len(HF_PREFIX):]))) is not None:
-        return f"{cut(model_argument)}: {code}"
     if t.precision == "fp8" and t.fp8_all_gather:
         return ("the engine gathers fp8 layers' weights in bf16, not in fp8: this configuration (fp8 gathers) is "
                 "simulated, not run")

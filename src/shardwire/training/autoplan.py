@@ -38,6 +38,7 @@ from shardwire import worker
 from shardwire.bench import report
 from shardwire.bench.benchmark import BenchConfig, benchmark
 from shardwire.comm.quantize import encode_rate
+from shardwire.mappings import Missing
 from shardwire.options import command_line
 from shardwire.placement import Placement
 from shardwire.sim.architecture import architecture
@@ -121,7 +122,7 @@ def plan_run(config: TrainConfig, device: torch.device,
                            lossy=config.plan == "auto-lossy")
         found = plan(model, cluster, config.batch * config.grad_accum * world, base, exact=config.plan == "auto",
                      fixed=fixed)
-    except SpecError as err:
+    except (SpecError, Missing) as err:  # Missing: the probe's own bench document, read as any bench's
         raise PlanError(f"--plan {config.plan}: {err}; leave out --plan to train with the settings as given") from None
     best, runner_up = found.best, found.runner_up
     if found.diloco is not None and found.diloco.step_time_s < best.step_time_s * (1 - TIE):
