@@ -201,6 +201,7 @@ class _Scaled(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.gain = nn.Parameter(torch.ones(4))
+        self.codes = nn.Parameter(torch.arange(4), requires_grad=False)  # an integer parameter
         self.register_buffer("order", torch.arange(4).flip(0))
 
     def forward(self, x):
@@ -224,12 +225,15 @@ def _set_linears(module):
 
 
 @pytest.mark.parametrize("init, unset", [
-    (None, r"parameter\(s\) 'blocks\.0\.gain' were left unset"),
+    (None, r"parameter\(s\) 'blocks\.0\.gain', 'blocks\.0\.codes' were left unset"),
     (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and nn.init.ones_(m.gain)),
+     r"parameter\(s\) 'blocks\.0\.codes' were left unset"),
+    (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and (nn.init.ones_(m.gain), m.codes.data.zero_())),
      r"buffer\(s\) 'blocks\.0\.order', 'blocks\.1\.order' were left unset"),
-    (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and m.gain.data[:2].fill_(1.0)),
+    (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and (m.gain.data[:2].fill_(1.0), m.codes.data.zero_())),
      r"parameter\(s\) 'blocks\.0\.gain' were left unset"),  # half of it written
-], ids=["nothing sets a parameter", "nothing sets an integer buffer", "half of a parameter set"])
+], ids=["nothing sets a parameter", "nothing sets an integer parameter", "nothing sets an integer buffer",
+        "half of a parameter set"])
 def test_values_the_initialisation_never_writes_are_an_error(init, unset):
     """Uninitialised storage would train as whatever memory held, integer buffers included."""
     with torch.device("meta"):
@@ -243,6 +247,7 @@ def test_what_the_initialisation_writes_or_assigns_is_the_model():
         _set_linears(module)
         if isinstance(module, _Scaled):
             module.gain = nn.Parameter(torch.full((4,), 2.0))  # assigned anew, not written in place
+            module.codes.data.copy_(torch.arange(4))  # through .data, which no version counter sees
             module.order = torch.arange(4).flip(0)
     with torch.device("meta"):
         model = _Stack()

@@ -170,22 +170,25 @@ class _Storage:
 
     def _marked_like(self, meta: torch.Tensor) -> torch.Tensor:
         tensor = torch.empty_like(meta, device=self.device)
-        return tensor.copy_(_mark(tensor))
+        if tensor.dtype == torch.bool:
+            return tensor.copy_(_bool_mark(tensor))
+        return tensor.fill_(float("nan") if tensor.is_floating_point() or tensor.is_complex()
+                            else torch.iinfo(tensor.dtype).max)  # in place: a model's largest table is no copy
 
 
-def _mark(tensor: torch.Tensor) -> torch.Tensor:
-    """The values ``tensor``'s storage holds until the initialisation writes it."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        return torch.full_like(tensor, float("nan"))
-    if tensor.dtype == torch.bool:
-        return (torch.arange(tensor.numel(), device=tensor.device) % 3 == 1).reshape(tensor.shape)
-    return torch.full_like(tensor, torch.iinfo(tensor.dtype).max)
+def _bool_mark(tensor: torch.Tensor) -> torch.Tensor:
+    """A pattern no initialisation writes into a bool tensor (any one value could be what it writes)."""
+    return (torch.arange(tensor.numel(), device=tensor.device) % 3 == 1).reshape(tensor.shape)
 
 
 def _unset(tensor: torch.Tensor) -> bool:
     if tensor.is_floating_point() or tensor.is_complex():
         return bool(torch.isnan(tensor).any())
-    return tensor.numel() > 0 and torch.equal(tensor, _mark(tensor))
+    if tensor.numel() == 0:
+        return False
+    if tensor.dtype == torch.bool:
+        return torch.equal(tensor, _bool_mark(tensor))
+    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
 
 
 def _refuse_unset(kind: str, unset: list[str], examples: str) -> None:
