@@ -70,6 +70,7 @@ def test_unit_selection_errors_reach_the_caller():
     (dict(prefetch=True), "prefetch must be a non-negative integer .*, got True"),
     (dict(reshard_after_forward="no"), "reshard_after_forward must be True or False, got 'no'"),
     (dict(reshard_after_forward=8), "got 8 .*FSDP2's integer.*layout='hybrid_secondary'"),
+    (dict(activation_checkpointing=2), "activation_checkpointing must be True or False, got 2"),
     (dict(activation_checkpointing="no"), "activation_checkpointing must be True or False, got 'no'"),
     (dict(mixed_precision="int4"), "mixed_precision='int4' is not understood"),
     (dict(mixed_precision="x" * 5000), r"mixed_precision='x+\.\.\.x+' is not understood"),

@@ -97,18 +97,21 @@ def test_what_the_engine_honours_is_no_error():
         step(model, tokens(0))
 
 
-# ------------------------------------------ mistakes no collective sees: refused where they are made
+# ------------------------------------------ mistakes no collective sees: refused before they train wrong
 
 
-def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
-    """It holds the parameters shard replaced, which no gradient reaches: every step would do nothing."""
+def test_an_optimizer_built_before_shard_is_refused_at_each_step():
+    """It holds the parameters shard replaced, which the model no longer trains: every step would do
+    nothing. One that took a step before shard (when it was right) is refused after it."""
     torch.manual_seed(0)
     model = GPT(TINY)
     early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, tokens(0))
+    early.step()  # the unsharded model's own step: right then
     shardwire.shard(model, units=[Block])
     step(model, tokens(0))
-    with pytest.raises(ValueError, match=r"this AdamW holds \d+ parameter\(s\) of a model as it was before "
-                                         r"shardwire\.shard replaced them.*after shardwire\.shard\(model\)"):
+    with pytest.raises(ValueError, match=r"this AdamW holds \d+ parameter\(s\) that shardwire\.shard replaced in its "
+                                         r"model.*Build the optimizer from model\.parameters\(\) after shardwire\.shard"):
         early.step()
     late = torch.optim.AdamW(model.parameters(), lr=1e-2)
     late.step()
@@ -116,19 +119,24 @@ def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
     late.step()
 
 
-@pytest.mark.parametrize("assign, where", [
-    (lambda model: model.blocks.__setitem__(1, Block(TINY)), r"module '1' \(Block\), assigned into a sharded "
-                                                           r"ModuleList"),
-    (lambda model: setattr(model, "pos_emb", nn.Embedding(TINY.seq_len, 32)), r"module 'pos_emb' \(Embedding\), "
-                                                                            r"assigned into a sharded GPT"),
-    (lambda model: model.blocks[0].add_module("adapter", nn.Linear(32, 32)), r"module 'adapter' \(Linear\), assigned into a sharded Block"),
-], ids=["block replaced", "root module replaced", "module added"])
-def test_a_module_with_parameters_of_its_own_assigned_after_shard_is_refused(assign, where):
+@pytest.mark.parametrize("add, named", [
+    (lambda model: model.blocks.__setitem__(1, Block(TINY)), "'blocks.1.norm1.weight'"),
+    (lambda model: model.blocks.insert(0, Block(TINY)), "'blocks.0.norm1.weight'"),  # no registration hook sees it
+    (lambda model: setattr(model, "pos_emb", nn.Embedding(TINY.seq_len, 32)), "'pos_emb.weight'"),
+    (lambda model: (model.blocks[0].add_module("adapter", nn.Sequential()),
+                    model.blocks[0].adapter.append(nn.Linear(32, 32))), "'blocks.0.adapter.0.weight'"),
+], ids=["block replaced", "block inserted", "root module replaced", "module added inside one added"])
+def test_a_module_with_parameters_of_its_own_added_after_shard_is_refused(add, named):
     """Its parameters would be neither gathered nor reduced: each rank would train its own copy."""
     model = sharded_gpt()
-    with pytest.raises(ValueError, match=where + r", has parameters shardwire\.shard never saw .*Replace or add "
-                                                 r"modules before sharding the model"):
-        assign(model)
+    add(model)
+    with pytest.raises(RuntimeError, match=rf"parameter\(s\) {named}.* of this sharded GPT came with a module added "
+                                           rf"after shardwire\.shard.*Replace or add modules before sharding"):
+        step(model, tokens(0))
+
+
+def test_a_module_without_parameters_added_after_shard_trains_on():
+    model = sharded_gpt()
     model.blocks[0].mlp.act = nn.Identity()  # no parameters: every rank computes what it assigns
     step(model, tokens(0))
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardwire.comm.errors import CollectiveError, without_source_locations
 from shardwire.engine.shard import engine_of
+from shardwire.mappings import shown
 from shardwire.renamed import warn_renamed
 
 
@@ -31,20 +32,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     The infinity norm is taken here: torch's takes the largest value of each rank's rows, and a rank
     that holds none of a parameter's rows (one smaller than the ranks) has no largest value, so
-    torch's call fails there.
+    torch's own call fails there; use this one for the infinity norm.
     """
     engine = engine_of(model)
-    if not (isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool) and norm_type >= 0):
-        # torch takes a negative order, which no norm has and whose value each rank's empty rows fail
+    try:  # as torch reads it: 'inf', a numpy number, a 0-dim tensor
+        order = float(norm_type)
+    except (TypeError, ValueError):
+        order = math.nan
+    if not order >= 0:  # torch takes a negative order, which no norm has and which each rank's empty rows fail
         raise ValueError(f"norm_type must be a norm's order, 0 or more (2.0, or math.inf for the largest value), "
-                         f"got {norm_type!r}")
+                         f"got {shown(norm_type)}")
     engine.emit("clip", None, "start")
     try:
-        if norm_type == math.inf:
+        if order == math.inf:
             total = _largest_gradient(list(model.parameters()))
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
         else:
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, order)
     except RuntimeError as err:  # DTensor's all-reduce of the norm: a peer that stopped fails it here
         if not dist.is_initialized() or dist.get_world_size() == 1:
             raise

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -74,6 +75,7 @@ def build_units(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dic
     """Make the units of the meta model ``model`` on ``device``, each as soon as its modules are
     initialised (the root last); returns the root unit, then those of ``units``, in order."""
     index = {id(module): (i, name) for i, (name, module) in enumerate(units, 1)}
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     storage = _Storage(device)
     built: dict[int, Unit] = {}
     walk = _initialiser(model, init)
@@ -81,7 +83,7 @@ def build_units(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dic
     def visit(module: nn.Module, name: str, walk: _Walk) -> None:
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name, walk.below(child))
-        made = storage.give(module)
+        storage.give(module)
         try:
             walk(module)
         except ReleasedError as error:
@@ -91,19 +93,18 @@ def build_units(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dic
                 f"only its own parameters and those of modules inside it (children come first, as "
                 f"model.apply(init) runs them). Move that write into the module that owns the parameter"
             ) from None
-        storage.adopt(module, made, name)
         if id(module) in index:
             i, unit_name = index[id(module)]
-            storage.check_params(owned[unit_name])
+            storage.take(owned[unit_name], names)
             built[i] = make_unit(i, unit_name, module, owned[unit_name], values=storage.params)
             for entry in owned[unit_name]:
                 storage.params.pop(id(entry.param))
 
     with _generator_of_rank0(comm, device), torch.no_grad(), walk.context():
         visit(model, "", walk)
-    storage.check_params(owned[""])
+    storage.take(owned[""], names)
     built[0] = make_unit(0, "", model, owned[""], values=storage.params)
-    storage.check_buffers(model)
+    storage.check_buffers(names)
     return [built[i] for i in range(len(units) + 1)]
 
 
@@ -112,83 +113,100 @@ class _Storage:
 
     Storage comes uninitialised, so a value nothing initialises would train as whatever memory held:
     a parameter of a module without ``reset_parameters``, an integer buffer computed in ``__init__``
-    (positions, indices). So it is filled with a mark no initialisation writes (NaN, the largest
-    integer, a pattern of bools), and a value that still holds it, everywhere (integers, bools) or
-    anywhere (floating point: a write of some of its rows is not enough), was never set. The mark is
-    in the values, so a write through ``.data``, which no version counter of the tensor's sees,
-    counts as one.
+    (positions, indices). So it is filled with a mark: NaN, where any element left so is unset (a
+    write of some rows is not enough), and for bools the byte 2, which no bool operation writes. An
+    integer tensor is unset where it still holds the largest integer everywhere and nothing wrote
+    it since (torch's version counter, its data); the mark is in the values, so a write through
+    ``.data``, which no version counter of the tensor's sees, counts as one everywhere else.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.params: dict[int, nn.Parameter] = {}  # by the id of the meta parameter: a tied one is made once
         self._buffers: list[tuple[nn.Module, str]] = []
+        # by the id of each integer tensor given: the tensor (weakly: a unit's are freed once it is made),
+        # its data and its version counter then
+        self._given: dict[int, tuple[weakref.ref, int, int]] = {}
 
-    def give(self, module: nn.Module) -> list[tuple[str, int]]:
-        """Give the module's own meta parameters and buffers storage; returns the names of the
-        parameters made here, with the ids of their meta parameters."""
-        made = []
+    def give(self, module: nn.Module) -> None:
+        """Give the module's own meta parameters and buffers marked storage."""
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 if id(param) not in self.params:
-                    self.params[id(param)] = nn.Parameter(self._marked_like(param), requires_grad=param.requires_grad)
-                    made.append((name, id(param)))
+                    self.params[id(param)] = self._remember(nn.Parameter(self._marked_like(param),
+                                                                         requires_grad=param.requires_grad))
                 module._parameters[name] = self.params[id(param)]
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = self._marked_like(buffer)
+                module._buffers[name] = self._remember(self._marked_like(buffer))
                 self._buffers.append((module, name))
-        return made
 
-    def adopt(self, module: nn.Module, made: list[tuple[str, int]], name: str) -> None:
-        """Take the parameters the initialisation assigned anew (``module.weight = nn.Parameter(...)``)
-        in place of the storage given them."""
-        for attr, meta in made:
-            now, given = module._parameters.get(attr), self.params[meta]
-            if now is given:
-                continue
-            if not isinstance(now, torch.Tensor) or now.shape != given.shape or now.dtype != given.dtype:
-                change = "removed it" if now is None else (
-                    f"replaced it by a {'x'.join(map(str, now.shape)) or 'scalar'} {now.dtype}"
-                    if isinstance(now, torch.Tensor) else f"replaced it by a {type(now).__name__}")
-                raise ValueError(
-                    f"the initialisation of {name or 'the model'} ({type(module).__name__}) {change}, where the model "
-                    f"built it as a {'x'.join(map(str, given.shape)) or 'scalar'} {given.dtype} parameter "
-                    f"{attr!r}: initialise parameters in place (nn.init, copy_) with the shape and dtype they were "
-                    f"built with")
-            self.params[meta] = now
-
-    def check_params(self, entries: list[OwnedParam]) -> None:
-        unset = [entry.names[0] for entry in entries if _unset(self.params[id(entry.param)])]
+    def take(self, entries: list[OwnedParam], names: dict[int, str]) -> None:
+        """Take the values of a unit's parameters as the initialisation left them, each where any of
+        its owners holds it: the storage given, or a parameter it assigned anew (``module.weight =
+        nn.Parameter(...)``, by the module or a parent, by either owner of a tied one), moved to the
+        device; refuse any left unset. ``names``: each module's name, by its id."""
+        unset = []
+        for entry in entries:
+            given = self.params[id(entry.param)]
+            for owner, attr in entry.owners:
+                now = owner._parameters.get(attr)
+                if now is not given:
+                    self.params[id(entry.param)] = self._assigned(now, given, names[id(owner)], owner, attr)
+                    break
+            if self._unset(self.params[id(entry.param)]):
+                unset.append(entry.names[0])
         _refuse_unset("parameter", unset, "weights that no reset_parameters sets (a gain, a scale)")
 
-    def check_buffers(self, model: nn.Module) -> None:
-        names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    def check_buffers(self, names: dict[int, str]) -> None:
         unset = [f"{names[id(module)]}.{name}".lstrip(".") for module, name in self._buffers
-                 if _unset(module._buffers[name])]
+                 if self._unset(module._buffers[name])]
         _refuse_unset("buffer", unset, "buffers computed in __init__ (causal masks, rotary frequencies, positions)")
+
+    def _assigned(self, now, given: nn.Parameter, where: str, owner: nn.Module, attr: str) -> nn.Parameter:
+        """The parameter the initialisation assigned in place of ``given``, on the device."""
+        if not isinstance(now, torch.Tensor) or now.shape != given.shape or now.dtype != given.dtype or now.is_meta:
+            change = "removed it" if now is None else (
+                f"replaced it by a {'x'.join(map(str, now.shape)) or 'scalar'} {now.dtype}"
+                f"{' on the meta device' if now.is_meta else ''}"
+                if isinstance(now, torch.Tensor) else f"replaced it by a {type(now).__name__}")
+            raise ValueError(
+                f"the initialisation of {where or 'the model'} ({type(owner).__name__}) {change}, where the model "
+                f"built it as a {'x'.join(map(str, given.shape)) or 'scalar'} {given.dtype} parameter {attr!r}: "
+                f"initialise parameters in place (nn.init, copy_), with the shape and dtype they were built with")
+        if now.device != self.device:
+            return nn.Parameter(now.detach().to(self.device), requires_grad=now.requires_grad)
+        return now
 
     def _marked_like(self, meta: torch.Tensor) -> torch.Tensor:
         tensor = torch.empty_like(meta, device=self.device)
         if tensor.dtype == torch.bool:
-            return tensor.copy_(_bool_mark(tensor))
-        return tensor.fill_(float("nan") if tensor.is_floating_point() or tensor.is_complex()
-                            else torch.iinfo(tensor.dtype).max)  # in place: a model's largest table is no copy
+            tensor.view(torch.uint8).fill_(_BOOL_MARK)
+        else:  # in place: a model's largest table is no copy
+            tensor.fill_(float("nan") if _marked_by_nan(tensor) else torch.iinfo(tensor.dtype).max)
+        return tensor
+
+    def _remember(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not (_marked_by_nan(tensor) or tensor.dtype == torch.bool):
+            self._given[id(tensor)] = (weakref.ref(tensor), tensor.data_ptr(), tensor._version)
+        return tensor
+
+    def _unset(self, tensor: torch.Tensor) -> bool:
+        if _marked_by_nan(tensor):
+            return bool(torch.isnan(tensor).any())
+        if tensor.dtype == torch.bool:
+            return bool((tensor.view(torch.uint8) == _BOOL_MARK).any())
+        given, data, version = self._given.get(id(tensor), (None, None, None))
+        untouched = given is not None and given() is tensor and (tensor.data_ptr(), tensor._version) == (data, version)
+        return untouched and tensor.numel() > 0 and bool((tensor == torch.iinfo(tensor.dtype).max).all())
 
 
-def _bool_mark(tensor: torch.Tensor) -> torch.Tensor:
-    """A pattern no initialisation writes into a bool tensor (any one value could be what it writes)."""
-    return (torch.arange(tensor.numel(), device=tensor.device) % 3 == 1).reshape(tensor.shape)
+# A bool's byte is 0 or 1: no bool operation writes this.
+_BOOL_MARK = 2
 
 
-def _unset(tensor: torch.Tensor) -> bool:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(torch.isnan(tensor).any())
-    if tensor.numel() == 0:
-        return False
-    if tensor.dtype == torch.bool:
-        return torch.equal(tensor, _bool_mark(tensor))
-    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
+def _marked_by_nan(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _refuse_unset(kind: str, unset: list[str], examples: str) -> None:

@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -147,11 +148,9 @@ def shard(
     policy = MixedPrecision.parse(mixed_precision)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (units gathered ahead), got {shown(prefetch)}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True or False, got {shown(reshard_after_forward)} (FSDP2's "
-                        f"integer, resharding to a smaller group, is layout='hybrid_secondary' here)")
-    if not isinstance(activation_checkpointing, bool):
-        raise TypeError(f"activation_checkpointing must be True or False, got {shown(activation_checkpointing)}")
+    reshard_after_forward = _flag("reshard_after_forward", reshard_after_forward,
+                                  " (FSDP2's integer, resharding to a smaller group, is layout='hybrid_secondary' here)")
+    activation_checkpointing = _flag("activation_checkpointing", activation_checkpointing)
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
             and 0 < timeout <= MAX_TIMEOUT_S):
         raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:,} (a "
@@ -226,6 +225,13 @@ def shard(
     for module in model.modules():
         setattr(module, guards.SHARDED_ATTR, True)
     return model
+
+
+def _flag(name: str, value, note: str = "") -> bool:
+    """A yes or no argument: a bool, numpy's, or 0 or 1; not text ("no" is true to Python) or a count."""
+    if isinstance(value, (bool, numpy.bool_)) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {shown(value)}{note}")
 
 
 def engine_of(model: nn.Module) -> Engine:

@@ -12,10 +12,10 @@ document's appendix follows). Per token of a block's input, forward:
     MLP           2 h f x (3 if gated else 2)
     cross-attn    (decoder of an encoder-decoder) q, o on decoder tokens: 4 h w; k, v on the encoder
                   tokens: 4 h w_kv per encoder token; scores: 4 s_enc w
+    head          2 h V per (decoder) token, in the root unit
 
 where ``w`` is the queries' width (heads x head_dim: h, unless the model's heads are wider, as
 Qwen3's and Gemma's are) and ``w_kv`` that of the keys or the values (kv_heads x head_dim).
-    head          2 h V per (decoder) token, in the root unit
 
 For a GPT this is the familiar 2 x (block parameters) + 4 s h per layer and token, so forward plus
 backward (2 x forward) gives 6 x parameters + 12 x layers x hidden x seq per token; for T5 v1.1
@@ -50,9 +50,9 @@ a block, in elements of ``c`` bytes:
                (GELU: read, write) or 5 f when gated (SiLU, then its product with the up
                projection); rotary embeddings 10 (w + w_kv) (q and k cast to fp32, rotated as
                complex numbers, cast back) where positions are not learned; attention's output
-               made contiguous 2 h
+               made contiguous 2 w
     fused      each residual add with the next norm 4 h (read both, write the sum and the normed);
-               the activation 2 f or 3 f; rotary embeddings 2 (w + w_kv); the output copy 2 h
+               the activation 2 f or 3 f; rotary embeddings 2 (w + w_kv); the output copy 2 w
 
 The root moves the loss's fp32 log-probabilities: 14 V bytes per token in forward (the logits cast
 to fp32, log-softmax's two reads and a write), eager or not.
@@ -171,8 +171,8 @@ def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
                    Matmul(s, h, f, count=2 if model.ffn_gated else 1), Matmul(s, f, h))
         attention = (Attention(s, keys, model.heads, head_dim, causal, eager),)
         activation = (5, 3) if model.ffn_gated else (2, 2)
-        per_token = (2 * EAGER_NORM[model.norm] * h + 6 * h + activation[0] * f + EAGER_ROTARY * rotary + 2 * h,
-                     2 * 4 * h + activation[1] * f + 2 * rotary + 2 * h)
+        per_token = (2 * EAGER_NORM[model.norm] * h + 6 * h + activation[0] * f + EAGER_ROTARY * rotary + 2 * w,
+                     2 * 4 * h + activation[1] * f + 2 * rotary + 2 * w)
         return dict(matmuls=matmuls, attention=attention, elementwise_bytes=s * c * per_token[0],
                     fused_bytes=s * c * per_token[1])
 

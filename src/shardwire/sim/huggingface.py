@@ -97,7 +97,7 @@ def check_sizes(fields: Mapping, written: Mapping | None = None) -> None:
     """Raise a ``ValueError`` naming the first size in a config's ``fields`` that no model can have:
     checked before transformers reads them (a head count of 0 divides by zero there) and before the
     simulator does. Layers are made one by one, even on the meta device, so a billion of them would
-    hang whatever builds the model (training, export). Heads that do not divide the width (even where
+    hang whatever builds the model (training, export). Heads that do not divide the width (where no
     ``head_dim`` is given) or that key and value heads do not divide among them are refused too:
     transformers would refuse the first in its own words, and build the second, which fails at its
     first forward; so is a ``tie_word_embeddings`` that is not true or false. ``written``: the config as its file gives it, where ``fields`` are transformers'
@@ -121,8 +121,10 @@ def check_sizes(fields: Mapping, written: Mapping | None = None) -> None:
         return f"{key} ({fields[key]}{', its default where the config gives none' if default else ''})"
 
     hidden, heads = given["hidden_size"], given["num_attention_heads"]
-    if hidden and heads and fields[hidden] % fields[heads]:  # transformers refuses it, whatever head_dim says
-        raise ValueError(f"{said(hidden)} must be a multiple of {said(heads)}")
+    if fields.get("head_dim") is None and hidden and heads and fields[hidden] % fields[heads]:
+        # each head is hidden / heads wide unless the config says otherwise
+        raise ValueError(f"{said(hidden)} must be a multiple of {said(heads)}, or give each head's width (head_dim) "
+                         f"where the model takes one")
     tied = fields.get("tie_word_embeddings")
     if tied is not None and not isinstance(tied, bool):
         raise ValueError(f"tie_word_embeddings must be true or false, got {shown(tied)}")

@@ -93,7 +93,9 @@ def load_spec(kind: str, text: str):
         start = as_dict(presets[base])
         if kind == "model":  # sizes that follow others where the preset left them to: they follow the changes
             start.update({key: None for key, derived in (("ffn_hidden", 4 * start["hidden"]),
-                                                         ("kv_heads", start["heads"])) if start[key] == derived})
+                                                         ("kv_heads", start["heads"]),
+                                                         ("decoder_layers", start["layers"]),
+                                                         ("decoder_seq_len", start["seq_len"])) if start[key] == derived})
         if kind == "cluster" and "collectives" in data:  # the preset as the library runs it, which the mapping changes
             start = as_dict(parse(kind, {**start, "collectives": data["collectives"]}, name=base))
         data = {**_merged(start, data), "name": data.get("name") or name or changed}
@@ -112,7 +114,7 @@ def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
             huggingface.check_sizes(fields)
             if (problem := huggingface.shape_problem(fields)) is not None:
                 raise ValueError(problem)
-            family = cut(str(fields.get("model_type") or os.path.basename(os.path.normpath(source))), 60)
+            family = cut(fields["model_type"], 60)  # shape_problem refuses a config that names none
             return huggingface.spec_from_config(fields, name=f"hf:{family}",
                                                 seq_len=huggingface.seq_len_of(fields, seq_len))
         except ValueError as err:

@@ -149,7 +149,7 @@ class StepCheck:
         self._last = self._first + CHECKED_STEPS if self._first + CHECKED_STEPS <= steps else None
         self._device = device
         self._started: float | None = None
-        self._spent = 0.0
+        self._spent, self._timed = 0.0, 0
 
     def starting(self, step: int) -> None:
         """Call as each step starts."""
@@ -161,9 +161,10 @@ class StepCheck:
         if not self._checks(step) or self._started is None:
             return
         self._spent += self._now() - self._started
+        self._timed += 1
         if step + 1 < self._last or dist.get_rank() != 0:
             return
-        measured = self._spent / CHECKED_STEPS
+        measured = self._spent / self._timed
         predicted = self._planned.predicted_step_s
         off = measured / predicted - 1
         verdict = (f"within {AGREEMENT:.0%}" if abs(off) <= AGREEMENT else
