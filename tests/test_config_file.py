@@ -149,6 +149,24 @@ def test_required_options_of_simulate_and_plan_may_come_from_the_file(tmp_path, 
     assert json.loads(capsys.readouterr().out)["cluster"]["nodes"] == 4
 
 
+def test_yaml_reads_every_exponent_form_as_a_number_as_json_does():
+    from shardwire.mappings import read_mapping
+    text = "a: 1e3\nb: .5e3\nc: 1.5e3\nd: -2E-1\ne: .inf\nf: .5x\n"
+    assert read_mapping(text, "t") == {"a": 1000.0, "b": 500.0, "c": 1500.0, "d": -0.2, "e": float("inf"), "f": ".5x"}
+
+
+def test_a_spec_option_takes_its_mapping_nested_with_numbers_as_numbers(tmp_path, capsys):
+    path = write(tmp_path, "model: gpt2-125m\ncluster:\n  preset: a100-100gbe\n  nodes: 2\n"
+                           "  inter_node: {busbw_GBps: .5e1, latency_us: 10, compute_share: 0.1}\n")
+    assert main(["simulate", "--config", path, "--json"]) == 0
+    cluster = json.loads(capsys.readouterr().out)["cluster"]
+    assert cluster["nodes"] == 2 and cluster["inter_node"]["busbw_GBps"] == 5.0
+    assert main(["simulate", "--config", path, "--print-config"]) == 0
+    printed = write(tmp_path, capsys.readouterr().out, "printed.yaml")
+    assert main(["simulate", "--config", printed, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == cluster
+
+
 def test_subcommands_take_the_options_they_have_and_what_follows_dashes_is_left_alone(tmp_path):
     _, parser = command("testbed")
     path = write(tmp_path, "name: lab\nnodes: 2\nlink: 1gbit\nnproc_per_node: 2\n")

@@ -53,7 +53,8 @@ def test_simulate_json_has_the_promised_keys(capsys):
 
 def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
     plot = tmp_path / "sweep.png"
-    status, out, _ = run(capsys, "simulate", *SMALL, "--sweep", "nodes=1,2,4", "--json", "--plot", str(plot))
+    with pytest.warns(UserWarning, match=r"--nodes 2 is replaced by each node count of --sweep nodes=\.\.\."):
+        status, out, _ = run(capsys, "simulate", *SMALL, "--sweep", "nodes=1,2,4", "--json", "--plot", str(plot))
     doc = json.loads(out)
     assert status == 0 and [p["cluster"]["nodes"] for p in doc["points"]] == [1, 2, 4]
     efficiency = [p["scaling_efficiency"] for p in doc["points"]]

@@ -39,8 +39,9 @@ MAX_JSON_BYTES = 256 << 20
 # Values in a document once its YAML aliases are expanded, likewise far beyond any config or spec.
 MAX_VALUES = 100_000
 _YAML_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
-# A number in exponent form without a dot (1e12), which YAML 1.1 leaves as text
-_EXPONENT = re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$")
+# A number in exponent form that YAML 1.1 leaves as text: without a dot (1e12), or an unsigned
+# exponent (1.5e3, .5e3)
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 _YAML_SPECIAL_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
 
 
@@ -268,7 +269,7 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
         # this loader's own constructors (the class's are shared by every SafeLoader)
         loader.yaml_constructors = {**loader.yaml_constructors, **{tag: number for tag in _YAML_NUMBERS}}
         # YAML 1.1 reads 1e12 as text (its floats have a dot), where JSON and the command line read a number
-        loader.yaml_implicit_resolvers = {first: [*([("tag:yaml.org,2002:float", _EXPONENT)] if first in "+-0123456789"
+        loader.yaml_implicit_resolvers = {first: [*([("tag:yaml.org,2002:float", _EXPONENT)] if first in "+-.0123456789"
                                                     else []), *resolvers]
                                           for first, resolvers in loader.yaml_implicit_resolvers.items()}
         if numbers_as_text:

@@ -240,6 +240,13 @@ def text(value: str) -> str:
     return _named(value, "give one, or leave the option out")
 
 
+def spec_text(value: str) -> str:
+    """The value of an option that names a spec or describes it: a preset's name, a file, or a JSON or
+    YAML mapping inline. Read as ``text``; a config file may give the mapping itself, nested, for this
+    option alone (``shardwire.cli.config_file``)."""
+    return text(value)
+
+
 def argument_text(value: str) -> str:
     """A positional argument's value, which must name something as ``text``'s does; there is no
     option to leave out, so the message asks for the value alone."""

@@ -14,8 +14,9 @@ Its values become the parser's defaults, so an option given on the command line 
 wherever it stands. They are read and checked as the command line's are: a choice must be one of the
 choices, a number must read as one (``3e-3`` too, which YAML 1.1 reads as text; ``010`` is ten, not
 YAML 1.1's octal eight, and ``1:30`` is no number, not its sexagesimal 90), a size may be ``64M``, a
-switch is true or false, and a key that is no option of the command is an error naming the nearest
-one (a key that is an option's name before a rename sets the option and warns, for a release).
+switch is true or false, a spec option (``options.spec_text``: ``--cluster``) takes its mapping nested,
+and a key that is no option of the command is an error naming the nearest one (a key that is an
+option's name before a rename sets the option and warns, for a release).
 ``--print-config`` prints the options the command would run with, in this form: a file to start
 from, or a record of a run; first it runs the checks the command makes of them before any work
 (``check_options``, ``shardwire.cli``), so a combination a run refuses is refused here too.
@@ -28,10 +29,11 @@ to them with the rest.
 from __future__ import annotations
 
 import argparse
+import json
 
 from shardwire.extras import require
 from shardwire.mappings import MappingError, nearest, read_file, read_mapping, shown
-from shardwire.options import NUMBER_READERS, Renamed, given_in_file
+from shardwire.options import NUMBER_READERS, Renamed, given_in_file, spec_text
 from shardwire.renamed import warn_renamed
 
 CONFIG, PRINT = "--config", "--print-config"
@@ -93,7 +95,10 @@ def apply(parser: argparse.ArgumentParser, path: str) -> None:
     subcommands that have the option)."""
     where = f"{CONFIG} {path}"
     try:  # numbers as written: the options' own parsers read them, as they read the command line
-        values = read_mapping(read_file(path, where), where, numbers_as_text=True)
+        content = read_file(path, where)
+        values = read_mapping(content, where, numbers_as_text=True)
+        if any(isinstance(value, dict) for value in values.values()):  # a spec's mapping, its numbers as numbers
+            values.update({key: value for key, value in read_mapping(content, where).items() if isinstance(value, dict)})
     except MappingError as err:
         raise ConfigError(str(err)) from None
     options = _options(parser)
@@ -162,6 +167,8 @@ def _converted(action: argparse.Action, value, where: str):
 
 
 def _converted_item(action: argparse.Action, value, where: str):
+    if isinstance(value, dict) and action.type is spec_text:  # the mapping as the command line gives it inline
+        return json.dumps(value, default=str)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigError(f"{where}: give a value as the command line takes it, got {shown(value)}")
     if action.type is None:

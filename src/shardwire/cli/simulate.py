@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 
 from shardwire.cli import refused
 from shardwire.extras import require
@@ -50,6 +51,9 @@ def _checked(args: argparse.Namespace):
             check_output_file(args.plot, "--plot", "sweep-plot")
         except OptionError as err:
             raise SpecError(str(err)) from None
+    if args.sweep and args.nodes is not None and parse_sweep(args.sweep)[0] == "nodes":
+        warnings.warn(f"--nodes {args.nodes} is replaced by each node count of --sweep nodes=...: leave out --nodes",
+                      stacklevel=1)
     model, cluster, training = inputs.load_arguments(args)
     rate = inputs.load_failure_rate(args)
     if args.sweep and rate is not None:

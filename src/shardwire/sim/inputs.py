@@ -49,7 +49,7 @@ from shardwire.mappings import (
     read_mapping,
     shown,
 )
-from shardwire.options import text
+from shardwire.options import spec_text, text
 from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.failures import FailureRate
@@ -388,13 +388,13 @@ def _merged(base: dict, changes: Mapping) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The input options ``shardwire simulate`` and ``shardwire plan`` share."""
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model", required=True, type=spec_text,
                         help=f"preset ({', '.join(PRESETS['model'])}), hf:CONFIG (a Hugging Face config.json, its "
                              f"directory, or inline JSON), JSON/YAML, or a file")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (overrides the model's)")
-    parser.add_argument("--cluster", required=True,
+    parser.add_argument("--cluster", required=True, type=spec_text,
                         help=f"preset ({', '.join(PRESETS['cluster'])}), JSON/YAML, or a file")
-    parser.add_argument("--training", default="default",
+    parser.add_argument("--training", default="default", type=spec_text,
                         help=f"preset ({', '.join(PRESETS['training'])}), JSON/YAML, or a file (default: default)")
     parser.add_argument("--nodes", type=int, help="number of nodes (overrides the cluster's)")
     parser.add_argument("--cluster-from", metavar="BENCH_JSON", type=text,
