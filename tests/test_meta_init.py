@@ -232,8 +232,10 @@ def _set_linears(module):
      r"buffer\(s\) 'blocks\.0\.order', 'blocks\.1\.order' were left unset"),
     (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and (m.gain.data[:2].fill_(1.0), m.codes.data.zero_())),
      r"parameter\(s\) 'blocks\.0\.gain' were left unset"),  # half of it written
+    (lambda m: _set_linears(m) or (isinstance(m, _Scaled) and (nn.init.ones_(m.gain), m.codes[:2].zero_())),
+     r"parameter\(s\) 'blocks\.0\.codes' were left unset"),  # half of an integer one written
 ], ids=["nothing sets a parameter", "nothing sets an integer parameter", "nothing sets an integer buffer",
-        "half of a parameter set"])
+        "half of a parameter set", "half of an integer parameter set"])
 def test_values_the_initialisation_never_writes_are_an_error(init, unset):
     """Uninitialised storage would train as whatever memory held, integer buffers included."""
     with torch.device("meta"):
@@ -261,3 +263,9 @@ def test_what_the_initialisation_writes_or_assigns_is_the_model():
             other = _Stack()
         shardwire.shard(other, init=lambda m: _set_linears(m) or (
             isinstance(m, _Scaled) and setattr(m, "gain", nn.Parameter(torch.ones(3)))))
+    with pytest.raises(ValueError, match=r"initialisation of blocks\.0 \(_Scaled\) assigned 'gain' with "
+                                         r"requires_grad=False, where the model built it with True"):
+        with torch.device("meta"):
+            other = _Stack()
+        shardwire.shard(other, init=lambda m: _set_linears(m) or (
+            isinstance(m, _Scaled) and setattr(m, "gain", nn.Parameter(torch.ones(4), requires_grad=False))))

@@ -119,6 +119,22 @@ def test_an_optimizer_built_before_shard_is_refused_at_each_step():
     late.step()
 
 
+def test_an_optimizer_given_a_module_attribute_is_refused_and_a_sharded_model_is_not_copied():
+    """Between uses a module's attribute is a placeholder of the parameter: an optimizer group built
+    from it (``model.norm.bias``, muP-style) would never change the model, and a deep copy would
+    share its buffers."""
+    model = sharded_gpt()
+    named = dict(model.named_parameters())
+    others = [param for name, param in named.items() if name != "norm.bias"]
+    optimizer = torch.optim.AdamW([{"params": others}, {"params": [model.norm.bias], "lr": 0.1}], lr=1e-2)
+    step(model, tokens(0))
+    with pytest.raises(ValueError, match=r"this AdamW holds 'norm\.bias' as a module's attribute of a sharded model "
+                                         r"shows it between uses.*build the optimizer's groups from those \(by name\)"):
+        optimizer.step()
+    with pytest.raises(RuntimeError, match=r"a sharded model cannot be copied \(copy\.deepcopy\)"):
+        copy.deepcopy(model)
+
+
 @pytest.mark.parametrize("add, named", [
     (lambda model: model.blocks.__setitem__(1, Block(TINY)), "'blocks.1.norm1.weight'"),
     (lambda model: model.blocks.insert(0, Block(TINY)), "'blocks.0.norm1.weight'"),  # no registration hook sees it

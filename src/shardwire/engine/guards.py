@@ -4,7 +4,8 @@
 found then. Two mistakes leave a script that runs on and trains wrong, silently:
 
 * an optimizer built from ``model.parameters()`` before ``shard`` holds the parameters as they were,
-  which the model no longer trains: its ``step()`` never changes the model;
+  which the model no longer trains: its ``step()`` never changes the model; so does one given a
+  module's attribute (``model.head.weight``, a placeholder between uses: ``released``);
 * a module added to a sharded model afterwards (a block replaced, an adapter added, by assignment or
   ``ModuleList.insert``) keeps plain parameters the engine never gathers or reduces: each rank trains
   its own copy, and the ranks drift.
@@ -23,6 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shardwire.engine.released import ReleasedParameter
+
 # Set on every module of a sharded model: its parameters are no longer its own to shard again.
 SHARDED_ATTR = "_shardwire_sharded"
 # Set on a parameter that ``shard`` replaced: the model no longer holds it.
@@ -36,12 +39,21 @@ def watch() -> None:
 
 
 def _refuse_replaced_parameters(optimizer, args, kwargs) -> None:
-    stale = sum(getattr(param, REPLACED_ATTR, False) for group in optimizer.param_groups for param in group["params"])
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    stale = sum(getattr(param, REPLACED_ATTR, False) for param in params)
     if stale:
         raise ValueError(
             f"this {type(optimizer).__name__} holds {stale} parameter(s) that shardwire.shard replaced in its model, "
             f"which trains its own (model.parameters()): its step would never change the model. Build the "
             f"optimizer from model.parameters() after shardwire.shard(model)"
+        )
+    released = [param.param_name for param in params if isinstance(param, ReleasedParameter)]
+    if released:
+        raise ValueError(
+            f"this {type(optimizer).__name__} holds {', '.join(map(repr, released[:3]))}"
+            f"{' ...' if len(released) > 3 else ''} as a module's attribute of a sharded model shows it between uses, "
+            f"a placeholder its step would never change; the model trains its parameters as model.named_parameters() "
+            f"gives them: build the optimizer's groups from those (by name)"
         )
 
 

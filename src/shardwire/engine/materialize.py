@@ -115,9 +115,11 @@ class _Storage:
     a parameter of a module without ``reset_parameters``, an integer buffer computed in ``__init__``
     (positions, indices). So it is filled with a mark: NaN, where any element left so is unset (a
     write of some rows is not enough), and for bools the byte 2, which no bool operation writes. An
-    integer tensor is unset where it still holds the largest integer everywhere and nothing wrote
-    it since (torch's version counter, its data); the mark is in the values, so a write through
-    ``.data``, which no version counter of the tensor's sees, counts as one everywhere else.
+    integer tensor is unset where some elements still hold the largest integer and others not (a
+    write of some rows), or where it holds it everywhere and nothing wrote it since (torch's version
+    counter, its data): a write of the largest integer everywhere counts, and the mark is in the
+    values, so a write through ``.data``, which no version counter of the tensor's sees, counts as
+    one everywhere else.
     """
 
     def __init__(self, device: torch.device):
@@ -174,6 +176,11 @@ class _Storage:
                 f"the initialisation of {where or 'the model'} ({type(owner).__name__}) {change}, where the model "
                 f"built it as a {'x'.join(map(str, given.shape)) or 'scalar'} {given.dtype} parameter {attr!r}: "
                 f"initialise parameters in place (nn.init, copy_), with the shape and dtype they were built with")
+        if now.requires_grad != given.requires_grad:  # the unit's buffers are laid out by the flag it was built with
+            raise ValueError(
+                f"the initialisation of {where or 'the model'} ({type(owner).__name__}) assigned {attr!r} with "
+                f"requires_grad={now.requires_grad}, where the model built it with {given.requires_grad}: set "
+                f"requires_grad on the built model, before shard, and let the initialisation set values alone")
         if now.device != self.device:
             return nn.Parameter(now.detach().to(self.device), requires_grad=now.requires_grad)
         return now
@@ -196,9 +203,12 @@ class _Storage:
             return bool(torch.isnan(tensor).any())
         if tensor.dtype == torch.bool:
             return bool((tensor.view(torch.uint8) == _BOOL_MARK).any())
+        marked = tensor == torch.iinfo(tensor.dtype).max
+        if not marked.all():
+            return bool(marked.any())
         given, data, version = self._given.get(id(tensor), (None, None, None))
         untouched = given is not None and given() is tensor and (tensor.data_ptr(), tensor._version) == (data, version)
-        return untouched and tensor.numel() > 0 and bool((tensor == torch.iinfo(tensor.dtype).max).all())
+        return untouched and tensor.numel() > 0
 
 
 # A bool's byte is 0 or 1: no bool operation writes this.

@@ -36,6 +36,14 @@ class ReleasedParameter(torch.Tensor):
         placeholder.unit_name = unit
         return placeholder
 
+    def __deepcopy__(self, memo):
+        raise ReleasedError(
+            f"a sharded model cannot be copied (copy.deepcopy): {self.param_name!r} of unit {self.unit_name!r} exists "
+            f"only as this rank's shard, and the copy would share the original's buffers and process groups. Copy the "
+            f"model before shardwire.shard and shard the copy too, or copy what you need of model.parameters()",
+            self.unit_name,
+        )
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _METADATA:
