@@ -37,12 +37,7 @@ class ReleasedParameter(torch.Tensor):
         return placeholder
 
     def __deepcopy__(self, memo):
-        raise ReleasedError(
-            f"a sharded model cannot be copied (copy.deepcopy): {self.param_name!r} of unit {self.unit_name!r} exists "
-            f"only as this rank's shard, and the copy would share the original's buffers and process groups. Copy the "
-            f"model before shardwire.shard and shard the copy too, or copy what you need of model.parameters()",
-            self.unit_name,
-        )
+        refuse_copy(self.unit_name)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -56,3 +51,14 @@ class ReleasedParameter(torch.Tensor):
             f"whole weights with shardwire.full_state_dict(model).",
             released.unit_name,
         )
+
+
+def refuse_copy(unit_name: str) -> None:
+    """Refuse ``copy.deepcopy`` of a sharded model or of a module of one (reaching its engine or a
+    placeholder): the copy would hold shards and share the original's buffers and process groups."""
+    raise ReleasedError(
+        "a sharded model cannot be copied (copy.deepcopy): its parameters exist only as this rank's shards, and "
+        "the copy would share the original's buffers and process groups. Copy the model before shardwire.shard "
+        "and shard the copy too, or copy what you need of model.parameters()",
+        unit_name,
+    )

@@ -78,7 +78,7 @@ from torch.utils import _pytree as pytree
 from shardwire.comm.communicator import OnIssue, Pending
 from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.comm.records import CommRecord
-from shardwire.engine import guards
+from shardwire.engine import guards, released
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
@@ -173,6 +173,9 @@ class Engine:
         self._generation = 0  # forwards so far: backward must come from the latest one
         self.checkpointing = None  # the checkpoint package's session (checkpoint.session): saves in flight, claims
         self._listeners: list[Listener] = []
+
+    def __deepcopy__(self, memo):  # reached through the model's hooks, before any placeholder
+        released.refuse_copy(self.root.name)
 
     @property
     def comm(self):
