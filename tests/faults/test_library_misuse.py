@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -133,6 +134,30 @@ def test_an_optimizer_given_a_module_attribute_is_refused_and_a_sharded_model_is
         optimizer.step()
     with pytest.raises(RuntimeError, match=r"a sharded model cannot be copied \(copy\.deepcopy\)"):
         copy.deepcopy(model)
+
+
+class _Spare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.spare = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_parameter_no_backward_reaches_is_reduced_as_zeros_and_said_once():
+    """Every rank reduces a unit's whole buffer; one that no rank used gets zeros where torch leaves
+    None, which weight decay would move: that is said, once for each parameter."""
+    torch.manual_seed(0)
+    model = shardwire.shard(_Spare())
+    with pytest.warns(UserWarning, match=r"parameter\(s\) 'spare\.weight', 'spare\.bias' got no gradient in a "
+                                         r"backward on rank 0: they are reduced as zeros"):
+        model(torch.randn(2, 4)).sum().backward()
+    grads = {name: param.grad.full_tensor() for name, param in model.named_parameters()}
+    assert not grads["spare.weight"].any() and grads["used.weight"].any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        model(torch.randn(2, 4)).sum().backward()
 
 
 @pytest.mark.parametrize("add, named", [

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -128,6 +129,8 @@ class FlatParam:
         self._placeholders = [
             ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in packing.slots
         ]
+        self._slot_names = [slot.names for slot in packing.slots]
+        self._said_unused: set[str] = set()  # parameters a backward did not reach, said once
         self._views: list[torch.Tensor] = []
         self._accumulated: torch.Tensor | None = None  # gradient summed under no_sync, as reduced
         self.free()
@@ -271,8 +274,30 @@ class FlatParam:
         if on_grad is None:
             self._views = self.packing.views(leaf)
         else:
-            self._views = list(_Views.apply(leaf.requires_grad_(True), self.packing, on_grad))
+            self._views = list(_Views.apply(leaf.requires_grad_(True), self.packing,
+                                            lambda grads: on_grad(self._unused_as_zeros(grads))))
         self._point_modules_at(self._views)
+
+    def _unused_as_zeros(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+        """The gradients of a backward, zeros for a parameter it did not reach (None). Every rank
+        reduces the whole buffer, whichever parameters it used (an expert that this rank's tokens
+        were not routed to): its zeros add nothing to the average, as under DDP. Where no rank used
+        it, torch would leave its ``.grad`` None; here it holds zeros, which weight decay and momentum
+        still act on, so this rank says so, once for each parameter."""
+        unused = [names[0] for names, grad in zip(self._slot_names, grads) if grad is None]
+        if not unused:
+            return grads
+        news = [name for name in unused if name not in self._said_unused]
+        if news:
+            self._said_unused.update(news)
+            warnings.warn(
+                f"parameter(s) {', '.join(map(repr, news[:3]))}{' ...' if len(news) > 3 else ''} got no gradient in a "
+                f"backward on rank {self._layout.world.rank}: they are reduced as zeros, so an optimizer's weight decay "
+                f"and momentum still move them where torch would leave their .grad None. Freeze a parameter the "
+                f"model never uses (requires_grad_(False)) before shard, or leave it out of the optimizer",
+                stacklevel=1)
+        views = self.packing.views(self._by_param)
+        return tuple(torch.zeros_like(view) if grad is None else grad for view, grad in zip(views, grads))
 
     def reveal(self) -> None:
         """Point the modules back at the views of the last ``show`` (the buffer was gathered again
@@ -348,12 +373,13 @@ class FlatParam:
 
 class _Views(torch.autograd.Function):
     """The parameters' views of the parameter-major buffer; its backward hands the views' gradients
-    (zeros for a view no computation used) to ``on_grad`` as they are, which copies them in rank by
+    (None for a view no computation used) to ``on_grad`` as they are, which copies them in rank by
     rank for the reduce-scatter: one copy, where a gradient of the whole buffer would take two."""
 
     @staticmethod
     def forward(ctx, by_param: torch.Tensor, packing: Packing, on_grad: Callable) -> tuple[torch.Tensor, ...]:
         ctx.on_grad = on_grad
+        ctx.set_materialize_grads(False)  # a view no computation used: None, not zeros
         return tuple(packing.views(by_param))
 
     @staticmethod
