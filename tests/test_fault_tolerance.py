@@ -5,10 +5,12 @@ Groups that lose and regain each other: ``tests/faults/test_fault_tolerant_group
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import pathlib
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import torch
 import shardwire
 from shardwire.cli import main
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
-from shardwire.comm.quorum import Quorum, QuorumPending
+from shardwire.comm.quorum import Quorum, QuorumPending, WaitNotice
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.outer import OuterLoop, OuterState
 from shardwire.engine.shard import engine_of
@@ -342,6 +344,52 @@ def test_fault_tolerant_groups_match_the_independent_diloco_reference():
         for key, value in expected.items():
             torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
         assert metrics["groups"] == 2 and metrics["outer_grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+def test_a_wait_for_a_quorum_is_said_while_it_lasts_and_a_short_one_never():
+    """A lighthouse gone (or the groups it waits for) leaves a group waiting up to QUORUM_TIMEOUT: it
+    says so at each interval, not only at the end."""
+    said = []
+    notice = WaitNotice(datetime.timedelta(seconds=0.2), said.append)
+    with notice.waiting():
+        time.sleep(0.02)
+    time.sleep(0.5)
+    assert said == []
+    with notice.waiting():
+        time.sleep(1.0)
+    assert said and all(waited >= 0.2 for waited in said) and said == sorted(said)
+
+
+def _mismatched_group(index: int, lighthouse: str, setting: str, results) -> None:
+    """Group 1 differs from group 0 in ``setting``; puts what each group's first meeting raised."""
+    os.environ["RUST_LOG"] = "warn"
+    torch.manual_seed(1 if setting.startswith("seed") and index else 0)
+    diloco = {"diloco": None, "outer_lr": DiLoCo(sync_every=2, outer_lr=1.0 if index else 0.7),
+              "seed": DiLoCo(sync_every=2)}["diloco" if setting == "seed without diloco" else setting]
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", diloco=diloco,
+                            fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=2, timeout=60))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    try:
+        _sgd_steps(model, optimizer, index, range(3))
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    results.put(pickle.dumps((index, raised)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, said", [
+    ("outer_lr", r"the other fault-tolerant groups sync with other settings than this one.s diloco sync_every=2,"),
+    ("seed", r"the other fault-tolerant groups start from other parameters than this one's, which their syncs"),
+    ("seed without diloco", r"start from other parameters than this one's, which averaging their gradients"),
+])
+def test_groups_that_would_never_hold_one_model_are_refused_at_their_first_meeting(setting, said):
+    """Groups of other settings or started from other parameters would end apart, each of them
+    saying it synced with the others: every group refuses at the first meeting instead."""
+    pytest.importorskip("torchft")
+    found = _groups_meeting(_mismatched_group, setting)
+    for (raised,) in found.values():
+        assert raised is not None and re.search(said, raised), raised
 
 
 def _hybrid_groups(rank: int, world: int, diloco: DiLoCo, steps: int) -> dict:

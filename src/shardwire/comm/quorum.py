@@ -16,12 +16,16 @@ process group does, with the engine's codec and error feedback.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import logging
 import os
+import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +49,10 @@ QUORUM_TIMEOUT = datetime.timedelta(hours=2)
 # 20 s for the answer) fails the request. Asking again every few seconds brings the group back to
 # the syncs soon after its link is.
 QUORUM_RETRY = datetime.timedelta(seconds=5)
+# How often a group that still waits for a quorum says so: the lighthouse may be gone, or the
+# groups it waits for (its --min_replicas) gone or far behind, and the wait is bounded only by
+# QUORUM_TIMEOUT.
+QUORUM_NOTICE = datetime.timedelta(seconds=60)
 
 
 def _transport(host: str, timeout: datetime.timedelta):
@@ -99,11 +107,70 @@ def check_received(own: list[torch.Tensor], received: list[torch.Tensor]) -> Non
                                f"{theirs.numel()}: every group must have as many ranks")
 
 
+def fingerprint(*parts) -> int:
+    """A 32-bit fingerprint of settings and shapes (their ``repr``), for the groups to compare."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def values_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
+    """A 32-bit fingerprint of what ``tensors`` hold, bit for bit: each one's words summed as
+    integers, which wrap alike in any order, so any device and kernel gives the same."""
+    sums = [int(torch.sum(tensor.detach().contiguous().view(_WORDS[tensor.element_size()]), dtype=torch.int64))
+            for tensor in tensors]
+    return fingerprint(*sums)
+
+
+# The integer type of a word of each element size, whose sum fingerprints a tensor's bits.
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def agreement_values(value: int | None) -> list[int]:
+    """A 32-bit ``value`` as ``Quorum.agree`` values whose agreed values equal these only where every
+    group taking part gave the same: its two 16-bit halves and their complements (``agree`` takes
+    the largest of each). None abstains: zeros, which leave the others' agreed values theirs."""
+    if value is None:
+        return [0] * 4
+    halves = [value >> 16, value & 0xFFFF]
+    return [*halves, *(0xFFFF - half for half in halves)]
+
+
 def _unreachable(settings: FaultTolerance, waited: datetime.timedelta) -> str:
     return (f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within "
             f"{waited.total_seconds():g} s: "
             f"start torchft_lighthouse there, or give the address this node reaches it at "
             f"(--fault-tolerance lighthouse=HOST:PORT)")
+
+
+class WaitNotice:
+    """Calls ``say(seconds waited)`` every ``every`` while a wait (``waiting``) lasts, from one
+    thread kept for the object's life, which only reads the time the wait began."""
+
+    def __init__(self, every: datetime.timedelta, say: Callable[[float], None]):
+        self._every = every.total_seconds()
+        self._say = say
+        self._since: float | None = None
+        threading.Thread(target=self._watch, daemon=True, name="shardwire-wait-notice").start()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        said = None  # the wait last told of, and how long it had lasted
+        while True:
+            time.sleep(self._every / 4)
+            since = self._since
+            if since is None:
+                continue
+            waited = time.monotonic() - since
+            told = said[1] if said is not None and said[0] == since else 0.0
+            if waited - told >= self._every:
+                self._say(waited)
+                said = (since, waited)
 
 
 class Quorum:
@@ -179,6 +246,8 @@ class Quorum:
         self._rounded: list[torch.Tensor] = []  # the error feedback this sync's quantization updated
         self._registered: set[str] = set()  # the keys of what a recovering group receives
         self._attending: list[Callable[[], None]] = []  # run at each quorum, before anything is averaged in it
+        # the group's rank 0 says when a quorum is long in coming; the others would say the same
+        self._notice = WaitNotice(QUORUM_NOTICE, self._say_waiting) if group.rank == 0 else None
 
     def register(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]) -> None:
         """What a group that is behind receives from a live peer at its position, under ``key``."""
@@ -205,13 +274,20 @@ class Quorum:
         all-reduces with nothing of its own, and loads that state at ``commit``."""
         start = time.perf_counter()
         self._rounded = []
-        self._manager.start_quorum()
-        self._manager.wait_quorum()
+        with self._notice.waiting() if self._notice is not None else contextlib.nullcontext():
+            self._manager.start_quorum()
+            self._manager.wait_quorum()
         self._waited_s += time.perf_counter() - start
         self.participants = self._manager.num_participants()
         self.recovered = not self._manager.is_participating()
         for meet in self._attending:
             meet()
+
+    def _say_waiting(self, waited: float) -> None:
+        print(f"warning: fault tolerance: group {self.settings.group!r} has waited {waited:.0f} s for a quorum from "
+              f"the lighthouse at {self.settings.lighthouse}: it may be down, or the groups it waits for (its "
+              f"--min_replicas) gone or far behind; it waits up to {QUORUM_TIMEOUT.total_seconds() / 3600:g} h",
+              file=sys.stderr, flush=True)
 
     @property
     def failed(self) -> bool:

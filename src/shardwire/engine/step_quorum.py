@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwire.comm.quorum import Quorum, check_received
+from shardwire.comm.quorum import Quorum, agreement_values, check_received, fingerprint, values_fingerprint
 from shardwire.options import SettingError
 
 MAX_DROPPED = 20  # steps dropped in a row before the run stops
@@ -45,7 +45,11 @@ class StepQuorum:
         self._open = False  # a step's quorum is formed, its vote not yet taken
         self._dropped_in_a_row = 0
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
+        self._compared = False  # whether this process compared its parameters with the other groups'
+        self._shapes = agreement_values(fingerprint(*((flat.name, str(flat.shard.dtype), flat.shard.shape)
+                                                      for flat in flats)))
         quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
+        quorum.attend(self._compare_models)
 
     def resume(self, steps: int) -> None:
         """Count on from a checkpoint of ``steps`` steps, as torchft's manager does too: the
@@ -67,6 +71,26 @@ class StepQuorum:
         if not self._open:
             self.quorum.start()
             self._open = True
+
+    def _compare_models(self) -> None:
+        """At each quorum, compare this group's model with the others': a model of other shapes cannot
+        be averaged, and averaging gradients keeps the groups' models the same only where they start
+        so. Its parameters are compared at this process's first quorum alone, unless it is behind (it
+        receives the others'), read on the host once. By 32-bit fingerprints (``agreement_values``)."""
+        compare = not (self._compared or self.quorum.recovered)
+        values = agreement_values(values_fingerprint(flat.shard for flat in self._flats) if compare else None)
+        agreed = self.quorum.agree([*self._shapes, *values])
+        if self.quorum.failed:  # its own values: compared at the next quorum
+            return
+        if agreed[:4] != self._shapes:
+            raise SettingError("the other fault-tolerant groups train a model of other shapes than this one's: give "
+                               "every group the same model")
+        if compare:
+            self._compared = True
+            if agreed[4:] != values:
+                raise SettingError("the other fault-tolerant groups start from other parameters than this one's, "
+                                   "which averaging their gradients would never bring together: start every group "
+                                   "from the same parameters (the same seed)")
 
     def step_done(self) -> None:
         """The end of a step's backward, its gradients reduced: the vote. A group behind loads the
