@@ -296,8 +296,8 @@ class FlatParam:
                 f"and momentum still move them where torch would leave their .grad None. Freeze a parameter the "
                 f"model never uses (requires_grad_(False)) before shard, or leave it out of the optimizer",
                 stacklevel=1)
-        views = self.packing.views(self._by_param)
-        return tuple(torch.zeros_like(view) if grad is None else grad for view, grad in zip(views, grads))
+        return tuple(torch.zeros(slot.shape, dtype=self.compute_dtype, device=self.shard.device) if grad is None
+                     else grad for slot, grad in zip(self.packing.slots, grads))
 
     def reveal(self) -> None:
         """Point the modules back at the views of the last ``show`` (the buffer was gathered again
