@@ -134,7 +134,8 @@ class _Alone:
 
 
 def _synced_flat(quorum, diloco):
-    flat = types.SimpleNamespace(shard=torch.zeros(4))
+    flat = types.SimpleNamespace(shard=torch.zeros(4), name="flat",
+                                 packing=types.SimpleNamespace(slots=[types.SimpleNamespace(shape=(4,))]))
     flat.outer = OuterState("flat", flat.shard, quorum, diloco, None)
     return flat
 

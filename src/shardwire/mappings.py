@@ -248,18 +248,20 @@ def _read_yaml(text: str, what: str, numbers_as_text: bool, unique: bool):
     yaml = require("yaml", f"{what}, which is not JSON,")
 
     def number(loader, node):
-        if numbers_as_text:
-            return node.value
-        if (digits := sum(map(str.isdigit, node.value))) > _MOST_DIGITS:
+        """A YAML number as the command line reads it: the value, or with ``numbers_as_text`` the text
+        its parsers take (YAML's ``.inf`` as ``inf``)."""
+        if node.value.lower() in _YAML_SPECIAL_FLOATS:
+            special = _YAML_SPECIAL_FLOATS[node.value.lower()]
+            return repr(special) if numbers_as_text else special
+        if not numbers_as_text and (digits := sum(map(str.isdigit, node.value))) > _MOST_DIGITS:
             raise MappingError(f"{what}: {shown(node.value)}{_where(node.start_mark)} has {digits:,} digits, more "
                                f"than any value takes: write the value itself")
         for kind in (int, float):
             try:
-                return kind(node.value)
+                value = kind(node.value)
             except ValueError:
-                pass
-        if node.value.lower() in _YAML_SPECIAL_FLOATS:
-            return _YAML_SPECIAL_FLOATS[node.value.lower()]
+                continue
+            return node.value if numbers_as_text else value
         raise MappingError(
             f"{what}: {shown(node.value)}{_where(node.start_mark)} is a YAML 1.1 number that the command line "
             f"reads otherwise (YAML reads 1:30 as 90 and 0x10 as 16): write it in decimal, or quote it as text")

@@ -136,6 +136,21 @@ def test_an_optimizer_given_a_module_attribute_is_refused_and_a_sharded_model_is
         copy.deepcopy(model)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_what_a_user_set_on_a_parameter_is_carried_to_its_dtensor(device):
+    """Optimizer-group builders read marks set on parameters (``_no_weight_decay``): each DTensor that
+    replaces a parameter keeps them, as DDP keeps the parameter itself, from a meta build too."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(TINY)
+    for param in model.parameters():
+        if param.dim() < 2:
+            param._no_weight_decay = True
+    marked = sum(param.dim() < 2 for param in model.parameters())
+    shardwire.shard(model, units=[Block], init=model.init_module if device == "meta" else None)
+    assert sum(getattr(param, "_no_weight_decay", False) for param in model.parameters()) == marked > 0
+
+
 class _Spare(nn.Module):
     def __init__(self):
         super().__init__()

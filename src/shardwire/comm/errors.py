@@ -30,3 +30,9 @@ class CollectiveError(RuntimeError):
 
 class ScheduleMismatchError(CollectiveError):
     """Ranks issued different collectives at the same point (rank-dependent control flow around units)."""
+
+
+# What a ScheduleMismatchError asks of the training, after naming what each rank was about to run.
+SAME_SCHEDULE = ("Every rank must run the same units in the same order in each step, and its backward reach every "
+                 "unit it ran (no rank-dependent control flow around units: a head one rank's loss skips, a layer one "
+                 "rank drops, are weighed by zero instead).")

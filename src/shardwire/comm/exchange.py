@@ -42,7 +42,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from shardwire.comm.errors import ScheduleMismatchError
+from shardwire.comm.errors import SAME_SCHEDULE, ScheduleMismatchError
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.wire import Codec
 from shardwire.placement import Placement
@@ -113,8 +113,7 @@ class Exchange:
         if not bool((headers == headers[0]).all()):
             plan = "; ".join(f"rank {r} is running {_decode_header(h)}" for r, h in enumerate(headers))
             raise ScheduleMismatchError(
-                f"ranks disagree on the collective: {plan}. Every rank must run the same units in the "
-                f"same order in each step (no rank-dependent control flow around units)."
+                f"ranks disagree on the collective: {plan}. {SAME_SCHEDULE}"
             )
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:

@@ -32,6 +32,17 @@ SHARDED_ATTR = "_shardwire_sharded"
 REPLACED_ATTR = "_shardwire_replaced"
 
 
+def carry_attributes(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Give ``new``, which replaces ``old`` in the model, what the user set on ``old``
+    (``_no_weight_decay``, muP's ``infshape``): optimizer-group builders read it, and DDP keeps the
+    parameter itself. Not torch's hooks, which expect ``old``'s gradient."""
+    new.__dict__.update({key: value for key, value in vars(old).items() if key not in _NOT_CARRIED})
+
+
+# A parameter's attributes that belong to it alone: torch's hooks, and the mark of its replacement.
+_NOT_CARRIED = frozenset({"_backward_hooks", "_post_accumulate_grad_hooks", REPLACED_ATTR})
+
+
 @functools.cache
 def watch() -> None:
     """Install the optimizers' hook, once per process."""

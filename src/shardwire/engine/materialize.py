@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from shardwire.comm.communicator import Communicator
+from shardwire.engine import guards
 from shardwire.engine.released import ReleasedError
 from shardwire.engine.selection import OwnedParam
 from shardwire.engine.unit import Unit
@@ -135,8 +136,9 @@ class _Storage:
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 if id(param) not in self.params:
-                    self.params[id(param)] = self._remember(nn.Parameter(self._marked_like(param),
-                                                                         requires_grad=param.requires_grad))
+                    made = nn.Parameter(self._marked_like(param), requires_grad=param.requires_grad)
+                    guards.carry_attributes(param, made)
+                    self.params[id(param)] = self._remember(made)
                 module._parameters[name] = self.params[id(param)]
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:

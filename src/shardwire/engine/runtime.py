@@ -76,7 +76,7 @@ from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 from shardwire.comm.communicator import OnIssue, Pending
-from shardwire.comm.errors import ScheduleMismatchError
+from shardwire.comm.errors import SAME_SCHEDULE, ScheduleMismatchError
 from shardwire.comm.records import CommRecord
 from shardwire.engine import guards, released
 from shardwire.engine.flat_param import FlatParam
@@ -508,8 +508,7 @@ class Engine:
                 for r, (code, index) in enumerate(rows)
             )
             raise ScheduleMismatchError(
-                f"ranks disagree on the next unit: {plan}. Every rank must run the same units in "
-                f"the same order in each step (no rank-dependent control flow around units)."
+                f"ranks disagree on the next unit: {plan}. {SAME_SCHEDULE}"
             )
 
 

@@ -401,6 +401,7 @@ def _build_unit(index, name, module, params, *, layout, policy, wire, values=Non
         for entry, param in zip(entries, flat.params):
             for owner, param_name in entry.owners:
                 owner._parameters[param_name] = param
+            guards.carry_attributes(entry.param, param)
             setattr(entry.param, guards.REPLACED_ATTR, True)
         flats.append(flat)
     return Unit(index, name, module, flats)
