@@ -95,6 +95,8 @@ def test_what_fault_tolerance_cannot_carry_is_refused(diloco, layout, group_size
 class _ScriptedQuorum(Quorum):
     """A quorum of this group alone whose votes and recoveries the test scripts (no torchft)."""
 
+    failed = False
+
     def __init__(self):
         self.sent, self.keep, self.recovery, self.recovered, self.participants = 0, True, None, False, 1
 
