@@ -450,6 +450,17 @@ def test_a_report_is_not_drawn_into_another_runs_directory(tmp_path, capsys):
     assert main(["report", str(first), "--out", str(first)]) == 0  # its own run's directory
 
 
+def test_a_report_without_out_names_the_run_directory_it_would_draw_into(tmp_path, capsys):
+    """A plot's place taken by a user's file is named as what holds it, not an option not given."""
+    run = tmp_path / "p1"
+    run.mkdir()
+    shutil.copyfile(PROFILE, run / "profile.json")
+    (run / "timeline.png").write_text("mine")
+    assert main(["report", str(run)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: RUN_DIR (where the plots go without --out): {run}/timeline.png ")
+    assert (run / "timeline.png").read_text() == "mine"
+
+
 def test_a_run_given_twice_to_report_is_said_so(tmp_path, capsys):
     """It was told the two runs had the same world size."""
     run = tmp_path / "p1"

@@ -102,9 +102,10 @@ def contention_line(group: str, workload: dict, result: dict) -> str:
     shares, bandwidth = result["rank_shares"], result["rank_bandwidth_shares"]
     return (f"# contention {group}: {workload['count']} x {workload['n']}^2 {workload['dtype']} matmuls "
             f"{result['alone_s'] * 1e3:.1f} ms alone, {result['beside_s'] * 1e3:.1f} ms beside an all_gather of "
-            f"{format_size(result['all_gather_bytes'])} ({result['all_gather_s'] * 1e3:.1f} ms alone): compute "
-            f"share {result['compute_share']:.3f} (members {min(shares):.3f} to {max(shares):.3f}), bandwidth "
-            f"share {result['bandwidth_share']:.3f} ({min(bandwidth):.3f} to {max(bandwidth):.3f})")
+            f"{format_size(result['all_gather_bytes'])} ({result['all_gather_s'] * 1e3:.1f} ms alone), the members' "
+            f"medians; of each member's own 1 - alone/beside (0 at least), compute share {result['compute_share']:.3f} "
+            f"the median ({min(shares):.3f} to {max(shares):.3f}), bandwidth share {result['bandwidth_share']:.3f} "
+            f"({min(bandwidth):.3f} to {max(bandwidth):.3f})")
 
 
 def rounding_note(align: int, split: bool, rounded: list[tuple[int, int]]) -> str:

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     """The profiles are checked as they are read: what ``checked`` holds is said once they were."""
     try:
-        written = write_report(args.run_dirs, args.out or args.run_dirs[0])
+        written = write_report(args.run_dirs, args.out)
     except ReportError as err:
         print(refusal(f"error: {err}"), file=sys.stderr)
         return 2

@@ -56,7 +56,11 @@ def load_profile(run_dir: str) -> dict:
         raise ReportError(str(err)) from None
 
 
-def write_report(run_dirs: list[str], out: str) -> list[str]:
+def write_report(run_dirs: list[str], out: str | None = None) -> list[str]:
+    """Plot the profiles of ``run_dirs`` into ``out`` (by default the first run's directory);
+    returns the plots' paths."""
+    option = "--out" if out is not None else "RUN_DIR (where the plots go without --out)"
+    out = run_dirs[0] if out is None else out
     profiles = [load_profile(d) for d in run_dirs]
     plots = []  # (the runs it draws, its path, how to draw it)
     for run_dir, profile, name in zip(run_dirs, profiles, _run_names(run_dirs, profiles)):
@@ -70,9 +74,9 @@ def write_report(run_dirs: list[str], out: str) -> list[str]:
         raise ReportError(f"--out {cut(out)} holds the profile of another run ({cut(other)}), whose plots these would "
                           f"replace or sit beside as if they were its own: give another directory")
     try:  # every output checked before any is drawn
-        check_writable_directory(out, "--out")
+        check_writable_directory(out, option)
         for _, path, _ in plots:
-            check_output_file(path, "--out:", "report-plot")
+            check_output_file(path, f"{option}:", "report-plot")
     except OptionError as err:
         raise ReportError(str(err)) from None
     with _damage_reported(run_dirs):

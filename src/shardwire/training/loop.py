@@ -1079,7 +1079,7 @@ def _save_profile(profiler: Profiler, config: TrainConfig, rank: int) -> None:
         f"backward {f['backward_s'] * 1e3:.0f} ({f['copy_s'] * 1e3:.0f} of those copying), "
         f"clip {f['clip_s'] * 1e3:.0f}, optimizer {f['optimizer_s'] * 1e3:.0f}, other {f['other_s'] * 1e3:.0f}, "
         f"waiting for communication {f['wait_s'] * 1e3:.0f} ms; communication {f['comm_s'] * 1e3:.0f} ms, "
-        f"{summary['figures']['overlap_ratio']['median']:.0%} hidden; "
+        f"{f['overlap_ratio']:.0%} hidden; at the median step ({summary['step_time_s'] * 1e3:.0f} ms) "
         f"{summary['model_tflops_per_worker']:.3f} TFLOP/s per worker, {mfu}\n"
         + one_line(f"profile written to {run_dir} (shardwire report {shlex.quote(str(run_dir))} plots it)"),
         flush=True,
