@@ -208,6 +208,26 @@ class _Scaled(nn.Module):
         return self.lin(x)[:, self.order] * self.gain
 
 
+class _Table(nn.Module):
+    """A small integer table whose values include the dtype's largest (255 in uint8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.empty(256, dtype=torch.uint8))
+
+    def reset_parameters(self):
+        self.lin.reset_parameters()
+        self.table.copy_(torch.arange(256, dtype=torch.uint8))
+
+
+def test_a_small_integer_table_holding_its_largest_value_is_set():
+    with torch.device("meta"):
+        model = _Table()
+    shardwire.shard(model, init=lambda m: isinstance(m, _Table) and m.reset_parameters())
+    assert torch.equal(model.get_buffer("table"), torch.arange(256, dtype=torch.uint8))
+
+
 class _Stack(nn.Module):
     def __init__(self):
         super().__init__()
@@ -264,7 +284,7 @@ def test_what_the_initialisation_writes_or_assigns_is_the_model():
         shardwire.shard(other, init=lambda m: _set_linears(m) or (
             isinstance(m, _Scaled) and setattr(m, "gain", nn.Parameter(torch.ones(3)))))
     with pytest.raises(ValueError, match=r"initialisation of blocks\.0 \(_Scaled\) assigned 'gain' with "
-                                         r"requires_grad=False, where the model built it with True"):
+                                         r"requires_grad=False, where the model was built with True"):
         with torch.device("meta"):
             other = _Stack()
         shardwire.shard(other, init=lambda m: _set_linears(m) or (

@@ -103,8 +103,8 @@ def contention_line(group: str, workload: dict, result: dict) -> str:
     return (f"# contention {group}: {workload['count']} x {workload['n']}^2 {workload['dtype']} matmuls "
             f"{result['alone_s'] * 1e3:.1f} ms alone, {result['beside_s'] * 1e3:.1f} ms beside an all_gather of "
             f"{format_size(result['all_gather_bytes'])} ({result['all_gather_s'] * 1e3:.1f} ms alone), the members' "
-            f"medians; of each member's own 1 - alone/beside (0 at least), compute share {result['compute_share']:.3f} "
-            f"the median ({min(shares):.3f} to {max(shares):.3f}), bandwidth share {result['bandwidth_share']:.3f} "
+            f"medians: compute share {result['compute_share']:.3f} (the median of each member's own 1 - alone/beside, "
+            f"within 0 to 1: {min(shares):.3f} to {max(shares):.3f}), bandwidth share {result['bandwidth_share']:.3f} "
             f"({min(bandwidth):.3f} to {max(bandwidth):.3f})")
 
 

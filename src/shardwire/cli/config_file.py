@@ -98,7 +98,8 @@ def apply(parser: argparse.ArgumentParser, path: str) -> None:
         content = read_file(path, where)
         values = read_mapping(content, where, numbers_as_text=True)
         if any(isinstance(value, dict) for value in values.values()):  # a spec's mapping, its numbers as numbers
-            values.update({key: value for key, value in read_mapping(content, where).items() if isinstance(value, dict)})
+            typed = read_mapping(content, where)
+            values.update({key: value for key, value in typed.items() if isinstance(value, dict)})
     except MappingError as err:
         raise ConfigError(str(err)) from None
     options = _options(parser)

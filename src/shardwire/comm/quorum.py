@@ -24,8 +24,9 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.wire import Codec
+from shardwire.options import SettingError
 
 if TYPE_CHECKING:  # its settings, from the layer above (torch-free)
     from shardwire.engine.fault_tolerance import FaultTolerance
@@ -112,12 +114,20 @@ def fingerprint(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def values_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
-    """A 32-bit fingerprint of what ``tensors`` hold, bit for bit: each one's words summed as
-    integers, which wrap alike in any order, so any device and kernel gives the same."""
-    sums = [int(torch.sum(tensor.detach().contiguous().view(_WORDS[tensor.element_size()]), dtype=torch.int64))
+def shapes_fingerprint(flats: list, ranks: int) -> int:
+    """Of the model as a group shards it: each buffer's name, dtype and parameters' shapes, and the
+    group's rank count, which sets each rank's shard."""
+    return fingerprint(ranks, *((flat.name, str(flat.shard.dtype), [slot.shape for slot in flat.packing.slots])
+                                for flat in flats))
+
+
+def values_fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A 32-bit fingerprint of what ``tensors`` (on one device) hold, bit for bit: each one's words
+    summed as integers, which wrap alike in any order, so any device and kernel gives the same;
+    read on the host once."""
+    sums = [torch.sum(tensor.detach().contiguous().view(_WORDS[tensor.element_size()]), dtype=torch.int64)
             for tensor in tensors]
-    return fingerprint(*sums)
+    return fingerprint(*(torch.stack(sums).tolist() if sums else []))
 
 
 # The integer type of a word of each element size, whose sum fingerprints a tensor's bits.
@@ -134,6 +144,31 @@ def agreement_values(value: int | None) -> list[int]:
     return [*halves, *(0xFFFF - half for half in halves)]
 
 
+def refuse_another_model(agreed: list[int], shapes: list[int], values: list[int] | None, failed: bool,
+                         group: Communicator, averaging: str) -> bool:
+    """Refuse, on every rank of this group, a model the other groups cannot average with: ``agreed``
+    holds the groups' agreed ``shapes`` and, where this group compared them (``values``; None
+    abstained), starting parameters, which differ on a rank holding a part that differs, so the
+    ranks say so to each other first, with whether their quorum ``failed`` (then nothing is refused:
+    each rank's own values came back). Returns whether the parameters were compared: not where a
+    rank's quorum failed."""
+    if not failed and agreed[:4] != shapes:
+        raise SettingError("the other fault-tolerant groups train a model of other shapes than this one's, or shard "
+                           "it over another number of ranks: give every group the same model and as many ranks")
+    if values is None:
+        return False
+    rows = group.all_gather_values([int(failed), int(not failed and agreed[4:8] != values)],
+                                   tag="fault tolerance model check")
+    if any(failed for failed, _ in rows):
+        return False
+    if any(differs for _, differs in rows):
+        raise SettingError(f"the other fault-tolerant groups start from other parameters than this one's (bit for "
+                           f"bit), which {averaging} would never bring together: start every group from the same "
+                           f"parameters (the same seed on the same kind of machine, or one checkpoint loaded into "
+                           f"every group)")
+    return True
+
+
 def _unreachable(settings: FaultTolerance, waited: datetime.timedelta) -> str:
     return (f"fault tolerance: cannot reach the lighthouse at {settings.lighthouse} within "
             f"{waited.total_seconds():g} s: "
@@ -142,12 +177,13 @@ def _unreachable(settings: FaultTolerance, waited: datetime.timedelta) -> str:
 
 
 class WaitNotice:
-    """Calls ``say(seconds waited)`` every ``every`` while a wait (``waiting``) lasts, from one
-    thread kept for the object's life, which only reads the time the wait began."""
+    """Calls ``say(seconds waited)`` every ``every`` while a wait (``waiting``) lasts, from a thread
+    that only reads the time the wait began. ``say`` is a bound method held weakly: the thread ends
+    once its object is gone."""
 
     def __init__(self, every: datetime.timedelta, say: Callable[[float], None]):
         self._every = every.total_seconds()
-        self._say = say
+        self._say = weakref.WeakMethod(say)
         self._since: float | None = None
         threading.Thread(target=self._watch, daemon=True, name="shardwire-wait-notice").start()
 
@@ -165,11 +201,16 @@ class WaitNotice:
             time.sleep(self._every / 4)
             since = self._since
             if since is None:
+                if self._say() is None:
+                    return
                 continue
             waited = time.monotonic() - since
             told = said[1] if said is not None and said[0] == since else 0.0
             if waited - told >= self._every:
-                self._say(waited)
+                if (say := self._say()) is None:
+                    return
+                say(waited)
+                del say  # held no longer than the call: its object may go
                 said = (since, waited)
 
 
@@ -285,9 +326,14 @@ class Quorum:
 
     def _say_waiting(self, waited: float) -> None:
         print(f"warning: fault tolerance: group {self.settings.group!r} has waited {waited:.0f} s for a quorum from "
-              f"the lighthouse at {self.settings.lighthouse}: it may be down, or the groups it waits for (its "
-              f"--min_replicas) gone or far behind; it waits up to {QUORUM_TIMEOUT.total_seconds() / 3600:g} h",
-              file=sys.stderr, flush=True)
+              f"the lighthouse at {self.settings.lighthouse}: a group that joins waits for the others' next sync, but "
+              f"the lighthouse may be down, or the groups it needs (min_groups, the lighthouse's --min_replicas) gone; "
+              f"it waits up to {QUORUM_TIMEOUT.total_seconds() / 3600:g} h", file=sys.stderr, flush=True)
+
+    @property
+    def step(self) -> int:
+        """The quorum's count of committed steps, the same in every group of it (one behind takes it)."""
+        return self._manager.current_step()
 
     @property
     def failed(self) -> bool:

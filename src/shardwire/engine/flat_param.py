@@ -129,7 +129,6 @@ class FlatParam:
         self._placeholders = [
             ReleasedParameter(slot.shape, compute_dtype, slot.names[0], name) for slot in packing.slots
         ]
-        self._slot_names = [slot.names for slot in packing.slots]
         self._said_unused: set[str] = set()  # parameters a backward did not reach, said once
         self._views: list[torch.Tensor] = []
         self._accumulated: torch.Tensor | None = None  # gradient summed under no_sync, as reduced
@@ -284,7 +283,7 @@ class FlatParam:
         were not routed to): its zeros add nothing to the average, as under DDP. Where no rank used
         it, torch would leave its ``.grad`` None; here it holds zeros, which weight decay and momentum
         still act on, so this rank says so, once for each parameter."""
-        unused = [names[0] for names, grad in zip(self._slot_names, grads) if grad is None]
+        unused = [slot.names[0] for slot, grad in zip(self.packing.slots, grads) if grad is None]
         if not unused:
             return grads
         news = [name for name in unused if name not in self._said_unused]
@@ -292,9 +291,9 @@ class FlatParam:
             self._said_unused.update(news)
             warnings.warn(
                 f"parameter(s) {', '.join(map(repr, news[:3]))}{' ...' if len(news) > 3 else ''} got no gradient in a "
-                f"backward on rank {self._layout.world.rank}: they are reduced as zeros, so an optimizer's weight decay "
-                f"and momentum still move them where torch would leave their .grad None. Freeze a parameter the "
-                f"model never uses (requires_grad_(False)) before shard, or leave it out of the optimizer",
+                f"backward on rank {self._layout.world.rank}: this rank adds zeros to their average. Where no rank "
+                f"reaches one, its .grad is zeros where torch would leave it None, and an optimizer's weight decay and "
+                f"momentum still move it: freeze a parameter the model never uses (requires_grad_(False)) before shard",
                 stacklevel=1)
         return tuple(torch.zeros(slot.shape, dtype=self.compute_dtype, device=self.shard.device) if grad is None
                      else grad for slot, grad in zip(self.packing.slots, grads))

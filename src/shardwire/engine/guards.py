@@ -62,9 +62,9 @@ def _refuse_replaced_parameters(optimizer, args, kwargs) -> None:
     if released:
         raise ValueError(
             f"this {type(optimizer).__name__} holds {', '.join(map(repr, released[:3]))}"
-            f"{' ...' if len(released) > 3 else ''} as a module's attribute of a sharded model shows it between uses, "
-            f"a placeholder its step would never change; the model trains its parameters as model.named_parameters() "
-            f"gives them: build the optimizer's groups from those (by name)"
+            f"{' ...' if len(released) > 3 else ''} as read from a module's attribute of a sharded model: a "
+            f"placeholder between forwards, not the parameter the model trains, so its step would never change the "
+            f"model. Build the optimizer's groups from model.named_parameters() (by name)"
         )
 
 

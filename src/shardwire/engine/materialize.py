@@ -117,7 +117,8 @@ class _Storage:
     (positions, indices). So it is filled with a mark: NaN, where any element left so is unset (a
     write of some rows is not enough), and for bools the byte 2, which no bool operation writes. An
     integer tensor is unset where some elements still hold the largest integer and others not (a
-    write of some rows), or where it holds it everywhere and nothing wrote it since (torch's version
+    write of some rows; 32 and 64 bits only, whose largest integer no table holds), or where it
+    holds it everywhere and nothing wrote it since (torch's version
     counter, its data): a write of the largest integer everywhere counts, and the mark is in the
     values, so a write through ``.data``, which no version counter of the tensor's sees, counts as
     one everywhere else.
@@ -181,8 +182,8 @@ class _Storage:
         if now.requires_grad != given.requires_grad:  # the unit's buffers are laid out by the flag it was built with
             raise ValueError(
                 f"the initialisation of {where or 'the model'} ({type(owner).__name__}) assigned {attr!r} with "
-                f"requires_grad={now.requires_grad}, where the model built it with {given.requires_grad}: set "
-                f"requires_grad on the built model, before shard, and let the initialisation set values alone")
+                f"requires_grad={now.requires_grad}, where the model was built with {given.requires_grad} (or frozen "
+                f"before shard): assign it with requires_grad={given.requires_grad}, or initialise it in place")
         if now.device != self.device:
             return nn.Parameter(now.detach().to(self.device), requires_grad=now.requires_grad)
         return now
@@ -206,8 +207,8 @@ class _Storage:
         if tensor.dtype == torch.bool:
             return bool((tensor.view(torch.uint8) == _BOOL_MARK).any())
         marked = tensor == torch.iinfo(tensor.dtype).max
-        if not marked.all():
-            return bool(marked.any())
+        if not marked.all():  # 255 or 32767 are a small integer table's own values; 2^31 - 1 and up are not
+            return tensor.element_size() >= 4 and bool(marked.any())
         given, data, version = self._given.get(id(tensor), (None, None, None))
         untouched = given is not None and given() is tensor and (tensor.data_ptr(), tensor._version) == (data, version)
         return untouched and tensor.numel() > 0

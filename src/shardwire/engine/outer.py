@@ -27,7 +27,8 @@ import torch
 from torch.profiler import record_function
 
 from shardwire.comm.communicator import Communicator, Pending
-from shardwire.comm.quorum import Quorum, agreement_values, check_received, fingerprint, values_fingerprint
+from shardwire.comm.quorum import (Quorum, agreement_values, check_received, fingerprint, refuse_another_model,
+                                   shapes_fingerprint, values_fingerprint)
 from shardwire.engine.diloco import DiLoCo
 from shardwire.options import SettingError
 
@@ -165,9 +166,12 @@ class OuterLoop:
         self._measures_drift = quorum is None and not replicate.quantizes(diloco.codec)
         self._spanning = [world, replicate]
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
-        # what the groups compare at each sync of the model's shapes (``_agreed_fragment``)
-        self._shapes = fingerprint(*((flat.name, str(flat.shard.dtype), [slot.shape for slot in flat.packing.slots])
-                                     for flats in synced for flat in flats))
+        # what the groups compare at each sync (``_agreed_fragment``): the settings, read as numbers
+        # (0.7 given as 7e-1 or as a numpy float is the same rate), and the model's shapes
+        d = diloco
+        self._settings = agreement_values(fingerprint(d.sync_every, d.fragments, d.wire, float(d.outer_lr),
+                                                      float(d.momentum), d.fragment_sync_delay))
+        self._shapes = agreement_values(shapes_fingerprint([flat for flats in synced for flat in flats], world.world))
         self.steps = 0
         self.checked = 0  # the step whose due sync has been issued
         self._sent_at = 0  # the step the last sync was sent at
@@ -179,7 +183,7 @@ class OuterLoop:
         # Fault-tolerant groups (``shardwire.engine.fault_tolerance``): the quorum a sync averages
         # over, in place of ``replicate``; what a sync found, for the log.
         self.quorum = quorum
-        self._compared_anchor = False  # whether this process compared its anchor with the other groups'
+        self._compared_anchors = False  # whether this process compared its anchors with the other groups'
         self._joined = quorum is None
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         self._voted_after = 0  # the steps done at the vote of the sync sent last
@@ -306,34 +310,26 @@ class OuterLoop:
         group whose count is not every other's says so (a group that joins compares its own with
         theirs). Nor can groups with other settings (when they sync, the outer step's rate and
         momentum, the wire) or a model of other shapes (their averages would not line up). At the
-        first sync of this process, unless it is behind, its anchor is compared too: groups that
-        start apart (another seed) would never meet. Each compared by a 32-bit fingerprint
-        (``agreement_values``); the anchor's reads it on the host, once."""
+        first sync of this process, unless it is behind, its anchors are compared too (every
+        fragment's: groups resumed at other inner steps come to other fragments): groups that
+        start apart (another seed) would never meet. Each by a 32-bit fingerprint
+        (``agreement_values``)."""
         count = len(self.fragments)
-        settings = agreement_values(fingerprint(str(self.diloco)))
-        shapes = agreement_values(self._shapes)
-        compare = not (self._compared_anchor or self.quorum.recovered)
-        anchor = agreement_values(values_fingerprint(flat.outer.anchor for flat in self.fragments[fragment])
-                                  if compare else None)
+        compare = not (self._compared_anchors or self.quorum.recovered)
+        anchors = agreement_values(values_fingerprint([flat.outer.anchor for flats in self.fragments for flat in flats])
+                                   if compare else None)
         agreed, most, fewest, *highest = self.quorum.agree(
-            [fragment, count, _MAX_FRAGMENTS - count, *settings, *shapes, *anchor])
+            [fragment, count, _MAX_FRAGMENTS - count, *self._settings, *self._shapes, *anchors])
         fewest = _MAX_FRAGMENTS - fewest
         if not most == fewest == count:
             others = f"{most}" if most == fewest else f"{fewest} to {most}"
             raise SettingError(f"the other fault-tolerant groups sync in {others} fragments, this one in {count}: "
                                f"give every group the same {{diloco}} fragments", diloco=("diloco",))
-        if highest[:4] != settings:
+        if highest[:4] != self._settings:
             raise SettingError(f"the other fault-tolerant groups sync with other settings than this one's {{diloco}} "
                                f"{self.diloco}: give every group the same", diloco=("diloco",))
-        if highest[4:8] != shapes:
-            raise SettingError("the other fault-tolerant groups train a model of other shapes than this one's: give "
-                               "every group the same model")
-        if compare and not self.quorum.failed:
-            self._compared_anchor = True
-            if highest[8:] != anchor:
-                raise SettingError("the other fault-tolerant groups start from other parameters than this one's, "
-                                   "which their syncs would never bring together: start every group from the same "
-                                   "parameters (the same seed)")
+        self._compared_anchors |= refuse_another_model(highest[4:], self._shapes, anchors if compare else None,
+                                                       self.quorum.failed, self._world, "their syncs")
         return agreed
 
     def _apply(self, *, vote: bool = True) -> None:

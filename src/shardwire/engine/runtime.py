@@ -159,7 +159,7 @@ class Engine:
         self.outer = None if layout.diloco is None else OuterLoop(
             [unit.flats for unit in self._all_units], layout.diloco, layout.world, layout.replicate, layout.quorum)
         # fault-tolerant groups reducing gradients between them at every step: the step's quorum and vote
-        self.step_quorum = (StepQuorum(self.flats, layout.quorum)
+        self.step_quorum = (StepQuorum(self.flats, layout.quorum, layout.world)
                             if layout.quorum is not None and layout.diloco is None else None)
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from shardwire.comm.quorum import Quorum, agreement_values, check_received, fingerprint, values_fingerprint
+from shardwire.comm.communicator import Communicator
+from shardwire.comm.quorum import (Quorum, agreement_values, check_received, refuse_another_model, shapes_fingerprint,
+                                   values_fingerprint)
 from shardwire.options import SettingError
 
 MAX_DROPPED = 20  # steps dropped in a row before the run stops
@@ -37,7 +39,9 @@ MAX_DROPPED = 20  # steps dropped in a row before the run stops
 class StepQuorum:
     """The fault-tolerant groups' meeting at every step (see the module's docstring)."""
 
-    def __init__(self, flats: list, quorum: Quorum):
+    def __init__(self, flats: list, quorum: Quorum, group: Communicator):
+        """``group``: this group's ranks (the job), which refuse a model the others cannot average with
+        together."""
         self.quorum = quorum
         self.steps = 0  # steps committed (``resume``: those of a checkpoint)
         self.committed = True  # whether the last step's vote kept it
@@ -45,9 +49,8 @@ class StepQuorum:
         self._open = False  # a step's quorum is formed, its vote not yet taken
         self._dropped_in_a_row = 0
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
-        self._compared = False  # whether this process compared its parameters with the other groups'
-        self._shapes = agreement_values(fingerprint(*((flat.name, str(flat.shard.dtype), flat.shard.shape)
-                                                      for flat in flats)))
+        self._group = group
+        self._shapes = agreement_values(shapes_fingerprint(flats, group.world))
         quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
         quorum.attend(self._compare_models)
 
@@ -73,25 +76,19 @@ class StepQuorum:
             self._open = True
 
     def _compare_models(self) -> None:
-        """At each quorum, compare this group's model with the others': a model of other shapes cannot
-        be averaged, and averaging gradients keeps the groups' models the same only where they start
-        so. Its parameters are compared at this process's first quorum alone, unless it is behind (it
-        receives the others'), read on the host once. By 32-bit fingerprints (``agreement_values``)."""
-        compare = not (self._compared or self.quorum.recovered)
-        values = agreement_values(values_fingerprint(flat.shard for flat in self._flats) if compare else None)
-        agreed = self.quorum.agree([*self._shapes, *values])
-        if self.quorum.failed:  # its own values: compared at the next quorum
+        """At each quorum of the job's first step, compare this group's model with the others': a
+        model of other shapes cannot be averaged, and averaging gradients keeps the groups' models the
+        same only where they start so (a group that is behind is not compared: it receives the
+        others'). Only there, so that no step after pays for it: the quorum's step is the same in
+        every group of it, so all of them compare, or none. By 32-bit fingerprints
+        (``agreement_values``)."""
+        if self.quorum.step != 0:
             return
-        if agreed[:4] != self._shapes:
-            raise SettingError("the other fault-tolerant groups train a model of other shapes than this one's: give "
-                               "every group the same model")
-        if compare:
-            self._compared = True
-            if agreed[4:] != values:
-                raise SettingError("the other fault-tolerant groups start from other parameters than this one's, "
-                                   "which averaging their gradients would never bring together: start every group "
-                                   "from the same parameters (the same seed)")
-
+        compare = not self.quorum.recovered
+        values = agreement_values(values_fingerprint([flat.shard for flat in self._flats]) if compare else None)
+        agreed = self.quorum.agree([*self._shapes, *values])
+        refuse_another_model(agreed, self._shapes, values if compare else None, self.quorum.failed, self._group,
+                             "averaging their gradients")
     def step_done(self) -> None:
         """The end of a step's backward, its gradients reduced: the vote. A group behind loads the
         others' state in it; a dropped step's gradients are set to None."""
