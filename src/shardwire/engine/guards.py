@@ -10,6 +10,9 @@ found then. Two mistakes leave a script that runs on and trains wrong, silently:
   ``ModuleList.insert``) keeps plain parameters the engine never gathers or reduces: each rank trains
   its own copy, and the ranks drift.
 
+A third would follow from replacing the parameters: what the user set on one (a no-decay mark) read
+by an optimizer-group builder on its DTensor, which ``carry_attributes`` gives it.
+
 An optimizer is checked at each step through torch's process-wide step hook, which ``watch``
 installs once and which looks only at the parameters ``shard`` marked as replaced (a pass over the
 optimizer's parameters, a tenth of a millisecond for a thousand). The model is checked at each

@@ -26,9 +26,10 @@ from collections.abc import Iterator
 import torch
 from torch.profiler import record_function
 
+from shardwire.comm.agreement import (agreement_values, fingerprint, refuse_another_model, shapes_fingerprint,
+                                     values_fingerprint)
 from shardwire.comm.communicator import Communicator, Pending
-from shardwire.comm.quorum import (Quorum, agreement_values, check_received, fingerprint, refuse_another_model,
-                                   shapes_fingerprint, values_fingerprint)
+from shardwire.comm.quorum import Quorum, check_received
 from shardwire.engine.diloco import DiLoCo
 from shardwire.options import SettingError
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from shardwire.comm.agreement import agreement_values, refuse_another_model, shapes_fingerprint, values_fingerprint
 from shardwire.comm.communicator import Communicator
-from shardwire.comm.quorum import (Quorum, agreement_values, check_received, refuse_another_model, shapes_fingerprint,
-                                   values_fingerprint)
+from shardwire.comm.quorum import Quorum, check_received
 from shardwire.options import SettingError
 
 MAX_DROPPED = 20  # steps dropped in a row before the run stops
