@@ -10,8 +10,9 @@ found then. Two mistakes leave a script that runs on and trains wrong, silently:
   ``ModuleList.insert``) keeps plain parameters the engine never gathers or reduces: each rank trains
   its own copy, and the ranks drift.
 
-A third would follow from replacing the parameters: what the user set on one (a no-decay mark) read
-by an optimizer-group builder on its DTensor, which ``carry_attributes`` gives it.
+A third would come from the replacement itself: a mark the user set on a parameter (a no-decay
+flag), which an optimizer-group builder reads, missing from its DTensor; ``carry_attributes``
+carries it over.
 
 An optimizer is checked at each step through torch's process-wide step hook, which ``watch``
 installs once and which looks only at the parameters ``shard`` marked as replaced (a pass over the
