@@ -76,6 +76,8 @@ def test_sweep_over_nodes_with_scaling_efficiency_and_plot(capsys, tmp_path):
      "limiter must be one of sliding, block"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--plot", "x.png"], "--plot draws a sweep"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes"], "--sweep takes KEY=V1,V2"),
+    (["--model", "{preset: gpt2-125m, positions: 512}", "--cluster", "a100-100gbe"],
+     "positions (512) are the rows of a decoder's learned position table, at least its seq_len (1024)"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=1,many"], "nodes must be a whole number"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=,"], "--sweep takes KEY=V1,V2"),
     (["--model", "gpt2-125m", "--cluster", "a100-100gbe", "--sweep", "nodes=[1"],

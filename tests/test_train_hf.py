@@ -205,6 +205,10 @@ def test_the_simulator_prices_the_model_train_builds():
     with torch.device("meta"):
         built = choose("hf:" + config).build()
     assert architecture(load_model("hf:" + config), 2).params == sum(p.numel() for p in built.parameters())
+    # a learned position table has the config's rows, whatever length trains
+    gpt2 = "hf:" + json.dumps({**GPT2, "n_positions": 64})
+    assert {architecture(load_model(gpt2, seq_len), 2).params for seq_len in (16, 32, 64)} == {
+        architecture(load_model(gpt2, 64), 2).params}
 
 
 @pytest.mark.parametrize("config, left", [

@@ -200,7 +200,7 @@ def architecture(model: ModelSpec, compute_bytes: int) -> Architecture:
     if model.kind == "decoder":
         s = model.seq_len
         units = tuple(block(f"block.{i}", s, s, causal=True) for i in range(model.layers))
-        positions, norms, head_tokens = s * h if model.learned_positions else 0, h, s
+        positions, norms, head_tokens = (model.positions or s) * h if model.learned_positions else 0, h, s
     else:
         s_enc, s_dec = model.seq_len, model.decoder_seq_len
         units = tuple(block(f"encoder.{i}", s_enc, s_enc, causal=False) for i in range(model.layers)) + tuple(

@@ -194,4 +194,5 @@ def spec_from_config(fields: Mapping, *, name: str, seq_len: int, gated: bool | 
                      vocab=vocab, seq_len=seq_len, ffn_hidden=first("intermediate_size", "n_inner"),
                      ffn_gated=llama_like if gated is None else gated, norm="rmsnorm" if llama_like else "layernorm",
                      tied_embeddings=bool(fields.get("tie_word_embeddings", True)),
-                     learned_positions=not llama_like)
+                     learned_positions=not llama_like,  # a table of the config's positions, at any length trained
+                     positions=None if llama_like else first("n_positions", "max_position_embeddings"))

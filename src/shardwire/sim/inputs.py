@@ -124,7 +124,8 @@ def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
         return model
     # a table of learned positions grows with the sequence: the count stated at the model's own no
     # longer holds at another, and is not the user's to check
-    stated = model.params if not model.learned_positions or seq_len == model.seq_len else None
+    stated = (model.params if not model.learned_positions or model.positions is not None or seq_len == model.seq_len
+              else None)
     return parse("model", {**as_dict(model), "seq_len": seq_len, "params": stated})
 
 

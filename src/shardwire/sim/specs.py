@@ -122,6 +122,7 @@ LIMITS = types.MappingProxyType({
     "vocab": Limit(MAX_VOCAB, f"over {MAX_VOCAB:,} tokens, sixty times the largest published vocabularies"),
     "seq_len": _SEQUENCE,
     "decoder_seq_len": _SEQUENCE,
+    "positions": _SEQUENCE,
     "params": Limit(MAX_PARAMS, f"over {MAX_PARAMS:.0e} parameters, 500 times the largest published models: "
                                 f"give the count itself, not in millions or billions"),
     "nodes": Limit(MAX_NODES, f"more nodes than the simulator takes (at most {MAX_NODES:,}, beyond the largest "
@@ -189,7 +190,9 @@ class ModelSpec:
     ``decoder_seq_len`` the target length of an encoder-decoder. ``ffn_gated`` marks a gated MLP
     (three matrices: SwiGLU, gated GELU); ``kv_heads`` < ``heads`` is grouped-query attention;
     ``head_dim`` is each head's width, ``hidden / heads`` unless the model says otherwise (Qwen3's
-    and Gemma's heads are wider, so their attention is wider than the model);
+    and Gemma's heads are wider, so their attention is wider than the model); ``positions`` is the
+    rows of a decoder's learned position table where it has more than ``seq_len`` (GPT-2's
+    ``n_positions``, whatever length it trains at);
     ``attention`` is ``flash`` (scores never stored, as with SDPA/FlashAttention) or ``eager``
     (the score matrix is materialized and kept for backward). ``norm`` is ``layernorm`` (one fused
     kernel even in eager PyTorch) or ``rmsnorm`` (Llama's and T5's, which eager PyTorch runs as a
@@ -212,6 +215,7 @@ class ModelSpec:
     decoder_seq_len: int | None = None
     tied_embeddings: bool = True
     learned_positions: bool = False
+    positions: int | None = None
     attention: str = "flash"
     norm: str = "layernorm"
     params: int | None = None
@@ -228,6 +232,11 @@ class ModelSpec:
                             f"head's width (head_dim)")
         if self.head_dim is not None:
             _check_limits(self, "head_dim")
+        if self.positions is not None:
+            _check_limits(self, "positions")
+            if not self.learned_positions or self.kind != "decoder" or self.positions < self.seq_len:
+                raise SpecError(f"positions ({self.positions}) are the rows of a decoder's learned position table, "
+                                f"at least its seq_len ({self.seq_len}): give learned_positions: true, or leave it out")
         if self.heads % self.kv_heads:
             raise SpecError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.kind == "decoder":
