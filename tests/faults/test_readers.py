@@ -657,7 +657,7 @@ def test_the_summary_line_is_the_slowest_ranks_own_step(tmp_path, capsys):
     steps = [analysis.across_ranks([_rank(98, forward=13, backward=48, optimizer=1),
                                     _rank(90, forward=5, backward=10, optimizer=1)])
              for _ in range(3)]
-    summary = analysis.over_steps(steps) | {"model_tflops_per_worker": 1.0, "mfu": 0.5}
+    summary = analysis.over_steps(steps) | {"step_time_s": 0.098, "model_tflops_per_worker": 1.0, "mfu": 0.5}
     profiler = types.SimpleNamespace(save=lambda run_dir: summary)
     loop._save_profile(profiler, types.SimpleNamespace(run_dir=str(tmp_path)), rank=0)
     line = capsys.readouterr().out.splitlines()[0]
