@@ -204,9 +204,8 @@ def test_groups_restarted_from_checkpoints_of_one_step_deal_as_they_would_have(t
     assert [g.blocks()[-3:] for g in fresh] == [g.blocks()[-3:] for g in (a, b)]
 
 
-def test_groups_that_take_other_batches_are_told_to_give_the_same():
-    a, b = Group("a"), Group("b")
-    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0)
+def _meet_with_errors(a: Group, b: Group) -> list[str]:
+    """What each of two groups meeting once raised."""
     errors = []
 
     def meeting(group):
@@ -223,10 +222,29 @@ def test_groups_that_take_other_batches_are_told_to_give_the_same():
         thread.start()
     for thread in threads:
         thread.join()
+    return errors
+
+
+def test_groups_that_take_other_batches_are_told_to_give_the_same():
+    a, b = Group("a"), Group("b")
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0)
+    errors = _meet_with_errors(a, b)
     assert sorted(errors) == ["the other fault-tolerant groups take 4 to 6 sequences a step, this one 4: give every group "
                       "as many ranks and the same --batch and --grad-accum",
                       "the other fault-tolerant groups take 4 to 6 sequences a step, this one 6: give every group "
                       "as many ranks and the same --batch and --grad-accum"]
+
+
+def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_the_same():
+    """Each group steps its own optimizer with the average: another rate would part their models."""
+    a, b = Group("a"), Group("b")
+    for group, lr in ((a, "0.003"), (b, "0.01")):
+        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                          training=f"--lr {lr}")
+    errors = _meet_with_errors(a, b)
+    assert sorted(errors) == [f"the other fault-tolerant groups step with other settings than this one's (--lr {lr}), so "
+                              f"that their models, averaging gradients, would part: give every group the same"
+                              for lr in ("0.003", "0.01")]
 
 
 @pytest.mark.parametrize("state", [{"next": -1}, {"next": 3, "first": 0, "returned": [], "dealt": [[0]], "member": 4},

@@ -385,7 +385,8 @@ def _mismatched_group(index: int, lighthouse: str, setting: str, results) -> Non
     torch.manual_seed(1 if setting.startswith("seed") and index else 0)
     diloco = {"diloco": None, "outer_lr": DiLoCo(sync_every=2, outer_lr=1.0 if index else 0.7),
               "seed": DiLoCo(sync_every=2),  # the same rate, as a script and as the command line give it:
-              "rate given otherwise": DiLoCo(sync_every=2, outer_lr=1 if index else 1.0, momentum=0 if index else 0.0),
+              "rate given otherwise": DiLoCo(sync_every=2, outer_lr=1 if index else 1.0, momentum=-0.0 if index else 0.0),
+              "diloco against every step": DiLoCo(sync_every=2) if index else None,
               }["diloco" if setting == "seed without diloco" else setting]
     model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", diloco=diloco,
                             fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=2, timeout=60))
@@ -406,6 +407,7 @@ def _mismatched_group(index: int, lighthouse: str, setting: str, results) -> Non
     ("seed without diloco", r"start from other parameters than this one's \(bit for bit\), which averaging their "
                             r"gradients"),
     ("rate given otherwise", None),
+    ("diloco against every step", r"the other fault-tolerant groups meet at other times than this one, which meets "),
 ])
 def test_groups_that_would_never_hold_one_model_are_refused_at_their_first_meeting(setting, said):
     """Groups of other settings or started from other parameters would end apart, each of them

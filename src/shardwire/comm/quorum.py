@@ -34,9 +34,11 @@ import torch.nn.functional as F
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torch.utils._pytree import tree_leaves
 
+from shardwire.comm.agreement import agreement_values, fingerprint
 from shardwire.comm.communicator import Communicator
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.wire import Codec
+from shardwire.options import SettingError
 
 if TYPE_CHECKING:  # its settings, from the layer above (torch-free)
     from shardwire.engine.fault_tolerance import FaultTolerance
@@ -225,6 +227,7 @@ class Quorum:
         self._rounded: list[torch.Tensor] = []  # the error feedback this sync's quantization updated
         self._registered: set[str] = set()  # the keys of what a recovering group receives
         self._attending: list[Callable[[], None]] = []  # run at each quorum, before anything is averaged in it
+        self._when = ""  # when the groups meet (``meets``)
         # the group's rank 0 says when a quorum is long in coming; the others would say the same
         self._notice = WaitNotice(QUORUM_NOTICE, self._say_waiting) if group.rank == 0 else None
 
@@ -241,6 +244,12 @@ class Quorum:
 
         self._registered.add(key)
         self._manager.register_state_dict_fn(key, load, state)
+
+    def meets(self, when: str) -> None:
+        """Say when the groups meet (``"at every step"``): groups that meet at other times would run
+        other collectives at their first meeting, so at the job's first quorum they compare this
+        first."""
+        self._when = when
 
     def attend(self, meet: Callable[[], None]) -> None:
         """Run ``meet`` at every quorum, once it is formed and before anything is averaged in it, so
@@ -259,8 +268,16 @@ class Quorum:
         self._waited_s += time.perf_counter() - start
         self.participants = self._manager.num_participants()
         self.recovered = not self._manager.is_participating()
+        if self.step == 0:  # the job's first quorum, in every group of it alike
+            self._compare_when()
         for meet in self._attending:
             meet()
+
+    def _compare_when(self) -> None:
+        when = agreement_values(fingerprint(self._when))
+        if self.agree(when) != when and not self.failed:
+            raise SettingError(f"the other fault-tolerant groups meet at other times than this one, which meets "
+                               f"{self._when}: give every group the same {{diloco}}, or none", diloco=("diloco",))
 
     def _say_waiting(self, waited: float) -> None:
         print(f"warning: fault tolerance: group {self.settings.group!r} has waited {waited:.0f} s for a quorum from "

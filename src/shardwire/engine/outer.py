@@ -168,10 +168,10 @@ class OuterLoop:
         self._spanning = [world, replicate]
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
         # what the groups compare at each sync (``_agreed_fragment``): the settings, read as numbers
-        # (0.7 given as 7e-1 or as a numpy float is the same rate), and the model's shapes
+        # (0.7 given as 7e-1 or as a numpy float is the same rate, -0 is 0), and the model's shapes
         d = diloco
-        self._settings = agreement_values(fingerprint(d.sync_every, d.fragments, d.wire, float(d.outer_lr),
-                                                      float(d.momentum), d.fragment_sync_delay))
+        self._settings = agreement_values(fingerprint(d.sync_every, d.fragments, d.wire, float(d.outer_lr) + 0.0,
+                                                      float(d.momentum) + 0.0, d.fragment_sync_delay))
         self._shapes = agreement_values(shapes_fingerprint([flat for flats in synced for flat in flats], world.world))
         self.steps = 0
         self.checked = 0  # the step whose due sync has been issued
@@ -189,6 +189,7 @@ class OuterLoop:
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         self._voted_after = 0  # the steps done at the vote of the sync sent last
         if quorum is not None:
+            quorum.meets("every few steps (DiLoCo)")
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
     def step_done(self) -> None:

@@ -51,6 +51,7 @@ class StepQuorum:
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         self._group = group
         self._shapes = agreement_values(shapes_fingerprint(flats, group.world))
+        quorum.meets("at every step")
         quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
         quorum.attend(self._compare_models)
 

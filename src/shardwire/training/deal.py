@@ -36,6 +36,7 @@ import typing
 
 import torch
 
+from shardwire.comm.agreement import agreement_values, fingerprint
 from shardwire.comm.quorum import Quorum
 from shardwire.engine.checkpoint import schema
 from shardwire.options import SettingError
@@ -72,8 +73,12 @@ class Deal:
     micro-batches)."""
 
     def __init__(self, quorum: Quorum, meeting: Meeting, corpus, *, batch: int, grad_accum: int, seq_len: int,
-                 seed: int):
+                 seed: int, training: str | None = None):
+        """``training``: the settings every group must step with (``--lr 0.003 ...``) where the groups
+        average gradients at every step, so that they step alike; None where each steps its own."""
         self._quorum, self._meeting, self._corpus = quorum, meeting, corpus
+        self._training = training
+        self._training_values = agreement_values(None if training is None else fingerprint(training))
         self._batch, self.block, self._seq_len, self._seed = batch, batch * grad_accum, seq_len, seed
         # The ledger, the same in every group: the next fresh block, the blocks given back, and the
         # last deal by place in its meeting.
@@ -149,7 +154,8 @@ class Deal:
             start, end = self._used()
             starts[self._place], ends[self._place] = start, end + 1  # 0: no block kept
         ahead, cursor, most, fewest, *agreed = self._quorum.agree(
-            [self._meeting.next_meeting() - steps, self._next, self.block, MAX_BLOCKS - self.block, *starts, *ends])
+            [self._meeting.next_meeting() - steps, self._next, self.block, MAX_BLOCKS - self.block,
+             *self._training_values, *starts, *ends])
         if self._quorum.failed:
             self._lost()
             return
@@ -158,6 +164,11 @@ class Deal:
             raise SettingError(f"the other fault-tolerant groups take {fewest} to {most} sequences a step, this "
                                f"one {self.block}: give every group as many ranks and the same --batch and "
                                f"--grad-accum")
+        training, agreed = agreed[:4], agreed[4:]
+        if training != self._training_values:
+            raise SettingError(f"the other fault-tolerant groups step with other settings than this one's "
+                               f"({self._training}), so that their models, averaging gradients, would part: give every "
+                               f"group the same")
         used = [(start, end - 1) if end else (0, 0) for start, end in zip(agreed[:MAX_GROUPS], agreed[MAX_GROUPS:])]
         recovering = self._quorum.recovered
         self._pending = _Met(place, places, ahead, cursor, used,

@@ -257,8 +257,13 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     deal = None
     if quorum is not None:
         # The groups' data dealt among them at each meeting, in an order drawn from the shared seed.
+        # Groups averaging gradients at every step stay one model only stepping alike; under DiLoCo each
+        # steps its own way between syncs.
+        stepping = None if engine.outer is not None else (
+            f"--steps {config.steps} --lr {float(config.lr) + 0.0!r} --warmup {config.warmup} "
+            f"--weight-decay {float(config.weight_decay) + 0.0!r} --clip {float(config.clip) + 0.0!r}")
         deal = Deal(quorum, meeting, corpus, batch=global_batch, grad_accum=config.grad_accum, seq_len=choice.seq_len,
-                    seed=config.seed)
+                    seed=config.seed, training=stepping)
         # Each group its own random draws (only where it holds no blocks) and its own checkpoints.
         config = dataclasses.replace(
             config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
