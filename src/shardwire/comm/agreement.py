@@ -18,6 +18,12 @@ def fingerprint(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+def number(value) -> float:
+    """A setting's number as the groups compare it: 0.7 given as 7e-1, as an int or as a numpy float
+    is one rate, and -0 is 0."""
+    return float(value) + 0.0
+
+
 def shapes_fingerprint(flats: list, ranks: int) -> int:
     """Of the model as a group shards it: each buffer's name, dtype and parameters' shapes, and the
     group's rank count, which sets each rank's shard."""

@@ -139,19 +139,16 @@ class WaitNotice:
         said = None  # the wait last told of, and how long it had lasted
         while True:
             time.sleep(self._every / 4)
-            since = self._since
-            if since is None:
-                if self._say() is None:
-                    return
-                continue
-            waited = time.monotonic() - since
-            told = said[1] if said is not None and said[0] == since else 0.0
-            if waited - told >= self._every:
-                if (say := self._say()) is None:
-                    return
-                say(waited)
-                del say  # held no longer than the call: its object may go
-                said = (since, waited)
+            say, since = self._say(), self._since
+            if say is None:
+                return
+            if since is not None:
+                waited = time.monotonic() - since
+                told = said[1] if said is not None and said[0] == since else 0.0
+                if waited - told >= self._every:
+                    say(waited)
+                    said = (since, waited)
+            del say  # held no longer than this wake: its object may go
 
 
 class Quorum:

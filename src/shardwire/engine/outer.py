@@ -26,8 +26,8 @@ from collections.abc import Iterator
 import torch
 from torch.profiler import record_function
 
-from shardwire.comm.agreement import (agreement_values, fingerprint, refuse_another_model, shapes_fingerprint,
-                                     values_fingerprint)
+from shardwire.comm.agreement import (agreement_values, fingerprint, number, refuse_another_model,
+                                     shapes_fingerprint, values_fingerprint)
 from shardwire.comm.communicator import Communicator, Pending
 from shardwire.comm.quorum import Quorum, check_received
 from shardwire.engine.diloco import DiLoCo
@@ -167,11 +167,10 @@ class OuterLoop:
         self._measures_drift = quorum is None and not replicate.quantizes(diloco.codec)
         self._spanning = [world, replicate]
         self.fragments = [[flat for flats in synced[f::count] for flat in flats] for f in range(count)]
-        # what the groups compare at each sync (``_agreed_fragment``): the settings, read as numbers
-        # (0.7 given as 7e-1 or as a numpy float is the same rate, -0 is 0), and the model's shapes
+        # what the groups compare at each sync (``_agreed_fragment``): the settings and the model's shapes
         d = diloco
-        self._settings = agreement_values(fingerprint(d.sync_every, d.fragments, d.wire, float(d.outer_lr) + 0.0,
-                                                      float(d.momentum) + 0.0, d.fragment_sync_delay))
+        self._settings = agreement_values(fingerprint(d.sync_every, d.fragments, d.wire, number(d.outer_lr),
+                                                      number(d.momentum), d.fragment_sync_delay))
         self._shapes = agreement_values(shapes_fingerprint([flat for flats in synced for flat in flats], world.world))
         self.steps = 0
         self.checked = 0  # the step whose due sync has been issued

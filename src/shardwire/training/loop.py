@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import shardwire
 from shardwire import worker
+from shardwire.comm.agreement import number
 from shardwire.comm.wire import Wire
 from shardwire.engine.checkpoint import CheckpointInfo, list_checkpoints
 from shardwire.engine.checkpoint.series import prune, set_aside_in, step_of
@@ -260,8 +261,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         # Groups averaging gradients at every step stay one model only stepping alike; under DiLoCo each
         # steps its own way between syncs.
         stepping = None if engine.outer is not None else (
-            f"--steps {config.steps} --lr {float(config.lr) + 0.0!r} --warmup {config.warmup} "
-            f"--weight-decay {float(config.weight_decay) + 0.0!r} --clip {float(config.clip) + 0.0!r}")
+            f"--steps {config.steps} --lr {number(config.lr)!r} --warmup {config.warmup} "
+            f"--weight-decay {number(config.weight_decay)!r} --clip {number(config.clip)!r}")
         deal = Deal(quorum, meeting, corpus, batch=global_batch, grad_accum=config.grad_accum, seq_len=choice.seq_len,
                     seed=config.seed, training=stepping)
         # Each group its own random draws (only where it holds no blocks) and its own checkpoints.
