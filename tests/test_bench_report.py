@@ -119,6 +119,15 @@ def test_table_rows_follow_nccl_tests_columns_and_mark_missing_forms():
     assert "fit: t = 80 us + S / 0.1 GB/s" in summary
 
 
+def test_the_header_says_whose_collectives_ran_each_operation():
+    """--impl shardwire runs only all_gather and reduce_scatter on the engine's transport."""
+    assert "torch collectives" in report.header_lines(CONTEXT)[3]
+    engine = {**CONTEXT, "settings": {**CONTEXT["settings"], "impl": "shardwire",
+                                      "ops": ["all_gather", "all_reduce", "reduce_scatter", "broadcast"]}}
+    assert report.header_lines(engine)[3].endswith(
+        "shardwire's all_gather, reduce_scatter; torch's all_reduce, broadcast")
+
+
 def test_csv_has_one_line_per_group_op_size_and_form():
     rows = list(csv.DictReader(io.StringIO(report.csv_text(RESULTS))))
     assert len(rows) == 15 * (2 + 1 + 2 + 1)

@@ -151,6 +151,31 @@ def test_what_a_user_set_on_a_parameter_is_carried_to_its_dtensor(device):
     assert sum(getattr(param, "_no_weight_decay", False) for param in model.parameters()) == marked > 0
 
 
+class _Gain(nn.Module):
+    """A module whose initialisation assigns its parameter anew and marks the new one."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self):
+        self.gain = nn.Parameter(torch.ones(4, device=self.gain.device))
+        self.gain._no_weight_decay = True
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def test_a_mark_set_on_a_parameter_the_initialisation_assigned_anew_is_kept():
+    """A mark the initialisation set on the parameter it assigned counts, as on a model built on the CPU."""
+    with torch.device("meta"):
+        model = _Gain()
+    model.gain.infshape = (4,)  # set after the build, as on a model built on the CPU: kept too
+    shardwire.shard(model, init=lambda module: module.reset_parameters())
+    (gain,) = model.parameters()
+    assert gain._no_weight_decay and gain.infshape == (4,) and gain.full_tensor().eq(1).all()
+
+
 class _Spare(nn.Module):
     def __init__(self):
         super().__init__()

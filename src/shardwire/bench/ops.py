@@ -127,6 +127,7 @@ class Operation:
     split: ClassVar[bool] = False  # the buffer is cut in one piece per rank (its size rounds to n elements)
     reduces: ClassVar[bool] = False
     rooted: ClassVar[bool] = False
+    engine: ClassVar[bool] = False  # the engine's transport runs it with --impl shardwire; torch's otherwise
 
     def __init__(self, ctx: OpContext, numel: int, placement: str):
         if placement not in self.forms:
@@ -222,7 +223,7 @@ class Broadcast(Operation):
 
 
 class AllGather(Operation):
-    name, forms, split = "all_gather", (OUT_OF_PLACE, IN_PLACE), True
+    name, forms, split, engine = "all_gather", (OUT_OF_PLACE, IN_PLACE), True, True
 
     def _buffers(self):
         output = self._zeros(self.numel)
@@ -245,7 +246,7 @@ class AllGather(Operation):
 
 
 class ReduceScatter(Operation):
-    name, forms, split, reduces = "reduce_scatter", (OUT_OF_PLACE, IN_PLACE), True, True
+    name, forms, split, reduces, engine = "reduce_scatter", (OUT_OF_PLACE, IN_PLACE), True, True, True
 
     def _buffers(self):
         full = self._zeros(self.numel)

@@ -58,7 +58,7 @@ import io
 import math
 
 from shardwire.bench.metrics import LatencyBandwidthFit
-from shardwire.bench.ops import OUT_OF_PLACE
+from shardwire.bench.ops import OPERATIONS, OUT_OF_PLACE
 from shardwire.bench.schema import SCHEMA
 from shardwire.bench.sweep import PLACEMENTS, OpResult, Point, Row
 from shardwire.extras import require
@@ -91,10 +91,20 @@ def header_lines(context: dict) -> list[str]:
         f"# devices: {devices}; hosts: {', '.join(context['hosts'])}",
         f"# env: {env}",
         f"# sizes {format_size(sizes[0])} .. {format_size(sizes[-1])} ({len(sizes)}), {settings['dtype']}, "
-        f"redop {settings['redop']}, root {settings['root']}, {settings['impl']} collectives",
+        f"redop {settings['redop']}, root {settings['root']}, {_implementations(settings)}",
         f"# warmup {settings['warmup']}, iters {settings['iters']}, {timing}; time: {settings['combine']} over "
         f"ranks; check {'on' if settings['check'] else 'off'}",
     ]
+
+
+def _implementations(settings: dict) -> str:
+    """Whose collectives ran: with ``--impl shardwire`` the engine's transport runs only the operations
+    it has (all_gather, reduce_scatter); torch's run the others."""
+    if settings["impl"] != "shardwire":
+        return f"{settings['impl']} collectives"
+    engine = [op for op in settings["ops"] if OPERATIONS[op].engine]
+    others = [op for op in settings["ops"] if not OPERATIONS[op].engine]
+    return "; ".join([f"shardwire's {', '.join(engine)}"] * bool(engine) + [f"torch's {', '.join(others)}"] * bool(others))
 
 
 def contention_line(group: str, workload: dict, result: dict) -> str:

@@ -185,7 +185,9 @@ class _Storage:
                 f"requires_grad={now.requires_grad}, where the model was built with {given.requires_grad} (or frozen "
                 f"before shard): assign it with requires_grad={given.requires_grad}, or initialise it in place")
         if now.device != self.device:
-            return nn.Parameter(now.detach().to(self.device), requires_grad=now.requires_grad)
+            moved = nn.Parameter(now.detach().to(self.device), requires_grad=now.requires_grad)
+            guards.carry_attributes(now, moved)
+            return moved
         return now
 
     def _marked_like(self, meta: torch.Tensor) -> torch.Tensor:

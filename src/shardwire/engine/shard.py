@@ -402,6 +402,8 @@ def _build_unit(index, name, module, params, *, layout, policy, wire, values=Non
             for owner, param_name in entry.owners:
                 owner._parameters[param_name] = param
             guards.carry_attributes(entry.param, param)
+            if values is not None:  # a meta build: and what its initialisation set on a parameter it assigned anew
+                guards.carry_attributes(values[id(entry.param)], param)
             setattr(entry.param, guards.REPLACED_ATTR, True)
         flats.append(flat)
     return Unit(index, name, module, flats)
