@@ -63,6 +63,32 @@ def test_bf16_weights_load_into_an_fp32_model_under_hybrid(tmp_path):
         assert wrong == []
 
 
+def _synced_after_steps_that_move_nothing(rank, world, directory):
+    """Groups of one rank syncing every step: with a learning rate of 0 no group moves from the
+    pretrained weights, so no sync may move them either, whatever the outer step."""
+    expected = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(expected.config)
+    shardwire.shard(model, layout="hybrid", shard_group_size=1, diloco="sync_every=1")
+    load_pretrained(model, directory)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    shardwire.diloco_sync(model)
+    synced = {name: param.full_tensor() for name, param in model.named_parameters()}
+    return [name for name, value in expected.named_parameters() if not torch.equal(synced[name], value)]
+
+
+@pytest.mark.slow
+def test_pretrained_weights_are_where_syncing_every_h_steps_starts(tmp_path):
+    _save(tmp_path, "llama", "5GB")
+    for moved in run_workers(2, _synced_after_steps_that_move_nothing, tmp_path, env={"LOCAL_WORLD_SIZE": "1"}):
+        assert moved == []
+
+
 def _refused(rank, world, directory, config):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))

@@ -355,6 +355,16 @@ def test_a_changed_preset_gets_the_sizes_its_changes_give():
     assert sizes("{preset: llama2-70b, heads: 32, params: null}") == (32, 8, 28672, 256)
 
 
+def test_a_presets_published_count_checks_its_own_sizes_not_changed_ones():
+    """The count a preset states is of its own sizes: a change of them is not held to it, while a
+    count the changes give is checked."""
+    from shardwire.sim.inputs import load_model
+
+    assert architecture(load_model("{preset: llama2-7b, layers: 64}"), 2).params == pytest.approx(13.2e9, rel=0.01)
+    with pytest.raises(SpecError, match="its sizes make 13,214,683,136 parameters but params says 6,700,000,000"):
+        architecture(load_model("{preset: llama2-7b, layers: 64, params: 6.7e9}"), 2)
+
+
 def test_a_sweep_of_nodes_one_node_cannot_run_has_no_efficiency_and_no_refusal():
     """Hybrid groups of two nodes' GPUs: every point swept runs, the 1-node reference cannot."""
     s = sweep(GPT, cluster(2, 4), TrainingSpec(layout="hybrid", shard_group_size=8), "nodes", [2, 4])

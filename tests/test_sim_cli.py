@@ -526,6 +526,43 @@ def test_calibration_fits_the_compute_model_to_a_profile(capsys, tmp_path):
     assert 0.25 * 1.9 < json.loads(out)["compute"]["forward"] + json.loads(out)["compute"]["backward"] < 0.25 * 2.1
 
 
+@pytest.mark.parametrize("recorded, layout, size, nodes, ranks", [
+    (None, "full", None, 1, 4),
+    (None, "hybrid_secondary", 1, 1, 4),  # its optimizer state is split over every rank
+    (None, "hybrid", 1, 1, 1),
+    (2, "hybrid", None, 1, 2),  # as recorded: a node's ranks, which the job's options do not say
+])
+def test_the_optimizer_step_streams_the_share_the_profiled_layout_split(recorded, layout, size, nodes, ranks):
+    """A profile of several ranks: its optimizer step streamed one share of the state, split over
+    the ranks the job's layout split it over (recorded since profiles record it, else from the job)."""
+    from shardwire.sim.calibrate import _optimizer_ranks
+
+    doc = {"world_size": 4, "metadata": {"config": {"layout": layout, "shard_group_size": size, "nnodes": nodes}}}
+    if recorded is not None:
+        doc["metadata"]["optimizer_ranks"] = recorded
+    assert _optimizer_ranks("profile.json", doc, "") == ranks
+
+
+def test_a_profile_that_does_not_say_how_its_state_was_split_is_refused():
+    from shardwire.sim.calibrate import _optimizer_ranks
+
+    unknown = {"world_size": 4, "metadata": {"config": {"layout": "hybrid", "shard_group_size": None, "nnodes": 1}}}
+    with pytest.raises(SpecError, match="does not say how many ranks its 4 ranks' optimizer states were split over"):
+        _optimizer_ranks("profile.json", unknown, "")
+    for edited in (3, "2", True):
+        with pytest.raises(SpecError, match=r"is damaged \(its metadata's optimizer_ranks is .*, not a whole number "):
+            _optimizer_ranks("profile.json", {**unknown, "metadata": {**unknown["metadata"], "optimizer_ranks": edited}},
+                             "")
+
+
+def test_calibration_refuses_a_sweep_of_what_it_fits(capsys, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_document()))
+    status, _, err = run(capsys, "simulate", "--model", "gpt-1.3b", "--cluster", "h100-ib-400", "--calibrate",
+                         str(path), "--sweep", "matmul_efficiency=0.5,0.6")
+    assert status == 2 and "--sweep matmul_efficiency=... would replace part of that fit" in err
+
+
 @pytest.mark.parametrize("profile, message", [
     (profile_document(forward=0.02, backward=0.04), "take less than their memory-bound work alone"),
     (profile_document(forward=0.03, backward=0.07), "faster than the peak of cluster 'h100-ib-400' allows"),
@@ -649,6 +686,20 @@ def test_plan_of_a_zero1_run_searches_the_layouts_shardwire_runs(capsys):
                          "{layout: zero1, shard_group_size: 4, reduce_bucket_elements: 1000000}")
     assert status == 0 and out.count("layout zero1: searched over the layouts shardwire runs instead") == 1
     assert "layout zero1," not in out.replace("layout zero1: searched", "")
+
+
+def test_plan_names_what_it_searched_and_the_settings_given_it_did_not_hold(capsys):
+    """A micro-batch, layout or prefetch given is where no search starts; a wire given under --exact
+    (or on one node) is not searched at all."""
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64", "--exact", "--training", "{micro_batch: 2, layout: grad_op, wire: int8}")
+    assert status == 0 and "configurations (micro-batch, layout, resharding, prefetch, checkpointing), " in out
+    assert "micro_batch 2, layout grad_op: the plan searches these itself" in out, out
+    assert "wire int8: searched with exact collectives only (--exact)" in out, out
+    status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                         "--global-batch", "64")
+    assert status == 0 and "(micro-batch, layout, resharding, prefetch, checkpointing, wire)" in out
+    assert "searches" not in out
 
 
 def test_plan_says_which_settings_given_it_searched_as_the_engine_runs_them(capsys):

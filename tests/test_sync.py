@@ -596,6 +596,91 @@ def test_weights_loaded_after_shard_are_the_anchor_and_sync_now_leaves_nothing_d
         assert sent_after_sync_now == 0
 
 
+def _imported_weights_then_sync(rank, world, path):
+    """Weights imported from a file after ``shard`` are the anchor: a sync of groups that did not
+    move leaves them as imported."""
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
+                            diloco="sync_every=1")
+    shardwire.import_state_dict(model, path)
+    _sgd_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), rank, range(2))
+    shardwire.diloco_sync(model)
+    imported = torch.load(path)
+    return [name for name, value in shardwire.full_state_dict(model).items() if not torch.equal(value, imported[name])]
+
+
+@pytest.mark.slow
+def test_weights_imported_after_shard_are_the_anchor(tmp_path):
+    torch.manual_seed(1)
+    torch.save(GPT(PRESETS["tiny"]).state_dict(), tmp_path / "weights.pt")
+    for moved in run_workers(2, _imported_weights_then_sync, tmp_path / "weights.pt", env={"LOCAL_WORLD_SIZE": "1"}):
+        assert moved == []
+
+
+def _loads_and_saves_around_syncs(rank, world, directory):
+    """A checkpoint saved at a multiple of sync_every, read as its global model (another number of
+    groups, an export), against the model every group agrees on then; weights loaded inside
+    ``global_model``, and each group's own loaded between syncs."""
+    from shardwire.engine.checkpoint.portable import read_state_dict
+
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1,
+                            diloco="sync_every=2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _sgd_steps(model, optimizer, rank, range(2))
+    shardwire.save_checkpoint(directory, model, step=2).wait()
+    with shardwire.global_model(model):
+        agreed = shardwire.full_state_dict(model)
+    saved = read_state_dict(directory)  # what an export of it writes
+    saved_is_synced = all(torch.equal(saved[name], value) for name, value in agreed.items())
+
+    torch.manual_seed(1)
+    new = GPT(PRESETS["tiny"]).state_dict()
+    with shardwire.global_model(model):
+        model.load_state_dict(new)
+    kept = all(torch.equal(value, new[name]) for name, value in shardwire.full_state_dict(model).items())
+
+    _sgd_steps(model, optimizer, rank, range(2, 3))
+    model.load_state_dict(model.state_dict())  # each group's own model: no global one
+    try:
+        _sgd_steps(model, optimizer, rank, range(3, 6))  # the third forward sends the sync due after two steps
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return saved_is_synced, kept, refused
+
+
+@pytest.mark.slow
+def test_a_checkpoint_at_a_sync_holds_it_and_loads_are_every_groups_or_refused(tmp_path):
+    for saved_is_synced, kept, refused in run_workers(2, _loads_and_saves_around_syncs, str(tmp_path / "checkpoint"),
+                                                      env={"LOCAL_WORLD_SIZE": "1"}):
+        assert saved_is_synced, "the checkpoint's global model is the one before the sync due at its step"
+        assert kept, "weights loaded inside global_model were replaced by the groups' own at its end"
+        assert refused is not None and refused.startswith("the groups hold different weights to sync from")
+
+
+def _trained_saving(rank, world, diloco, directory):
+    """Eight steps, saved at steps 4 and 8 (sync steps) where ``directory`` is given, then diloco_sync."""
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", shard_group_size=1, diloco=diloco)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    save = None if directory is None else (
+        lambda step: step + 1 in (4, 8) and shardwire.save_checkpoint(f"{directory}/{step + 1}", model, optimizer,
+                                                                      step=step + 1).wait())
+    _sgd_steps(model, optimizer, rank, range(8), after_step=save)
+    shardwire.diloco_sync(model)
+    return shardwire.full_state_dict(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("diloco", ["sync_every=2", "sync_every=2,fragments=2,fragment_sync_delay=1"])
+def test_a_run_that_saves_at_its_syncs_trains_as_one_that_does_not(diloco, tmp_path):
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    unsaved = run_workers(2, _trained_saving, diloco, None, env=env)[0]
+    saved = run_workers(2, _trained_saving, diloco, str(tmp_path), env=env)[0]
+    assert all(torch.equal(saved[name], value) for name, value in unsaved.items())
+
+
 # ------------------------------------------------------- DiLoCo against an independent reference
 
 def _diloco_run(rank, world, group_size, steps, every):

@@ -651,7 +651,10 @@ def empty_directory(path: pathlib.Path, *, keep: str) -> None:
 def new_directory_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being a new directory to write (``StagedDirectory``), or None. The words
     follow the path in a message."""
-    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
+    if os.path.islink(os.path.normpath(path)):  # the directory is put in place by a rename, which replaces a link
+        return ("is a symbolic link, which the new directory would replace: give the directory it points to, or a "
+                "new one")
+    if os.path.exists(path) and not os.path.isdir(path):
         return "exists and is not a directory: give a new directory"
     if os.path.isdir(path):
         if os.path.samefile(path, os.getcwd()):

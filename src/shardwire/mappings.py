@@ -68,8 +68,8 @@ def read_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
         raise MappingError(f"{what} is a FIFO that nothing was written to: give a file, or write the text into it "
                            f"as it is read")
     if len(data) > limit:
-        raise MappingError(f"{what} is larger than {limit:,} bytes, far more than any file of its kind: "
-                           f"give the file that holds it")
+        raise MappingError(f"{what} is larger than {limit:,} bytes, far more than any file of its kind holds: "
+                           f"check that the path names the file meant")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

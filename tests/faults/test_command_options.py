@@ -27,7 +27,9 @@ from harness import PROFILE
     (["--lr", "nan"], "--lr must be a positive, finite number, got nan"),
     (["--weight-decay", "-0.1"], "--weight-decay must be a non-negative, finite number, got -0.1"),
     (["--clip", "inf"], "--clip must be a non-negative, finite number, got inf"),
-    (["--peak-tflops", "0"], "--peak-tflops must be a positive, finite number, got 0.0"),
+    (["--peak-tflops", "0"], r"--peak-tflops must be a finite number of TFLOP/s \(each 1e12 FLOP/s\), at least 1e-06, got 0.0"),
+    # a peak in FLOP/s, which would give an MFU of 0.0%
+    (["--peak-tflops", "312e12"], r"--peak-tflops must be at most 1,000,000,000 TFLOP/s \(each 1e12 FLOP/s\), got "),
     (["--warmup", "-5"], "--warmup must be at least 0, got -5"),
     (["--seed", "-1"], "--seed must be at least 0, got -1"),
     # 0 in fp32: a run that trains and changes nothing

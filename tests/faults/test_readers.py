@@ -284,7 +284,7 @@ def _forward_five_times(document):
 
 
 @pytest.mark.parametrize("change, said", [
-    (_scaled_summary, "its summary's forward_s min is 1.56234, where the median over its steps is 0.0781172"),
+    (_scaled_summary, "its summary's forward_s min is 1.56234, where the median of its steps' forward_s min is 0.0781172"),
     (_forward_five_times, "its step 0's rank 0 has parts adding up to "),
     (lambda d: (d["metadata"]["config"].update(seq_len=2048), d.update(tokens_per_step=10 * d["tokens_per_step"]),
                 d["summary"].update(tokens_per_s=10 * d["summary"]["tokens_per_s"])),
@@ -323,7 +323,7 @@ def test_a_file_that_is_not_a_profile_is_named_so(tmp_path, capsys):
         path = tmp_path / "profile.json"
         path.write_text(text)
         for argv in ([*CALIBRATE, str(path)], ["report", str(tmp_path), "--out", str(tmp_path / "plots")]):
-            assert f"{path} is not a profile (it holds no format version)" in refusal(argv, capsys)
+            assert f"{path} is not a profile: it holds no format version" in refusal(argv, capsys)
 
 
 RACED = os.path.join(REPO, "benchmarks", "results", "link-100mbit", "profiles", "shardwire", "2x2-100mbit",

@@ -102,9 +102,9 @@ def _implementations(settings: dict) -> str:
     it has (all_gather, reduce_scatter); torch's run the others."""
     if settings["impl"] != "shardwire":
         return f"{settings['impl']} collectives"
-    engine = [op for op in settings["ops"] if OPERATIONS[op].engine]
-    others = [op for op in settings["ops"] if not OPERATIONS[op].engine]
-    return "; ".join([f"shardwire's {', '.join(engine)}"] * bool(engine) + [f"torch's {', '.join(others)}"] * bool(others))
+    ran = {owner: [op for op in settings["ops"] if OPERATIONS[op].engine == (owner == "shardwire")]
+           for owner in ("shardwire", "torch")}
+    return "; ".join(f"{owner}'s {', '.join(ops)}" for owner, ops in ran.items() if ops)
 
 
 def contention_line(group: str, workload: dict, result: dict) -> str:

@@ -21,6 +21,7 @@ from shardwire.extras import require
 from shardwire.mappings import refusal, shown
 from shardwire.options import OptionError, check_output_file, text
 from shardwire.sim import inputs, report
+from shardwire.sim.calibrate import FITTED_KEYS
 from shardwire.sim.predict import predict, sweep
 from shardwire.sim.specs import SpecError
 
@@ -54,6 +55,10 @@ def _checked(args: argparse.Namespace):
     if args.sweep and args.nodes is not None and parse_sweep(args.sweep)[0] == "nodes":
         warnings.warn(f"--nodes {args.nodes} is replaced by each node count of --sweep nodes=...: leave out --nodes",
                       stacklevel=1)
+    if args.sweep and args.calibrate and (key := parse_sweep(args.sweep)[0]) in FITTED_KEYS:
+        raise SpecError(f"--calibrate fits the compute model to the profile, and --sweep {key}=... would replace part "
+                        f"of that fit, predicting a GPU that is neither: sweep {key} without --calibrate, or sweep "
+                        f"another setting")
     model, cluster, training = inputs.load_arguments(args)
     rate = inputs.load_failure_rate(args)
     if args.sweep and rate is not None:

@@ -20,6 +20,7 @@ come and issues the one that is due, so no optimizer hook and no host synchroniz
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 
@@ -187,6 +188,9 @@ class OuterLoop:
         self._joined = quorum is None
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         self._voted_after = 0  # the steps done at the vote of the sync sent last
+        self._loads = 0  # weights loaded since shard (``load_state``): ``global_model`` keeps those loaded in it
+        # the groups' anchors compared at each sync, each read once it has arrived (``_compare_anchors``)
+        self._anchor_checks: collections.deque[tuple[torch.Tensor, object]] = collections.deque()
         if quorum is not None:
             quorum.meets("every few steps (DiLoCo)")
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
@@ -245,26 +249,47 @@ class OuterLoop:
         every group holds the same model (to evaluate or export the result of training)."""
         if self.in_flight is not None:
             self._apply()
+        synced = self._synced_after_this_step()
         self.checked = self.steps  # what was due after this step is synced: the next forward sends nothing
         for fragment in range(len(self.fragments)):
-            self._send(fragment, eager=False, applied_after=self.steps)
-            self._apply()
+            if fragment != synced:
+                self._send(fragment, eager=False, applied_after=self.steps)
+                self._apply()
+
+    def _synced_after_this_step(self) -> int | None:
+        """The fragment the sync due after the last step synced already (a save, ``global_model``,
+        before this process resumed too), which every group holds alike: syncing it again would
+        move it by a step of momentum, so that a run that saved would end apart from one that did
+        not. Only where every rank's shards of it are still its anchor (no optimizer step since),
+        agreed over the world, so that every rank skips it or none. Between fault-tolerant groups,
+        whose syncs are met in one order, none."""
+        fragment = self.diloco.due(self.steps)
+        if self.quorum is not None or fragment is None or self.checked != self.steps:
+            return None
+        mine = all(torch.equal(flat.shard, flat.outer.anchor.to(flat.shard.dtype)) for flat in self.fragments[fragment])
+        alike = self._world.all_gather_values([int(mine)], tag="fragment synced after this step")
+        return fragment if all(row[0] for row in alike) else None
 
     def restart(self) -> None:
         """Start the outer optimisation afresh from the parameters as they are: after weights were
         loaded into the model (``load_state_dict``, DCP), the change since the old anchor is not
         training's. The sync in flight is dropped (between fault-tolerant groups, applied first:
         its vote is this quorum's), the momentum zeroed, and the schedule starts again."""
-        if self.quorum is not None and self.in_flight is not None:
+        flats = [flat for fragment in self.fragments for flat in fragment]
+        if self.quorum is not None and self.in_flight is not None:  # applied to the anchor, not to what was loaded
+            loaded = [flat.shard.clone() for flat in flats]
             self._apply()
-        for fragment in self.fragments:
-            for flat in fragment:
-                flat.outer.load_state({}, flat.shard)
+            with torch.no_grad():
+                for flat, shard in zip(flats, loaded):
+                    flat.shard.copy_(shard)
+        for flat in flats:
+            flat.outer.load_state({}, flat.shard)
         self.load_state(None)
+        self._compared_anchors = False  # fault-tolerant groups compare what they loaded at their next sync
 
     def state(self) -> list[int]:
         """The schedule's place, for a checkpoint: the inner steps done, the step whose sync was
-        issued, and the step the sync in flight is applied after (-1: none). Call ``wait`` first:
+        issued, and the step the sync in flight is applied after (-1: none). Call ``settle`` first:
         the flats in flight are those whose ``OuterState`` holds a change."""
         return [self.steps, self.checked, -1 if self.in_flight is None else self.in_flight[1]]
 
@@ -272,13 +297,21 @@ class OuterLoop:
         """Restore ``state``, once the flats' ``OuterState`` are (None: a checkpoint saved without
         sync; the schedule starts again)."""
         self.steps, self.checked, applied_after = state or (0, 0, -1)
+        self._loads += 1
         flats = [flat for fragment in self.fragments for flat in fragment if flat.outer.change is not None]
         self.in_flight = (flats, applied_after) if applied_after >= 0 and flats else None
 
-    def wait(self) -> None:
-        """Let the sync in flight arrive, without applying it (before a checkpoint saves it).
-        Between fault-tolerant groups it is applied now: its commit vote belongs to this quorum,
-        which a run resumed from the checkpoint would not be in."""
+    def settle(self) -> None:
+        """Make the outer state what a checkpoint saves: the sync due after the last step taken is
+        issued, as the next training forward would issue it (the same values: nothing changes the
+        shards in between), so that a checkpoint saved at a multiple of ``sync_every`` holds it,
+        and a load of its global model (another number of groups, an export) the last H steps;
+        then the sync in flight arrives, unapplied. Between fault-tolerant groups the due sync is
+        left to the next forward, as a group resumed from the checkpoint takes it when it joins
+        (``join``), and the sync in flight is applied: its commit vote belongs to this quorum,
+        which a resumed run would not be in."""
+        if self.quorum is None:
+            self.before_forward()
         if self.in_flight is None:
             return
         if self.quorum is not None:
@@ -299,11 +332,48 @@ class OuterLoop:
                     self._voted_after = applied_after
                     self.quorum.start()
                     fragment = self._agreed_fragment(fragment)
+            elif self._groups > 1:
+                self._compare_anchors(self.fragments[fragment])
             flats = self.fragments[fragment]
             for flat in flats:
                 flat.outer.send(flat.shard, eager=eager)
         self.in_flight = (flats, applied_after)
         self._sent_at = self.steps
+
+    def _compare_anchors(self, flats: list) -> None:
+        """Compare the groups' anchors of the fragment about to sync, which every sync leaves alike,
+        so that groups that came apart are refused rather than averaged: weights loaded since the
+        last sync (a load starts the outer optimisation of every parameter from the group's own
+        values) that differ between groups, or that only some ranks loaded. A 64-bit sum of the
+        anchors' words, all-gathered over the world, every rank at every sync, so that no rank
+        waits on a collective another skips; read without waiting for it (on CUDA once its event
+        has completed), so a difference is refused at the sync, or a step or two after it, on
+        every rank alike."""
+        self._refuse_anchors_apart()
+        mine = torch.stack([flat.outer.anchor.view(torch.int32).sum(dtype=torch.int64) for flat in flats]).sum()
+        everyone = torch.empty(self._world.world, dtype=torch.int64, device=mine.device)
+        self._world.all_gather(everyone, mine.reshape(1), tag="anchor check").wait()
+        by_group = everyone.view(self._groups, -1)  # the world's ranks in consecutive groups (``groups.blocks``)
+        apart = (by_group != by_group[0]).any()
+        if mine.device.type == "cuda":
+            on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            on_host.copy_(apart, non_blocking=True)
+            self._anchor_checks.append((on_host, self._world.clock.stamp()))
+        else:
+            self._anchor_checks.append((apart, None))
+        self._refuse_anchors_apart()
+
+    def _refuse_anchors_apart(self) -> None:
+        while self._anchor_checks and (self._anchor_checks[0][1] is None
+                                       or self._world.clock.ready(self._anchor_checks[0][1])):
+            apart, _ = self._anchor_checks.popleft()
+            if bool(apart):
+                raise ValueError("the groups hold different weights to sync from, which would never meet again: "
+                                 "weights loaded since their last sync differ between groups, or only some ranks "
+                                 "loaded them (a load starts every parameter's outer optimisation from the group's "
+                                 "own values, those not loaded too): load whole state dicts alike on every rank, or "
+                                 "load inside shardwire.global_model; to restore each group's own model and outer "
+                                 "state, use shardwire.load_checkpoint")
 
     def _agreed_fragment(self, fragment: int) -> int:
         """The fragment the quorum syncs: the one the groups' schedule has come to (a group that joins
@@ -422,16 +492,19 @@ class OuterLoop:
         """Hold the global model (the anchor, what every group last agreed on) in every shard while
         the block runs, then give each group its own back: to evaluate what the run has trained, as
         DiLoCo's papers do, rather than one group's model. The sync due after the last step is taken
-        first, as the next training forward would take it (every rank must enter the block)."""
+        first, as the next training forward would take it (every rank must enter the block).
+        Weights loaded in the block (a state dict, a checkpoint) are every group's model afterwards."""
         self.before_forward()
         flats = [flat for fragment in self.fragments for flat in fragment]
         own = [flat.shard.clone() for flat in flats]
+        loads = self._loads
         try:
             with torch.no_grad():
                 for flat in flats:
                     flat.shard.copy_(flat.outer.anchor)
             yield
         finally:
-            with torch.no_grad():
-                for flat, shard in zip(flats, own):
-                    flat.shard.copy_(shard)
+            if self._loads == loads:
+                with torch.no_grad():
+                    for flat, shard in zip(flats, own):
+                        flat.shard.copy_(shard)

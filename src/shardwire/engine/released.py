@@ -48,7 +48,8 @@ class ReleasedParameter(torch.Tensor):
             f"{released.param_name!r} belongs to sharded unit {released.unit_name!r}, which is not "
             f"gathered now: a sharded model's whole weights exist only while their unit runs inside the "
             f"model's forward or backward. This rank's part of it is in model.named_parameters(); read "
-            f"whole weights with shardwire.full_state_dict(model).",
+            f"whole weights with shardwire.full_state_dict(model); change the model's shapes "
+            f"(resize_token_embeddings) before shardwire.shard.",
             released.unit_name,
         )
 

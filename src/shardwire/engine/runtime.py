@@ -194,6 +194,14 @@ class Engine:
     def flats(self) -> list[FlatParam]:
         return [flat for unit in self._all_units for flat in unit.flats]
 
+    def weights_loaded(self) -> None:
+        """Weights written into the model from outside training (``load_state_dict``,
+        ``import_state_dict``, a pretrained model's files): under DiLoCo the outer optimisation
+        starts afresh from them, or its first sync would pull every group back toward the weights
+        the model was built with."""
+        if self.outer is not None:
+            self.outer.restart()
+
     def install_hooks(self) -> None:
         self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         self.root.module.register_forward_hook(self._root_post_forward)

@@ -215,8 +215,7 @@ def shard(
     )
     engine.install_hooks()
     sharded_state_dict.install(model, engine.flats)
-    if engine.outer is not None:  # weights loaded after shard are where the outer optimisation starts
-        model.register_load_state_dict_post_hook(lambda module, incompatible: engine.outer.restart())
+    model.register_load_state_dict_post_hook(lambda module, incompatible: engine.weights_loaded())
     for unit, forward in zip(block_units, forwards):
         if forward is not None:
             unit.module.forward = forward

@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shardwire.engine.shard import engine_of
+
 # The weights read by the slice: what from_pretrained reads first where a directory holds it.
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
@@ -57,7 +59,8 @@ def load_pretrained(model: nn.Module, directory: pathlib.Path) -> None:
             raise ValueError(f"{directory}: the weights have no {key!r}, which the model its config.json builds "
                              f"has: the weights are another model's, or were saved in part")
     read = {key: value for key, value in state.items() if key in stored}
-    dcp.load(read, storage_reader=reader)
+    dcp.load(read, storage_reader=reader)  # in place: no load_state_dict tells the engine
+    engine_of(model).weights_loaded()
     if (key := _not_finite(read)) is not None:
         raise ValueError(f"{directory}: the weights' {key!r} holds values that are not finite: the weights are "
                          f"damaged, or were saved from a run that diverged")

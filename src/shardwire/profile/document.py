@@ -44,8 +44,8 @@ def read_profile_document(path: str) -> dict:
         raise DamagedProfile(str(err)) from None
     version = profile.get("version")
     if version is None:
-        raise DamagedProfile(f"{path} is not a profile (it holds no format version): give the profile.json "
-                             f"`shardwire train --profile` wrote, or its run directory")
+        raise DamagedProfile(f"{path} is not a profile: it holds no format version, which every profile "
+                             f"`shardwire train --profile` writes holds")
     if type(version) is not int or version != FORMAT_VERSION:  # true is 1 to Python
         raise DamagedProfile(f"{path} has format version {shown(version)}; this shardwire reads {FORMAT_VERSION}")
     world = profile.get("world_size")
@@ -173,7 +173,7 @@ def _summary_problem(profile: dict) -> str | None:
             median = statistics.median(step["figures"][name][stat] for step in steps[first:])
             if not math.isclose(summary["figures"][name][stat], median, rel_tol=_ROUNDING, abs_tol=1e-12):
                 return (f"its summary's {name} {stat} is {summary['figures'][name][stat]:.6g}, where the median "
-                        f"over its steps is {median:.6g}")
+                        f"of its steps' {name} {stat} is {median:.6g}")
     tokens_per_s = profile["tokens_per_step"] / summary["figures"]["step_s"]["max"] \
         if summary["figures"]["step_s"]["max"] > 0 else math.inf
     if not math.isclose(summary["tokens_per_s"], tokens_per_s, rel_tol=_ROUNDING):

@@ -21,9 +21,12 @@ profiled job is to the predicted one, the less rests on the model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import warnings
 
+from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.mappings import Missing, cut, field, is_number, one_line, shown
 from shardwire.profile import PROFILE_FILE
 from shardwire.profile.document import DamagedProfile, read_profile_document, tokens_problem
@@ -40,6 +43,8 @@ from shardwire.sim.specs import (
     parse,
 )
 
+# The cluster's keys the fit sets or rests on: a value given after it (a sweep) leaves half a fit.
+FITTED_KEYS = ("matmul_efficiency", "attention_efficiency", "peak_tflops", "memory_efficiency")
 # The keys of a profile's ``metadata.config`` (``shardwire train``'s settings) the job is read from.
 _JOB_KEYS = ("model", "seq_len", "batch", "grad_accum", "precision", "activation_checkpointing", "compile")
 _SHORTEST_S = 1e-6  # no profiled phase of a step is shorter than what a profiler resolves
@@ -138,7 +143,35 @@ def read_profile(path: str, load_model) -> Measured:
                             f"job, {cut(str(job['model']))}{' recomputing every block' if recomputed else ''}, which "
                             f"does {expected / model.seq_len:.4g} a token: a profile of another job, one edited, or "
                             f"an hf: model directory other than the one it names from here); {remedy}")
-    return Measured(*seconds, ranks=doc["world_size"], model=model, training=training)
+    if doc["world_size"] > 1:
+        warnings.warn(f"{path} is a profile of {doc['world_size']} ranks, whose forward and backward ran beside "
+                      f"their collectives, slower by what those took from compute: the fit counts that as the GPU's "
+                      f"own; a profile of one rank fits the compute alone", stacklevel=2)
+    return Measured(*seconds, ranks=_optimizer_ranks(path, doc, remedy), model=model, training=training)
+
+
+def _optimizer_ranks(path: str, doc: dict, remedy: str) -> int:
+    """The ranks the profiled job split each optimizer state over (its step streams one share): as
+    recorded, or for a profile that predates the record, as its layout splits them; but a hybrid
+    group's default size, a node's ranks, which such a profile does not hold."""
+    world, job = doc["world_size"], doc["metadata"]["config"]
+    ranks = doc["metadata"].get("optimizer_ranks")
+    if ranks is None and world > 1:
+        layout, size = job.get("layout"), job.get("shard_group_size")
+        if layout == "hybrid" and size is None:
+            raise SpecError(f"{path} does not say how many ranks its {world} ranks' optimizer states were split "
+                            f"over (layout hybrid, in groups of a node's ranks, on nodes it does not name): profile "
+                            f"the job again, or profile one rank")
+        try:
+            ranks = LayoutPlan.make(layout, size, world, world).split_over
+        except ValueError as err:
+            raise SpecError(f"{path} is damaged (its job's layout cannot run: {err}); {remedy}") from None
+    if ranks is None:
+        return 1
+    if type(ranks) is not int or not 1 <= ranks <= world or world % ranks:
+        raise SpecError(f"{path} is damaged (its metadata's optimizer_ranks is {cut(json.dumps(ranks), 60)}, not a whole "
+                        f"number of ranks dividing its world_size, {world}); {remedy}")
+    return ranks
 
 
 def _profiled_model(doc: dict, job: dict, load_model) -> ModelSpec:

@@ -96,6 +96,8 @@ def load_spec(kind: str, text: str):
                                                          ("kv_heads", start["heads"]),
                                                          ("decoder_layers", start["layers"]),
                                                          ("decoder_seq_len", start["seq_len"])) if start[key] == derived})
+            if data and "params" not in data:  # the preset's published count is of its sizes, not the changed ones
+                start["params"] = None
         if kind == "cluster" and "collectives" in data:  # the preset as the library runs it, which the mapping changes
             start = as_dict(parse(kind, {**start, "collectives": data["collectives"]}, name=base))
         data = {**_merged(start, data), "name": data.get("name") or name or changed}

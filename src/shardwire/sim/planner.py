@@ -85,6 +85,7 @@ class Plan:
     fitting: int
     diloco: Prediction | None = None  # the fastest that syncs every H steps (DiLoCo) instead, where offered
     notes: list[str] = dataclasses.field(default_factory=list)  # what the search changed in the base training
+    searched: list[str] = dataclasses.field(default_factory=list)  # the settings searched, in words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +140,21 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         base = dataclasses.replace(base, layout="full", shard_group_size=None, reduce_bucket_elements=None)
         notes.append("layout zero1: searched over the layouts shardwire runs instead (zero1 describes runs of "
                      "other tools; simulate it to compare)")
+    wires = cluster.nodes > 1 and not exact  # whether quantized wires are searched
+    default = TrainingSpec()
+    given = {key: getattr(base, key) for key in _SEARCHED
+             if key not in (fixed or {}) and getattr(base, key) != getattr(default, key)}
+    if given.get("wire", "none") != "none" and not wires:
+        notes.append(f"wire {spelled(given.pop('wire'))}: searched with exact collectives only ("
+                     f"{'--exact' if exact else 'on one node no collective crosses nodes'}); simulate the wire given "
+                     f"to price it")
+    if given:
+        notes.append(f"{', '.join(f'{key} {spelled(value)}' for key, value in given.items())}: the plan searches "
+                     f"{'it' if len(given) == 1 else 'these'} itself; simulate the settings given to price them")
     if base.shard_group_size is not None:
-        notes.append(f"shard_group_size {base.shard_group_size}: searched with hybrid groups of a node's "
-                     f"{cluster.gpus_per_node} GPUs, as the plan's command runs them; simulate the size given to "
-                     f"price it")
+        groups = (f"searched with hybrid groups of a node's {cluster.gpus_per_node} GPUs, as the plan's command "
+                  f"runs them" if cluster.nodes > 1 else "on one node no hybrid layout is searched")
+        notes.append(f"shard_group_size {base.shard_group_size}: {groups}; simulate the size given to price it")
     if base.diloco != "none":
         offered = ("offered as DiLoCo's published setting (diloco " + ", ".join(DILOCOS) + ")"
                    if not exact and cluster.nodes > 1 else
@@ -193,8 +205,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         syncing = [t for t in diloco_settings(per_gpu, cluster, base) if _holds(t, fixed)
                    and unit_passes(arch, t) <= MAX_UNIT_PASSES and estimate_memory(arch, cluster, t).fits]
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
+    searched = [word for key, word in _SEARCHED.items() if word is not None and (key != "wire" or wires)]
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco,
-                notes)
+                notes, searched)
 
 
 def _holds(t: TrainingSpec, fixed: Mapping[str, object] | None) -> bool:
@@ -213,6 +226,14 @@ def _divisors(n: int) -> list[int]:
     the search count to it."""
     low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return low + [n // d for d in reversed(low) if d * d != n]
+
+
+# The settings the search sets (``_settings``), a value the base gives for one not held, with their
+# words on the plan's search line (the accumulation follows the micro-batch; the wire is searched
+# where quantized ones are).
+_SEARCHED = {"micro_batch": "micro-batch", "grad_accum": None, "layout": "layout",
+             "reshard_after_forward": "resharding", "prefetch": "prefetch", "activation_checkpointing": "checkpointing",
+             "wire": "wire"}
 
 
 def _settings(per_gpu: int, cluster: ClusterSpec, exact: bool):

@@ -298,7 +298,7 @@ def plan_text(result: Plan, global_batch: int, model_argument: str, rate: Failur
     lines = [
         *setup[:2],
         f"search    global batch {global_batch} = {t.micro_batch * t.grad_accum} per GPU; {result.candidates} "
-        f"configurations, {result.fitting} fit in memory",
+        f"configurations ({', '.join(result.searched)}), {result.fitting} fit in memory",
         *(f"          {n}" for n in result.notes),
         "",
         f"best      {describe_settings(t)}",

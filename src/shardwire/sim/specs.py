@@ -94,9 +94,11 @@ _LAYERS = Limit(MAX_LAYERS, f"more blocks than the simulator builds (at most {MA
 # experiment can make communication or compute free, as tests do; only their lower bounds can make
 # times long, and those keep every time finite.
 # From 1 MFLOP/s, far below one CPU core (the calibration's "GPU"), to 1e9 TFLOP/s.
+MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 1e-6, 10**9
 _PEAK = Limit(
-    low=1e-6, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peaks are in TFLOP/s",
-    high=1e9, above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peaks are in TFLOP/s (1e12 FLOP/s)",
+    low=MIN_PEAK_TFLOPS, below="under 1e-06 TFLOP/s (1 MFLOP/s), slower than any processor: peaks are in TFLOP/s",
+    high=MAX_PEAK_TFLOPS,
+    above="over 1e9 TFLOP/s, a hundred thousand times any GPU: peaks are in TFLOP/s (1e12 FLOP/s)",
 )
 # The least fraction of its peak a GPU's kernels are taken to reach.
 MIN_EFFICIENCY = 1e-4

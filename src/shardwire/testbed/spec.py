@@ -216,11 +216,13 @@ def running(name: str) -> Iterator[None]:
 
 def job_on(name: str) -> str | None:
     """Who runs a job on testbed ``name`` (``running``), in words, or None where none does."""
+    if not (STATE_DIR / f"{name}.job").exists():  # no job ever ran here: nothing to claim, nor to make
+        return None
     try:
         os.close(claim_file(STATE_DIR / f"{name}.job"))
     except ClaimHeld as err:
         return err.owner
-    except FileNotFoundError:  # no state directory: nothing was ever run here
+    except FileNotFoundError:  # removed meanwhile
         return None
     return None
 

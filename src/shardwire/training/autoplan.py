@@ -49,6 +49,7 @@ from shardwire.sim.planner import TIE, plan, runnable
 from shardwire.sim.presets import GPUS
 from shardwire.sim.predict import predict
 from shardwire.sim.specs import ClusterSpec, LinkSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.step import layout_plan
 from shardwire.training.config import TrainConfig
 
 # The collectives measured, smallest to largest, four times apart: enough for a latency and a
@@ -147,6 +148,10 @@ class StepCheck:
         self._planned = planned
         self._first = start + WARMUP_STEPS
         self._last = self._first + CHECKED_STEPS if self._first + CHECKED_STEPS <= steps else None
+        if self._last is None and dist.get_rank() == 0:
+            print(f"plan: the prediction is not checked: the run ends at step {steps}, before the "
+                  f"{CHECKED_STEPS} steps after step {self._first} it would time (give --steps "
+                  f"{self._first + CHECKED_STEPS} or more)", flush=True)
         self._device = device
         self._started: float | None = None
         self._spent, self._timed = 0.0, 0
@@ -223,7 +228,7 @@ def _cluster(network: dict, compute: dict[str, float], device: torch.device, lau
                                 intra_node=unmeasured, inter_node=unmeasured, **machine)
         measured = cluster_from_bench_document(network, "the probe's collectives", described)
         steps = Measured(compute["forward_s"] * alone, compute["backward_s"] * alone, compute["optimizer_s"],
-                         ranks=launched.world, model=model, training=base)
+                         ranks=layout_plan(measured, probed).split_over, model=model, training=base)
         return calibrated(measured, steps, "the probe's steps")
 
     slowed = predict(model, fitted(1.0), probed).compute_slowed_s

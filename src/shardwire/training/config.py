@@ -18,6 +18,7 @@ from shardwire.models.choice import recorded_name
 from shardwire.models.gpt import PRESETS
 from shardwire.options import MAX_TIMEOUT_S, option, text
 from shardwire.renamed import RenamedWarning
+from shardwire.sim.specs import MAX_PEAK_TFLOPS, MIN_PEAK_TFLOPS
 from shardwire.training.data import BIN_DTYPES, MAX_SEED
 
 # Micro-batches a step accumulates, or batches a validation reads: far beyond any recipe's (a step of
@@ -104,7 +105,8 @@ class TrainConfig:
     profile: bool = option(False, "profile every step; writes profile.json and trace.json to --run-dir")
     run_dir: str | None = option(None, "with --profile: its output directory (default runs/<date-time>)")
     peak_tflops: float | None = option(None, "with --profile: peak TFLOP/s per worker for MFU (default: a GPU's data "
-                                             "sheet, or a matmul probe)", above=0, real=True)
+                                             "sheet, or a matmul probe)", at_least=MIN_PEAK_TFLOPS, real=True,
+                                       at_most=MAX_PEAK_TFLOPS, unit="TFLOP/s (each 1e12 FLOP/s)")
     tensorboard: str | None = option(
         None, "write loss, learning rate, tokens/s, step time, communication and exposed communication (and MFU "
               "with --profile) as TensorBoard scalars here, each log interval", metavar="DIR")

@@ -338,7 +338,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             paused = time.perf_counter()
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
             if deal is not None and engine.outer is not None:
-                engine.outer.wait()  # a sync in flight is applied and voted on first, as the save would: its deal too
+                engine.outer.settle()  # a sync in flight is applied and voted on first, as the save would: its deal too
             diverged.saved(_save_checkpoint(config, model, optimizer, scheduler, step + 1,
                                             trained_on if deal is None else {**trained_on, "deal": deal.state()}))
             interval_start += time.perf_counter() - paused
@@ -1037,6 +1037,8 @@ def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens
         # edited since names another model (its FLOPs per token may not tell: a tied head)
         "model_spec": None if choice.spec is None else as_dict(choice.spec),
         "torch_counted_flops_per_token": counted,
+        # the ranks each optimizer state is split over, whose share of it the optimizer step streams
+        "optimizer_ranks": engine_of(model).layout.plan.split_over,
     }
     return Profiler(model, optimizer, tokens_per_step=tokens_per_step, flops=flops,
                     peak_tflops=config.peak_tflops, metadata=metadata)

@@ -81,6 +81,7 @@ def import_state_dict(model: nn.Module, path: str | os.PathLike) -> None:
     path = pathlib.Path(path)
     shards, buffers = on_every_rank(engine, f"importing {path}", lambda: _read_shards(path, engine, model))
     copy_into_model(engine, model, shards, buffers)
+    engine.weights_loaded()
 
 
 def read_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:

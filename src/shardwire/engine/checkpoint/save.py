@@ -81,8 +81,9 @@ def save_checkpoint(
 ) -> "PendingCheckpoint":
     """Save a sharded model (and its optimizer) as a checkpoint directory at ``path``.
 
-    Every rank must call it; each writes its own shards, in parallel. ``path`` must be on storage
-    every rank sees. The checkpoint becomes visible only once complete: until then, and after a crash
+    Every rank must call it, at a step's end (after the optimizer's step: under DiLoCo it issues
+    the sync due after that step, as the next forward would); each writes its own shards, in
+    parallel. ``path`` must be on storage every rank sees. The checkpoint becomes visible only once complete: until then, and after a crash
     at any moment, every other checkpoint is intact. An existing checkpoint at ``path`` is replaced
     (a crash in the instant between renaming it aside and renaming the new one in loses both
     names: save a series, a new path per step, to never replace one); anything else there is
@@ -265,10 +266,10 @@ class _Snapshot:
         # groups that sync every H steps train models of their own, and each group's are.
         writes_shards = engine.layout.writes_shards or engine.outer is not None
         if engine.outer is not None:
-            # the sync in flight is saved as arrived, to be applied when it was due (between
-            # fault-tolerant groups, applied now); its all-reduce updates its error feedback's
-            # residual in place, so it must arrive before that, or the shards, are copied
-            engine.outer.wait()
+            # the sync due is issued, and the one in flight saved as arrived, to be applied when it
+            # was due (between fault-tolerant groups, applied now); its all-reduce updates its error
+            # feedback's residual in place, so it must arrive before that, or the shards, are copied
+            engine.outer.settle()
         tensors = {param_key(flat.name): _host_copy(flat.shard) for flat in engine.flats if writes_shards}
         tensors[rng_key("cpu")] = torch.get_rng_state()
         for flat in engine.flats:
