@@ -364,6 +364,7 @@ class OuterLoop:
         self._refuse_anchors_apart()
 
     def _refuse_anchors_apart(self) -> None:
+        """Raise for the first of the comparisons that have arrived, in order, that found the groups apart."""
         while self._anchor_checks and (self._anchor_checks[0][1] is None
                                        or self._world.clock.ready(self._anchor_checks[0][1])):
             apart, _ = self._anchor_checks.popleft()
