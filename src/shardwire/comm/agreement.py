@@ -32,12 +32,16 @@ def shapes_fingerprint(flats: list, ranks: int) -> int:
 
 
 def values_fingerprint(tensors: list[torch.Tensor]) -> int:
-    """A 32-bit fingerprint of what ``tensors`` (on one device) hold, bit for bit: each one's words
-    summed as integers, which wrap alike in any order, so any device and kernel gives the same;
+    """A 32-bit fingerprint of what ``tensors`` (on one device) hold, bit for bit (``word_sums``),
     read on the host once."""
-    sums = [torch.sum(tensor.detach().contiguous().view(_WORDS[tensor.element_size()]), dtype=torch.int64)
-            for tensor in tensors]
-    return fingerprint(*(torch.stack(sums).tolist() if sums else []))
+    return fingerprint(*(word_sums(tensors).tolist() if tensors else []))
+
+
+def word_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's words summed as 64-bit integers, on its device: a sum of its bits that wraps
+    alike in any order, so any device and kernel gives the same."""
+    return torch.stack([torch.sum(tensor.detach().contiguous().view(_WORDS[tensor.element_size()]),
+                                  dtype=torch.int64) for tensor in tensors])
 
 
 # The integer type of a word of each element size, whose sum fingerprints a tensor's bits.

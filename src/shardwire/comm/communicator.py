@@ -85,11 +85,13 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.R
 
 @dataclasses.dataclass
 class _OrderCheck:
-    """One ``verify_order`` comparison, read once ``ready`` (None: at once) has completed."""
+    """One comparison (``verify_order``, ``refuse_later``), read once ``ready`` (None: at once) has
+    completed; where it differs, ``refusal`` is raised, else the schedule's mismatch in ``label``."""
 
     label: str
     differs: torch.Tensor
     ready: object = None
+    refusal: str | None = None
 
 
 class Pending:
@@ -446,13 +448,21 @@ class Communicator:
         mine = torch.full((1,), value, dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self.all_gather(everyone, mine, tag="order check").wait()
-        differs = (everyone != everyone[0]).any()
+        self._read_later(label, (everyone != everyone[0]).any())
+
+    def refuse_later(self, differs: torch.Tensor, refusal: str) -> None:
+        """Raise ``ValueError(refusal)`` once ``differs``, a device boolean every rank computed alike
+        (from a collective's result), reads true: read as ``verify_order``'s comparisons are, without
+        waiting (on CUDA a step or two later), so that every rank refuses alike."""
+        self._read_later("", differs, refusal)
+
+    def _read_later(self, label: str, differs: torch.Tensor, refusal: str | None = None) -> None:
         if self._cuda:
             on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
             on_host.copy_(differs, non_blocking=True)
-            self._order_checks.append(_OrderCheck(label, on_host, self.clock.stamp()))
+            self._order_checks.append(_OrderCheck(label, on_host, self.clock.stamp(), refusal))
         else:
-            self._order_checks.append(_OrderCheck(label, differs))
+            self._order_checks.append(_OrderCheck(label, differs, refusal=refusal))
         self._raise_if_diverged()
 
     def _raise_if_diverged(self) -> None:
@@ -461,6 +471,8 @@ class Communicator:
             check = self._order_checks.popleft()
             if bool(check.differs):
                 self._order_checks.clear()
+                if check.refusal is not None:
+                    raise ValueError(check.refusal)
                 raise ScheduleMismatchError(
                     f"rank {dist.get_rank()}: ranks issued different collectives in {check.label}. Every "
                     f"rank must run the same units in the same order in each step (no rank-dependent "

@@ -20,7 +20,6 @@ come and issues the one that is due, so no optimizer hook and no host synchroniz
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Iterator
 
@@ -28,7 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from shardwire.comm.agreement import (agreement_values, fingerprint, number, refuse_another_model,
-                                     shapes_fingerprint, values_fingerprint)
+                                     shapes_fingerprint, values_fingerprint, word_sums)
 from shardwire.comm.communicator import Communicator, Pending
 from shardwire.comm.quorum import Quorum, check_received
 from shardwire.engine.diloco import DiLoCo
@@ -189,8 +188,6 @@ class OuterLoop:
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         self._voted_after = 0  # the steps done at the vote of the sync sent last
         self._loads = 0  # weights loaded since shard (``load_state``): ``global_model`` keeps those loaded in it
-        # the groups' anchors compared at each sync, each read once it has arrived (``_compare_anchors``)
-        self._anchor_checks: collections.deque[tuple[torch.Tensor, object]] = collections.deque()
         if quorum is not None:
             quorum.meets("every few steps (DiLoCo)")
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
@@ -346,35 +343,19 @@ class OuterLoop:
         last sync (a load starts the outer optimisation of every parameter from the group's own
         values) that differ between groups, or that only some ranks loaded. A 64-bit sum of the
         anchors' words, all-gathered over the world, every rank at every sync, so that no rank
-        waits on a collective another skips; read without waiting for it (on CUDA once its event
-        has completed), so a difference is refused at the sync, or a step or two after it, on
-        every rank alike."""
-        self._refuse_anchors_apart()
-        mine = torch.stack([flat.outer.anchor.view(torch.int32).sum(dtype=torch.int64) for flat in flats]).sum()
+        waits on a collective another skips; read without waiting for it (``refuse_later``), so a
+        difference is refused at the sync, or a step or two after it, on every rank alike."""
+        mine = word_sums([flat.outer.anchor for flat in flats]).sum().reshape(1)
         everyone = torch.empty(self._world.world, dtype=torch.int64, device=mine.device)
-        self._world.all_gather(everyone, mine.reshape(1), tag="anchor check").wait()
+        self._world.all_gather(everyone, mine, tag="anchor check").wait()
         by_group = everyone.view(self._groups, -1)  # the world's ranks in consecutive groups (``groups.blocks``)
-        apart = (by_group != by_group[0]).any()
-        if mine.device.type == "cuda":
-            on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            on_host.copy_(apart, non_blocking=True)
-            self._anchor_checks.append((on_host, self._world.clock.stamp()))
-        else:
-            self._anchor_checks.append((apart, None))
-        self._refuse_anchors_apart()
-
-    def _refuse_anchors_apart(self) -> None:
-        """Raise for the first of the comparisons that have arrived, in order, that found the groups apart."""
-        while self._anchor_checks and (self._anchor_checks[0][1] is None
-                                       or self._world.clock.ready(self._anchor_checks[0][1])):
-            apart, _ = self._anchor_checks.popleft()
-            if bool(apart):
-                raise ValueError("the groups hold different weights to sync from, which would never meet again: "
-                                 "weights loaded since their last sync differ between groups, or only some ranks "
-                                 "loaded them (a load starts every parameter's outer optimisation from the group's "
-                                 "own values, those not loaded too): load whole state dicts alike on every rank, or "
-                                 "load inside shardwire.global_model; to restore each group's own model and outer "
-                                 "state, use shardwire.load_checkpoint")
+        self._world.refuse_later(
+            (by_group != by_group[0]).any(),
+            "the groups hold different weights to sync from, which would never meet again: weights loaded since "
+            "their last sync differ between groups, or only some ranks loaded them (a load starts every parameter's "
+            "outer optimisation from the group's own values, those not loaded too): load whole state dicts alike on "
+            "every rank, or load inside shardwire.global_model; to restore each group's own model and outer state, "
+            "use shardwire.load_checkpoint")
 
     def _agreed_fragment(self, fragment: int) -> int:
         """The fragment the quorum syncs: the one the groups' schedule has come to (a group that joins
