@@ -58,6 +58,30 @@ def test_sharding_a_model_whose_submodule_is_sharded():
         shardwire.shard(model)
 
 
+@pytest.mark.parametrize("where, message", [
+    ("blocks.0", "its submodule 'blocks.0' went through torch's fully_shard: remove the fully_shard calls"),
+    ("", "this model went through torch's fully_shard: remove the fully_shard calls"),
+])
+def test_a_model_fully_sharded_by_fsdp2_is_refused(where, message):
+    """A port from FSDP2 that kept a fully_shard call: its DTensors failed deep inside torch."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_gpt()
+    fully_shard(model.get_submodule(where))
+    with pytest.raises(ValueError, match=message):
+        shardwire.shard(model, units=[Block])
+
+
+def test_a_model_of_dtensors_is_refused():
+    from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    mesh = DeviceMesh("cpu", [0])
+    model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Replicate()]))
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' is already a DTensor \(tensor parallelism"):
+        shardwire.shard(model)
+
+
 def test_unit_selection_errors_reach_the_caller():
     with pytest.raises(ValueError, match="selects no module"):
         shardwire.shard(tiny_gpt(), units=lambda m: False)

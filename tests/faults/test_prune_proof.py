@@ -83,9 +83,10 @@ def test_a_bind_mounted_checkpoint_is_never_marked_or_pruned(tmp_path, model):
     assert not any("tidying its directory failed" in w for w in warned), warned
 
 
-def test_the_spared_checkpoint_is_kept_beside_the_newest(tmp_path, model):
-    """A run whose loss climbs spares its checkpoint at the lowest loss from ``keep``."""
-    for step in (1, 2, 3, 4):
+def test_the_spared_checkpoints_are_kept_beside_the_newest(tmp_path, model):
+    """A run whose loss climbs spares its checkpoints at the lowest loss from ``keep``."""
+    for step in (1, 2, 3, 4, 5):
         shardwire.save_checkpoint(shardwire.checkpoint_path(tmp_path, step), model, step=step).wait()
-    prune(shardwire.checkpoint_path(tmp_path, 4), 1, spare=shardwire.checkpoint_path(tmp_path, 2))
-    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    prune(shardwire.checkpoint_path(tmp_path, 5), 1,
+          spare=[shardwire.checkpoint_path(tmp_path, 1), shardwire.checkpoint_path(tmp_path, 3)])
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003", "step_00000005"]

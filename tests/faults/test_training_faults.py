@@ -218,6 +218,17 @@ def test_a_loss_that_stays_far_above_where_it_started_is_divergence_and_prunes_n
     assert (tmp_path / "ckpt" / "step_00000008.diverged" / "manifest.json").is_file()
 
 
+def test_a_climb_leaves_as_many_checkpoints_as_keep_promised(tmp_path):
+    """The checkpoints saved while the loss climbed counted towards --keep and pruned the good ones
+    before them; once the climb set them aside, fewer than --keep were left."""
+    train("--steps", "6", "--checkpoint-dir", "ckpt", "--save-every", "3", "--keep", "2", cwd=tmp_path)
+    done = train("--steps", "40", "--checkpoint-dir", "ckpt", "--save-every", "1", "--keep", "2", "--log-every", "1",
+                 "--lr", "0.5", "--warmup", "1", "--weight-decay", "0", cwd=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "climbed to" in done.stderr.strip().splitlines()[-1], done.stderr[-3000:]
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000003", "step_00000006"]
+
+
 def test_a_climb_after_keep_pruned_is_one_line_and_sets_aside_what_is_left(tmp_path):
     """A climb found after --keep has pruned this run's early checkpoints: the ones left are set
     aside (the first among them, spared by --keep as the nearest to the fresh model's lowest loss),

@@ -196,9 +196,11 @@ class FlatParam:
             return (f"requires_grad of {name!r} was set to {param.requires_grad} {since}: sharding puts trainable "
                     f"and frozen parameters in separate buffers (only the trainable one is reduced), so set "
                     f"requires_grad before sharding the model")
-        return (f"parameter {name!r} no longer views its unit's shard: its .data was replaced {since}, so an "
-                f"optimizer would update a detached copy while the model never changes. Update parameters in "
-                f"place (param.copy_(...) under torch.no_grad()), or load values with model.load_state_dict")
+        return (f"parameter {name!r} no longer views its unit's shard: its .data was replaced {since} (by "
+                f"model.to_empty, among others), so an optimizer would update a detached copy while the model "
+                f"never changes. Update parameters in place (param.copy_(...) under torch.no_grad()), or load "
+                f"values with model.load_state_dict; to initialise a model built on the meta device, pass the "
+                f"initialisation to shardwire.shard(model, init=...) instead of to_empty after it")
 
     @property
     def gathered_nbytes(self) -> int:

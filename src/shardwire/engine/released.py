@@ -49,7 +49,9 @@ class ReleasedParameter(torch.Tensor):
             f"gathered now: a sharded model's whole weights exist only while their unit runs inside the "
             f"model's forward or backward. This rank's part of it is in model.named_parameters(); read "
             f"whole weights with shardwire.full_state_dict(model); change the model's shapes "
-            f"(resize_token_embeddings) before shardwire.shard.",
+            f"(resize_token_embeddings) before shardwire.shard; initialise its weights (init_weights) through "
+            f"shardwire.shard(model, init=...) on a model built on the meta device, or load them with "
+            f"model.load_state_dict.",
             released.unit_name,
         )
 

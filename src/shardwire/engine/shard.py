@@ -15,6 +15,8 @@ import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from shardwire import worker
@@ -253,6 +255,19 @@ def _check_not_sharded(model: nn.Module) -> None:
             raise ValueError(
                 f"{where} is already sharded; shard a model once, choosing its units with units=..."
             )
+    # A port from FSDP2 that kept a ``fully_shard`` call, or a model already split by tensor
+    # parallelism: its parameters are DTensors over another mesh, which shard would slice again.
+    distributed = next(((name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)),
+                       None)
+    if distributed is not None:
+        name, _ = distributed
+        where = "this model" if not name else f"its submodule {name!r}"
+        raise ValueError(f"{where} went through torch's fully_shard: remove the fully_shard calls, as "
+                         f"shardwire.shard(model, units=...) shards the model and its units in one call")
+    if (name := next((name for name, param in model.named_parameters() if isinstance(param, DTensor)), None)):
+        raise ValueError(f"parameter {name!r} is already a DTensor (tensor parallelism, or a model sharded "
+                         f"before): shardwire.shard takes a model of plain tensors; build it without that, then "
+                         f"shard it")
 
 
 def _single_device(model: nn.Module) -> torch.device:

@@ -161,8 +161,8 @@ class Deal:
             return
         fewest = MAX_BLOCKS - fewest
         if not most == fewest == self.block:
-            raise SettingError(f"the other fault-tolerant groups take {fewest} to {most} sequences a step, this "
-                               f"one {self.block}: give every group as many ranks and the same --batch and "
+            raise SettingError(f"the fault-tolerant groups that met take from {fewest} to {most} sequences a step, "
+                               f"this one {self.block}: give every group as many ranks and the same --batch and "
                                f"--grad-accum")
         training, agreed = agreed[:4], agreed[4:]
         if training != self._training_values:

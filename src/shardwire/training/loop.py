@@ -530,8 +530,9 @@ class _Divergence:
     of the last ``SPIKE_WINDOW`` logged losses is over ``CLIMB_FACTOR`` times the lowest such mean
     of the run, or the loss of the model it started from (and a nat above it, as a loss near 0
     doubles by noise alone), and its checkpoints saved after that lowest point are moved out of the
-    series. While the loss is above its lowest, the checkpoint saved at the lowest point (or, where
-    that is the fresh model's, the first saved) is spared by ``--keep``. Only logged losses are
+    series. While the loss is above its lowest, the ``--keep`` checkpoints saved at or before the
+    lowest point (or, where that is the fresh model's, the first saved) are spared by ``--keep``, so
+    that a climb leaves as many as ``--keep`` promised. Only logged losses are
     judged: a run that logs seldom (``--log-every`` beside ``--steps``) has few to judge a climb by.
 
     A checkpoint's weights are vouched for only by the loss computed from them, at the step after
@@ -637,7 +638,7 @@ class _Divergence:
 
     def saved(self, checkpoint: pathlib.Path) -> None:
         """This run saved ``checkpoint``, whose weights the next loss vouches for: the series keeps one
-        more than ``--keep`` until it does, and the checkpoint at the lowest loss beside them."""
+        more than ``--keep`` until it does, and the ``--keep`` checkpoints at the lowest loss beside them."""
         self._saved.append(checkpoint)
         if self._config.keep and dist.get_rank() == 0:
             try:
@@ -645,16 +646,18 @@ class _Divergence:
             except OSError as err:  # the checkpoint itself is saved
                 warnings.warn(f"checkpoint {checkpoint} is saved, but pruning its series failed: {err}", stacklevel=2)
 
-    def _at_lowest(self, series: pathlib.Path) -> pathlib.Path | None:
-        """The newest checkpoint in ``series`` of weights from no later than the run's lowest loss (the
-        one it resumed, where its loss has only been higher since), or, where none is (the lowest is
-        the fresh model's, before any save), the oldest after it: the nearest to the lowest there is,
-        where a run that logs seldom has too few losses to place it better."""
+    def _at_lowest(self, series: pathlib.Path) -> list[pathlib.Path]:
+        """The ``--keep`` newest checkpoints in ``series`` of weights from no later than the run's lowest
+        loss (the one it resumed among them, where its loss has only been higher since), or, where none
+        is (the lowest is the fresh model's, before any save), the oldest after it: the nearest to the
+        lowest there is, where a run that logs seldom has too few losses to place it better. A climb
+        sets aside every checkpoint saved after the lowest, so these are the ones ``--keep`` leaves
+        then; until it does, the series holds at most twice ``--keep`` and one."""
         if self._lowest is None:
-            return None
+            return []
         saved = list_checkpoints(series)
         before = [path for path in saved if step_of(path) <= self._lowest[1]]
-        return before[-1] if before else (saved[0] if saved else None)
+        return before[-self._config.keep:] if before else saved[:1]
 
     def vouched(self, val_loss: float) -> None:
         """After the run: the validation loss of its final model (after the final sync of

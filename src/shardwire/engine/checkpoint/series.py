@@ -13,6 +13,7 @@ import numbers
 import os
 import pathlib
 import warnings
+from collections.abc import Collection
 
 from shardwire.engine.checkpoint import ownership
 from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, Manifest
@@ -135,9 +136,9 @@ def holds_a_manifest(path: pathlib.Path) -> bool:
     return True
 
 
-def prune(newest: pathlib.Path, keep: int, spare: pathlib.Path | None = None) -> None:
+def prune(newest: pathlib.Path, keep: int, spare: Collection[pathlib.Path] = ()) -> None:
     """Delete the oldest complete checkpoints before ``newest`` so that ``keep`` remain with it, and
-    ``spare`` beside them (a training run's checkpoint at its lowest loss, while its loss climbs).
+    ``spare`` beside them (a training run's checkpoints at its lowest loss, while its loss is above it).
 
     Only what is provably a checkpoint, a real directory whose manifest is valid, of its step, and
     lists all it holds at their sizes, counts and is deleted; anything else named like one is left
@@ -151,7 +152,7 @@ def prune(newest: pathlib.Path, keep: int, spare: pathlib.Path | None = None) ->
     for path in list_checkpoints(newest.parent):
         if step_of(path) >= step_of(newest):
             continue
-        if path == spare:
+        if path in spare:
             continue
         if (reason := ownership.not_a_checkpoint(path, step_of(path))) is None:
             older.append(path)
