@@ -228,6 +228,17 @@ def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):
                          "--cluster-from", str(path), "--json")
     doc = json.loads(out)
     assert doc["cluster"]["inter_node"]["busbw_GBps"] == pytest.approx(0.125) and doc["cluster"]["nodes"] == 2
+    changed = "{preset: a100-100gbe, gpus_per_node: 4, inter_node: {latency_us: 5}, peak_tflops: 100}"
+    with pytest.warns(UserWarning, match=rf"^--cluster-from {path} replaces the --cluster's gpus_per_node, "
+                                         rf"inter_node with what it measured; leave them out of --cluster$"):
+        run(capsys, "simulate", "--model", "gpt2-125m", "--cluster", changed, "--cluster-from", str(path))
+
+
+def test_a_setting_swept_under_its_old_name_works_for_a_release_with_a_warning(capsys):
+    with pytest.warns(FutureWarning, match="^--sweep: sharding is renamed layout"):
+        status, out, _ = run(capsys, "simulate", "--model", "gpt2-125m", "--cluster", "a100-100gbe", "--nodes", "2",
+                             "--sweep", "sharding=full,hybrid")
+    assert status == 0 and "sweep     layout = full, hybrid " in out
 
 
 @pytest.mark.slow
@@ -309,6 +320,8 @@ def test_plan_takes_what_train_takes_and_says_what_train_cannot_run(capsys, tmp_
     assert f"-m shardwire train --model hf:{config} --seq-len 2048 " in doc["best"]["run"]["command"]
     status, out, _ = run(capsys, "plan", "--model", "llama2-7b", *cluster)
     assert status == 0 and out.count("not run by shardwire train: shardwire train names no model 'llama2-7b'") == 2
+    status, out, _ = run(capsys, "plan", "--model", "{preset: gpt-125m, seq_len: 1024}", *cluster)  # a size train has
+    assert status == 0 and "-m shardwire train --model gpt-125m --seq-len 1024 " in out
     coded = tmp_path / "coded"  # custom code for a model_type of its own: neither simulated nor trained
     coded.mkdir()
     (coded / "config.json").write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mine",

@@ -494,6 +494,26 @@ def test_a_manifest_that_is_not_a_regular_file_is_named_so_unread(tmp_path, make
         Manifest.read(tmp_path)
 
 
+@pytest.mark.parametrize("make", [lambda path: os.mkfifo(path), lambda path: path.symlink_to("/dev/zero")],
+                         ids=["fifo", "link to a device"])
+def test_a_rank_file_that_is_not_a_regular_file_is_named_so_unread(tmp_path, make):
+    """It was said to be missing, where the user sees one."""
+    from shardwire.engine.checkpoint.portable import read_state_dict
+
+    torch.manual_seed(0)
+    model = shardwire.shard(nn.Linear(4, 4))
+    path = shardwire.checkpoint_path(tmp_path, 1)
+    shardwire.save_checkpoint(path, model, step=1).wait()
+    rank_file = path / "rank_00000.safetensors"
+    size = rank_file.stat().st_size
+    rank_file.unlink()
+    make(rank_file)
+    kind = "a FIFO" if rank_file.is_fifo() else "a character device"
+    with pytest.raises(shardwire.CheckpointError, match=f"{rank_file}: is {kind}, where the manifest lists a file "
+                                                        f"of {size} bytes; the checkpoint is damaged"):
+        read_state_dict(path)
+
+
 def _groups_resume_a_checkpoint_forged_apart(rank, world, root, files, key, forge):
     """Two groups of one rank that sync every 2 steps save at steps 2 and 3; then, in the rank files
     ``files`` of step 3, ``forge`` (``("add", x)`` or ``("set", values)``) changes ``key`` and the

@@ -236,6 +236,22 @@ def test_an_abbreviated_option_works_for_a_release_with_a_warning(capsys):
     assert capsys.readouterr().err.startswith("error: write --config in full")
 
 
+def test_an_option_given_twice_works_for_a_release_with_a_warning(capsys):
+    """argparse kept the last of an option given twice and dropped the others without a word: a second
+    --sweep replaced the first."""
+    simulate = ["simulate", "--model", "gpt-1.3b", "--cluster", "a100-100gbe"]
+    with pytest.warns(FutureWarning, match=r"^--sweep is given more than once: the last one given is used and the "
+                                           r"others are dropped; give it once"):
+        assert main([*simulate, "--sweep", "micro_batch=1,2", "--sweep=nodes=1,2"]) == 0
+    assert "sweep     nodes = 1, 2 " in capsys.readouterr().out
+    with pytest.warns(FutureWarning, match=r"^--training is given more than once"):  # an abbreviation counts
+        assert main([*simulate, "--training", "{micro_batch: 2}", "--trainin", "{micro_batch: 1}"]) == 0
+    with warnings.catch_warnings():  # each once, and the words after -- are another command's
+        warnings.simplefilter("error")
+        main([*simulate, "--nodes", "2", "--seq-len", "256"])
+        command("testbed")[1].parse_args(["run", "--name", "x", "--", "t.py", "--name", "y"])
+
+
 def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
     """A peer that refused (data changed under it) or crashed leaves the others' collectives failing:
     each says what it was waiting for in one line, not a traceback, where the launcher has not stopped

@@ -75,6 +75,11 @@ class _Parser(argparse.ArgumentParser):
     so a new option that begins the same way breaks a command line that ran before. An abbreviation
     still works for a release, with a warning naming the whole option; then it is refused.
 
+    argparse keeps the last value of an option given twice and drops the first without a word (a
+    second ``--sweep`` replaced the first); it says so, and from the next release refuses it, as a
+    config file's key given twice is refused (a wrapper script that appends its own overrides keeps
+    working for a release).
+
     An option of ``type=int`` or ``float`` is read as ``shardwire.options.NUMBER_READERS`` reads it (ASCII
     digits only, not every script's that Python's ``int`` reads), whichever module declares it."""
 
@@ -90,7 +95,7 @@ class _Parser(argparse.ArgumentParser):
         """``args`` with each abbreviated option written whole (its warning given). Where a positional
         takes the rest of the line (``testbed exec NODE COMMAND...``, a subcommand's arguments), the
         words from the first positional on are not this parser's to read, and stay as they are."""
-        whole = []
+        whole, given = [], set()
         rest_is_not_ours = any(action.nargs in (argparse.REMAINDER, argparse.PARSER) for action in self._actions)
         for k, word in enumerate(args):
             if word == "--" or (rest_is_not_ours and not word.startswith("-")):
@@ -105,6 +110,13 @@ class _Parser(argparse.ArgumentParser):
                         warnings.warn(f"{name} is read as {options[0]}: write it whole, as abbreviated options "
                                       f"are refused from the next release", RenamedWarning, stacklevel=2)
                     word = options[0] + equals + value
+                    name = options[0]
+            if (action := self._option_string_actions.get(name)) is not None and action.nargs != argparse.PARSER:
+                if action in given:
+                    warnings.warn(f"{name} is given more than once: the last one given is used and the others "
+                                  f"are dropped; give it once, as an option given twice is refused from the next "
+                                  f"release", RenamedWarning, stacklevel=2)
+                given.add(action)
             whole.append(word)
         return whole
 

@@ -20,10 +20,11 @@ from shardwire.cli import refused
 from shardwire.extras import require
 from shardwire.mappings import refusal, shown
 from shardwire.options import OptionError, check_output_file, text
+from shardwire.renamed import warn_renamed
 from shardwire.sim import inputs, report
 from shardwire.sim.calibrate import FITTED_KEYS
 from shardwire.sim.predict import predict, sweep
-from shardwire.sim.specs import SpecError
+from shardwire.sim.specs import RENAMED_KEYS, SpecError, TrainingSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,8 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def _checked(args: argparse.Namespace):
-    """The specs and failure rate the arguments give, once the options are known to go together."""
+    """The specs, failure rate and sweep (KEY, values) the arguments give, once the options are known to go
+    together."""
     if args.plot and not args.sweep:
         raise SpecError("--plot draws a sweep: add --sweep KEY=V1,V2,...")
     if args.plot:
@@ -52,26 +54,27 @@ def _checked(args: argparse.Namespace):
             check_output_file(args.plot, "--plot", "sweep-plot")
         except OptionError as err:
             raise SpecError(str(err)) from None
-    if args.sweep and args.nodes is not None and parse_sweep(args.sweep)[0] == "nodes":
+    swept = parse_sweep(args.sweep) if args.sweep else None
+    if swept and args.nodes is not None and swept[0] == "nodes":
         warnings.warn(f"--nodes {args.nodes} is replaced by each node count of --sweep nodes=...: leave out --nodes",
                       stacklevel=1)
-    if args.sweep and args.calibrate and (key := parse_sweep(args.sweep)[0]) in FITTED_KEYS:
+    if swept and args.calibrate and (key := swept[0]) in FITTED_KEYS:
         raise SpecError(f"--calibrate fits the compute model to the profile, and --sweep {key}=... would replace part "
                         f"of that fit, predicting a GPU that is neither: sweep {key} without --calibrate, or sweep "
                         f"another setting")
     model, cluster, training = inputs.load_arguments(args)
     rate = inputs.load_failure_rate(args)
-    if args.sweep and rate is not None:
+    if swept and rate is not None:
         raise SpecError("--node-mtbf prices the failures of one configuration: leave out --sweep")
-    return model, cluster, training, rate
+    return model, cluster, training, rate, swept
 
 
 def run(args: argparse.Namespace, argv: list[str], checked) -> int:
     try:
-        model, cluster, training, rate = _checked(args)
+        model, cluster, training, rate, swept = _checked(args)
         checked()
-        if args.sweep:
-            key, values = parse_sweep(args.sweep)
+        if swept:
+            key, values = swept
             result = sweep(model, cluster, training, key, values)
             print(json.dumps(report.sweep_json(result), indent=1) if args.json else report.sweep_text(result))
             if args.plot:
@@ -111,7 +114,11 @@ def parse_sweep(text: str) -> tuple[str, list]:
         if isinstance(value, str) and word.lstrip("+-").isdigit():  # past Python's bound on a whole number's digits
             raise SpecError(f"--sweep value {shown(word)} has {len(word.lstrip('+-')):,} digits, more than any "
                             f"setting takes")
-    return key.strip(), values
+    key = key.strip()
+    if (new := RENAMED_KEYS[TrainingSpec].get(key)) is not None:  # swept under its old name as it is given
+        warn_renamed(f"--sweep: {key} is renamed {new}")
+        key = new
+    return key, values
 
 
 def _scalar(text: str):

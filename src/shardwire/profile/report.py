@@ -76,7 +76,7 @@ def write_report(run_dirs: list[str], out: str | None = None) -> list[str]:
     try:  # every output checked before any is drawn
         check_writable_directory(out, option)
         for _, path, _ in plots:
-            check_output_file(path, f"{option}:", "report-plot")
+            check_output_file(path, f"{option}:", "report-plot", instead="give another directory with --out DIR")
     except OptionError as err:
         raise ReportError(str(err)) from None
     with _damage_reported(run_dirs):

@@ -33,7 +33,9 @@ import dataclasses
 import math
 import os
 import statistics
+import warnings
 from collections.abc import Mapping
+from typing import Any
 
 from shardwire.bench.metrics import fit_latency_bandwidth
 from shardwire.bench.schema import SCHEMA as BENCH_SCHEMA
@@ -65,11 +67,18 @@ MAX_BENCH_BYTES = 64 << 20
 
 def load_spec(kind: str, text: str):
     """The ``kind`` spec ("model", "cluster" or "training") that ``text`` names or describes."""
+    return load_spec_given(kind, text)[0]
+
+
+def load_spec_given(kind: str, text: str) -> tuple[Any, frozenset[str]]:
+    """``load_spec``'s spec, and the keys ``text`` changes in the preset it starts from (none for a
+    preset named alone, or a spec of its own, which must give every key), for a command to say which
+    of them another option replaces."""
     presets = PRESETS[kind]
     if text in presets:
-        return presets[text]
+        return presets[text], frozenset()
     if kind == "model" and text.startswith(huggingface.HF_PREFIX):
-        return load_model(text)
+        return load_model(text), frozenset()
     if os.path.exists(text) and not os.path.isdir(text):  # a pipe too (<(...)), read within bounds as a file is
         with _spec_errors():
             data = read_mapping(read_file(text, f"{kind} file {text}"), f"{kind} file {text}")
@@ -103,7 +112,8 @@ def load_spec(kind: str, text: str):
         data = {**_merged(start, data), "name": data.get("name") or name or changed}
     if kind == "cluster" and "gpu" in given:
         data = {**data, **{key: value for key, value in _gpu(given["gpu"]).items() if key not in given}}
-    return parse(kind, data, name=name)
+    changes = frozenset(map(str, given)) - {"preset", "name"} if "preset" in given else frozenset()
+    return parse(kind, data, name=name), changes
 
 
 def load_model(text: str, seq_len: int | None = None) -> ModelSpec:
@@ -135,6 +145,10 @@ def _gpu(name) -> dict:
     if not isinstance(name, str) or name not in GPUS:
         raise SpecError(f"unknown GPU preset {shown(name)}; known GPUs: {', '.join(GPUS)}")
     return GPUS[name]
+
+
+# The cluster's keys a bench document gives (``cluster_from_bench``).
+MEASURED_BY_BENCH = frozenset({"nodes", "gpus_per_node", "intra_node", "inter_node", "algorithm"})
 
 
 def cluster_from_bench(path: str, cluster: ClusterSpec) -> ClusterSpec:
@@ -418,11 +432,14 @@ def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Tr
     if args.seq_len is not None and args.seq_len < 1:
         raise SpecError(f"--seq-len must be at least 1, got {args.seq_len}")
     model = load_model(args.model, args.seq_len)
-    cluster = load_spec("cluster", args.cluster)
+    cluster, given = load_spec_given("cluster", args.cluster)
     training = load_spec("training", args.training)
     if args.calibrate:
         cluster = calibrated(cluster, read_profile(args.calibrate, load_model), args.calibrate)
     if args.cluster_from:
+        if replaced := sorted(given & MEASURED_BY_BENCH):
+            warnings.warn(f"--cluster-from {one_line(args.cluster_from)} replaces the --cluster's "
+                          f"{', '.join(replaced)} with what it measured; leave them out of --cluster")
         cluster = cluster_from_bench(args.cluster_from, cluster)
     if args.nodes is not None:
         cluster = parse("cluster", {**as_dict(cluster), "nodes": args.nodes})

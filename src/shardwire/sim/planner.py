@@ -305,6 +305,7 @@ def launch(t: TrainingSpec, cluster: ClusterSpec, model: ModelSpec, model_argume
     """How to run ``t`` of ``model`` (named ``model_argument`` on the command line) on ``cluster``:
     each node runs the same ``torchrun`` command, meeting the others at the first node's address."""
     options, shard_args = runnable(t, cluster)
+    model_argument = _as_trained(model, model_argument)
     unrunnable = _unrunnable(t, model_argument)
     command = None
     if unrunnable is None:
@@ -323,6 +324,18 @@ def _needs(model: ModelSpec, model_argument: str) -> str | None:
         return None
     return (f"--data: the model's {model.vocab:,} ids are its tokenizer's, and the default corpus is text read as "
             f"bytes: give --data pre-tokenised ids (.bin or .npy), or text with --tokenizer DIR")
+
+
+def _as_trained(model: ModelSpec, model_argument: str) -> str:
+    """The ``--model`` of ``shardwire train`` for ``model``: ``model_argument``, or the GPT size that a
+    mapping changed in its sequence length alone names (the command gives ``--seq-len``)."""
+    if model_argument in GPT_SIZES or model_argument.startswith(HF_PREFIX):
+        return model_argument
+
+    def shape(spec: ModelSpec) -> dict:
+        return {key: value for key, value in as_dict(spec).items() if key not in ("name", "seq_len")}
+
+    return next((name for name, size in GPT_SIZES.items() if shape(size.spec(name)) == shape(model)), model_argument)
 
 
 def _unrunnable(t: TrainingSpec, model_argument: str) -> str | None:

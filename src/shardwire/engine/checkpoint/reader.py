@@ -29,6 +29,7 @@ from shardwire.engine.checkpoint.format import (
     rank_file,
 )
 from shardwire.engine.packing import Packing, ParamSlot
+from shardwire.files import kind_of
 
 _HASH_CHUNK = 1 << 24
 
@@ -146,10 +147,13 @@ class CheckpointReader:
 
     def _check_size(self, record: FileRecord) -> None:
         path = self.directory / record.name
-        if not path.is_file():
+        if not path.exists():
             raise CheckpointError(
                 f"{path}: missing (the manifest lists it with {record.nbytes} bytes); the checkpoint is incomplete"
             )
+        if not path.is_file():  # read, a FIFO would wait for a writer, a device never end
+            raise CheckpointError(f"{path}: is {kind_of(path)}, where the manifest lists a file of {record.nbytes} "
+                                  f"bytes; the checkpoint is damaged")
         size = path.stat().st_size
         if size != record.nbytes:
             what = "truncated" if size < record.nbytes else "longer than written"
