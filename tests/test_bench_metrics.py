@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from harness import run_workers
 from shardwire import cli
 from shardwire.bench.metrics import (
     MIB,
@@ -154,3 +155,33 @@ def test_an_unreadable_size_is_an_argument_error(capsys):
         cli.main(["bench", "-b", "lots"])
     assert exit.value.code == 2
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+
+def _a_sweep_whose_collective_times_out(rank, world) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from shardwire.bench import sweep as sweeping
+    from shardwire.bench.ops import AllGather, OpContext
+    from shardwire.comm.errors import CollectiveError
+
+    def timed_out(op, settings):
+        raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                           "waiting 15000ms for recv operation to complete")
+
+    sweeping.measure = timed_out
+    ctx = OpContext(dist.group.WORLD, (0,), 0, torch.device("cpu"), torch.float32, "sum", 0, None)
+    settings = sweeping.SweepSettings(warmup=1, iters=1, blocking=False, check=False, combine="max")
+    try:
+        next(sweeping.sweep(AllGather, [1024], ctx, settings))
+    except CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_collective_that_fails_in_a_sweep_is_one_line_naming_what_was_measured():
+    """A link cut past --timeout: torch's error, raised deep in the sweep, was a traceback on every rank."""
+    [said] = run_workers(1, _a_sweep_whose_collective_times_out)
+    assert said == ("rank 0: all_gather of 4,096 bytes failed or did not complete (Timed out waiting 15000ms for recv "
+                    "operation to complete). Another rank has probably stopped, or its link is down: check its log")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ import pytest
 
 from shardwire.cli import command, main
 from shardwire.launch import NODE_THREADS, share_node_threads
-from shardwire.testbed import check, job, network, spec
+from shardwire.testbed import check, job, network, regime, spec
 from shardwire.testbed.network import links_down
 from shardwire.testbed.spec import check_name, cut_since, parse_rate, state_path
 
@@ -215,6 +216,32 @@ def test_a_suggested_command_acts_on_the_users_testbed(name, monkeypatch, tmp_pa
     assert main(["testbed", "run", "--name", name, "--", "job.py"]) == 2
     down = _suggested(capsys.readouterr().err)
     assert (down.action, down.name) == ("down", name)
+
+
+@pytest.mark.parametrize("state, damage", [
+    ({"rate_bits": -5}, "the link rate must be 100kbit to 100gbit, got -5 bit/s"),
+    ({"rate_bits": True}, "the link rate must be 100kbit to 100gbit, got True bit/s"),
+    ({"name": "shardwire-other"}, "it records testbed 'shardwire-other'"),
+])
+def test_a_state_file_of_values_up_never_records_is_damaged(recorded, capsys, state, damage):
+    """A rate of -5 was taken as it was: ``check`` printed a -5bit link, and a note of another
+    testbed's name suggested building that one."""
+    path = state_path(recorded.name)
+    path.write_text(json.dumps({"name": recorded.name, "nodes": 3, "rate_bits": 1_234_560, **state}))
+    assert main(["testbed", "check", "--name", recorded.name]) == 2
+    assert capsys.readouterr().err == (f"error: the state file {path} is damaged ({damage}); run `shardwire testbed "
+                                       f"down --name {recorded.name}` and up again\n")
+
+
+def test_a_second_up_like_keeps_the_testbed_its_measurement_is_near(recorded, monkeypatch):
+    """A probe of a rank's compute moves by a few percent from run to run, over a rounding edge at
+    times: a second ``up --like`` rebuilt the testbed at 1.8mbit where 1.9 was up."""
+    asked = spec.Testbed(recorded.name, recorded.nodes, 1_300_000)
+    assert regime.kept_rate(1_300_000, asked) == recorded.rate_bits  # 5% off
+    assert regime.kept_rate(1_500_000, asked) == 1_500_000  # 18% off: another regime
+    assert regime.kept_rate(1_300_000, spec.Testbed(recorded.name, 2, 1_300_000)) == 1_300_000  # other nodes
+    monkeypatch.setattr(network, "is_up", lambda testbed: False)  # recorded, but not all there
+    assert regime.kept_rate(1_300_000, asked) == 1_300_000
 
 
 def test_a_command_left_out_is_suggested_on_the_users_testbed(recorded, capsys):

@@ -639,7 +639,8 @@ def test_a_testbed_runs_one_job_and_is_not_rebuilt_under_it(tmp_path, capsys):
         time.sleep(0.1)
     refused = refusal(["testbed", "up", "--name", name, "--nodes", "3", "--link", "200mbit"], capsys)
     assert f"testbed {name!r} has 1 process running on its nodes (process " in refused and ": sleep 60): stop " \
-        "them, or `testbed down` (which stops them) before rebuilding the testbed" in refused, refused
+        f"them, or run `shardwire testbed down --name {name}` (which stops them) before rebuilding the " \
+        f"testbed" in refused, refused
     assert main(["testbed", "down", "--name", name]) == 0  # which stops it
 
 

@@ -10,6 +10,7 @@ world exchanges every rank's times and wrong-element counts, so every rank holds
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -27,6 +28,8 @@ from shardwire.bench.metrics import (
     saturation,
 )
 from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE, OpContext, Operation
+from shardwire.comm.errors import CollectiveError, without_source_locations
+from shardwire.mappings import cut
 
 PLACEMENTS = (OUT_OF_PLACE, IN_PLACE)
 
@@ -95,14 +98,15 @@ def sweep(operation: type[Operation], numels: list[int], ctx: OpContext, setting
     """
     for numel in numels:
         mine = []
-        for placement in PLACEMENTS:
-            if ctx.member and placement in operation.forms:
-                seconds, wrong = measure(operation(ctx, numel, placement), settings)
-                mine += [seconds, math.nan if wrong is None else wrong]
-            else:
-                mine += [math.nan, math.nan]
-        everyone = exchange(mine, ctx.device)
         nbytes = numel * ctx.dtype.itemsize
+        with _in_one_line(f"{operation.name} of {nbytes:,} bytes"):
+            for placement in PLACEMENTS:
+                if ctx.member and placement in operation.forms:
+                    seconds, wrong = measure(operation(ctx, numel, placement), settings)
+                    mine += [seconds, math.nan if wrong is None else wrong]
+                else:
+                    mine += [math.nan, math.nan]
+            everyone = exchange(mine, ctx.device)
         points = {}
         for i, placement in enumerate(PLACEMENTS):
             if placement in operation.forms:
@@ -110,6 +114,21 @@ def sweep(operation: type[Operation], numels: list[int], ctx: OpContext, setting
                 points[placement] = _over_ranks(operation.name, nbytes, ctx.size, measured, settings)
         yield Row(nbytes=nbytes, count=operation.call_count(numel, ctx.size), points=points,
                   wire_nbytes=_as_sent(operation, numel, ctx))
+
+
+@contextlib.contextmanager
+def _in_one_line(what: str) -> Iterator[None]:
+    """Within it, a collective of torch's that fails (a peer gone, a link cut past ``--timeout``) is a
+    ``CollectiveError`` naming ``what`` was measured, which a worker says in one line, as the engine's
+    transport says its own."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as err:
+        said = " ".join(without_source_locations(str(err)).split())
+        raise CollectiveError(f"rank {dist.get_rank()}: {what} failed or did not complete ({cut(said)}). Another "
+                              f"rank has probably stopped, or its link is down: check its log") from err
 
 
 def _as_sent(operation: type[Operation], numel: int, ctx: OpContext) -> int | None:

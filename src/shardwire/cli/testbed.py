@@ -42,6 +42,7 @@ from shardwire.testbed.spec import (
     TestbedError,
     TestbedFailure,
     check_name,
+    format_rate,
     held,
     parse_rate,
     record_cut,
@@ -151,7 +152,10 @@ def _up(args) -> int:
     if rate is None:
         matched = regime.like(args.like, args.nodes, 1 if args.nproc_per_node is None else args.nproc_per_node)
         print("\n".join(matched.describe()))
-        rate = matched.rate_bits
+        rate = regime.kept_rate(matched.rate_bits, Testbed(args.name, args.nodes, matched.rate_bits))
+        if rate != matched.rate_bits:
+            print(f"kept the {format_rate(rate)} links that are up: within {regime.KEPT_WITHIN:.0%} of the "
+                  f"{format_rate(matched.rate_bits)} measured now")
     testbed = Testbed(args.name, args.nodes, rate)
     built = network.up(testbed)
     print(f"{testbed.describe()}: {'built' if built else 'already up, unchanged'}")

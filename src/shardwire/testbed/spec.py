@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardwire.files import ClaimHeld, claim_file, write_atomically
-from shardwire.mappings import MAX_TEXT_BYTES, MappingError, read_json, shown
+from shardwire.mappings import MAX_TEXT_BYTES, MappingError, cut, read_json, shown
 
 STATE_DIR = Path("/run/shardwire/testbed")
 DEFAULT_NAME = "shardwire"
@@ -107,6 +107,10 @@ class Testbed:
         check_name(self.name)
         if not 1 <= self.nodes <= MAX_NODES:
             raise TestbedError(f"--nodes must be between 1 and {MAX_NODES}, got {self.nodes}")
+        if isinstance(self.rate_bits, bool) or not isinstance(self.rate_bits, int) or not (
+                MIN_RATE <= self.rate_bits <= MAX_RATE):
+            raise TestbedError(f"the link rate must be {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}, got "
+                               f"{shown(self.rate_bits)} bit/s")
 
     @property
     def hub(self) -> str:
@@ -156,12 +160,15 @@ class Testbed:
             raise TestbedError(f"no testbed {name!r} is up; build one first, e.g. `{example}`")
         remedy = f"run `{testbed_command('down', name)}` and up again"
         try:
-            return cls(**read_json(str(path), f"the state file {path}", kind="testbed's state", remedy=remedy,
-                                   limit=MAX_TEXT_BYTES))
+            recorded = cls(**read_json(str(path), f"the state file {path}", kind="testbed's state", remedy=remedy,
+                                       limit=MAX_TEXT_BYTES))
         except MappingError as err:
             raise TestbedError(str(err)) from None
-        except (ValueError, TypeError) as err:
-            raise TestbedError(f"the state file {path} is damaged ({shown(err)}); {remedy}") from None
+        except (TestbedError, ValueError, TypeError) as err:  # a value up never records: edited, or damaged
+            raise TestbedError(f"the state file {path} is damaged ({cut(str(err))}); {remedy}") from None
+        if recorded.name != name:
+            raise TestbedError(f"the state file {path} is damaged (it records testbed {recorded.name!r}); {remedy}")
+        return recorded
 
 
 def cuts_path(name: str) -> Path:
