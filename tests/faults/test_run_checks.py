@@ -510,7 +510,7 @@ def test_a_fresh_run_whose_loss_never_fell_spares_its_oldest_checkpoint(tmp_path
     diverged.logged(10, 9.0)  # one logged loss, above the first: the lowest is still the fresh model's
     for step in (2, 4, 6, 8):
         (tmp_path / f"step_{step:08d}").mkdir()
-    assert diverged._at_lowest(tmp_path) == tmp_path / "step_00000002"
+    assert diverged._at_lowest(tmp_path) == [tmp_path / "step_00000002"]
 
 
 def test_a_token_file_cut_short_under_a_run_is_one_error_naming_it(tmp_path):
