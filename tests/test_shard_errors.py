@@ -1,5 +1,6 @@
 """Bad input to the engine gets a clear error that says what was wrong and what to do."""
 
+import datetime
 import subprocess
 import sys
 import textwrap
@@ -9,12 +10,19 @@ import torch
 from torch import nn
 
 import shardwire
+from shardwire import worker
 from shardwire.models.gpt import GPT, PRESETS, Block
 
 
 def tiny_gpt():
     torch.manual_seed(0)
     return GPT(PRESETS["tiny"])
+
+
+@pytest.fixture
+def world_of_one():
+    """The process group of one rank that shard starts where none is, for what torch builds before it."""
+    worker.ensure_initialized(torch.device("cpu"), datetime.timedelta(seconds=60))
 
 
 @pytest.mark.slow
@@ -62,7 +70,7 @@ def test_sharding_a_model_whose_submodule_is_sharded():
     ("blocks.0", "its submodule 'blocks.0' went through torch's fully_shard: remove the fully_shard calls"),
     ("", "this model went through torch's fully_shard: remove the fully_shard calls"),
 ])
-def test_a_model_fully_sharded_by_fsdp2_is_refused(where, message):
+def test_a_model_fully_sharded_by_fsdp2_is_refused(world_of_one, where, message):
     """A port from FSDP2 that kept a fully_shard call: its DTensors failed deep inside torch."""
     from torch.distributed.fsdp import fully_shard
 
@@ -72,7 +80,19 @@ def test_a_model_fully_sharded_by_fsdp2_is_refused(where, message):
         shardwire.shard(model, units=[Block])
 
 
-def test_a_model_of_dtensors_is_refused():
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_model_wrapped_by_fsdp1_is_refused(world_of_one, use_orig_params):
+    """It was taken as a model, its flat parameters as the model's own: trained to other losses than
+    the model's, or failed deep inside FSDP1's backward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = FullyShardedDataParallel(tiny_gpt(), device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    with pytest.raises(ValueError, match=r"^this model went through torch's FullyShardedDataParallel \(FSDP1\): pass "
+                                         r"the model it wraps, not the wrapper"):
+        shardwire.shard(wrapped, units=[Block])
+
+
+def test_a_model_of_dtensors_is_refused(world_of_one):
     from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
 
     model = nn.Sequential(nn.Linear(4, 4))

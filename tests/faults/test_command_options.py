@@ -246,6 +246,11 @@ def test_an_option_given_twice_works_for_a_release_with_a_warning(capsys):
     assert "sweep     nodes = 1, 2 " in capsys.readouterr().out
     with pytest.warns(FutureWarning, match=r"^--training is given more than once"):  # an abbreviation counts
         assert main([*simulate, "--training", "{micro_batch: 2}", "--trainin", "{micro_batch: 1}"]) == 0
+    with pytest.warns(FutureWarning, match=r"^-b is given more than once"):  # a value written on
+        command("bench")[1].parse_args(["-b1K", "-b", "2K"])
+    with pytest.warns(FutureWarning, match=r"^--nproc-per-node is given more than once"):  # before a job's words
+        command("testbed")[1].parse_args(["run", "--name", "x", "--nproc-per-node", "1", "--nproc-per-node", "2",
+                                          "--", "t.py"])
     with warnings.catch_warnings():  # each once, and the words after -- are another command's
         warnings.simplefilter("error")
         main([*simulate, "--nodes", "2", "--seq-len", "256"])

@@ -92,15 +92,23 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(self._spelled_out(sys.argv[1:] if args is None else args), namespace)
 
     def _spelled_out(self, args: list[str]) -> list[str]:
-        """``args`` with each abbreviated option written whole (its warning given). Where a positional
-        takes the rest of the line (``testbed exec NODE COMMAND...``, a subcommand's arguments), the
-        words from the first positional on are not this parser's to read, and stay as they are."""
-        whole, given = [], set()
+        """``args`` with each abbreviated option written whole (its warning given), and an option given
+        twice said. Where a positional takes the rest of the line (``testbed exec NODE COMMAND...``, a
+        subcommand's arguments), the words from the first positional on (not an option's value) are not
+        this parser's to read, and stay as they are."""
+        whole, given, a_value = [], set(), False
         rest_is_not_ours = any(action.nargs in (argparse.REMAINDER, argparse.PARSER) for action in self._actions)
         for k, word in enumerate(args):
+            if a_value:  # the value of the option before it, whatever it looks like
+                whole.append(word)
+                a_value = False
+                continue
             if word == "--" or (rest_is_not_ours and not word.startswith("-")):
                 return whole + list(args[k:])
             name, equals, value = word.partition("=")
+            attached = bool(equals)  # its value in the same word
+            if not name.startswith("--") and len(name) > 2 and name[:2] in self._option_string_actions:
+                name, attached = name[:2], True  # a short option with its value written on (-b1K)
             if name.startswith("--") and name not in self._option_string_actions:
                 options = sorted(flag for flag in self._option_string_actions if flag.startswith(name))
                 if len(options) > 1:
@@ -117,6 +125,7 @@ class _Parser(argparse.ArgumentParser):
                                   f"are dropped; give it once, as an option given twice is refused from the next "
                                   f"release", RenamedWarning, stacklevel=2)
                 given.add(action)
+                a_value = action.nargs is None and not attached
             whole.append(word)
         return whole
 

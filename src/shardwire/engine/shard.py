@@ -15,7 +15,7 @@ import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -257,13 +257,17 @@ def _check_not_sharded(model: nn.Module) -> None:
             )
     # A port from FSDP2 that kept a ``fully_shard`` call, or a model already split by tensor
     # parallelism: its parameters are DTensors over another mesh, which shard would slice again.
-    distributed = next(((name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)),
-                       None)
+    # FSDP1's wrapper keeps the model's own parameters flattened into its own (``FlatParameter``),
+    # which shard would take as the model's, and trains otherwise without a word.
+    distributed = next(((name, module) for name, module in model.named_modules()
+                        if isinstance(module, (FSDPModule, FullyShardedDataParallel))), None)
     if distributed is not None:
-        name, _ = distributed
+        name, module = distributed
         where = "this model" if not name else f"its submodule {name!r}"
-        raise ValueError(f"{where} went through torch's fully_shard: remove the fully_shard calls, as "
-                         f"shardwire.shard(model, units=...) shards the model and its units in one call")
+        how = ("torch's fully_shard: remove the fully_shard calls" if isinstance(module, FSDPModule) else
+               "torch's FullyShardedDataParallel (FSDP1): pass the model it wraps, not the wrapper")
+        raise ValueError(f"{where} went through {how}, as shardwire.shard(model, units=...) shards the model and its "
+                         f"units in one call")
     if (name := next((name for name, param in model.named_parameters() if isinstance(param, DTensor)), None)):
         raise ValueError(f"parameter {name!r} is already a DTensor (tensor parallelism, or a model sharded "
                          f"before): shardwire.shard takes a model of plain tensors; build it without that, then "

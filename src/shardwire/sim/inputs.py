@@ -147,7 +147,7 @@ def _gpu(name) -> dict:
     return GPUS[name]
 
 
-# The cluster's keys a bench document gives (``cluster_from_bench``).
+# The cluster's keys a bench document may give (``cluster_from_bench``): a level only where the bench spans it.
 MEASURED_BY_BENCH = frozenset({"nodes", "gpus_per_node", "intra_node", "inter_node", "algorithm"})
 
 
@@ -437,10 +437,11 @@ def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Tr
     if args.calibrate:
         cluster = calibrated(cluster, read_profile(args.calibrate, load_model), args.calibrate)
     if args.cluster_from:
-        if replaced := sorted(given & MEASURED_BY_BENCH):
+        measured = cluster_from_bench(args.cluster_from, cluster)
+        if replaced := sorted(key for key in given & MEASURED_BY_BENCH if getattr(measured, key) != getattr(cluster, key)):
             warnings.warn(f"--cluster-from {one_line(args.cluster_from)} replaces the --cluster's "
                           f"{', '.join(replaced)} with what it measured; leave them out of --cluster")
-        cluster = cluster_from_bench(args.cluster_from, cluster)
+        cluster = measured
     if args.nodes is not None:
         cluster = parse("cluster", {**as_dict(cluster), "nodes": args.nodes})
     return model, cluster, training

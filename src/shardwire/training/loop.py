@@ -652,7 +652,7 @@ class _Divergence:
         is (the lowest is the fresh model's, before any save), the oldest after it: the nearest to the
         lowest there is, where a run that logs seldom has too few losses to place it better. A climb
         sets aside every checkpoint saved after the lowest, so these are the ones ``--keep`` leaves
-        then; until it does, the series holds at most twice ``--keep`` and one."""
+        then; until it does, each save leaves the series at most twice ``--keep`` and one."""
         if self._lowest is None:
             return []
         saved = list_checkpoints(series)

@@ -22,7 +22,7 @@ import re
 from typing import NamedTuple
 
 from shardwire.engine.checkpoint.format import MANIFEST, CheckpointError, FileRecord, Manifest, new_token, temporary_name
-from shardwire.files import empty_directory
+from shardwire.files import empty_directory, kind_of
 
 MARKER = "made-by-shardwire.json"
 _MAX_MARKER_BYTES = 1 << 16  # a marker holds a name and a token: a larger file is none
@@ -71,6 +71,8 @@ def not_a_checkpoint(path: pathlib.Path, step: int | None = None) -> str | None:
             size = (path / record.name).stat().st_size
         except OSError:
             return f"{path / record.name} is missing"
+        if not (path / record.name).is_file():
+            return f"{path / record.name} is {kind_of(path / record.name)}, where its manifest lists a file"
         if size != record.nbytes:
             return f"{path / record.name} holds {size:,} bytes where its manifest records {record.nbytes:,}"
         if record.mtime_ns is not None and not _as_saved(path / record.name, record):
