@@ -157,7 +157,6 @@ def test_an_unreadable_size_is_an_argument_error(capsys):
     assert "'lots' is not a size" in capsys.readouterr().err
 
 
-
 def _a_sweep_whose_collective_times_out(rank, world) -> str:
     import torch
     import torch.distributed as dist
@@ -183,5 +182,5 @@ def _a_sweep_whose_collective_times_out(rank, world) -> str:
 def test_a_collective_that_fails_in_a_sweep_is_one_line_naming_what_was_measured():
     """A link cut past --timeout: torch's error, raised deep in the sweep, was a traceback on every rank."""
     [said] = run_workers(1, _a_sweep_whose_collective_times_out)
-    assert said == ("rank 0: all_gather of 4,096 bytes failed or did not complete (Timed out waiting 15000ms for recv "
-                    "operation to complete). Another rank has probably stopped, or its link is down: check its log")
+    assert said == ("rank 0: all_gather of 4,096 bytes failed (Timed out waiting 15000ms for recv operation to "
+                    "complete). Another rank has probably stopped or crashed, or its link is down: check its log.")

@@ -251,9 +251,13 @@ def test_an_option_given_twice_works_for_a_release_with_a_warning(capsys):
     with pytest.warns(FutureWarning, match=r"^--nproc-per-node is given more than once"):  # before a job's words
         command("testbed")[1].parse_args(["run", "--name", "x", "--nproc-per-node", "1", "--nproc-per-node", "2",
                                           "--", "t.py"])
-    with warnings.catch_warnings():  # each once, and the words after -- are another command's
+    with pytest.warns(FutureWarning, match=r"^--no-reshard is given after --reshard: the last one given is used"):
+        command("train")[1].parse_args(["--reshard", "--no-reshard"])
+    with warnings.catch_warnings():  # each once, a switch twice alike, and the words after -- are another command's
         warnings.simplefilter("error")
         main([*simulate, "--nodes", "2", "--seq-len", "256"])
+        command("plan")[1].parse_args(["--model", "tiny", "--cluster", "a100-100gbe", "--global-batch", "8", "--exact",
+                                       "--exact"])
         command("testbed")[1].parse_args(["run", "--name", "x", "--", "t.py", "--name", "y"])
 
 

@@ -278,6 +278,17 @@ def test_on_an_emulated_cluster_a_killed_node_and_a_cut_off_node_rejoin(cluster,
     check_outcome(groups, groups[2], groups[1])
 
 
+def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthouse, tmp_path):
+    """A group that trains on after the others ended syncs alone at its end: its model is its own,
+    which it says, where the others, whose final sync met every group, say nothing."""
+    groups = run_groups([Group("a", lighthouse, tmp_path, steps=20), Group("b", lighthouse, tmp_path, steps=40)],
+                        lambda groups: iter(()), start_at=0)
+    a, b = (group.out.read_text() for group in groups)
+    assert "final sync met" not in a, a[-3000:]
+    assert "warning: this group's final sync met 1 group(s), where 2 met before: it ends with another model than " \
+           "theirs" in b, b[-3000:]
+
+
 def test_a_restart_of_every_group_resumes_exactly_and_one_whose_checkpoint_is_older_recovers(tmp_path):
     """Every group killed and started again: from checkpoints of the same step they continue as if
     never stopped (the same model as an uninterrupted run, bit for bit); a group whose newest

@@ -28,8 +28,7 @@ from shardwire.bench.metrics import (
     saturation,
 )
 from shardwire.bench.ops import IN_PLACE, OUT_OF_PLACE, OpContext, Operation
-from shardwire.comm.errors import CollectiveError, without_source_locations
-from shardwire.mappings import cut
+from shardwire.comm.errors import collective_failed, failed_collective
 
 PLACEMENTS = (OUT_OF_PLACE, IN_PLACE)
 
@@ -123,12 +122,10 @@ def _in_one_line(what: str) -> Iterator[None]:
     transport says its own."""
     try:
         yield
-    except CollectiveError:
-        raise
     except RuntimeError as err:
-        said = " ".join(without_source_locations(str(err)).split())
-        raise CollectiveError(f"rank {dist.get_rank()}: {what} failed or did not complete ({cut(said)}). Another "
-                              f"rank has probably stopped, or its link is down: check its log") from err
+        if not failed_collective(err):
+            raise
+        raise collective_failed(err, what) from err
 
 
 def _as_sent(operation: type[Operation], numel: int, ctx: OpContext) -> int | None:

@@ -96,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
         twice said. Where a positional takes the rest of the line (``testbed exec NODE COMMAND...``, a
         subcommand's arguments), the words from the first positional on (not an option's value) are not
         this parser's to read, and stay as they are."""
-        whole, given, a_value = [], set(), False
+        whole, given, a_value = [], {}, False
         rest_is_not_ours = any(action.nargs in (argparse.REMAINDER, argparse.PARSER) for action in self._actions)
         for k, word in enumerate(args):
             if a_value:  # the value of the option before it, whatever it looks like
@@ -120,11 +120,13 @@ class _Parser(argparse.ArgumentParser):
                     word = options[0] + equals + value
                     name = options[0]
             if (action := self._option_string_actions.get(name)) is not None and action.nargs != argparse.PARSER:
-                if action in given:
-                    warnings.warn(f"{name} is given more than once: the last one given is used and the others "
-                                  f"are dropped; give it once, as an option given twice is refused from the next "
+                # a switch given twice alike drops nothing; --reshard then --no-reshard does
+                if action in given and (action.nargs != 0 or given[action] != name):
+                    twice = "more than once" if given[action] == name else f"after {given[action]}"
+                    warnings.warn(f"{name} is given {twice}: the last one given is used and the others are "
+                                  f"dropped; give it once, as an option given twice is refused from the next "
                                   f"release", RenamedWarning, stacklevel=2)
-                given.add(action)
+                given.setdefault(action, name)
                 a_value = action.nargs is None and not attached
             whole.append(word)
         return whole

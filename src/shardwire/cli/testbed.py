@@ -155,7 +155,8 @@ def _up(args) -> int:
         rate = regime.kept_rate(matched.rate_bits, Testbed(args.name, args.nodes, matched.rate_bits))
         if rate != matched.rate_bits:
             print(f"kept the {format_rate(rate)} links that are up: within {regime.KEPT_WITHIN:.0%} of the "
-                  f"{format_rate(matched.rate_bits)} measured now")
+                  f"{format_rate(matched.rate_bits)} measured now (`"
+                  f"{Testbed(args.name, args.nodes, matched.rate_bits).up_command()}` builds that)")
     testbed = Testbed(args.name, args.nodes, rate)
     built = network.up(testbed)
     print(f"{testbed.describe()}: {'built' if built else 'already up, unchanged'}")

@@ -28,6 +28,28 @@ class CollectiveError(RuntimeError):
     """A collective failed or did not complete in time; the message says which rank, op and tag."""
 
 
+def failed_collective(err: BaseException) -> bool:
+    """Whether ``err``, raised by a torch collective called outside shardwire's transport (the
+    gradient norm's all-reduce, a benchmark's operations), is the collective failing: a peer gone, a
+    link cut past the timeout. Not memory run out, an operation a backend lacks, or one already said.
+    (torch is imported here, not with the module: the command line reads this module before it knows
+    whether its command needs torch.)"""
+    import torch
+
+    return isinstance(err, RuntimeError) and not isinstance(err, (CollectiveError, NotImplementedError,
+                                                                  torch.OutOfMemoryError))
+
+
+def collective_failed(err: BaseException, what: str) -> CollectiveError:
+    """The one line that says ``what`` (a collective outside shardwire's transport) failed with
+    ``err``: on which rank, torch's words without their source locations, and where to look."""
+    import torch.distributed as dist  # as ``failed_collective`` imports torch
+
+    said = " ".join(without_source_locations(str(err)).split())
+    return CollectiveError(f"rank {dist.get_rank()}: {what} failed ({said[:300]}). Another rank has probably "
+                           f"stopped or crashed, or its link is down: check its log.")
+
+
 class ScheduleMismatchError(CollectiveError):
     """Ranks issued different collectives at the same point (rank-dependent control flow around units)."""
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from shardwire.comm.errors import CollectiveError, without_source_locations
+from shardwire.comm.errors import collective_failed, failed_collective
 from shardwire.engine.shard import engine_of
 from shardwire.mappings import shown
 from shardwire.renamed import warn_renamed
@@ -50,11 +50,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         else:
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, order)
     except RuntimeError as err:  # DTensor's all-reduce of the norm: a peer that stopped fails it here
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not (failed_collective(err) and dist.is_initialized() and dist.get_world_size() > 1):
             raise
-        said = without_source_locations(" ".join(str(err).split()))[:300]
-        raise CollectiveError(f"rank {dist.get_rank()}: the gradient norm's all-reduce failed ({said}). Another "
-                              f"rank has probably stopped or crashed: check its log.") from err
+        raise collective_failed(err, "the gradient norm's all-reduce") from err
     engine.emit("clip", None, "end")
     return total
 

@@ -105,8 +105,8 @@ class Testbed:
 
     def __post_init__(self):
         check_name(self.name)
-        if not 1 <= self.nodes <= MAX_NODES:
-            raise TestbedError(f"--nodes must be between 1 and {MAX_NODES}, got {self.nodes}")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
+            raise TestbedError(f"--nodes must be between 1 and {MAX_NODES}, got {shown(self.nodes)}")
         if isinstance(self.rate_bits, bool) or not isinstance(self.rate_bits, int) or not (
                 MIN_RATE <= self.rate_bits <= MAX_RATE):
             raise TestbedError(f"the link rate must be {format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}, got "

@@ -95,7 +95,8 @@ class TrainConfig:
     checkpoint_dir: str | None = option(None, "save checkpoints here; running again resumes from the newest good one")
     save_every: int = option(100, "with --checkpoint-dir: steps between checkpoints (the last step is always saved)",
                              at_least=1)
-    keep: int = option(3, "with --checkpoint-dir: newest checkpoints to keep (0: all)", at_least=0)
+    keep: int = option(3, "with --checkpoint-dir: newest checkpoints to keep (0: all); while the loss is above its "
+                          "lowest, as many more from before it", at_least=0)
     export_hf: str | None = option(None, "hf: models: at the end, write the trained model to this new directory as "
                                          "save_pretrained does (with the model's tokenizer)", metavar="DIR")
     max_restarts: int = option(0, "restart failed local workers this many times; they resume from the newest "

@@ -356,6 +356,11 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         trend = f"loss {diverged.first_loss:.3f} -> {losses[-1]:.3f}, " if losses else ""
         print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
+        if quorum is not None and quorum.participants < quorum.most_participants:
+            print(f"warning: this group's final sync met {quorum.participants} group(s), where "
+                  f"{quorum.most_participants} met before: it ends with another model than theirs (they had "
+                  f"ended, or it came back from a restart behind their steps without recovering); export each "
+                  f"group's series and compare them before using one", file=sys.stderr, flush=True)
     if config.export_hf:
         weights = weights_by_unit(model)  # gathered a unit at a time, every rank taking part
         try:
