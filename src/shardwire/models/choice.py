@@ -44,7 +44,7 @@ from shardwire.mappings import MappingError, cut, one_line, read_file, read_mapp
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_tokenizer, needs_custom_code,
-                                       read_config, seq_len_of, spec_from_config)
+                                       read_config, seq_len_of, shape_problem, spec_from_config)
 from shardwire.sim.specs import ModelSpec
 
 # The dtype an hf: model's parameters are built in, whatever its config's dtype says (a published
@@ -222,8 +222,12 @@ def _units_with_parameters(skeleton: nn.Module, units: tuple[type[nn.Module], ..
 
 def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
     """The decoder the config describes, for the FLOP count (a gated MLP where the model has
-    ``gate_proj`` modules), or None where it names no sizes the simulator's reader knows."""
-    gated = any(name.endswith("gate_proj") for name, _ in skeleton.named_modules())
+    ``gate_proj`` modules, or Phi-3's fused ``gate_up_proj``), or None where it names no sizes the
+    simulator's reader knows, or is of a family whose shape it does not know (a mixture of experts):
+    no MFU rather than a wrong one."""
+    if shape_problem(config.to_dict()) is not None:
+        return None
+    gated = any(name.endswith(("gate_proj", "gate_up_proj")) for name, _ in skeleton.named_modules())
     try:
         return spec_from_config(config.to_dict(), name=f"hf:{type(skeleton).__name__}", seq_len=seq_len, gated=gated)
     except ValueError:
