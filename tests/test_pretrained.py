@@ -109,6 +109,22 @@ def test_weights_of_another_model_are_refused_naming_the_tensor(tmp_path):
     assert "'model.layers.0.mlp.gate_proj.weight' is (64, 32) in the weights but (96, 32) in the model" in message
     (message,) = run_workers(1, _refused, tmp_path, deeper)
     assert "the weights have no 'model.layers.3." in message
+    assert "another model's, or were saved in part" in message
+
+
+def test_weights_stored_under_other_names_say_transformers_converts_them(tmp_path):
+    """A mixture of experts' weights as save_pretrained stores them, by expert, which from_pretrained
+    fuses as it loads: refused as another model's, or saved in part."""
+    from safetensors.torch import load_file, save_file
+
+    _save(tmp_path, "llama", "5GB")
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.mlp.experts.0.w1.weight"] = weights.pop("model.layers.0.mlp.gate_proj.weight")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (message,) = run_workers(1, _refused, tmp_path, CONFIGS["llama"])
+    assert ("the weights have no 'model.layers.0.mlp.gate_proj.weight', which the model its config.json builds has, "
+            "and hold 1 tensor(s) it has no place for ('model.layers.0.mlp.experts.0.w1.weight'...): stored in a "
+            "layout transformers converts as from_pretrained loads them") in message
 
 
 @pytest.mark.slow

@@ -733,6 +733,11 @@ def test_the_tokenizer_trained_with_is_the_one_exported_or_none_is(tmp_path):
     done = subprocess.run([*train, "--checkpoint-dir", "ckpt"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
+    (model / "README.md").write_text("fine-tuned on my notes")  # a note beside it leaves the tokenizer the same
+    done = subprocess.run([sys.executable, "-m", "shardwire", "export", "ckpt", "kept"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "has changed since" not in done.stderr, done.stderr
+    assert (tmp_path / "kept/tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
     shutil.copy(tmp_path / "other/tokenizer.json", model / "tokenizer.json")  # the directory's tokenizer replaced
     done = subprocess.run([sys.executable, "-m", "shardwire", "export", "ckpt", "again"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
@@ -740,6 +745,25 @@ def test_the_tokenizer_trained_with_is_the_one_exported_or_none_is(tmp_path):
     assert f"note: the tokenizer ckpt/step_00000002 was trained with, {model}, has changed since or is gone: " \
            f"exported without a tokenizer" in done.stderr
     assert not (tmp_path / "again/tokenizer.json").exists()
+
+
+def test_a_tokenizer_is_known_by_its_own_files_and_by_the_digest_earlier_versions_recorded(tmp_path):
+    """A README or the weights beside a model's tokenizer are not the tokenizer; a checkpoint that
+    recorded a digest of every file of the directory still finds its tokenizer there."""
+    from shardwire.models import tokenizer as hf_tokenizer
+
+    byte_tokenizer(tmp_path, 0)
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
+    earlier, now = hf_tokenizer.digest_of(tmp_path, every_file=True), hf_tokenizer.digest_of(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"weights trained on")
+    (tmp_path / "README.md").write_text("notes")
+    assert hf_tokenizer.digest_of(tmp_path) == now and hf_tokenizer.holds(tmp_path, now)
+    assert not hf_tokenizer.holds(tmp_path, earlier)  # every file, the weights too: changed since
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "README.md").unlink()
+    assert hf_tokenizer.holds(tmp_path, earlier)
+    (tmp_path / "merges.txt").write_text("a b")  # a file of a kind not listed is taken for the tokenizer's
+    assert not hf_tokenizer.holds(tmp_path, now)
 
 
 def test_a_tokenizer_export_hf_cannot_read_is_one_line_before_the_run(tmp_path):

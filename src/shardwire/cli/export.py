@@ -298,7 +298,7 @@ def _trained_tokenizer(checkpoint: pathlib.Path, extra: dict, out: str, notes: l
     if not (isinstance(recorded, dict) and isinstance(recorded.get("path"), str)):
         return True
     path = pathlib.Path(recorded["path"])
-    if path.is_dir() and hf_tokenizer.digest_of(path) == recorded.get("digest"):
+    if path.is_dir() and hf_tokenizer.holds(path, recorded.get("digest")):
         return path
     notes.append(f"the tokenizer {checkpoint} was trained with, {cut(str(path))}, has changed since or is gone: "
                  f"exported without a tokenizer; save the one it trained with into {cut(out)}")

@@ -15,20 +15,37 @@ from shardwire.models.gpt import PRESETS
 from shardwire.sim.huggingface import TOKENIZER_FILES, has_tokenizer
 
 
-def add_files(digest: "hashlib._Hash", directory: pathlib.Path) -> None:
-    """Add the names and contents of ``directory``'s files to ``digest``."""
+# What a model's directory holds beside its tokenizer: the model's config and weights, and notes. A
+# tokenizer's files are the rest (tokenizer.json, vocab.json, merges.txt, spiece.model, bpe.codes...),
+# every one of them, as a file of a kind not listed here may be one a tokenizer reads.
+_NOT_THE_TOKENIZERS = re.compile(r"(config\.json|generation_config\.json|.*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)"
+                                 r"|.*\.index\.json|readme.*|license.*|.*\.md|\.gitattributes)", re.IGNORECASE)
+
+
+def add_files(digest: "hashlib._Hash", directory: pathlib.Path, *, every_file: bool = False) -> None:
+    """Add the names and contents of the tokenizer's files in ``directory`` to ``digest`` (with
+    ``every_file``, of all its files, as earlier versions recorded it): a README added
+    beside a model's tokenizer, or its weights trained on, leave the tokenizer the same."""
     for file in sorted(p for p in directory.iterdir() if p.is_file()):
+        if not every_file and _NOT_THE_TOKENIZERS.fullmatch(file.name):
+            continue
         digest.update(file.name.encode())
         with file.open("rb") as f:  # in pieces: a tokenizer's files can be large
             for piece in iter(lambda: f.read(1 << 20), b""):
                 digest.update(piece)
 
 
-def digest_of(directory: str | pathlib.Path) -> str:
-    """A sha256 of the tokenizer's files, names and contents."""
+def digest_of(directory: str | pathlib.Path, *, every_file: bool = False) -> str:
+    """A sha256 of the tokenizer's files, names and contents (``add_files``)."""
     digest = hashlib.sha256()
-    add_files(digest, pathlib.Path(directory))
+    add_files(digest, pathlib.Path(directory), every_file=every_file)
     return digest.hexdigest()
+
+
+def holds(directory: str | pathlib.Path, recorded: object) -> bool:
+    """Whether ``directory`` holds the tokenizer a checkpoint ``recorded`` the digest of: of its
+    tokenizer's files, or of all its files, as earlier versions recorded it."""
+    return recorded in (digest_of(directory), digest_of(directory, every_file=True))
 
 
 def check(directory: str | pathlib.Path, label: str) -> pathlib.Path:

@@ -823,6 +823,8 @@ def _tokenizer_change(recorded: object, now: dict | None) -> str | None:
     the same directory's changed since."""
     if not isinstance(recorded, dict) or now is None or recorded.get("digest") == now["digest"]:
         return None
+    if recorded.get("path") == now["path"] and hf_tokenizer.holds(now["path"], recorded.get("digest")):
+        return None  # recorded as earlier versions did, of every file beside the tokenizer's too
     return f"the files of the tokenizer in {now['path']}" if recorded.get("path") == now["path"] else "the tokenizer"
 
 
