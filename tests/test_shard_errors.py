@@ -87,9 +87,13 @@ def test_a_model_wrapped_by_fsdp1_is_refused(world_of_one, use_orig_params):
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     wrapped = FullyShardedDataParallel(tiny_gpt(), device_id=torch.device("cpu"), use_orig_params=use_orig_params)
-    with pytest.raises(ValueError, match=r"^this model went through torch's FullyShardedDataParallel \(FSDP1\): pass "
-                                         r"the model it wraps, not the wrapper"):
+    with pytest.raises(ValueError, match=r"^this model went through torch's FullyShardedDataParallel \(FSDP1\), which "
+                                         r"flattened its parameters in place: build the model again without it"):
         shardwire.shard(wrapped, units=[Block])
+    if not use_orig_params:  # the module inside holds one flat parameter, which would train nothing
+        with pytest.raises(ValueError, match=r"^its parameter '_flat_param' went through torch's "
+                                             r"FullyShardedDataParallel \(FSDP1\)"):
+            shardwire.shard(wrapped.module, units=[Block])
 
 
 def test_a_model_of_dtensors_is_refused(world_of_one):

@@ -285,8 +285,8 @@ def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthou
                         lambda groups: iter(()), start_at=0)
     a, b = (group.out.read_text() for group in groups)
     assert "final sync met" not in a, a[-3000:]
-    assert "warning: this group's final sync met 1 group(s), where 2 met before: it ends with another model than " \
-           "theirs" in b, b[-3000:]
+    assert "warning: this group's final sync met 1 group(s), where 2 met before: the groups do not end as one " \
+           "model" in b, b[-3000:]
 
 
 def test_a_restart_of_every_group_resumes_exactly_and_one_whose_checkpoint_is_older_recovers(tmp_path):

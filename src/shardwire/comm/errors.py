@@ -24,20 +24,25 @@ def peer_lost(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_GONE)
 
 
+# How gloo and the store say a wait ran past its timeout ("Timed out waiting 15000ms", "Socket Timeout").
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or did not complete in time; the message says which rank, op and tag."""
 
 
 def failed_collective(err: BaseException) -> bool:
     """Whether ``err``, raised by a torch collective called outside shardwire's transport (the
-    gradient norm's all-reduce, a benchmark's operations), is the collective failing: a peer gone, a
-    link cut past the timeout. Not memory run out, an operation a backend lacks, or one already said.
-    (torch is imported here, not with the module: the command line reads this module before it knows
-    whether its command needs torch.)"""
-    import torch
+    gradient norm's all-reduce, a benchmark's operations), is the collective failing: torch's
+    distributed errors, a peer gone, a link cut past the timeout (``_TIMED_OUT``). Not memory
+    run out, a device's fault or a bug, which say themselves. (torch is imported here, not with the
+    module: the command line reads this module before it knows whether its command needs torch.)"""
+    import torch.distributed as dist
 
-    return isinstance(err, RuntimeError) and not isinstance(err, (CollectiveError, NotImplementedError,
-                                                                  torch.OutOfMemoryError))
+    if isinstance(err, CollectiveError) or not isinstance(err, RuntimeError):
+        return False
+    return isinstance(err, dist.DistError) or peer_lost(err) or _TIMED_OUT.search(str(err)) is not None
 
 
 def collective_failed(err: BaseException, what: str) -> CollectiveError:
@@ -46,8 +51,9 @@ def collective_failed(err: BaseException, what: str) -> CollectiveError:
     import torch.distributed as dist  # as ``failed_collective`` imports torch
 
     said = " ".join(without_source_locations(str(err)).split())
-    return CollectiveError(f"rank {dist.get_rank()}: {what} failed ({said[:300]}). Another rank has probably "
-                           f"stopped or crashed, or its link is down: check its log.")
+    shown = said if len(said) <= 300 else f"{said[:300]}..."
+    return CollectiveError(f"rank {dist.get_rank()}: {what} failed ({shown}). Another rank has probably stopped or "
+                           f"crashed, or its link is down: check its log.")
 
 
 class ScheduleMismatchError(CollectiveError):

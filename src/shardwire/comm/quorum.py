@@ -214,8 +214,10 @@ class Quorum:
             if settings.lighthouse not in str(err):
                 raise
             raise ConnectionError(_unreachable(settings, timeout)) from None
-        self.participants = 0  # groups in the current quorum
-        self.most_participants = 0  # in any quorum of this process: a last one of fewer ended apart from them
+        self.participants = 0  # groups in the current quorum whose states it averages
+        # Groups in the current quorum, those behind that recover in it included, and the most in any
+        # quorum of this process: a last quorum of fewer groups than an earlier one ended apart.
+        self.met = self.most_met = 0
         self.recovered = False  # whether this group is behind: it receives the others' state at ``commit``
         # Since the last ``take_metrics``: what failures cost this rank, for the log.
         self._waited_s = 0.0  # waiting for quorums and commit votes
@@ -265,8 +267,10 @@ class Quorum:
             self._manager.wait_quorum()
         self._waited_s += time.perf_counter() - start
         self.participants = self._manager.num_participants()
-        self.most_participants = max(self.most_participants, self.participants)
         self.recovered = not self._manager.is_participating()
+        if not self.failed:
+            self.met = self.member[1]
+            self.most_met = max(self.most_met, self.met)
         if self.step == 0:  # the job's first quorum, in every group of it alike
             self._compare_when()
         for meet in self._attending:

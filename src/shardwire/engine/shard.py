@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp._flat_param import FlatParameter
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -257,15 +258,18 @@ def _check_not_sharded(model: nn.Module) -> None:
             )
     # A port from FSDP2 that kept a ``fully_shard`` call, or a model already split by tensor
     # parallelism: its parameters are DTensors over another mesh, which shard would slice again.
-    # FSDP1's wrapper keeps the model's own parameters flattened into its own (``FlatParameter``),
-    # which shard would take as the model's, and trains otherwise without a word.
+    # FSDP1 flattens the parameters of the modules it wraps into its own (``FlatParameter``), in
+    # place: the wrapper, or the module inside it, trains otherwise without a word.
     distributed = next(((name, module) for name, module in model.named_modules()
                         if isinstance(module, (FSDPModule, FullyShardedDataParallel))), None)
-    if distributed is not None:
-        name, module = distributed
-        where = "this model" if not name else f"its submodule {name!r}"
-        how = ("torch's fully_shard: remove the fully_shard calls" if isinstance(module, FSDPModule) else
-               "torch's FullyShardedDataParallel (FSDP1): pass the model it wraps, not the wrapper")
+    flattened = next((name for name, param in model.named_parameters() if isinstance(param, FlatParameter)), None)
+    if distributed is not None or flattened is not None:
+        name = distributed[0] if distributed is not None else flattened
+        where = "this model" if not name else f"its {'submodule' if distributed is not None else 'parameter'} {name!r}"
+        how = ("torch's fully_shard: remove the fully_shard calls" if distributed is not None
+               and isinstance(distributed[1], FSDPModule) else
+               "torch's FullyShardedDataParallel (FSDP1), which flattened its parameters in place: build the model "
+               "again without it")
         raise ValueError(f"{where} went through {how}, as shardwire.shard(model, units=...) shards the model and its "
                          f"units in one call")
     if (name := next((name for name, param in model.named_parameters() if isinstance(param, DTensor)), None)):

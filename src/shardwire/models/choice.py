@@ -44,7 +44,7 @@ from shardwire.mappings import MappingError, cut, one_line, read_file, read_mapp
 from shardwire.models import fp8, pretrained
 from shardwire.models.gpt import GPT, PRESETS, Block
 from shardwire.sim.huggingface import (HF_PREFIX, check_sizes, config_file, has_tokenizer, needs_custom_code,
-                                       read_config, seq_len_of, shape_problem, spec_from_config)
+                                       read_config, seq_len_of, spec_from_config)
 from shardwire.sim.specs import ModelSpec
 
 # The dtype an hf: model's parameters are built in, whatever its config's dtype says (a published
@@ -86,6 +86,8 @@ class ModelChoice:
     load: Callable[[nn.Module], None] | None = None
     # why its units have no linear layer to multiply in fp8 (shardwire.models.fp8), or None
     fp8_refusal: str | None = None
+    # whether ``spec`` counts the model's FLOPs, for its MFU: not a mixture of experts' (``_of_experts``)
+    counts_flops: bool = True
     # whether a forward runs on the meta device, where torch's FLOP counter cross-checks the count
     # at no cost (Hugging Face models read tensor values to build their attention masks)
     runs_on_meta: bool = True
@@ -184,7 +186,7 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, chosen, length, config.vocab_size,
                        _parameters(skeleton), _hf_spec(config, skeleton, length),
                        _logits_without_cache(skeleton), fp8_refusal=fp8.convertible(skeleton, chosen)[1],
-                       runs_on_meta=False, init=None if weights is not None and not by_slice else lambda model: None,
+                       counts_flops=not _of_experts(config), runs_on_meta=False, init=None if weights is not None and not by_slice else lambda model: None,
                        held_whole=(_parameters(skeleton) if weights is not None and not by_slice
                                    else _held_while_made(skeleton, chosen)),
                        load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None,
@@ -220,13 +222,20 @@ def _units_with_parameters(skeleton: nn.Module, units: tuple[type[nn.Module], ..
     return sum(bool(entries) for entries in owned.values())
 
 
+# How configs of a mixture of experts count their experts (Mixtral's and Qwen-MoE's, DeepSeek's, DBRX's).
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+
+
+def _of_experts(config) -> bool:
+    """Whether ``config`` is of a mixture of experts, whose FLOPs a dense count of its sizes leaves
+    out (half Mixtral's at two experts a token): its spec sizes memory, but gives no MFU."""
+    return any(config.to_dict().get(key) for key in _EXPERTS)
+
+
 def _hf_spec(config, skeleton: nn.Module, seq_len: int) -> ModelSpec | None:
     """The decoder the config describes, for the FLOP count (a gated MLP where the model has
     ``gate_proj`` modules, or Phi-3's fused ``gate_up_proj``), or None where it names no sizes the
-    simulator's reader knows, or is of a family whose shape it does not know (a mixture of experts):
-    no MFU rather than a wrong one."""
-    if shape_problem(config.to_dict()) is not None:
-        return None
+    simulator's reader knows."""
     gated = any(name.endswith(("gate_proj", "gate_up_proj")) for name, _ in skeleton.named_modules())
     try:
         return spec_from_config(config.to_dict(), name=f"hf:{type(skeleton).__name__}", seq_len=seq_len, gated=gated)

@@ -61,7 +61,8 @@ def load_pretrained(model: nn.Module, directory: pathlib.Path) -> None:
                                  f"has, and hold {len(unused)} tensor(s) it has no place for ({unused[0]!r}...): "
                                  f"stored in a layout transformers converts as from_pretrained loads them (a mixture "
                                  f"of experts' weights by expert), which shardwire does not read, or another "
-                                 f"model's; train from the config alone, or convert the weights to the model's names")
+                                 f"model's, or saved in part; train from the config alone, or convert the weights to "
+                                 f"the model's names")
             raise ValueError(f"{directory}: the weights have no {key!r}, which the model its config.json builds "
                              f"has: the weights are another model's, or were saved in part")
     read = {key: value for key, value in state.items() if key in stored}

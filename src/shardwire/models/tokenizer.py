@@ -15,17 +15,18 @@ from shardwire.models.gpt import PRESETS
 from shardwire.sim.huggingface import TOKENIZER_FILES, has_tokenizer
 
 
-# What a model's directory holds beside its tokenizer: the model's config and weights, and notes. A
-# tokenizer's files are the rest (tokenizer.json, vocab.json, merges.txt, spiece.model, bpe.codes...),
-# every one of them, as a file of a kind not listed here may be one a tokenizer reads.
-_NOT_THE_TOKENIZERS = re.compile(r"(config\.json|generation_config\.json|.*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)"
+# What a model's directory holds beside its tokenizer: the model's weights, and notes. A tokenizer's
+# files are the rest (tokenizer.json, vocab.json, merges.txt, spiece.model, bpe.codes...), every one
+# of them, as a file of a kind not listed here may be one a tokenizer reads; config.json among them,
+# whose model_type picks the tokenizer's class where its tokenizer_config.json names none.
+_NOT_THE_TOKENIZERS = re.compile(r"(generation_config\.json|.*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)"
                                  r"|.*\.index\.json|readme.*|license.*|.*\.md|\.gitattributes)", re.IGNORECASE)
 
 
 def add_files(digest: "hashlib._Hash", directory: pathlib.Path, *, every_file: bool = False) -> None:
     """Add the names and contents of the tokenizer's files in ``directory`` to ``digest`` (with
-    ``every_file``, of all its files, as earlier versions recorded it): a README added
-    beside a model's tokenizer, or its weights trained on, leave the tokenizer the same."""
+    ``every_file``, of all its files, as earlier versions recorded it): a README added beside a
+    model's tokenizer, or its weights trained on, leave the tokenizer the same."""
     for file in sorted(p for p in directory.iterdir() if p.is_file()):
         if not every_file and _NOT_THE_TOKENIZERS.fullmatch(file.name):
             continue
@@ -45,7 +46,7 @@ def digest_of(directory: str | pathlib.Path, *, every_file: bool = False) -> str
 def holds(directory: str | pathlib.Path, recorded: object) -> bool:
     """Whether ``directory`` holds the tokenizer a checkpoint ``recorded`` the digest of: of its
     tokenizer's files, or of all its files, as earlier versions recorded it."""
-    return recorded in (digest_of(directory), digest_of(directory, every_file=True))
+    return digest_of(directory) == recorded or digest_of(directory, every_file=True) == recorded
 
 
 def check(directory: str | pathlib.Path, label: str) -> pathlib.Path:

@@ -356,11 +356,11 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         trend = f"loss {diverged.first_loss:.3f} -> {losses[-1]:.3f}, " if losses else ""
         print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
-        if quorum is not None and quorum.participants < quorum.most_participants:
-            print(f"warning: this group's final sync met {quorum.participants} group(s), where "
-                  f"{quorum.most_participants} met before: it ends with another model than theirs (they had "
-                  f"ended, or it came back from a restart behind their steps without recovering); export each "
-                  f"group's series and compare them before using one", file=sys.stderr, flush=True)
+        if quorum is not None and quorum.met < quorum.most_met:
+            print(f"warning: this group's final sync met {quorum.met} group(s), where {quorum.most_met} met before: "
+                  f"the groups do not end as one model (a group was lost for good, or ended before this one, or "
+                  f"came back from a restart behind the others' steps without recovering); export each group's "
+                  f"series and compare them before using one", file=sys.stderr, flush=True)
     if config.export_hf:
         weights = weights_by_unit(model)  # gathered a unit at a time, every rank taking part
         try:
@@ -1029,7 +1029,7 @@ def _save_checkpoint(config: TrainConfig, model, optimizer, scheduler, step: int
 
 def _profiler(config: TrainConfig, choice: ModelChoice, model, optimizer, tokens_per_step: int) -> Profiler:
     flops = (flops_per_token(choice.spec, activation_checkpointing=config.activation_checkpointing)
-             if choice.spec is not None else None)  # MFU needs an architecture the FLOP count knows
+             if choice.spec is not None and choice.counts_flops else None)  # MFU needs a count of the model's
     counted = None
     if choice.runs_on_meta:
         with torch.device("meta"):  # torch's own count of the same model, as a cross-check
