@@ -754,14 +754,18 @@ def test_a_tokenizer_is_known_by_its_own_files_and_by_the_digest_earlier_version
 
     byte_tokenizer(tmp_path, 0)
     (tmp_path / "config.json").write_text(json.dumps(GPT2))
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
     earlier, now = hf_tokenizer.digest_of(tmp_path, every_file=True), hf_tokenizer.digest_of(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"weights trained on")
     (tmp_path / "README.md").write_text("notes")
     assert hf_tokenizer.digest_of(tmp_path) == now and hf_tokenizer.holds(tmp_path, now)
     assert not hf_tokenizer.holds(tmp_path, earlier)  # every file, the weights too: changed since
-    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "README.md").unlink()
     assert hf_tokenizer.holds(tmp_path, earlier)
+    (tmp_path / "config.json").write_text(json.dumps({**GPT2, "model_type": "bert"}))  # picks the tokenizer's class
+    assert not hf_tokenizer.holds(tmp_path, now)
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
     (tmp_path / "merges.txt").write_text("a b")  # a file of a kind not listed is taken for the tokenizer's
     assert not hf_tokenizer.holds(tmp_path, now)
 
