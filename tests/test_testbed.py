@@ -244,6 +244,19 @@ def test_a_second_up_like_keeps_the_testbed_its_measurement_is_near(recorded, mo
     assert regime.kept_rate(1_300_000, asked) == 1_300_000
 
 
+def test_a_link_cut_while_a_check_measures_it_is_named(recorded, monkeypatch):
+    """The check said only that a transfer took over its timeout, where a failed job names the cut."""
+    def cut_while_sending(testbed, source, target, nbytes, timeout_s):
+        spec.record_cut(testbed.name, 1, time.time())
+        raise spec.TestbedFailure(f"a transfer from node{source} to node{target} took over {timeout_s:g}s")
+
+    monkeypatch.setattr(check, "transfer", cut_while_sending)
+    monkeypatch.setattr(network, "links_down", lambda testbed: [1])
+    with pytest.raises(spec.TestbedFailure, match=r"^a transfer from node0 to node1 took over \d+s, after `shardwire "
+                                                   r"testbed link` cut the link of node1$"):
+        check.check(recorded, seconds=1.0)
+
+
 def test_a_command_left_out_is_suggested_on_the_users_testbed(recorded, capsys):
     assert main(["testbed", "run", "--name", recorded.name]) == 2
     run = _suggested(capsys.readouterr().err)

@@ -13,9 +13,10 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 from shardwire.testbed import probe
-from shardwire.testbed.network import burst_bytes, in_namespace
+from shardwire.testbed.network import burst_bytes, cut_off, in_namespace
 from shardwire.testbed.spec import Testbed, TestbedFailure, format_rate
 
 # Payload over the wire may exceed the rate by the bucket's burst, plus timer slack.
@@ -104,8 +105,12 @@ def check(testbed: Testbed, seconds: float = 1.0) -> list[Finding]:
     timeout_s = 30 + 20 * seconds
     findings = []
     pairs = [(k, (k + 1) % testbed.nodes) for k in range(testbed.nodes)] if testbed.nodes > 1 else []
+    started = time.time()
     for source, target in pairs:
-        t = transfer(testbed, source, target, nbytes, timeout_s)
+        try:
+            t = transfer(testbed, source, target, nbytes, timeout_s)
+        except TestbedFailure as err:  # a link cut while it measured: named, as a failed job names it
+            raise TestbedFailure(f"{err}{cut_off(testbed, started)}") from None
         ceiling = rate * RATE_TOLERANCE + burst_bytes(rate) * 8 / t.seconds
         share = f"{t.bits_per_s / rate:.0%} of the {format_rate(rate)} link"
         if t.bits_per_s > ceiling:

@@ -22,8 +22,8 @@ import time
 from typing import IO
 
 from shardwire.launch import NODE_THREADS, rendezvous_options
-from shardwire.testbed.network import in_namespace, leftovers, links_down
-from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure, cut_since
+from shardwire.testbed.network import cut_off, in_namespace, leftovers
+from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure
 
 RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
 STOP_GRACE_S = 10.0
@@ -105,27 +105,12 @@ def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: t
         if failed:
             k, status = failed[0]
             with lock:
-                print(f"node{k} failed (exit {status}){_cut_off(testbed, started)}: stopping the other nodes",
+                print(f"node{k} failed (exit {status}){cut_off(testbed, started)}: stopping the other nodes",
                       file=out, flush=True)
             return status if status > 0 else 128 - status
         if all(status == 0 for status in statuses):
             return 0
         time.sleep(POLL_S)
-
-
-def _cut_off(testbed: Testbed, since: float) -> str:
-    """Which nodes ``shardwire testbed link`` has cut off since the job started, in words after a
-    failure, or nothing: a node that lost its peers blames them, not the link (cut and put back
-    before the collectives' timeout, it is up again as they fail)."""
-    try:
-        down = links_down(testbed)
-    except TestbedFailure:  # the testbed removed under the job: the failure says so itself
-        return ""
-    cut = sorted(set(down) | set(cut_since(testbed.name, since)))
-    if not cut:
-        return ""
-    said = ", ".join(f"node{node}" + ("" if node in down else " (up again)") for node in cut)
-    return f", after `shardwire testbed link` cut the link of {said}"
 
 
 def _stream(pipe: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
