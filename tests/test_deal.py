@@ -230,7 +230,8 @@ def test_groups_that_take_other_batches_are_told_to_give_the_same():
     b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"the fault-tolerant groups that met take from 4 to 6 sequences a step, this one {mine}: "
-                              f"give every group as many ranks and the same --batch and --grad-accum" for mine in (4, 6)]
+                              f"give every group as many ranks and the same --batch and --grad-accum"
+                              for mine in (4, 6)]
 
 
 def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_the_same():

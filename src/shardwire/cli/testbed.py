@@ -152,7 +152,7 @@ def _up(args) -> int:
     if rate is None:
         matched = regime.like(args.like, args.nodes, 1 if args.nproc_per_node is None else args.nproc_per_node)
         print("\n".join(matched.describe()))
-        rate = regime.kept_rate(matched.rate_bits, Testbed(args.name, args.nodes, matched.rate_bits))
+        rate = regime.kept_rate(args.name, args.nodes, matched.rate_bits)
         if rate != matched.rate_bits:
             print(f"kept the {format_rate(rate)} links that are up: within {regime.KEPT_WITHIN:.0%} of the "
                   f"{format_rate(matched.rate_bits)} measured now (`"

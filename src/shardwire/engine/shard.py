@@ -260,22 +260,28 @@ def _check_not_sharded(model: nn.Module) -> None:
     # parallelism: its parameters are DTensors over another mesh, which shard would slice again.
     # FSDP1 flattens the parameters of the modules it wraps into its own (``FlatParameter``), in
     # place: the wrapper, or the module inside it, trains otherwise without a word.
-    distributed = next(((name, module) for name, module in model.named_modules()
-                        if isinstance(module, (FSDPModule, FullyShardedDataParallel))), None)
-    flattened = next((name for name, param in model.named_parameters() if isinstance(param, FlatParameter)), None)
-    if distributed is not None or flattened is not None:
-        name = distributed[0] if distributed is not None else flattened
-        where = "this model" if not name else f"its {'submodule' if distributed is not None else 'parameter'} {name!r}"
-        how = ("torch's fully_shard: remove the fully_shard calls" if distributed is not None
-               and isinstance(distributed[1], FSDPModule) else
-               "torch's FullyShardedDataParallel (FSDP1), which flattened its parameters in place: build the model "
-               "again without it")
-        raise ValueError(f"{where} went through {how}, as shardwire.shard(model, units=...) shards the model and its "
-                         f"units in one call")
-    if (name := next((name for name, param in model.named_parameters() if isinstance(param, DTensor)), None)):
-        raise ValueError(f"parameter {name!r} is already a DTensor (tensor parallelism, or a model sharded "
-                         f"before): shardwire.shard takes a model of plain tensors; build it without that, then "
-                         f"shard it")
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            _refuse_sharded_by_torch("this model" if not name else f"its submodule {name!r}", _FULLY_SHARD)
+        if isinstance(module, FullyShardedDataParallel):
+            _refuse_sharded_by_torch("this model" if not name else f"its submodule {name!r}", _FSDP1)
+    for name, param in model.named_parameters():
+        if isinstance(param, FlatParameter):
+            _refuse_sharded_by_torch(f"its parameter {name!r}", _FSDP1)
+        if isinstance(param, DTensor):
+            raise ValueError(f"parameter {name!r} is already a DTensor (tensor parallelism, or a model sharded "
+                             f"before): shardwire.shard takes a model of plain tensors; build it without that, then "
+                             f"shard it")
+
+
+_FULLY_SHARD = "torch's fully_shard: remove the fully_shard calls"
+_FSDP1 = ("torch's FullyShardedDataParallel (FSDP1), which flattened its parameters in place: build the model again "
+          "without it")
+
+
+def _refuse_sharded_by_torch(where: str, how: str) -> None:
+    raise ValueError(f"{where} went through {how}, as shardwire.shard(model, units=...) shards the model and its units "
+                     f"in one call")
 
 
 def _single_device(model: nn.Module) -> torch.device:

@@ -186,7 +186,8 @@ def _hugging_face(source: str, units: str | None, seq_len: int | None) -> ModelC
     return ModelChoice(f"hf:{type(skeleton).__name__}", build, chosen, length, config.vocab_size,
                        _parameters(skeleton), _hf_spec(config, skeleton, length),
                        _logits_without_cache(skeleton), fp8_refusal=fp8.convertible(skeleton, chosen)[1],
-                       counts_flops=not _of_experts(config), runs_on_meta=False, init=None if weights is not None and not by_slice else lambda model: None,
+                       counts_flops=not _of_experts(config), runs_on_meta=False,
+                       init=None if weights is not None and not by_slice else lambda model: None,
                        held_whole=(_parameters(skeleton) if weights is not None and not by_slice
                                    else _held_while_made(skeleton, chosen)),
                        load=functools.partial(pretrained.load_pretrained, directory=weights) if by_slice else None,

@@ -438,7 +438,8 @@ def load_arguments(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Tr
         cluster = calibrated(cluster, read_profile(args.calibrate, load_model), args.calibrate)
     if args.cluster_from:
         measured = cluster_from_bench(args.cluster_from, cluster)
-        if replaced := sorted(key for key in given & MEASURED_BY_BENCH if getattr(measured, key) != getattr(cluster, key)):
+        if replaced := sorted(key for key in given & MEASURED_BY_BENCH
+                              if getattr(measured, key) != getattr(cluster, key)):
             warnings.warn(f"--cluster-from {one_line(args.cluster_from)} replaces the --cluster's "
                           f"{', '.join(replaced)} with what it measured; leave them out of --cluster")
         cluster = measured

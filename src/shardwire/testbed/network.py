@@ -214,8 +214,8 @@ def _no_job_on(name: str, doing: str) -> None:
     if doing == "rebuilding" and (running := _processes_on(name)):
         pid, command = running[0]
         raise TestbedError(f"testbed {name!r} has {len(running)} process{'es' if len(running) > 1 else ''} running on "
-                           f"its nodes (process {pid}: {cut(command)}): stop them, or run `{testbed_command('down', name)}` "
-                           f"(which stops them) before rebuilding the testbed")
+                           f"its nodes (process {pid}: {cut(command)}): stop them, or run "
+                           f"`{testbed_command('down', name)}` (which stops them) before rebuilding the testbed")
 
 
 def _processes_on(name: str) -> list[tuple[int, str]]:

@@ -57,15 +57,14 @@ class Regime:
         ]
 
 
-def kept_rate(measured: int, asked: Testbed) -> int:
-    """The rate of testbed ``asked`` (its nodes at the rate ``measured``) where one of its name and
-    nodes is up within ``KEPT_WITHIN`` of it, so that a second ``up --like`` keeps it; else
-    ``measured``."""
+def kept_rate(name: str, nodes: int, measured: int) -> int:
+    """The rate of testbed ``name`` where it is up with ``nodes`` nodes within ``KEPT_WITHIN`` of the
+    rate ``measured``, so that a second ``up --like`` keeps it; else ``measured``."""
     try:
-        recorded = Testbed.load(asked.name)
+        recorded = Testbed.load(name)
     except TestbedError:
         return measured
-    if (recorded.nodes == asked.nodes and abs(recorded.rate_bits - measured) <= KEPT_WITHIN * measured
+    if (recorded.nodes == nodes and abs(recorded.rate_bits - measured) <= KEPT_WITHIN * measured
             and network.is_up(recorded)):
         return recorded.rate_bits
     return measured
