@@ -92,7 +92,7 @@ class Group:
 
     def __init__(self, name: str, lighthouse: str, tmp: pathlib.Path, *, steps: int = STEPS,
                  testbed: spec.Testbed | None = None, node: int = 0, checkpoints: pathlib.Path | None = None,
-                 every_step: bool = False):
+                 save_every: int = SAVE_EVERY, keep: int = 3, every_step: bool = False):
         settings = f"lighthouse={lighthouse},timeout={TIMEOUT}"
         on_node = []
         if testbed is None:
@@ -100,7 +100,8 @@ class Group:
         else:
             on_node = [sys.executable, "-m", "shardwire", "testbed", "exec", "--name", testbed.name, f"node{node}", "--"]
         self.name, self.log, self.out = name, tmp / f"{name}.jsonl", tmp / f"{name}.out"
-        saving = [] if checkpoints is None else ["--checkpoint-dir", str(checkpoints), "--save-every", str(SAVE_EVERY)]
+        saving = [] if checkpoints is None else ["--checkpoint-dir", str(checkpoints), "--save-every", str(save_every),
+                                                 "--keep", str(keep)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
         self.launcher = subprocess.Popen(
             [*on_node, sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--steps", str(steps),
@@ -331,5 +332,36 @@ def test_a_restart_of_every_group_resumes_exactly_and_one_whose_checkpoint_is_ol
         older = run_groups(start("resumed-older", "older"), lambda groups: iter(()), start_at=0)
         assert older[1].recoveries() and not older[0].recoveries()
         assert older[0].validation_loss() == older[1].validation_loss()
+    finally:
+        server.shutdown()
+
+
+def test_a_group_back_with_as_many_syncs_but_fewer_steps_recovers(tmp_path):
+    """A group killed during a sync that the others then dropped comes back from a checkpoint saved
+    before that sync: it has committed as many syncs as they have, and done fewer steps. Staged from
+    checkpoints between the same two syncs of a run syncing every 5 steps: a's of step 4, b's of
+    step 5, whose sync is due. a is behind: it recovers b's state and schedule at its first sync,
+    instead of averaging with b a sync behind b's schedule and ending alone 5 steps later, and
+    the groups end as one model, neither saying its final sync met fewer groups."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    lighthouse, checkpoints = server.address(), tmp_path / "checkpoints"
+
+    def start(logs: str) -> list[Group]:
+        (tmp_path / logs).mkdir()
+        return [Group(name, lighthouse, tmp_path / logs, steps=20, checkpoints=checkpoints, save_every=1, keep=0)
+                for name in ("a", "b")]
+
+    try:
+        run_groups(start("first"), lambda groups: iter(()), start_at=0)
+        for group, newest in (("a", 4), ("b", 5)):
+            for path in (checkpoints / group).glob("step_*"):
+                if int(path.name.removeprefix("step_")) > newest:
+                    shutil.rmtree(path)
+        # apart, a would wait alone for its last sync: the lighthouse waits for two groups
+        a, b = run_groups(start("resumed"), lambda groups: iter(()), start_at=0, deadline=180)
+        assert a.recoveries() and not b.recoveries(), a.out.read_text()[-3000:]
+        assert a.validation_loss() == b.validation_loss()
+        for group in (a, b):
+            assert "final sync met" not in group.out.read_text(), group.out.read_text()[-3000:]
     finally:
         server.shutdown()

@@ -256,12 +256,20 @@ class Quorum:
         that what it exchanges (``agree``) comes in the same order in every group."""
         self._attending.append(meet)
 
-    def start(self) -> None:
+    def start(self, steps: int | None = None) -> None:
         """Agree with the lighthouse on the groups of this sync. A group that is behind fetches the
         registered state of a live peer at its position meanwhile, takes part in the sync's
-        all-reduces with nothing of its own, and loads that state at ``commit``."""
+        all-reduces with nothing of its own, and loads that state at ``commit``.
+
+        Behind means with a lower count than the others: the syncs or steps this group committed,
+        or ``steps``, the training steps it has done, where groups meet every few steps (DiLoCo).
+        There a count of syncs misses a group restarted from a checkpoint saved between two syncs
+        after the others dropped the sync it was lost in: it counts as many syncs as they do, with
+        fewer steps, and would average its change with theirs and train on behind their schedule."""
         start = time.perf_counter()
         self._rounded = []
+        if steps is not None:
+            self._manager.load_state_dict({"step": steps, "batches_committed": self._manager.batches_committed()})
         with self._notice.waiting() if self._notice is not None else contextlib.nullcontext():
             self._manager.start_quorum()
             self._manager.wait_quorum()
@@ -290,7 +298,7 @@ class Quorum:
 
     @property
     def step(self) -> int:
-        """The quorum's count of committed steps, the same in every group of it (one behind takes it)."""
+        """The quorum's count (``start``), the same in every group of it (one behind takes it)."""
         return self._manager.current_step()
 
     @property
@@ -412,8 +420,9 @@ class Quorum:
         return committed
 
     def state(self) -> list[int]:
-        """torchft's count of the syncs this group committed and of the batches they averaged, for a
-        checkpoint: the lighthouse takes a group with fewer for one that is behind."""
+        """torchft's count of the syncs or steps this group committed (or of the steps it had done at
+        its last sync, ``start``) and of the batches they averaged, for a checkpoint: the
+        lighthouse takes a group with fewer for one that is behind."""
         saved = self._manager.state_dict()
         return [saved["step"], saved["batches_committed"]]
 

@@ -327,7 +327,7 @@ class OuterLoop:
             if self.quorum is not None:
                 with record_function("shardwire::quorum"):
                     self._voted_after = applied_after
-                    self.quorum.start()
+                    self.quorum.start(self.steps)
                     fragment = self._agreed_fragment(fragment)
             elif self._groups > 1:
                 self._compare_anchors(self.fragments[fragment])

@@ -358,9 +358,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
               f"{trend}validation loss {val_loss:.3f}", flush=True)
         if quorum is not None and quorum.met < quorum.most_met:
             print(f"warning: this group's final sync met {quorum.met} group(s), where {quorum.most_met} met before: "
-                  f"the groups do not end as one model (a group was lost for good, or ended before this one, or "
-                  f"came back from a restart behind the others' steps without recovering); export each group's "
-                  f"series and compare them before using one", file=sys.stderr, flush=True)
+                  f"the groups do not end as one model (a group was lost for good, or ended before this one); "
+                  f"export each group's series and compare them before using one", file=sys.stderr, flush=True)
     if config.export_hf:
         weights = weights_by_unit(model)  # gathered a unit at a time, every rank taking part
         try:
