@@ -74,6 +74,21 @@ def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
     assert load_corpus(str(path), 32, bin_dtype="uint32").num_tokens == 60_000
 
 
+def test_uint16_ids_as_sparse_as_uint32_ones_are_read_from_the_npy_the_refusal_writes(tmp_path):
+    """uint16 ids every second of which is 0 look like uint32 ids to the check, whatever
+    --token-dtype says: the refusal's own conversion, run as written, gives a file that reads them."""
+    ids = np.zeros(20_000, dtype=np.uint16)
+    ids[::2] = np.arange(1, 10_001)
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    with pytest.raises(SystemExit) as refusal:
+        main(["train", "--model", "tiny", "--data", str(path), "--token-dtype", "uint16"])
+    conversion, converted = re.search(r"write them as \.npy, whose header names their type: (.*), and give --data "
+                                      r"(\S+)$", str(refusal.value)).groups()
+    eval(conversion, {"numpy": np})
+    assert np.array_equal(load_corpus(converted, 32).ids, ids)
+
+
 @pytest.mark.slow
 def test_training_on_token_ids_lowers_the_loss(tmp_path):
     path = tmp_path / "tokens.bin"

@@ -429,16 +429,19 @@ def _width_held(ids: np.ndarray) -> int:
 
 def _wide_ids_refused(file: pathlib.Path, ids: np.ndarray) -> None:
     """Refuse a ``.bin`` of wider ids than ``ids``' type reads it as (``_width_held``), saying what to
-    do: for uint32 ids, give ``--token-dtype uint32``; for 64-bit ids, which ``--token-dtype`` does not
-    take, convert them. 64-bit ids are named as such read at either width: told to read them as
+    do: for uint32 ids, give ``--token-dtype uint32`` (or, for uint16 ids that sparse, write a
+    ``.npy``); for 64-bit ids, which ``--token-dtype`` does not take, convert them. 64-bit ids are named as such read at either width: told to read them as
     uint32, a run once trained on them with every second id 0."""
     width = _width_held(ids)
     if width == ids.dtype.itemsize:
         return
     checked = f"its first {min(len(ids), _CHECK_CHUNK):,}"
-    if width == 4:
+    if width == 4:  # uint16 ids can be this sparse too: a .npy's header says which they are, unguessed
+        npy = file.with_suffix(".npy")
         raise ValueError(f"{file} looks like uint32 ids read as uint16 (every second id of {checked} is 0): give "
-                         f"--token-dtype uint32")
+                         f"--token-dtype uint32; if they are uint16 ids, write them as .npy, whose header names their "
+                         f"type: numpy.save({str(npy)!r}, numpy.fromfile({str(file)!r}, numpy.uint16)), and give "
+                         f"--data {npy}")
     zeros = (f"every second id of {checked} is 0" if ids.dtype.itemsize == 4 else
              f"the last two of every four ids of {checked} are 0")
     converted = file.with_suffix(".uint32.bin")
