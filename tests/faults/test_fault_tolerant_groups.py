@@ -290,6 +290,24 @@ def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthou
            "model" in b, b[-3000:]
 
 
+def test_a_group_resumed_after_the_others_ended_says_it_ends_apart(tmp_path):
+    """A group restarted from its checkpoint after the others ended meets none of them: its checkpoint
+    remembers that two groups met, so it says that it ends apart, as a group that outlives the
+    others in one run does. The first lighthouse waits for both groups, the second for one."""
+    for logs, names, steps in (("together", ("a", "b"), 10), ("alone", ("a",), 20)):
+        (tmp_path / logs).mkdir()
+        server = LighthouseServer(bind="[::]:0", min_replicas=len(names), join_timeout_ms=60_000,
+                                  heartbeat_timeout_ms=HEARTBEAT_MS)
+        try:
+            run_groups([Group(name, server.address(), tmp_path / logs, steps=steps,
+                              checkpoints=tmp_path / "checkpoints") for name in names],
+                       lambda groups: iter(()), start_at=0)
+        finally:
+            server.shutdown()
+    said = (tmp_path / "alone" / "a.out").read_text()
+    assert "warning: this group's final sync met 1 group(s), where 2 met before" in said, said[-3000:]
+
+
 def test_a_restart_of_every_group_resumes_exactly_and_one_whose_checkpoint_is_older_recovers(tmp_path):
     """Every group killed and started again: from checkpoints of the same step they continue as if
     never stopped (the same model as an uninterrupted run, bit for bit); a group whose newest

@@ -339,8 +339,8 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             diverged.check()  # a diverged model is never saved, so it never prunes a finite one
             if deal is not None and engine.outer is not None:
                 engine.outer.settle()  # a sync in flight is applied and voted on first, as the save would: its deal too
-            diverged.saved(_save_checkpoint(config, model, optimizer, scheduler, step + 1,
-                                            trained_on if deal is None else {**trained_on, "deal": deal.state()}))
+            groups = {} if deal is None else {"deal": deal.state(), "groups_met": quorum.most_met}
+            diverged.saved(_save_checkpoint(config, model, optimizer, scheduler, step + 1, {**trained_on, **groups}))
             interval_start += time.perf_counter() - paused
         step += 1
 
@@ -861,6 +861,11 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
             deal.load_state(info.extra.get("deal"))
         except ValueError as err:
             raise _agreed(f"error: {info.path}: {err}; give --checkpoint-dir a directory of its own") from None
+        # the most groups that met before the restart: one that comes back after the others ended,
+        # and syncs alone, says so at its end as the run it resumes would have
+        if isinstance(met := info.extra.get("groups_met"), int) and not isinstance(met, bool):
+            quorum = engine_of(model).layout.quorum
+            quorum.most_met = max(quorum.most_met, met)
     _check_architecture(config, info, trained_on.get("hf_config"))
     data = data_change(info.extra.get("data"), trained_on["data"],
                        _tokenizer_change(info.extra.get("tokenizer"), trained_on.get("tokenizer")))
