@@ -430,8 +430,9 @@ def _width_held(ids: np.ndarray) -> int:
 def _wide_ids_refused(file: pathlib.Path, ids: np.ndarray) -> None:
     """Refuse a ``.bin`` of wider ids than ``ids``' type reads it as (``_width_held``), saying what to
     do: for uint32 ids, give ``--token-dtype uint32`` (or, for uint16 ids that sparse, write a
-    ``.npy``); for 64-bit ids, which ``--token-dtype`` does not take, convert them. 64-bit ids are named as such read at either width: told to read them as
-    uint32, a run once trained on them with every second id 0."""
+    ``.npy``); for 64-bit ids, which ``--token-dtype`` does not take, convert them. 64-bit ids are
+    named as such read at either width: told to read them as uint32, a run once trained on them
+    with every second id 0."""
     width = _width_held(ids)
     if width == ids.dtype.itemsize:
         return
