@@ -219,6 +219,9 @@ def test_a_one_node_bench_leaves_the_network_between_nodes_its_own_shares(tmp_pa
     assert (measured.intra_node.compute_share, measured.intra_node.bandwidth_share) == (0.3, 0.9)
     assert measured.inter_node.compute_share == preset.inter_node.compute_share
     assert measured.inter_node.bandwidth_share == preset.inter_node.bandwidth_share
+    # its link between nodes is the preset's too, which the cluster's name says (not "measured")
+    assert measured.inter_node.busbw_GBps == preset.inter_node.busbw_GBps
+    assert measured.name == "a100-100gbe measured by bench.json (inter-node link not measured: a100-100gbe's)"
 
 
 def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):

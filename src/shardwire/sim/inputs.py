@@ -183,7 +183,7 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
     if (world := field(doc, "context", "world")) != nodes * per_node:
         raise Missing(f"its context.world is {shown(world)}, where its {nodes} nodes of {per_node} ranks make "
                       f"{nodes * per_node}")
-    levels = {}
+    levels, kept = {}, []
     groups = _context_groups(doc)
     for level, group, needed in (("intra_node", "intra", per_node > 1), ("inter_node", "inter", nodes > 1)):
         # the world's group is this level's where the other level has one rank: one rank a node, or one node
@@ -211,12 +211,17 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         levels[level] = dataclasses.replace(
             own, **({} if link is None else {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}),
             **shares)
+        if link is None:
+            kept.append(level.replace("_", "-"))
     engine_on_gloo = field(doc, "context", "backend") == "gloo" and settings.get("impl") == "shardwire"
     return parse("cluster", {
         **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
         "intra_node": as_dict(levels["intra_node"]), "inter_node": as_dict(levels["inter_node"]),
         "algorithm": "hierarchical" if engine_on_gloo else "ring",
-        "name": f"{cluster.name} measured by {one_line(os.path.basename(path))}",
+        # a level the bench did not span is the cluster's own, which the name says: not measured
+        "name": f"{cluster.name} measured by {one_line(os.path.basename(path))}"
+                + (f" ({' and '.join(kept)} link{'s' * (len(kept) > 1)} not measured: {cluster.name}'s)" if kept
+                   else ""),
     })
 
 
