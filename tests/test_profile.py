@@ -259,7 +259,7 @@ def test_report_of_a_large_world_draws_a_few_ranks_and_each_lane_at_once(profile
     assert len(axes.collections) <= 16 * report._MAX_TIMELINES and not axes.patches  # by lane and colour, not span
 
 
-def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_path):
+def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_path, monkeypatch):
     run_dir, _ = profiled_run
     with open(os.path.join(run_dir, "profile.json")) as f:
         profile = json.load(f)
@@ -269,8 +269,16 @@ def test_report_of_one_job_at_two_world_sizes_plots_scaling(profiled_run, tmp_pa
     wider = tmp_path / "world4"
     wider.mkdir()
     (wider / "profile.json").write_text(json.dumps(profile))
+    drawn = {}
+    monkeypatch.setattr(report, "_save", lambda fig, path: drawn.setdefault(os.path.basename(path), fig) and path)
     written = write_report([run_dir, str(wider)], str(tmp_path / "out"))
     assert "scaling.png" in [os.path.basename(p) for p in written] and len(written) == 7
+    # each bar's parts add up to the typical step of its run (the steps' median), as its slowest rank took it
+    bars = drawn["scaling.png"].axes[0].patches
+    heights = [sum(bar.get_height() for bar in bars[run::2]) for run in range(2)]
+    typical = [max(p["steps"][analysis.typical(p["steps"])]["ranks"], key=lambda f: f["step_s"])["step_s"] * 1e3
+               for p in (profile, profile)]
+    assert heights == pytest.approx(typical)
 
 
 def _twice_the_ranks(profile: dict) -> None:
