@@ -236,6 +236,20 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
                                            "there keeps it from ever being pruned)")
 
 
+def series_problem(path: str | os.PathLike, *series: str | os.PathLike) -> str | None:
+    """What stops ``path`` being written in a series of checkpoints (the directory it is written in,
+    or one of ``series``, where that holds checkpoints), or None: the runs saving into a series name
+    and prune what it holds, and ``export`` and ``train`` list it; an output of another command there
+    would be taken for, or lost among, its checkpoints. The words follow the path."""
+    for directory in dict.fromkeys([os.path.dirname(os.path.abspath(path)), *map(os.fspath, series)]):
+        if _holds_checkpoints(directory):
+            problem = inside_problem(path, directory, what="a series of checkpoints, which the runs saving into it "
+                                                           "name and prune")
+            if problem is not None:
+                return problem
+    return None
+
+
 def holds_dcp(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a DCP checkpoint: its ``.distcp`` files, with or without the
     metadata DCP writes last (a save still running, or one that died before it finished)."""
@@ -663,8 +677,9 @@ def new_directory_problem(path: str | os.PathLike) -> str | None:
             return "is not empty: give a new directory (nothing is overwritten)"
         if os.path.ismount(path):  # the directory is put in place by a rename, which a mount point refuses
             return "is a mount point, which a directory cannot be renamed onto: give a new directory inside it"
-        return checkpoint_problem(path)
-    return checkpoint_problem(path) or directory_problem(path)  # never a probe written into a checkpoint
+        return checkpoint_problem(path) or series_problem(path)
+    # never a probe written into a checkpoint
+    return checkpoint_problem(path) or series_problem(path) or directory_problem(path)
 
 
 class ClaimHeld(OSError):

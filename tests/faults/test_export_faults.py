@@ -653,6 +653,11 @@ def test_train_checks_and_claims_its_export_directory_as_it_starts(work, monkeyp
         main(["train", "--model", model, "--checkpoint-dir", str(work / "x"), "--export-hf", str(work / "x")])
     with pytest.raises(SystemExit, match="overlap"):
         main(["train", "--model", model, "--checkpoint-dir", str(work / "x"), "--export-hf", str(work / "x" / "y")])
+    # another run's series, as export refuses it
+    with pytest.raises(SystemExit, match=re.escape(f"--export-hf {work / 'gpt' / 'mine'} is inside {work / 'gpt'}, a "
+                                                   f"series of checkpoints, which the runs saving into it name and "
+                                                   f"prune: give a path outside it")):
+        main(["train", "--model", model, "--export-hf", str(work / "gpt" / "mine")])
     for flag, path in (("--run-dir", work / "x"), ("--log-jsonl", work / "x" / "log.jsonl"),
                        ("--tensorboard", work / "x" / "tb")):  # anything else the run writes
         with pytest.raises(SystemExit, match=f"and {flag} .* overlap"):

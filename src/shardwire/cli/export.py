@@ -37,7 +37,8 @@ from shardwire.engine.checkpoint.series import (
     set_aside_why,
     step_of,
 )
-from shardwire.files import OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, stage_of
+from shardwire.files import (OutputRefused, StagedDirectory, WriteFailed, holds_dcp, inside_problem, series_problem,
+                             stage_of)
 from shardwire.launch import under_launcher
 from shardwire.mappings import cut, one_line, refusal, shown
 from shardwire.options import argument_text, text
@@ -147,12 +148,7 @@ def _series_problem(out: str, given: pathlib.Path) -> str | None:
     series would take it for one of its checkpoints, or set it aside."""
     if inside_problem(out, given) is not None:
         return None
-    for series in dict.fromkeys([given.parent, pathlib.Path(out).parent]):
-        if series != given and list_checkpoints(series):
-            if (problem := inside_problem(out, series, what="a series of checkpoints, which the runs saving into "
-                                                            "it name and prune")) is not None:
-                return problem
-    return None
+    return series_problem(out, given.parent)
 
 
 def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
