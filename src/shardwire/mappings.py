@@ -52,6 +52,8 @@ class MappingError(ValueError):
 def read_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of the file at ``path``, read no further than ``limit`` bytes. ``what`` names
     it in errors (``--config job.yaml``)."""
+    if os.path.isdir(path):  # which open refuses in words of its own
+        raise MappingError(f"{what} is a directory, not a file: give the file that holds it")
     try:
         # opened without waiting for a writer, so that a FIFO nobody writes to reads as empty instead of
         # blocking for ever; then read as usual (process substitution's pipe has its writer)

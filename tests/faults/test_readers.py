@@ -63,7 +63,15 @@ def test_calibrate_takes_a_run_directory_as_report_does(tmp_path, capsys):
     assert f"(calibrated by {tmp_path.name})" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     said = refusal([*CALIBRATE, str(tmp_path / "empty")], capsys)
-    assert f"{tmp_path / 'empty' / 'profile.json'} does not exist: give the profile.json" in said, said
+    assert f"{tmp_path / 'empty'} is a directory that holds no profile.json: give the profile.json" in said, said
+    # a directory named as the profile: said of the path given, by both commands, not of one made up
+    (tmp_path / "run" / "profile.json").mkdir(parents=True)
+    said = refusal([*CALIBRATE, str(tmp_path / "run" / "profile.json")], capsys)
+    assert said.endswith(f"{tmp_path / 'run' / 'profile.json'} is a directory that holds no profile.json: give the "
+                         f"profile.json `shardwire train --profile` wrote, or its --run-dir"), said
+    said = refusal(["report", str(tmp_path / "run")], capsys)
+    assert said.endswith(f"{tmp_path / 'run' / 'profile.json'} is a directory, not a file: give the file that holds "
+                         f"it"), said
     assert "nonexist.json does not exist: give the profile.json `shardwire train --profile` wrote, or its run " \
            "directory" in refusal([*CALIBRATE, "nonexist.json"], capsys)
     assert "nonexist does not exist: give the run directory that holds a profile.json" in refusal(

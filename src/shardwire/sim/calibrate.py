@@ -107,6 +107,8 @@ def read_profile(path: str, load_model) -> Measured:
     refuses it."""
     remedy = "give the profile.json `shardwire train --profile` wrote, or its --run-dir"
     if os.path.isdir(path):
+        if not os.path.lexists(os.path.join(path, PROFILE_FILE)):  # said of the path given, not one made up
+            raise SpecError(f"{path} is a directory that holds no {PROFILE_FILE}: {remedy}")
         path = os.path.join(path, PROFILE_FILE)
     try:
         doc = read_profile_document(path)  # checked as `shardwire report` checks it
