@@ -241,9 +241,25 @@ def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_t
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
                           training=f"--lr {lr}")
     errors = _meet_with_errors(a, b)
-    assert sorted(errors) == [f"the other fault-tolerant groups step with other settings than this one's (--lr {lr}), so "
-                              f"that their models, averaging gradients, would part: give every group the same"
+    assert sorted(errors) == [f"other fault-tolerant groups step with other settings than this one's (--lr {lr}), or "
+                              f"sync every few steps (diloco), so that their models, averaging gradients, would part: "
+                              f"give every group the same, and the same diloco or none"
                               for lr in ("0.003", "0.01")]
+
+
+def test_groups_that_sync_every_few_steps_and_groups_that_meet_at_every_step_are_both_refused():
+    """At every meeting, not only the job's first: groups resumed from checkpoints never meet at the
+    first, and the group that sees no difference would wait for the other for ever."""
+    a, b = Group("a"), Group("b")
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                  training="--lr 0.003")
+    errors = _meet_with_errors(a, b)
+    assert sorted(errors) == [
+        "other fault-tolerant groups average their gradients at every step, where this one syncs every few steps "
+        "(diloco): give every group the same diloco, or none",
+        "other fault-tolerant groups step with other settings than this one's (--lr 0.003), or sync every few steps "
+        "(diloco), so that their models, averaging gradients, would part: give every group the same, and the same "
+        "diloco or none"]
 
 
 @pytest.mark.parametrize("state", [{"next": -1}, {"next": 3, "first": 0, "returned": [], "dealt": [[0]], "member": 4},

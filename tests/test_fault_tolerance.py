@@ -25,11 +25,12 @@ import torch
 import shardwire
 from shardwire.cli import main
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
-from shardwire.comm.quorum import Quorum, QuorumPending, WaitNotice
+from shardwire.comm.quorum import MAX_DROPPED, Quorum, QuorumPending, WaitNotice
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.outer import OuterLoop, OuterState
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
+from shardwire.options import SettingError
 from shardwire.training import loop
 from harness import process, processes, run_workers
 from test_sync import _batch, _diloco_reference, _sgd_steps
@@ -178,6 +179,42 @@ def test_a_group_that_recovers_at_a_sync_that_ran_behind_takes_the_schedule_not_
     assert (outer.steps, quorum.sent - sent, outer.in_flight) == (402, 0, None)
     assert outer.metrics()["skipped_steps"] == 396
     torch.testing.assert_close(flat.shard, flat.outer.anchor)  # the new anchor, no progress of its own
+
+
+class _Votes(_ScriptedQuorum):
+    """A scripted quorum whose commit votes are ``votes``, in turn."""
+
+    def __init__(self, votes):
+        super().__init__()
+        self.votes = iter(votes)
+
+    def commit(self):
+        return next(self.votes)
+
+
+@pytest.mark.parametrize("dropped", [0, 2, MAX_DROPPED])
+def test_a_final_sync_the_vote_drops_is_sent_again_until_one_is_kept(dropped):
+    """After the last step no later sync averages what a dropped sync carried: the model the groups
+    agree on would leave out every step since their last sync. The final sync is sent again until
+    a vote keeps it; dropped ``MAX_DROPPED`` times in a row, the run stops in one line."""
+    diloco = DiLoCo(sync_every=4, wire=None)
+    quorum = _Votes([True] + [False] * dropped + [True])
+    flat = _synced_flat(quorum, diloco)
+    outer = OuterLoop([[flat]], diloco, _Alone(), _Alone(), quorum=quorum)
+    outer.join()
+    for _ in range(3):  # between syncs
+        outer.step_done()
+        outer.before_forward()
+    flat.shard.fill_(-0.5)  # this group's progress since the anchor (zeros)
+    sent = quorum.sent
+    if dropped == MAX_DROPPED:
+        with pytest.raises(SettingError, match=f"dropped their final sync {MAX_DROPPED} times in a row"):
+            outer.sync_now()
+        return
+    outer.sync_now()
+    assert quorum.sent - sent == dropped + 1
+    assert (flat.outer.anchor < 0).all()  # the outer step took the progress
+    torch.testing.assert_close(flat.shard, flat.outer.anchor)
 
 
 def test_the_train_command_refuses_bad_fault_tolerance_before_any_worker_starts(tmp_path, monkeypatch):

@@ -251,6 +251,11 @@ def test_groups_meeting_at_every_step_drop_the_step_a_group_is_killed_in_and_its
     groups = run_groups([Group(name, lighthouse, tmp_path, steps=STEPS // 2, every_step=True)
                          for name in ("a", "b", "c")], kill)
     check_outcome(groups, groups[2])
+    # the restart's count of steps is of those it took, not those its recovery moved it past
+    said = groups[2].out.read_text()
+    restart = said[said.rindex("shardwire train: "):]
+    skipped = sum(int(steps) for steps in re.findall(r"\((\d+) steps on", restart))
+    assert int(re.search(r"done: (\d+) steps", restart).group(1)) + skipped == STEPS // 2, restart[-3000:]
 
 
 @pytest.mark.root
@@ -378,6 +383,7 @@ def test_a_group_back_with_as_many_syncs_but_fewer_steps_recovers(tmp_path):
         # apart, a would wait alone for its last sync: the lighthouse waits for two groups
         a, b = run_groups(start("resumed"), lambda groups: iter(()), start_at=0, deadline=180)
         assert a.recoveries() and not b.recoveries(), a.out.read_text()[-3000:]
+        assert "done: 15 steps" in a.out.read_text()  # those it took, from b's step 5
         assert a.validation_loss() == b.validation_loss()
         for group in (a, b):
             assert "final sync met" not in group.out.read_text(), group.out.read_text()[-3000:]

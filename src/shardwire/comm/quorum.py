@@ -55,6 +55,11 @@ QUORUM_RETRY = datetime.timedelta(seconds=5)
 # groups it waits for (its --min_replicas) gone or far behind, and the wait is bounded only by
 # QUORUM_TIMEOUT.
 QUORUM_NOTICE = datetime.timedelta(seconds=60)
+# Votes in a row that drop a step or sync no later one replaces (each step of groups meeting at every
+# step; the final sync of groups that sync every few steps) before the run stops: past a failure or
+# two, the groups' all-reduce fails whichever groups meet (say, groups of different sizes), which no
+# retry mends.
+MAX_DROPPED = 20
 
 
 def _transport(host: str, timeout: datetime.timedelta):

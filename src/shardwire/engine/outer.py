@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from shardwire.comm.agreement import (agreement_values, fingerprint, number, refuse_another_model,
                                      shapes_fingerprint, values_fingerprint, word_sums)
 from shardwire.comm.communicator import Communicator, Pending
-from shardwire.comm.quorum import Quorum, check_received
+from shardwire.comm.quorum import MAX_DROPPED, Quorum, check_received
 from shardwire.engine.diloco import DiLoCo
 from shardwire.options import SettingError
 
@@ -243,15 +243,26 @@ class OuterLoop:
 
     def sync_now(self) -> None:
         """Apply the sync in flight, then sync every fragment at once, waiting for each: afterwards
-        every group holds the same model (to evaluate or export the result of training)."""
+        every group holds the same model (to evaluate or export the result of training). Between
+        fault-tolerant groups a sync the vote drops is sent again until one is kept: after the last
+        step no later sync averages what it dropped, and the model the groups agree on (the anchor)
+        would leave out every step since their last sync."""
         if self.in_flight is not None:
             self._apply()
         synced = self._synced_after_this_step()
         self.checked = self.steps  # what was due after this step is synced: the next forward sends nothing
         for fragment in range(len(self.fragments)):
-            if fragment != synced:
+            if fragment == synced:
+                continue
+            for _ in range(MAX_DROPPED):
                 self._send(fragment, eager=False, applied_after=self.steps)
-                self._apply()
+                if self._apply():
+                    break
+            else:
+                raise SettingError(f"the fault-tolerant groups dropped their final sync {MAX_DROPPED} times in a row "
+                                   f"(after step {self.steps}): their all-reduce fails whichever groups meet; give "
+                                   f"every group as many ranks and the same model and settings, and see the first "
+                                   f"group's log for the failure")
 
     def _synced_after_this_step(self) -> int | None:
         """The fragment the sync due after the last step synced already (a save, ``global_model``,
@@ -385,11 +396,12 @@ class OuterLoop:
                                                        self.quorum.failed, self._world, "their syncs")
         return agreed
 
-    def _apply(self, *, vote: bool = True) -> None:
-        """Apply the sync in flight; between fault-tolerant groups, if the quorum's ``vote`` keeps it."""
+    def _apply(self, *, vote: bool = True) -> bool:
+        """Apply the sync in flight; between fault-tolerant groups, if the quorum's ``vote`` keeps it.
+        Returns whether it was applied."""
         flats, _ = self.in_flight
         if self.quorum is not None and vote and not self._committed(flats):
-            return
+            return False
         # A sync sent before a resume from a checkpoint that holds no measure of it goes unmeasured.
         measured = all(flat.outer.own_squared is not None for flat in flats)
         with record_function("shardwire::outer_step"):
@@ -401,6 +413,7 @@ class OuterLoop:
                 flat.outer.apply(flat.shard)
         self.in_flight = None
         self._synced += measured
+        return True
 
     def _committed(self, flats: list) -> bool:
         """Whether the quorum's sync completed everywhere (a group behind loads the others' state

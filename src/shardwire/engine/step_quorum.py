@@ -30,10 +30,8 @@ import torch
 
 from shardwire.comm.agreement import agreement_values, refuse_another_model, shapes_fingerprint, values_fingerprint
 from shardwire.comm.communicator import Communicator
-from shardwire.comm.quorum import Quorum, check_received
+from shardwire.comm.quorum import MAX_DROPPED, Quorum, check_received
 from shardwire.options import SettingError
-
-MAX_DROPPED = 20  # steps dropped in a row before the run stops
 
 
 class StepQuorum:

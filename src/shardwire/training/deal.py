@@ -43,6 +43,7 @@ from shardwire.options import SettingError
 
 MAX_GROUPS = 256  # groups one meeting's agreement has room for
 MAX_BLOCKS = 2**24 - 2  # the blocks a run deals: ``Quorum.agree`` takes counts under 2^24
+_OWN_WAY = "each group steps its own way between syncs (DiLoCo)"  # what DiLoCo's groups compare of their stepping
 
 
 class Meeting(typing.Protocol):
@@ -78,7 +79,9 @@ class Deal:
         average gradients at every step, so that they step alike; None where each steps its own."""
         self._quorum, self._meeting, self._corpus = quorum, meeting, corpus
         self._training = training
-        self._training_values = agreement_values(None if training is None else fingerprint(training))
+        # compared at every meeting, as groups resumed from checkpoints never meet at the first (a
+        # group that abstained would not see a difference; every group gives a value)
+        self._training_values = agreement_values(fingerprint(training if training is not None else _OWN_WAY))
         self._batch, self.block, self._seq_len, self._seed = batch, batch * grad_accum, seq_len, seed
         # The ledger, the same in every group: the next fresh block, the blocks given back, and the
         # last deal by place in its meeting.
@@ -165,10 +168,15 @@ class Deal:
                                f"this one {self.block}: give every group as many ranks and the same --batch and "
                                f"--grad-accum")
         training, agreed = agreed[:4], agreed[4:]
+        if training != self._training_values and self._training is None:
+            raise SettingError("other fault-tolerant groups average their gradients at every step, where this one "
+                               "syncs every few steps ({diloco}): give every group the same {diloco}, or none",
+                               diloco=("diloco",))
         if training != self._training_values:
-            raise SettingError(f"the other fault-tolerant groups step with other settings than this one's "
-                               f"({self._training}), so that their models, averaging gradients, would part: give every "
-                               f"group the same")
+            raise SettingError(f"other fault-tolerant groups step with other settings than this one's "
+                               f"({self._training}), or sync every few steps ({{diloco}}), so that their models, "
+                               f"averaging gradients, would part: give every group the same, and the same "
+                               f"{{diloco}} or none", diloco=("diloco",))
         used = [(start, end - 1) if end else (0, 0) for start, end in zip(agreed[:MAX_GROUPS], agreed[MAX_GROUPS:])]
         recovering = self._quorum.recovered
         self._pending = _Met(place, places, ahead, cursor, used,

@@ -298,7 +298,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     started = time.perf_counter()
 
     check = autoplan.StepCheck(planned, start, config.steps, device) if planned is not None else None
-    step = start
+    step, trained = start, 0  # trained: the steps this run took, not those a recovery moved it past
     while step < config.steps:
         model.train()
         if check is not None:
@@ -311,6 +311,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             continue  # a failure dropped the step for every group: it runs again, its data dealt again
         if check is not None:
             check.ended(step)
+        trained += 1
         if quorum is not None:  # a group that was behind took the others' step at this step's quorum
             step = min(meeting.steps, config.steps) - 1
         interval_steps += 1
@@ -354,7 +355,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
     if rank == 0:
         # from the first step's loss (the first logged is a mean over --log-every steps) to the last logged
         trend = f"loss {diverged.first_loss:.3f} -> {losses[-1]:.3f}, " if losses else ""
-        print(f"done: {config.steps - start} steps in {format_duration(time.perf_counter() - started)}, "
+        print(f"done: {trained} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
         if quorum is not None and quorum.met < quorum.most_met:
             print(f"warning: this group's final sync met {quorum.met} group(s), where {quorum.most_met} met before: "
