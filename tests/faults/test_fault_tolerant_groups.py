@@ -284,10 +284,13 @@ def test_on_an_emulated_cluster_a_killed_node_and_a_cut_off_node_rejoin(cluster,
     check_outcome(groups, groups[2], groups[1])
 
 
-def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthouse, tmp_path):
+def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthouse, pace, tmp_path):
     """A group that trains on after the others ended syncs alone at its end: its model is its own,
-    which it says, where the others, whose final sync met every group, say nothing."""
-    groups = run_groups([Group("a", lighthouse, tmp_path, steps=20), Group("b", lighthouse, tmp_path, steps=40)],
+    which it says, where the others, whose final sync met every group, say nothing. Each runs long
+    enough (10 s and 20 s at this machine's pace) that the one whose workers start later meets the
+    other, which a lighthouse that needs one group does not wait for."""
+    steps = lasting(pace, 10, 100)
+    groups = run_groups([Group("a", lighthouse, tmp_path, steps=steps), Group("b", lighthouse, tmp_path, steps=2 * steps)],
                         lambda groups: iter(()), start_at=0)
     a, b = (group.out.read_text() for group in groups)
     assert "final sync met" not in a, a[-3000:]
