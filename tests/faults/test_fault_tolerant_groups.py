@@ -290,8 +290,8 @@ def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthou
     enough (10 s and 20 s at this machine's pace) that the one whose workers start later meets the
     other, which a lighthouse that needs one group does not wait for."""
     steps = lasting(pace, 10, 100)
-    groups = run_groups([Group("a", lighthouse, tmp_path, steps=steps), Group("b", lighthouse, tmp_path, steps=2 * steps)],
-                        lambda groups: iter(()), start_at=0)
+    groups = run_groups([Group("a", lighthouse, tmp_path, steps=steps),
+                         Group("b", lighthouse, tmp_path, steps=2 * steps)], lambda groups: iter(()), start_at=0)
     a, b = (group.out.read_text() for group in groups)
     assert "final sync met" not in a, a[-3000:]
     assert "warning: this group's final sync met 1 group(s), where 2 met before: the groups do not end as one " \
