@@ -713,3 +713,41 @@ def test_a_group_that_joins_at_a_later_fragment_syncs_that_fragment_and_ends_wit
     assert at_anchors
     for key, value in first.items():
         assert torch.equal(late[key], value), key
+
+
+def _group_whose_vote_fails_once(index: int, lighthouse: str, results) -> None:
+    """One group (a process of its own) syncing every 2 steps; group 1's second vote fails after its
+    all-reduce went through (a local error), so that group 0 keeps that sync and group 1 drops it."""
+    os.environ["RUST_LOG"] = "warn"
+    torch.manual_seed(0)
+    model = shardwire.shard(GPT(PRESETS["tiny"]), units=[Block], layout="hybrid", diloco=DiLoCo(sync_every=2, wire=None),
+                            fault_tolerance=FaultTolerance(lighthouse, f"g{index}", min_groups=1, timeout=30))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    shardwire.recover_with(model, optimizer=optimizer)
+    quorum = engine_of(model).outer.quorum
+    votes, commit = [], quorum.commit
+
+    def failing_once() -> bool:
+        if index == 1 and len(votes) == 1:
+            quorum._manager.report_error(RuntimeError("a local failure after the all-reduce"))
+        votes.append((commit(), quorum.recovered))
+        return votes[-1][0]
+
+    quorum.commit = failing_once
+    _sgd_steps(model, optimizer, index, range(6))
+    shardwire.diloco_sync(model)
+    results.put(pickle.dumps((index, shardwire.full_state_dict(model), votes)))
+
+
+@pytest.mark.slow
+def test_a_sync_one_group_kept_and_another_dropped_brings_that_one_back_behind():
+    """Each group votes for its own ranks: a sync can be kept by one group and dropped by another,
+    at the same steps. The one that dropped it has committed fewer syncs, so it is behind at the
+    next sync and recovers there, and the two end as one model."""
+    pytest.importorskip("torchft")
+    found = _groups_meeting(_group_whose_vote_fails_once)
+    (first, first_votes), (second, second_votes) = found[0], found[1]
+    assert [kept for kept, _ in first_votes] == [True] * len(first_votes), first_votes
+    assert second_votes[1] == (False, False) and second_votes[2] == (True, True), second_votes
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key

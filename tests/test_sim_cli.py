@@ -221,7 +221,10 @@ def test_a_one_node_bench_leaves_the_network_between_nodes_its_own_shares(tmp_pa
     assert measured.inter_node.bandwidth_share == preset.inter_node.bandwidth_share
     # its link between nodes is the preset's too, which the cluster's name says (not "measured")
     assert measured.inter_node.busbw_GBps == preset.inter_node.busbw_GBps
-    assert measured.name == "a100-100gbe measured by bench.json (inter-node link not measured: a100-100gbe's)"
+    assert measured.name == "a100-100gbe measured by bench.json (inter-node link not measured)"
+    long = dataclasses.replace(preset, name="c" * 190)  # a name the user did not write is never refused
+    name = cluster_from_bench(str(path), long).name
+    assert len(name) <= 200 and name.endswith(" measured by bench.json (inter-node link not measured)")
 
 
 def test_simulate_takes_the_cluster_from_bench_results(capsys, tmp_path):

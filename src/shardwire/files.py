@@ -586,7 +586,7 @@ class StagedDirectory:
         (a run's export is written at its end, hours later), the stage is published beside it under a
         free name instead, and ``Diverted`` names both: what was written (a trained model) is never
         discarded for the user's file, nor the user's file replaced."""
-        taken = new_directory_problem(self.target) is not None
+        taken = new_directory_problem(self.target, series=False) is not None
         (self.path / _CLAIM).unlink()
         if not taken:
             self.path.rename(self.target)
@@ -662,9 +662,10 @@ def empty_directory(path: pathlib.Path, *, keep: str) -> None:
             entry.unlink()
 
 
-def new_directory_problem(path: str | os.PathLike) -> str | None:
-    """What stops ``path`` being a new directory to write (``StagedDirectory``), or None. The words
-    follow the path in a message."""
+def new_directory_problem(path: str | os.PathLike, *, series: bool = True) -> str | None:
+    """What stops ``path`` being a new directory to write (``StagedDirectory``), or None; with
+    ``series`` false, a series of checkpoints made around it is not (``StagedDirectory.publish``
+    puts in place a directory claimed before). The words follow the path in a message."""
     if os.path.islink(os.path.normpath(path)):  # the directory is put in place by a rename, which replaces a link
         return ("is a symbolic link, which the new directory would replace: give the directory it points to, or a "
                 "new one")
@@ -677,9 +678,9 @@ def new_directory_problem(path: str | os.PathLike) -> str | None:
             return "is not empty: give a new directory (nothing is overwritten)"
         if os.path.ismount(path):  # the directory is put in place by a rename, which a mount point refuses
             return "is a mount point, which a directory cannot be renamed onto: give a new directory inside it"
-        return checkpoint_problem(path) or series_problem(path)
+        return checkpoint_problem(path) or (series_problem(path) if series else None)
     # never a probe written into a checkpoint
-    return checkpoint_problem(path) or series_problem(path) or directory_problem(path)
+    return checkpoint_problem(path) or (series_problem(path) if series else None) or directory_problem(path)
 
 
 class ClaimHeld(OSError):

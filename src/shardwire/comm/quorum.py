@@ -60,6 +60,9 @@ QUORUM_NOTICE = datetime.timedelta(seconds=60)
 # two, the groups' all-reduce fails whichever groups meet (say, groups of different sizes), which no
 # retry mends.
 MAX_DROPPED = 20
+# Where groups meet every few steps, the low bits of torchft's count of a group hold the syncs it
+# committed, the high bits its training steps (``Quorum.start``); a count saved before holds its syncs.
+_SYNC_BITS = 32
 
 
 def _transport(host: str, timeout: datetime.timedelta):
@@ -267,14 +270,18 @@ class Quorum:
         all-reduces with nothing of its own, and loads that state at ``commit``.
 
         Behind means with a lower count than the others: the syncs or steps this group committed,
-        or ``steps``, the training steps it has done, where groups meet every few steps (DiLoCo).
-        There a count of syncs misses a group restarted from a checkpoint saved between two syncs
-        after the others dropped the sync it was lost in: it counts as many syncs as they do, with
-        fewer steps, and would average its change with theirs and train on behind their schedule."""
+        or, where groups meet every few steps (DiLoCo), ``steps``, the training steps it has done,
+        and then its syncs committed (``_SYNC_BITS``). Syncs alone miss a group restarted from a
+        checkpoint saved between two syncs after the others dropped the sync it was lost in: it
+        counts as many syncs as they do, with fewer steps, and would average its change with theirs
+        and train on behind their schedule. Steps alone miss a sync one group kept and another
+        dropped (each group votes for its own ranks): at equal steps, the one that dropped it."""
         start = time.perf_counter()
         self._rounded = []
-        if steps is not None:
-            self._manager.load_state_dict({"step": steps, "batches_committed": self._manager.batches_committed()})
+        if steps is not None:  # torchft adds 1 at each commit, and a group behind takes the others' count
+            syncs = self._manager.current_step() & ((1 << _SYNC_BITS) - 1)
+            self._manager.load_state_dict({"step": steps << _SYNC_BITS | syncs,
+                                           "batches_committed": self._manager.batches_committed()})
         with self._notice.waiting() if self._notice is not None else contextlib.nullcontext():
             self._manager.start_quorum()
             self._manager.wait_quorum()
@@ -425,9 +432,9 @@ class Quorum:
         return committed
 
     def state(self) -> list[int]:
-        """torchft's count of the syncs or steps this group committed (or of the steps it had done at
-        its last sync, ``start``) and of the batches they averaged, for a checkpoint: the
-        lighthouse takes a group with fewer for one that is behind."""
+        """torchft's count of the syncs or steps this group committed (with, where it meets every few
+        steps, the steps it had done at its last sync: ``start``) and of the batches they averaged,
+        for a checkpoint: the lighthouse takes a group with fewer for one that is behind."""
         saved = self._manager.state_dict()
         return [saved["step"], saved["batches_committed"]]
 

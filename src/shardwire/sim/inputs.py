@@ -56,7 +56,8 @@ from shardwire.sim import huggingface
 from shardwire.sim.calibrate import calibrated, read_profile
 from shardwire.sim.failures import FailureRate
 from shardwire.sim.presets import GPUS, PRESETS
-from shardwire.sim.specs import LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict, parse
+from shardwire.sim.specs import (MAX_NAME, LIMITS, ClusterSpec, LinkSpec, ModelSpec, SpecError, TrainingSpec, as_dict,
+                                 parse)
 
 _LINK_OPS = ("all_gather", "reduce_scatter")
 _LEAST_INTERCEPT_S = -0.1  # a fit's intercept below this is no fit of measured times
@@ -218,11 +219,16 @@ def cluster_from_bench_document(doc: Mapping, path: str, cluster: ClusterSpec) -
         **as_dict(cluster), "nodes": nodes, "gpus_per_node": per_node,
         "intra_node": as_dict(levels["intra_node"]), "inter_node": as_dict(levels["inter_node"]),
         "algorithm": "hierarchical" if engine_on_gloo else "ring",
-        # a level the bench did not span is the cluster's own, which the name says: not measured
-        "name": f"{cluster.name} measured by {one_line(os.path.basename(path))}"
-                + (f" ({' and '.join(kept)} link{'s' * (len(kept) > 1)} not measured: {cluster.name}'s)" if kept
-                   else ""),
+        "name": _measured_name(cluster.name, path, kept),
     })
+
+
+def _measured_name(name: str, path: str, kept: list[str]) -> str:
+    """The name of cluster ``name`` measured by the bench at ``path``, saying which levels it did not
+    measure (``kept``: the cluster's own), cut short within a spec name's bound (a name the user did
+    not write is never refused)."""
+    unmeasured = f" ({' and '.join(kept)} link{'s' * (len(kept) > 1)} not measured)" if kept else ""
+    return cut(f"{name} measured by {one_line(os.path.basename(path))}{unmeasured}", MAX_NAME)
 
 
 def _measured_otherwise(doc: Mapping, settings: Mapping) -> str | None:

@@ -24,6 +24,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import sysconfig
 import tokenize
 import weakref
@@ -438,11 +439,11 @@ def _wide_ids_refused(file: pathlib.Path, ids: np.ndarray) -> None:
         return
     checked = f"its first {min(len(ids), _CHECK_CHUNK):,}"
     if width == 4:  # uint16 ids can be this sparse too: a .npy's header says which they are, unguessed
-        npy = file.with_suffix(".npy")
+        npy = file.with_suffix(".uint16.npy")
         raise ValueError(f"{file} looks like uint32 ids read as uint16 (every second id of {checked} is 0): give "
                          f"--token-dtype uint32; if they are uint16 ids, write them as .npy, whose header names their "
                          f"type: numpy.save({str(npy)!r}, numpy.fromfile({str(file)!r}, numpy.uint16)), and give "
-                         f"--data {npy}")
+                         f"--data {shlex.quote(str(npy))}")
     zeros = (f"every second id of {checked} is 0" if ids.dtype.itemsize == 4 else
              f"the last two of every four ids of {checked} are 0")
     converted = file.with_suffix(".uint32.bin")

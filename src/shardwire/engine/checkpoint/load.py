@@ -169,7 +169,7 @@ class _Staged:
     measures: dict[str, torch.Tensor]  # the sync in flight's own change, squared and summed, by flat buffer
     outer: dict[str, dict[str, torch.Tensor]]  # sync every H steps: each flat buffer's outer state
     schedule: list[int] | None  # and the outer optimisation's place (None: saved without DiLoCo)
-    quorum: list[int] | None  # and the fault-tolerant groups' count of syncs (None: saved without)
+    quorum: list[int] | None  # and the fault-tolerant groups' count (``Quorum.state``; None: saved without)
     # where each group resumes its own: what the groups agreed on (``_agreement``), which must be alike
     agreed: dict | None = None
 
@@ -326,8 +326,8 @@ def _saving_group(saved_groups: int, engine: Engine) -> int:
 def _outer_state(reader: CheckpointReader, engine: Engine, saving_group: int
                  ) -> tuple[dict[str, dict[str, torch.Tensor]], list[int] | None, list[int] | None]:
     """The outer state group ``saving_group`` saved, re-sliced for this rank's shards as the shards
-    are, the schedule's place and the quorum's count of syncs; none of it where the checkpoint was
-    saved without DiLoCo (or, the last, without fault tolerance)."""
+    are, the schedule's place and the quorum's count (``Quorum.state``); none of it where the
+    checkpoint was saved without DiLoCo (or, the last, without fault tolerance)."""
     states = {}
     for saved, flat in zip(reader.manifest.flats, engine.flats):
         if flat.outer is None:
