@@ -316,6 +316,30 @@ def test_a_group_resumed_after_the_others_ended_says_it_ends_apart(tmp_path):
     assert "warning: this group's final sync met 1 group(s), where 2 met before" in said, said[-3000:]
 
 
+def test_a_group_run_again_after_its_last_step_keeps_the_model_the_groups_ended_with(tmp_path):
+    """Run again from its last checkpoint (a rerun, or torchrun's restart after it saved), a group
+    trains nothing and meets no group: a join would sync alone, and the outer momentum alone would
+    move the model the groups ended with."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    try:
+        (tmp_path / "first").mkdir()
+        first = run_groups([Group(name, server.address(), tmp_path / "first", steps=10,
+                                  checkpoints=tmp_path / "checkpoints") for name in ("a", "b")],
+                           lambda groups: iter(()), start_at=0)
+    finally:
+        server.shutdown()
+    (tmp_path / "again").mkdir()
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    try:
+        again, = run_groups([Group("a", server.address(), tmp_path / "again", steps=10,
+                                   checkpoints=tmp_path / "checkpoints")], lambda groups: iter(()), start_at=0)
+    finally:
+        server.shutdown()
+    said = again.out.read_text()
+    assert "done: 0 steps" in said and "warning" not in said, said[-3000:]
+    assert again.validation_loss() == first[0].validation_loss()
+
+
 def test_a_restart_of_every_group_resumes_exactly_and_one_whose_checkpoint_is_older_recovers(tmp_path):
     """Every group killed and started again: from checkpoints of the same step they continue as if
     never stopped (the same model as an uninterrupted run, bit for bit); a group whose newest

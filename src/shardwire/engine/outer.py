@@ -241,6 +241,13 @@ class OuterLoop:
         self._apply()
         self.checked = self.steps
 
+    def stay_apart(self) -> None:
+        """Meet no group in this process, which trains no step: resumed from a fault-tolerant run's
+        last checkpoint, whose final sync the groups took already. Its join would sync alone, and
+        the outer momentum alone would move the model the groups ended with."""
+        self._joined = True
+        self.checked = self.steps
+
     def sync_now(self) -> None:
         """Apply the sync in flight, then sync every fragment at once, waiting for each: afterwards
         every group holds the same model (to evaluate or export the result of training). Between

@@ -284,9 +284,11 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             print(f"note: {choice.note}", file=sys.stderr, flush=True)
     start = (_resume(config, model, optimizer, scheduler, trained_on, choice.seq_len, deal) if config.checkpoint_dir
              else 0)
-    if engine.outer is not None and quorum is not None:  # meet the other groups: one behind takes their state here
-        engine.outer.join()
+    if engine.outer is not None and quorum is not None and start < config.steps:
+        engine.outer.join()  # meet the other groups: one behind takes their state here
         start = engine.outer.steps
+    elif engine.outer is not None and quorum is not None:  # nothing to train: the groups' final model stays theirs
+        engine.outer.stay_apart()
     # the model the run starts from, on the validation split the final model is judged on (``_Divergence``)
     start_val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device) if start < config.steps \
         else None
@@ -357,7 +359,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         trend = f"loss {diverged.first_loss:.3f} -> {losses[-1]:.3f}, " if losses else ""
         print(f"done: {trained} steps in {format_duration(time.perf_counter() - started)}, "
               f"{trend}validation loss {val_loss:.3f}", flush=True)
-        if quorum is not None and quorum.met < quorum.most_met:
+        if quorum is not None and 0 < quorum.met < quorum.most_met:  # 0: no meeting, nothing trained
             print(f"warning: this group's final sync met {quorum.met} group(s), where {quorum.most_met} met before: "
                   f"the groups do not end as one model (a group was lost for good, or ended before this one); "
                   f"export each group's series and compare them before using one", file=sys.stderr, flush=True)
