@@ -678,9 +678,9 @@ def new_directory_problem(path: str | os.PathLike, *, series: bool = True) -> st
             return "is not empty: give a new directory (nothing is overwritten)"
         if os.path.ismount(path):  # the directory is put in place by a rename, which a mount point refuses
             return "is a mount point, which a directory cannot be renamed onto: give a new directory inside it"
-        return checkpoint_problem(path) or (series_problem(path) if series else None)
-    # never a probe written into a checkpoint
-    return checkpoint_problem(path) or (series_problem(path) if series else None) or directory_problem(path)
+    placed = checkpoint_problem(path) or (series_problem(path) if series else None)
+    # one not made yet: can it be (never a probe written into a checkpoint)
+    return placed or (None if os.path.isdir(path) else directory_problem(path))
 
 
 class ClaimHeld(OSError):

@@ -160,22 +160,17 @@ def _communication_problem(figures: dict) -> str | None:
     return None
 
 
-def summarised_steps(profile: dict) -> list[dict]:
-    """The steps a profile's summary stands for: those after its warmup (all of them, where it has no
-    more)."""
-    steps = profile["steps"]
-    return steps[profile["warmup_steps"]:] if len(steps) > profile["warmup_steps"] else steps
-
-
 def _summary_problem(profile: dict) -> str | None:
     """Where the summary's figures are not what its steps give, in words, or None. The profiler
     writes each as the median over the steps after its warmup of that step's figure, and the
     throughput from the slowest rank's step time: a summary edited apart from the steps it stands for
     would calibrate the simulator, and be drawn, with figures no step measured."""
+    steps = profile["steps"]
+    first = profile["warmup_steps"] if len(steps) > profile["warmup_steps"] else 0
     summary = profile["summary"]
     for name, stats in _FIGURES.items():
         for stat in stats:
-            median = statistics.median(step["figures"][name][stat] for step in summarised_steps(profile))
+            median = statistics.median(step["figures"][name][stat] for step in steps[first:])
             if not math.isclose(summary["figures"][name][stat], median, rel_tol=_ROUNDING, abs_tol=1e-12):
                 return (f"its summary's {name} {stat} is {summary['figures'][name][stat]:.6g}, where the median "
                         f"of its steps' {name} {stat} is {median:.6g}")

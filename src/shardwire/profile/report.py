@@ -18,8 +18,7 @@ from shardwire.files import checkpoint_problem, figure_png, write_atomically
 from shardwire.mappings import cut, shown
 from shardwire.options import OptionError, check_output_file, check_writable_directory
 from shardwire.profile import PROFILE_FILE
-from shardwire.profile.analysis import typical
-from shardwire.profile.document import OPS, PARTS, DamagedProfile, read_profile_document, summarised_steps
+from shardwire.profile.document import OPS, PARTS, DamagedProfile, read_profile_document
 
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "clip": "#8172B3", "optimizer": "#55A868"}
 _OP_COLORS = dict(zip(OPS, ("#64B5CD", "#C44E52", "#937860")))
@@ -279,10 +278,10 @@ def _plot_scaling(profiles: list[dict], path: str) -> str:
     worlds = [p["world_size"] for p in profiles]
     fig, (ax, tput) = plt.subplots(1, 2, figsize=(11, 4))
     bottom = [0.0] * len(profiles)
-    # each run's typical step after its warmup as its slowest rank took it, whose parts add up to the
-    # step the throughput is of (each part's own median, from other steps, would not)
-    steps = [max(measured[typical(measured)]["ranks"], key=lambda figures: figures["step_s"])
-             for measured in map(summarised_steps, profiles)]
+    # each run's typical step (after its warmup: the one its timeline draws) as its slowest rank took
+    # it, whose parts add up to the step the throughput is of (each part's own median would not)
+    steps = [max(next(step for step in p["steps"] if step["step"] == p["timeline"]["step"])["ranks"],
+                 key=lambda figures: figures["step_s"]) for p in profiles]
     for (key, label), color in zip(PARTS, _PART_COLORS):
         values = [figures[key] * 1e3 for figures in steps]
         ax.bar([str(w) for w in worlds], values, bottom=bottom, label=label, color=color)

@@ -284,11 +284,12 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             print(f"note: {choice.note}", file=sys.stderr, flush=True)
     start = (_resume(config, model, optimizer, scheduler, trained_on, choice.seq_len, deal) if config.checkpoint_dir
              else 0)
-    if engine.outer is not None and quorum is not None and start < config.steps:
-        engine.outer.join()  # meet the other groups: one behind takes their state here
-        start = engine.outer.steps
-    elif engine.outer is not None and quorum is not None:  # nothing to train: the groups' final model stays theirs
-        engine.outer.stay_apart()
+    if engine.outer is not None and quorum is not None:
+        if start < config.steps:
+            engine.outer.join()  # meet the other groups: one behind takes their state here
+            start = engine.outer.steps
+        else:  # nothing to train: the groups' final model stays theirs
+            engine.outer.stay_apart()
     # the model the run starts from, on the validation split the final model is judged on (``_Divergence``)
     start_val_loss = evaluate(model, choice, corpus, config, rows, global_batch, device) if start < config.steps \
         else None
