@@ -68,7 +68,7 @@ class Quorum:
 class Group:
     def __init__(self, name: str, every: int = 3, lag: int = 0):
         self.name, self.meeting, self.quorum = name, Meeting(every, lag), Quorum()
-        self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0)
+        self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40)
         self.steps: list[tuple[int, list[int]]] = []  # (step, blocks read) of each step trained
 
     def train(self, steps: int) -> None:
@@ -227,18 +227,31 @@ def _meet_with_errors(a: Group, b: Group) -> list[str]:
 
 def test_groups_that_take_other_batches_are_told_to_give_the_same():
     a, b = Group("a"), Group("b")
-    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0)
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0, steps=40)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"the fault-tolerant groups that met take from 4 to 6 sequences a step, this one {mine}: "
                               f"give every group as many ranks and the same --batch and --grad-accum"
                               for mine in (4, 6)]
 
 
+@pytest.mark.parametrize("training", [None, "--lr 0.003"])
+def test_groups_given_another_number_of_steps_are_both_refused(training):
+    """A group given fewer steps would end at a sync of the others' after more steps, taking their
+    model without its own last steps; one given more would train on alone."""
+    a, b = Group("a"), Group("b")
+    for group, steps in ((a, 40), (b, 60)):
+        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                          steps=steps, training=training)
+    errors = _meet_with_errors(a, b)
+    assert sorted(errors) == [f"other fault-tolerant groups were given another --steps than this one's ({steps}): "
+                              f"give every group the same --steps" for steps in (40, 60)]
+
+
 def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_the_same():
     """Each group steps its own optimizer with the average: another rate would part their models."""
     a, b = Group("a"), Group("b")
     for group, lr in ((a, "0.003"), (b, "0.01")):
-        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40,
                           training=f"--lr {lr}")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups step with other settings than this one's (--lr {lr}), or "
@@ -251,7 +264,7 @@ def test_groups_that_sync_every_few_steps_and_groups_that_meet_at_every_step_are
     """At every meeting, not only the job's first: groups resumed from checkpoints never meet at the
     first, and the group that sees no difference would wait for the other for ever."""
     a, b = Group("a"), Group("b")
-    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40,
                   training="--lr 0.003")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [

@@ -74,14 +74,17 @@ class Deal:
     micro-batches)."""
 
     def __init__(self, quorum: Quorum, meeting: Meeting, corpus, *, batch: int, grad_accum: int, seq_len: int,
-                 seed: int, training: str | None = None):
-        """``training``: the settings every group must step with (``--lr 0.003 ...``) where the groups
+                 seed: int, steps: int, training: str | None = None):
+        """``steps``: the run's ``--steps``, which every group must be given: a group given fewer would
+        end at a sync of the others' after more steps, taking their model without its own last steps.
+        ``training``: the settings every group must step with (``--lr 0.003 ...``) where the groups
         average gradients at every step, so that they step alike; None where each steps its own."""
         self._quorum, self._meeting, self._corpus = quorum, meeting, corpus
-        self._training = training
+        self._steps, self._training = steps, training
         # compared at every meeting, as groups resumed from checkpoints never meet at the first (a
         # group that abstained would not see a difference; every group gives a value)
-        self._training_values = agreement_values(fingerprint(training if training is not None else _OWN_WAY))
+        self._compared = [*agreement_values(fingerprint(steps)),
+                                 *agreement_values(fingerprint(training if training is not None else _OWN_WAY))]
         self._batch, self.block, self._seq_len, self._seed = batch, batch * grad_accum, seq_len, seed
         # The ledger, the same in every group: the next fresh block, the blocks given back, and the
         # last deal by place in its meeting.
@@ -158,7 +161,7 @@ class Deal:
             starts[self._place], ends[self._place] = start, end + 1  # 0: no block kept
         ahead, cursor, most, fewest, *agreed = self._quorum.agree(
             [self._meeting.next_meeting() - steps, self._next, self.block, MAX_BLOCKS - self.block,
-             *self._training_values, *starts, *ends])
+             *self._compared, *starts, *ends])
         if self._quorum.failed:
             self._lost()
             return
@@ -167,12 +170,15 @@ class Deal:
             raise SettingError(f"the fault-tolerant groups that met take from {fewest} to {most} sequences a step, "
                                f"this one {self.block}: give every group as many ranks and the same --batch and "
                                f"--grad-accum")
-        training, agreed = agreed[:4], agreed[4:]
-        if training != self._training_values and self._training is None:
+        given, training, agreed = agreed[:4], agreed[4:8], agreed[8:]
+        if given != self._compared[:4]:
+            raise SettingError(f"other fault-tolerant groups were given another --steps than this one's "
+                               f"({self._steps}): give every group the same --steps")
+        if training != self._compared[4:] and self._training is None:
             raise SettingError("other fault-tolerant groups average their gradients at every step, where this one "
                                "syncs every few steps ({diloco}): give every group the same {diloco}, or none",
                                diloco=("diloco",))
-        if training != self._training_values:
+        if training != self._compared[4:]:
             raise SettingError(f"other fault-tolerant groups step with other settings than this one's "
                                f"({self._training}), or sync every few steps ({{diloco}}), so that their models, "
                                f"averaging gradients, would part: give every group the same, and the same "
