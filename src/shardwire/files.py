@@ -190,6 +190,8 @@ def results_in(directory: str | os.PathLike, kind: str) -> list[str]:
 def new_output_problem(path: str | os.PathLike) -> str | None:
     """What stops ``path`` being a new file to write, or None: it exists (an output that must never
     replace the user's file, as an export's), or ``output_problem``."""
+    if os.path.islink(path):  # one to nothing too: the file it names would be written, wherever that is
+        return "is a symbolic link: give a new file name (nothing is written through a link)"
     if os.path.lexists(path):
         return "exists: give a new file name (nothing is overwritten)"
     return output_problem(path)

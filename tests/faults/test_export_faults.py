@@ -211,6 +211,12 @@ def test_an_out_in_another_series_is_refused(work, capsys, out):
     assert not (work / out).exists()
 
 
+def _link(path: pathlib.Path, to: pathlib.Path) -> pathlib.Path:
+    """A link to a file that is not there: not a file that exists, nor one to write through."""
+    path.symlink_to(to)
+    return path
+
+
 def _fifo(path: pathlib.Path) -> pathlib.Path:
     os.mkfifo(path)
     return path
@@ -221,6 +227,7 @@ def _fifo(path: pathlib.Path) -> pathlib.Path:
     (lambda work: work / "gpt2-mini", "exists: give a new file name"),
     (lambda work: work / "gpt2-mini" / "config.json" / "model.pt", "is a file"),
     (lambda work: pathlib.Path("/proc/self/status"), "exists: give a new file name"),
+    (lambda work: _link(work / "link.pt", work / "nowhere" / "model.pt"), "is a symbolic link: give a new file name"),
 ])
 def test_an_out_that_cannot_be_a_new_file_is_one_line(work, capsys, make, said):
     assert said in refused(capsys, work / "gpt", make(work))

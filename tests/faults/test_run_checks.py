@@ -579,6 +579,16 @@ def test_a_path_spelled_another_way_is_not_a_changed_setting(tmp_path, monkeypat
         "data": (str(tmp_path / "b.bin"), "a.bin")}
 
 
+def test_a_lighthouse_elsewhere_is_not_a_changed_setting_but_fault_tolerance_itself_is():
+    """Where the groups meet and how long they wait change nothing a run trains: a lighthouse
+    restarted on another host is no change to name on the resume line."""
+    config = TrainConfig(layout="hybrid", fault_tolerance="lighthouse=http://head-2:29510,group=a,timeout=30")
+    recorded = {**training_settings(config), "fault_tolerance": "lighthouse=http://head:29510,group=a"}
+    assert changed_settings(recorded, config) == {}
+    assert changed_settings({**recorded, "fault_tolerance": "none"}, config) == {
+        "fault_tolerance": ("none", config.fault_tolerance)}
+
+
 @pytest.mark.slow
 def test_a_resume_names_a_tokenizer_changed_in_place_not_the_text(tmp_path):
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
