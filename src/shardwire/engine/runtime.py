@@ -357,6 +357,8 @@ class Engine:
                 "through one forward)"
             )
         if self.state is not TrainingState.BACKWARD:
+            if self.outer is not None and self.sync_gradients:
+                self.outer.backward_starts()
             Variable._execution_engine.queue_callback(self._finish_backward)
             self.state = TrainingState.BACKWARD
             self.emit("backward", None, "start")
