@@ -97,6 +97,12 @@ def typical(steps: list[dict]) -> int:
     return min(range(len(steps)), key=lambda i: abs(steps[i]["figures"]["step_s"]["max"] - step_s))
 
 
+def summarised(steps: list, warmup_steps: int) -> int:
+    """The first of ``steps`` a profile's summary stands for: the one after the warmup (compilation,
+    allocation, the first gathers), unless the run took no more steps than that."""
+    return warmup_steps if len(steps) > warmup_steps else 0
+
+
 def over_steps(steps: list[dict]) -> dict:
     """The median over steps of each per-step statistic, how often each rank was the slowest, and
     the typical step's slowest rank's own figures. Those, not the largest value of each part (each

@@ -166,7 +166,7 @@ def _summary_problem(profile: dict) -> str | None:
     throughput from the slowest rank's step time: a summary edited apart from the steps it stands for
     would calibrate the simulator, and be drawn, with figures no step measured."""
     steps = profile["steps"]
-    first = profile["warmup_steps"] if len(steps) > profile["warmup_steps"] else 0
+    first = analysis.summarised(steps, profile["warmup_steps"])
     summary = profile["summary"]
     for name, stats in _FIGURES.items():
         for stat in stats:

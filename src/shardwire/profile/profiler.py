@@ -149,7 +149,7 @@ class Profiler:
         per_rank_figures = [f for _, f in gathered]
         steps = [{"step": timelines[i].step, **analysis.across_ranks([ranks[i] for ranks in per_rank_figures])}
                  for i in range(len(timelines))]
-        first = self._warmup_steps if len(steps) > self._warmup_steps else 0
+        first = analysis.summarised(steps, self._warmup_steps)
         summary = analysis.over_steps(steps[first:])
         summary.update(self.throughput(summary["figures"]["step_s"]["max"]))
         typical = first + analysis.typical(steps[first:])  # for the report's one-step timeline
