@@ -141,7 +141,7 @@ class _Alone:
 
 
 def _synced_flat(quorum, diloco):
-    flat = types.SimpleNamespace(shard=torch.zeros(4), name="flat",
+    flat = types.SimpleNamespace(shard=torch.zeros(4), name="flat", params=[],
                                  packing=types.SimpleNamespace(slots=[types.SimpleNamespace(shape=(4,))]))
     flat.outer = OuterState("flat", flat.shard, quorum, diloco, None)
     return flat
