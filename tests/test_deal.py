@@ -68,7 +68,8 @@ class Quorum:
 class Group:
     def __init__(self, name: str, every: int = 3, lag: int = 0):
         self.name, self.meeting, self.quorum = name, Meeting(every, lag), Quorum()
-        self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40)
+        self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                         steps=40)
         self.steps: list[tuple[int, list[int]]] = []  # (step, blocks read) of each step trained
 
     def train(self, steps: int) -> None:
@@ -227,7 +228,8 @@ def _meet_with_errors(a: Group, b: Group) -> list[str]:
 
 def test_groups_that_take_other_batches_are_told_to_give_the_same():
     a, b = Group("a"), Group("b")
-    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0, steps=40)
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0,
+                  steps=40)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"the fault-tolerant groups that met take from 4 to 6 sequences a step, this one {mine}: "
                               f"give every group as many ranks and the same --batch and --grad-accum"
@@ -251,8 +253,8 @@ def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_t
     """Each group steps its own optimizer with the average: another rate would part their models."""
     a, b = Group("a"), Group("b")
     for group, lr in ((a, "0.003"), (b, "0.01")):
-        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40,
-                          training=f"--lr {lr}")
+        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                          steps=40, training=f"--lr {lr}")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups step with other settings than this one's (--lr {lr}), or "
                               f"sync every few steps (diloco), so that their models, averaging gradients, would part: "

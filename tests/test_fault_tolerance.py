@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -310,6 +311,26 @@ def test_one_group_syncs_through_a_lighthouse_and_names_what_it_recovers_with(tm
         outer.load_state([9, 9, -1])
         shardwire.load_checkpoint(tmp_path / "ckpt", model, optimizer)
         assert outer.quorum.state() == saved and outer.steps == 4
+
+
+def test_micro_batches_accumulated_outside_no_sync_between_groups_meeting_at_every_step_are_said_once():
+    """Each backward outside no_sync is a step the groups vote on: a vote dropped would drop the
+    micro-batches before it too."""
+    with _alone_at_a_lighthouse(None) as model:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                for micro in (0, 1):
+                    loss_fn(model(batch[micro:micro + 1, :-1]), batch[micro:micro + 1, 1:]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert [str(warning.message) for warning in said if "no_sync" in str(warning.message)] == [
+        "this backward adds to the gradients of the one before it, outside no_sync: between fault-tolerant groups "
+        "meeting at every step each is a step they vote on, and a vote dropped drops the gradients of the "
+        "micro-batches before it too; if they are micro-batches of one step, run all but each step's last backward "
+        "under shardwire.no_sync(model)"]
 
 
 def test_a_checkpoint_written_with_a_sync_in_flight_holds_the_model_with_that_sync_applied(tmp_path):

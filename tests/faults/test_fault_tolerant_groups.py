@@ -292,7 +292,8 @@ def test_a_group_whose_final_sync_meets_fewer_groups_says_it_ends_apart(lighthou
     """A group that outlives a group lost for good syncs alone at its end: its model is its own, which
     it says. The other is stopped for good once the two have synced together (with a lighthouse
     that needs one group, a group whose workers start later may sync alone at first), and the one
-    left runs on long enough (20 s at this machine's pace) to sync alone after it."""
+    left runs on to sync alone after it: 20 s of steps at the pace of three groups on this machine,
+    more than enough for one."""
     def lose_a(groups):
         a, b = groups
         yield from wait_for(lambda: any(record.get("sync_groups") == 2 for record in b.records()), 120,

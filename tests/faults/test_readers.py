@@ -716,6 +716,8 @@ def _job(change=None, world_size=8) -> dict:
     (lambda d: d["metadata"]["config"].update(clip=0.0), "runs differ in --clip: one has 1.0, two has 0.0"),
     (lambda d: (d["metadata"].pop("precision"), d["metadata"]["config"].update(precision="fp32")),
      "runs differ in precision: one has 'bf16', two has 'fp32'"),
+    (lambda d: d["metadata"]["config"].update(fault_tolerance="lighthouse=http://head:29510"),
+     "runs differ in --fault-tolerance: one has None, two has 'on'"),
 ])
 def test_report_compares_runs_by_every_option_that_sets_a_step(change, said):
     """Runs of another layout, wire or checkpointing were drawn as one job's scaling; a metadata key
@@ -725,6 +727,16 @@ def test_report_compares_runs_by_every_option_that_sets_a_step(change, said):
     with pytest.raises(ReportError, match=re.escape(said)):
         _check_comparable(["one", "two"], [_job(), _job(change, world_size=16)])
     _check_comparable(["one", "two"], [_job(), _job(lambda d: d["metadata"].pop("model"), world_size=16)])
+
+
+def test_report_takes_runs_whose_lighthouse_moved_for_one_job():
+    """Where fault-tolerant groups met changes nothing a step computes."""
+    from shardwire.profile.report import _check_comparable
+
+    def meeting_at(host):
+        return lambda d: d["metadata"]["config"].update(fault_tolerance=f"lighthouse=http://{host}:29510,timeout=9")
+
+    _check_comparable(["one", "two"], [_job(meeting_at("head")), _job(meeting_at("head-2"), world_size=16)])
 
 
 def test_a_profile_of_warmup_steps_alone_is_not_calibrated_on(tmp_path, capsys):

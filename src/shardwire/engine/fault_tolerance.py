@@ -107,7 +107,7 @@ class FaultTolerance:
         if not isinstance(text, str):
             raise TypeError(f"fault_tolerance must be None, a string or a shardwire.FaultTolerance, "
                             f"got {type(text).__name__}")
-        if text.strip() in ("none", ""):
+        if not fault_tolerance_asked(text):
             return None
         fields, _ = settings_fields(
             text, _FIELD_TYPES, setting="fault_tolerance",
@@ -120,6 +120,13 @@ class FaultTolerance:
     def __str__(self) -> str:
         return (f"lighthouse={self.lighthouse},group={self.group},min_groups={self.min_groups},timeout={self.timeout:g},"
                 f"host={self.host}")
+
+
+def fault_tolerance_asked(value) -> bool:
+    """Whether ``value``, ``--fault-tolerance`` as given or as a checkpoint or profile recorded it,
+    asks for fault tolerance. Only that sets what a run is: where the groups' lighthouse is (a
+    restarted one is often at another address) and how long they wait change nothing it trains."""
+    return isinstance(value, FaultTolerance) or (isinstance(value, str) and value.strip() not in ("none", ""))
 
 
 def check_fault_tolerance(fault_tolerance: FaultTolerance | None, diloco, layout: str, shard_group_size: int | None,

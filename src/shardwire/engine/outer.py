@@ -21,8 +21,6 @@ come and issues the one that is due, so no optimizer hook and no host synchroniz
 from __future__ import annotations
 
 import contextlib
-import warnings
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -190,37 +188,19 @@ class OuterLoop:
         self._skipped = 0  # steps this group's recoveries moved it forward since the last ``metrics``
         self._voted_after = 0  # the steps done at the vote of the sync sent last
         self._loads = 0  # weights loaded since shard (``load_state``): ``global_model`` keeps those loaded in it
-        # A parameter whose gradient this rank holds rows of, and that gradient as the last inner step
-        # left it (``backward_starts``).
-        self._watched = next((param for flats in self.fragments for flat in flats for param in flat.params
-                              if param.to_local().numel()), None)
-        self._left: weakref.ref | None = None
         if quorum is not None:
             quorum.meets("every few steps (DiLoCo)")
             quorum.register("shardwire", self._recovery_state, self._load_recovery_state)
 
     def step_done(self) -> None:
         self.steps += 1
-        left = _gradient(self._watched)  # by weak reference, which a gradient set to None and freed never matches
-        self._left = None if left is None else weakref.ref(left)
 
-    def backward_starts(self) -> None:
-        """Say (on rank 0) where a backward outside ``no_sync`` adds to the gradients the last one
-        left: a step's micro-batches accumulated outside ``no_sync``, each of which is an inner step,
-        so that the syncs come that many times as often, between micro-batches. Told by a gradient
-        of this rank's: where the last backward's is still there, its values are read once, which
-        tells gradients zeroed in place (``zero_grad(set_to_none=False)``) from those accumulated,
-        and the question is settled for the run."""
-        left, self._left = self._left, None
-        now = _gradient(self._watched)
-        if left is None or now is None or left() is not now:
-            return
-        self._watched = None
-        if self._world.rank == 0 and bool(now.count_nonzero()):
-            warnings.warn("under DiLoCo every backward outside no_sync is an inner step, and this one adds to the "
-                          "gradients of the one before it: if they are micro-batches of one step, the groups sync "
-                          f"{self.diloco.sync_every} backward passes apart, between micro-batches; run all but each "
-                          "step's last backward under shardwire.no_sync(model)", stacklevel=1)
+    @property
+    def accumulated(self) -> str:
+        """What a step's micro-batches accumulated outside ``no_sync`` do here
+        (``shardwire.engine.accumulation``)."""
+        return (f"under DiLoCo each is an inner step, and the syncs come every sync_every={self.diloco.sync_every} "
+                f"backward passes rather than steps, between micro-batches")
 
     def next_meeting(self) -> int:
         """The inner steps done at the groups' next meeting after this one: the next due sync's."""
@@ -538,8 +518,3 @@ class OuterLoop:
                     for flat, shard in zip(flats, own):
                         flat.shard.copy_(shard)
 
-
-def _gradient(param) -> torch.Tensor | None:
-    """``param``'s gradient as a plain tensor (a DTensor's local part), or None."""
-    grad = None if param is None else param.grad
-    return getattr(grad, "_local_tensor", grad)

@@ -79,6 +79,7 @@ from shardwire.comm.communicator import OnIssue, Pending
 from shardwire.comm.errors import SAME_SCHEDULE, ScheduleMismatchError
 from shardwire.comm.records import CommRecord
 from shardwire.engine import guards, released
+from shardwire.engine.accumulation import AccumulationCheck
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.layout import Layout
 from shardwire.engine.limits import REDUCTIONS_IN_FLIGHT
@@ -161,6 +162,12 @@ class Engine:
         # fault-tolerant groups reducing gradients between them at every step: the step's quorum and vote
         self.step_quorum = (StepQuorum(self.flats, layout.quorum, layout.world)
                             if layout.quorum is not None and layout.diloco is None else None)
+        # where the groups meet at steps, each backward outside no_sync is one: micro-batches accumulated
+        # outside it are said
+        meeting = self.outer if self.outer is not None else self.step_quorum
+        trained = next((flat for flat in self.flats if flat.requires_grad), None)
+        self._accumulation = (AccumulationCheck(trained, meeting.accumulated, says=layout.world.rank == 0)
+                              if meeting is not None and trained is not None else None)
         self._order: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self._forward: Pass | None = None
         self._backward: Pass | None = None
@@ -357,8 +364,8 @@ class Engine:
                 "through one forward)"
             )
         if self.state is not TrainingState.BACKWARD:
-            if self.outer is not None and self.sync_gradients:
-                self.outer.backward_starts()
+            if self._accumulation is not None and self.sync_gradients:
+                self._accumulation.backward_starts()
             Variable._execution_engine.queue_callback(self._finish_backward)
             self.state = TrainingState.BACKWARD
             self.emit("backward", None, "start")
@@ -438,6 +445,8 @@ class Engine:
             for meeting in (self.outer, self.step_quorum):
                 if meeting is not None:
                     meeting.step_done()
+            if self._accumulation is not None:
+                self._accumulation.backward_done()
         self._release_all()
         self.emit("backward", None, "end")
 

@@ -88,6 +88,13 @@ class StepQuorum:
         agreed = self.quorum.agree([*self._shapes, *values])
         refuse_another_model(agreed, self._shapes, values if compare else None, self.quorum.failed, self._group,
                              "averaging their gradients")
+    @property
+    def accumulated(self) -> str:
+        """What a step's micro-batches accumulated outside ``no_sync`` do here
+        (``shardwire.engine.accumulation``)."""
+        return ("between fault-tolerant groups meeting at every step each is a step they vote on, and a vote "
+                "dropped drops the gradients of the micro-batches before it too")
+
     def step_done(self) -> None:
         """The end of a step's backward, its gradients reduced: the vote. A group behind loads the
         others' state in it; a dropped step's gradients are set to None."""

@@ -100,7 +100,13 @@ def typical(steps: list[dict]) -> int:
 def summarised(steps: list, warmup_steps: int) -> int:
     """The first of ``steps`` a profile's summary stands for: the one after the warmup (compilation,
     allocation, the first gathers), unless the run took no more steps than that."""
-    return warmup_steps if len(steps) > warmup_steps else 0
+    return 0 if warmup_alone(steps, warmup_steps) else warmup_steps
+
+
+def warmup_alone(steps: list, warmup_steps: int) -> bool:
+    """Whether ``steps`` are all of the warmup, which a summary then stands for: times no later step
+    takes."""
+    return len(steps) <= warmup_steps
 
 
 def over_steps(steps: list[dict]) -> dict:

@@ -13,6 +13,7 @@ import functools
 import os
 import shlex
 
+from shardwire.engine.fault_tolerance import fault_tolerance_asked
 from shardwire.extras import require
 from shardwire.files import checkpoint_problem, figure_png, write_atomically
 from shardwire.mappings import cut, shown
@@ -146,6 +147,8 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
                  "precision": recorded.get("precision", metadata.get("precision")), "device": p["device"]}
         found.update({f"--{name.replace('_', '-')}": recorded.get(name) for name in _JOB_OPTIONS
                       if name not in found})
+        if "fault_tolerance" in recorded:  # asked for or not: where the lighthouse was is no other job
+            found["--fault-tolerance"] = "on" if fault_tolerance_asked(recorded["fault_tolerance"]) else "none"
         return found
 
     reference = job(profiles[0])

@@ -28,7 +28,7 @@ import warnings
 
 from shardwire.engine.layout_plan import LayoutPlan
 from shardwire.mappings import Missing, cut, field, is_number, one_line, shown
-from shardwire.profile import PROFILE_FILE
+from shardwire.profile import PROFILE_FILE, analysis
 from shardwire.profile.document import DamagedProfile, read_profile_document, tokens_problem
 from shardwire.sim.architecture import Architecture, architecture
 from shardwire.sim.compute import OPTIMIZER_BYTES_PER_PARAM, backward_s, forward_s
@@ -114,7 +114,7 @@ def read_profile(path: str, load_model) -> Measured:
         doc = read_profile_document(path)  # checked as `shardwire report` checks it
     except DamagedProfile as err:
         raise SpecError(str(err)) from None
-    if len(doc["steps"]) <= doc["warmup_steps"]:  # its summary is then of warmup, which the steps after outrun
+    if analysis.warmup_alone(doc["steps"], doc["warmup_steps"]):  # a summary of warmup, which later steps outrun
         raise SpecError(f"{path} holds only its {len(doc['steps'])} warmup step(s), whose times (allocation, "
                         f"compilation, the first gathers) no later step takes: profile a run of more than "
                         f"{doc['warmup_steps']} steps")

@@ -13,6 +13,7 @@ import warnings
 
 from shardwire import worker
 from shardwire.engine.diloco import DiLoCo, current_keys
+from shardwire.engine.fault_tolerance import fault_tolerance_asked
 from shardwire.engine.layout_plan import LAYOUTS
 from shardwire.models.choice import recorded_name
 from shardwire.models.gpt import PRESETS
@@ -193,11 +194,9 @@ def _comparable(name: str, value):
     """``value`` of the setting ``name`` as it trains: DiLoCo's settings, whatever their spelling; a
     file or directory (data, a tokenizer, an ``hf:`` model's), however its path is spelled, from the
     directory the run starts in (a relative path recorded by a run started elsewhere may name
-    another file: the data's fingerprint tells). Fault tolerance, whether there is any: where the
-    groups' lighthouse is and how long they wait change nothing a run trains, and a restarted
-    lighthouse is often at another address."""
+    another file: the data's fingerprint tells); fault tolerance, whether it is asked for."""
     if name == "fault_tolerance":
-        return isinstance(value, str) and value.strip() not in ("none", "")
+        return fault_tolerance_asked(value)
     if name in ("data", "tokenizer") and isinstance(value, str):
         return os.path.realpath(value)
     if name == "model" and isinstance(value, str):

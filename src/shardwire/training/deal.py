@@ -83,8 +83,8 @@ class Deal:
         self._steps, self._training = steps, training
         # compared at every meeting, as groups resumed from checkpoints never meet at the first (a
         # group that abstained would not see a difference; every group gives a value)
-        self._compared = [*agreement_values(fingerprint(steps)),
-                                 *agreement_values(fingerprint(training if training is not None else _OWN_WAY))]
+        self._steps_values = agreement_values(fingerprint(steps))
+        self._training_values = agreement_values(fingerprint(training if training is not None else _OWN_WAY))
         self._batch, self.block, self._seq_len, self._seed = batch, batch * grad_accum, seq_len, seed
         # The ledger, the same in every group: the next fresh block, the blocks given back, and the
         # last deal by place in its meeting.
@@ -161,7 +161,7 @@ class Deal:
             starts[self._place], ends[self._place] = start, end + 1  # 0: no block kept
         ahead, cursor, most, fewest, *agreed = self._quorum.agree(
             [self._meeting.next_meeting() - steps, self._next, self.block, MAX_BLOCKS - self.block,
-             *self._compared, *starts, *ends])
+             *self._steps_values, *self._training_values, *starts, *ends])
         if self._quorum.failed:
             self._lost()
             return
@@ -170,15 +170,16 @@ class Deal:
             raise SettingError(f"the fault-tolerant groups that met take from {fewest} to {most} sequences a step, "
                                f"this one {self.block}: give every group as many ranks and the same --batch and "
                                f"--grad-accum")
-        given, training, agreed = agreed[:4], agreed[4:8], agreed[8:]
-        if given != self._compared[:4]:
+        given, agreed = agreed[:len(self._steps_values)], agreed[len(self._steps_values):]
+        training, agreed = agreed[:len(self._training_values)], agreed[len(self._training_values):]
+        if given != self._steps_values:
             raise SettingError(f"other fault-tolerant groups were given another --steps than this one's "
                                f"({self._steps}): give every group the same --steps")
-        if training != self._compared[4:] and self._training is None:
+        if training != self._training_values and self._training is None:
             raise SettingError("other fault-tolerant groups average their gradients at every step, where this one "
                                "syncs every few steps ({diloco}): give every group the same {diloco}, or none",
                                diloco=("diloco",))
-        if training != self._compared[4:]:
+        if training != self._training_values:
             raise SettingError(f"other fault-tolerant groups step with other settings than this one's "
                                f"({self._training}), or sync every few steps ({{diloco}}), so that their models, "
                                f"averaging gradients, would part: give every group the same, and the same "
