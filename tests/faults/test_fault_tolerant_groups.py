@@ -396,6 +396,31 @@ def test_a_restart_of_every_group_resumes_exactly_and_one_whose_checkpoint_is_ol
         server.shutdown()
 
 
+def test_groups_given_more_steps_after_their_final_sync_train_on_as_one_uninterrupted_run(tmp_path):
+    """Every group resumed from the checkpoint of its final sync with more --steps: that sync is
+    taken already, and the groups meet at the next one (a join syncing again moved the model by a
+    step of outer momentum: 0.7 nat worse by the end, silently). Within the warmup, where the
+    learning rate does not depend on --steps, they end as a run of the more steps does, bit for
+    bit."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    try:
+        def run(logs: str, steps: int, checkpoints: str) -> list[Group]:
+            (tmp_path / logs).mkdir()
+            return run_groups([Group(name, server.address(), tmp_path / logs, steps=steps,
+                                     checkpoints=tmp_path / checkpoints) for name in ("a", "b")],
+                              lambda groups: iter(()), start_at=0)
+
+        whole = run("whole", 20, "whole")
+        run("first", 10, "extended")
+        extended = run("extended", 20, "extended")
+    finally:
+        server.shutdown()
+    for before, after in zip(whole, extended):
+        assert "this run changes --steps 10 -> 20" in after.out.read_text()
+        assert (after.records()[-1]["loss"], after.validation_loss()) == (before.records()[-1]["loss"],
+                                                                        before.validation_loss())
+
+
 def test_a_group_back_with_as_many_syncs_but_fewer_steps_recovers(tmp_path):
     """A group killed during a sync that the others then dropped comes back from a checkpoint saved
     before that sync: it has committed as many syncs as they have, and done fewer steps. Staged from
