@@ -410,9 +410,9 @@ def test_groups_given_more_steps_after_their_final_sync_train_on_as_one_uninterr
                                      checkpoints=tmp_path / checkpoints) for name in ("a", "b")],
                               lambda groups: iter(()), start_at=0)
 
-        whole = run("whole", 20, "whole")
-        run("first", 10, "extended")
-        extended = run("extended", 20, "extended")
+        whole = run("whole", 20, "whole-checkpoints")
+        run("first", 10, "checkpoints")
+        extended = run("extended", 20, "checkpoints")
     finally:
         server.shutdown()
     for before, after in zip(whole, extended):
