@@ -15,6 +15,7 @@ from shardwire.training.data import ByteCorpus, epoch_starts
 from shardwire.training.deal import Deal
 
 BATCH, ACCUM = 2, 2  # sequences per micro-batch of a group, micro-batches per step: blocks of 4
+DATA = {"name": "tok.bin", "tokens": 1_000, "sampled": "0123456789abcdef"}  # the corpus every group trains on
 
 
 class Positions:
@@ -69,7 +70,7 @@ class Group:
     def __init__(self, name: str, every: int = 3, lag: int = 0):
         self.name, self.meeting, self.quorum = name, Meeting(every, lag), Quorum()
         self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                         steps=40)
+                         steps=40, data=DATA)
         self.steps: list[tuple[int, list[int]]] = []  # (step, blocks read) of each step trained
 
     def train(self, steps: int) -> None:
@@ -229,7 +230,7 @@ def _meet_with_errors(a: Group, b: Group) -> list[str]:
 def test_groups_that_take_other_batches_are_told_to_give_the_same():
     a, b = Group("a"), Group("b")
     b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0,
-                  steps=40)
+                  steps=40, data=DATA)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"the fault-tolerant groups that met take from 4 to 6 sequences a step, this one {mine}: "
                               f"give every group as many ranks and the same --batch and --grad-accum"
@@ -243,10 +244,22 @@ def test_groups_given_another_number_of_steps_are_both_refused(training):
     a, b = Group("a"), Group("b")
     for group, steps in ((a, 40), (b, 60)):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          steps=steps, training=training)
+                          steps=steps, data=DATA, training=training)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups were given another --steps than this one's ({steps}): "
                               f"give every group the same --steps" for steps in (40, 60)]
+
+
+def test_groups_on_other_data_are_both_refused():
+    """Blocks are dealt by position: groups on other data would each read their own under one deal."""
+    a, b = Group("a"), Group("b")
+    for group, tokens in ((a, 200_000), (b, 300_000)):
+        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                          steps=40, data={**DATA, "tokens": tokens})
+    errors = _meet_with_errors(a, b)
+    assert sorted(errors) == [f"other fault-tolerant groups train on other data than this one's (tok.bin, {tokens} "
+                              f"tokens): give every group the same --data and --tokenizer"
+                              for tokens in ("200,000", "300,000")]
 
 
 def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_the_same():
@@ -254,7 +267,7 @@ def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_t
     a, b = Group("a"), Group("b")
     for group, lr in ((a, "0.003"), (b, "0.01")):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          steps=40, training=f"--lr {lr}")
+                          steps=40, data=DATA, training=f"--lr {lr}")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups step with other settings than this one's (--lr {lr}), or "
                               f"sync every few steps (diloco), so that their models, averaging gradients, would part: "
@@ -267,7 +280,7 @@ def test_groups_that_sync_every_few_steps_and_groups_that_meet_at_every_step_are
     first, and the group that sees no difference would wait for the other for ever."""
     a, b = Group("a"), Group("b")
     b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40,
-                  training="--lr 0.003")
+                  data=DATA, training="--lr 0.003")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [
         "other fault-tolerant groups average their gradients at every step, where this one syncs every few steps "

@@ -39,6 +39,7 @@ import torch
 from shardwire.comm.agreement import agreement_values, fingerprint
 from shardwire.comm.quorum import Quorum
 from shardwire.engine.checkpoint import schema
+from shardwire.mappings import cut
 from shardwire.options import SettingError
 
 MAX_GROUPS = 256  # groups one meeting's agreement has room for
@@ -74,16 +75,24 @@ class Deal:
     micro-batches)."""
 
     def __init__(self, quorum: Quorum, meeting: Meeting, corpus, *, batch: int, grad_accum: int, seq_len: int,
-                 seed: int, steps: int, training: str | None = None):
+                 seed: int, steps: int, data: dict, training: str | None = None):
         """``steps``: the run's ``--steps``, which every group must be given: a group given fewer would
         end at a sync of the others' after more steps, taking their model without its own last steps.
+        ``data``: the corpus's identity (``data.identity``), which every group's must share: blocks
+        are dealt by position, so groups on other data would each read their own under one deal.
         ``training``: the settings every group must step with (``--lr 0.003 ...``) where the groups
         average gradients at every step, so that they step alike; None where each steps its own."""
         self._quorum, self._meeting, self._corpus = quorum, meeting, corpus
-        self._steps, self._training = steps, training
-        # compared at every meeting, as groups resumed from checkpoints never meet at the first (a
-        # group that abstained would not see a difference; every group gives a value)
-        self._steps_values = agreement_values(fingerprint(steps))
+        self._training = training
+        # Compared at every meeting, as groups resumed from checkpoints never meet at the first (a
+        # group that abstained would not see a difference; every group gives a value): what must be
+        # alike in every group, with what a group whose differs is told.
+        self._alike = [
+            (agreement_values(fingerprint(steps)),
+             f"were given another --steps than this one's ({steps}): give every group the same --steps"),
+            (agreement_values(fingerprint(data["tokens"], data["sampled"])),
+             f"train on other data than this one's ({cut(str(data['name']))}, {data['tokens']:,} tokens): give every "
+             f"group the same --data and --tokenizer")]
         self._training_values = agreement_values(fingerprint(training if training is not None else _OWN_WAY))
         self._batch, self.block, self._seq_len, self._seed = batch, batch * grad_accum, seq_len, seed
         # The ledger, the same in every group: the next fresh block, the blocks given back, and the
@@ -161,7 +170,7 @@ class Deal:
             starts[self._place], ends[self._place] = start, end + 1  # 0: no block kept
         ahead, cursor, most, fewest, *agreed = self._quorum.agree(
             [self._meeting.next_meeting() - steps, self._next, self.block, MAX_BLOCKS - self.block,
-             *self._steps_values, *self._training_values, *starts, *ends])
+             *(value for values, _ in self._alike for value in values), *self._training_values, *starts, *ends])
         if self._quorum.failed:
             self._lost()
             return
@@ -170,11 +179,11 @@ class Deal:
             raise SettingError(f"the fault-tolerant groups that met take from {fewest} to {most} sequences a step, "
                                f"this one {self.block}: give every group as many ranks and the same --batch and "
                                f"--grad-accum")
-        given, agreed = agreed[:len(self._steps_values)], agreed[len(self._steps_values):]
+        for values, differs in self._alike:
+            given, agreed = agreed[:len(values)], agreed[len(values):]
+            if given != values:
+                raise SettingError(f"other fault-tolerant groups {differs}")
         training, agreed = agreed[:len(self._training_values)], agreed[len(self._training_values):]
-        if given != self._steps_values:
-            raise SettingError(f"other fault-tolerant groups were given another --steps than this one's "
-                               f"({self._steps}): give every group the same --steps")
         if training != self._training_values and self._training is None:
             raise SettingError("other fault-tolerant groups average their gradients at every step, where this one "
                                "syncs every few steps ({diloco}): give every group the same {diloco}, or none",

@@ -264,7 +264,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
             f"--lr {number(config.lr)!r} --warmup {config.warmup} "
             f"--weight-decay {number(config.weight_decay)!r} --clip {number(config.clip)!r}")
         deal = Deal(quorum, meeting, corpus, batch=global_batch, grad_accum=config.grad_accum, seq_len=choice.seq_len,
-                    seed=config.seed, steps=config.steps, training=stepping)
+                    seed=config.seed, steps=config.steps, data=corpus.identity, training=stepping)
         # Each group its own random draws (only where it holds no blocks) and its own checkpoints.
         config = dataclasses.replace(
             config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
