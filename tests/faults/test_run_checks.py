@@ -614,6 +614,12 @@ def test_a_resume_names_other_data_world_size_and_global_batch(tmp_path):
     assert ("resuming from ckpt/step_00000002 (step 2, saved by 2 ranks); this run changes --steps 2 -> 3, world "
             "size 2 -> 1, global batch 32 -> 16 sequences (--batch is per rank), the contents of a.bin (100,000 -> "
             "4,000 tokens)") in done.stdout
+    # half the batch, accumulated over two micro-batches, is the same global batch; the preset's own
+    # sequence length given is the one it trained at
+    done = train("--model", "tiny", "--steps", "4", "--checkpoint-dir", "ckpt", "--data", "a.bin", "--nproc", "1",
+                 "--batch", "8", "--grad-accum", "2", "--seq-len", "32", cwd=tmp_path)
+    assert ("resuming from ckpt/step_00000003 (step 3, saved by 1 rank); this run changes --steps 3 -> 4, --batch "
+            "16 -> 8, --grad-accum 1 -> 2\n") in done.stdout, done.stdout
 
 
 @pytest.mark.slow

@@ -881,13 +881,16 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             settings = changed_settings(recorded, config)
+            if "seq_len" in settings and _trained_seq_len(info.extra, config.model) == seq_len:
+                del settings["seq_len"]  # given now as the length it trained at, or left to it
             changed = [f"{_switch(name, before)} -> {_switch(name, now)}"
                        if isinstance(before, bool) and isinstance(now, bool)
                        else f"{flag(name)} {_as_given(before)} -> {_as_given(now)}"
                        for name, (before, now) in settings.items()]
             # the data's change in length, whether or not --data is named changed above (a path
             # spelled otherwise may name the same data, and the same path other data)
-            changed += _changed_scale(info, trained_on["global_batch"]) + ([data] if data is not None else [])
+            changed += (_changed_scale(info, trained_on["global_batch"], config.grad_accum)
+                        + ([data] if data is not None else []))
             if _own_steps_dropped(info, recorded):  # none syncing now (said with --diloco), or other groups
                 dropped = ("every group goes on from the model the groups agreed on at their last sync: the inner "
                            "steps since, each group's own, are not kept")
@@ -958,14 +961,22 @@ def trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
         if (change := _architecture_change(config.model, path, extra.get("hf_config"),
                                            config_fields(config.model))) is not None:
             return change
-        recorded = recorded_seq_len(extra)
-        if recorded is None and settings and config.model in PRESETS:
-            recorded = PRESETS[config.model].seq_len  # trained at the preset's own length
+        recorded = _trained_seq_len(extra, config.model)
         if config.model.startswith(HF_PREFIX) or recorded is None or recorded == seq_len:
             return None
         return (f"{path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
                 f"{recorded} to resume it")
     return None
+
+
+def _trained_seq_len(extra: dict, model: str) -> int | None:
+    """The sequence length the run that saved a checkpoint of ``model`` (its ``extra``) trained at:
+    the ``--seq-len`` it was given, or a GPT preset's own where it was given none; None where that
+    is not known (an ``hf:`` model's own, which the checkpoint does not record)."""
+    recorded = recorded_seq_len(extra)
+    if recorded is None and isinstance(extra.get("settings"), dict) and model in PRESETS:
+        recorded = PRESETS[model].seq_len
+    return recorded
 
 
 def _model_kind(model: str) -> str | None:
@@ -974,15 +985,19 @@ def _model_kind(model: str) -> str | None:
     return "preset" if model in PRESETS else "hf" if model.startswith(HF_PREFIX) else None
 
 
-def _changed_scale(info, global_batch: int) -> list[str]:
-    """The world size and global batch this run changes from those the checkpoint ``info`` was saved
-    with, in words."""
+def _changed_scale(info, global_batch: int, grad_accum: int) -> list[str]:
+    """The world size and global batch (the sequences of an optimizer step: ``global_batch``, each
+    micro-batch's, times ``grad_accum``) this run changes from those the checkpoint ``info`` was
+    saved with, in words."""
     world, changed = dist.get_world_size(), []
     if info.world_size != world:
         changed.append(f"world size {info.world_size} -> {world}")
-    recorded = info.extra.get("global_batch")
-    if isinstance(recorded, int) and recorded != global_batch:
-        changed.append(f"global batch {recorded} -> {global_batch} sequences (--batch is per rank)")
+    recorded, settings = info.extra.get("global_batch"), info.extra.get("settings")
+    accumulated = settings.get("grad_accum", 1) if isinstance(settings, dict) else 1
+    if (isinstance(recorded, int) and isinstance(accumulated, int)
+            and recorded * accumulated != global_batch * grad_accum):
+        changed.append(f"global batch {recorded * accumulated} -> {global_batch * grad_accum} sequences (--batch is "
+                       f"per rank)")
     return changed
 
 
