@@ -222,8 +222,20 @@ def _state_dicts(rank, world):
 
     reassembled = {name: value.full_tensor() for name, value in model.state_dict().items()
                    if isinstance(value, DTensor)}
+
+    # assign=True (FSDP2's load into a model made on the meta device), of parts and of whole tensors:
+    # copied into the flat buffers, the module keeping its parameters, which train on
+    held = list(model.parameters())
+    model.load_state_dict(saved_parts, assign=True)
+    assigned_parts = shardwire.full_state_dict(model)
+    model.load_state_dict(whole[0], assign=True)
+    assigned_whole = shardwire.full_state_dict(model)
+    assert all(now is before for now, before in zip(model.parameters(), held))
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
     if rank != 0:
         return True
+    assert all(torch.equal(assigned_parts[k], initial[k]) for k in initial)
+    assert all(torch.equal(assigned_whole[k], moved[k]) for k in moved)
     unsharded = GPT(FOUR_BLOCKS)
     unsharded.load_state_dict(moved, strict=True)
     assert not all(torch.equal(moved[k], initial[k]) for k in initial)

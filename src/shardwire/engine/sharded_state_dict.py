@@ -3,7 +3,7 @@
 A sharded model's parameters are DTensors of their full shapes (``FlatParam``), so torch's own
 ``state_dict()`` already gives what FSDP2's does, and DCP saves, loads and reshards it. Loading takes
 a state dict of the same DTensors as it is (``set_model_state_dict`` distributes whole tensors so),
-and a whole parameter too, as an unsharded model's ``state_dict()`` holds it: a plain tensor of the
+and a whole parameter too (under ``assign=True`` too, copied into the flat buffer all the same), as an unsharded model's ``state_dict()`` holds it: a plain tensor of the
 parameter's full shape is cut to this rank's rows first, as ``distribute_tensor`` would cut it, with
 no collective. A DTensor placed otherwise (another layout's, another mesh's) would need collectives
 that a load hook cannot run in step on every rank, so it is refused, naming DCP, which reshards.
@@ -24,10 +24,20 @@ from shardwire.engine.packing import Held
 def install(model: nn.Module, flats: list[FlatParam]) -> None:
     params = {name: (param, held) for flat in flats for slot, param, held in flat.held_parts() for name in slot.names}
 
-    def take_rows(module, state_dict, prefix, *_) -> None:
+    def take_rows(module, state_dict, prefix, local_metadata, *_) -> None:
+        assign = local_metadata.get("assign_to_params_buffers", False)
         for name, (param, held) in params.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = local_rows(state_dict[prefix + name], param, held, prefix + name)
+                value = local_rows(state_dict[prefix + name], param, held, prefix + name)
+                if (assign and isinstance(value, DTensor) and value.shape == param.shape
+                        and value._local_tensor.shape == param._local_tensor.shape):
+                    # ``assign=True`` (FSDP2's load of a model made on the meta device) would put a new
+                    # parameter in the module, which the flat buffer it trains and saves never sees:
+                    # its rows are copied in, and the parameter assigned is the one the module holds
+                    with torch.no_grad():
+                        param._local_tensor.copy_(value._local_tensor)
+                    value = param
+                state_dict[prefix + name] = value
 
     model.register_load_state_dict_pre_hook(take_rows)
 
