@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import shardwire
 from harness import run_workers
+from shardwire.comm.errors import ScheduleMismatchError
 from shardwire.engine.shard import engine_of
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
@@ -249,6 +250,36 @@ def _state_dicts(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_round_trips_in_parts_and_whole(world):
     run_workers(world, _state_dicts)
+
+
+def _loaded_on_rank_0(rank, world, then):
+    """The DDP habit: weights loaded on rank 0 alone, then ``then``: what each rank was told."""
+    torch.manual_seed(0)
+    pretrained = GPT(FOUR_BLOCKS).state_dict()
+    model = shardwire.shard(GPT(FOUR_BLOCKS), units=[Block])
+    if rank == 0:
+        model.load_state_dict(pretrained)
+    try:
+        if then == "forward":
+            model(torch.zeros(1, 8, dtype=torch.long))
+        elif then == "state dict":
+            shardwire.full_state_dict(model)
+        else:
+            shardwire.save_checkpoint(f"{then}/checkpoint", model, step=0)
+    except ScheduleMismatchError as err:
+        return str(err)
+    return "nothing"
+
+
+@pytest.mark.parametrize("then", ["forward", "state dict", "checkpoint"])
+def test_weights_loaded_on_some_ranks_alone_are_refused_before_they_are_read(then, tmp_path):
+    """Each rank keeps its own rows of what it loads: loaded on rank 0 alone, the model was half the
+    weights loaded and half the ones before, silently."""
+    said = run_workers(2, _loaded_on_rank_0, str(tmp_path) if then == "checkpoint" else then)
+    for rank, message in enumerate(said):
+        assert message.startswith(f"rank {rank}: ranks issued different collectives, or loaded weights "
+                                  f"(load_state_dict) on some ranks and not others, in "), message
+    assert not (tmp_path / "checkpoint").exists()
 
 
 # -------------------------------------------------------------- Hugging Face models, unmodified

@@ -450,6 +450,12 @@ class Communicator:
         self.all_gather(everyone, mine, tag="order check").wait()
         self._read_later(label, (everyone != everyone[0]).any())
 
+    def note(self, event: str) -> None:
+        """Count ``event``, something every rank must do alike that issues no collective (weights
+        loaded into the model), among what the next ``verify_order`` compares: a rank alone that did
+        it holds other values than the others, which no collective would ever tell."""
+        self._order_hash = zlib.crc32(f"note {event}".encode(), self._order_hash)
+
     def refuse_later(self, differs: torch.Tensor, refusal: str) -> None:
         """Raise ``ValueError(refusal)`` once ``differs``, a device boolean every rank computed alike
         (from a collective's result), reads true: read as ``verify_order``'s comparisons are, without
@@ -474,9 +480,10 @@ class Communicator:
                 if check.refusal is not None:
                     raise ValueError(check.refusal)
                 raise ScheduleMismatchError(
-                    f"rank {dist.get_rank()}: ranks issued different collectives in {check.label}. Every "
-                    f"rank must run the same units in the same order in each step (no rank-dependent "
-                    f"control flow around units)."
+                    f"rank {dist.get_rank()}: ranks issued different collectives, or loaded weights "
+                    f"(load_state_dict) on some ranks and not others, in {check.label}. Every rank must run the "
+                    f"same units in the same order in each step (no rank-dependent control flow around units), "
+                    f"and load the same weights (each rank keeps its own rows of what it loads)."
                 )
 
     # -------------------------------------------------------------------------------- records

@@ -205,9 +205,18 @@ class Engine:
         """Weights written into the model from outside training (``load_state_dict``,
         ``import_state_dict``, a pretrained model's files): under DiLoCo the outer optimisation
         starts afresh from them, or its first sync would pull every group back toward the weights
-        the model was built with."""
+        the model was built with. Every rank must load alike: the next forward compares that they
+        did (``Communicator.note``)."""
+        for comm in self.layout.checked_every_step:
+            comm.note("weights loaded")
         if self.outer is not None:
             self.outer.restart()
+
+    def compare_ranks(self, since: str) -> None:
+        """Compare across ranks what each did ``since`` (the collectives it issued, the weights it
+        loaded), before what reads the model's values: a forward, a state dict, a checkpoint."""
+        for comm in self.layout.checked_every_step:
+            comm.verify_order(since)
 
     def install_hooks(self) -> None:
         self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
@@ -261,9 +270,7 @@ class Engine:
         self.emit("forward", None, "start")
         recording = self._order["forward"] is None
         with record_function("shardwire::pre_forward(<root>)"):
-            if not recording:
-                for comm in self.layout.checked_every_step:
-                    comm.verify_order("the step before this forward")
+            self.compare_ranks("the step before this forward")
             if torch.is_grad_enabled():  # a training forward (not an evaluation)
                 for meeting in (self.outer, self.step_quorum):
                     if meeting is not None:
