@@ -225,3 +225,16 @@ def test_a_peer_lost_in_the_gradient_norms_all_reduce_is_a_collective_error(monk
     with pytest.raises(CollectiveError, match=r"^rank 1: the gradient norm's all-reduce failed \(Connection closed by "
                                               r"peer\)\. Another rank has probably stopped"):
         shardwire.clip_grad_norm_(model, 1.0)
+
+
+def test_a_forward_under_inference_mode_is_refused_naming_no_grad():
+    """Its gathers made inference tensors of buffers the next step writes into: it failed in a
+    collective, blaming another rank."""
+    model = shardwire.shard(tiny_gpt(), units=[Block])
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"^a sharded model does not run under "
+                                                                   r"torch.inference_mode\(\): evaluate it under "
+                                                                   r"torch.no_grad\(\)"):
+        model(tokens)
+    with torch.no_grad():
+        model(tokens)

@@ -263,6 +263,10 @@ class Engine:
     # ----------------------------------------------------------------------------------- forward
 
     def _root_pre_forward(self, module: nn.Module, args, kwargs):
+        if torch.is_inference_mode_enabled():
+            # its gathers would make inference tensors of buffers every later step writes into
+            raise RuntimeError("a sharded model does not run under torch.inference_mode(): evaluate it under "
+                               "torch.no_grad(), which gathers and frees its parameters the same way")
         if self.state is not TrainingState.IDLE:
             self._discard_unfinished_step()
         self._generation += 1
