@@ -433,22 +433,26 @@ class Communicator:
 
     # ------------------------------------------------------------------------ rank agreement
 
-    def verify_order(self, label: str) -> None:
+    def verify_order(self, label: str, *, now: bool = False) -> None:
         """Compare across ranks the collectives each issued since the last call, and raise
         ``ScheduleMismatchError`` if they differ.
 
         Each rank all-gathers a running hash of (op, tag) of those collectives, 8 bytes. On CPU the
         comparison is read at once. On CUDA it is copied to pinned host memory without a sync and
         read by a later call once its event has completed, so a divergence is reported a step or two
-        after it happened, and the step itself never waits for the host."""
-        self._raise_if_diverged()
-        if self.world == 1:
-            return
-        value, self._order_hash = self._order_hash, 0
-        mine = torch.full((1,), value, dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
-        self.all_gather(everyone, mine, tag="order check").wait()
-        self._read_later(label, (everyone != everyone[0]).any())
+        after it happened, and the step itself never waits for the host; ``now`` waits for it and
+        for every comparison before it, all read after the all-gather, so that every rank raises
+        at the same point (before what writes the model's values out: a state dict, a checkpoint)."""
+        if not now:
+            self._raise_if_diverged()
+        if self.world > 1:
+            value, self._order_hash = self._order_hash, 0
+            mine = torch.full((1,), value, dtype=torch.int64, device=self.device)
+            everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
+            self.all_gather(everyone, mine, tag="order check").wait()
+            self._read_later(label, (everyone != everyone[0]).any(), now=now)
+        elif now:
+            self._raise_if_diverged(wait=True)
 
     def note(self, event: str) -> None:
         """Count ``event``, something every rank must do alike that issues no collective (weights
@@ -462,19 +466,24 @@ class Communicator:
         waiting (on CUDA a step or two later), so that every rank refuses alike."""
         self._read_later("", differs, refusal)
 
-    def _read_later(self, label: str, differs: torch.Tensor, refusal: str | None = None) -> None:
+    def _read_later(self, label: str, differs: torch.Tensor, refusal: str | None = None, *,
+                    now: bool = False) -> None:
         if self._cuda:
             on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
             on_host.copy_(differs, non_blocking=True)
             self._order_checks.append(_OrderCheck(label, on_host, self.clock.stamp(), refusal))
         else:
             self._order_checks.append(_OrderCheck(label, differs, refusal=refusal))
-        self._raise_if_diverged()
+        self._raise_if_diverged(wait=now)
 
-    def _raise_if_diverged(self) -> None:
-        while self._order_checks and (self._order_checks[0].ready is None
+    def _raise_if_diverged(self, *, wait: bool = False) -> None:
+        """Raise the first comparison read true among those that can be read (``wait``: all of
+        them, waiting for each)."""
+        while self._order_checks and (wait or self._order_checks[0].ready is None
                                       or self.clock.ready(self._order_checks[0].ready)):
             check = self._order_checks.popleft()
+            if check.ready is not None:
+                check.ready.synchronize()
             if bool(check.differs):
                 self._order_checks.clear()
                 if check.refusal is not None:

@@ -212,11 +212,12 @@ class Engine:
         if self.outer is not None:
             self.outer.restart()
 
-    def compare_ranks(self, since: str) -> None:
+    def compare_ranks(self, since: str, *, now: bool = False) -> None:
         """Compare across ranks what each did ``since`` (the collectives it issued, the weights it
-        loaded), before what reads the model's values: a forward, a state dict, a checkpoint."""
+        loaded), before what reads the model's values: a forward, or, waiting for the comparison
+        (``now``), a checkpoint, which would otherwise be written before a difference is told."""
         for comm in self.layout.checked_every_step:
-            comm.verify_order(since)
+            comm.verify_order(since, now=now)
 
     def install_hooks(self) -> None:
         self.root.module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)

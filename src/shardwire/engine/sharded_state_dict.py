@@ -25,19 +25,23 @@ def install(model: nn.Module, flats: list[FlatParam]) -> None:
     params = {name: (param, held) for flat in flats for slot, param, held in flat.held_parts() for name in slot.names}
 
     def take_rows(module, state_dict, prefix, local_metadata, *_) -> None:
-        assign = local_metadata.get("assign_to_params_buffers", False)
-        for name, (param, held) in params.items():
-            if prefix + name in state_dict:
-                value = local_rows(state_dict[prefix + name], param, held, prefix + name)
-                if (assign and isinstance(value, DTensor) and value.shape == param.shape
-                        and value._local_tensor.shape == param._local_tensor.shape):
-                    # ``assign=True`` (FSDP2's load of a model made on the meta device) would put a new
-                    # parameter in the module, which the flat buffer it trains and saves never sees:
-                    # its rows are copied in, and the parameter assigned is the one the module holds
+        taken = {prefix + name: local_rows(state_dict[prefix + name], param, held, prefix + name)
+                 for name, (param, held) in params.items() if prefix + name in state_dict}  # any refusal first
+        if local_metadata.get("assign_to_params_buffers", False):
+            # ``assign=True`` (FSDP2's load of a model made on the meta device) would put a new parameter
+            # in the module, which the flat buffer it trains and saves never sees: its rows are copied
+            # in, and the parameter assigned is the one the module holds
+            for key, value in taken.items():
+                param = params[key.removeprefix(prefix)][0]
+                if isinstance(value, DTensor) and value.shape == param.shape:
+                    if value._local_tensor.shape != param._local_tensor.shape:
+                        raise ValueError(f"{key} holds {tuple(value._local_tensor.shape)} on this rank, where this "
+                                         f"sharded model holds {tuple(param._local_tensor.shape)} of it: load DTensor "
+                                         f"state dicts with torch.distributed.checkpoint.load, which reshards them")
                     with torch.no_grad():
                         param._local_tensor.copy_(value._local_tensor)
-                    value = param
-                state_dict[prefix + name] = value
+                    taken[key] = param
+        state_dict.update(taken)
 
     model.register_load_state_dict_pre_hook(take_rows)
 

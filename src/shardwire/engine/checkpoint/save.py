@@ -105,7 +105,7 @@ def save_checkpoint(
     """
     engine = engine_of(model)
     session_of(engine).finish_pending()
-    engine.compare_ranks("what came before this checkpoint")
+    engine.compare_ranks("what came before this checkpoint", now=True)
     target = pathlib.Path(path)
     snapshot = on_every_rank(
         engine, f"saving checkpoint {target}",
