@@ -258,8 +258,25 @@ def test_groups_on_other_data_are_both_refused():
                           steps=40, data={**DATA, "tokens": tokens})
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups train on other data than this one's (tok.bin, {tokens} "
-                              f"tokens): give every group the same --data and --tokenizer"
+                              f"tokens, fingerprint 0123456789abcdef): give every group the same --data and --tokenizer"
                               for tokens in ("200,000", "300,000")]
+    a, b = Group("a"), Group("b")  # of one length, other contents
+    for group, sampled in ((a, "0000000000000000"), (b, "1111111111111111")):
+        group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                          steps=40, data={**DATA, "sampled": sampled})
+    assert len(_meet_with_errors(a, b)) == 2
+
+
+@pytest.mark.parametrize("seq_len, seed", [(16, 0), (8, 7)])
+def test_groups_that_cut_the_data_otherwise_are_both_refused(seq_len, seed):
+    """A position is a sequence only with the same --seq-len, and an epoch's order is the seed's."""
+    a, b = Group("a"), Group("b")
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=seq_len, seed=seed,
+                  steps=40, data=DATA)
+    errors = _meet_with_errors(a, b)
+    assert sorted(errors) == sorted(f"other fault-tolerant groups cut the data into other sequences than this one's "
+                                    f"(--seq-len {length}, --seed {number}): give every group the same"
+                                    for length, number in ((8, 0), (seq_len, seed)))
 
 
 def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_the_same():

@@ -115,7 +115,7 @@ def collective_counts(rank, world, reshard, prefetch):
 def test_one_collective_per_unit_per_use(reshard, prefetch):
     counts = run_workers(2, collective_counts, reshard, prefetch)[0]
     # two synchronised steps plus one no_sync step (whose forward and backward gather, never reduce)
-    # and each forward after the first compares the collectives of the step before across ranks
+    # and each forward compares the collectives of the step before across ranks
     expected = {("<root>", "all_gather"): 3, ("<root>", "reduce_scatter"): 2, ("order check", "all_gather"): 3}
     for block in BLOCKS:
         expected[(block, "all_gather")] = 3 * (2 if reshard else 1)

@@ -717,7 +717,7 @@ def _job(change=None, world_size=8) -> dict:
     (lambda d: (d["metadata"].pop("precision"), d["metadata"]["config"].update(precision="fp32")),
      "runs differ in precision: one has 'bf16', two has 'fp32'"),
     (lambda d: d["metadata"]["config"].update(fault_tolerance="lighthouse=http://head:29510"),
-     "runs differ in --fault-tolerance: one has None, two has 'on'"),
+     "runs differ in --fault-tolerance: one has 'none', two has 'asked'"),
 ])
 def test_report_compares_runs_by_every_option_that_sets_a_step(change, said):
     """Runs of another layout, wire or checkpointing were drawn as one job's scaling; a metadata key

@@ -444,13 +444,14 @@ class Quorum:
         self._manager.load_state_dict({"step": step, "batches_committed": batches})
 
     def take_metrics(self) -> dict[str, float]:
-        """The groups of the last quorum, and what failures cost this rank since the last call: the
-        syncs or steps ``dropped`` and those in which it ``recovered`` the others' state, ``wait_s``,
-        the seconds spent waiting for quorums and commit votes (for the lighthouse to leave a lost
-        group out, for a sync that fails to time out), and ``recovery_bytes``, the bytes of the
-        others' state received."""
-        found = {"groups": self.participants, "dropped": self._dropped, "recovered": self._recovered,
-                 "wait_s": self._waited_s, "recovery_bytes": self._received_bytes}
+        """The groups of the last quorum (none before the first), and what failures cost this rank
+        since the last call: the syncs or steps ``dropped`` and those in which it ``recovered`` the
+        others' state, ``wait_s``, the seconds spent waiting for quorums and commit votes (for the
+        lighthouse to leave a lost group out, for a sync that fails to time out), and
+        ``recovery_bytes``, the bytes of the others' state received."""
+        found = {"groups": self.participants} if self.participants else {}  # none before this process met one
+        found.update(dropped=self._dropped, recovered=self._recovered, wait_s=self._waited_s,
+                     recovery_bytes=self._received_bytes)
         self._waited_s, self._received_bytes, self._dropped, self._recovered = 0.0, 0, 0, 0
         return found
 

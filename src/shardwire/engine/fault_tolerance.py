@@ -14,7 +14,8 @@ quorum discard that sync (torchft's ``should_commit`` vote), and every group kee
 parameters and progress, to be averaged at the next sync: no step is lost either way.
 
 A group that starts late (its workers restarted by torchrun, a new machine given the same command)
-asks for a quorum at its first training step; the lighthouse waits for the live groups to reach
+asks for a quorum at its first training step (at its next sync where its checkpoint holds the sync
+due at its step: ``OuterLoop.join``); the lighthouse waits for the live groups to reach
 their next sync (up to its ``--join_timeout_ms``), and in that quorum the new group, being behind,
 receives from a live peer at its position what the groups agree on: the anchor and outer momentum
 of its shard, the schedule's step, and whatever was registered with ``shardwire.recover_with`` (the

@@ -245,9 +245,10 @@ class OuterLoop:
         if self.in_flight is not None:  # resumed with a sync in flight, saved averaged by a run that voted on it
             self._apply(vote=False)
         if self.checked == self.steps > 0:
-            # resumed from the checkpoint of a final sync, given more steps: the sync due now is taken,
-            # and again it would move the model by a step of outer momentum. The groups meet at the
-            # next, as an uninterrupted run's would (the data to it was dealt at this one).
+            # resumed from a checkpoint that holds the sync due at its step (its run's final sync, or
+            # one an evaluation took before the save), given more steps: again it would move the
+            # model by a step of outer momentum. The groups meet at the next sync, as an uninterrupted
+            # run's would (the data up to it was dealt at this one).
             return
         self._send(self.diloco.due(self.steps) or 0, eager=False, applied_after=self.steps)
         self._apply()

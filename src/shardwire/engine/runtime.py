@@ -55,9 +55,10 @@ itself known at the first unit it reaches (or is discarded by the next forward).
 Everything the order of collectives depends on is the same on every rank as long as every rank runs
 the same units in the same order. The passes that record the order check that, with one tiny
 all-gather before each collective they issue, and raise an error naming the units if ranks differ;
-every later step starts with each communicator of the layout comparing the collectives each rank
-issued on it in the step before (``Communicator.verify_order``: 8 bytes, no host sync), so a rank
-that leaves the order later is caught too.
+every forward starts with each communicator of the layout comparing the collectives each rank
+issued on it since the last comparison, and the weights it loaded (``Communicator.verify_order``: 8
+bytes, no host sync), so a rank that leaves the order later, or loaded weights the others did not,
+is caught too; a state dict and a checkpoint compare the same first, waiting for it.
 """
 
 from __future__ import annotations

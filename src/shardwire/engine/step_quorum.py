@@ -88,6 +88,7 @@ class StepQuorum:
         agreed = self.quorum.agree([*self._shapes, *values])
         refuse_another_model(agreed, self._shapes, values if compare else None, self.quorum.failed, self._group,
                              "averaging their gradients")
+
     @property
     def accumulated(self) -> str:
         """What a step's micro-batches accumulated outside ``no_sync`` do here

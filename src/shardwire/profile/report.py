@@ -147,8 +147,8 @@ def _check_comparable(run_dirs: list[str], profiles: list[dict]) -> None:
                  "precision": recorded.get("precision", metadata.get("precision")), "device": p["device"]}
         found.update({f"--{name.replace('_', '-')}": recorded.get(name) for name in _JOB_OPTIONS
                       if name not in found})
-        if "fault_tolerance" in recorded:  # asked for or not: where the lighthouse was is no other job
-            found["--fault-tolerance"] = "on" if fault_tolerance_asked(recorded["fault_tolerance"]) else "none"
+        # asked for or not: where the lighthouse was is no other job
+        found["--fault-tolerance"] = "asked" if fault_tolerance_asked(recorded.get("fault_tolerance")) else "none"
         return found
 
     reference = job(profiles[0])

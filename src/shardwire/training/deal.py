@@ -78,8 +78,9 @@ class Deal:
                  seed: int, steps: int, data: dict, training: str | None = None):
         """``steps``: the run's ``--steps``, which every group must be given: a group given fewer would
         end at a sync of the others' after more steps, taking their model without its own last steps.
-        ``data``: the corpus's identity (``data.identity``), which every group's must share: blocks
-        are dealt by position, so groups on other data would each read their own under one deal.
+        ``data``: the corpus's identity (``data.identity``), which every group's must share, cut
+        into sequences alike (``seq_len``, and ``seed``, which orders each epoch): blocks are dealt
+        by position, so groups on other data would each read their own under one deal.
         ``training``: the settings every group must step with (``--lr 0.003 ...``) where the groups
         average gradients at every step, so that they step alike; None where each steps its own."""
         self._quorum, self._meeting, self._corpus = quorum, meeting, corpus
@@ -91,8 +92,11 @@ class Deal:
             (agreement_values(fingerprint(steps)),
              f"were given another --steps than this one's ({steps}): give every group the same --steps"),
             (agreement_values(fingerprint(data["tokens"], data["sampled"])),
-             f"train on other data than this one's ({cut(str(data['name']))}, {data['tokens']:,} tokens): give every "
-             f"group the same --data and --tokenizer")]
+             f"train on other data than this one's ({cut(str(data['name']))}, {data['tokens']:,} tokens, "
+             f"fingerprint {data['sampled']}): give every group the same --data and --tokenizer"),
+            (agreement_values(fingerprint(seq_len, seed)),
+             f"cut the data into other sequences than this one's (--seq-len {seq_len}, --seed {seed}): give every "
+             f"group the same")]
         self._training_values = agreement_values(fingerprint(training if training is not None else _OWN_WAY))
         self._batch, self.block, self._seq_len, self._seed = batch, batch * grad_accum, seq_len, seed
         # The ledger, the same in every group: the next fresh block, the blocks given back, and the
