@@ -238,3 +238,19 @@ def test_a_forward_under_inference_mode_is_refused_naming_no_grad():
         model(tokens)
     with torch.no_grad():
         model(tokens)
+
+
+def test_a_load_into_a_part_of_a_sharded_model_is_refused_naming_the_whole_models_load():
+    """Only the whole model's load cuts whole tensors to this rank's rows and tells the engine that
+    weights were loaded: into a part, whole tensors failed inside torch, and a load on one rank
+    went untold. A module wrapping the whole model (as torch.compile's does) loads through it."""
+    model = shardwire.shard(tiny_gpt(), units=[Block])
+    part = {key: value.full_tensor() for key, value in model.blocks[0].state_dict().items()}
+    with pytest.raises(ValueError, match=r"^load_state_dict of a part of a sharded model \(blocks\.0\) does not load "
+                                         r"it: load the part's keys under their whole names \(blocks\.0\.\*\) into "
+                                         r"the whole sharded model, with model\.load_state_dict\(state, "
+                                         r"strict=False\)$"):
+        model.blocks[0].load_state_dict(part)
+    model.load_state_dict({f"blocks.0.{key}": value for key, value in part.items()}, strict=False)
+    wrapper = nn.ModuleDict({"inner": model})
+    wrapper.load_state_dict({f"inner.{key}": value.full_tensor() for key, value in model.state_dict().items()})

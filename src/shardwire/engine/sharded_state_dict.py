@@ -12,6 +12,7 @@ that a load hook cannot run in step on every rank, so it is refused, naming DCP,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,6 +46,28 @@ def install(model: nn.Module, flats: list[FlatParam]) -> None:
         state_dict.update(taken)
 
     model.register_load_state_dict_pre_hook(take_rows)
+    owners: dict[nn.Module, set[str]] = {}  # each module holding a sharded parameter, by the prefixes of its names
+    for name in params:
+        owner, _, _ = name.rpartition(".")
+        if owner:
+            owners.setdefault(model.get_submodule(owner), set()).add(owner + ".")
+    for owner, prefixes in owners.items():
+        owner.register_load_state_dict_pre_hook(functools.partial(_refuse_a_part, prefixes=sorted(prefixes)))
+
+
+def _refuse_a_part(module, state_dict, prefix, *_, prefixes: list[str]) -> None:
+    """Refuse ``load_state_dict`` called on a part of a sharded model (``module``, or a module
+    above it, not the whole): only the whole model's load cuts whole tensors to this rank's rows,
+    and tells the engine that its ranks loaded weights (which they must all do alike, and which
+    restarts DiLoCo's outer optimisation). Through the whole model (or a module wrapping it, as
+    ``torch.compile`` does), the prefix ends with the module's own name."""
+    if any(prefix.endswith(own) for own in prefixes):
+        return
+    own = next((own for own in prefixes if own.endswith(prefix)), prefixes[0])
+    part = own[:len(own) - len(prefix)].rstrip(".") if own.endswith(prefix) else own.rstrip(".")  # the module loaded
+    raise ValueError(f"load_state_dict of a part of a sharded model ({part}) does not load it: load the part's keys "
+                     f"under their whole names ({part}.*) into the whole sharded model, with "
+                     f"model.load_state_dict(state, strict=False)")
 
 
 def local_rows(value: Any, param: DTensor, held: Held, what: str) -> Any:
