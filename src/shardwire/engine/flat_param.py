@@ -191,7 +191,7 @@ class FlatParam:
             return (f"parameter {name!r} was {what} {since}: its sharded unit keeps computing with the flat "
                     f"buffer it was sharded into, so the change would never take effect or train. Change "
                     f"parameters before sharding the model; to set their values afterwards, load them with "
-                    f"load_state_dict of the whole sharded model (assign=True too: it copies them in)")
+                    f"model.load_state_dict on the whole sharded model (assign=True too: it copies them in)")
         if param.requires_grad != self.requires_grad:
             return (f"requires_grad of {name!r} was set to {param.requires_grad} {since}: sharding puts trainable "
                     f"and frozen parameters in separate buffers (only the trainable one is reduced), so set "
