@@ -523,4 +523,3 @@ class OuterLoop:
                 with torch.no_grad():
                     for flat, shard in zip(flats, own):
                         flat.shard.copy_(shard)
-

@@ -3,10 +3,9 @@
 A sharded model's parameters are DTensors of their full shapes (``FlatParam``), so torch's own
 ``state_dict()`` already gives what FSDP2's does, and DCP saves, loads and reshards it. Loading takes
 a state dict of the same DTensors as it is (``set_model_state_dict`` distributes whole tensors so),
-and a whole parameter too (under ``assign=True`` as well, copied into the flat buffer all the
-same), as an unsharded model's ``state_dict()`` holds it: a plain tensor of the
+and a whole parameter too, as an unsharded model's ``state_dict()`` holds it: a plain tensor of the
 parameter's full shape is cut to this rank's rows first, as ``distribute_tensor`` would cut it, with
-no collective. A DTensor placed otherwise (another layout's, another mesh's) would need collectives
+no collective; under ``assign=True`` as well, copied into the flat buffer all the same. A DTensor placed otherwise (another layout's, another mesh's) would need collectives
 that a load hook cannot run in step on every rank, so it is refused, naming DCP, which reshards.
 """
 
