@@ -170,12 +170,18 @@ def changed_settings(recorded: dict, config: TrainConfig) -> dict[str, tuple]:
 
 
 def recorded_seq_len(extra: dict) -> int | None:
-    """The sequence length a checkpoint's run trained at, where ``shardwire train`` recorded it in the
-    checkpoint's ``extra``: a GPT preset's position table has that many rows, so only a model made at
-    that length fits its weights."""
+    """The sequence length a checkpoint's run trained at, from what ``shardwire train`` recorded in
+    the checkpoint's ``extra``: the ``--seq-len`` it was given, or a GPT preset's own where it was
+    given none (a preset's position table has that many rows, so only a model made at that length
+    fits its weights); None where that is not known (an ``hf:`` model's own length)."""
     settings = extra.get("settings")
-    seq_len = settings.get("seq_len") if isinstance(settings, dict) else None
-    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+    if not isinstance(settings, dict):
+        return None
+    seq_len = settings.get("seq_len")
+    if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
+        return seq_len
+    model = extra.get("model")
+    return PRESETS[model].seq_len if seq_len is None and isinstance(model, str) and model in PRESETS else None
 
 
 def recorded_diloco(extra: dict) -> DiLoCo | None:

@@ -881,7 +881,7 @@ def _resume(config: TrainConfig, model, optimizer, scheduler, trained_on: dict, 
         recorded = info.extra.get("settings")
         if isinstance(recorded, dict):
             settings = changed_settings(recorded, config)
-            if "seq_len" in settings and _trained_seq_len(info.extra, config.model) == seq_len:
+            if "seq_len" in settings and recorded_seq_len(info.extra) == seq_len:
                 del settings["seq_len"]  # given now as the length it trained at, or left to it
             changed = [f"{_switch(name, before)} -> {_switch(name, now)}"
                        if isinstance(before, bool) and isinstance(now, bool)
@@ -961,22 +961,12 @@ def trained_otherwise(config: TrainConfig, seq_len: int) -> str | None:
         if (change := _architecture_change(config.model, path, extra.get("hf_config"),
                                            config_fields(config.model))) is not None:
             return change
-        recorded = _trained_seq_len(extra, config.model)
+        recorded = recorded_seq_len(extra)
         if config.model.startswith(HF_PREFIX) or recorded is None or recorded == seq_len:
             return None
         return (f"{path} was trained at --seq-len {recorded}, and this run's is {seq_len}: give --seq-len "
                 f"{recorded} to resume it")
     return None
-
-
-def _trained_seq_len(extra: dict, model: str) -> int | None:
-    """The sequence length the run that saved a checkpoint of ``model`` (its ``extra``) trained at:
-    the ``--seq-len`` it was given, or a GPT preset's own where it was given none; None where that
-    is not known (an ``hf:`` model's own, which the checkpoint does not record)."""
-    recorded = recorded_seq_len(extra)
-    if recorded is None and isinstance(extra.get("settings"), dict) and model in PRESETS:
-        recorded = PRESETS[model].seq_len
-    return recorded
 
 
 def _model_kind(model: str) -> str | None:
