@@ -70,7 +70,7 @@ class Group:
     def __init__(self, name: str, every: int = 3, lag: int = 0):
         self.name, self.meeting, self.quorum = name, Meeting(every, lag), Quorum()
         self.deal = Deal(self.quorum, self.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                         steps=40, data=DATA)
+                         schedule="--steps 40", data=DATA)
         self.steps: list[tuple[int, list[int]]] = []  # (step, blocks read) of each step trained
 
     def train(self, steps: int) -> None:
@@ -230,24 +230,28 @@ def _meet_with_errors(a: Group, b: Group) -> list[str]:
 def test_groups_that_take_other_batches_are_told_to_give_the_same():
     a, b = Group("a"), Group("b")
     b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH + 1, grad_accum=ACCUM, seq_len=8, seed=0,
-                  steps=40, data=DATA)
+                  schedule="--steps 40", data=DATA)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"the fault-tolerant groups that met take from 4 to 6 sequences a step, this one {mine}: "
                               f"give every group as many ranks and the same --batch and --grad-accum"
                               for mine in (4, 6)]
 
 
-@pytest.mark.parametrize("training", [None, "--lr 0.003"])
-def test_groups_given_another_number_of_steps_are_both_refused(training):
+@pytest.mark.parametrize("training, schedules", [
+    (None, ("--steps 40 --eval-every 0", "--steps 60 --eval-every 0")),
+    (None, ("--steps 40 --eval-every 10", "--steps 40 --eval-every 0")),
+    ("--lr 0.003", ("--steps 40", "--steps 60"))])
+def test_groups_given_another_schedule_are_both_refused(training, schedules):
     """A group given fewer steps would end at a sync of the others' after more steps, taking their
-    model without its own last steps; one given more would train on alone."""
+    model without its own last steps; one given more would train on alone. Under DiLoCo (no
+    ``training``), one evaluating at other steps would save checkpoints holding other syncs."""
     a, b = Group("a"), Group("b")
-    for group, steps in ((a, 40), (b, 60)):
+    for group, schedule in zip((a, b), schedules):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          steps=steps, data=DATA, training=training)
+                          schedule=schedule, data=DATA, training=training)
     errors = _meet_with_errors(a, b)
-    assert sorted(errors) == [f"other fault-tolerant groups were given another --steps than this one's ({steps}): "
-                              f"give every group the same --steps" for steps in (40, 60)]
+    assert sorted(errors) == sorted(f"other fault-tolerant groups were given another schedule than this one's "
+                                    f"({schedule}): give every group the same" for schedule in schedules)
 
 
 def test_groups_on_other_data_are_both_refused():
@@ -255,7 +259,7 @@ def test_groups_on_other_data_are_both_refused():
     a, b = Group("a"), Group("b")
     for group, tokens in ((a, 200_000), (b, 300_000)):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          steps=40, data={**DATA, "tokens": tokens})
+                          schedule="--steps 40", data={**DATA, "tokens": tokens})
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups train on other data than this one's (tok.bin, {tokens} "
                               f"tokens, fingerprint 0123456789abcdef): give every group the same --data and --tokenizer"
@@ -263,7 +267,7 @@ def test_groups_on_other_data_are_both_refused():
     a, b = Group("a"), Group("b")  # of one length, other contents
     for group, sampled in ((a, "0000000000000000"), (b, "1111111111111111")):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          steps=40, data={**DATA, "sampled": sampled})
+                          schedule="--steps 40", data={**DATA, "sampled": sampled})
     assert len(_meet_with_errors(a, b)) == 2
 
 
@@ -272,7 +276,7 @@ def test_groups_that_cut_the_data_otherwise_are_both_refused(seq_len, seed):
     """A position is a sequence only with the same --seq-len, and an epoch's order is the seed's."""
     a, b = Group("a"), Group("b")
     b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=seq_len, seed=seed,
-                  steps=40, data=DATA)
+                  schedule="--steps 40", data=DATA)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == sorted(f"other fault-tolerant groups cut the data into other sequences than this one's "
                                     f"(--seq-len {length}, --seed {number}): give every group the same"
@@ -284,7 +288,7 @@ def test_groups_averaging_gradients_that_would_step_otherwise_are_told_to_give_t
     a, b = Group("a"), Group("b")
     for group, lr in ((a, "0.003"), (b, "0.01")):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          steps=40, data=DATA, training=f"--lr {lr}")
+                          schedule="--steps 40", data=DATA, training=f"--lr {lr}")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [f"other fault-tolerant groups step with other settings than this one's (--lr {lr}), or "
                               f"sync every few steps (diloco), so that their models, averaging gradients, would part: "
@@ -296,7 +300,8 @@ def test_groups_that_sync_every_few_steps_and_groups_that_meet_at_every_step_are
     """At every meeting, not only the job's first: groups resumed from checkpoints never meet at the
     first, and the group that sees no difference would wait for the other for ever."""
     a, b = Group("a"), Group("b")
-    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0, steps=40,
+    b.deal = Deal(b.quorum, b.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
+                  schedule="--steps 40",
                   data=DATA, training="--lr 0.003")
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == [

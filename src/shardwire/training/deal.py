@@ -75,9 +75,13 @@ class Deal:
     micro-batches)."""
 
     def __init__(self, quorum: Quorum, meeting: Meeting, corpus, *, batch: int, grad_accum: int, seq_len: int,
-                 seed: int, steps: int, data: dict, training: str | None = None):
-        """``steps``: the run's ``--steps``, which every group must be given: a group given fewer would
-        end at a sync of the others' after more steps, taking their model without its own last steps.
+                 seed: int, schedule: str, data: dict, training: str | None = None):
+        """``schedule``: the options that set when the groups end and what their checkpoints hold, as
+        given (``--steps 40``; under DiLoCo ``--eval-every`` too), which every group must be given
+        alike: a group given fewer steps would end at a sync of the others' after more steps, taking
+        their model without its own last steps; one evaluating at other steps would save checkpoints
+        holding syncs the others' do not (an evaluation takes the sync due at its step), so that
+        groups restarted from them would meet a sync apart.
         ``data``: the corpus's identity (``data.identity``), which every group's must share, cut
         into sequences alike (``seq_len``, and ``seed``, which orders each epoch): blocks are dealt
         by position, so groups on other data would each read their own under one deal.
@@ -89,8 +93,8 @@ class Deal:
         # group that abstained would not see a difference; every group gives a value): what must be
         # alike in every group, with what a group whose differs is told.
         self._alike = [
-            (agreement_values(fingerprint(steps)),
-             f"were given another --steps than this one's ({steps}): give every group the same --steps"),
+            (agreement_values(fingerprint(schedule)),
+             f"were given another schedule than this one's ({schedule}): give every group the same"),
             (agreement_values(fingerprint(data["tokens"], data["sampled"])),
              f"train on other data than this one's ({cut(str(data['name']))}, {data['tokens']:,} tokens, "
              f"fingerprint {data['sampled']}): give every group the same --data and --tokenizer"),

@@ -263,8 +263,10 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         stepping = None if engine.outer is not None else (
             f"--lr {number(config.lr)!r} --warmup {config.warmup} "
             f"--weight-decay {number(config.weight_decay)!r} --clip {number(config.clip)!r}")
+        evaluating = f" --eval-every {config.eval_every}" if engine.outer is not None else ""  # takes a due sync
+        schedule = f"--steps {config.steps}{evaluating}"
         deal = Deal(quorum, meeting, corpus, batch=global_batch, grad_accum=config.grad_accum, seq_len=choice.seq_len,
-                    seed=config.seed, steps=config.steps, data=corpus.identity, training=stepping)
+                    seed=config.seed, schedule=schedule, data=corpus.identity, training=stepping)
         # Each group its own random draws (only where it holds no blocks) and its own checkpoints.
         config = dataclasses.replace(
             config, seed=zlib.crc32(f"{config.seed}/{quorum.settings.group}".encode()) % (MAX_SEED + 1),
