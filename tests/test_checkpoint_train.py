@@ -83,10 +83,15 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
-def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path):
+@pytest.mark.parametrize("signum, failed", [
+    (signal.SIGKILL, "rank 1 (killed by SIGKILL: out of memory, or kill -9)"),
+    # a worker that hangs (stopped): the collective rank 0 waits on times out, which ended the run as a refusal
+    pytest.param(signal.SIGSTOP, "rank 0 (exit 3: a collective failed); any message it gave is above",
+                 marks=pytest.mark.slow)])
+def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path, signum, failed):
     checkpoints = tmp_path / "checkpoints"
     launcher = subprocess.Popen(
-        train_command(data, checkpoints, "--max-restarts", "1"),
+        train_command(data, checkpoints, "--max-restarts", "1", "--timeout", "20"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
     )
     try:
@@ -94,14 +99,14 @@ def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninter
         while not list_checkpoints(checkpoints):  # the first checkpoint is complete
             assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.01)
-        os.kill(worker_pids(launcher)[1], signal.SIGKILL)
+        os.kill(worker_pids(launcher)[1], signum)
         output, _ = launcher.communicate(timeout=240)
     finally:
         launcher.kill()
     assert launcher.returncode == 0, output
     assert f"step {STEPS}/{STEPS}" in output and "resuming from" in output, output  # it did restart
-    assert ("note: worker processes failed: rank 1 (killed by SIGKILL: out of memory, or kill -9); starting them "
-            "again (--max-restarts: restart 1 of 1)") in output, output
+    assert f"note: worker processes failed: {failed}; starting them again (--max-restarts: restart 1 of 1)" in output, \
+        output
     expected = final_weights(uninterrupted, tmp_path / "expected.pt")
     actual = final_weights(checkpoints, tmp_path / "actual.pt")
     assert actual.keys() == expected.keys()

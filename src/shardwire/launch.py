@@ -29,6 +29,10 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # The status of a worker that stopped the job with a message of its own (``error: ...``), as the
 # command line's refusals end: its launcher adds nothing to that line.
 REFUSED = 2
+# The status of a worker whose collective failed (a peer stopped, hung or crashed, or a link broke),
+# which said what it waited for in one line: unlike a refusal, a restart (``--max-restarts``) may
+# not meet it again. Beside another worker's failure it is that failure's consequence, not named.
+COLLECTIVE_FAILED = 3
 # What a worker process takes before it holds any data: Python with torch imported is about 220 MB
 # resident; no worker comes in under this.
 _WORKER_FOOTPRINT = 128 << 20
@@ -419,7 +423,7 @@ class _AgentLog(logging.Filter):
     @property
     def refused(self) -> bool:
         """Whether the workers' failure is a refusal: a worker's, with the rest stopped."""
-        return REFUSED in self._statuses and self._statuses <= {REFUSED, -signal.SIGTERM}
+        return _refused(self._statuses)
 
     def restarting(self) -> None:
         """The workers start again: their failures are behind them."""
@@ -453,10 +457,12 @@ def failed_workers(err) -> int:
     ranks the launcher stopped with SIGTERM once one had failed are not named; where every rank ended
     by SIGTERM, the one sent it from outside the run is the one the launcher found ended first."""
     statuses = {failure.exitcode for failure in err.failures.values()}
-    if REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM}:
+    if _refused(statuses):
         return REFUSED  # a worker said why, in one line, and the agent stopped the rest
     ended = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
-    failed = {rank: status for rank, status in ended.items() if status != -signal.SIGTERM}
+    failed = {rank: status for rank, status in ended.items() if status not in (-signal.SIGTERM, COLLECTIVE_FAILED)}
+    if not failed and COLLECTIVE_FAILED in statuses:
+        return 1  # a collective failed, each worker waiting on it said so; the one it waited for was stopped
     if not failed:
         # The agent records the workers it finds ended before those it then stops: the first was sent
         # SIGTERM from outside the run.
@@ -466,11 +472,17 @@ def failed_workers(err) -> int:
               file=sys.stderr)
         return 1
     named = ", ".join(f"rank {rank} ({_how_it_ended(status)})" for rank, status in failed.items())
-    stopped = "; the launcher then stopped the rest" if len(ended) > len(failed) else ""
+    stopped = "; the launcher then stopped the rest" if -signal.SIGTERM in statuses else ""
     said = sum(_ending_signal(status) is None and status > 0 for status in failed.values())
     above = "" if not said else "; any message it gave is above" if said == 1 else "; any messages they gave are above"
     print(f"error: worker processes failed: {named}{stopped}{above}", file=sys.stderr)
     return 1
+
+
+def _refused(statuses: set[int]) -> bool:
+    """Whether workers that ended with ``statuses`` stopped the job with a refusal: a worker's, the
+    rest stopped by the agent or failing in the collectives it left."""
+    return REFUSED in statuses and statuses <= {REFUSED, COLLECTIVE_FAILED, -signal.SIGTERM}
 
 
 def _ending_signal(status: int) -> str | None:
@@ -488,6 +500,8 @@ def _how_it_ended(status: int) -> str:
     """A worker's exit status in words: its exit code, or the signal that ended it (SIGKILL: the
     system's out-of-memory killer, or a user's ``kill -9``)."""
     name = _ending_signal(status)
+    if status == COLLECTIVE_FAILED:
+        return f"exit {status}: a collective failed"
     if name is None:
         return f"exit {status}"
     if status > 0:

@@ -16,8 +16,8 @@ import pytest
 
 from shardwire import launch
 from shardwire.cli import _run, command, main
-from shardwire.comm.errors import CollectiveError
-from shardwire.launch import REFUSED
+from shardwire.comm.errors import CollectiveError, ScheduleMismatchError
+from shardwire.launch import COLLECTIVE_FAILED, REFUSED
 from harness import PROFILE
 
 
@@ -262,9 +262,11 @@ def test_an_option_given_twice_works_for_a_release_with_a_warning(capsys):
 
 
 def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
-    """A peer that refused (data changed under it) or crashed leaves the others' collectives failing:
-    each says what it was waiting for in one line, not a traceback, where the launcher has not stopped
-    it first (the peer's line is then the one the user reads)."""
+    """A peer that refused (data changed under it), crashed or hung leaves the others' collectives
+    failing: each says what it was waiting for in one line, not a traceback, where the launcher has not
+    stopped it first (the peer's line is then the one the user reads), and ends with a status
+    --max-restarts restarts (a hung peer ended the run as a refusal); ranks that issued different
+    collectives refuse, as a restart would meet it again."""
     def run(args, argv, checked):
         raise CollectiveError("rank 1: all_gather of 'blocks.0'\nfailed (Connection closed by peer). Another rank "
                               "has probably stopped")
@@ -273,10 +275,16 @@ def test_a_worker_whose_peer_stopped_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(launch.time, "sleep", waited.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == REFUSED
+    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == COLLECTIVE_FAILED  # restartable
     assert waited == [launch._LAUNCHERS_STOP_S]  # for the launcher, which looks at its workers every 0.1 s
     assert capsys.readouterr().err == ("error: rank 1: all_gather of 'blocks.0' failed (Connection closed by peer). "
                                        "Another rank has probably stopped\n")
+
+    def mismatched(args, argv, checked):
+        raise ScheduleMismatchError("rank 1: ranks issued different collectives in step 3")
+
+    assert _run(types.SimpleNamespace(run=mismatched), argparse.ArgumentParser(), []) == REFUSED
+    capsys.readouterr()
     monkeypatch.delenv("LOCAL_RANK")  # a library call outside a launcher raises as ever
     with pytest.raises(CollectiveError):
         _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), [])
@@ -293,7 +301,7 @@ def test_a_torch_collective_whose_peer_is_gone_says_so_in_one_line(monkeypatch, 
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == REFUSED
+    assert _run(types.SimpleNamespace(run=run), argparse.ArgumentParser(), []) == COLLECTIVE_FAILED
     assert capsys.readouterr().err == ("error: rank 0 lost its connection to another rank, whose process ended or "
                                        "whose link broke (Read error [127.0.0.1]:4122: Connection reset by peer)\n")
 

@@ -5,6 +5,7 @@ go of its tensors."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ import textwrap
 import time
 
 import pytest
+
+from shardwire.launch import COLLECTIVE_FAILED, REFUSED
 
 ENDING = textwrap.dedent("""
     import atexit, concurrent.futures, pathlib, sys, threading, time
@@ -220,6 +223,8 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(signum, said
     ({1: -signal.SIGTERM, 0: -signal.SIGTERM}, "rank 1 (ended by SIGTERM, sent from outside the run); the launcher "
                                                "then stopped the rest"),
     ({0: -signal.SIGTERM}, "rank 0 (ended by SIGTERM, sent from outside the run)"),
+    # a worker whose collective failed when its peer was killed: the kill's consequence
+    ({0: -signal.SIGKILL, 1: COLLECTIVE_FAILED}, "rank 0 (killed by SIGKILL: out of memory, or kill -9)"),
 ])
 def test_workers_that_failed_are_named_with_how_they_ended(statuses, line, capsys):
     """A worker killed by a signal says nothing itself: the line names the signal, and says a message
@@ -231,3 +236,23 @@ def test_workers_that_failed_are_named_with_how_they_ended(statuses, line, capsy
     failed = SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in statuses.items()})
     assert failed_workers(failed) == 1
     assert capsys.readouterr().err == f"error: worker processes failed: {line}\n"
+
+
+@pytest.mark.parametrize("statuses, status", [
+    ({0: COLLECTIVE_FAILED, 1: -signal.SIGTERM}, 1),  # a rank hung: the one waiting on it said so
+    ({0: REFUSED, 1: COLLECTIVE_FAILED}, REFUSED),  # a rank refused: the other's collective failed with it
+])
+def test_workers_whose_collective_failed_said_so_and_restart_unless_another_refused(statuses, status, capsys):
+    """A collective timeout (a peer hung, its link down) ended the run as a refusal, which
+    --max-restarts does not restart; beside a refusal, it is the refusal's consequence."""
+    from types import SimpleNamespace
+
+    from shardwire.launch import _AgentLog, failed_workers
+    failed = SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in statuses.items()})
+    assert failed_workers(failed) == status
+    assert capsys.readouterr().err == ""  # the workers' own lines said it
+    said = _AgentLog()  # the agent's log, which decides whether it restarts them
+    for rank, code in statuses.items():
+        said.filter(logging.LogRecord("agent", logging.ERROR, __file__, 0, "failed (exitcode: %s) local_rank: %s",
+                                      (code, rank), None))
+    assert said.refused == (status == REFUSED)

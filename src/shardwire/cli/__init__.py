@@ -29,10 +29,11 @@ from typing import NoReturn
 
 from shardwire.cli import config_file
 from shardwire.cli.config_file import ConfigError
-from shardwire.comm.errors import CollectiveError, peer_lost, without_source_locations
+from shardwire.comm.errors import CollectiveError, ScheduleMismatchError, peer_lost, without_source_locations
 from shardwire.extras import MissingExtra
 from shardwire.files import OutputRefused
 from shardwire.launch import (
+    COLLECTIVE_FAILED,
     REFUSED,
     Closed,
     OutputLost,
@@ -354,11 +355,12 @@ def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[st
     except CollectiveError as err:
         if not under_launcher():
             raise
-        # A peer stopped (refused, crashed, was killed) while this worker waited on it: its message says
-        # why, this one only what it was waiting for, in one line, where the launcher does not stop it first.
+        # A peer stopped (refused, crashed, was killed, hung) while this worker waited on it: its message
+        # says why, where it gave one, this one only what it was waiting for, in one line, where the launcher
+        # does not stop it first. Ranks that issued different collectives refuse: a restart meets it again.
         leave_it_to_the_launcher()
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return REFUSED
+        return REFUSED if isinstance(err, ScheduleMismatchError) else COLLECTIVE_FAILED
     except RuntimeError as err:
         if not (under_launcher() and peer_lost(err)):
             raise
@@ -367,7 +369,7 @@ def _run_held(module: ModuleType, parser: argparse.ArgumentParser, rest: list[st
         said = " ".join(without_source_locations(str(err)).split())
         print(refusal(f"error: rank {os.environ.get('RANK', '?')} lost its connection to another rank, whose "
                       f"process ended or whose link broke ({cut(said)})"), file=sys.stderr)
-        return REFUSED
+        return COLLECTIVE_FAILED
     except KeyboardInterrupt as err:
         return _interrupted(err)
     except OutputLost as err:
