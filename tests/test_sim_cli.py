@@ -769,6 +769,15 @@ def test_a_sweep_shows_each_value_as_it_was_simulated(capsys):
     assert status == 0 and json.loads(out)["sweep"] == {"key": "nodes", "values": [1000, 2]}
 
 
+def test_a_sweep_over_nodes_explains_where_it_scales_least_not_its_last_value(capsys):
+    """The docs promise what bounds the step where the sweep scales least: it explained the last
+    value given, whatever its scaling."""
+    status, out, _ = run(capsys, "simulate", "--model", "tiny", "--cluster", "a100-100gbe", "--sweep", "nodes=1,4,2")
+    rows = {line.split()[0]: float(line.split()[-1].rstrip("%")) for line in out.splitlines()
+            if line.split() and line.split()[0] in ("1", "2", "4") and line.endswith("%")}
+    assert status == 0 and min(rows, key=rows.get) == "4" and "\nat nodes=4: " in out, out
+
+
 def test_a_plans_library_call_compiles_where_its_command_does(capsys):
     """Its `or:` line left compile=True out: the call ran another job than the one priced."""
     status, out, _ = run(capsys, "plan", "--model", "gpt-125m", "--cluster", "a100-100gbe", "--nodes", "2",

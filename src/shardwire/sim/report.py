@@ -220,7 +220,9 @@ def sweep_text(s: Sweep) -> str:
         lines.append(f"(scaling against 1 node: {s.reference.step_time_s:.4g} s per step, simulated for reference)")
     if efficiency is not None and not s.reference.memory.fits:
         lines.append("(the 1-node reference does not fit in memory: its simulated speed is still the reference)")
-    lines += ["", f"at {s.key}={spelled(s.values[-1])}: {verdict(s.points[-1])}"]
+    # what bounds the step where it scales least (the largest value where scaling is not measured)
+    least = min(range(len(s.points)), key=efficiency.__getitem__) if efficiency is not None else len(s.points) - 1
+    lines += ["", f"at {s.key}={spelled(s.values[least])}: {verdict(s.points[least])}"]
     lines += [f"note: {n}" for n in notes(s.points[0])]
     return "\n".join(lines)
 
@@ -350,7 +352,13 @@ def failures_text(priced: list[tuple[str, FailureCosts]]) -> list[str]:
 
 def _restart_text(restart: Restart) -> str:
     chosen = "Young's interval" if restart.young else "as given"
-    return (f"restart from checkpoint  {_kept(restart)}; a checkpoint every {restart.save_every:,} steps "
+    kept = _kept(restart)
+    if restart.goodput == 0 and (restart.interval_s + restart.save_s) / 2 > restart.restart_s:
+        # what a failure costs is mostly the steps done again since the last checkpoint, not the restart
+        kept = ("goodput 0: each failure does again half a checkpoint interval of steps on average, and failures "
+                "come faster than that; no step is kept (save more often"
+                + (": a smaller --save-every, or none for Young's interval)" if not restart.young else ")"))
+    return (f"restart from checkpoint  {kept}; a checkpoint every {restart.save_every:,} steps "
             f"({restart.interval_s / 3600:.3g} h, {chosen}), "
             f"{restart.checkpoint_bytes / 1e9:.4g} GB per node: {restart.save_s:.3g} s to save, "
             f"{restart.restart_s:.3g} s to restart")
