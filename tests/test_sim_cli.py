@@ -259,6 +259,20 @@ def test_plan_finds_the_fastest_configuration_that_fits_and_says_why():
     assert best.training.micro_batch * best.training.grad_accum == 8
 
 
+def test_a_plan_whose_search_would_take_minutes_leaves_out_its_smallest_micro_batches(monkeypatch):
+    """1,920 sequences per GPU: every divisor a micro-batch, each simulated in full, took 502 s. The
+    search keeps to a budget of unit passes, from the largest micro-batches down, says what it left
+    out, and prices a one-change alternative it left out alone."""
+    args = MODELS["gpt2-125m"], CLUSTERS["a100-100gbe"], 16 * 64, TrainingSpec()
+    whole = plan(*args, exact=True)
+    monkeypatch.setattr(planner, "MAX_SEARCH_PASSES", 5_000)
+    cut = plan(*args, exact=True)
+    assert cut.best.training == whole.best.training and cut.candidates == whole.candidates
+    left_out = [n for n in cut.notes if "or fewer: not simulated" in n]
+    assert len(left_out) == 1 and not any("not simulated" in n for n in whole.notes), cut.notes
+    assert [a.step_time_s for a in cut.alternatives] == [a.step_time_s for a in whole.alternatives]
+
+
 def test_plan_finds_the_micro_batches_without_counting_to_the_batch():
     assert planner._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
     assert planner._divisors(1) == [1]

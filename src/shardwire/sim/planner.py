@@ -17,7 +17,9 @@ gradient accumulation under ``no_sync``; no ``fault_tolerance``, which applies t
 and ``shardwire train`` run: ``launch`` gives the command and the arguments for both, and says why
 where the engine cannot run it (fp8 gathers, a model ``shardwire train`` does not name). Candidates
 whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
-``TIE``) going to the one that needs less memory (an exact wire keeps no error feedback).
+``TIE``) going to the one that needs less memory (an exact wire keeps no error feedback). Where
+their unit passes add up past ``MAX_SEARCH_PASSES`` (a large per-GPU batch), the smallest
+micro-batches are left out, and ``Plan.notes`` says so.
 
 The explanation sets the winner against what changing each of its settings alone would give:
 slower, or not fitting, which is why it wins; and names the runner-up.
@@ -50,6 +52,9 @@ from shardwire.sim.huggingface import HF_PREFIX, has_tokenizer
 from shardwire.sim.step import MAX_UNIT_PASSES, layout_plan, unit_passes
 
 MAX_PREFETCH = 4
+# The unit passes a plan simulates in all, at about 0.1 ms each: past this, a large per-GPU batch
+# (every divisor a micro-batch, each of its micro-batches simulated in full) took minutes.
+MAX_SEARCH_PASSES = 2**18
 # Step times this close count as equal, and the configuration needing less memory wins.
 TIE = 1e-3
 
@@ -190,7 +195,12 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"{need.shortfall / GIB:.1f} GiB more than the {need.usable / GIB:.1f} usable; use more GPUs "
             f"or a smaller global batch"
         )
-    ranked = sorted((predict(model, cluster, t) for t in fitting), key=lambda p: p.step_time_s)
+    searched, left_out = _affordable(fitting, arch)
+    if left_out is not None:
+        notes.append(f"micro-batches of {left_out} sequence{'s' * (left_out > 1)} or fewer: not simulated, as their "
+                     f"many micro-batches a step would take the search minutes; fewer, larger micro-batches are "
+                     f"faster where they fit")
+    ranked = sorted((predict(model, cluster, t) for t in searched), key=lambda p: p.step_time_s)
     ties = [p for p in ranked if p.step_time_s <= ranked[0].step_time_s * (1 + TIE)]
     best = min(ties, key=lambda p: p.memory.total)
     ranked.remove(best)
@@ -199,15 +209,34 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
     alternatives = []
     for change, t in _one_changes(best.training, candidates):
         p = by_training.get(t)
+        if p is None and memory[t].fits:  # left out of the search for its cost: priced alone
+            p = predict(model, cluster, t)
         alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
     diloco = None
     if not exact and cluster.nodes > 1:
-        syncing = [t for t in diloco_settings(per_gpu, cluster, base) if _holds(t, fixed)
-                   and unit_passes(arch, t) <= MAX_UNIT_PASSES and estimate_memory(arch, cluster, t).fits]
+        syncing, _ = _affordable([t for t in diloco_settings(per_gpu, cluster, base) if _holds(t, fixed)
+                                  and unit_passes(arch, t) <= MAX_UNIT_PASSES and estimate_memory(arch, cluster, t).fits],
+                                 arch)
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
     searched = [word for key, word in _SEARCHED.items() if word is not None and (key != "wire" or wires)]
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco,
                 notes, searched)
+
+
+def _affordable(fitting: list[TrainingSpec], arch) -> tuple[list[TrainingSpec], int | None]:
+    """The configurations of ``fitting`` the search simulates, and the largest micro-batch it leaves
+    out (None: none): all, unless their unit passes add up to more than ``MAX_SEARCH_PASSES``; then
+    those of the largest micro-batches, size by size, while the total stays within it (one size at
+    least). A smaller micro-batch of the same samples is rarely faster: it runs more gathers and
+    reductions a step, and the matrix multiplies no faster."""
+    kept, total = [], 0
+    for micro in sorted({t.micro_batch for t in fitting}, reverse=True):
+        group = [t for t in fitting if t.micro_batch == micro]
+        total += sum(unit_passes(arch, t) for t in group)
+        if kept and total > MAX_SEARCH_PASSES:
+            return kept, micro
+        kept += group
+    return kept, None
 
 
 def _holds(t: TrainingSpec, fixed: Mapping[str, object] | None) -> bool:
