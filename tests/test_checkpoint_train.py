@@ -85,10 +85,10 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
 @pytest.mark.parametrize("signum, failed", [
     (signal.SIGKILL, "rank 1 (killed by SIGKILL: out of memory, or kill -9)"),
-    # a worker that hangs (stopped): the collective rank 0 waits on times out, which ended the run as a refusal
+    # a worker that hangs (stopped): the collective rank 0 waits on times out, and the workers restart
     pytest.param(signal.SIGSTOP, "rank 0 (exit 3: a collective failed); any message it gave is above",
                  marks=pytest.mark.slow)])
-def test_killed_worker_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path, signum, failed):
+def test_a_worker_that_dies_or_hangs_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path, signum, failed):
     checkpoints = tmp_path / "checkpoints"
     launcher = subprocess.Popen(
         train_command(data, checkpoints, "--max-restarts", "1", "--timeout", "20"),

@@ -12,7 +12,7 @@ import torch
 
 from shardwire.options import SettingError
 from shardwire.training.data import ByteCorpus, epoch_starts
-from shardwire.training.deal import Deal
+from shardwire.training.deal import Deal, schedule
 
 BATCH, ACCUM = 2, 2  # sequences per micro-batch of a group, micro-batches per step: blocks of 4
 DATA = {"name": "tok.bin", "tokens": 1_000, "sampled": "0123456789abcdef"}  # the corpus every group trains on
@@ -246,12 +246,19 @@ def test_groups_given_another_schedule_are_both_refused(training, schedules):
     model without its own last steps; one given more would train on alone. Under DiLoCo (no
     ``training``), one evaluating at other steps would save checkpoints holding other syncs."""
     a, b = Group("a"), Group("b")
-    for group, schedule in zip((a, b), schedules):
+    for group, given in zip((a, b), schedules):
         group.deal = Deal(group.quorum, group.meeting, Positions(), batch=BATCH, grad_accum=ACCUM, seq_len=8, seed=0,
-                          schedule=schedule, data=DATA, training=training)
+                          schedule=given, data=DATA, training=training)
     errors = _meet_with_errors(a, b)
     assert sorted(errors) == sorted(f"other fault-tolerant groups were given another schedule than this one's "
-                                    f"({schedule}): give every group the same" for schedule in schedules)
+                                    f"({given}): give every group the same" for given in schedules)
+
+
+def test_the_schedule_compared_holds_eval_every_only_where_groups_sync_every_few_steps():
+    """An evaluation takes the sync due at its step under DiLoCo; groups meeting at every step hold
+    no sync apart from their steps."""
+    assert schedule(40, 10, diloco=True) == "--steps 40 --eval-every 10"
+    assert schedule(40, 10, diloco=False) == "--steps 40"
 
 
 def test_groups_on_other_data_are_both_refused():

@@ -187,9 +187,11 @@ def test_a_checkpoint_interval_longer_than_failures_allow_is_named_as_the_cause(
     """A job failing every 12.5 h, restarting in a minute, saving every 42 h: its goodput 0 was said
     to be failures faster than the job recovers, where saving more often is the remedy."""
     status, out, _ = run(capsys, *SIMULATE, "--node-mtbf", "25", "--save-every", "10000000")
-    assert status == 0 and ("goodput 0: each failure does again half a checkpoint interval of steps on average, and "
-                            "failures come faster than that; no step is kept (save more often: a smaller "
-                            "--save-every, or none for Young's interval)") in out, out
+    said = ("goodput 0: each failure costs a restart and half a checkpoint interval of steps done again, more than "
+            "the time between failures; no step is kept (a smaller --save-every keeps some)")
+    assert status == 0 and said in out, out
+    status, out, _ = run(capsys, *SIMULATE, "--node-mtbf", "0.001", "--save-every", "10000000")
+    assert "goodput 0: failures come faster than the job recovers" in out, out  # no interval would keep a step
 
 
 def test_plan_prices_its_choice_and_the_diloco_one(capsys):

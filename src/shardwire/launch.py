@@ -29,9 +29,11 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # The status of a worker that stopped the job with a message of its own (``error: ...``), as the
 # command line's refusals end: its launcher adds nothing to that line.
 REFUSED = 2
-# The status of a worker whose collective failed (a peer stopped, hung or crashed, or a link broke),
-# which said what it waited for in one line: unlike a refusal, a restart (``--max-restarts``) may
-# not meet it again. Beside another worker's failure it is that failure's consequence, not named.
+# The status of a shardwire worker whose collective failed (a peer stopped, hung or crashed, or a
+# link broke), which said what it waited for in one line: unlike a refusal, a restart
+# (``--max-restarts``) may not meet it again. Beside another worker's failure it is that failure's
+# consequence, not named. Another program's workers (``testbed run`` of a script) may exit 3 for
+# reasons of their own: their statuses are read as they are (``ours``).
 COLLECTIVE_FAILED = 3
 # What a worker process takes before it holds any data: Python with torch imported is about 220 MB
 # resident; no worker comes in under this.
@@ -338,7 +340,7 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # Set the workers' arguments after parsing: torchrun's parser would otherwise read them too
     # (and take `--nproc` for an abbreviation of its own `--nproc-per-node`).
     config.training_script_args = argv
-    said = quiet_agent()
+    said = quiet_agent(ours=True)
     os.environ[_NOTED_BY_LAUNCHER] = "1"  # inherited by the workers
     handlers = {signum: signal.getsignal(signum) for signum in (*stop_signals(), signal.SIGQUIT)}
     try:
@@ -347,7 +349,7 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     except SignalException as err:
         raise stopping(int(err.sigval)) from None
     except ChildFailedError as err:
-        return failed_workers(err)
+        return failed_workers(err, ours=True)
     except WorkersRefused:
         return REFUSED  # a worker said why, in one line
     finally:
@@ -389,17 +391,17 @@ def restarting_failures_only(said: _AgentLog):
         SimpleElasticAgent._restart_workers = restart
 
 
-def quiet_agent() -> _AgentLog:
+def quiet_agent(*, ours: bool) -> _AgentLog:
     """Keep torch's elastic agent, run in this process, to its errors and its restarts: its warnings
     narrate its shutdown (a signal received, each worker sent one), and its line for a failed worker
     repeats what the worker, or ``failed_workers``'s line, says once (``_AgentLog``, returned: it
-    knows how the workers failed)."""
+    knows how the workers failed; ``ours``: whether they are shardwire's, whose statuses say more)."""
     for name in list(logging.root.manager.loggerDict):  # each sets its own level as torch makes it
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
     agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
     agent.setLevel(logging.INFO)  # where it says it restarts the workers
-    said = _AgentLog()
+    said = _AgentLog(ours)
     for logger in (agent, logging.getLogger("torch.distributed.elastic.multiprocessing.api")):
         for old in [f for f in logger.filters if isinstance(f, _AgentLog)]:
             logger.removeFilter(old)
@@ -415,15 +417,16 @@ class _AgentLog(logging.Filter):
     handler). A restart of the workers (``--max-restarts``), which it says at INFO, is said as a note
     naming the rank that failed first and how: the restarted workers then say where they resume."""
 
-    def __init__(self):
+    def __init__(self, ours: bool):
         super().__init__()
+        self._ours = ours
         self._failed: tuple[int, int] | None = None  # (rank, exit status) of the failure logged last
         self._statuses: set[int] = set()  # the exit statuses of the failures since the workers started
 
     @property
     def refused(self) -> bool:
         """Whether the workers' failure is a refusal: a worker's, with the rest stopped."""
-        return _refused(self._statuses)
+        return _refused(self._statuses, self._ours)
 
     def restarting(self) -> None:
         """The workers start again: their failures are behind them."""
@@ -443,35 +446,45 @@ class _AgentLog(logging.Filter):
             if self._failed is not None:
                 rank, status = self._failed
                 above = "; any message it gave is above" if _ending_signal(status) is None and status > 0 else ""
-                named = f": rank {rank} ({_how_it_ended(status)}){above}"
+                named = f": rank {rank} ({_how_it_ended(status, self._ours)}){above}"
             print(f"note: worker processes failed{named}; starting them again (--max-restarts: restart "
                   f"{most - left + 1} of {most})", file=sys.stderr, flush=True)
             return False
         return record.levelno >= logging.ERROR and not text.startswith("Error waiting on exit barrier")
 
 
-def failed_workers(err) -> int:
+def failed_workers(err, *, ours: bool) -> int:
     """The status of a job whose workers failed (torch's ``ChildFailedError``): a worker's refusal,
     which said why in one line, as it is; any other failure in one line naming the ranks that failed
     and how (an exit status, or the signal that ended one, which leaves no message of its own). The
     ranks the launcher stopped with SIGTERM once one had failed are not named; where every rank ended
-    by SIGTERM, the one sent it from outside the run is the one the launcher found ended first."""
+    by SIGTERM, the one sent it from outside the run is the one the launcher found ended first.
+    Shardwire's workers (``ours``) whose collective failed (``COLLECTIVE_FAILED``) said so: beside
+    another failure they are not named; where one was found first, the ranks the launcher then
+    stopped are, as a rank that hung or lost its link is among them."""
     statuses = {failure.exitcode for failure in err.failures.values()}
-    if _refused(statuses):
+    if _refused(statuses, ours):
         return REFUSED  # a worker said why, in one line, and the agent stopped the rest
     ended = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
-    failed = {rank: status for rank, status in ended.items() if status not in (-signal.SIGTERM, COLLECTIVE_FAILED)}
-    if not failed and COLLECTIVE_FAILED in statuses:
-        return 1  # a collective failed, each worker waiting on it said so; the one it waited for was stopped
-    if not failed:
-        # The agent records the workers it finds ended before those it then stops: the first was sent
-        # SIGTERM from outside the run.
-        first = next(iter(err.failures))
-        rest = "; the launcher then stopped the rest" if len(ended) > 1 else ""
-        print(f"error: worker processes failed: rank {first} (ended by SIGTERM, sent from outside the run){rest}",
+    # The agent records the workers it finds ended before those it then stops.
+    first_rank, first = next(iter(err.failures.items()))
+    if ours and first.exitcode == COLLECTIVE_FAILED:
+        waited = [rank for rank, status in ended.items() if status == COLLECTIVE_FAILED]
+        stopped = [rank for rank, status in ended.items() if status != COLLECTIVE_FAILED]
+        rest = (f"; the launcher then stopped {_ranks(stopped)}, whose collectives had not failed: a rank that hung "
+                f"or lost its link is among them" if stopped else "")
+        print(f"error: worker processes failed: a collective failed on {_ranks(waited)} (said above){rest}",
               file=sys.stderr)
         return 1
-    named = ", ".join(f"rank {rank} ({_how_it_ended(status)})" for rank, status in failed.items())
+    consequences = (-signal.SIGTERM, COLLECTIVE_FAILED) if ours else (-signal.SIGTERM,)
+    failed = {rank: status for rank, status in ended.items() if status not in consequences}
+    if not failed:
+        # the first was sent SIGTERM from outside the run
+        rest = "; the launcher then stopped the rest" if len(ended) > 1 else ""
+        print(f"error: worker processes failed: rank {first_rank} (ended by SIGTERM, sent from outside the run)"
+              f"{rest}", file=sys.stderr)
+        return 1
+    named = ", ".join(f"rank {rank} ({_how_it_ended(status, ours)})" for rank, status in failed.items())
     stopped = "; the launcher then stopped the rest" if -signal.SIGTERM in statuses else ""
     said = sum(_ending_signal(status) is None and status > 0 for status in failed.values())
     above = "" if not said else "; any message it gave is above" if said == 1 else "; any messages they gave are above"
@@ -479,10 +492,14 @@ def failed_workers(err) -> int:
     return 1
 
 
-def _refused(statuses: set[int]) -> bool:
+def _refused(statuses: set[int], ours: bool) -> bool:
     """Whether workers that ended with ``statuses`` stopped the job with a refusal: a worker's, the
-    rest stopped by the agent or failing in the collectives it left."""
-    return REFUSED in statuses and statuses <= {REFUSED, COLLECTIVE_FAILED, -signal.SIGTERM}
+    rest stopped by the agent or (``ours``) failing in the collectives it left."""
+    return REFUSED in statuses and statuses <= {REFUSED, -signal.SIGTERM, *([COLLECTIVE_FAILED] if ours else [])}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _ending_signal(status: int) -> str | None:
@@ -496,11 +513,11 @@ def _ending_signal(status: int) -> str | None:
         return f"signal {number}" if status < 0 else None
 
 
-def _how_it_ended(status: int) -> str:
+def _how_it_ended(status: int, ours: bool) -> str:
     """A worker's exit status in words: its exit code, or the signal that ended it (SIGKILL: the
     system's out-of-memory killer, or a user's ``kill -9``)."""
     name = _ending_signal(status)
-    if status == COLLECTIVE_FAILED:
+    if ours and status == COLLECTIVE_FAILED:
         return f"exit {status}: a collective failed"
     if name is None:
         return f"exit {status}"

@@ -225,6 +225,13 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(signum, said
     ({0: -signal.SIGTERM}, "rank 0 (ended by SIGTERM, sent from outside the run)"),
     # a worker whose collective failed when its peer was killed: the kill's consequence
     ({0: -signal.SIGKILL, 1: COLLECTIVE_FAILED}, "rank 0 (killed by SIGKILL: out of memory, or kill -9)"),
+    # found first, a collective that failed: the ranks the launcher then stopped (a stopped one ignores
+    # SIGTERM, and is killed) hold the one that hung
+    ({0: COLLECTIVE_FAILED, 1: -signal.SIGKILL, 2: COLLECTIVE_FAILED},
+     "a collective failed on ranks 0, 2 (said above); the launcher then stopped rank 1, whose collectives had not "
+     "failed: a rank that hung or lost its link is among them"),
+    ({0: COLLECTIVE_FAILED, 1: -signal.SIGTERM}, "a collective failed on rank 0 (said above); the launcher then "
+     "stopped rank 1, whose collectives had not failed: a rank that hung or lost its link is among them"),
 ])
 def test_workers_that_failed_are_named_with_how_they_ended(statuses, line, capsys):
     """A worker killed by a signal says nothing itself: the line names the signal, and says a message
@@ -234,25 +241,48 @@ def test_workers_that_failed_are_named_with_how_they_ended(statuses, line, capsy
 
     from shardwire.launch import failed_workers
     failed = SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in statuses.items()})
-    assert failed_workers(failed) == 1
+    assert failed_workers(failed, ours=True) == 1
     assert capsys.readouterr().err == f"error: worker processes failed: {line}\n"
 
 
-@pytest.mark.parametrize("statuses, status", [
-    ({0: COLLECTIVE_FAILED, 1: -signal.SIGTERM}, 1),  # a rank hung: the one waiting on it said so
-    ({0: REFUSED, 1: COLLECTIVE_FAILED}, REFUSED),  # a rank refused: the other's collective failed with it
-])
-def test_workers_whose_collective_failed_said_so_and_restart_unless_another_refused(statuses, status, capsys):
-    """A collective timeout (a peer hung, its link down) ended the run as a refusal, which
-    --max-restarts does not restart; beside a refusal, it is the refusal's consequence."""
+def test_another_programs_exit_3_is_its_own(capsys):
+    """``testbed run`` of a script: its workers' exit 3 is theirs, not a collective that failed, and
+    is named as it is."""
     from types import SimpleNamespace
 
-    from shardwire.launch import _AgentLog, failed_workers
+    from shardwire.launch import failed_workers
+    statuses = {0: COLLECTIVE_FAILED, 1: -signal.SIGTERM}
     failed = SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in statuses.items()})
-    assert failed_workers(failed) == status
-    assert capsys.readouterr().err == ""  # the workers' own lines said it
-    said = _AgentLog()  # the agent's log, which decides whether it restarts them
+    assert failed_workers(failed, ours=False) == 1
+    assert capsys.readouterr().err == ("error: worker processes failed: rank 0 (exit 3); the launcher then stopped "
+                                       "the rest; any message it gave is above\n")
+
+
+def _log_failures(said, statuses: dict[int, int]) -> None:
+    """Each failure as the agent logs the first it finds each time it looks."""
     for rank, code in statuses.items():
         said.filter(logging.LogRecord("agent", logging.ERROR, __file__, 0, "failed (exitcode: %s) local_rank: %s",
                                       (code, rank), None))
-    assert said.refused == (status == REFUSED)
+
+
+def test_a_collective_that_failed_is_restarted_and_a_refusal_is_not():
+    """The agent logs the first failure it finds, and restarts unless it is a refusal: a hung peer
+    made the others' collective fail, which ended the run as a refusal, never restarted. (A worker
+    whose collective failed waits for its launcher before it ends: a refusal that made it fail is
+    found first.)"""
+    from shardwire.launch import _AgentLog
+    said = _AgentLog(ours=True)
+    _log_failures(said, {1: COLLECTIVE_FAILED})
+    assert not said.refused
+    said.restarting()
+    _log_failures(said, {0: REFUSED})
+    assert said.refused
+
+
+def test_a_refusal_beside_a_collective_that_failed_ends_the_job_as_one(capsys):
+    from types import SimpleNamespace
+
+    from shardwire.launch import failed_workers
+    statuses = {1: COLLECTIVE_FAILED, 0: REFUSED}
+    failed = SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in statuses.items()})
+    assert failed_workers(failed, ours=True) == REFUSED and capsys.readouterr().err == ""  # its own line said it

@@ -195,32 +195,48 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
             f"{need.shortfall / GIB:.1f} GiB more than the {need.usable / GIB:.1f} usable; use more GPUs "
             f"or a smaller global batch"
         )
-    searched, left_out = _affordable(fitting, arch)
+    simulated, left_out = _affordable(fitting, arch)
     if left_out is not None:
         notes.append(f"micro-batches of {left_out} sequence{'s' * (left_out > 1)} or fewer: not simulated, as their "
                      f"many micro-batches a step would take the search minutes; fewer, larger micro-batches are "
                      f"faster where they fit")
-    ranked = sorted((predict(model, cluster, t) for t in searched), key=lambda p: p.step_time_s)
-    ties = [p for p in ranked if p.step_time_s <= ranked[0].step_time_s * (1 + TIE)]
-    best = min(ties, key=lambda p: p.memory.total)
-    ranked.remove(best)
-    ranked.insert(0, best)
-    by_training = {p.training: p for p in ranked}
-    alternatives = []
-    for change, t in _one_changes(best.training, candidates):
-        p = by_training.get(t)
-        if p is None and memory[t].fits:  # left out of the search for its cost: priced alone
-            p = predict(model, cluster, t)
-        alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
+    ranked = [predict(model, cluster, t) for t in simulated]
+    while True:
+        ranked = _ranked(ranked)
+        best = ranked[0]
+        by_training = {p.training: p for p in ranked}
+        alternatives, alone = [], []
+        for change, t in _one_changes(best.training, candidates):
+            p = by_training.get(t)
+            if p is None and memory[t].fits:  # left out of the search for its cost: priced alone
+                p = predict(model, cluster, t)
+                alone.append(p)
+            alternatives.append(Alternative(change, None if p is None else p.step_time_s, memory[t]))
+        if all(p.step_time_s >= best.step_time_s for p in alone):
+            break
+        ranked += alone  # one left out is faster after all: ranked with the rest, and explained again
     diloco = None
     if not exact and cluster.nodes > 1:
-        syncing, _ = _affordable([t for t in diloco_settings(per_gpu, cluster, base) if _holds(t, fixed)
-                                  and unit_passes(arch, t) <= MAX_UNIT_PASSES and estimate_memory(arch, cluster, t).fits],
-                                 arch)
+        syncing, left_out = _affordable([t for t in diloco_settings(per_gpu, cluster, base) if _holds(t, fixed)
+                                         and unit_passes(arch, t) <= MAX_UNIT_PASSES
+                                         and estimate_memory(arch, cluster, t).fits], arch)
+        if left_out is not None:
+            notes.append(f"diloco: its micro-batches of {left_out} sequence{'s' * (left_out > 1)} or fewer not "
+                         f"simulated either")
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
     searched = [word for key, word in _SEARCHED.items() if word is not None and (key != "wire" or wires)]
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco,
                 notes, searched)
+
+
+def _ranked(predictions: list[Prediction]) -> list[Prediction]:
+    """``predictions`` by step time, the best first: of those within ``TIE`` of the fastest, the one
+    needing least memory."""
+    ranked = sorted(predictions, key=lambda p: p.step_time_s)
+    ties = [p for p in ranked if p.step_time_s <= ranked[0].step_time_s * (1 + TIE)]
+    best = min(ties, key=lambda p: p.memory.total)
+    ranked.remove(best)
+    return [best, *ranked]
 
 
 def _affordable(fitting: list[TrainingSpec], arch) -> tuple[list[TrainingSpec], int | None]:

@@ -220,7 +220,7 @@ def sweep_text(s: Sweep) -> str:
         lines.append(f"(scaling against 1 node: {s.reference.step_time_s:.4g} s per step, simulated for reference)")
     if efficiency is not None and not s.reference.memory.fits:
         lines.append("(the 1-node reference does not fit in memory: its simulated speed is still the reference)")
-    # what bounds the step where it scales least (the largest value where scaling is not measured)
+    # what bounds the step where it scales least (the last value given, where scaling is not measured)
     least = min(range(len(s.points)), key=efficiency.__getitem__) if efficiency is not None else len(s.points) - 1
     lines += ["", f"at {s.key}={spelled(s.values[least])}: {verdict(s.points[least])}"]
     lines += [f"note: {n}" for n in notes(s.points[0])]
@@ -343,21 +343,20 @@ def failures_text(priced: list[tuple[str, FailureCosts]]) -> list[str]:
     lines = ["", f"failures  a node lost every {first.rate.node_mtbf_h:,.4g} h on average: the job's {first.nodes} "
                  f"nodes, one every {first.job_mtbf_h:,.4g} h"]
     for label, costs in priced:
-        restart, live = _restart_text(costs.restart), _live_recovery_text(costs)
+        restart, live = _restart_text(costs.restart, costs.job_mtbf_h * 3600), _live_recovery_text(costs)
         lines += [f"  {label:<8}{restart}", f"  {'':<8}{live}"]
     lines.append(f"  assumed   a restart relaunches in {RELAUNCH_S:g} s, a node reads and writes checkpoints at "
                  f"{STORAGE_GBps:g} GB/s; torchft's heartbeat timeout is {HEARTBEAT_S:g} s")
     return lines
 
 
-def _restart_text(restart: Restart) -> str:
+def _restart_text(restart: Restart, mtbf_s: float) -> str:
     chosen = "Young's interval" if restart.young else "as given"
     kept = _kept(restart)
-    if restart.goodput == 0 and (restart.interval_s + restart.save_s) / 2 > restart.restart_s:
-        # what a failure costs is mostly the steps done again since the last checkpoint, not the restart
-        kept = ("goodput 0: each failure does again half a checkpoint interval of steps on average, and failures "
-                "come faster than that; no step is kept (save more often"
-                + (": a smaller --save-every, or none for Young's interval)" if not restart.young else ")"))
+    if restart.goodput == 0 and not restart.young and restart.restart_s + restart.save_s / 2 < mtbf_s:
+        # the interval given is the cause: a shorter one would keep steps (the goodput's last factor)
+        kept = ("goodput 0: each failure costs a restart and half a checkpoint interval of steps done again, more "
+                "than the time between failures; no step is kept (a smaller --save-every keeps some)")
     return (f"restart from checkpoint  {kept}; a checkpoint every {restart.save_every:,} steps "
             f"({restart.interval_s / 3600:.3g} h, {chosen}), "
             f"{restart.checkpoint_bytes / 1e9:.4g} GB per node: {restart.save_s:.3g} s to save, "

@@ -21,9 +21,9 @@ import threading
 import time
 from typing import IO
 
-from shardwire.launch import NODE_THREADS, rendezvous_options
+from shardwire.launch import NODE_THREADS, REFUSED, rendezvous_options
 from shardwire.testbed.network import cut_off, in_namespace, leftovers
-from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure
+from shardwire.testbed.spec import NODE_INTERFACE, Testbed
 
 RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
 STOP_GRACE_S = 10.0
@@ -103,7 +103,8 @@ def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: t
         statuses = [proc.poll() for proc in nodes]
         failed = [(k, status) for k, status in enumerate(statuses) if status not in (None, 0)]
         if failed:
-            k, status = failed[0]
+            # a node's refusal before the failures it caused elsewhere (collectives it left), seen in one poll
+            k, status = min(failed, key=lambda node: node[1] != REFUSED)
             with lock:
                 print(f"node{k} failed (exit {status}){cut_off(testbed, started)}: stopping the other nodes",
                       file=out, flush=True)

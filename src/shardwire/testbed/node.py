@@ -6,7 +6,8 @@ traceback and a table of the failures, some thirty lines on every node after the
 (and a node that ``run`` stops, or that lost the rendezvous, with a traceback too). Here a worker
 that refused (status 2, ``launch.REFUSED``: it said why, in one line) ends its node with that
 status and nothing more; a worker that failed otherwise, with one line naming the ranks and their
-statuses; a node that lost the rendezvous (the node holding it ended first, or is cut off), with
+statuses (a shardwire worker whose collective failed, status 3, said so itself: the line names the
+ranks the launcher then stopped, or none, beside another failure); a node that lost the rendezvous (the node holding it ended first, or is cut off), with
 one line; and a node stopped by a signal, quietly, with 128 + its number (``job.run_job`` says
 which node stopped the job).
 
@@ -33,8 +34,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    said = quiet_agent()
     options, job = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    ours = job[:2] in (["-m", "shardwire"], ["--module", "shardwire"])  # whose statuses say more (COLLECTIVE_FAILED)
+    said = quiet_agent(ours=ours)
     script = next((i for i, word in enumerate(job) if not word.startswith("-")), len(job))  # after -m, --no-python
     config = parse_args([*options, *job[:script + 1]])
     config.training_script_args = job[script + 1:]
@@ -44,7 +46,7 @@ def main(argv: list[str]) -> int:
     except SignalException as err:
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        return failed_workers(err)
+        return failed_workers(err, ours=ours)
     except WorkersRefused:
         return REFUSED
     except (RendezvousError, DistStoreError) as err:  # the nodes could not meet (a node cut off: the store's

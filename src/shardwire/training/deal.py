@@ -69,6 +69,13 @@ class _Met(typing.NamedTuple):
     replaced: int  # this group's steps before its vote, which a group behind does not keep
 
 
+def schedule(steps: int, eval_every: int, *, diloco: bool) -> str:
+    """The options that set when fault-tolerant groups end and what their checkpoints hold, as a
+    ``Deal`` compares them: ``--steps``, and under DiLoCo ``--eval-every`` (an evaluation takes the
+    sync due at its step)."""
+    return f"--steps {steps}" + (f" --eval-every {eval_every}" if diloco else "")
+
+
 class Deal:
     """This rank's share of the blocks dealt to its group (see the module's docstring): ``batch``
     sequences make one of the group's micro-batches, ``block`` the blocks' size (a step's
