@@ -255,6 +255,10 @@ def test_a_link_cut_while_a_check_measures_it_is_named(recorded, monkeypatch):
     with pytest.raises(spec.TestbedFailure, match=r"^a transfer from node0 to node1 took over \d+s, after `shardwire "
                                                    r"testbed link` cut the link of node1$"):
         check.check(recorded, seconds=1.0)
+    monkeypatch.setattr(network, "cut_since", lambda name, since: [])  # cut with `ip link`: not the command's
+    with pytest.raises(spec.TestbedFailure, match=r"^a transfer from node0 to node1 took over \d+s, after the link of "
+                                                   r"node1 went down$"):
+        check.check(recorded, seconds=1.0)
 
 
 def test_a_command_left_out_is_suggested_on_the_users_testbed(recorded, capsys):

@@ -18,8 +18,8 @@ and ``shardwire train`` run: ``launch`` gives the command and the arguments for 
 where the engine cannot run it (fp8 gathers, a model ``shardwire train`` does not name). Candidates
 whose memory does not fit are not simulated; the rest are ranked by step time, ties (within
 ``TIE``) going to the one that needs less memory (an exact wire keeps no error feedback). Where
-their unit passes add up past ``MAX_SEARCH_PASSES`` (a large per-GPU batch), the smallest
-micro-batches are left out, and ``Plan.notes`` says so.
+their unit passes add up past ``MAX_SEARCH_PASSES`` (a large per-GPU batch), each setting of the
+rest keeps its largest micro-batches that fit, and ``Plan.notes`` says so.
 
 The explanation sets the winner against what changing each of its settings alone would give:
 slower, or not fitting, which is why it wins; and names the runner-up.
@@ -197,9 +197,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
         )
     simulated, left_out = _affordable(fitting, arch)
     if left_out is not None:
-        notes.append(f"micro-batches of {left_out} sequence{'s' * (left_out > 1)} or fewer: not simulated, as their "
-                     f"many micro-batches a step would take the search minutes; fewer, larger micro-batches are "
-                     f"faster where they fit")
+        notes.append(_left_out(left_out))
     ranked = [predict(model, cluster, t) for t in simulated]
     while True:
         ranked = _ranked(ranked)
@@ -221,12 +219,19 @@ def plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, base: Traini
                                          and unit_passes(arch, t) <= MAX_UNIT_PASSES
                                          and estimate_memory(arch, cluster, t).fits], arch)
         if left_out is not None:
-            notes.append(f"diloco: its micro-batches of {left_out} sequence{'s' * (left_out > 1)} or fewer not "
-                         f"simulated either")
+            notes.append(f"diloco: {_left_out(left_out)}")
         diloco = min((predict(model, cluster, t) for t in syncing), key=lambda p: p.step_time_s, default=None)
     searched = [word for key, word in _SEARCHED.items() if word is not None and (key != "wire" or wires)]
     return Plan(best, ranked[1] if len(ranked) > 1 else None, alternatives, len(candidates), len(fitting), diloco,
                 notes, searched)
+
+
+def _left_out(sizes: int) -> str:
+    """What a search kept to ``MAX_SEARCH_PASSES`` left out (``_affordable``)."""
+    kept = "its largest micro-batch" if sizes == 1 else f"its {sizes} largest micro-batches"
+    return (f"each setting of the rest (layout, prefetch, checkpointing, wire) simulated only with {kept} that "
+            f"fit: smaller ones of the same settings are slower, and their many micro-batches a step would take the "
+            f"search minutes")
 
 
 def _ranked(predictions: list[Prediction]) -> list[Prediction]:
@@ -240,18 +245,23 @@ def _ranked(predictions: list[Prediction]) -> list[Prediction]:
 
 
 def _affordable(fitting: list[TrainingSpec], arch) -> tuple[list[TrainingSpec], int | None]:
-    """The configurations of ``fitting`` the search simulates, and the largest micro-batch it leaves
-    out (None: none): all, unless their unit passes add up to more than ``MAX_SEARCH_PASSES``; then
-    those of the largest micro-batches, size by size, while the total stays within it (one size at
-    least). A smaller micro-batch of the same samples is rarely faster: it runs more gathers and
-    reductions a step, and the matrix multiplies no faster."""
-    kept, total = [], 0
-    for micro in sorted({t.micro_batch for t in fitting}, reverse=True):
-        group = [t for t in fitting if t.micro_batch == micro]
-        total += sum(unit_passes(arch, t) for t in group)
+    """The configurations of ``fitting`` the search simulates, and how many micro-batch sizes it
+    kept of each setting of the rest (None: all): all, unless their unit passes add up to more than
+    ``MAX_SEARCH_PASSES``; then, for each setting of the rest (layout, prefetch, checkpointing,
+    wire), its largest micro-batch that fits, then its next largest, and so on, while the total
+    stays within it (the largest of each at least). At the same settings, a smaller micro-batch of
+    the same samples is rarely faster: it runs more gathers and reductions a step, and the matrix
+    multiplies no faster; across settings it may be (one that fits without checkpointing)."""
+    rests: dict[TrainingSpec, list[TrainingSpec]] = {}
+    for t in sorted(fitting, key=lambda t: -t.micro_batch):
+        rests.setdefault(dataclasses.replace(t, micro_batch=1, grad_accum=1), []).append(t)
+    kept, total, sizes = [], 0, 0
+    while layer := [sizes_kept[sizes] for sizes_kept in rests.values() if len(sizes_kept) > sizes]:
+        total += sum(unit_passes(arch, t) for t in layer)
         if kept and total > MAX_SEARCH_PASSES:
-            return kept, micro
-        kept += group
+            return kept, sizes
+        kept += layer
+        sizes += 1
     return kept, None
 
 

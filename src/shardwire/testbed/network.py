@@ -110,18 +110,21 @@ def links_down(testbed: Testbed) -> list[int]:
 
 
 def cut_off(testbed: Testbed, since: float) -> str:
-    """Which nodes ``shardwire testbed link`` has cut off since ``since`` (a job's or a check's start),
-    in words after a failure, or nothing: a node that lost its peers blames them, not the link (cut
+    """Which nodes ``shardwire testbed link`` (or ``ip link``) has cut off since ``since`` (a job's or a
+    check's start), in words after a failure, or nothing: a node that lost its peers blames them, not the link (cut
     and put back before the collectives' timeout, it is up again as they fail)."""
     try:
         down = links_down(testbed)
     except TestbedFailure:  # the testbed removed under it: the failure says so itself
         return ""
-    cut = sorted(set(down) | set(cut_since(testbed.name, since)))
+    recorded = set(cut_since(testbed.name, since))
+    cut = sorted(set(down) | recorded)
     if not cut:
         return ""
     said = ", ".join(f"node{node}" + ("" if node in down else " (up again)") for node in cut)
-    return f", after `shardwire testbed link` cut the link of {said}"
+    if recorded.issuperset(cut):
+        return f", after `shardwire testbed link` cut the link of {said}"
+    return f", after the link of {said} went down"  # cut otherwise (`ip link`), which the testbed records not
 
 
 def _run(*argv: str) -> str:

@@ -51,9 +51,11 @@ def main(argv: list[str]) -> int:
         return REFUSED
     except (RendezvousError, DistStoreError) as err:  # the nodes could not meet (a node cut off: the store's
         # wait times out), or the one holding their meeting point ended
-        reason = " ".join(str(err.__cause__ or err).split())
-        print(f"error: the job's rendezvous at {config.rdzv_endpoint} failed ({reason}): the node holding it has "
-              f"stopped, or cannot be reached", file=sys.stderr)
+        cause = err.__cause__ or err
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        who = ("another node has stopped, or cannot be reached" if "--rdzv-conf=is_host=1" in options else
+               "the node holding it has stopped, or cannot be reached")
+        print(f"error: the job's rendezvous at {config.rdzv_endpoint} failed ({reason}): {who}", file=sys.stderr)
         return 1
     return 0
 
