@@ -88,7 +88,8 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
     # a worker that hangs (stopped): the collective rank 0 waits on times out, and the workers restart
     pytest.param(signal.SIGSTOP, "rank 0 (exit 3: a collective failed); any message it gave is above",
                  marks=pytest.mark.slow)])
-def test_a_worker_that_dies_or_hangs_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path, signum, failed):
+def test_a_worker_that_dies_or_hangs_restarts_and_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path, signum,
+                                                                                 failed):
     checkpoints = tmp_path / "checkpoints"
     launcher = subprocess.Popen(
         train_command(data, checkpoints, "--max-restarts", "1", "--timeout", "20"),

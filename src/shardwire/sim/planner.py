@@ -256,7 +256,7 @@ def _affordable(fitting: list[TrainingSpec], arch) -> tuple[list[TrainingSpec], 
     for t in sorted(fitting, key=lambda t: -t.micro_batch):
         rests.setdefault(dataclasses.replace(t, micro_batch=1, grad_accum=1), []).append(t)
     kept, total, sizes = [], 0, 0
-    while layer := [sizes_kept[sizes] for sizes_kept in rests.values() if len(sizes_kept) > sizes]:
+    while layer := [by_size[sizes] for by_size in rests.values() if len(by_size) > sizes]:
         total += sum(unit_passes(arch, t) for t in layer)
         if kept and total > MAX_SEARCH_PASSES:
             return kept, sizes

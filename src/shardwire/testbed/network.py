@@ -110,9 +110,9 @@ def links_down(testbed: Testbed) -> list[int]:
 
 
 def cut_off(testbed: Testbed, since: float) -> str:
-    """Which nodes ``shardwire testbed link`` (or ``ip link``) has cut off since ``since`` (a job's or a
-    check's start), in words after a failure, or nothing: a node that lost its peers blames them, not the link (cut
-    and put back before the collectives' timeout, it is up again as they fail)."""
+    """Which nodes ``shardwire testbed link`` (or ``ip link``) has cut off since ``since`` (a job's or
+    a check's start), in words after a failure, or nothing: a node that lost its peers blames them,
+    not the link (cut and put back before the collectives' timeout, it is up again as they fail)."""
     try:
         down = links_down(testbed)
     except TestbedFailure:  # the testbed removed under it: the failure says so itself

@@ -7,9 +7,9 @@ traceback and a table of the failures, some thirty lines on every node after the
 that refused (status 2, ``launch.REFUSED``: it said why, in one line) ends its node with that
 status and nothing more; a worker that failed otherwise, with one line naming the ranks and their
 statuses (a shardwire worker whose collective failed, status 3, said so itself: the line names the
-ranks the launcher then stopped, or none, beside another failure); a node that lost the rendezvous (the node holding it ended first, or is cut off), with
-one line; and a node stopped by a signal, quietly, with 128 + its number (``job.run_job`` says
-which node stopped the job).
+ranks the launcher then stopped, or none, beside another failure); a node that lost the
+rendezvous (the node holding it ended first, or is cut off), with one line; and a node stopped by
+a signal, quietly, with 128 + its number (``job.run_job`` says which node stopped the job).
 
     python -m shardwire.testbed.node TORCHRUN_OPTIONS... -- JOB...
 
