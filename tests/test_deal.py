@@ -12,7 +12,7 @@ import torch
 
 from shardwire.options import SettingError
 from shardwire.training.data import ByteCorpus, epoch_starts
-from shardwire.training.deal import Deal, schedule
+from shardwire.training.deal import Deal, schedule_of
 
 BATCH, ACCUM = 2, 2  # sequences per micro-batch of a group, micro-batches per step: blocks of 4
 DATA = {"name": "tok.bin", "tokens": 1_000, "sampled": "0123456789abcdef"}  # the corpus every group trains on
@@ -257,8 +257,8 @@ def test_groups_given_another_schedule_are_both_refused(training, schedules):
 def test_the_schedule_compared_holds_eval_every_only_where_groups_sync_every_few_steps():
     """An evaluation takes the sync due at its step under DiLoCo; groups meeting at every step hold
     no sync apart from their steps."""
-    assert schedule(40, 10, diloco=True) == "--steps 40 --eval-every 10"
-    assert schedule(40, 10, diloco=False) == "--steps 40"
+    assert schedule_of(40, 10, diloco=True) == "--steps 40 --eval-every 10"
+    assert schedule_of(40, 10, diloco=False) == "--steps 40"
 
 
 def test_groups_on_other_data_are_both_refused():

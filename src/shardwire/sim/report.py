@@ -39,7 +39,7 @@ from shardwire.extras import require
 from shardwire.files import figure_png, write_atomically
 from shardwire.sim.explain import format_ms, slowdown_text, unit_budgets, verdict
 from shardwire.sim.failures import (HEARTBEAT_S, RELAUNCH_S, STORAGE_GBps, FailureCosts, FailureRate, Restart,
-                                    Survival, price)
+                                    Survival, job_mtbf_s, price)
 from shardwire.sim.memory import GIB
 from shardwire.sim.planner import Plan, describe_settings, launch, shard_call
 from shardwire.sim.predict import Prediction, Sweep
@@ -343,7 +343,8 @@ def failures_text(priced: list[tuple[str, FailureCosts]]) -> list[str]:
     lines = ["", f"failures  a node lost every {first.rate.node_mtbf_h:,.4g} h on average: the job's {first.nodes} "
                  f"nodes, one every {first.job_mtbf_h:,.4g} h"]
     for label, costs in priced:
-        restart, live = _restart_text(costs.restart, costs.job_mtbf_h * 3600), _live_recovery_text(costs)
+        restart = _restart_text(costs.restart, job_mtbf_s(costs.rate.node_mtbf_h, costs.nodes))
+        live = _live_recovery_text(costs)
         lines += [f"  {label:<8}{restart}", f"  {'':<8}{live}"]
     lines.append(f"  assumed   a restart relaunches in {RELAUNCH_S:g} s, a node reads and writes checkpoints at "
                  f"{STORAGE_GBps:g} GB/s; torchft's heartbeat timeout is {HEARTBEAT_S:g} s")

@@ -69,7 +69,7 @@ class _Met(typing.NamedTuple):
     replaced: int  # this group's steps before its vote, which a group behind does not keep
 
 
-def schedule(steps: int, eval_every: int, *, diloco: bool) -> str:
+def schedule_of(steps: int, eval_every: int, *, diloco: bool) -> str:
     """The options that set when fault-tolerant groups end and what their checkpoints hold, as a
     ``Deal`` compares them: ``--steps``, and under DiLoCo ``--eval-every`` (an evaluation takes the
     sync due at its step)."""

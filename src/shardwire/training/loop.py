@@ -66,7 +66,7 @@ from shardwire.options import SettingError, flag
 from shardwire.training import autoplan
 from shardwire.training.config import (TrainConfig, changed_settings, recorded_diloco, recorded_seq_len,
                                        training_settings)
-from shardwire.training.deal import Deal, schedule
+from shardwire.training.deal import Deal, schedule_of
 from shardwire.training.data import (
     MAX_SEED,
     TOKEN_SUFFIXES,
@@ -263,7 +263,7 @@ def _train(config: TrainConfig, device: torch.device, export: StagedDirectory | 
         stepping = None if engine.outer is not None else (
             f"--lr {number(config.lr)!r} --warmup {config.warmup} "
             f"--weight-decay {number(config.weight_decay)!r} --clip {number(config.clip)!r}")
-        ending = schedule(config.steps, config.eval_every, diloco=engine.outer is not None)
+        ending = schedule_of(config.steps, config.eval_every, diloco=engine.outer is not None)
         deal = Deal(quorum, meeting, corpus, batch=global_batch, grad_accum=config.grad_accum, seq_len=choice.seq_len,
                     seed=config.seed, schedule=ending, data=corpus.identity, training=stepping)
         # Each group its own random draws (only where it holds no blocks) and its own checkpoints.
