@@ -519,6 +519,25 @@ def test_an_option_given_without_the_one_it_acts_beside_is_said_not_ignored(args
     assert not warned
 
 
+def test_restarts_with_no_checkpoint_to_resume_from_are_said(started, monkeypatch):
+    """Restarted workers resume from the newest checkpoint; without --checkpoint-dir a worker that
+    failed near the end trained the run again from step 0, and only the step numbers told. Said at
+    start; not where a checkpoint is kept, nor for a fault-tolerant group, which rejoins with the
+    other groups' state."""
+    said = ("--max-restarts 2 restarts failed workers from the newest checkpoint, and without --checkpoint-dir "
+            "this run saves none: a restart trains again from step 0; give --checkpoint-dir DIR")
+    for extra in ([], ["--print-launch", "--nnodes", "2"]):
+        with pytest.warns(UserWarning, match=re.escape(said)):
+            assert main(["train", "--model", "tiny", "--max-restarts", "2", *extra]) == 0
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    for kept in (["--checkpoint-dir", "ckpt"],
+                 ["--layout", "hybrid", "--diloco", "sync_every=5", "--fault-tolerance", "lighthouse=h:1"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert main(["train", "--model", "tiny", "--max-restarts", "2", *kept]) == 0
+    assert len(started) == 3
+
+
 def test_a_printed_config_runs_and_the_options_beside_what_they_need_are_taken(tmp_path, started, capsys,
                                                                                  monkeypatch):
     """--print-config records every option, --keep's, --save-every's, --run-dir's and --peak-tflops'

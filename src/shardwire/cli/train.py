@@ -211,8 +211,9 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
             given = "--nnodes" if config.nnodes != 1 else "--nproc-per-node"
             raise OptionError(f"{given} is for --print-launch, which prints the command for each node; to run "
                               f"here give --nproc, or add --print-launch")
-        if (idle := _without_what_they_need(config)) is not None and tells_the_user():
-            warnings.warn(idle, stacklevel=1)
+        for said in (_without_what_they_need(config), _restarted_from_the_start(config)):
+            if said is not None and tells_the_user():
+                warnings.warn(said, stacklevel=1)
         launched = os.environ.get("LOCAL_WORLD_SIZE", "")
         if under_launcher() and config.nproc is not None and str(config.nproc) != launched and tells_the_user():
             here = f" ({launched} on this node)" if launched else ""
@@ -285,6 +286,19 @@ def _check_settings(config: TrainConfig, given: dict[str, str]) -> tuple[DiLoCo 
 # Each option that ``NEEDS`` names, as the remedy writes it, and what a run without it does not do.
 _WITHOUT = {"checkpoint_dir": ("--checkpoint-dir DIR", "saves no checkpoint"),
             "profile": ("--profile", "writes no profile")}
+
+
+def _restarted_from_the_start(config: TrainConfig) -> str | None:
+    """``--max-restarts`` where a restart has nothing to resume from, in one line; or None. Restarted
+    workers resume from the newest checkpoint, and without ``--checkpoint-dir`` there is none: a
+    worker that fails at step 900 of 1000 trains the run again from step 0, and only the step numbers
+    tell. Said, not refused (a short run may mean it); a fault-tolerant group rejoins with the other
+    groups' state instead, losing nothing."""
+    if config.max_restarts and config.checkpoint_dir is None and config.fault_tolerance == "none":
+        return (f"--max-restarts {config.max_restarts} restarts failed workers from the newest checkpoint, and "
+                f"without --checkpoint-dir this run saves none: a restart trains again from step 0; give "
+                f"--checkpoint-dir DIR")
+    return None
 
 
 def _without_what_they_need(config: TrainConfig) -> str | None:
