@@ -198,8 +198,8 @@ PUBLISHED = [
     # torchtitan's benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: 32 and 64 H200, float8 with
     # fp8 gathers, compiled, 2 sequences per GPU, at 47.96 and 46.97 GiB. Its configuration reads the op
     # policy, but that memory is what the memory model gives when backward recomputes every linear
-    # layer (46 and 44 GiB), not the op policy as it runs in bf16 (71 and 69): in this run (torch
-    # 2.8 with torchao's float8 of June 2025) the policy kept no float8 matmul's output.
+    # layer (46 and 44 GiB), not the op policy as it runs in bf16 (71 and 69): by its memory, the policy
+    # kept none of the float8 multiplies' outputs in this run (torch 2.8, torchao's float8 of June 2025).
     *(Point("torchtitan-h200", "llama3.1-8b", "h200-rdma-3200", gpus,
             dict(_TORCHTITAN_FLOAT8, **_LINEARS_RECOMPUTED), measured, memory_gib)
       for gpus, measured, memory_gib in ((32, 10938, 47.96), (64, 10753, 46.97))),
