@@ -296,6 +296,14 @@ def _at_three_ranks(rank, world, root, odd_whole):
                    options=StateDictOptions(full_state_dict=True))
     out["odd whole"] = whole(odd, odd_optimizer)
 
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    theirs, _ = fsdp2(world, 7)
+    model, _ = built("gpt", 8)
+    model.load_state_dict(theirs.state_dict())  # FSDP2's DTensors of these rows, on a mesh of its own
+    out["fsdp2's state dict"] = (shardwire.full_state_dict(model),
+                                 get_model_state_dict(theirs, options=StateDictOptions(full_state_dict=True)))
+
     model, _ = built("gpt", 5)  # its blocks are its units
     state = model.state_dict()
     dcp.load({"model": state}, checkpoint_id=f"{root}/units")
@@ -322,6 +330,15 @@ def test_three_ranks_load_what_hybrid_groups_saved(at_three_ranks):
 def test_shardwire_loads_an_fsdp2_checkpoint(at_three_ranks):
     _, four, three = at_three_ranks
     assert all(same(out["fsdp2"], four["fsdp2"]) for out in three)
+
+
+@pytest.mark.slow
+def test_fsdp2s_own_state_dict_loads_where_its_rows_are_the_models(at_three_ranks):
+    """FSDP2's ``state_dict()``: DTensors placed as the model's, on a mesh of the same ranks that
+    names no dimension; refused before as placed otherwise."""
+    _, _, three = at_three_ranks
+    loaded, fsdp2_whole = three[0]["fsdp2's state dict"]
+    assert same(loaded, fsdp2_whole)
 
 
 @pytest.mark.slow

@@ -127,3 +127,54 @@ def test_every_layout_matches_single_process_reference():
     for rank, worst in enumerate(per_rank):
         for config, error in worst.items():
             assert error <= 1e-5, f"rank {rank}, {config}: relative error {error:.2e}"
+
+
+class InlineCheckpointedGPT(GPT):
+    """nanoGPT's pattern: ``torch.utils.checkpoint`` around each block in the model's forward."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def torch_checkpointed(rank, world):
+    """Worst relative error of each way an FSDP2 script applies torch's activation checkpointing
+    around its blocks, against the unsharded model: inline, and ``checkpoint_wrapper`` applied
+    before sharding (torchtitan's), with a frozen parameter in a block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper)
+
+    worst = {}
+    for way in ("inline", "wrapper"):
+        torch.manual_seed(0)
+        base = (InlineCheckpointedGPT if way == "inline" else GPT)(PRESETS["tiny"])
+        base.blocks[0].norm1.weight.requires_grad_(False)
+        if way == "wrapper":
+            apply_activation_checkpointing(base, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                           check_fn=lambda module: isinstance(module, Block))
+        ref_losses, ref_state = train_reference(copy.deepcopy(base), world, 1)
+        model = shardwire.shard(copy.deepcopy(base), units=[Block])
+        losses, state = train_sharded(model, rank, world, 1, accumulate=False)
+        errors = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+        if rank == 0:
+            errors += [relative_error(state[key], ref_state[key]) for key in ref_state]
+        torch.manual_seed(1)
+        fresh = GPT(PRESETS["tiny"]).state_dict()  # keyed as checkpoint_wrapper keys the model's own
+        model.load_state_dict(fresh)
+        loaded = shardwire.full_state_dict(model)
+        if rank == 0:
+            assert loaded.keys() == ref_state.keys() and all(torch.equal(loaded[key], fresh[key]) for key in fresh)
+        worst[way] = max(errors)
+    return worst
+
+
+def test_torch_activation_checkpointing_around_units_trains_as_the_unsharded_model():
+    """Its recomputation in backward calls each unit again, with the parameters backward gathered:
+    refused before as a unit called outside the model's forward."""
+    for rank, worst in enumerate(run_workers(2, torch_checkpointed, timeout=300)):
+        for way, error in worst.items():
+            assert error <= 1e-5, f"rank {rank}, {way}: relative error {error:.2e}"
+

@@ -157,6 +157,27 @@ def test_calling_a_unit_on_its_own():
         model.blocks[0](torch.zeros(1, 4, 32))
 
 
+class ReentrantCheckpointedGPT(GPT):
+    def forward(self, tokens):
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        return self.head(self.norm(x))
+
+
+def test_a_reentrant_checkpoint_around_a_unit_is_refused_naming_the_one_that_works(world_of_one):
+    """Reentrant checkpointing runs a unit's forward without gradients and recomputes it in backward,
+    its parameters released: said so, not as a unit called on its own (the non-reentrant one, FSDP2
+    scripts' and torch's advice, trains: tests/test_engine_correctness.py)."""
+    torch.manual_seed(0)
+    model = shardwire.shard(ReentrantCheckpointedGPT(PRESETS["tiny"]), units=[Block])
+    tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 8))
+    with pytest.raises(RuntimeError, match=r"unit 'blocks.\d' was called in backward with its parameters "
+                                           r"released, as torch.utils.checkpoint\(use_reentrant=True\) .*"
+                                           r"use_reentrant=False, or give shardwire.shard activation_checkpointing"):
+        model(tokens).sum().backward()
+
+
 def test_released_parameters_cannot_be_computed_with():
     model = shardwire.shard(tiny_gpt(), units=[Block])
     assert model.blocks[0].mlp.up.weight.shape == (128, 32)

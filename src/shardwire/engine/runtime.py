@@ -147,6 +147,7 @@ class Engine:
         reshard_after_forward: bool,
         input_dtype: torch.dtype | None,
         state_dict_keys: list[str],
+        state_dict_renamed: dict[str, str],
     ):
         self.root = root
         self.units = units
@@ -154,7 +155,8 @@ class Engine:
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating-point forward inputs are cast to it
-        self.state_dict_keys = state_dict_keys  # the unsharded model's, for full_state_dict
+        self.state_dict_keys = state_dict_keys  # the unsharded model's, as names (selection.state_dict_names)
+        self.state_dict_renamed = state_dict_renamed  # the names its state_dict() gives other keys
         self.sync_gradients = True
         self._all_units = [root, *units]
         # sync every H steps across groups: the outer optimisation's schedule (None: synchronous)
@@ -173,6 +175,7 @@ class Engine:
         self._forward: Pass | None = None
         self._backward: Pass | None = None
         self._unannounced: list[Unit] = []  # this forward's units with hidden outputs, gathered until backward
+        self._recomputing: set[Unit] = set()  # units torch's checkpoint is running again in backward
         # reductions in flight, oldest first: those whose reduce-scatter may still hold a unit's whole
         # gradient, and (hybrid) those past it whose all-reduce between groups holds only a share
         self._reductions: deque[Reduction] = deque()
@@ -297,6 +300,15 @@ class Engine:
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args, kwargs):
         forward = self._forward
+        if self._recomputes(unit):
+            self._recomputing.add(unit)
+            return None
+        if self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"unit {unit.name!r} was called in backward with its parameters released, as "
+                f"torch.utils.checkpoint(use_reentrant=True) recomputes a forward it ran without gradients: "
+                f"checkpoint it with use_reentrant=False, or give shardwire.shard activation_checkpointing=True"
+            )
         if self.state is not TrainingState.FORWARD:
             raise RuntimeError(
                 f"unit {unit.name!r} was called outside the sharded model's forward: call the model "
@@ -327,7 +339,18 @@ class Engine:
             leaves[i] = tensor
         return pytree.tree_unflatten(leaves, spec)
 
+    def _recomputes(self, unit: Unit) -> bool:
+        """Whether this call of ``unit`` is torch's activation checkpointing recomputing its forward
+        in backward (``torch.utils.checkpoint`` or ``checkpoint_wrapper`` around the unit, as FSDP2
+        scripts apply it): autograd runs it, and the unit's backward has gathered and shown its
+        parameters, the views its forward used. It runs as it is, its hooks doing nothing."""
+        return (self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1
+                and unit.is_gathered)
+
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
+        if unit in self._recomputing:
+            self._recomputing.discard(unit)
+            return output
         self.emit("forward", unit.name, "end")
         outputs = _Outputs.of(output)
         _on_each_backward(outputs.needing_grad, functools.partial(self._pre_backward, self._generation, unit))

@@ -95,3 +95,22 @@ def assign_params(
         unit_homes = homes[key]
         owned[unit_homes.pop() if len(unit_homes) == 1 else ""].append(entry)
     return owned
+
+
+def state_dict_names(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """The unsharded ``model``'s state dict as names of its parameters and buffers
+    (``named_parameters``, ``named_buffers``), in its order, and the key its ``state_dict()`` gives each
+    name that a module's hooks rename: torch's ``checkpoint_wrapper`` leaves out the module it wraps
+    (``_checkpoint_wrapped_module.``), as FSDP2's and DCP's keys do. The engine, its checkpoints and
+    exports hold names; the state dicts a user gives and takes hold keys."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(name)
+    order, renamed = [], {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        name = names[id(tensor)].pop(0) if names.get(id(tensor)) else key
+        order.append(name)
+        if name != key:
+            renamed[name] = key
+    return order, renamed

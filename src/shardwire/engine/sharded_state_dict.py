@@ -22,12 +22,15 @@ from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.packing import Held
 
 
-def install(model: nn.Module, flats: list[FlatParam]) -> None:
-    params = {name: (param, held) for flat in flats for slot, param, held in flat.held_parts() for name in slot.names}
+def install(model: nn.Module, flats: list[FlatParam], renamed: dict[str, str]) -> None:
+    """``renamed``: the key the model's ``state_dict()`` gives a parameter whose name it changes
+    (``selection.state_dict_names``); the state dicts loaded hold those keys."""
+    named = {name: (param, held) for flat in flats for slot, param, held in flat.held_parts() for name in slot.names}
+    params = {renamed.get(name, name): held for name, held in named.items()}
 
     def take_rows(module, state_dict, prefix, local_metadata, *_) -> None:
-        taken = {prefix + name: local_rows(state_dict[prefix + name], param, held, prefix + name)
-                 for name, (param, held) in params.items() if prefix + name in state_dict}  # any refusal first
+        taken = {prefix + key: local_rows(state_dict[prefix + key], param, held, prefix + key)
+                 for key, (param, held) in params.items() if prefix + key in state_dict}  # any refusal first
         if local_metadata.get("assign_to_params_buffers", False):
             # ``assign=True`` (FSDP2's load of a model made on the meta device) would put a new parameter
             # in the module, which the flat buffer it trains and saves never sees: its rows are copied
@@ -46,7 +49,7 @@ def install(model: nn.Module, flats: list[FlatParam]) -> None:
 
     model.register_load_state_dict_pre_hook(take_rows)
     owners: dict[nn.Module, set[str]] = {}  # each module holding a sharded parameter, by the prefixes of its names
-    for name in params:
+    for name in named:
         owner, _, _ = name.rpartition(".")
         if owner:
             owners.setdefault(model.get_submodule(owner), set()).add(owner + ".")
@@ -76,6 +79,8 @@ def local_rows(value: Any, param: DTensor, held: Held, what: str) -> Any:
     if isinstance(value, DTensor):
         if value.device_mesh == param.device_mesh and value.placements == param.placements:
             return value
+        if _held_alike(value, param):  # FSDP2's DTensor of these rows on its own mesh of these ranks
+            return part_of(param, value._local_tensor)
         if not all(p.is_replicate() for p in value.placements):
             raise ValueError(
                 f"{what} is a DTensor placed {value.placements} on {value.device_mesh}, and this sharded model "
@@ -86,6 +91,16 @@ def local_rows(value: Any, param: DTensor, held: Held, what: str) -> Any:
     if not isinstance(value, torch.Tensor) or value.shape != param.shape:
         return value
     return distributed_like(value, param, held)
+
+
+def _held_alike(value: DTensor, param: DTensor) -> bool:
+    """Whether ``value`` holds on this rank the rows ``param`` holds, placed alike on a mesh of the
+    same ranks in the same order that is another object, or names its dimensions otherwise (FSDP2's
+    default mesh names none; the model's names them by the layout)."""
+    mine, theirs = param.device_mesh, value.device_mesh
+    return (value.placements == param.placements and value.shape == param.shape
+            and value._local_tensor.shape == param._local_tensor.shape
+            and theirs.device_type == mine.device_type and torch.equal(theirs.mesh, mine.mesh))
 
 
 def distributed_like(whole: torch.Tensor, param: DTensor, held: Held) -> DTensor:

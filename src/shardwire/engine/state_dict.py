@@ -104,6 +104,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     weights = weights_by_unit(model)
     if engine_of(model).comm.rank == 0:
-        return weights.state_dict()
+        renamed = engine_of(model).state_dict_renamed
+        return {renamed.get(name, name): value for name, value in weights.state_dict().items()}
     weights.take_part()
     return {}
