@@ -147,6 +147,8 @@ def torch_checkpointed(rank, world):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing, checkpoint_wrapper)
 
+    from shardwire.engine.shard import engine_of
+
     worst = {}
     for way in ("inline", "wrapper"):
         torch.manual_seed(0)
@@ -161,6 +163,13 @@ def torch_checkpointed(rank, world):
         errors = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
         if rank == 0:
             errors += [relative_error(state[key], ref_state[key]) for key in ref_state]
+        # a recomputation stops early, raising inside the unit's forward: the forwards after it still
+        # release their units, and a second backward through a retained graph recomputes again
+        tokens = next(global_batches(world, 1))[0][rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        assert not engine_of(model).units[0].is_gathered, way
+        loss.backward(retain_graph=True)
+        loss.backward()
         torch.manual_seed(1)
         fresh = GPT(PRESETS["tiny"]).state_dict()  # keyed as checkpoint_wrapper keys the model's own
         model.load_state_dict(fresh)

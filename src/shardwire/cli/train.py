@@ -292,8 +292,8 @@ def _restarted_from_the_start(config: TrainConfig) -> str | None:
     """``--max-restarts`` where a restart has nothing to resume from, in one line; or None. Restarted
     workers resume from the newest checkpoint, and without ``--checkpoint-dir`` there is none: a
     worker that fails at step 900 of 1000 trains the run again from step 0, and only the step numbers
-    tell. Said, not refused (a short run may mean it); a fault-tolerant group rejoins with the other
-    groups' state instead, losing nothing."""
+    tell. Said, not refused (a short run may mean it); a fault-tolerant group rejoins with the state
+    of the groups still training instead."""
     if config.max_restarts and config.checkpoint_dir is None and config.fault_tolerance == "none":
         return (f"--max-restarts {config.max_restarts} restarts failed workers from the newest checkpoint, and "
                 f"without --checkpoint-dir this run saves none: a restart trains again from step 0; give "

@@ -147,7 +147,6 @@ class Engine:
         reshard_after_forward: bool,
         input_dtype: torch.dtype | None,
         state_dict_keys: list[str],
-        state_dict_renamed: dict[str, str],
     ):
         self.root = root
         self.units = units
@@ -156,7 +155,6 @@ class Engine:
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating-point forward inputs are cast to it
         self.state_dict_keys = state_dict_keys  # the unsharded model's, as names (selection.state_dict_names)
-        self.state_dict_renamed = state_dict_renamed  # the names its state_dict() gives other keys
         self.sync_gradients = True
         self._all_units = [root, *units]
         # sync every H steps across groups: the outer optimisation's schedule (None: synchronous)
@@ -175,7 +173,6 @@ class Engine:
         self._forward: Pass | None = None
         self._backward: Pass | None = None
         self._unannounced: list[Unit] = []  # this forward's units with hidden outputs, gathered until backward
-        self._recomputing: set[Unit] = set()  # units torch's checkpoint is running again in backward
         # reductions in flight, oldest first: those whose reduce-scatter may still hold a unit's whole
         # gradient, and (hybrid) those past it whose all-reduce between groups holds only a share
         self._reductions: deque[Reduction] = deque()
@@ -301,13 +298,13 @@ class Engine:
     def _pre_forward(self, unit: Unit, module: nn.Module, args, kwargs):
         forward = self._forward
         if self._recomputes(unit):
-            self._recomputing.add(unit)
             return None
         if self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
-                f"unit {unit.name!r} was called in backward with its parameters released, as "
-                f"torch.utils.checkpoint(use_reentrant=True) recomputes a forward it ran without gradients: "
-                f"checkpoint it with use_reentrant=False, or give shardwire.shard activation_checkpointing=True"
+                f"unit {unit.name!r} was run again in backward before backward reached it, as torch's "
+                f"checkpoint recomputes a region holding more than the unit, or a reentrant one "
+                f"(use_reentrant=True) a forward it ran without gradients: checkpoint each unit alone with "
+                f"use_reentrant=False, or give shardwire.shard activation_checkpointing=True"
             )
         if self.state is not TrainingState.FORWARD:
             raise RuntimeError(
@@ -345,11 +342,10 @@ class Engine:
         scripts apply it): autograd runs it, and the unit's backward has gathered and shown its
         parameters, the views its forward used. It runs as it is, its hooks doing nothing."""
         return (self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1
-                and unit.is_gathered)
+                and self._backward is not None and unit in self._backward.seen and unit.is_gathered)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
-        if unit in self._recomputing:
-            self._recomputing.discard(unit)
+        if self._recomputes(unit):  # asked again, not remembered: a recomputation may stop early, raising
             return output
         self.emit("forward", unit.name, "end")
         outputs = _Outputs.of(output)

@@ -97,20 +97,23 @@ def assign_params(
     return owned
 
 
-def state_dict_names(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+# torch's checkpoint_wrapper holds the module it wraps under this attribute, and its state dict hooks
+# leave it out of the keys (as DCP's keys do): the keys a user's state dicts hold.
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def state_dict_key(name: str) -> str:
+    """The key the unsharded model's ``state_dict()`` gives the parameter or buffer ``name``."""
+    return name.replace(CHECKPOINT_WRAPPED, "")
+
+
+def state_dict_names(model: nn.Module) -> list[str]:
     """The unsharded ``model``'s state dict as names of its parameters and buffers
-    (``named_parameters``, ``named_buffers``), in its order, and the key its ``state_dict()`` gives each
-    name that a module's hooks rename: torch's ``checkpoint_wrapper`` leaves out the module it wraps
-    (``_checkpoint_wrapped_module.``), as FSDP2's and DCP's keys do. The engine, its checkpoints and
-    exports hold names; the state dicts a user gives and takes hold keys."""
+    (``named_parameters``, ``named_buffers``), in its order: the engine, its checkpoints and exports
+    hold names, and ``state_dict_key`` gives the keys of the state dicts a user gives and takes."""
     names: dict[int, list[str]] = {}
     for name, tensor in (*model.named_parameters(remove_duplicate=False),
                          *model.named_buffers(remove_duplicate=False)):
         names.setdefault(id(tensor), []).append(name)
-    order, renamed = [], {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        name = names[id(tensor)].pop(0) if names.get(id(tensor)) else key
-        order.append(name)
-        if name != key:
-            renamed[name] = key
-    return order, renamed
+    return [names[id(tensor)].pop(0) if names.get(id(tensor)) else key
+            for key, tensor in model.state_dict(keep_vars=True).items()]

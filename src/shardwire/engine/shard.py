@@ -186,7 +186,7 @@ def shard(
             stacklevel=2,
         )
 
-    state_dict_keys, state_dict_renamed = state_dict_names(model)
+    state_dict_keys = state_dict_names(model)
     selected = select_units(model, units)
     # Made before the model changes, so that options torch.compile refuses leave the model as it was.
     forwards = [_unit_forward(module, activation_checkpointing, compile_options) for _, module in selected]
@@ -215,10 +215,9 @@ def shard(
         reshard_after_forward=reshard_after_forward,
         input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
         state_dict_keys=state_dict_keys,
-        state_dict_renamed=state_dict_renamed,
     )
     engine.install_hooks()
-    sharded_state_dict.install(model, engine.flats, state_dict_renamed)
+    sharded_state_dict.install(model, engine.flats)
     model.register_load_state_dict_post_hook(lambda module, incompatible: engine.weights_loaded())
     for unit, forward in zip(block_units, forwards):
         if forward is not None:

@@ -20,13 +20,12 @@ from torch.distributed.tensor import DTensor, _DTensorSpec, _TensorMeta
 
 from shardwire.engine.flat_param import FlatParam
 from shardwire.engine.packing import Held
+from shardwire.engine.selection import state_dict_key
 
 
-def install(model: nn.Module, flats: list[FlatParam], renamed: dict[str, str]) -> None:
-    """``renamed``: the key the model's ``state_dict()`` gives a parameter whose name it changes
-    (``selection.state_dict_names``); the state dicts loaded hold those keys."""
+def install(model: nn.Module, flats: list[FlatParam]) -> None:
     named = {name: (param, held) for flat in flats for slot, param, held in flat.held_parts() for name in slot.names}
-    params = {renamed.get(name, name): held for name, held in named.items()}
+    params = {state_dict_key(name): held for name, held in named.items()}  # as the state dicts loaded key them
 
     def take_rows(module, state_dict, prefix, local_metadata, *_) -> None:
         taken = {prefix + key: local_rows(state_dict[prefix + key], param, held, prefix + key)
@@ -80,7 +79,7 @@ def local_rows(value: Any, param: DTensor, held: Held, what: str) -> Any:
         if value.device_mesh == param.device_mesh and value.placements == param.placements:
             return value
         if _held_alike(value, param):  # FSDP2's DTensor of these rows on its own mesh of these ranks
-            return part_of(param, value._local_tensor)
+            return part_of(param, value._local_tensor.contiguous())
         if not all(p.is_replicate() for p in value.placements):
             raise ValueError(
                 f"{what} is a DTensor placed {value.placements} on {value.device_mesh}, and this sharded model "
@@ -94,12 +93,12 @@ def local_rows(value: Any, param: DTensor, held: Held, what: str) -> Any:
 
 
 def _held_alike(value: DTensor, param: DTensor) -> bool:
-    """Whether ``value`` holds on this rank the rows ``param`` holds, placed alike on a mesh of the
-    same ranks in the same order that is another object, or names its dimensions otherwise (FSDP2's
-    default mesh names none; the model's names them by the layout)."""
+    """Whether ``value`` holds on this rank the rows ``param`` holds: placed alike (rows split as
+    ``Shard(0)`` splits them) on a mesh of the same ranks in the same order, one that is another
+    object or names its dimensions otherwise (FSDP2's default mesh names none; the model's names them
+    by the layout)."""
     mine, theirs = param.device_mesh, value.device_mesh
     return (value.placements == param.placements and value.shape == param.shape
-            and value._local_tensor.shape == param._local_tensor.shape
             and theirs.device_type == mine.device_type and torch.equal(theirs.mesh, mine.mesh))
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardwire.engine.packing import ParamSlot
+from shardwire.engine.selection import state_dict_key
 from shardwire.engine.shard import engine_of
 
 
@@ -52,7 +53,7 @@ class WeightsByUnit:
         for part in self.parts:
             values.update(part)
         values.update({alias: values[name] for alias, name in self.aliases.items()})
-        return {key: values[key] for key in self.keys}
+        return {state_dict_key(name): values[name] for name in self.keys}
 
 
 def describe(slots: Iterable[tuple[ParamSlot, torch.dtype]], buffers: Iterable[TensorRecord], keys: Sequence[str]
@@ -104,7 +105,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     weights = weights_by_unit(model)
     if engine_of(model).comm.rank == 0:
-        renamed = engine_of(model).state_dict_renamed
-        return {renamed.get(name, name): value for name, value in weights.state_dict().items()}
+        return weights.state_dict()
     weights.take_part()
     return {}

@@ -32,6 +32,7 @@ from shardwire.engine.checkpoint.format import (
 )
 from shardwire.engine.checkpoint.load import copy_into_model
 from shardwire.engine.checkpoint.reader import CheckpointReader
+from shardwire.engine.selection import state_dict_key
 from shardwire.engine.shard import engine_of
 from shardwire.engine.state_dict import WeightsByUnit, describe
 from shardwire.files import OutputRefused, inside_problem, new_output_problem, write_atomically
@@ -134,23 +135,26 @@ def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _read_shards(path: pathlib.Path, engine, model: nn.Module):
     source = _StateDictFile(path)
     buffers = buffer_records(engine, model)
-    expected = param_names(engine)
-    unexpected = sorted(source.keys() - expected - {b.name for b in buffers})
+    def key_of(name: str) -> str | None:  # a state dict's key (as the export writes), or the name itself
+        return next((key for key in (state_dict_key(name), name) if key in source.keys()), None)
+
+    named = param_names(engine) | {b.name for b in buffers}
+    unexpected = sorted(source.keys() - named - {state_dict_key(name) for name in named})
     if unexpected:
         raise CheckpointError(f"{path}: holds {', '.join(map(repr, unexpected[:3]))}, which this model does not have")
     shards = {}
     for flat in engine.flats:
         tensors = []
         for slot in flat.packing.slots:
-            key = next((name for name in slot.names if name in source.keys()), None)
+            key = next((key for key in map(key_of, slot.names) if key is not None), None)
             if key is None:
-                raise CheckpointError(f"{path}: has no {slot.names[0]!r}")
+                raise CheckpointError(f"{path}: has no {state_dict_key(slot.names[0])!r}")
             tensors.append(source.tensor(key, slot.shape))
         shards[flat.name] = flat.packing.shard_of(tensors, flat.rank)
-    missing = [b.name for b in buffers if b.name not in source.keys()]
+    missing = [b.name for b in buffers if key_of(b.name) is None]
     if missing:
-        raise CheckpointError(f"{path}: has no {missing[0]!r}")
-    return shards, {b.name: source.tensor(b.name, b.shape) for b in buffers}
+        raise CheckpointError(f"{path}: has no {state_dict_key(missing[0])!r}")
+    return shards, {b.name: source.tensor(key_of(b.name), b.shape) for b in buffers}
 
 
 class _StateDictFile:
