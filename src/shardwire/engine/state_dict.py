@@ -32,7 +32,8 @@ class WeightsByUnit:
 
     ``tensors`` says, before any value comes, every tensor the parts will bring, in the order they
     bring them (a tied parameter once, under its first name); ``aliases`` maps each other name of a
-    tied parameter to that first name; ``keys`` are the unsharded model's state dict keys, in order.
+    tied parameter to that first name; ``keys`` are the unsharded model's state dict, in order, as
+    names (``selection.state_dict_names``; ``state_dict()`` gives them its keys).
     ``parts`` must be read to the end (on every rank, where they come from a live model)."""
 
     tensors: list[TensorRecord]

@@ -184,7 +184,7 @@ class Manifest:
     world_size: int
     flats: list[FlatRecord]
     buffers: list[TensorRecord]
-    state_dict_keys: list[str]  # the unsharded model's, in order: what an export writes
+    state_dict_keys: list[str]  # the unsharded model's, in order, as names: what an export writes (as its keys)
     # {"class": name, "param_groups": [hyperparameters + parameter names],
     #  "state": {parameter name: {state key: {"kind", "dtype"}}}}
     optimizer: dict | None

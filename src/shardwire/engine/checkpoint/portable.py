@@ -135,6 +135,7 @@ def _each_tensor_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _read_shards(path: pathlib.Path, engine, model: nn.Module):
     source = _StateDictFile(path)
     buffers = buffer_records(engine, model)
+
     def key_of(name: str) -> str | None:  # a state dict's key (as the export writes), or the name itself
         return next((key for key in (state_dict_key(name), name) if key in source.keys()), None)
 
