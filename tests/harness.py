@@ -26,6 +26,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
+from shardwire.models.gpt import GPT
+
 
 # A profile of ``shardwire train --profile`` (GPT 1.3B on an H200), for the readers of profiles.
 PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "gpu",
@@ -277,3 +279,21 @@ def full_disk(monkeypatch):
         return fdopen(fd, *args, **kwargs)
 
     monkeypatch.setattr(os, "fdopen", filling)
+
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with torch's checkpoint (``torch.utils.checkpoint``, with ``checkpoint``'s options)
+    around its blocks as ``regions`` groups them: blocks -> the callables checkpointed in turn, one
+    per block being nanoGPT's pattern."""
+
+    def __init__(self, config, regions, **checkpoint):
+        super().__init__(config)
+        self.regions, self.checkpoint = regions, checkpoint
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for region in self.regions(self.blocks):
+            x = torch.utils.checkpoint.checkpoint(region, x, **self.checkpoint)
+        return self.head(self.norm(x))

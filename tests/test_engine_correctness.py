@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwire
-from harness import run_workers
+from harness import CheckpointedGPT, run_workers
 from shardwire.models.gpt import GPT, PRESETS, Block, loss_fn
 
 STEPS = 10
@@ -129,17 +129,6 @@ def test_every_layout_matches_single_process_reference():
             assert error <= 1e-5, f"rank {rank}, {config}: relative error {error:.2e}"
 
 
-class InlineCheckpointedGPT(GPT):
-    """nanoGPT's pattern: ``torch.utils.checkpoint`` around each block in the model's forward."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        return self.head(self.norm(x))
-
-
 def torch_checkpointed(rank, world):
     """Worst relative error of each way an FSDP2 script applies torch's activation checkpointing
     around its blocks, against the unsharded model: inline, and ``checkpoint_wrapper`` applied
@@ -152,7 +141,8 @@ def torch_checkpointed(rank, world):
     worst = {}
     for way in ("inline", "wrapper"):
         torch.manual_seed(0)
-        base = (InlineCheckpointedGPT if way == "inline" else GPT)(PRESETS["tiny"])
+        base = (CheckpointedGPT(PRESETS["tiny"], list, use_reentrant=False) if way == "inline"
+                else GPT(PRESETS["tiny"]))
         base.blocks[0].norm1.weight.requires_grad_(False)
         if way == "wrapper":
             apply_activation_checkpointing(base, checkpoint_wrapper_fn=checkpoint_wrapper,
@@ -186,4 +176,3 @@ def test_torch_activation_checkpointing_around_units_trains_as_the_unsharded_mod
     for rank, worst in enumerate(run_workers(2, torch_checkpointed, timeout=300)):
         for way, error in worst.items():
             assert error <= 1e-5, f"rank {rank}, {way}: relative error {error:.2e}"
-

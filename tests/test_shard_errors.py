@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import shardwire
+from harness import CheckpointedGPT
 from shardwire import worker
 from shardwire.models.gpt import GPT, PRESETS, Block
 
@@ -157,37 +158,25 @@ def test_calling_a_unit_on_its_own():
         model.blocks[0](torch.zeros(1, 4, 32))
 
 
-class CheckpointedGPT(GPT):
-    """Blocks under torch's checkpoint as ``region`` (blocks -> a callable over them) puts them."""
-
-    def __init__(self, region, **checkpoint):
-        super().__init__(PRESETS["tiny"])
-        self.region, self.checkpoint = region, checkpoint
-
-    def forward(self, tokens):
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1]))
-        x = torch.utils.checkpoint.checkpoint(self.region(self.blocks), x, **self.checkpoint)
-        return self.head(self.norm(x))
-
-
 def _all(blocks):
+    """One region around every block."""
     def run(x):
         for block in blocks:
             x = block(x)
         return x
-    return run
+    return [run]
 
 
-@pytest.mark.parametrize("region, reentrant", [(_all, True), (_all, False), (lambda blocks: blocks[0], True)],
+@pytest.mark.parametrize("regions, reentrant", [(_all, True), (_all, False), (lambda blocks: blocks[:1], True)],
                          ids=["reentrant around every block", "around every block", "reentrant around one"])
-def test_a_checkpoint_that_cannot_recompute_a_unit_is_refused_naming_the_one_that_works(world_of_one, region,
+def test_a_checkpoint_that_cannot_recompute_a_unit_is_refused_naming_the_one_that_works(world_of_one, regions,
                                                                                          reentrant):
     """A reentrant checkpoint runs a unit's forward without gradients, and one region around several
     units recomputes them before backward reaches them, their parameters released: said so, not as a
     unit called on its own (one non-reentrant checkpoint around each unit, FSDP2 scripts' way, trains:
     tests/test_engine_correctness.py)."""
     torch.manual_seed(0)
-    model = shardwire.shard(CheckpointedGPT(region, use_reentrant=reentrant), units=[Block])
+    model = shardwire.shard(CheckpointedGPT(PRESETS["tiny"], regions, use_reentrant=reentrant), units=[Block])
     tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 8))
     with pytest.raises(RuntimeError, match=r"unit 'blocks.\d' was run again in backward before backward reached "
                                            r"it, as torch's checkpoint .* checkpoint each unit alone with "

@@ -288,19 +288,6 @@ _WITHOUT = {"checkpoint_dir": ("--checkpoint-dir DIR", "saves no checkpoint"),
             "profile": ("--profile", "writes no profile")}
 
 
-def _restarted_from_the_start(config: TrainConfig) -> str | None:
-    """``--max-restarts`` where a restart has nothing to resume from, in one line; or None. Restarted
-    workers resume from the newest checkpoint, and without ``--checkpoint-dir`` there is none: a
-    worker that fails at step 900 of 1000 trains the run again from step 0, and only the step numbers
-    tell. Said, not refused (a short run may mean it); a fault-tolerant group rejoins with the state
-    of the groups still training instead."""
-    if config.max_restarts and config.checkpoint_dir is None and config.fault_tolerance == "none":
-        return (f"--max-restarts {config.max_restarts} restarts failed workers from the newest checkpoint, and "
-                f"without --checkpoint-dir this run saves none: a restart trains again from step 0; give "
-                f"--checkpoint-dir DIR")
-    return None
-
-
 def _without_what_they_need(config: TrainConfig) -> str | None:
     """The options given that change nothing for want of the option they act beside (``--keep``
     without ``--checkpoint-dir``, ``--run-dir`` without ``--profile``), in one line; or None. Said, not
@@ -312,6 +299,19 @@ def _without_what_they_need(config: TrainConfig) -> str | None:
             names = " and ".join(idle)
             return (f"{names} {'is' if len(idle) == 1 else 'are'} for {flag(needed)}, and without it this run "
                     f"{undone}: give {written}, or leave out {names}")
+    return None
+
+
+def _restarted_from_the_start(config: TrainConfig) -> str | None:
+    """``--max-restarts`` where a restart has nothing to resume from, in one line; or None. Restarted
+    workers resume from the newest checkpoint, and without ``--checkpoint-dir`` there is none: a
+    worker that fails at step 900 of 1000 trains the run again from step 0, and only the step numbers
+    tell. Said, not refused (a short run may mean it); a fault-tolerant group rejoins with the state
+    of the groups still training instead."""
+    if config.max_restarts and config.checkpoint_dir is None and config.fault_tolerance == "none":
+        return (f"--max-restarts {config.max_restarts} restarts failed workers from the newest checkpoint, and "
+                f"without --checkpoint-dir this run saves none: a restart trains again from step 0; give "
+                f"--checkpoint-dir DIR")
     return None
 
 

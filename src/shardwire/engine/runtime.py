@@ -297,9 +297,9 @@ class Engine:
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args, kwargs):
         forward = self._forward
-        if self._recomputes(unit):
-            return None
-        if self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1:
+        if self._in_recomputation():
+            if self._recomputes(unit):
+                return None
             raise RuntimeError(
                 f"unit {unit.name!r} was run again in backward before backward reached it, as torch's "
                 f"checkpoint recomputes a region holding more than the unit, or a reentrant one "
@@ -336,13 +336,18 @@ class Engine:
             leaves[i] = tensor
         return pytree.tree_unflatten(leaves, spec)
 
+    def _in_recomputation(self) -> bool:
+        """Whether a unit called now is called by autograd in this step's backward: torch's activation
+        checkpointing recomputing its forward (``torch.utils.checkpoint`` or ``checkpoint_wrapper``
+        around it, as FSDP2 scripts apply it)."""
+        return self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1
+
     def _recomputes(self, unit: Unit) -> bool:
-        """Whether this call of ``unit`` is torch's activation checkpointing recomputing its forward
-        in backward (``torch.utils.checkpoint`` or ``checkpoint_wrapper`` around the unit, as FSDP2
-        scripts apply it): autograd runs it, and the unit's backward has gathered and shown its
-        parameters, the views its forward used. It runs as it is, its hooks doing nothing."""
-        return (self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1
-                and self._backward is not None and unit in self._backward.seen and unit.is_gathered)
+        """Whether this call of ``unit`` is a recomputation it can run as it is, its hooks doing
+        nothing: the unit's backward has gathered and shown its parameters, the views its forward
+        used."""
+        return (self._in_recomputation() and self._backward is not None and unit in self._backward.seen
+                and unit.is_gathered)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output):
         if self._recomputes(unit):  # asked again, not remembered: a recomputation may stop early, raising
