@@ -140,6 +140,7 @@ def test_a_texts_own_line_ends_are_tokenised_as_they_are(tmp_path, tokenizer_dir
     assert list(corpus.ids) == [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
 
+@pytest.mark.slow
 def test_text_is_read_as_utf8_whatever_the_locale(tmp_path, tokenizer_dir):
     """Under LC_ALL=C each character of several bytes was read as U+FFFD, and the ids cached."""
     import transformers

@@ -127,6 +127,7 @@ def test_documented_block_runs_as_shown(block: Block, workdirs):
                                      f"{done.stdout}")
 
 
+@pytest.mark.slow
 def test_the_documented_checkpoint_loop_runs_again_to_resume(tmp_path):
     """The loop a user runs again after a stop: the second run resumes from the series and ends well."""
     block = next(b for b in BLOCKS if b.page.name == "checkpoints.md" and "load_latest_checkpoint" in b.text)

@@ -122,6 +122,7 @@ def test_an_empty_token_file_says_so(tmp_path):
         main(["train", "--data", str(empty)])
 
 
+@pytest.mark.slow
 def test_a_refusal_leaves_with_status_2_and_one_line_whatever_the_value_holds(tmp_path):
     """The command's refusals (its own, not only the parser's) end as a refusal does, 2; a line
     break in what the user gave is shown, not broken on."""
@@ -565,6 +566,7 @@ def test_a_printed_config_runs_and_the_options_beside_what_they_need_are_taken(t
         assert main(["train", "--config", "kept.yaml"]) == 0
 
 
+@pytest.mark.slow
 def test_a_refusal_after_the_line_is_read_is_its_one_line_alone(tmp_path):
     """What the options are warned of as they are read (an old name, an old key in a config file, an
     abbreviation, an option without the one it acts beside) is held until they are checked: a refusal,

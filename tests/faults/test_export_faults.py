@@ -620,6 +620,7 @@ runpy.run_module("shardwire", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_an_export_stopped_by_a_signal_says_so_and_leaves_nothing(work):
     """A SIGTERM as the weights were written ended the export with status 143 and no word."""
     import signal
@@ -782,6 +783,7 @@ def test_a_tokenizer_is_known_by_its_own_files_and_by_the_digest_earlier_version
     assert not hf_tokenizer.holds(tmp_path, now)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_export_hf_cannot_read_is_one_line_before_the_run(tmp_path):
     """Token ids need no tokenizer to train, but the export writes one: read at the start, not after
     the run."""

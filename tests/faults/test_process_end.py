@@ -94,6 +94,7 @@ LEFT_IN_GLOO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_script_ends_cleanly_while_gloos_thread_still_holds_its_tensor():
     """Without the wait at exit (``comm.settle``) this ends in "terminate called without an active
     exception" nearly every time: the thread lets go of the tensor during finalization."""
@@ -125,6 +126,7 @@ SIGNAL_WHILE_LOADING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry, lands_in", [("module", "torch"), ("module", "shardwire.cli"), ("script", "torch")])
 @pytest.mark.parametrize("signum, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"),
                                           (signal.SIGHUP, "stopped by SIGHUP")])

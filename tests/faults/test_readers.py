@@ -806,6 +806,7 @@ def test_a_profile_is_read_as_the_model_it_measured():
         assert read_profile(path, model_as_edited_since).model == load_model("gpt-1.3b", None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["train", "--model", "tiny", "--wire", "grads=" + "q" * 50_000],
     ["train", "--model", "tiny", "--diloco", "sync_every=2,wire=" + "q" * 50_000],

@@ -83,6 +83,7 @@ def test_a_standard_output_whose_reader_leaves_ends_the_progress_not_the_run(tmp
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000008"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["simulate", "--model", "medium", "--cluster", "h100-100gbe"],
     ["train", "--print-config"],
@@ -124,6 +125,7 @@ def test_a_launched_commands_result_that_cannot_be_written_is_one_line_and_no_tr
     assert (gone.returncode, gone.stderr) == (2, "")
 
 
+@pytest.mark.slow
 def test_a_run_whose_standard_output_is_a_full_disk_trains_and_saves(tmp_path):
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "shardwire", "train", "--model", "tiny", "--eval-batches", "1",
@@ -134,6 +136,7 @@ def test_a_run_whose_standard_output_is_a_full_disk_trains_and_saves(tmp_path):
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
 
 
+@pytest.mark.slow
 def test_a_run_started_without_standard_output_trains_and_saves(tmp_path):
     """``shardwire train >&-``: Python's ``sys.stdout`` is None in every process."""
     done = subprocess.run(f"{sys.executable} -m shardwire train --model tiny --eval-batches 1 --steps 2 "
@@ -145,6 +148,7 @@ def test_a_run_started_without_standard_output_trains_and_saves(tmp_path):
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_kept_for_the_users_files_in_it_is_said_once_a_run(tmp_path):
     assert train("--steps", "2", "--checkpoint-dir", "ckpt", cwd=tmp_path).returncode == 0
     (tmp_path / "ckpt" / "step_00000002" / "notes.txt").write_text("the user's")
@@ -169,6 +173,7 @@ def test_a_checkpoint_directory_of_the_users_own_named_as_one_is_refused_and_lef
     assert (own / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, text, said", [
     # a config's numbers reach the options as written, whether JSON or YAML would read them as infinity
     ("job.json", '{"steps": 1e400}', ["--config job.json: steps: '1e400' is not an integer"]),
@@ -191,6 +196,7 @@ def test_a_number_too_large_is_said_as_written_or_in_words_not_as_infinity(tmp_p
     assert "inf" not in done.stderr.replace("infinity", "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, status", [
     (["--steps", "2", "--log-every", "1", "--keep", "2"], 0),  # a warning to say
     (["--steps", "0"], 2),  # a refusal to say
@@ -225,6 +231,7 @@ def test_runs_that_end_in_the_same_second_write_their_profiles_apart(tmp_path, m
     assert sorted(os.listdir(tmp_path / "runs")) == ["20261130-120000", "20261130-120000-2", "20261130-120000-3"]
 
 
+@pytest.mark.slow
 def test_a_log_holds_whole_records_only_and_one_never_written_leaves_nothing(tmp_path):
     """A full disk stopped a line part-way, and the next run appended its first line onto that half;
     a log that failed at its first record left its new directories and an empty file."""

@@ -82,6 +82,7 @@ FAILS_AFTER_ITS_CLAIM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_before_its_first_save_leaves_no_directory_it_made(tmp_path):
     """A failed run left a new --checkpoint-dir (and the directories above it) holding only its claim."""
     def run(directory: pathlib.Path, *names: str) -> None:
@@ -201,6 +202,7 @@ def test_a_refusal_is_not_restarted(tmp_path):
     assert len([path for path in (tmp_path / "ckpt").iterdir() if ".diverged" in path.name]) == 1
 
 
+@pytest.mark.slow
 def test_a_loss_that_stays_far_above_where_it_started_is_divergence_and_prunes_nothing(tmp_path):
     """No single loss spikes 10 times its recent mean, but the resumed run's losses sit at several
     times the loss of the checkpoint it resumed: stopped, its own checkpoints set aside, the one it
@@ -218,6 +220,7 @@ def test_a_loss_that_stays_far_above_where_it_started_is_divergence_and_prunes_n
     assert (tmp_path / "ckpt" / "step_00000008.diverged" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_climb_leaves_as_many_checkpoints_as_keep_promised(tmp_path):
     """The checkpoints saved while the loss climbed counted towards --keep and pruned the good ones
     before them; once the climb set them aside, fewer than --keep were left."""
@@ -229,6 +232,7 @@ def test_a_climb_leaves_as_many_checkpoints_as_keep_promised(tmp_path):
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step_00000003", "step_00000006"]
 
 
+@pytest.mark.slow
 def test_a_climb_after_keep_pruned_is_one_line_and_sets_aside_what_is_left(tmp_path):
     """A climb found after --keep has pruned this run's early checkpoints: the ones left are set
     aside (the first among them, spared by --keep as the nearest to the fresh model's lowest loss),
@@ -300,6 +304,7 @@ def test_a_run_resumed_into_other_groups_says_each_groups_inner_steps_are_not_ke
             "sync: the inner steps since, each group's own, are not kept") in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 def test_a_signal_as_a_finished_run_ends_leaves_it_a_success(tmp_path, monkeypatch, capsys):
     """A signal that came as the workers were ending, their run trained, saved and exported, said
     "stopped" with status 143 and told the user to run again, which the export then refused."""
