@@ -241,6 +241,38 @@ def test_verify_order_catches_collectives_that_differ_between_checks():
                "others, in step 2" in message
 
 
+def a_late_rank(rank, world):
+    """Rank 1 joins the gather 1.5 s late; a wait is long after 0.3 s."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from shardwire.comm import communicator
+    from shardwire.comm.communicator import Communicator
+
+    communicator.LONG_WAIT = datetime.timedelta(seconds=0.3)
+    said = io.StringIO()
+    comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
+    out = torch.empty(2 * world)
+    with contextlib.redirect_stderr(said):
+        if rank == 1:
+            time.sleep(1.5)
+        comm.all_gather(out, torch.zeros(2), tag="blocks.1").wait()
+        time.sleep(1.0)  # a wait that ended is not said after
+    return said.getvalue()
+
+
+@pytest.mark.slow
+def test_a_long_wait_for_a_collective_is_said_once_while_it_lasts():
+    """A peer gone or a link cut left the others silent for the whole deadline, ten minutes by default."""
+    waiting, late = run_workers(2, a_late_rank, timeout=120)
+    assert late == ""
+    [line] = waiting.splitlines()
+    assert line.startswith("warning: rank 0: all_gather of 'blocks.1' has waited ")
+    assert line.endswith("s for the other ranks: one may have stopped, or lost its link; it fails at 60s")
+
+
 # ------------------------------------------------------------------------------- records
 
 

@@ -25,8 +25,9 @@ import torch
 
 import shardwire
 from shardwire.cli import main
+from shardwire.comm.notice import WaitNotice
+from shardwire.comm.quorum import MAX_DROPPED, Quorum, QuorumPending
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
-from shardwire.comm.quorum import MAX_DROPPED, Quorum, QuorumPending, WaitNotice
 from shardwire.engine.diloco import DiLoCo
 from shardwire.engine.outer import OuterLoop, OuterState
 from shardwire.engine.shard import engine_of

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -464,6 +465,42 @@ def test_a_failing_node_stops_the_job(testbed, tmp_path):
 @pytest.mark.root
 @pytest.mark.slow
 @root_only
+def test_a_link_cut_while_a_job_runs_is_said_and_so_is_its_return(testbed, tmp_path, monkeypatch):
+    """A job whose node was cut off said nothing until its collectives timed out, ten minutes by
+    default, and its restart waited as long again at the rendezvous."""
+    monkeypatch.setattr(job, "LINKS_POLL_S", 0.2)
+    started = [tmp_path / f"node{node}" for node in range(2)]
+    command = _script(tmp_path, f"""
+        import os, pathlib, time
+        pathlib.Path({str(tmp_path)!r}, "node" + os.environ["GROUP_RANK"]).touch()
+        time.sleep(4)
+    """)
+
+    def cut_while_they_run():  # after the rendezvous, which a cut link would hold up
+        while not all(path.exists() for path in started):
+            time.sleep(0.05)
+        network.set_link(testbed, 1, False)
+        time.sleep(1.5)
+        network.set_link(testbed, 1, True)
+
+    cutting = threading.Thread(target=cut_while_they_run, daemon=True)
+    cutting.start()
+    out = io.StringIO()
+    try:
+        assert job.run_job(testbed, 1, command, out=out) == 0, out.getvalue()
+    finally:
+        cutting.join(timeout=10)
+        network.set_link(testbed, 1, True)
+    assert out.getvalue().splitlines() == [
+        "node1's link is down: the job waits for it, its collectives until they time out (600s by default: shardwire "
+        "train's --timeout) and a restart's rendezvous up to 600s more, unless `shardwire testbed link --name "
+        "shardwire-test node1 up` connects it again",
+        "node1's link is up again"]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@root_only
 def test_a_node_done_at_its_exit_barrier_adds_nothing_when_the_node_holding_it_fails(testbed, tmp_path,
                                                                                         monkeypatch):
     """Node 1's worker ends at once (as export's other ranks do) and its agent waits at the exit
@@ -506,6 +543,7 @@ def test_a_shardwire_job_refused_says_so_once_per_node_or_once_before_any_starts
         taken.stderr.count("\n") == 1, taken.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.root
 @root_only
 def test_exec_runs_on_a_node_under_its_name_and_a_cut_link_carries_nothing_until_it_is_up(testbed, capsys):

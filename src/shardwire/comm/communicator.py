@@ -21,8 +21,10 @@ two process groups in one process can issue collectives in any interleaving:
 * a tag space for the point-to-point messages, drawn by rank 0 when the communicator is made, so
   two communicators over one group do not match each other's messages;
 * the deadline. On gloo, ``Pending.wait`` turns a collective that does not complete within it into a
-  ``CollectiveError`` naming the rank, the operation and its tag. On NCCL the process group's own
-  timeout applies (its watchdog aborts the job), so create the group with the same ``timeout``;
+  ``CollectiveError`` naming the rank, the operation and its tag, and says a wait that has lasted
+  ``LONG_WAIT`` while it lasts: a peer gone or a link cut is otherwise ten silent minutes (the
+  default deadline, as NCCL's). On NCCL the process group's own timeout applies (its watchdog aborts
+  the job), so create the group with the same ``timeout``;
 * agreement between ranks: on gloo every point-to-point collective first checks that all ranks are
   running the same one, so a rank that leaves the common order becomes a ``ScheduleMismatchError``
   rather than mixed-up buffers or an abort inside gloo; ``verify_order`` compares, once per step, a
@@ -50,6 +52,7 @@ import dataclasses
 import datetime
 import functools
 import secrets
+import sys
 import time
 import zlib
 from collections import deque
@@ -65,6 +68,7 @@ from shardwire.comm.exchange import Exchange, encode_header
 from shardwire.comm.groups import placement_of
 from shardwire.comm.lanes import Lane
 from shardwire.comm.levels import Levels
+from shardwire.comm.notice import WaitNotice
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.records import CommRecord
 from shardwire.comm.settle import settle_gloo_at_exit
@@ -81,6 +85,11 @@ _TAG_BITS = 15
 OnIssue = Callable[[CommRecord], None]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+# How long the training waits for a collective on gloo before it says so (once for each wait): one
+# that lasts this long is stuck, or moves far more than a step's bytes over a slow link (a
+# checkpoint's gather), and either is worth a line; a deadline under it is its own notice.
+LONG_WAIT = datetime.timedelta(seconds=60)
 
 
 @dataclasses.dataclass
@@ -129,7 +138,8 @@ class Pending:
             torch.cuda.current_stream(comm.device).wait_event(self._done)
         else:
             try:
-                self._work.wait(timeout=comm.timeout)
+                with comm.waiting_for(self._op, self._tag):
+                    self._work.wait(timeout=comm.timeout)
             except ScheduleMismatchError as err:
                 raise ScheduleMismatchError(f"rank {dist.get_rank()}: {err}") from None
             except RuntimeError as err:
@@ -192,6 +202,22 @@ class Communicator:
         self._recorders: list[tuple[list[CommRecord], OnIssue | None]] = []
         self._order_hash = 0  # of the collectives issued since the last verify_order
         self._order_checks: deque[_OrderCheck] = deque()
+        self._notice: WaitNotice | None = None  # made at the first wait that may be long (waiting_for)
+        self._waited_for = ""  # what the training waits for, said if it waits long
+
+    def waiting_for(self, op: str, tag: str) -> contextlib.AbstractContextManager:
+        """A wait for ``op`` of ``tag`` on the calling thread, said once it has lasted ``LONG_WAIT``,
+        where the deadline is longer."""
+        if self.timeout <= LONG_WAIT:
+            return contextlib.nullcontext()
+        if self._notice is None:
+            self._notice = WaitNotice(LONG_WAIT, self._say_waiting, repeat=False)
+        self._waited_for = f"rank {dist.get_rank()}: {op} of {tag!r}"
+        return self._notice.waiting()
+
+    def _say_waiting(self, waited: float) -> None:
+        print(f"warning: {self._waited_for} has waited {waited:.0f}s for the other ranks: one may have stopped, "
+              f"or lost its link; it fails at {self.timeout.total_seconds():g}s", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------------ collectives
 

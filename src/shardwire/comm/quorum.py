@@ -21,11 +21,9 @@ import datetime
 import logging
 import os
 import sys
-import threading
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwire.comm.agreement import agreement_values, fingerprint
 from shardwire.comm.communicator import Communicator
+from shardwire.comm.notice import WaitNotice
 from shardwire.comm.quantize import decode, encode
 from shardwire.comm.wire import Codec
 from shardwire.options import SettingError
@@ -122,41 +121,6 @@ def _unreachable(settings: FaultTolerance, waited: datetime.timedelta) -> str:
             f"{waited.total_seconds():g} s: "
             f"start torchft_lighthouse there, or give the address this node reaches it at "
             f"(--fault-tolerance lighthouse=HOST:PORT)")
-
-
-class WaitNotice:
-    """Calls ``say(seconds waited)`` every ``every`` while a wait (``waiting``) lasts, from a thread
-    that only reads the time the wait began. ``say`` is a bound method held weakly: the thread ends
-    once its object is gone."""
-
-    def __init__(self, every: datetime.timedelta, say: Callable[[float], None]):
-        self._every = every.total_seconds()
-        self._say = weakref.WeakMethod(say)
-        self._since: float | None = None
-        threading.Thread(target=self._watch, daemon=True, name="shardwire-wait-notice").start()
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        self._since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._since = None
-
-    def _watch(self) -> None:
-        said = None  # the wait last told of, and how long it had lasted
-        while True:
-            time.sleep(self._every / 4)
-            say, since = self._say(), self._since
-            if say is None:
-                return
-            if since is not None:
-                waited = time.monotonic() - since
-                told = said[1] if said is not None and said[0] == since else 0.0
-                if waited - told >= self._every:
-                    say(waited)
-                    said = (since, waited)
-            del say  # held no longer than this wake: its object may go
 
 
 class Quorum:

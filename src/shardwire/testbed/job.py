@@ -13,6 +13,7 @@ end its workers; then anything left of the job).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -22,12 +23,13 @@ import time
 from typing import IO
 
 from shardwire.launch import NODE_THREADS, REFUSED, rendezvous_options
-from shardwire.testbed.network import cut_off, in_namespace, leftovers
-from shardwire.testbed.spec import NODE_INTERFACE, Testbed
+from shardwire.testbed.network import cut_off, in_namespace, leftovers, links_down
+from shardwire.testbed.spec import NODE_INTERFACE, Testbed, TestbedFailure, testbed_command
 
 RDZV_PORT = 29400  # torchrun's default for c10d; every namespace has its own ports
 STOP_GRACE_S = 10.0
 POLL_S = 0.1
+LINKS_POLL_S = 2.0  # how often a running job's links are read, to say one that went down or came up
 
 
 def node_command(testbed: Testbed, node: int, nproc_per_node: int, command: list[str], job_id: str,
@@ -99,7 +101,9 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
 
 
 def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock, started: float) -> int:
+    links = _Links(testbed)
     while True:
+        links.say_changes(out, lock)
         statuses = [proc.poll() for proc in nodes]
         failed = [(k, status) for k, status in enumerate(statuses) if status not in (None, 0)]
         if failed:
@@ -112,6 +116,42 @@ def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: t
         if all(status == 0 for status in statuses):
             return 0
         time.sleep(POLL_S)
+
+
+class _Links:
+    """Says a node's link that went down while the job runs (``testbed link``, ``ip link``), and up
+    again: a node cut off leaves the job silent until its collectives' deadline (ten minutes by
+    default), and a restarted job's rendezvous waits as long again for the node."""
+
+    def __init__(self, testbed: Testbed):
+        self._testbed = testbed
+        self._down: set[int] = set()  # a link down as the job starts is said at the first read
+        self._read_at = -math.inf
+
+    def say_changes(self, out: IO[str], lock: threading.Lock) -> None:
+        if time.monotonic() - self._read_at < LINKS_POLL_S:
+            return
+        self._read_at = time.monotonic()
+        down = self._read()
+        if down is None:
+            return
+        said = [f"node{node}'s link is down: the job waits for it, its collectives until they time out (600s by "
+                f"default: shardwire train's --timeout) and a restart's rendezvous up to 600s more, unless "
+                f"`{testbed_command('link', self._testbed.name, f'node{node}', 'up')}` connects it again"
+                for node in sorted(down - self._down)]
+        said += [f"node{node}'s link is up again" for node in sorted(self._down - down)]
+        self._down = down
+        with lock:
+            for line in said:
+                print(line, file=out, flush=True)
+
+    def _read(self) -> set[int] | None:
+        """The nodes cut off now, or None where the links cannot be read (the testbed removed under
+        the job: its failure says so)."""
+        try:
+            return set(links_down(self._testbed))
+        except TestbedFailure:
+            return None
 
 
 def _stream(pipe: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
