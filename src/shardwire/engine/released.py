@@ -47,7 +47,8 @@ class ReleasedParameter(torch.Tensor):
         raise ReleasedError(
             f"{released.param_name!r} belongs to sharded unit {released.unit_name!r}, which is not "
             f"gathered now: a sharded model's whole weights exist only while their unit runs inside the "
-            f"model's forward or backward. This rank's part of it is in model.named_parameters(); read "
+            f"model's forward or backward, as calling the model runs them (model(x); model.forward(x) runs no "
+            f"hooks to gather them). This rank's part of it is in model.named_parameters(); read "
             f"whole weights with shardwire.full_state_dict(model); change the model's shapes "
             f"(resize_token_embeddings) before shardwire.shard; initialise its weights (init_weights) through "
             f"shardwire.shard(model, init=...) on a model built on the meta device, or load them with "
