@@ -1,9 +1,12 @@
 """The communicator: exact collectives on every placement of ranks on nodes, one transport per process
-group, ranks that disagree caught, and what its records say."""
+group, ranks that disagree caught, long waits said, and what its records say."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
+import threading
 import time
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 from harness import run_workers
 from shardwire.comm.clock import Clock
+from shardwire.comm.notice import WaitNotice
 from shardwire.comm.records import CommRecord
 from shardwire.profile.comm import CommSummary
 
@@ -241,25 +245,25 @@ def test_verify_order_catches_collectives_that_differ_between_checks():
                "others, in step 2" in message
 
 
-def a_late_rank(rank, world):
-    """Rank 1 joins the gather 1.5 s late; a wait is long after 0.3 s."""
-    import contextlib
-    import io
+# ------------------------------------------------------------------------------- long waits
 
+
+def a_late_rank(rank, world):
+    """Rank 1 joins the gather 4 s late; a wait is long after 1 s."""
     import torch.distributed as dist
 
     from shardwire.comm import communicator
     from shardwire.comm.communicator import Communicator
 
-    communicator.LONG_WAIT = datetime.timedelta(seconds=0.3)
+    communicator.LONG_WAIT = datetime.timedelta(seconds=1.0)
     said = io.StringIO()
     comm = Communicator(dist.group.WORLD, torch.device("cpu"), timeout=TIMEOUT)
     out = torch.empty(2 * world)
     with contextlib.redirect_stderr(said):
         if rank == 1:
-            time.sleep(1.5)
+            time.sleep(4.0)
         comm.all_gather(out, torch.zeros(2), tag="blocks.1").wait()
-        time.sleep(1.0)  # a wait that ended is not said after
+        time.sleep(1.5)  # a wait that ended is not said after
     return said.getvalue()
 
 
@@ -271,6 +275,52 @@ def test_a_long_wait_for_a_collective_is_said_once_while_it_lasts():
     [line] = waiting.splitlines()
     assert line.startswith("warning: rank 0: all_gather of 'blocks.1' has waited ")
     assert line.endswith("s for the other ranks: one may have stopped, or lost its link; it fails at 60s")
+
+
+class _Listener:
+    """What a notice said, as (seconds waited, what)."""
+
+    def __init__(self):
+        self.said = []
+
+    def say(self, waited, what):
+        self.said.append((waited, what))
+
+
+def test_a_wait_is_said_at_each_interval_while_it_lasts_and_a_short_one_never():
+    """A lighthouse gone (or the groups it waits for) leaves a group waiting up to its quorum timeout:
+    it says so at each interval, not only at the end."""
+    listener = _Listener()
+    before = set(threading.enumerate())
+    notice = WaitNotice(datetime.timedelta(seconds=0.2), listener.say)
+    watching = set(threading.enumerate()) - before
+    with notice.waiting("a"):
+        time.sleep(0.02)
+    time.sleep(0.5)
+    assert listener.said == []
+    with notice.waiting("b"):
+        time.sleep(1.0)
+    waits = [waited for waited, _ in listener.said]
+    assert len(waits) >= 2 and all(waited >= 0.2 for waited in waits) and waits == sorted(waits)
+    assert {what for _, what in listener.said} == {"b"}
+    del listener  # what it told: its thread ends with it
+    with notice.waiting("c"):
+        time.sleep(0.5)
+    assert watching and not any(thread.is_alive() for thread in watching)
+
+
+def test_a_wait_said_once_is_said_once_each_time_under_its_own_name():
+    """A collective's wait is said once: at every interval, every rank of a job would repeat it."""
+    listener = _Listener()
+    notice = WaitNotice(datetime.timedelta(seconds=0.2), listener.say, repeat=False)
+    for what in ("blocks.1", "blocks.2"):
+        with notice.waiting(what):
+            time.sleep(1.0)
+    with notice.waiting("short"):
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert [what for _, what in listener.said] == ["blocks.1", "blocks.2"]
+    assert all(waited >= 0.2 for waited, _ in listener.said)
 
 
 # ------------------------------------------------------------------------------- records

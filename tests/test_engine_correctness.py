@@ -170,7 +170,6 @@ def torch_checkpointed(rank, world):
     return worst
 
 
-@pytest.mark.slow
 def test_torch_activation_checkpointing_around_units_trains_as_the_unsharded_model():
     """Its recomputation in backward calls each unit again, with the parameters backward gathered:
     refused before as a unit called outside the model's forward."""

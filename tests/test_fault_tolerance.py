@@ -5,7 +5,6 @@ Groups that lose and regain each other: ``tests/faults/test_fault_tolerant_group
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import pathlib
@@ -14,7 +13,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import types
 import warnings
@@ -25,7 +23,6 @@ import torch
 
 import shardwire
 from shardwire.cli import main
-from shardwire.comm.notice import WaitNotice
 from shardwire.comm.quorum import MAX_DROPPED, Quorum, QuorumPending
 from shardwire.engine.fault_tolerance import FaultTolerance, check_fault_tolerance
 from shardwire.engine.diloco import DiLoCo
@@ -410,32 +407,6 @@ def test_fault_tolerant_groups_match_the_independent_diloco_reference():
         for key, value in expected.items():
             torch.testing.assert_close(model[key], value, rtol=1e-5, atol=1e-6, msg=key)
         assert metrics["groups"] == 2 and metrics["outer_grad_norm"] == pytest.approx(norm, rel=1e-4)
-
-
-def test_a_wait_for_a_quorum_is_said_while_it_lasts_and_a_short_one_never():
-    """A lighthouse gone (or the groups it waits for) leaves a group waiting up to QUORUM_TIMEOUT: it
-    says so at each interval, not only at the end."""
-    said = []
-
-    class Waiter:
-        def say(self, waited):
-            said.append(waited)
-
-    waiter = Waiter()
-    before = set(threading.enumerate())
-    notice = WaitNotice(datetime.timedelta(seconds=0.2), waiter.say)
-    watching = set(threading.enumerate()) - before
-    with notice.waiting():
-        time.sleep(0.02)
-    time.sleep(0.5)
-    assert said == []
-    with notice.waiting():
-        time.sleep(1.0)
-    assert said and all(waited >= 0.2 for waited in said) and said == sorted(said)
-    del waiter  # what it told: its thread ends with it
-    with notice.waiting():
-        time.sleep(0.5)
-    assert watching and not any(thread.is_alive() for thread in watching)
 
 
 def _mismatched_group(index: int, lighthouse: str, setting: str, results) -> None:

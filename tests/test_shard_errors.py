@@ -158,7 +158,6 @@ def test_calling_a_unit_on_its_own():
         model.blocks[0](torch.zeros(1, 4, 32))
 
 
-
 def test_the_models_forward_called_as_a_method_is_told_to_call_the_model():
     """``model.forward(x)`` (a generation loop's way) runs none of the hooks that gather the units: the
     error, raised at the first released weight, said the weights exist only in the forward it was in."""
@@ -166,6 +165,7 @@ def test_the_models_forward_called_as_a_method_is_told_to_call_the_model():
     with pytest.raises(RuntimeError, match=r"as calling the model runs them \(model\(x\); model.forward\(x\) runs "
                                            r"no hooks to gather them\)"):
         model.forward(torch.zeros(1, 4, dtype=torch.long))
+
 
 def _all(blocks):
     """One region around every block."""

@@ -462,6 +462,32 @@ def test_a_failing_node_stops_the_job(testbed, tmp_path):
         assert not subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout
 
 
+def test_a_link_down_is_said_as_it_goes_and_as_it_comes_back(monkeypatch):
+    """Read every time it is asked (no interval), as a job's wait loop asks: a link down at the first
+    read is said too, and a testbed removed under the job says nothing (its failure does)."""
+    bed = spec.Testbed("shardwire-test-links", 3, 1_000_000)
+    reads = iter([[2], [1, 2], [1, 2], [], spec.TestbedFailure("gone")])
+
+    def reading(testbed):
+        read = next(reads)
+        if isinstance(read, Exception):
+            raise read
+        return read
+
+    monkeypatch.setattr(job, "links_down", reading)
+    monkeypatch.setattr(job, "LINKS_POLL_S", 0.0)
+    out = io.StringIO()
+    links = job._Links(bed, restarts=True)
+    for _ in range(5):
+        links.say_changes(out, threading.Lock())
+    waits = ("the job waits for it, its collectives until they time out (600s by default: shardwire train's "
+             "--timeout) and a restart's rendezvous up to 600s more, unless `shardwire testbed link --name "
+             "shardwire-test-links node{} up` connects it again")
+    assert out.getvalue().splitlines() == [f"node2's link is down: {waits.format(2)}",
+                                           f"node1's link is down: {waits.format(1)}",
+                                           "node1's link is up again", "node2's link is up again"]
+
+
 @pytest.mark.root
 @pytest.mark.slow
 @root_only
@@ -493,8 +519,7 @@ def test_a_link_cut_while_a_job_runs_is_said_and_so_is_its_return(testbed, tmp_p
         network.set_link(testbed, 1, True)
     assert out.getvalue().splitlines() == [
         "node1's link is down: the job waits for it, its collectives until they time out (600s by default: shardwire "
-        "train's --timeout) and a restart's rendezvous up to 600s more, unless `shardwire testbed link --name "
-        "shardwire-test node1 up` connects it again",
+        "train's --timeout), unless `shardwire testbed link --name shardwire-test node1 up` connects it again",
         "node1's link is up again"]
 
 
@@ -543,8 +568,8 @@ def test_a_shardwire_job_refused_says_so_once_per_node_or_once_before_any_starts
         taken.stderr.count("\n") == 1, taken.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.root
+@pytest.mark.slow
 @root_only
 def test_exec_runs_on_a_node_under_its_name_and_a_cut_link_carries_nothing_until_it_is_up(testbed, capsys):
     """``exec`` runs as on a machine of the cluster (its hostname resolves to its address); ``link

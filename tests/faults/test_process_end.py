@@ -94,7 +94,6 @@ LEFT_IN_GLOO = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_a_script_ends_cleanly_while_gloos_thread_still_holds_its_tensor():
     """Without the wait at exit (``comm.settle``) this ends in "terminate called without an active
     exception" nearly every time: the thread lets go of the tensor during finalization."""

@@ -203,7 +203,6 @@ class Communicator:
         self._order_hash = 0  # of the collectives issued since the last verify_order
         self._order_checks: deque[_OrderCheck] = deque()
         self._notice: WaitNotice | None = None  # made at the first wait that may be long (waiting_for)
-        self._waited_for = ""  # what the training waits for, said if it waits long
 
     def waiting_for(self, op: str, tag: str) -> contextlib.AbstractContextManager:
         """A wait for ``op`` of ``tag`` on the calling thread, said once it has lasted ``LONG_WAIT``,
@@ -212,12 +211,11 @@ class Communicator:
             return contextlib.nullcontext()
         if self._notice is None:
             self._notice = WaitNotice(LONG_WAIT, self._say_waiting, repeat=False)
-        self._waited_for = f"rank {dist.get_rank()}: {op} of {tag!r}"
-        return self._notice.waiting()
+        return self._notice.waiting(f"rank {dist.get_rank()}: {op} of {tag!r}")
 
-    def _say_waiting(self, waited: float) -> None:
-        print(f"warning: {self._waited_for} has waited {waited:.0f}s for the other ranks: one may have stopped, "
-              f"or lost its link; it fails at {self.timeout.total_seconds():g}s", file=sys.stderr, flush=True)
+    def _say_waiting(self, waited: float, what: str) -> None:
+        print(f"warning: {what} has waited {waited:.0f}s for the other ranks: one may have stopped, or lost its "
+              f"link; it fails at {self.timeout.total_seconds():g}s", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------------ collectives
 

@@ -246,7 +246,8 @@ class Quorum:
             syncs = self._manager.current_step() & ((1 << _SYNC_BITS) - 1)
             self._manager.load_state_dict({"step": steps << _SYNC_BITS | syncs,
                                            "batches_committed": self._manager.batches_committed()})
-        with self._notice.waiting() if self._notice is not None else contextlib.nullcontext():
+        waiting = self._notice.waiting(f"group {self.settings.group!r}") if self._notice else contextlib.nullcontext()
+        with waiting:
             self._manager.start_quorum()
             self._manager.wait_quorum()
         self._waited_s += time.perf_counter() - start
@@ -266,8 +267,8 @@ class Quorum:
             raise SettingError(f"the other fault-tolerant groups meet at other times than this one, which meets "
                                f"{self._when}: give every group the same {{diloco}}, or none", diloco=("diloco",))
 
-    def _say_waiting(self, waited: float) -> None:
-        print(f"warning: fault tolerance: group {self.settings.group!r} has waited {waited:.0f} s for a quorum from "
+    def _say_waiting(self, waited: float, what: str) -> None:
+        print(f"warning: fault tolerance: {what} has waited {waited:.0f} s for a quorum from "
               f"the lighthouse at {self.settings.lighthouse}: a group that joins waits for the others' next sync, but "
               f"the lighthouse may be down, or the groups it needs (min_groups, the lighthouse's --min_replicas) gone; "
               f"it waits up to {QUORUM_TIMEOUT.total_seconds() / 3600:g} h", file=sys.stderr, flush=True)

@@ -89,7 +89,7 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
             nodes.append(proc)
             streams.append(threading.Thread(target=_stream, args=(proc.stdout, f"[node{k}] ", out, lock), daemon=True))
             streams[-1].start()
-        return _wait(testbed, nodes, out, lock, started)
+        return _wait(testbed, nodes, out, lock, started, _Links(testbed, restarts=max_restarts > 0))
     except KeyboardInterrupt:
         with lock:
             print("interrupted: stopping the nodes", file=out, flush=True)
@@ -100,8 +100,8 @@ def run_job(testbed: Testbed, nproc_per_node: int, command: list[str], *, max_re
             thread.join(timeout=STOP_GRACE_S)
 
 
-def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock, started: float) -> int:
-    links = _Links(testbed)
+def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: threading.Lock, started: float,
+          links: _Links) -> int:
     while True:
         links.say_changes(out, lock)
         statuses = [proc.poll() for proc in nodes]
@@ -119,12 +119,14 @@ def _wait(testbed: Testbed, nodes: list[subprocess.Popen], out: IO[str], lock: t
 
 
 class _Links:
-    """Says a node's link that went down while the job runs (``testbed link``, ``ip link``), and up
-    again: a node cut off leaves the job silent until its collectives' deadline (ten minutes by
-    default), and a restarted job's rendezvous waits as long again for the node."""
+    """Says a node cut off from the switch while the job runs (``testbed link``, or ``ip link`` on its
+    switch port: ``links_down``), and connected again: a node cut off leaves the job silent until its
+    collectives' deadline (shardwire train's, ten minutes by default), and where the job restarts
+    (``restarts``), its rendezvous waits as long again for the node (torch's c10d join timeout)."""
 
-    def __init__(self, testbed: Testbed):
+    def __init__(self, testbed: Testbed, *, restarts: bool):
         self._testbed = testbed
+        self._restarts = restarts
         self._down: set[int] = set()  # a link down as the job starts is said at the first read
         self._read_at = -math.inf
 
@@ -135,8 +137,9 @@ class _Links:
         down = self._read()
         if down is None:
             return
+        restart = " and a restart's rendezvous up to 600s more" if self._restarts else ""
         said = [f"node{node}'s link is down: the job waits for it, its collectives until they time out (600s by "
-                f"default: shardwire train's --timeout) and a restart's rendezvous up to 600s more, unless "
+                f"default: shardwire train's --timeout){restart}, unless "
                 f"`{testbed_command('link', self._testbed.name, f'node{node}', 'up')}` connects it again"
                 for node in sorted(down - self._down)]
         said += [f"node{node}'s link is up again" for node in sorted(self._down - down)]
