@@ -281,7 +281,6 @@ def full_disk(monkeypatch):
     monkeypatch.setattr(os, "fdopen", filling)
 
 
-
 class CheckpointedGPT(GPT):
     """The GPT with torch's checkpoint (``torch.utils.checkpoint``, with ``checkpoint``'s options)
     around its blocks as ``regions`` groups them: blocks -> the callables checkpointed in turn, one
